@@ -1,0 +1,41 @@
+# `make test` works from a fresh clone: it builds the virtual environments it needs, then runs the suite.
+PYTHON ?= python3
+VENV   ?= .venv
+OA2    ?= .venv-openai2
+PY      = $(VENV)/bin/python
+PY2     = $(OA2)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: test test-main test-openai2 demo bench clean
+
+# The main environment: openai 3.x (built on httpx2) and every extra.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# A second, small environment: openai 2.x (built on httpx), for the tests marked openai_compat.
+$(OA2)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OA2)
+	$(PY2) -m pip install -q --upgrade pip
+	$(PY2) -m pip install -q -e ".[sim,redis,offline]" "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
+	touch $@
+
+test: test-main test-openai2
+
+test-main: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-openai2: $(OA2)/.installed
+	$(PY2) -m pytest -m openai_compat $(PYTEST_ARGS)
+
+# The main job: the storm benchmark on the simulator, with and without zp-client.
+demo: $(VENV)/.installed
+	$(VENV)/bin/zp-client storm --workload seed-burst --out storm-report
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_budget.py
+
+clean:
+	rm -rf $(VENV) $(OA2) .pytest_cache build dist *.egg-info

@@ -1,0 +1,84 @@
+"""Shared fixtures.
+
+Redis: the session reuses the server on 127.0.0.1:6379 when it answers; otherwise it starts its own
+``redis-server`` on a free port (and fails with a clear message when there is no binary). Tests never
+touch keys they did not create: every test gets a unique budget name / key prefix (``redis_prefix``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _redis_answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_redis_server(port: int | None = None, extra_args: list[str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a throw-away redis-server on loopback; returns (process, port)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(
+            "these tests need Redis: nothing answers on 127.0.0.1:6379 and no 'redis-server' binary is on "
+            "PATH (install it, e.g. 'apt-get install redis-server')",
+            pytrace=False,
+        )
+    port = port or _free_port()
+    workdir = tempfile.mkdtemp(prefix="zp-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir, *(extra_args or [])],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while not _redis_answers("127.0.0.1", port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"redis-server did not start on port {port}", pytrace=False)
+        time.sleep(0.02)
+    return proc, port
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a Redis server for the tests (db 0; keys are always prefixed per test)."""
+    forced = os.environ.get("ZP_TEST_REDIS_URL")
+    if forced:
+        yield forced
+        return
+    if os.environ.get("ZP_TEST_OWN_REDIS") != "1" and _redis_answers("127.0.0.1", 6379):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    proc, port = start_redis_server()
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A unique name for this test's Redis keys / budget (never collides with other tests or users)."""
+    return f"zptest-{uuid.uuid4().hex[:12]}"

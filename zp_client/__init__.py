@@ -1,0 +1,91 @@
+"""zp-client: client-side KV-block admission for vLLM, so bursts never become preemption storms.
+
+Quick start::
+
+    from zp_client import AsyncClient, LocalBudget
+
+    budget = LocalBudget(limit_blocks=24_000)
+    client = AsyncClient(base_url="http://localhost:8000/v1", budget=budget)
+    reply = await client.chat.completions.create(model="m", messages=[...], max_tokens=256)
+
+Public names are importable from the package root; submodules load on first use, so ``import
+zp_client`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # errors
+    "ZPError": "zp_client.errors",
+    "ConfigurationError": "zp_client.errors",
+    "AdmissionError": "zp_client.errors",
+    "LeaseTooLarge": "zp_client.errors",
+    "AdmissionTimeout": "zp_client.errors",
+    "DeadlineExceeded": "zp_client.errors",
+    "PromptTooLong": "zp_client.errors",
+    "BudgetUnavailable": "zp_client.errors",
+    "LeaseLost": "zp_client.errors",
+    "RetryBudgetExhausted": "zp_client.errors",
+    # configuration
+    "Settings": "zp_client.config",
+    # budgets
+    "Budget": "zp_client.budget.base",
+    "BudgetStatus": "zp_client.budget.base",
+    "Lease": "zp_client.budget.base",
+    "Ticket": "zp_client.budget.base",
+    "LocalBudget": "zp_client.budget.local",
+    "RedisBudget": "zp_client.budget.redis",
+    # front ends
+    "AsyncClient": "zp_client.client",
+    "Client": "zp_client.client",
+    "APIStatusError": "zp_client.client",
+    "wrap": "zp_client.wrap",
+    "AsyncAdmissionTransport": "zp_client.transport",
+    "AdmissionTransport": "zp_client.transport",
+    "Estimator": "zp_client.estimate",
+    "RetryPolicy": "zp_client.retry",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zp_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
+    from zp_client.budget.local import LocalBudget
+    from zp_client.budget.redis import RedisBudget
+    from zp_client.client import APIStatusError, AsyncClient, Client
+    from zp_client.config import Settings
+    from zp_client.errors import (
+        AdmissionError,
+        AdmissionTimeout,
+        BudgetUnavailable,
+        ConfigurationError,
+        DeadlineExceeded,
+        LeaseLost,
+        LeaseTooLarge,
+        PromptTooLong,
+        RetryBudgetExhausted,
+        ZPError,
+    )
+    from zp_client.estimate import Estimator
+    from zp_client.retry import RetryPolicy
+    from zp_client.transport import AdmissionTransport, AsyncAdmissionTransport
+    from zp_client.wrap import wrap

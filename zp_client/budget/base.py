@@ -1,0 +1,183 @@
+"""The budget interface shared by every backend (LocalBudget, RedisBudget).
+
+A *budget* holds a limit in KV blocks. A request takes a *lease* of ``bound`` blocks (the most it may
+ever occupy on the server) before it is sent, and releases it when its response ends. Waiters queue
+fairly (priority class, then arrival order); see :mod:`zp_client.budget.ledger` for the semantics.
+
+The transport and the retry policy use only what is defined here, so any backend plugs in.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["Ticket", "Lease", "Budget", "BudgetStatus", "ClassStatus"]
+
+
+@dataclass(frozen=True, order=True)
+class Ticket:
+    """A place in a budget's line: priority class (lower = more urgent), then arrival order.
+
+    A retried request passes its first attempt's ticket back to :meth:`Budget.acquire` so it keeps
+    its place: it goes after every earlier arrival of its class and before every later one.
+    ``order`` is only comparable within one budget.
+    """
+
+    priority: int
+    order: int
+
+
+@dataclass(frozen=True)
+class ClassStatus:
+    """Waiters of one priority class."""
+
+    waiters: int
+    weight: int
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """A read-only snapshot of a budget."""
+
+    limit: int
+    """Usable blocks the budget may hand out."""
+    used: int
+    """Blocks the reservation policy counts as taken (under ``strict``: the sum of live bounds)."""
+    free: int
+    """``max(0, limit - used)``."""
+    held: int
+    """Blocks the live leases report they occupy now (prompt plus tokens generated so far)."""
+    leases: int
+    """Live leases."""
+    waiters: dict[int, ClassStatus] = field(default_factory=dict)
+    """Waiters and their weight per priority class."""
+    head_wait_s: float = 0.0
+    """How long the head of the line has waited, in seconds."""
+    policy: str = "strict"
+    block_size: int = 16
+    extra: dict[str, object] = field(default_factory=dict)
+    """Backend-specific facts (Redis epoch, recovery state, ...)."""
+
+
+class Lease(abc.ABC):
+    """Blocks held in a budget by one request. Release is idempotent and never raises."""
+
+    id: str
+    bound: int
+    priority: int
+    ticket: Ticket
+
+    @property
+    @abc.abstractmethod
+    def held(self) -> int:
+        """Blocks the request occupies now, as last reported."""
+
+    @property
+    @abc.abstractmethod
+    def released(self) -> bool: ...
+
+    @abc.abstractmethod
+    def report_held(self, blocks: int) -> None:
+        """Record the request's current occupancy in blocks (its stream advanced).
+
+        Never blocks and never raises: the server generates regardless, so growth is recorded, not
+        admitted. Values above ``bound`` are clamped to ``bound``. Cheap enough to call every few
+        blocks from a streaming loop; backends may batch.
+        """
+
+    @abc.abstractmethod
+    async def release(self) -> None:
+        """Return the blocks. Idempotent; safe to call from any exit path."""
+
+    @abc.abstractmethod
+    def release_sync(self) -> None:
+        """Blocking form of :meth:`release`, for threads and finalizers. Idempotent."""
+
+
+class Budget(abc.ABC):
+    """A KV-block budget shared by the requests of one server (one model)."""
+
+    block_size: int
+
+    @property
+    @abc.abstractmethod
+    def limit(self) -> int:
+        """The current limit in usable blocks."""
+
+    @abc.abstractmethod
+    async def acquire(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+    ) -> Lease:
+        """Wait in line for a lease of ``blocks`` blocks and return it.
+
+        ``held`` is what the request occupies at admission (its prompt's blocks; default ``blocks``).
+        ``ticket`` keeps a retried request's place in line. Raises :class:`~zp_client.LeaseTooLarge`
+        at once when ``blocks`` exceeds the limit, :class:`~zp_client.AdmissionTimeout` after
+        ``timeout`` seconds. Cancellation while waiting leaves no trace in the budget.
+        """
+
+    @abc.abstractmethod
+    def acquire_sync(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+    ) -> Lease:
+        """Blocking form of :meth:`acquire` for threads; needs no running event loop."""
+
+    @abc.abstractmethod
+    async def status(self) -> BudgetStatus:
+        """A read-only snapshot."""
+
+    @abc.abstractmethod
+    async def set_limit(self, limit: int) -> None:
+        """Change the limit at run time. Raising it admits waiters; lowering it never revokes a lease."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release background resources. Live leases are not released."""
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+    ) -> AsyncIterator[Lease]:
+        """``async with budget.lease(blocks) as lease:`` waits, holds, and releases on every exit path."""
+        lease = await self.acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held)
+        try:
+            yield lease
+        finally:
+            await lease.release()
+
+    @contextlib.contextmanager
+    def lease_sync(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+    ) -> Iterator[Lease]:
+        """``with budget.lease_sync(blocks) as lease:``, the blocking form for threads."""
+        lease = self.acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held)
+        try:
+            yield lease
+        finally:
+            lease.release_sync()

@@ -1,0 +1,62 @@
+"""Configuration has one home: :class:`Settings`, also read from ``ZP_*`` environment variables.
+
+Example::
+
+    settings = Settings(default_max_tokens=1024)       # explicit values win
+    # or: ZP_DEFAULT_MAX_TOKENS=1024 in the environment
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+class Settings(BaseSettings):
+    """Every tunable of zp-client. Field docs say what each one does and its default."""
+
+    model_config = SettingsConfigDict(env_prefix="ZP_", extra="forbid", validate_assignment=True)
+
+    # --- budget -----------------------------------------------------------------------------------
+    block_size: int = Field(16, ge=1, description="Tokens per KV block on the server (vLLM default 16).")
+    starvation_bound_s: float = Field(
+        2.0,
+        ge=0,
+        description="How long the head of a priority class may wait before backfill stops and capacity "
+        "drains to it.",
+    )
+    lease_ttl_s: float = Field(30.0, gt=0, description="Lease time-to-live for backends that expire leases.")
+
+    # --- estimation -------------------------------------------------------------------------------
+    estimator: Literal["auto", "tiktoken", "heuristic", "server"] = Field(
+        "auto",
+        description="Prompt-token estimator: 'auto' uses tiktoken when its BPE data is available "
+        "locally, else a fast heuristic; 'server' asks the server's POST /tokenize (opt-in network).",
+    )
+    encoding: str = Field("cl100k_base", description="tiktoken encoding name.")
+    encoding_path: str | None = Field(None, description="Path to a local .tiktoken BPE file.")
+    estimate_margin: float = Field(
+        0.05, ge=0, description="Extra fraction added to calibrated prompt estimates when reserving."
+    )
+    default_max_tokens: int = Field(
+        4096,
+        ge=1,
+        description="max_tokens assumed (and sent) when a request gives none, so the lease is a true bound.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="The server's context length; read lazily from /v1/models when unset."
+    )
+
+    # --- requests ---------------------------------------------------------------------------------
+    deadline_s: float | None = Field(
+        None, gt=0, description="Default deadline per logical request (queue wait, attempts, backoff)."
+    )
+    idle_stream_timeout_s: float = Field(
+        300.0, gt=0, description="A stream the caller stops reading for this long releases its lease."
+    )
+    api_key: SecretStr | None = Field(None, description="API key for the drop-in client (never logged).")
+    base_url: str | None = Field(None, description="Server base URL for the drop-in client.")

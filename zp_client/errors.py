@@ -1,0 +1,80 @@
+"""Typed errors. Every error zp-client raises on its own account derives from :class:`ZPError`.
+
+Messages say what happened and what to do about it. They never contain API keys or
+``Authorization`` headers.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ZPError",
+    "ConfigurationError",
+    "AdmissionError",
+    "LeaseTooLarge",
+    "AdmissionTimeout",
+    "DeadlineExceeded",
+    "PromptTooLong",
+    "BudgetUnavailable",
+    "LeaseLost",
+    "RetryBudgetExhausted",
+]
+
+
+class ZPError(Exception):
+    """Base class of every error raised by zp-client itself."""
+
+
+class ConfigurationError(ZPError, ValueError):
+    """A setting or argument is invalid (negative weight, unknown policy, ...)."""
+
+
+class AdmissionError(ZPError):
+    """zp-client refused to send a request. Nothing reached the server."""
+
+
+class LeaseTooLarge(AdmissionError):
+    """The request's KV bound exceeds the budget's whole limit, so it could never be admitted.
+
+    Lower ``max_tokens``, shorten the prompt, or raise the budget's ``limit_blocks``.
+    """
+
+    def __init__(self, blocks: int, limit: int, detail: str = "") -> None:
+        self.blocks = blocks
+        self.limit = limit
+        msg = (
+            f"request needs {blocks} KV blocks but the budget's limit is {limit} blocks, so it can never "
+            "be admitted; lower max_tokens, shorten the prompt, or raise limit_blocks"
+        )
+        super().__init__(f"{msg} ({detail})" if detail else msg)
+
+
+class AdmissionTimeout(AdmissionError, TimeoutError):
+    """The request waited for a lease longer than its timeout or deadline allowed."""
+
+
+class DeadlineExceeded(AdmissionTimeout):
+    """The logical request's deadline left no time for (another) attempt."""
+
+
+class PromptTooLong(AdmissionError):
+    """The prompt alone is longer than the server's ``max_model_len``: the server would answer 400."""
+
+    def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+        super().__init__(
+            f"prompt is about {prompt_tokens} tokens but the model's maximum context length is "
+            f"{max_model_len} tokens; shorten the prompt (nothing was sent)"
+        )
+
+
+class BudgetUnavailable(AdmissionError):
+    """The shared budget (Redis) could not be reached and the policy is ``fail_closed``."""
+
+
+class LeaseLost(ZPError):
+    """A lease expired or was removed from the budget while its holder still ran."""
+
+
+class RetryBudgetExhausted(ZPError):
+    """The shared retry budget is spent: the request failed and is not retried, to avoid a retry storm."""
