@@ -1,0 +1,541 @@
+"""The admission ledger: a sans-I/O state machine that *is* the definition of admission.
+
+The ledger never reads a clock and never does I/O. Every method that depends on time takes ``now`` (any
+monotonic clock in seconds, e.g. :func:`time.monotonic` locally or Redis ``TIME`` in the Lua port).
+Backends (:mod:`zp_client.budget.local`, the Redis Lua scripts) drive it and make no admission decision
+of their own; the Redis backend's conformance test uses this class as its model.
+
+Vocabulary
+----------
+* **lease** — blocks held by one request: ``bound`` (the most it may ever occupy: prompt + max_tokens,
+  in blocks) and ``held`` (what it occupies now, ``0 <= held <= bound``, reported as its stream
+  advances; growth is recorded, never blocked, because the server generates regardless).
+* **waiter** — a request waiting in line for a lease. A waiter that is granted becomes a lease **with the
+  same id**, so a backend can hand the grant to whoever is waiting under that id.
+* **line** — all waiters ordered by ``(priority, ticket.order, arrival)``: a lower priority number is more
+  urgent (like vLLM's ``priority``), FIFO within a class. The **head** is the first waiter of the line.
+* **ticket** — :class:`~zp_client.budget.base.Ticket` ``(priority, order)``. ``order`` comes from a
+  counter owned by the ledger. A waiter enqueued with an earlier ticket (a retried request) takes that
+  place in line: after every earlier arrival of the class, before every later one. The ticket's
+  priority wins over the ``priority`` argument, because the ticket *is* the place in line.
+* **policy** — a :class:`ReservationPolicy` decides whether a candidate fits next to the live leases.
+  :class:`StrictPolicy` admits while the sum of live bounds stays within the limit, so the server can
+  never be forced to preempt. An elastic policy (projected peak of ``held`` plus forecast growth, shared
+  prefixes counted once) plugs in through the same seam; waiters and leases carry a free-form ``meta``
+  mapping (e.g. ``prefix_key``, ``prefix_blocks``, ``forecast``) for such policies.
+
+Admission rule (what :meth:`Ledger.grant` does)
+-----------------------------------------------
+``grant(now)`` walks the line from the head and admits, in line order, every waiter that fits under the
+policy, with *bounded backfill*:
+
+* a waiter that does not fit may be overtaken by a later (necessarily smaller, under ``strict``) waiter
+  only while it has waited less than ``starvation_bound`` seconds;
+* a waiter that does not fit and has waited ``>= starvation_bound`` is a **barrier**: nothing behind it
+  in the line is admitted until it is, so capacity drains to it. In particular, once the head has waited
+  longer than the bound, nothing else is admitted until the head is.
+
+Backfill across classes follows the same rule because the line is one order over all classes: a waiter
+of a less urgent class may overtake a more urgent waiter that does not fit only while that waiter is
+younger than the bound; it can never overtake a starving one. A less urgent waiter, however long it has
+waited, never blocks more urgent ones (they are ahead of it in the line): priority is strict.
+
+``starvation_bound`` defaults to 2.0 s (``Settings.starvation_bound_s``): long enough that small requests
+keep the pool busy while a large one waits for a few releases (decode steps of a busy server free blocks
+every few hundred milliseconds), short enough that a large request's extra wait stays well under typical
+client and proxy timeouts (30-60 s). ``0`` means no backfill at all (pure FIFO);
+``float('inf')`` means unbounded backfill.
+
+Guarantees callers may rely on (checked by ``tests/test_ledger.py``)
+--------------------------------------------------------------------
+* Under ``strict``, a grant never takes ``used`` (sum of live bounds) above the limit: after any grant
+  that admits someone, ``used <= limit``. Lowering the limit never revokes a lease; while ``used`` exceeds
+  the new limit nothing is admitted (admission pauses) until enough is released.
+* ``0 <= held <= bound`` for every lease.
+* A request whose ``bound`` exceeds the limit is refused at enqueue (:class:`~zp_client.LeaseTooLarge`);
+  waiters left larger than a lowered limit are removed by :meth:`Ledger.set_limit` and returned so the
+  backend can fail them with the same error (they could never be admitted).
+* ``grant`` is maximal: afterwards no waiter that fits remains unless a barrier stands ahead of it.
+* Release, cancel and expire are idempotent; unknown ids are ignored.
+
+After any mutation that frees capacity or removes a waiter (``release``, ``cancel``, ``expire``,
+``set_limit``) the backend calls ``grant(now)``; ``enqueue`` is also followed by ``grant`` so a waiter that
+fits is admitted at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from zp_client.budget.base import BudgetStatus, ClassStatus, Ticket
+from zp_client.errors import ConfigurationError, LeaseTooLarge
+
+__all__ = [
+    "DEFAULT_STARVATION_BOUND_S",
+    "Expired",
+    "LeaseRecord",
+    "Ledger",
+    "LedgerView",
+    "ReservationPolicy",
+    "StrictPolicy",
+    "WaiterRecord",
+    "make_policy",
+    "validate_blocks",
+]
+
+DEFAULT_STARVATION_BOUND_S = 2.0
+"""Default backfill bound; see the module docstring for why 2 s."""
+
+
+@dataclass(slots=True)
+class WaiterRecord:
+    """A request waiting in line. Read-only for callers; the ledger owns it."""
+
+    id: str
+    bound: int
+    held: int
+    priority: int
+    ticket: Ticket
+    since: float
+    """``now`` at enqueue: the wait age is ``now - since``."""
+    seq: int
+    """Arrival sequence; breaks ties between waiters that reuse the same ticket."""
+    expires_at: float | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Place within the priority class (order, then arrival)."""
+        return (self.ticket.order, self.seq)
+
+
+@dataclass(slots=True)
+class LeaseRecord:
+    """A live lease. Read-only for callers; the ledger owns it."""
+
+    id: str
+    bound: int
+    held: int
+    priority: int
+    ticket: Ticket
+    granted_at: float
+    expires_at: float | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """What :meth:`Ledger.expire` removed."""
+
+    leases: list[str]
+    waiters: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.leases or self.waiters)
+
+
+@runtime_checkable
+class LedgerView(Protocol):
+    """What a reservation policy may read of the ledger (the :class:`Ledger` itself satisfies it)."""
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def bound_sum(self) -> int: ...
+
+    @property
+    def held_sum(self) -> int: ...
+
+    @property
+    def leases(self) -> Mapping[str, LeaseRecord]: ...
+
+
+@runtime_checkable
+class ReservationPolicy(Protocol):
+    """The admission seam: decides whether a candidate fits next to the live leases.
+
+    ``fits`` is called during :meth:`Ledger.grant` with the view already updated for every lease admitted
+    earlier in the same grant. Policies must be pure functions of the view and the candidate (no clock,
+    no I/O), so the Redis port can reproduce them.
+    """
+
+    name: str
+
+    def used(self, view: LedgerView) -> int:
+        """Blocks this policy counts as taken (reported as ``BudgetStatus.used``)."""
+        ...
+
+    def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
+        """True if ``candidate`` may be admitted now."""
+        ...
+
+
+class StrictPolicy:
+    """Admit while the sum of live leases' ``bound`` stays within the limit (preemption impossible)."""
+
+    name = "strict"
+
+    def used(self, view: LedgerView) -> int:
+        return view.bound_sum
+
+    def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
+        return view.bound_sum + candidate.bound <= view.limit
+
+    def __repr__(self) -> str:
+        return "StrictPolicy()"
+
+
+_POLICIES: dict[str, type[Any]] = {"strict": StrictPolicy}
+
+
+def make_policy(policy: str | ReservationPolicy) -> ReservationPolicy:
+    """Return a policy object for a name (``"strict"``) or pass a policy object through."""
+    if isinstance(policy, str):
+        cls = _POLICIES.get(policy)
+        if cls is None:
+            raise ConfigurationError(
+                f"unknown reservation policy {policy!r}; available: {', '.join(sorted(_POLICIES))} "
+                "(or pass a ReservationPolicy object)"
+            )
+        return cls()  # type: ignore[no-any-return]
+    if not isinstance(policy, ReservationPolicy):
+        raise ConfigurationError(
+            f"policy must be a name or a ReservationPolicy (with name, used() and fits()), got {policy!r}"
+        )
+    return policy
+
+
+def validate_blocks(blocks: object, what: str = "blocks", *, minimum: int = 1) -> int:
+    """Return ``blocks`` if it is an int >= ``minimum``; else raise :class:`ConfigurationError`."""
+    if isinstance(blocks, bool) or not isinstance(blocks, int):
+        raise ConfigurationError(f"{what} must be an int number of KV blocks, got {blocks!r}")
+    if blocks < minimum:
+        raise ConfigurationError(f"{what} must be >= {minimum} KV blocks, got {blocks}")
+    return blocks
+
+
+class Ledger:
+    """Leases, the fair line, expiry and limit changes; see the module docstring for the rules.
+
+    Example::
+
+        led = Ledger(limit=100)
+        led.enqueue("a", bound=60, held=10, priority=0, now=0.0)
+        led.enqueue("b", bound=60, held=10, priority=0, now=0.0)
+        assert led.grant(now=0.0) == ["a"]        # "b" does not fit next to "a"
+        led.release("a", now=1.0)
+        assert led.grant(now=1.0) == ["b"]
+
+    Not thread-safe: a backend serialises calls (a lock locally, a Lua script in Redis).
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        *,
+        policy: str | ReservationPolicy = "strict",
+        starvation_bound: float = DEFAULT_STARVATION_BOUND_S,
+    ) -> None:
+        self._limit = validate_blocks(limit, "limit", minimum=0)
+        self._policy = make_policy(policy)
+        if not isinstance(starvation_bound, (int, float)) or math.isnan(starvation_bound) or starvation_bound < 0:
+            raise ConfigurationError(
+                f"starvation_bound must be a number of seconds >= 0, got {starvation_bound!r}"
+            )
+        self._starvation_bound = float(starvation_bound)
+        self._leases: dict[str, LeaseRecord] = {}
+        self._waiters: dict[str, WaiterRecord] = {}
+        # One sorted list per priority class (sorted by WaiterRecord.key) and the sorted class numbers.
+        self._classes: dict[int, list[WaiterRecord]] = {}
+        self._class_order: list[int] = []
+        self._bound_sum = 0
+        self._held_sum = 0
+        self._next_order = 0
+        self._seq = 0
+
+    # ------------------------------------------------------------------ read-only view
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def policy(self) -> ReservationPolicy:
+        return self._policy
+
+    @property
+    def starvation_bound(self) -> float:
+        return self._starvation_bound
+
+    @property
+    def bound_sum(self) -> int:
+        """Sum of live leases' ``bound``."""
+        return self._bound_sum
+
+    @property
+    def held_sum(self) -> int:
+        """Sum of live leases' ``held``."""
+        return self._held_sum
+
+    @property
+    def used(self) -> int:
+        """Blocks the policy counts as taken."""
+        return self._policy.used(self)
+
+    @property
+    def leases(self) -> Mapping[str, LeaseRecord]:
+        """Live leases by id (treat as read-only)."""
+        return self._leases
+
+    def lease(self, lease_id: str) -> LeaseRecord | None:
+        return self._leases.get(lease_id)
+
+    def waiter(self, waiter_id: str) -> WaiterRecord | None:
+        return self._waiters.get(waiter_id)
+
+    def __contains__(self, ident: object) -> bool:
+        return ident in self._leases or ident in self._waiters
+
+    def __len__(self) -> int:
+        """Number of waiters."""
+        return len(self._waiters)
+
+    def line(self) -> Iterator[WaiterRecord]:
+        """Waiters in line order: priority class, then ticket order, then arrival."""
+        for p in self._class_order:
+            yield from self._classes[p]
+
+    def head(self) -> WaiterRecord | None:
+        """The first waiter of the line, or None."""
+        if not self._class_order:
+            return None
+        return self._classes[self._class_order[0]][0]
+
+    # ------------------------------------------------------------------ mutations
+    def enqueue(
+        self,
+        waiter_id: str,
+        bound: int,
+        held: int | None,
+        priority: int,
+        now: float,
+        ticket: Ticket | None = None,
+        *,
+        expires_at: float | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Ticket:
+        """Put a waiter in line and return its ticket. Call :meth:`grant` next.
+
+        ``held`` defaults to ``bound``. ``ticket`` (from an earlier attempt) keeps that place in line; its
+        priority class wins over ``priority``. ``expires_at`` lets a backend drop waiters whose owner died
+        (see :meth:`renew`, :meth:`expire`); ``None`` never expires.
+
+        Raises :class:`ConfigurationError` for a weight that is not a positive int, ``held`` outside
+        ``[0, bound]``, a non-int priority or a duplicate id, and :class:`LeaseTooLarge` when ``bound``
+        exceeds the limit (it could never be admitted).
+        """
+        validate_blocks(bound, "blocks")
+        if held is None:
+            held = bound
+        validate_blocks(held, "held", minimum=0)
+        if held > bound:
+            raise ConfigurationError(f"held ({held}) must not exceed the lease's blocks ({bound})")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigurationError(f"priority must be an int (lower = more urgent), got {priority!r}")
+        if waiter_id in self._waiters or waiter_id in self._leases:
+            raise ConfigurationError(f"id {waiter_id!r} is already waiting or holding a lease in this ledger")
+        if bound > self._limit:
+            raise LeaseTooLarge(bound, self._limit)
+        if ticket is None:
+            ticket = Ticket(priority, self._next_order)
+            self._next_order += 1
+        else:
+            if not isinstance(ticket, Ticket):
+                raise ConfigurationError(f"ticket must be a zp_client.Ticket, got {ticket!r}")
+            # A ticket from elsewhere must not let later arrivals slip in ahead of it.
+            if ticket.order >= self._next_order:
+                self._next_order = ticket.order + 1
+        self._seq += 1
+        w = WaiterRecord(
+            id=waiter_id,
+            bound=bound,
+            held=held,
+            priority=ticket.priority,
+            ticket=ticket,
+            since=now,
+            seq=self._seq,
+            expires_at=expires_at,
+            meta=dict(meta) if meta else {},
+        )
+        self._waiters[waiter_id] = w
+        cls = self._classes.get(w.priority)
+        if cls is None:
+            self._classes[w.priority] = [w]
+            bisect.insort(self._class_order, w.priority)
+        elif not cls or cls[-1].key < w.key:
+            cls.append(w)  # the common case: a new arrival goes last
+        else:
+            bisect.insort(cls, w, key=_key)
+        return ticket
+
+    def cancel(self, waiter_id: str) -> bool:
+        """Remove a waiter from the line. Returns False if it is not waiting.
+
+        If it returns False and ``waiter_id`` is a live lease, the grant won the race with the
+        cancellation: the backend must :meth:`release` it. Removing a waiter (e.g. a starving barrier)
+        can let others in: call :meth:`grant` next.
+        """
+        w = self._waiters.pop(waiter_id, None)
+        if w is None:
+            return False
+        self._remove_from_class(w)
+        return True
+
+    def grant(self, now: float) -> list[str]:
+        """Admit every waiter the rules allow; returns their ids (now lease ids) in admission order."""
+        if not self._waiters:
+            return []
+        granted: list[str] = []
+        policy = self._policy
+        bound_s = self._starvation_bound
+        for p in list(self._class_order):
+            cls = self._classes[p]
+            admitted_here: list[WaiterRecord] = []
+            barrier = False
+            for w in cls:
+                if policy.fits(self, w):
+                    admitted_here.append(w)
+                    self._admit(w, now)
+                    granted.append(w.id)
+                elif now - w.since >= bound_s:
+                    barrier = True
+                    break
+            if admitted_here:
+                if len(admitted_here) == len(cls):
+                    del self._classes[p]
+                    self._class_order.remove(p)
+                else:
+                    gone = {id(w) for w in admitted_here}
+                    cls[:] = [w for w in cls if id(w) not in gone]
+            if barrier:
+                break
+        return granted
+
+    def release(self, lease_id: str, now: float) -> bool:  # noqa: ARG002 - now kept for symmetry/ports
+        """Return a lease's blocks. Idempotent: False if it was not live. Call :meth:`grant` next."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._bound_sum -= lease.bound
+        self._held_sum -= lease.held
+        return True
+
+    def report_held(self, lease_id: str, held: int) -> bool:
+        """Record a lease's current occupancy, clamped to ``[0, bound]``. False if not live. Never raises
+        for a live id: growth is recorded, never refused."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        try:
+            value = int(held)
+        except (TypeError, ValueError):
+            return False
+        value = min(max(value, 0), lease.bound)
+        self._held_sum += value - lease.held
+        lease.held = value
+        return True
+
+    def renew(self, ident: str, now: float, ttl: float | None) -> bool:
+        """Set a lease's or waiter's expiry to ``now + ttl`` (``None``: never). False if unknown."""
+        rec: LeaseRecord | WaiterRecord | None = self._leases.get(ident) or self._waiters.get(ident)
+        if rec is None:
+            return False
+        rec.expires_at = None if ttl is None else now + ttl
+        return True
+
+    def expire(self, now: float) -> Expired:
+        """Remove leases and waiters whose expiry is ``<= now``. Call :meth:`grant` next if non-empty."""
+        dead_leases = [lid for lid, rec in self._leases.items() if rec.expires_at is not None and rec.expires_at <= now]
+        for lid in dead_leases:
+            self.release(lid, now)
+        dead_waiters = [wid for wid, w in self._waiters.items() if w.expires_at is not None and w.expires_at <= now]
+        for wid in dead_waiters:
+            self.cancel(wid)
+        return Expired(dead_leases, dead_waiters)
+
+    def set_limit(self, limit: int, now: float) -> list[str]:  # noqa: ARG002
+        """Change the limit. Never revokes a lease: if ``used`` now exceeds the limit, admission pauses
+        until it fits again. Waiters whose ``bound`` exceeds the new limit could never be admitted: they
+        are removed and their ids returned so the backend can fail them with :class:`LeaseTooLarge`.
+        Call :meth:`grant` next (a raise admits waiters)."""
+        self._limit = validate_blocks(limit, "limit", minimum=0)
+        rejected = [w.id for w in self._waiters.values() if w.bound > limit]
+        for wid in rejected:
+            self.cancel(wid)
+        return rejected
+
+    # ------------------------------------------------------------------ snapshot
+    def status(self, now: float, *, block_size: int = 16) -> BudgetStatus:
+        """A :class:`~zp_client.budget.base.BudgetStatus` snapshot (``extra`` holds ledger details)."""
+        used = self.used
+        per_class = {
+            p: ClassStatus(waiters=len(cls), weight=sum(w.bound for w in cls))
+            for p, cls in ((p, self._classes[p]) for p in self._class_order)
+        }
+        head = self.head()
+        head_wait = max(0.0, now - head.since) if head is not None else 0.0
+        return BudgetStatus(
+            limit=self._limit,
+            used=used,
+            free=max(0, self._limit - used),
+            held=self._held_sum,
+            leases=len(self._leases),
+            waiters=per_class,
+            head_wait_s=head_wait,
+            policy=self._policy.name,
+            block_size=block_size,
+            extra={
+                "starvation_bound_s": self._starvation_bound,
+                "head_starving": head is not None and head_wait >= self._starvation_bound,
+                "bound_sum": self._bound_sum,
+            },
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _admit(self, w: WaiterRecord, now: float) -> None:
+        del self._waiters[w.id]
+        self._leases[w.id] = LeaseRecord(
+            id=w.id,
+            bound=w.bound,
+            held=w.held,
+            priority=w.priority,
+            ticket=w.ticket,
+            granted_at=now,
+            expires_at=w.expires_at,
+            meta=w.meta,
+        )
+        self._bound_sum += w.bound
+        self._held_sum += w.held
+
+    def _remove_from_class(self, w: WaiterRecord) -> None:
+        cls = self._classes[w.priority]
+        i = bisect.bisect_left(cls, w.key, key=_key)
+        # Keys are unique (seq), so index i holds w.
+        del cls[i]
+        if not cls:
+            del self._classes[w.priority]
+            self._class_order.remove(w.priority)
+
+    def __repr__(self) -> str:
+        return (
+            f"Ledger(limit={self._limit}, used={self.used}, leases={len(self._leases)}, "
+            f"waiters={len(self._waiters)}, policy={self._policy!r})"
+        )
+
+
+def _key(w: WaiterRecord) -> tuple[int, int]:
+    return (w.ticket.order, w.seq)
