@@ -60,3 +60,26 @@ class Settings(BaseSettings):
     )
     api_key: SecretStr | None = Field(None, description="API key for the drop-in client (never logged).")
     base_url: str | None = Field(None, description="Server base URL for the drop-in client.")
+
+    # --- retries (zp_client.retry) ----------------------------------------------------------------
+    retry_max_attempts: int = Field(3, ge=1, description="Attempts per logical request, the first included.")
+    retry_backoff_initial_s: float = Field(
+        0.5, gt=0, description="Full-jitter backoff: the first retry waits uniform(0, this)."
+    )
+    retry_backoff_max_s: float = Field(8.0, gt=0, description="Full-jitter backoff: the largest window.")
+    retry_after_cap_s: float = Field(
+        30.0, ge=0, description="Longest Retry-After honoured; a longer one is not retried (not shortened)."
+    )
+    retry_on_504: bool = Field(
+        False,
+        description="Also retry 504 and read timeouts. Only safe when the upstream aborts abandoned "
+        "requests (vLLM directly, or a gateway that closes its upstream connection on timeout).",
+    )
+    retry_min_attempt_s: float = Field(
+        0.5, ge=0, description="Least time an attempt needs; a retry that cannot fit it in the deadline fails."
+    )
+    retry_budget_ratio: float = Field(0.1, ge=0, description="Retry budget: retries earned per request.")
+    retry_budget_floor_per_s: float = Field(
+        1.0, ge=0, description="Retry budget: retries allowed per second regardless of traffic."
+    )
+    retry_budget_window_s: float = Field(10.0, gt=0, description="Retry budget: sliding window length.")

@@ -1,0 +1,938 @@
+"""The retry policy: one retry loop for every front end, which never adds load the budget did not admit.
+
+The admission transport runs the attempt loop and asks a :class:`RetryPolicy` what to do after each
+attempt::
+
+    policy = RetryPolicy()                       # safe defaults, see the class docstring
+    state = policy.new_request()                 # once per logical request (deposits into the budget)
+    while True:
+        lease = acquire(ticket=first_ticket)     # the retry keeps its place in line
+        ... send, get `status`/`headers` or an `error` ...
+        release(lease)                           # no blocks are held while sleeping
+        decision = policy.decide(state, status=..., headers=..., error=..., delivered=..., remaining_s=...)
+        if not decision.retry:
+            if decision.error is not None:
+                raise decision.error             # RetryBudgetExhausted / DeadlineExceeded
+            return response_or_reraise_original
+        policy.sleep_sync(decision.delay_s)      # or: await policy.sleep(...)
+
+Async transports call :meth:`RetryPolicy.new_request_async` and :meth:`RetryPolicy.decide_async`, which
+do the retry budget's network I/O (Redis) without blocking the event loop; the sync forms are right for
+threads and for the in-process :class:`LocalRetryBudget` (whose async forms just call the sync ones).
+
+What is retried (defaults):
+
+* connection errors before the request reached the server: httpx / httpx2 ``ConnectError``,
+  ``ConnectTimeout``, ``WriteError``, ``WriteTimeout``, and ``RemoteProtocolError`` (the server closed
+  the connection without a response: the keep-alive race);
+* status 429, 502, 503;
+* never another 4xx, never a 2xx/3xx, never an error zp-client raised itself (:class:`~zp_client.ZPError`);
+* **504 and read timeouts / read errors only with** ``retry_on_504=True``. Why: after a 504 or a read
+  timeout the request may still be running upstream. vLLM aborts a request (and frees its KV blocks)
+  when its client disconnects, and a gateway in front of it that times out closes its upstream
+  connection, so in that deployment a retry does not double the server's work. Behind an unknown proxy
+  the upstream request may keep generating after the proxy gave up; retrying then adds a second copy
+  of the work to a server that is already too slow, which is how retry storms start. Turn it on only
+  when the upstream is known to abort abandoned requests.
+* ``x-should-retry: true`` / ``false`` from the server overrides the status rules above (not the
+  limits below).
+
+Limits that hold whatever the server says:
+
+* nothing is retried once any response bytes reached the caller (``delivered=True``): a retry would
+  duplicate output;
+* at most ``max_attempts`` attempts per logical request;
+* the delay is ``Retry-After`` when the server sends one (``retry-after-ms``, ``retry-after`` seconds,
+  or an HTTP date), else full-jitter exponential backoff: uniform in ``[0, min(backoff_max_s,
+  backoff_initial_s * 2**n)]`` before retry ``n`` (0-based), computed by tenacity's
+  ``wait_random_exponential`` (tenacity's "Full Jitter", AWS architecture blog). A ``Retry-After``
+  longer than ``retry_after_cap_s`` is *not* shortened: retrying earlier than the server asked adds
+  load it asked us not to add, so the policy gives up and passes the response through instead;
+* one deadline per logical request: when ``remaining_s`` cannot fit the delay plus ``min_attempt_s``,
+  the decision carries :class:`~zp_client.DeadlineExceeded` instead of retrying;
+* a retry budget (gRPC / Finagle style): retries <= ``ratio`` x requests + ``floor_per_s`` x
+  ``window_s`` over a sliding window, defaults ratio 0.1, floor 1/s, window 10 s. When it is spent the
+  decision carries :class:`~zp_client.RetryBudgetExhausted` (fail fast, no sleeping).
+  :class:`LocalRetryBudget` counts one process; :class:`RedisRetryBudget` counts the whole fleet.
+
+Instrumentation: ``on_retry`` and ``on_give_up`` hook lists receive a :class:`RetryDetails`. Testing:
+``set_testing(True)`` or ``with testing():`` makes :meth:`RetryPolicy.sleep` / ``sleep_sync`` return at
+once (delays are still computed and recorded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import logging
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+import tenacity
+
+from zp_client.errors import ConfigurationError, DeadlineExceeded, RetryBudgetExhausted, ZPError
+
+__all__ = [
+    "RetryDecision",
+    "RetryState",
+    "RetryDetails",
+    "RetryPolicy",
+    "RetryBudget",
+    "LocalRetryBudget",
+    "RedisRetryBudget",
+    "parse_retry_after",
+    "set_testing",
+    "is_testing",
+    "testing",
+    "TestingRecorder",
+]
+
+log = logging.getLogger("zp_client.retry")
+
+DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({429, 502, 503})
+
+
+# --------------------------------------------------------------------------------------------------
+# testing switch
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TestingRecorder:
+    """What :func:`testing` saw: the delays that were requested but skipped, in order."""
+
+    __test__ = False  # not a pytest test class
+
+    sleeps: list[float] = field(default_factory=list)
+
+
+_testing_recorders: list[TestingRecorder] = []
+_testing_flag = False
+_testing_lock = threading.Lock()
+
+
+def set_testing(enabled: bool) -> None:
+    """Globally skip (``True``) or restore (``False``) the sleeping between attempts.
+
+    Decisions and their delays are unchanged; only :meth:`RetryPolicy.sleep` / ``sleep_sync`` return
+    at once. Meant for test suites, like stamina's ``set_testing``.
+    """
+    global _testing_flag
+    _testing_flag = bool(enabled)
+
+
+def is_testing() -> bool:
+    """Whether the sleeping is currently skipped (by :func:`set_testing` or :func:`testing`)."""
+    return _testing_flag or bool(_testing_recorders)
+
+
+@contextlib.contextmanager
+def testing() -> Iterator[TestingRecorder]:
+    """``with testing() as rec:`` skips the sleeping inside the block; ``rec.sleeps`` lists the delays."""
+    recorder = TestingRecorder()
+    with _testing_lock:
+        _testing_recorders.append(recorder)
+    try:
+        yield recorder
+    finally:
+        with _testing_lock:
+            _testing_recorders.remove(recorder)
+
+
+testing.__test__ = False  # type: ignore[attr-defined]  # keep pytest from collecting an imported `testing`
+
+
+def _record_skipped_sleep(seconds: float) -> None:
+    with _testing_lock:
+        for recorder in _testing_recorders:
+            recorder.sleeps.append(seconds)
+
+
+# --------------------------------------------------------------------------------------------------
+# Retry-After
+# --------------------------------------------------------------------------------------------------
+
+
+def _lower_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    # httpx.Headers is case-insensitive, a plain dict is not; lower-case once so both behave the same.
+    if not headers:
+        return {}
+    return {str(k).lower(): str(v) for k, v in headers.items()}
+
+
+def parse_retry_after(headers: Mapping[str, str] | None, *, now: float | None = None) -> float | None:
+    """Seconds the server asked the client to wait, or ``None`` when it did not say (or said nonsense).
+
+    Forms, in order of preference: ``retry-after-ms`` (milliseconds, float), ``retry-after`` as
+    (possibly fractional) seconds, ``retry-after`` as an HTTP date (RFC 9110; relative to ``now``, a
+    Unix time, default ``time.time()``; a date in the past means 0). Negative or NaN numbers are
+    ignored; an infinite one is returned as ``math.inf`` (the caller's cap then refuses it).
+    """
+    h = _lower_headers(headers)
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        raw = h.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            continue
+        if math.isnan(value) or value < 0:
+            continue
+        return value / divisor
+    raw = h.get("retry-after")
+    if raw is None:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(raw.strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when is None:  # pragma: no cover - older Pythons returned None instead of raising
+        return None
+    if when.tzinfo is None:
+        # RFC 9110 dates are GMT; a naive result means the zone was "-0000", which also means UTC.
+        import datetime as _dt
+
+        when = when.replace(tzinfo=_dt.timezone.utc)
+    current = time.time() if now is None else now
+    return max(0.0, when.timestamp() - current)
+
+
+def _should_retry_header(headers: Mapping[str, str] | None) -> bool | None:
+    raw = _lower_headers(headers).get("x-should-retry")
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value == "true":
+        return True
+    if value == "false":
+        return False
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# error classification (httpx and httpx2, without importing httpx2)
+# --------------------------------------------------------------------------------------------------
+
+# Request never reached (or never fully reached) the server: retrying cannot double its work.
+_CONNECT_ERROR_NAMES = ("ConnectError", "ConnectTimeout", "WriteError", "WriteTimeout", "RemoteProtocolError")
+# The request may still be running upstream: retried only with retry_on_504 / retry_read_timeouts.
+_READ_ERROR_NAMES = ("ReadTimeout", "ReadError")
+
+
+def _exception_classes(names: Iterable[str]) -> tuple[type[BaseException], ...]:
+    # An exception of an httpx2 class can only exist if httpx2 was imported by someone, so looking in
+    # sys.modules finds every class that matters and never imports httpx2 (absent in openai 2.x envs).
+    found: list[type[BaseException]] = []
+    for module_name in ("httpx", "httpx2"):
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for name in names:
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                found.append(cls)
+    return tuple(found)
+
+
+def _classify_error(error: BaseException) -> str | None:
+    """``"connect"``, ``"read"`` or ``None`` (not a transport error we know how to retry)."""
+    if isinstance(error, _exception_classes(_CONNECT_ERROR_NAMES)):
+        return "connect"
+    if isinstance(error, _exception_classes(_READ_ERROR_NAMES)):
+        return "read"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# retry budgets
+# --------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class RetryBudget(Protocol):
+    """A cap on retries relative to requests, shared by the policy's users.
+
+    ``record_request()`` is called once per logical request, ``try_spend()`` once per retry the policy
+    would like to make; it returns ``False`` when the retry must not happen. Both are synchronous and
+    cheap. A budget doing network I/O also offers ``async record_request_async()`` /
+    ``async try_spend_async()``, which :meth:`RetryPolicy.new_request_async` / ``decide_async`` use.
+    """
+
+    def record_request(self) -> None: ...
+
+    def try_spend(self) -> bool: ...
+
+
+def _validate_budget_params(ratio: float, floor_per_s: float, window_s: float, buckets: int) -> None:
+    if not (ratio >= 0 and math.isfinite(ratio)):
+        raise ConfigurationError(f"retry budget ratio must be a finite number >= 0, got {ratio!r}")
+    if not (floor_per_s >= 0 and math.isfinite(floor_per_s)):
+        raise ConfigurationError(f"retry budget floor_per_s must be a finite number >= 0, got {floor_per_s!r}")
+    if not (window_s > 0 and math.isfinite(window_s)):
+        raise ConfigurationError(f"retry budget window_s must be a finite number > 0, got {window_s!r}")
+    if buckets < 1:
+        raise ConfigurationError(f"retry budget buckets must be >= 1, got {buckets!r}")
+
+
+class LocalRetryBudget:
+    """An in-process retry budget: retries <= ``ratio`` x requests + ``floor_per_s`` x ``window_s``.
+
+    Counted over a sliding window of ``window_s`` seconds made of ``buckets`` fixed buckets (so the
+    window really spans between ``window_s - window_s/buckets`` and ``window_s``). Defaults: ratio 0.1
+    (one retry per ten requests), floor 1 retry per second, window 10 s, i.e. with no traffic at all
+    10 retries per 10 s are still allowed. Thread-safe; ``clock`` (monotonic seconds) is for tests.
+    """
+
+    def __init__(
+        self,
+        ratio: float = 0.1,
+        floor_per_s: float = 1.0,
+        window_s: float = 10.0,
+        *,
+        buckets: int = 10,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        _validate_budget_params(ratio, floor_per_s, window_s, buckets)
+        self.ratio = float(ratio)
+        self.floor_per_s = float(floor_per_s)
+        self.window_s = float(window_s)
+        self._bucket_s = self.window_s / buckets
+        self._nbuckets = buckets
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counts: dict[int, list[int]] = {}  # bucket -> [requests, retries]
+
+    def _current(self) -> int:
+        current = math.floor(self._clock() / self._bucket_s)
+        oldest = current - self._nbuckets + 1
+        for bucket in [b for b in self._counts if b < oldest]:
+            del self._counts[bucket]
+        return current
+
+    def record_request(self) -> None:
+        """Count one logical request (a deposit that earns ``ratio`` of a retry)."""
+        with self._lock:
+            self._counts.setdefault(self._current(), [0, 0])[0] += 1
+
+    def try_spend(self) -> bool:
+        """Take one retry if the window allows it; ``False`` means: do not retry."""
+        with self._lock:
+            current = self._current()
+            requests = sum(c[0] for c in self._counts.values())
+            retries = sum(c[1] for c in self._counts.values())
+            if retries + 1 > self.ratio * requests + self.floor_per_s * self.window_s:
+                return False
+            self._counts.setdefault(current, [0, 0])[1] += 1
+            return True
+
+    async def record_request_async(self) -> None:
+        self.record_request()
+
+    async def try_spend_async(self) -> bool:
+        return self.try_spend()
+
+    def snapshot(self) -> tuple[int, int]:
+        """``(requests, retries)`` in the current window."""
+        with self._lock:
+            self._current()
+            return (sum(c[0] for c in self._counts.values()), sum(c[1] for c in self._counts.values()))
+
+
+def _load_lua(name: str) -> str:
+    return resources.files("zp_client.budget").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+class RedisRetryBudget:
+    """The fleet-wide retry budget: every process using the same ``name`` shares one window in Redis.
+
+    Same rule and defaults as :class:`LocalRetryBudget` (ratio 0.1, floor 1/s, window 10 s, 10
+    buckets), counted by ``budget/lua/retry_budget.lua`` with Redis ``TIME``, in one hash
+    ``{<prefix>:<name>}:retry_budget`` — the same hash tag as the RedisBudget of that name, so it works
+    on Redis Cluster. Idle budgets expire one window after their last use.
+
+    Clients: pass ``url=`` (a sync and an async client are made lazily), or ``client=`` (a
+    ``redis.Redis``) and/or ``async_client=`` (a ``redis.asyncio.Redis``). Without an async client the
+    async methods run the sync ones in a worker thread; without a sync client the sync methods raise
+    :class:`~zp_client.ConfigurationError`.
+
+    Deposits are batched: ``record_request()`` counts locally and writes to Redis at most every
+    ``flush_interval_s`` seconds (and with every ``try_spend``), so a request costs no round trip.
+    Undeposited requests only make the budget stricter, never looser. ``flush_interval_s=0`` writes
+    through. If Redis fails, ``try_spend`` raises the redis error (the policy then does not retry) and
+    deposits stay pending for the next flush.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        url: str | None = None,
+        client: Any = None,
+        async_client: Any = None,
+        ratio: float = 0.1,
+        floor_per_s: float = 1.0,
+        window_s: float = 10.0,
+        buckets: int = 10,
+        prefix: str = "zp",
+        flush_interval_s: float = 1.0,
+    ) -> None:
+        _validate_budget_params(ratio, floor_per_s, window_s, buckets)
+        if not name or "{" in name or "}" in name:
+            raise ConfigurationError(f"retry budget name must be non-empty and contain no braces, got {name!r}")
+        if url is None and client is None and async_client is None:
+            raise ConfigurationError("RedisRetryBudget needs url=, client= (redis.Redis) or async_client=")
+        if flush_interval_s < 0:
+            raise ConfigurationError(f"flush_interval_s must be >= 0, got {flush_interval_s!r}")
+        self.name = name
+        self.ratio = float(ratio)
+        self.floor_per_s = float(floor_per_s)
+        self.window_s = float(window_s)
+        self.key = f"{{{prefix}:{name}}}:retry_budget"
+        self._window_ms = max(1, int(round(self.window_s * 1000)))
+        self._bucket_ms = max(1, self._window_ms // buckets)
+        self._url = url
+        self._client = client
+        self._async_client = async_client
+        self._owns_async = False
+        self._owns_sync = False
+        self._script: Any = None
+        self._async_script: Any = None
+        self._flush_interval_s = float(flush_interval_s)
+        self._pending = 0
+        self._last_flush = -math.inf
+        self._lock = threading.Lock()
+
+    # -- clients -------------------------------------------------------------------------------------
+
+    def _sync_script(self) -> Any:
+        if self._script is None:
+            if self._client is None:
+                if self._url is None:
+                    raise ConfigurationError(
+                        "this RedisRetryBudget has only an async client; use the *_async methods "
+                        "(RetryPolicy.new_request_async / decide_async) or pass url= or client="
+                    )
+                import redis
+
+                self._client = redis.Redis.from_url(self._url)
+                self._owns_sync = True
+            self._script = self._client.register_script(_load_lua("retry_budget.lua"))
+        return self._script
+
+    def _aio_script(self) -> Any:
+        if self._async_script is None:
+            if self._async_client is None:
+                if self._url is None:
+                    return None
+                import redis.asyncio
+
+                self._async_client = redis.asyncio.Redis.from_url(self._url)
+                self._owns_async = True
+            self._async_script = self._async_client.register_script(_load_lua("retry_budget.lua"))
+        return self._async_script
+
+    def _args(self, deposits: int, spend: bool) -> list[Any]:
+        return [deposits, 1 if spend else 0, repr(self.ratio), repr(self.floor_per_s), self._window_ms,
+                self._bucket_ms]
+
+    def _take_pending(self, force: bool) -> int:
+        with self._lock:
+            now = time.monotonic()
+            if not force and self._pending and now - self._last_flush < self._flush_interval_s:
+                return 0
+            taken, self._pending = self._pending, 0
+            if taken or force:
+                self._last_flush = now
+            return taken
+
+    def _return_pending(self, n: int) -> None:
+        with self._lock:
+            self._pending += n
+
+    # -- sync ----------------------------------------------------------------------------------------
+
+    def record_request(self) -> None:
+        """Count one logical request; written to Redis with the next flush (see the class docstring)."""
+        with self._lock:
+            self._pending += 1
+        deposits = self._take_pending(force=False)
+        if deposits:
+            self._call_sync(deposits, spend=False, swallow=True)
+
+    def try_spend(self) -> bool:
+        """Ask the fleet-wide window for one retry (one round trip, pending deposits included)."""
+        return bool(self._call_sync(self._take_pending(force=True), spend=True, swallow=False)[0])
+
+    def flush(self) -> None:
+        """Write pending deposits now."""
+        deposits = self._take_pending(force=True)
+        if deposits:
+            self._call_sync(deposits, spend=False, swallow=False)
+
+    def snapshot(self) -> tuple[int, int, float]:
+        """``(requests, retries, allowance)`` in the fleet's current window (flushes pending deposits)."""
+        r = self._call_sync(self._take_pending(force=True), spend=False, swallow=False)
+        return int(r[1]), int(r[2]), float(r[3])
+
+    def _call_sync(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
+        try:
+            return list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
+        except ConfigurationError:
+            self._return_pending(deposits)
+            raise
+        except Exception:
+            self._return_pending(deposits)
+            if not swallow:
+                raise
+            log.warning("retry budget %r: could not write deposits to Redis; will retry", self.name,
+                        exc_info=True)
+            return [0, 0, 0, "0"]
+
+    # -- async ---------------------------------------------------------------------------------------
+
+    async def record_request_async(self) -> None:
+        with self._lock:
+            self._pending += 1
+        deposits = self._take_pending(force=False)
+        if deposits:
+            await self._call_async(deposits, spend=False, swallow=True)
+
+    async def try_spend_async(self) -> bool:
+        return bool((await self._call_async(self._take_pending(force=True), spend=True, swallow=False))[0])
+
+    async def flush_async(self) -> None:
+        deposits = self._take_pending(force=True)
+        if deposits:
+            await self._call_async(deposits, spend=False, swallow=False)
+
+    async def snapshot_async(self) -> tuple[int, int, float]:
+        r = await self._call_async(self._take_pending(force=True), spend=False, swallow=False)
+        return int(r[1]), int(r[2]), float(r[3])
+
+    async def _call_async(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
+        try:
+            script = self._aio_script()
+            if script is None:
+                # Only a sync client: keep the event loop free by running it in a worker thread.
+                return await anyio.to_thread.run_sync(
+                    lambda: list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
+                )
+            result = await script(keys=[self.key], args=self._args(deposits, spend))
+            return [x.decode() if isinstance(x, bytes) else x for x in result]
+        except Exception:
+            self._return_pending(deposits)
+            if not swallow:
+                raise
+            log.warning("retry budget %r: could not write deposits to Redis; will retry", self.name,
+                        exc_info=True)
+            return [0, 0, 0, "0"]
+
+    async def aclose(self) -> None:
+        """Close the clients this budget created itself (not the ones passed in)."""
+        if self._owns_async and self._async_client is not None:
+            await self._async_client.aclose()
+        self.close()
+
+    def close(self) -> None:
+        if self._owns_sync and self._client is not None:
+            self._client.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# the policy
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RetryDecision:
+    """What the transport does after an attempt.
+
+    ``retry``: sleep ``delay_s`` (lease released), re-acquire with the original ticket, send again.
+    Otherwise: if ``error`` is set, raise it (zp-client's own :class:`~zp_client.RetryBudgetExhausted` or
+    :class:`~zp_client.DeadlineExceeded`, chained to the attempt's error via ``__cause__`` when there was
+    one); if ``error`` is ``None``, return the response / re-raise the original error unchanged.
+    """
+
+    retry: bool
+    delay_s: float
+    reason: str
+    error: BaseException | None = None
+
+
+@dataclass
+class RetryState:
+    """One logical request's progress. Made by :meth:`RetryPolicy.new_request`; opaque to callers except
+    for the read-only counters and ``ticket``, a free slot where the transport keeps the first attempt's
+    budget ticket so a retry keeps its place in line."""
+
+    started_at: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when the logical request began."""
+    attempts: int = 0
+    """Attempts decided on so far (incremented by each :meth:`RetryPolicy.decide`)."""
+    retries: int = 0
+    """Retries granted so far."""
+    total_delay_s: float = 0.0
+    """Sum of the delays of the granted retries."""
+    last_reason: str = ""
+    ticket: Any = None
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started_at
+
+
+@dataclass(frozen=True)
+class RetryDetails:
+    """What the hooks receive. ``attempt`` is the 1-based number of the attempt that just failed."""
+
+    attempt: int
+    reason: str
+    delay_s: float
+    status: int | None
+    error: BaseException | None
+    elapsed_s: float
+    remaining_s: float | None
+    give_up_error: BaseException | None = None
+    """On give-up: the error zp-client will raise (``None`` when the original outcome passes through)."""
+
+
+Hook = Callable[[RetryDetails], object]
+
+_DEFAULT_BUDGET: Any = object()
+
+
+@dataclass
+class _Pending:
+    """A retry the rules allow, waiting for the retry budget to agree."""
+
+    delay_s: float
+    reason: str
+    details: RetryDetails
+
+
+class RetryPolicy:
+    """The retry rules of zp-client (see the module docstring for the reasoning).
+
+    Parameters and defaults:
+
+    * ``max_attempts=3``: attempts per logical request, the first included (1 disables retries).
+    * ``backoff_initial_s=0.5``, ``backoff_max_s=8.0``: full-jitter exponential backoff, delay before
+      retry n (0-based) uniform in ``[0, min(backoff_max_s, backoff_initial_s * 2**n)]``.
+    * ``retry_after_cap_s=30.0``: the longest ``Retry-After`` honoured; a longer one gives up.
+    * ``retry_statuses={429, 502, 503}``.
+    * ``retry_on_504=False``: also retry 504 — only when the upstream aborts abandoned requests.
+    * ``retry_read_timeouts=None``: retry read timeouts / read errors; ``None`` follows ``retry_on_504``.
+    * ``budget``: a :class:`RetryBudget`; default a new :class:`LocalRetryBudget` (ratio 0.1, floor 1/s,
+      window 10 s) per policy; ``None`` disables the retry budget.
+    * ``on_retry``, ``on_give_up``: hook lists, each called with a :class:`RetryDetails`. A hook that
+      raises is logged and ignored. ``on_give_up`` fires when a retryable failure is not retried
+      (attempts, Retry-After cap, deadline, budget), not for successes or non-retryable outcomes.
+    * ``min_attempt_s=0.5``: the least time an attempt needs; a retry whose delay plus this does not fit
+      in ``remaining_s`` fails with :class:`~zp_client.DeadlineExceeded`.
+
+    Invalid values raise :class:`~zp_client.ConfigurationError`. A policy is safe to share between
+    threads and tasks; per-request state lives in :class:`RetryState`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_attempts: int = 3,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 8.0,
+        retry_after_cap_s: float = 30.0,
+        retry_statuses: Iterable[int] = DEFAULT_RETRY_STATUSES,
+        retry_on_504: bool = False,
+        retry_read_timeouts: bool | None = None,
+        budget: RetryBudget | None = _DEFAULT_BUDGET,
+        on_retry: Iterable[Hook] = (),
+        on_give_up: Iterable[Hook] = (),
+        min_attempt_s: float = 0.5,
+    ) -> None:
+        if not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        if not (backoff_initial_s > 0 and math.isfinite(backoff_initial_s)):
+            raise ConfigurationError(f"backoff_initial_s must be a finite number > 0, got {backoff_initial_s!r}")
+        if not (backoff_max_s >= backoff_initial_s and math.isfinite(backoff_max_s)):
+            raise ConfigurationError(
+                f"backoff_max_s must be finite and >= backoff_initial_s ({backoff_initial_s}), got {backoff_max_s!r}"
+            )
+        if not retry_after_cap_s >= 0:
+            raise ConfigurationError(f"retry_after_cap_s must be >= 0, got {retry_after_cap_s!r}")
+        if not (min_attempt_s >= 0 and math.isfinite(min_attempt_s)):
+            raise ConfigurationError(f"min_attempt_s must be a finite number >= 0, got {min_attempt_s!r}")
+        statuses = frozenset(int(s) for s in retry_statuses)
+        if any(not 100 <= s <= 599 for s in statuses):
+            raise ConfigurationError(f"retry_statuses must be HTTP status codes, got {sorted(statuses)}")
+        self.max_attempts = max_attempts
+        self.backoff_initial_s = float(backoff_initial_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.retry_after_cap_s = float(retry_after_cap_s)
+        self.retry_statuses = statuses
+        self.retry_on_504 = bool(retry_on_504)
+        self.retry_read_timeouts = self.retry_on_504 if retry_read_timeouts is None else bool(retry_read_timeouts)
+        self.budget: RetryBudget | None = LocalRetryBudget() if budget is _DEFAULT_BUDGET else budget
+        self.on_retry: list[Hook] = list(on_retry)
+        self.on_give_up: list[Hook] = list(on_give_up)
+        self.min_attempt_s = float(min_attempt_s)
+        # tenacity's "Full Jitter": uniform(0, min(max, multiplier * 2 ** (attempt_number - 1))).
+        self._wait = tenacity.wait_random_exponential(multiplier=self.backoff_initial_s, max=self.backoff_max_s)
+
+    @classmethod
+    def from_settings(cls, settings: Any, **overrides: Any) -> RetryPolicy:
+        """A policy from :class:`~zp_client.Settings` (``ZP_RETRY_*``); keyword arguments win."""
+        kwargs: dict[str, Any] = {
+            "max_attempts": settings.retry_max_attempts,
+            "backoff_initial_s": settings.retry_backoff_initial_s,
+            "backoff_max_s": settings.retry_backoff_max_s,
+            "retry_after_cap_s": settings.retry_after_cap_s,
+            "retry_on_504": settings.retry_on_504,
+            "min_attempt_s": settings.retry_min_attempt_s,
+            "budget": LocalRetryBudget(
+                ratio=settings.retry_budget_ratio,
+                floor_per_s=settings.retry_budget_floor_per_s,
+                window_s=settings.retry_budget_window_s,
+            ),
+        }
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    # -- backoff -------------------------------------------------------------------------------------
+
+    def backoff(self, retry_number: int) -> float:
+        """A full-jitter delay before retry ``retry_number`` (0-based): uniform in
+        ``[0, min(backoff_max_s, backoff_initial_s * 2**retry_number)]``."""
+        call_state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+        call_state.attempt_number = retry_number + 1
+        return float(self._wait(call_state))
+
+    # -- per request ---------------------------------------------------------------------------------
+
+    def new_request(self) -> RetryState:
+        """Start a logical request: records it in the retry budget (its deposit). Never raises."""
+        if self.budget is not None:
+            try:
+                self.budget.record_request()
+            except Exception:
+                log.warning("retry budget: could not record a request", exc_info=True)
+        return RetryState()
+
+    async def new_request_async(self) -> RetryState:
+        """:meth:`new_request` for async transports (no blocking network I/O on the event loop)."""
+        if self.budget is not None:
+            try:
+                fn = getattr(self.budget, "record_request_async", None)
+                if fn is not None:
+                    await fn()
+                else:
+                    self.budget.record_request()
+            except Exception:
+                log.warning("retry budget: could not record a request", exc_info=True)
+        return RetryState()
+
+    def decide(
+        self,
+        state: RetryState,
+        *,
+        status: int | None,
+        headers: Mapping[str, str] | None,
+        error: BaseException | None,
+        delivered: bool,
+        remaining_s: float | None,
+    ) -> RetryDecision:
+        """Decide after one finished attempt (call exactly once per attempt).
+
+        ``status``/``headers``: the response's, when one arrived; ``error``: the exception the attempt
+        raised, if any; ``delivered``: whether any response bytes already reached the caller;
+        ``remaining_s``: what is left of the logical request's deadline (``None``: no deadline).
+        May spend from the retry budget (a round trip for :class:`RedisRetryBudget`).
+        """
+        step = self._rules(state, status, headers, error, delivered, remaining_s)
+        if isinstance(step, RetryDecision):
+            return step
+        try:
+            granted = self.budget.try_spend() if self.budget is not None else True
+        except Exception as exc:
+            return self._budget_failed(state, step, exc)
+        return self._finish(state, step, granted)
+
+    async def decide_async(
+        self,
+        state: RetryState,
+        *,
+        status: int | None,
+        headers: Mapping[str, str] | None,
+        error: BaseException | None,
+        delivered: bool,
+        remaining_s: float | None,
+    ) -> RetryDecision:
+        """:meth:`decide` for async transports: the retry budget's I/O does not block the event loop."""
+        step = self._rules(state, status, headers, error, delivered, remaining_s)
+        if isinstance(step, RetryDecision):
+            return step
+        try:
+            if self.budget is None:
+                granted = True
+            else:
+                fn = getattr(self.budget, "try_spend_async", None)
+                granted = bool(await fn()) if fn is not None else self.budget.try_spend()
+        except Exception as exc:
+            return self._budget_failed(state, step, exc)
+        return self._finish(state, step, granted)
+
+    # -- sleeping ------------------------------------------------------------------------------------
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep between attempts (cancellable); returns at once in testing mode (still a checkpoint)."""
+        if is_testing():
+            _record_skipped_sleep(seconds)
+            await anyio.sleep(0)
+            return
+        await anyio.sleep(max(0.0, seconds))
+
+    def sleep_sync(self, seconds: float) -> None:
+        """Blocking form of :meth:`sleep`."""
+        if is_testing():
+            _record_skipped_sleep(seconds)
+            return
+        time.sleep(max(0.0, seconds))
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _classify(
+        self, status: int | None, headers: Mapping[str, str] | None, error: BaseException | None
+    ) -> tuple[bool, str]:
+        if error is not None:
+            if isinstance(error, ZPError):
+                return False, f"zp-client error {type(error).__name__}"
+            kind = _classify_error(error)
+            if kind == "connect":
+                return True, f"connect error ({type(error).__name__})"
+            if kind == "read":
+                if self.retry_read_timeouts:
+                    return True, f"read error ({type(error).__name__}), upstream aborts"
+                return False, f"read error ({type(error).__name__}) not retried: the upstream may still be running it"
+            return False, f"error {type(error).__name__} not retryable"
+        if status is None:
+            return False, "no status and no error"
+        # x-should-retry speaks about failures only; a success is never retried whatever it says.
+        should = _should_retry_header(headers) if status >= 400 else None
+        if should is True:
+            return True, f"status {status}, x-should-retry: true"
+        if should is False:
+            return False, f"status {status}, x-should-retry: false"
+        if status in self.retry_statuses:
+            return True, f"status {status}"
+        if status == 504:
+            if self.retry_on_504:
+                return True, "status 504, upstream aborts"
+            return False, "status 504 not retried: the upstream may still be running it"
+        return False, f"status {status}"
+
+    def _rules(
+        self,
+        state: RetryState,
+        status: int | None,
+        headers: Mapping[str, str] | None,
+        error: BaseException | None,
+        delivered: bool,
+        remaining_s: float | None,
+    ) -> RetryDecision | _Pending:
+        state.attempts += 1
+        attempt = state.attempts
+
+        def details(reason: str, delay: float = 0.0) -> RetryDetails:
+            return RetryDetails(attempt, reason, delay, status, error, state.elapsed_s, remaining_s)
+
+        if delivered:
+            reason = "response bytes already delivered to the caller"
+            state.last_reason = reason
+            return RetryDecision(False, 0.0, reason)
+        retryable, reason = self._classify(status, headers, error)
+        state.last_reason = reason
+        if not retryable:
+            return RetryDecision(False, 0.0, reason)
+        if attempt >= self.max_attempts:
+            return self._give_up(details(f"{reason}; max attempts ({self.max_attempts}) reached"), None)
+
+        retry_after = parse_retry_after(headers) if status is not None else None
+        if retry_after is not None:
+            if retry_after > self.retry_after_cap_s:
+                return self._give_up(
+                    details(f"{reason}; retry-after {retry_after:g} s exceeds cap {self.retry_after_cap_s:g} s"),
+                    None,
+                )
+            delay, reason = retry_after, f"{reason}, retry-after {retry_after:g} s"
+        else:
+            delay = self.backoff(state.retries)
+
+        if remaining_s is not None and (remaining_s <= 0 or remaining_s < delay + self.min_attempt_s):
+            err = DeadlineExceeded(
+                f"the request's deadline has {max(0.0, remaining_s):.3g} s left, which cannot fit the "
+                f"{delay:.3g} s wait plus a {self.min_attempt_s:g} s attempt after attempt {attempt} "
+                f"failed ({reason}); not retrying — raise the deadline or lower the backoff"
+            )
+            err.__cause__ = error
+            return self._give_up(details(f"{reason}; deadline"), err)
+        return _Pending(delay, reason, details(reason, delay))
+
+    def _finish(self, state: RetryState, step: _Pending, granted: bool) -> RetryDecision:
+        if not granted:
+            err = RetryBudgetExhausted(
+                f"the retry budget is spent (retries are capped at {self._budget_rule()}), so the failed "
+                f"attempt {step.details.attempt} ({step.reason}) is not retried; the server is likely "
+                "overloaded — slow down, or raise the retry budget's ratio/floor"
+            )
+            err.__cause__ = step.details.error
+            return self._give_up(
+                RetryDetails(**{**step.details.__dict__, "reason": f"{step.reason}; retry budget exhausted",
+                                "delay_s": 0.0}),
+                err,
+            )
+        state.retries += 1
+        state.total_delay_s += step.delay_s
+        state.last_reason = step.reason
+        self._call_hooks(self.on_retry, step.details)
+        log.debug("retrying after attempt %d: %s; sleeping %.3f s", step.details.attempt, step.reason,
+                  step.delay_s)
+        return RetryDecision(True, step.delay_s, step.reason)
+
+    def _budget_failed(self, state: RetryState, step: _Pending, exc: Exception) -> RetryDecision:
+        # The budget cannot be consulted (Redis down): not retrying is the safe side — a retry that no
+        # budget admitted is exactly the load this module exists to prevent.
+        log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=exc)
+        return self._give_up(
+            RetryDetails(**{**step.details.__dict__, "reason": f"{step.reason}; retry budget unavailable",
+                            "delay_s": 0.0}),
+            None,
+        )
+
+    def _budget_rule(self) -> str:
+        b = self.budget
+        ratio, floor, window = (getattr(b, "ratio", None), getattr(b, "floor_per_s", None),
+                                getattr(b, "window_s", None))
+        if ratio is None or floor is None or window is None:
+            return "the budget's rule"
+        return f"{ratio:g} x requests + {floor:g}/s x {window:g} s"
+
+    def _give_up(self, details: RetryDetails, error: BaseException | None) -> RetryDecision:
+        final = RetryDetails(**{**details.__dict__, "delay_s": 0.0, "give_up_error": error})
+        self._call_hooks(self.on_give_up, final)
+        log.debug("giving up after attempt %d: %s", details.attempt, details.reason)
+        return RetryDecision(False, 0.0, details.reason, error)
+
+    @staticmethod
+    def _call_hooks(hooks: list[Hook], details: RetryDetails) -> None:
+        for hook in hooks:
+            try:
+                hook(details)
+            except Exception:
+                log.warning("retry hook %r raised; ignored", hook, exc_info=True)
