@@ -1,0 +1,104 @@
+"""``zp-client sim``: serve the simulated vLLM server, or replay a workload in virtual time.
+
+    zp-client sim --port 8000 --profile tiny [--num-gpu-blocks N] [--speedup K] [--gateway-timeout S]
+    zp-client sim replay WORKLOAD.jsonl --num-gpu-blocks N [...]   (see shared/REPLAY.md)
+
+Serving is the default (no sub-subcommand); ``replay`` delegates to :mod:`zp_client.sim.replay`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+logger = logging.getLogger("zp_client.sim.cli")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``sim`` options (serve) and the ``replay`` sub-subcommand to ``parser``."""
+    from .profiles import PROFILES
+
+    # Serve options use their own dests (sim_*) so the replay subparser's options of the same
+    # spelling (--num-gpu-blocks, --policy...) never clash in the shared namespace.
+    parser.add_argument("--host", dest="sim_host", default="127.0.0.1",
+                        help="interface to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", dest="sim_port", type=int, default=8000, help="port (default 8000; 0 = any)")
+    parser.add_argument("--profile", dest="sim_profile", default="tiny", choices=sorted(PROFILES),
+                        help="GPU profile: pool size, limits and step-time constants (default tiny)")
+    parser.add_argument("--num-gpu-blocks", dest="sim_num_gpu_blocks", type=int, default=None,
+                        help="KV pool size in blocks, including the null block (default: the profile's)")
+    parser.add_argument("--speedup", dest="sim_speedup", type=float, default=1.0,
+                        help="virtual seconds per real second (default 1)")
+    parser.add_argument("--gateway-timeout", dest="sim_gateway_timeout", type=float, default=None,
+                        metavar="S", help="answer 504 to requests without a first byte after S virtual seconds")
+    parser.add_argument("--policy", dest="sim_policy", choices=["fcfs", "priority"], default="fcfs",
+                        help="scheduling policy (vLLM's --scheduling-policy)")
+    parser.add_argument("--max-num-seqs", dest="sim_max_num_seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", dest="sim_max_num_batched_tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", dest="sim_max_model_len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", dest="sim_no_prefix_caching", action="store_true")
+    parser.add_argument("--model", dest="sim_model", default="sim-llama", help="served model name")
+    parser.add_argument("--seed", dest="sim_seed", type=int, default=0,
+                        help="seed of the default output-length distribution")
+    sub = parser.add_subparsers(dest="sim_command", metavar="{replay}")
+    replay = sub.add_parser("replay", help="replay a JSONL workload in virtual time and print JSON",
+                            description="Replay a JSONL workload (shared/REPLAY.md) in virtual time.")
+    from .replay import add_replay_arguments
+
+    add_replay_arguments(replay)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``zp-client sim`` (serve until interrupted) or ``zp-client sim replay``."""
+    if getattr(args, "sim_command", None) == "replay":
+        from .replay import run_replay_command
+
+        return run_replay_command(args)
+    from .server import SimServer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = SimServer(
+            args.sim_profile,
+            num_gpu_blocks=args.sim_num_gpu_blocks,
+            speedup=args.sim_speedup,
+            gateway_timeout_s=args.sim_gateway_timeout,
+            policy=args.sim_policy,
+            port=args.sim_port,
+            host=args.sim_host,
+            model=args.sim_model,
+            seed=args.sim_seed,
+            enable_prefix_caching=not args.sim_no_prefix_caching,
+            max_num_seqs=args.sim_max_num_seqs,
+            max_num_batched_tokens=args.sim_max_num_batched_tokens,
+            max_model_len=args.sim_max_model_len,
+            log_level="info",
+        )
+    except ValueError as exc:
+        print(f"zp-client sim: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        await server.start()
+        print(f"zp-client sim: serving model {server.model!r} (profile {args.sim_profile}, "
+              f"{server.num_gpu_blocks} blocks, max_model_len {server.max_model_len}, "
+              f"speedup {args.sim_speedup:g}) at {server.base_url}", file=sys.stderr, flush=True)
+        try:
+            await server.wait_closed()
+        finally:
+            await server.aclose()
+            st = server.stats()
+            print(f"zp-client sim: stopped after {st['engine']['steps']} steps, "
+                  f"{st['engine']['preemptions_total']} preemptions, max lag {st['max_lag_s']:.3f} s"
+                  + (" (LAGGING: could not keep up with the speedup)" if st["lagging"] else ""),
+                  file=sys.stderr)
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,1189 @@
+"""The simulated vLLM server: an OpenAI-compatible HTTP API in front of the step-driven engine.
+
+Use it from tests and examples::
+
+    async with SimServer(profile="tiny", num_gpu_blocks=200, speedup=10) as server:
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="x")
+        ...
+
+or from synchronous code (the server then runs on a background thread)::
+
+    with SimServer(profile="tiny") as server:
+        openai.OpenAI(base_url=server.base_url, api_key="x")...
+
+What callers may rely on
+------------------------
+* Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming with
+  ``data: [DONE]``, ``stream_options.include_usage``, ``n``), ``POST /tokenize`` (completion and chat
+  forms), ``POST /detokenize``, ``GET /v1/models`` (cards carry ``max_model_len``), ``GET /health``,
+  ``GET /metrics`` (vLLM's metric names and labels), and the sim-only ``GET /sim/stats``
+  (``?requests=1`` adds per-request records) and ``GET /sim/clock``.
+* Prompt tokens are counted by :mod:`zp_client.sim.tokenizer` (not cl100k). A chat prompt is
+  :func:`~zp_client.sim.tokenizer.render_chat` of the messages and tools, so ``/tokenize`` in chat form
+  counts exactly what ``usage.prompt_tokens`` of the same chat request reports.
+* Errors have vLLM's shape ``{"error": {"message", "type", "param", "code"}}``. A prompt of at least
+  ``max_model_len`` tokens is a 400 ("This model's maximum context length is N tokens. However, your
+  prompt contains M input tokens..."). A too-large ``max_tokens`` is clamped to
+  ``max_model_len - prompt`` (not an error, as in current vLLM). An unknown ``model`` is a 404.
+* Output length (per choice): the sim-only body field ``sim_output_tokens`` is the true length; the
+  client's ``max_tokens`` / ``max_completion_tokens`` stays the upper bound (output stops at the smaller);
+  ``ignore_eos: true`` yields exactly the (clamped) bound. With neither, the length is drawn from the
+  default distribution: log-normal with median ``DEFAULT_OUTPUT_MEDIAN`` (220) tokens and sigma
+  ``DEFAULT_OUTPUT_SIGMA`` (0.9), at least 1, seeded by the body's ``seed`` when given, otherwise by the
+  server's ``seed`` and the request's arrival order. ``finish_reason`` is ``"length"`` when the bound was
+  reached, ``"stop"`` (or ``"tool_calls"``) otherwise.
+* Tool calls: when a chat request carries ``tools`` and ``tool_choice`` is ``"required"``, names a
+  function, or is ``"auto"``/absent while the last message is from the user (not a tool result), the
+  answer is one tool call (to the named function, else the first tool) whose ``arguments`` are JSON
+  built from the function's parameter schema (required properties, typed values). Without an explicit
+  length the output length is the token count of that call. ``tool_choice: "none"`` never calls.
+* ``priority`` (int) goes to the engine (used by the ``priority`` policy).
+* A client disconnect (streamed or not, before or after the first token) aborts the request in the
+  engine, which frees its blocks at once.
+* Gateway emulation (``gateway_timeout_s``, virtual seconds): a request that has not sent its first byte
+  by then gets a 504 with an nginx-like HTML body and is aborted in the engine. Streamed responses send
+  their headers together with the first chunk (the first token), so a queued stream can time out too.
+* Time: a background loop runs ``engine.step()``; each step's virtual duration is slept as
+  duration / speedup of real time (sleeping until the step's real deadline, so compute time is
+  absorbed). When idle, virtual time follows real time x speedup. When the engine cannot keep up, it
+  runs steps back to back, ``/sim/stats`` reports ``lag_s`` / ``max_lag_s`` (virtual seconds behind the
+  real-time schedule) and ``lagging: true``, and a warning is logged once.
+* ``server.timeline`` holds ``(virtual_t, kv_usage, preemptions_total, running, waiting)`` samples, one
+  per step (or per ``timeline_interval_s`` of virtual time when set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import tokenizer as tok
+from .engine import Engine, EngineConfig
+from .profiles import StepProfile, get_profile
+
+__all__ = ["DEFAULT_OUTPUT_MEDIAN", "DEFAULT_OUTPUT_SIGMA", "SimServer", "build_app"]
+
+logger = logging.getLogger("zp_client.sim.server")
+
+DEFAULT_OUTPUT_MEDIAN = 220
+DEFAULT_OUTPUT_SIGMA = 0.9
+#: Lag (virtual seconds behind the real-time schedule) above which a run is flagged as lagging.
+LAG_WARN_S = 0.25
+
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py)
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+_GATEWAY_504_BODY = (
+    "<html>\r\n<head><title>504 Gateway Time-out</title></head>\r\n<body>\r\n"
+    "<center><h1>504 Gateway Time-out</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+)
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return _error(self.status, self.message, self.type, self.param)
+
+
+def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
+                        status_code=status)
+
+
+# ----------------------------------------------------------------------------------------------
+# request state
+
+
+@dataclass
+class _Choice:
+    index: int
+    engine_id: str
+    target: int  # number of tokens the engine will produce
+    bound: int  # clamped max_tokens
+    token_ids: list[int]  # the output ids (fixed up front: deterministic text)
+    tool_call: tuple[str, str] | None = None  # (name, arguments JSON)
+    generated: int = 0
+    finished: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        if self.target >= self.bound:
+            return "length"
+        return "tool_calls" if self.tool_call else "stop"
+
+
+@dataclass
+class _Record:
+    request_id: str
+    engine_ids: list[str]
+    kind: str
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int
+    priority: int
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finish: float | None = None
+    status: str = "running"  # running | finished | aborted | gateway_timeout
+    preemptions: int = 0
+
+
+@dataclass
+class _Pending:
+    """One HTTP request in flight: its choices and the queue the engine loop feeds."""
+
+    request_id: str
+    kind: str  # "chat" | "completion"
+    created: int
+    model: str
+    prompt_ids: list[int]
+    choices: list[_Choice]
+    record: _Record
+    events: asyncio.Queue[tuple[int, int, bool]] = field(default_factory=asyncio.Queue)
+    last_token_t: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+
+# ----------------------------------------------------------------------------------------------
+# the simulator core (engine loop, clock, metrics); the Starlette app is a thin shell around it
+
+
+class _Sim:
+    def __init__(
+        self,
+        profile: StepProfile,
+        *,
+        num_gpu_blocks: int | None,
+        speedup: float,
+        gateway_timeout_s: float | None,
+        policy: str,
+        model: str,
+        seed: int,
+        enable_prefix_caching: bool,
+        max_num_seqs: int | None,
+        max_num_batched_tokens: int | None,
+        max_model_len: int | None,
+        timeline_interval_s: float,
+    ) -> None:
+        if speedup <= 0:
+            raise ValueError(f"speedup must be > 0, got {speedup}")
+        overrides: dict[str, Any] = {"policy": policy, "enable_prefix_caching": enable_prefix_caching}
+        for key, value in (("num_gpu_blocks", num_gpu_blocks), ("max_num_seqs", max_num_seqs),
+                           ("max_num_batched_tokens", max_num_batched_tokens)):
+            if value is not None:
+                overrides[key] = value
+        blocks = num_gpu_blocks if num_gpu_blocks is not None else profile.num_gpu_blocks
+        mml = max_model_len if max_model_len is not None else profile.max_model_len
+        # vLLM refuses to start when one max_model_len request cannot fit the pool; the simulator
+        # instead lowers max_model_len so any admitted request can always run alone (no livelock).
+        capacity = (blocks - 1) * profile.block_size
+        if mml > capacity:
+            logger.warning("max_model_len %d exceeds the KV pool (%d usable blocks = %d tokens); "
+                           "using max_model_len=%d", mml, blocks - 1, capacity, capacity)
+            mml = capacity
+        overrides["max_model_len"] = mml
+        self.profile = profile
+        self.config = EngineConfig.from_profile(profile, **overrides)
+        self.engine = Engine(self.config)
+        self.max_model_len = mml
+        self.num_gpu_blocks = blocks
+        self.block_size = profile.block_size
+        self.speedup = float(speedup)
+        self.gateway_timeout_s = gateway_timeout_s
+        self.policy = policy
+        self.model = model
+        self.seed = seed
+        self.enable_prefix_caching = enable_prefix_caching
+        self.timeline_interval_s = timeline_interval_s
+        self.timeline: list[tuple[float, float, int, int, int]] = []
+        self.records: dict[str, _Record] = {}
+        self._pending: dict[str, tuple[_Pending, int]] = {}  # engine id -> (pending, choice index)
+        self._arrivals = 0
+        self._real0 = time.monotonic()
+        self._virt0 = 0.0
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self.loop_error: BaseException | None = None
+        self.counts = {"requests": 0, "finished": 0, "aborted_disconnect": 0, "gateway_504": 0,
+                       "errors_4xx": 0}
+        self.lag_s = 0.0
+        self.max_lag_s = 0.0
+        self.lagging = False
+        self._lag_warned = False
+        self.real_steps = 0
+        self.real_busy_s = 0.0  # real seconds spent in engine.step() (compute)
+        self._setup_metrics()
+
+    # -- clock ---------------------------------------------------------------------------------
+    def _mapped(self, real: float | None = None) -> float:
+        return self._virt0 + ((time.monotonic() if real is None else real) - self._real0) * self.speedup
+
+    def clock(self) -> float:
+        """Virtual seconds now: the engine's clock while busy, real time x speedup while idle."""
+        if self.engine.has_unfinished():
+            return float(self.engine.now)
+        return max(float(self.engine.now), self._mapped())
+
+    # -- engine loop ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="zp-sim-engine")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+
+    async def _run_loop(self) -> None:
+        assert self._wake is not None
+        try:
+            while True:
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                t0 = time.monotonic()
+                out = self.engine.step()
+                t1 = time.monotonic()
+                self.real_steps += 1
+                self.real_busy_s += t1 - t0
+                self._sample(out)
+                if out.scheduled_tokens == 0 and out.end_time <= out.start_time:
+                    # nothing schedulable (should not happen with max_model_len <= pool): wait for a
+                    # change instead of spinning
+                    self._wake.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 0.05)
+                    continue
+                deadline = self._real0 + (out.end_time - self._virt0) / self.speedup
+                now = time.monotonic()
+                self.lag_s = max(0.0, (now - deadline) * self.speedup)
+                if self.lag_s > self.max_lag_s:
+                    self.max_lag_s = self.lag_s
+                if self.lag_s > LAG_WARN_S:
+                    self.lagging = True
+                    if not self._lag_warned:
+                        self._lag_warned = True
+                        logger.warning("simulator cannot keep up with speedup %.3g: the engine is %.3f "
+                                       "virtual s behind its real-time schedule (lower --speedup)",
+                                       self.speedup, self.lag_s)
+                await asyncio.sleep(max(0.0, deadline - now))
+                self._deliver(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the server turns unhealthy (503 on /health) and says why
+            self.loop_error = exc
+            logger.exception("simulator engine loop died")
+            for pending, _ in list(self._pending.values()):
+                pending.events.put_nowait((-1, 0, True))
+            raise
+
+    def _sample(self, out: Any) -> None:
+        st = self.engine.stats
+        if self.timeline and self.timeline_interval_s > 0:
+            if out.end_time - self.timeline[-1][0] < self.timeline_interval_s:
+                return
+        self.timeline.append((float(out.end_time), float(out.kv_usage), int(st.preemptions_total),
+                              int(out.num_running), int(out.num_waiting)))
+
+    def _deliver(self, out: Any) -> None:
+        t = float(out.end_time)
+        labels = (self.model, "0")
+        for eid in out.scheduled:
+            entry = self._pending.get(eid)
+            if entry is not None and entry[0].record.first_scheduled is None:
+                entry[0].record.first_scheduled = float(out.start_time)
+        for eid in out.first_token:
+            entry = self._pending.get(eid)
+            if entry is None:
+                continue
+            pending, _ = entry
+            rec = pending.record
+            if rec.first_token is None:
+                rec.first_token = t
+                self.h_ttft.labels(*labels).observe(t - rec.arrival)
+        for eid, n in out.new_tokens.items():
+            entry = self._pending.get(eid)
+            if entry is None or n <= 0:
+                continue
+            pending, idx = entry
+            choice = pending.choices[idx]
+            last = pending.last_token_t.get(idx)
+            if last is not None:
+                self.h_itl.labels(*labels).observe(t - last)
+            pending.last_token_t[idx] = t
+            choice.generated += n
+            pending.events.put_nowait((idx, n, False))
+        for eid in out.finished:
+            entry = self._pending.pop(eid, None)
+            if entry is None:
+                continue
+            pending, idx = entry
+            choice = pending.choices[idx]
+            choice.finished = True
+            pending.events.put_nowait((idx, 0, True))
+            if pending.done:
+                self._finish_record(pending.record, t, "finished")
+
+    def _finish_record(self, rec: _Record, t: float, status: str) -> None:
+        rec.finish = t
+        rec.status = status
+        rec.preemptions = sum(self._engine_preemptions(eid) for eid in rec.engine_ids)
+        for eid in rec.engine_ids:  # the server keeps its own record; let the engine drop its own
+            self.engine.forget(eid)
+        labels = (self.model, "0")
+        if status == "finished":
+            self.counts["finished"] += 1
+            self.h_e2e.labels(*labels).observe(t - rec.arrival)
+            if rec.first_scheduled is not None:
+                self.h_queue.labels(*labels).observe(max(0.0, rec.first_scheduled - rec.arrival))
+
+    def _engine_record(self, eid: str) -> Any:
+        try:
+            return self.engine.request_record(eid)
+        except Exception:  # the engine may drop records of aborted requests
+            return None
+
+    @staticmethod
+    def _get(obj: Any, name: str) -> Any:
+        if obj is None:
+            return None
+        if isinstance(obj, Mapping):
+            return obj.get(name)
+        return getattr(obj, name, None)
+
+    def _engine_preemptions(self, eid: str) -> int:
+        r = self._engine_record(eid)
+        for name in ("num_preemptions", "preemptions"):
+            v = self._get(r, name)
+            if v is not None:
+                return int(v)
+        return 0
+
+    # -- admission -------------------------------------------------------------------------------
+    def submit(self, pending: _Pending, priority: int) -> None:
+        if self.loop_error is not None:
+            raise _HTTPError(503, f"the simulated engine is dead: {self.loop_error!r}",
+                             "ServiceUnavailableError")
+        if not self.engine.has_unfinished():
+            t = self._mapped()
+            if t > self.engine.now:
+                self.engine.advance_idle(t)
+        arrival = float(self.engine.now)
+        pending.record.arrival = arrival
+        self.records[pending.request_id] = pending.record
+        for choice in pending.choices:
+            try:
+                self.engine.add_request(choice.engine_id, pending.prompt_ids, choice.target,
+                                        priority=priority, output_token_ids=choice.token_ids)
+            except ValueError as exc:
+                self.abort(pending, "aborted")
+                raise _HTTPError(400, str(exc)) from None
+            self._pending[choice.engine_id] = (pending, choice.index)
+        self.counts["requests"] += 1
+        assert self._wake is not None
+        self._wake.set()
+
+    def abort(self, pending: _Pending, status: str) -> None:
+        """Abort every unfinished choice of ``pending`` (idempotent)."""
+        aborted = False
+        for choice in pending.choices:
+            if self._pending.pop(choice.engine_id, None) is not None:
+                self.engine.abort(choice.engine_id)
+                aborted = True
+        if aborted:
+            self._finish_record(pending.record, self.clock(), status)
+            if status == "gateway_timeout":
+                self.counts["gateway_504"] += 1
+            else:
+                self.counts["aborted_disconnect"] += 1
+            assert self._wake is not None
+            self._wake.set()
+
+    def next_rng(self, body_seed: Any) -> random.Random:
+        self._arrivals += 1
+        if isinstance(body_seed, int) and not isinstance(body_seed, bool):
+            return random.Random(body_seed)
+        return random.Random(f"{self.seed}:{self._arrivals}")
+
+    # -- stats / metrics -------------------------------------------------------------------------
+    def stats(self, with_requests: bool = False) -> dict[str, Any]:
+        st = self.engine.stats
+        names = ("num_running", "num_waiting", "kv_usage", "preemptions_total", "recomputed_tokens",
+                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "steps")
+        engine_stats = {n: getattr(st, n, None) for n in names}
+        out: dict[str, Any] = {
+            "model": self.model,
+            "profile": self.profile.name,
+            "clock_s": self.clock(),
+            "speedup": self.speedup,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "policy": self.policy,
+            "gateway_timeout_s": self.gateway_timeout_s,
+            "engine": engine_stats,
+            "lag_s": self.lag_s,
+            "max_lag_s": self.max_lag_s,
+            "lagging": self.lagging,
+            "real_steps": self.real_steps,
+            "real_step_compute_s": self.real_busy_s,
+            "in_flight": len({id(p) for p, _ in self._pending.values()}),
+            **self.counts,
+        }
+        if with_requests:
+            out["requests"] = [self._record_json(r) for r in self.records.values()]
+        return out
+
+    def _record_json(self, r: _Record) -> dict[str, Any]:
+        if r.status == "running":
+            r.preemptions = sum(self._engine_preemptions(e) for e in r.engine_ids)
+        return {"id": r.request_id, "kind": r.kind, "status": r.status, "arrival_s": r.arrival,
+                "first_token_s": r.first_token, "finish_s": r.finish, "prompt_tokens": r.prompt_tokens,
+                "max_tokens": r.max_tokens, "output_tokens": r.output_tokens, "priority": r.priority,
+                "first_scheduled_s": r.first_scheduled, "num_preemptions": r.preemptions}
+
+    def _setup_metrics(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        ln = ["model_name", "engine"]
+        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                ln, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.h_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                               ln, buckets=_ITL_BUCKETS, registry=self.registry)
+        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds",
+                               "Histogram of e2e request latency in seconds.", ln, buckets=_LATENCY_BUCKETS,
+                               registry=self.registry)
+        self.h_queue = Histogram("vllm:request_queue_time_seconds",
+                                 "Histogram of time spent in WAITING phase for request.", ln,
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(self))
+
+    def cache_config_labels(self) -> dict[str, str]:
+        # vLLM's CacheConfig.metrics_info(): every field as a string, plus the engine index
+        return {
+            "block_size": str(self.block_size),
+            "gpu_memory_utilization": "0.92",
+            "swap_space": "4",
+            "cache_dtype": "auto",
+            "is_attention_free": "False",
+            "num_gpu_blocks_override": "None",
+            "sliding_window": "None",
+            "enable_prefix_caching": str(self.enable_prefix_caching),
+            "prefix_caching_hash_algo": "sha256",
+            "cpu_offload_gb": "0",
+            "calculate_kv_scales": "False",
+            "num_gpu_blocks": str(self.num_gpu_blocks),
+            "num_cpu_blocks": "None",
+            "kv_sharing_fast_prefill": "False",
+            "engine": "0",
+        }
+
+
+class _EngineCollector:
+    """Reads the engine's counters at scrape time (gauges and counters keyed like vLLM's)."""
+
+    def __init__(self, sim: _Sim) -> None:
+        self.sim = sim
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        sim = self.sim
+        st = sim.engine.stats
+        ln = ["model_name", "engine"]
+        lv = [sim.model, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(name, doc, labels=ln)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(name, doc, labels=ln)
+            c.add_metric(lv, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    st.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                      st.preemptions_total)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                      st.generation_tokens_total)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      st.prefix_cache_queries_total)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      st.prefix_cache_hits_total)
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=[*ln, "finished_reason"])
+        success.add_metric([*lv, "stop"], sim.counts["finished"])
+        yield success
+        labels = sim.cache_config_labels()
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=list(labels))
+        info.add_metric(list(labels.values()), 1.0)
+        yield info
+
+
+# ----------------------------------------------------------------------------------------------
+# request parsing and output shaping
+
+
+def _int_field(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _HTTPError(400, f"'{name}' must be an integer, got {value!r}", param=name)
+    return value
+
+
+def _schema_value(schema: Any, name: str, rng: random.Random, depth: int = 0) -> Any:
+    if not isinstance(schema, Mapping):
+        return "value"
+    if "enum" in schema and schema["enum"]:
+        return schema["enum"][0]
+    if "const" in schema:
+        return schema["const"]
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key):
+            return _schema_value(schema[key][0], name, rng, depth)
+    typ = schema.get("type", "string")
+    if isinstance(typ, list):
+        typ = next((t for t in typ if t != "null"), "string")
+    if typ == "integer":
+        lo = schema.get("minimum", 1)
+        return int(lo) + rng.randrange(10)
+    if typ == "number":
+        return round(float(schema.get("minimum", 0)) + rng.random() * 10, 2)
+    if typ == "boolean":
+        return True
+    if typ == "array":
+        return [_schema_value(schema.get("items", {}), name, rng, depth + 1)] if depth < 3 else []
+    if typ == "object":
+        return _object_from_schema(schema, rng, depth + 1) if depth < 3 else {}
+    if typ == "null":
+        return None
+    return f"{name} {tok.decode(rng.randrange(tok.VOCAB_SIZE) for _ in range(2)).strip()}"
+
+
+def _object_from_schema(schema: Mapping[str, Any], rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    props = schema.get("properties") or {}
+    required = schema.get("required")
+    keys = [k for k in props if k in required] if isinstance(required, list) and required else list(props)
+    return {k: _schema_value(props[k], k, rng, depth) for k in keys}
+
+
+def _pick_tool(body: Mapping[str, Any], messages: Sequence[Any]) -> Mapping[str, Any] | None:
+    tools = body.get("tools") or []
+    if not tools:
+        return None
+    choice = body.get("tool_choice", "auto")
+    fns = [t.get("function", t) for t in tools if isinstance(t, Mapping)]
+    if not fns:
+        return None
+    if choice == "none":
+        return None
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name") or choice.get("name")
+        for fn in fns:
+            if fn.get("name") == name:
+                return fn
+        raise _HTTPError(400, f"tool_choice names function {name!r}, which is not in 'tools'", param="tool_choice")
+    if choice == "required":
+        return fns[0]
+    # "auto": answer a user turn with a tool call, a tool result with text (agent loops terminate)
+    last = messages[-1] if messages else {}
+    return fns[0] if isinstance(last, Mapping) and last.get("role") == "user" else None
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _App:
+    def __init__(self, sim: _Sim) -> None:
+        self.sim = sim
+
+    # -- helpers ---------------------------------------------------------------------------------
+    async def _json(self, request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise _HTTPError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise _HTTPError(400, "the request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: Mapping[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.sim.model:
+            raise _HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def _check_len(self, n_prompt: int) -> None:
+        mml = self.sim.max_model_len
+        if n_prompt >= mml:
+            raise _HTTPError(
+                400,
+                f"This model's maximum context length is {mml} tokens. However, your prompt contains "
+                f"{n_prompt} input tokens. Please reduce the length of the input messages.",
+            )
+
+    def _build(self, body: dict[str, Any], kind: str, prompt_ids: list[int],
+               tool: Mapping[str, Any] | None) -> _Pending:
+        sim = self.sim
+        n_prompt = len(prompt_ids)
+        self._check_len(n_prompt)
+        max_tokens = _int_field(body, "max_completion_tokens") if kind == "chat" else None
+        if max_tokens is None:
+            max_tokens = _int_field(body, "max_tokens")
+        room = sim.max_model_len - n_prompt
+        if max_tokens is not None and max_tokens < 1:
+            raise _HTTPError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        bound = room if max_tokens is None else min(max_tokens, room)
+        n = _int_field(body, "n") or 1
+        if n < 1 or n > 64:
+            raise _HTTPError(400, f"n must be between 1 and 64, got {n}.", param="n")
+        true_len = _int_field(body, "sim_output_tokens")
+        if true_len is not None and true_len < 1:
+            raise _HTTPError(400, f"sim_output_tokens must be at least 1, got {true_len}.",
+                             param="sim_output_tokens")
+        priority = _int_field(body, "priority") or 0
+        rng = sim.next_rng(body.get("seed"))
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        choices: list[_Choice] = []
+        for i in range(n):
+            call: tuple[str, str] | None = None
+            natural: int
+            if tool is not None:
+                args = json.dumps(_object_from_schema(tool.get("parameters") or {}, rng))
+                call = (str(tool.get("name", "tool")), args)
+                natural = max(1, tok.count_tokens(json.dumps({"name": call[0], "parameters": json.loads(args)})))
+            else:
+                natural = max(1, int(round(rng.lognormvariate(math.log(DEFAULT_OUTPUT_MEDIAN),
+                                                              DEFAULT_OUTPUT_SIGMA))))
+            if body.get("ignore_eos"):
+                target = bound
+            elif true_len is not None:
+                target = min(true_len, bound)
+            else:
+                target = min(natural, bound)
+            # deterministic output text: ids derived from the prompt and the choice index
+            seed_rng = random.Random(f"{len(prompt_ids)}:{prompt_ids[-8:]}:{i}:{body.get('seed')}")
+            ids = [seed_rng.randrange(tok.VOCAB_SIZE) for _ in range(target)]
+            choices.append(_Choice(index=i, engine_id=f"{request_id}-{i}", target=target, bound=bound,
+                                   token_ids=ids, tool_call=call))
+        record = _Record(request_id=request_id, engine_ids=[c.engine_id for c in choices], kind=kind,
+                         prompt_tokens=n_prompt, max_tokens=bound, output_tokens=sum(c.target for c in choices),
+                         priority=priority, arrival=0.0)
+        pending = _Pending(request_id=request_id, kind=kind, created=int(time.time()), model=sim.model,
+                           prompt_ids=prompt_ids, choices=choices, record=record)
+        sim.submit(pending, priority)
+        return pending
+
+    def _usage(self, pending: _Pending) -> dict[str, int]:
+        completion = sum(c.generated for c in pending.choices)
+        return {"prompt_tokens": len(pending.prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(pending.prompt_ids) + completion}
+
+    @staticmethod
+    def _args_piece(choice: _Choice, start: int, end: int) -> str:
+        """The part of a tool call's arguments belonging to output tokens [start, end)."""
+        assert choice.tool_call is not None
+        args = choice.tool_call[1]
+        total = max(1, choice.target)
+        a = len(args) * start // total
+        b = len(args) if end >= total else len(args) * end // total
+        return args[a:b]
+
+    async def _wait_event(self, request: Request, pending: _Pending, until: float | None,
+                          need_all: bool) -> str:
+        """Wait for the first token (or for completion when ``need_all``) while watching the client.
+
+        Returns "ready", "disconnect" or "timeout" (``until`` is a real monotonic deadline).
+        """
+        disc = asyncio.ensure_future(self._watch_disconnect(request))
+        try:
+            while True:
+                if need_all and pending.done:
+                    return "ready"
+                if not need_all and (any(c.generated > 0 for c in pending.choices) or pending.done):
+                    return "ready"
+                if self.sim.loop_error is not None:
+                    return "ready"
+                timeout = None if until is None else max(0.0, until - time.monotonic())
+                get = asyncio.ensure_future(pending.events.get())
+                done, _ = await asyncio.wait({get, disc}, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await get
+                if disc in done:
+                    return "disconnect"
+                if not done:
+                    return "timeout"
+        finally:
+            disc.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await disc
+
+    @staticmethod
+    async def _watch_disconnect(request: Request) -> None:
+        # After the body is read, the next ASGI receive() returns only when the client goes away.
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    def _deadline(self) -> float | None:
+        g = self.sim.gateway_timeout_s
+        return None if g is None else time.monotonic() + g / self.sim.speedup
+
+    # -- completions -----------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        try:
+            body = await self._json(request)
+            self._check_model(body)
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _HTTPError(400, "'messages' must be a non-empty list", param="messages")
+            tools = body.get("tools")
+            try:
+                text = tok.render_chat(messages, tools=tools or None, add_generation_prompt=True)
+            except (ValueError, AttributeError, TypeError) as exc:
+                raise _HTTPError(400, f"invalid 'messages': {exc}", param="messages") from None
+            tool = _pick_tool(body, messages)
+            pending = self._build(body, "chat", tok.encode(text), tool)
+        except _HTTPError as exc:
+            self.sim.counts["errors_4xx"] += 1
+            return exc.response()
+        return await self._respond(request, body, pending)
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = await self._json(request)
+            self._check_model(body)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids = tok.encode(prompt, add_special_tokens=True)
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                ids = list(prompt)
+            else:
+                raise _HTTPError(400, "'prompt' must be a string or a list of token ids (the simulator "
+                                      "serves one prompt per request; send a batch as separate requests)",
+                                 param="prompt")
+            pending = self._build(body, "completion", ids, None)
+        except _HTTPError as exc:
+            self.sim.counts["errors_4xx"] += 1
+            return exc.response()
+        return await self._respond(request, body, pending)
+
+    async def _respond(self, request: Request, body: Mapping[str, Any], pending: _Pending) -> Response:
+        stream = bool(body.get("stream"))
+        outcome = await self._wait_event(request, pending, self._deadline(), need_all=not stream)
+        if outcome == "disconnect":
+            self.sim.abort(pending, "aborted")
+            return Response(status_code=499)
+        if outcome == "timeout":
+            self.sim.abort(pending, "gateway_timeout")
+            return Response(_GATEWAY_504_BODY, status_code=504, media_type="text/html")
+        if self.sim.loop_error is not None:
+            self.sim.abort(pending, "aborted")
+            return _error(503, f"the simulated engine is dead: {self.sim.loop_error!r}", "ServiceUnavailableError")
+        if not stream:
+            return JSONResponse(self._full_body(pending))
+        opts = body.get("stream_options") or {}
+        include_usage = bool(opts.get("include_usage")) if isinstance(opts, Mapping) else False
+        return StreamingResponse(self._stream(pending, include_usage), media_type="text/event-stream")
+
+    def _full_body(self, pending: _Pending) -> dict[str, Any]:
+        choices = []
+        for c in pending.choices:
+            if pending.kind == "chat":
+                msg: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [],
+                                       "reasoning_content": None}
+                if c.tool_call:
+                    msg["tool_calls"] = [{"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
+                                          "function": {"name": c.tool_call[0], "arguments": c.tool_call[1]}}]
+                else:
+                    msg["content"] = tok.decode(c.token_ids[:c.generated])
+                choices.append({"index": c.index, "message": msg, "logprobs": None,
+                                "finish_reason": c.finish_reason, "stop_reason": None})
+            else:
+                choices.append({"index": c.index, "text": tok.decode(c.token_ids[:c.generated]),
+                                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None})
+        return {"id": pending.request_id,
+                "object": "chat.completion" if pending.kind == "chat" else "text_completion",
+                "created": pending.created, "model": pending.model, "choices": choices,
+                "usage": self._usage(pending)}
+
+    async def _stream(self, pending: _Pending, include_usage: bool) -> AsyncIterator[bytes]:
+        chat = pending.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = [0] * len(pending.choices)
+        role_sent = [False] * len(pending.choices)
+        finished_sent = [False] * len(pending.choices)
+        tool_ids = [f"chatcmpl-tool-{uuid.uuid4().hex[:16]}" for _ in pending.choices]
+
+        def chunk(choice_obj: dict[str, Any]) -> bytes:
+            data: dict[str, Any] = {"id": pending.request_id, "object": obj, "created": pending.created,
+                                    "model": pending.model, "choices": [choice_obj]}
+            if include_usage:
+                data["usage"] = None
+            return _sse(data)
+
+        def pieces() -> list[bytes]:
+            out: list[bytes] = []
+            for c in pending.choices:
+                i = c.index
+                if chat and not role_sent[i] and c.generated > 0:
+                    role_sent[i] = True
+                    out.append(chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}))
+                if c.generated > sent[i]:
+                    a, b = sent[i], c.generated
+                    sent[i] = b
+                    if chat and c.tool_call:
+                        call: dict[str, Any] = {"index": 0, "function": {"arguments": self._args_piece(c, a, b)}}
+                        if a == 0:
+                            call.update(id=tool_ids[i], type="function")
+                            call["function"]["name"] = c.tool_call[0]
+                        delta: dict[str, Any] = {"tool_calls": [call]}
+                    else:
+                        delta = {"content": tok.decode(c.token_ids[a:b])}
+                    if chat:
+                        out.append(chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}))
+                    else:
+                        out.append(chunk({"index": i, "text": delta["content"], "logprobs": None,
+                                          "finish_reason": None}))
+                if c.finished and not finished_sent[i] and sent[i] >= c.generated:
+                    finished_sent[i] = True
+                    if chat:
+                        out.append(chunk({"index": i, "delta": {}, "logprobs": None,
+                                          "finish_reason": c.finish_reason, "stop_reason": None}))
+                    else:
+                        out.append(chunk({"index": i, "text": "", "logprobs": None,
+                                          "finish_reason": c.finish_reason, "stop_reason": None}))
+            return out
+
+        try:
+            while True:
+                for piece in pieces():
+                    yield piece
+                if pending.done or self.sim.loop_error is not None:
+                    break
+                await pending.events.get()
+            if include_usage:
+                yield _sse({"id": pending.request_id, "object": obj, "created": pending.created,
+                            "model": pending.model, "choices": [], "usage": self._usage(pending)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            # a disconnect cancels this generator (or closes it unfinished): free the blocks now
+            if not pending.done:
+                self.sim.abort(pending, "aborted")
+
+    # -- the rest of the surface -----------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = await self._json(request)
+            self._check_model(body)
+            if "messages" in body:
+                messages = body.get("messages")
+                if not isinstance(messages, list):
+                    raise _HTTPError(400, "'messages' must be a list", param="messages")
+                try:
+                    text = tok.render_chat(messages, tools=body.get("tools") or None,
+                                           add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+                except (ValueError, AttributeError, TypeError) as exc:
+                    raise _HTTPError(400, f"invalid 'messages': {exc}", param="messages") from None
+                ids = tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise _HTTPError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
+                ids = tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
+        except _HTTPError as exc:
+            return exc.response()
+        return JSONResponse({"count": len(ids), "max_model_len": self.sim.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await self._json(request)
+            self._check_model(body)
+            ids = body.get("tokens")
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise _HTTPError(400, "'tokens' must be a list of integers", param="tokens")
+            try:
+                text = tok.decode(ids)
+            except ValueError as exc:
+                raise _HTTPError(400, str(exc), param="tokens") from None
+        except _HTTPError as exc:
+            return exc.response()
+        return JSONResponse({"prompt": text})
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.sim.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                "root": self.sim.model, "parent": None, "max_model_len": self.sim.max_model_len,
+                "permission": []}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        if self.sim.loop_error is not None:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.sim.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def sim_stats(self, request: Request) -> Response:
+        with_requests = request.query_params.get("requests", "0") not in ("0", "", "false")
+        return JSONResponse(self.sim.stats(with_requests))
+
+    async def sim_clock(self, request: Request) -> Response:
+        return JSONResponse({"clock_s": self.sim.clock(), "speedup": self.sim.speedup,
+                             "lag_s": self.sim.lag_s, "lagging": self.sim.lagging})
+
+    async def not_found(self, request: Request) -> Response:
+        return PlainTextResponse("Not Found", status_code=404)
+
+
+def build_app(sim: _Sim) -> Starlette:
+    """The Starlette app for a simulator core (the engine loop must be started separately)."""
+    a = _App(sim)
+    routes = [
+        Route("/v1/chat/completions", a.chat, methods=["POST"]),
+        Route("/v1/completions", a.completions, methods=["POST"]),
+        Route("/tokenize", a.tokenize, methods=["POST"]),
+        Route("/detokenize", a.detokenize, methods=["POST"]),
+        Route("/v1/models", a.models, methods=["GET"]),
+        Route("/health", a.health, methods=["GET"]),
+        Route("/metrics", a.metrics, methods=["GET"]),
+        Route("/sim/stats", a.sim_stats, methods=["GET"]),
+        Route("/sim/clock", a.sim_clock, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+# ----------------------------------------------------------------------------------------------
+# the public handle
+
+
+class SimServer:
+    """A simulated vLLM server on 127.0.0.1 (uvicorn in-process).
+
+    ``async with SimServer(...) as s`` runs it on the current event loop; ``with SimServer(...) as s``
+    (or :meth:`start_in_thread` / :meth:`stop`) runs it on a background thread for synchronous code.
+    ``num_gpu_blocks`` etc. default to the profile's values; ``gateway_timeout_s`` (virtual seconds)
+    turns on the gateway emulation; ``port=0`` picks a free port.
+    """
+
+    def __init__(
+        self,
+        profile: str | StepProfile = "tiny",
+        *,
+        num_gpu_blocks: int | None = None,
+        speedup: float = 1.0,
+        gateway_timeout_s: float | None = None,
+        policy: str = "fcfs",
+        port: int = 0,
+        host: str = "127.0.0.1",
+        model: str = "sim-llama",
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        timeline_interval_s: float = 0.0,
+        log_level: str = "warning",
+    ) -> None:
+        prof = get_profile(profile) if isinstance(profile, str) else profile
+        self._sim = _Sim(prof, num_gpu_blocks=num_gpu_blocks, speedup=speedup,
+                         gateway_timeout_s=gateway_timeout_s, policy=policy, model=model, seed=seed,
+                         enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                         timeline_interval_s=timeline_interval_s)
+        self.app = build_app(self._sim)
+        self._host = host
+        self._port = port
+        self._log_level = log_level
+        self._uvicorn: Any = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+
+    # -- facts -------------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Root URL, e.g. ``http://127.0.0.1:PORT`` (``/metrics``, ``/tokenize``, ``/sim/stats`` live here)."""
+        return f"http://{self._host}:{self._port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (``.../v1``)."""
+        return self.url + "/v1"
+
+    @property
+    def model(self) -> str:
+        return self._sim.model
+
+    @property
+    def engine(self) -> Engine:
+        return self._sim.engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self._sim.max_model_len
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self._sim.num_gpu_blocks
+
+    @property
+    def timeline(self) -> list[tuple[float, float, int, int, int]]:
+        return self._sim.timeline
+
+    def clock(self) -> float:
+        """Virtual seconds now."""
+        return self._sim.clock()
+
+    def stats(self, requests: bool = False) -> dict[str, Any]:
+        """What ``GET /sim/stats`` returns."""
+        return self._sim.stats(requests)
+
+    # -- async lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self._host, self._port))
+        self._port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level=self._log_level, lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=1)
+        self._uvicorn = uvicorn.Server(config)
+        self._sim.start()
+        self._serve_task = asyncio.get_running_loop().create_task(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._serve_task.done():
+                self._serve_task.result()  # raises the startup error
+                raise RuntimeError("the simulator's HTTP server stopped during startup")
+            await asyncio.sleep(0.005)
+
+    async def aclose(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._serve_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._serve_task
+            self._serve_task = None
+        await self._sim.stop()
+
+    async def __aenter__(self) -> SimServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def wait_closed(self) -> None:
+        """Wait until the HTTP server stops (Ctrl-C / SIGTERM when run by ``zp-client sim``)."""
+        if self._serve_task is not None:
+            await asyncio.shield(self._serve_task)
+
+    # -- thread lifecycle ---------------------------------------------------------------------------
+    def start_in_thread(self) -> SimServer:
+        """Run the server on a background thread with its own event loop; returns once it listens."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def main() -> None:
+            self._stopped = asyncio.Event()
+            try:
+                await self.start()
+            except BaseException as exc:
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            try:
+                await self._stopped.wait()
+            finally:
+                await self.aclose()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._thread_loop = loop
+            try:
+                loop.run_until_complete(main())
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"zp-sim-{id(self):x}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        return self
+
+    def stop(self) -> None:
+        """Stop a server started with :meth:`start_in_thread` (waits for the thread to end)."""
+        if self._thread is None:
+            return
+        loop, stopped = self._thread_loop, self._stopped
+        if loop is not None and stopped is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stopped.set)
+        self._thread.join(timeout=30)
+        self._thread = None
+
+    def __enter__(self) -> SimServer:
+        return self.start_in_thread()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
