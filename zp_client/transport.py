@@ -1,0 +1,993 @@
+"""Admission as an HTTP transport: the one hook every OpenAI front end shares.
+
+:class:`AsyncAdmissionTransport` and :class:`AdmissionTransport` wrap any inner ``httpx`` transport;
+:class:`AsyncAdmissionTransport2` and :class:`AdmissionTransport2` do the same for ``httpx2`` (the HTTP
+library openai 3.x is built on). Both pairs are built from one generic core by :func:`transport_classes`,
+so the behaviour is identical; :func:`admission_transport_for` picks the right class from the inner
+transport's type. Each class subclasses its module's ``BaseTransport`` / ``AsyncBaseTransport``, so it
+plugs into ``httpx.AsyncClient(transport=...)`` or ``httpx2.Client(transport=...)``.
+
+What callers may rely on:
+
+- Only LLM calls are admitted: ``POST`` to a path ending in ``/chat/completions``, ``/completions`` or
+  ``/responses``. Every other request goes to the inner transport untouched.
+- Before an admitted request is sent, its KV bound is computed as
+  ``ceil(min(prompt + max_tokens, max_model_len) / block_size) x n`` (prompt = the estimator's calibrated
+  reservation) and a lease of that many blocks is taken from the budget. A request without
+  ``max_tokens`` / ``max_completion_tokens`` (``max_output_tokens`` for ``/responses``) gets
+  ``Settings.default_max_tokens`` inserted into the body sent, so the bound is true (logged once).
+  ``max_model_len`` comes from ``Settings.max_model_len`` or, lazily, from the server's ``/v1/models``
+  (cached). A prompt longer than ``max_model_len`` raises :class:`~zp_client.PromptTooLong` and nothing
+  is sent.
+- The lease is released when the response body closes: end of a plain body, end of a stream, a read
+  error, caller cancellation, ``close()``, a stream the caller abandons (garbage collection), or a stream
+  nobody read for ``Settings.idle_stream_timeout_s`` (watchdog thread). A response that arrives already
+  read releases at once.
+- While a stream advances, the lease's occupancy is reported with ``lease.report_held`` every few blocks
+  (counted from SSE ``data:`` events, about one token each). At the end, the response's ``usage`` (when
+  present) calibrates the estimator.
+- For streams, ``stream_options.include_usage`` is added to the request so usage is known; when the
+  caller did not ask for it, the usage-only chunk is removed from the stream the caller reads, so the
+  caller sees exactly the bytes the server would have sent without zp (vLLM does not put ``"usage":null``
+  in ordinary chunks, so nothing else differs). The request body is the only change on the wire.
+- Per-call options: header ``X-ZP-Priority`` (int, lower = earlier) sets the queue priority; without it a
+  body ``priority`` field (vLLM's) is used and left in the body. Header ``X-ZP-Deadline`` (seconds) or
+  ``Settings.deadline_s`` bounds the wait for a lease and every retry attempt. Both headers are stripped.
+- With a :class:`~zp_client.retry.RetryPolicy`, the transport runs the attempt loop: on a retryable
+  outcome the lease is released, the policy sleeps, and the lease is re-acquired with the same ticket
+  (the request keeps its place in line). Nothing is retried once the response was handed to the caller.
+  Without a policy, one attempt.
+- API keys and ``Authorization`` headers never appear in logs or error messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import anyio
+import httpx
+
+from zp_client.budget.base import Budget, Lease, Ticket
+from zp_client.config import Settings
+from zp_client.errors import ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
+
+__all__ = [
+    "AsyncAdmissionTransport",
+    "AdmissionTransport",
+    "AsyncAdmissionTransport2",
+    "AdmissionTransport2",
+    "transport_classes",
+    "admission_transport_for",
+    "is_admitted",
+    "PRIORITY_HEADER",
+    "DEADLINE_HEADER",
+]
+
+logger = logging.getLogger("zp_client.transport")
+
+PRIORITY_HEADER = "x-zp-priority"
+DEADLINE_HEADER = "x-zp-deadline"
+_ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
+# Growth is reported every few blocks: often enough for the elastic policy to see a stream grow,
+# rarely enough that a Redis backend is not hit per token.
+_REPORT_STEP_BLOCKS = 4
+# Non-streamed bodies are kept (up to this size) only to read their ``usage`` at the end.
+_MAX_USAGE_BODY = 4 * 1024 * 1024
+_SSE_SEPARATOR = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+def is_admitted(method: str, path: str) -> bool:
+    """True when a request is an LLM call the transport takes a lease for."""
+    return method.upper() == "POST" and path.rstrip("/").endswith(_ADMITTED_SUFFIXES)
+
+
+# --------------------------------------------------------------------------------------------------
+# The generic core: everything that does not depend on which HTTP module carries the bytes.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """What the core decided for one admitted request."""
+
+    content: bytes
+    headers: list[tuple[bytes, bytes]]
+    blocks: int
+    held: int
+    priority: int
+    deadline: float | None  # monotonic time
+    strip_usage: bool
+    stream: bool
+    prompt_tokens: int
+    n: int
+    estimate: Any
+
+
+@dataclass
+class _Parsed:
+    body: dict[str, Any]
+    changed: bool
+    headers: list[tuple[bytes, bytes]]
+    priority: int
+    deadline: float | None
+    stream: bool
+    strip_usage: bool
+    max_tokens: int
+    model: str | None
+    base: str
+    root: str
+    auth_headers: dict[str, str] = field(default_factory=dict)
+
+
+_logged_default_max_tokens = False
+_logged_no_max_model_len: set[str] = set()
+
+
+def _api_base(url: Any) -> tuple[str, str]:
+    """(API base, server root) of an admitted request's URL: ``http://h:p/v1``, ``http://h:p``."""
+    path = url.path.rstrip("/")
+    for suffix in _ADMITTED_SUFFIXES:
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+            break
+    port = f":{url.port}" if url.port else ""
+    root = f"{url.scheme}://{url.host}{port}"
+    return root + path, root
+
+
+class _Core:
+    """Shared by every transport class: estimation, block math, retry loop decisions."""
+
+    def __init__(
+        self,
+        budget: Budget,
+        settings: Settings | None,
+        estimator: Any | None,
+        retry: Any | None,
+    ) -> None:
+        if not isinstance(budget, Budget):
+            raise ConfigurationError(
+                f"budget must be a zp_client Budget (LocalBudget, RedisBudget), got {type(budget).__name__}"
+            )
+        self.budget = budget
+        self.settings = settings or Settings()
+        if estimator is None:
+            from zp_client.estimate import Estimator
+
+            estimator = Estimator(self.settings)
+        self.estimator = estimator
+        self.retry = retry
+        self._servers: dict[str, Any] = {}
+        self._mml: dict[tuple[str, str | None], int | None] = {}
+        # wrap() sets this so zp refusals pass through the openai SDK as a catchable type.
+        self.convert_error: Callable[[ZPError], BaseException] | None = None
+
+    # -- parsing ------------------------------------------------------------------------------------
+    def parse(self, request: Any) -> _Parsed | None:
+        """Read the request's JSON and per-call options; None when it cannot be admitted (not JSON)."""
+        try:
+            body = json.loads(request.content)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(body, dict):
+            return None
+        priority: int | None = None
+        deadline_s: float | None = self.settings.deadline_s
+        headers: list[tuple[bytes, bytes]] = []
+        auth: dict[str, str] = {}
+        for k, v in request.headers.raw:
+            lk = k.lower()
+            if lk == PRIORITY_HEADER.encode():
+                try:
+                    priority = int(v.decode().strip())
+                except ValueError:
+                    raise ConfigurationError(
+                        f"header X-ZP-Priority must be an integer (lower = earlier), got {v.decode()!r}"
+                    ) from None
+                continue
+            if lk == DEADLINE_HEADER.encode():
+                try:
+                    deadline_s = float(v.decode().strip())
+                except ValueError:
+                    deadline_s = -1.0
+                if not (deadline_s > 0 and math.isfinite(deadline_s)):
+                    raise ConfigurationError(
+                        f"header X-ZP-Deadline must be a positive number of seconds, got {v.decode()!r}"
+                    )
+                continue
+            if lk in (b"content-length", b"transfer-encoding"):
+                continue  # recomputed for the body actually sent
+            if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
+                auth[k.decode("latin-1")] = v.decode("latin-1")
+            headers.append((k, v))
+        if priority is None:
+            bp = body.get("priority")
+            priority = bp if isinstance(bp, int) and not isinstance(bp, bool) else 0
+
+        path = request.url.path.rstrip("/")
+        changed = False
+        keys = ("max_output_tokens",) if path.endswith("/responses") else ("max_completion_tokens", "max_tokens")
+        max_tokens = next((body[k] for k in keys if isinstance(body.get(k), int)), None)
+        if max_tokens is None:
+            max_tokens = self.settings.default_max_tokens
+            body[keys[-1]] = max_tokens
+            changed = True
+            global _logged_default_max_tokens
+            if not _logged_default_max_tokens:
+                _logged_default_max_tokens = True
+                logger.info(
+                    "request without max_tokens: sending %s=%d (Settings.default_max_tokens) so the KV "
+                    "lease is a true upper bound; set max_tokens to silence this",
+                    keys[-1],
+                    max_tokens,
+                )
+        stream = body.get("stream") is True
+        strip_usage = False
+        if stream and not path.endswith("/responses"):
+            so = body.get("stream_options")
+            if not (isinstance(so, dict) and so.get("include_usage") is True):
+                so = dict(so) if isinstance(so, dict) else {}
+                so["include_usage"] = True
+                body["stream_options"] = so
+                changed = True
+                strip_usage = True
+        base, root = _api_base(request.url)
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        return _Parsed(
+            body=body,
+            changed=changed,
+            headers=headers,
+            priority=priority,
+            deadline=None if deadline_s is None else time.monotonic() + deadline_s,
+            stream=stream,
+            strip_usage=strip_usage,
+            max_tokens=max_tokens,
+            model=model,
+            base=base,
+            root=root,
+            auth_headers=auth,
+        )
+
+    def finish_plan(self, request: Any, p: _Parsed, est: Any, mml: int | None) -> _Plan:
+        from zp_client.estimate import kv_blocks
+
+        if mml is not None and est.tokens > mml:
+            raise PromptTooLong(int(est.tokens), mml)
+        prompt = int(self.estimator.reserve_tokens(est))
+        n = int(getattr(est, "n", 1) or 1)
+        bs = self.budget.block_size
+        blocks = kv_blocks(prompt, p.max_tokens, block_size=bs, max_model_len=mml, n=n)
+        held = min(blocks, kv_blocks(prompt, 0, block_size=bs, max_model_len=mml, n=n))
+        content = (
+            json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode() if p.changed else request.content
+        )
+        return _Plan(
+            content=content,
+            headers=p.headers,
+            blocks=blocks,
+            held=held,
+            priority=p.priority,
+            deadline=p.deadline,
+            strip_usage=p.strip_usage,
+            stream=p.stream,
+            prompt_tokens=prompt,
+            n=n,
+            estimate=est,
+        )
+
+    # -- server metadata ----------------------------------------------------------------------------
+    def server_for(self, p: _Parsed, mod: ModuleType, inner: Any) -> Any:
+        """A ServerInfo for this request's server, fetching through the inner transport (no admission)."""
+        server = self._servers.get(p.base)
+        if server is not None:
+            return server
+        from zp_client.server import ServerInfo
+
+        base, root, auth = p.base, p.root, dict(p.auth_headers)
+
+        def url_of(path: str) -> str:
+            return root + path if path.startswith("/") else base.rstrip("/") + "/" + path
+
+        def build(method: str, path: str, payload: Any) -> Any:
+            kw: dict[str, Any] = {"headers": {**auth, "accept": "application/json"}}
+            if payload is not None:
+                kw["json"] = payload
+            return mod.Request(method, url_of(path), **kw)
+
+        async def fetch(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+            resp = await inner.handle_async_request(build(method, path, payload))
+            try:
+                return resp.status_code, await resp.aread()
+            finally:
+                await resp.aclose()
+
+        def fetch_sync(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+            resp = inner.handle_request(build(method, path, payload))
+            try:
+                return resp.status_code, resp.read()
+            finally:
+                resp.close()
+
+        server = ServerInfo(fetch=fetch, fetch_sync=fetch_sync, settings=self.settings)
+        self._servers[p.base] = server
+        return server
+
+    def _mml_failed(self, p: _Parsed, exc: BaseException) -> None:
+        if p.base not in _logged_no_max_model_len:
+            _logged_no_max_model_len.add(p.base)
+            logger.warning(
+                "could not read max_model_len from %s/models (%s); bounds are not capped by the context "
+                "length and long prompts are not refused locally. Set Settings.max_model_len to fix.",
+                p.base,
+                type(exc).__name__,
+            )
+
+    async def max_model_len(self, p: _Parsed, mod: ModuleType, inner: Any) -> int | None:
+        if self.settings.max_model_len is not None:
+            return self.settings.max_model_len
+        key = (p.base, p.model)
+        if key in self._mml:
+            return self._mml[key]
+        try:
+            value = await self.server_for(p, mod, inner).max_model_len(p.model)
+        except Exception as exc:  # metadata is an optimisation of the bound, never a reason to fail
+            self._mml_failed(p, exc)
+            value = None
+        self._mml[key] = value
+        return value
+
+    def max_model_len_sync(self, p: _Parsed, mod: ModuleType, inner: Any) -> int | None:
+        if self.settings.max_model_len is not None:
+            return self.settings.max_model_len
+        key = (p.base, p.model)
+        if key in self._mml:
+            return self._mml[key]
+        try:
+            value = self.server_for(p, mod, inner).max_model_len_sync(p.model)
+        except Exception as exc:
+            self._mml_failed(p, exc)
+            value = None
+        self._mml[key] = value
+        return value
+
+    # -- errors and retry ---------------------------------------------------------------------------
+    def surface(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, ZPError) and self.convert_error is not None:
+            return self.convert_error(exc)
+        return exc
+
+    async def decide_async(self, state: Any, **kw: Any) -> Any:
+        fn = getattr(self.retry, "decide_async", None)
+        if fn is not None:
+            return await fn(state, delivered=False, **kw)
+        return self.retry.decide(state, delivered=False, **kw)
+
+    @staticmethod
+    def remaining(plan: _Plan) -> float | None:
+        return None if plan.deadline is None else plan.deadline - time.monotonic()
+
+    def check_deadline(self, plan: _Plan, attempt: int) -> float | None:
+        rem = self.remaining(plan)
+        if rem is not None and rem <= 0:
+            raise DeadlineExceeded(
+                f"the request's deadline passed before attempt {attempt + 1} could be admitted; "
+                "raise X-ZP-Deadline / Settings.deadline_s or lower the load"
+            )
+        return rem
+
+
+# --------------------------------------------------------------------------------------------------
+# Lease holding for a response body: one object per response, released exactly once.
+# --------------------------------------------------------------------------------------------------
+
+
+class _Holder:
+    """Owns one lease while a response body is open. Never references the stream (GC must work)."""
+
+    __slots__ = ("lease", "done", "loop", "last_activity", "idle_timeout", "__weakref__")
+
+    def __init__(self, lease: Lease, idle_timeout: float) -> None:
+        self.lease = lease
+        self.done = False
+        self.last_activity = time.monotonic()
+        self.idle_timeout = idle_timeout
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+
+    async def release(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        # Shielded: this runs on cancellation paths and must finish so no blocks leak.
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.lease.release()
+            except Exception:  # release never raises by contract; a backend bug must not mask ours
+                logger.exception("lease release failed")
+
+    def release_sync(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.lease.release_sync()
+        except Exception:
+            logger.exception("lease release failed")
+
+    def release_from_anywhere(self) -> None:
+        """Release from a finalizer or the watchdog thread, without blocking an event loop."""
+        if self.done:
+            return
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            self.release_sync()
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self.done = True
+            task = loop.create_task(self.lease.release())
+            _pending.add(task)
+            task.add_done_callback(_pending.discard)
+        elif loop.is_running():
+            self.done = True
+            asyncio.run_coroutine_threadsafe(self.lease.release(), loop)
+        else:
+            self.release_sync()
+
+
+_pending: set[asyncio.Task[None]] = set()
+
+
+def _finalize(holder: _Holder) -> None:
+    if not holder.done:
+        logger.debug("response abandoned without close: releasing its lease")
+        holder.release_from_anywhere()
+
+
+class _Watchdog:
+    """One daemon thread for the process: releases leases of streams nobody has read for a while."""
+
+    def __init__(self) -> None:
+        self._holders: weakref.WeakSet[_Holder] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    def add(self, holder: _Holder) -> None:
+        with self._lock:
+            self._holders.add(holder)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="zp-idle-watchdog", daemon=True)
+                self._thread.start()
+            else:
+                self._wake.set()  # a shorter timeout may need an earlier check
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                holders = [h for h in self._holders if not h.done]
+            if not holders:
+                interval = 5.0
+            else:
+                interval = max(0.01, min(h.idle_timeout for h in holders) / 4)
+            now = time.monotonic()
+            for h in holders:
+                if not h.done and now - h.last_activity > h.idle_timeout:
+                    logger.warning(
+                        "stream idle for more than %.1f s (Settings.idle_stream_timeout_s): releasing its "
+                        "lease",
+                        h.idle_timeout,
+                    )
+                    h.release_from_anywhere()
+            self._wake.wait(interval)
+            self._wake.clear()
+
+
+_watchdog = _Watchdog()
+
+
+class _Scanner:
+    """Watches a response body go by: counts SSE events, finds ``usage``, strips the one zp added."""
+
+    def __init__(self, plan: _Plan, block_size: int, bound: int, lease: Lease, is_sse: bool) -> None:
+        self.plan = plan
+        self.block_size = block_size
+        self.bound = bound
+        self.lease = lease
+        self.sse = is_sse
+        self.strip = plan.strip_usage and is_sse
+        self.buf = bytearray()
+        self.events = 0
+        self.reported = plan.held
+        self.usage: dict[str, Any] | None = None
+        self.body = bytearray() if not is_sse else None
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.sse:
+            if self.body is not None:
+                if len(self.body) + len(chunk) <= _MAX_USAGE_BODY:
+                    self.body += chunk
+                else:
+                    self.body = None
+            return chunk
+        self.buf += chunk
+        out = bytearray() if self.strip else None
+        start = 0
+        for m in _SSE_SEPARATOR.finditer(self.buf):
+            event = bytes(self.buf[start : m.end()])
+            start = m.end()
+            if self._event(event) and out is not None:
+                out += event
+        del self.buf[:start]
+        if out is None:
+            return chunk
+        return bytes(out)
+
+    def flush(self) -> bytes:
+        """Whatever is left after the last separator (a server that ends without a blank line)."""
+        if not self.sse or not self.buf:
+            return b""
+        rest = bytes(self.buf)
+        self.buf.clear()
+        keep = self._event(rest)
+        return rest if (self.strip and keep) else b""
+
+    def _event(self, event: bytes) -> bool:
+        """Account one SSE event; False when it is the usage-only chunk zp asked for."""
+        if b"data:" not in event:
+            return True
+        if b'"usage"' in event:
+            data = b"".join(
+                line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")
+            )
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+                if obj.get("choices") == []:
+                    return not self.strip
+        self.events += 1
+        # About one token per choice per event; the first (role) event carries none, which only makes
+        # this a slight overestimate of growth: fine for accounting.
+        generated = self.events // self.plan.n
+        held = min(
+            self.bound,
+            -(-(self.plan.prompt_tokens + generated) // self.block_size) * self.plan.n,
+        )
+        if held >= self.reported + _REPORT_STEP_BLOCKS:
+            self.reported = held
+            self.lease.report_held(held)
+        return True
+
+    def final_usage(self) -> dict[str, Any] | None:
+        if self.usage is None and self.body is not None:
+            try:
+                obj = json.loads(bytes(self.body))
+            except ValueError:
+                return None
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+        return self.usage
+
+
+def _observe(core: _Core, plan: _Plan, scanner: _Scanner) -> None:
+    try:
+        usage = scanner.final_usage()
+        if usage and isinstance(usage.get("prompt_tokens"), int):
+            core.estimator.observe(plan.estimate, usage["prompt_tokens"])
+    except Exception:  # calibration must never break a response
+        logger.debug("usage reconciliation failed", exc_info=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-module classes
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransportClasses:
+    """The admission transports for one HTTP module (``httpx`` or ``httpx2``)."""
+
+    module: ModuleType
+    AsyncAdmissionTransport: type
+    AdmissionTransport: type
+
+
+_classes: dict[str, TransportClasses] = {}
+
+
+def transport_classes(module: ModuleType) -> TransportClasses:
+    """The (async, sync) admission transport classes for ``httpx`` or ``httpx2``; built once per module."""
+    name = module.__name__
+    if name not in _classes:
+        _classes[name] = _build(module)
+    return _classes[name]
+
+
+def _build(mod: ModuleType) -> TransportClasses:
+    class _AsyncBody(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
+        def __init__(self, core: _Core, plan: _Plan, resp: Any, holder: _Holder, scanner: _Scanner) -> None:
+            self._core, self._plan, self._resp, self._holder, self._scanner = core, plan, resp, holder, scanner
+            weakref.finalize(self, _finalize, holder)
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            holder, scanner = self._holder, self._scanner
+            try:
+                async for chunk in self._resp.stream:
+                    holder.last_activity = time.monotonic()
+                    out = scanner.feed(chunk)
+                    if out:
+                        yield out
+                tail = scanner.flush()
+                if tail:
+                    yield tail
+                _observe(self._core, self._plan, scanner)
+            finally:
+                await holder.release()
+
+        async def aclose(self) -> None:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._resp.aclose()
+            finally:
+                await self._holder.release()
+
+    class _SyncBody(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __init__(self, core: _Core, plan: _Plan, resp: Any, holder: _Holder, scanner: _Scanner) -> None:
+            self._core, self._plan, self._resp, self._holder, self._scanner = core, plan, resp, holder, scanner
+            weakref.finalize(self, _finalize, holder)
+
+        def __iter__(self) -> Iterator[bytes]:
+            holder, scanner = self._holder, self._scanner
+            try:
+                for chunk in self._resp.stream:
+                    holder.last_activity = time.monotonic()
+                    out = scanner.feed(chunk)
+                    if out:
+                        yield out
+                tail = scanner.flush()
+                if tail:
+                    yield tail
+                _observe(self._core, self._plan, scanner)
+            finally:
+                holder.release_sync()
+
+        def close(self) -> None:
+            try:
+                self._resp.close()
+            finally:
+                self._holder.release_sync()
+
+    def _scanner_for(core: _Core, plan: _Plan, resp: Any, lease: Lease) -> _Scanner:
+        ctype = resp.headers.get("content-type", "")
+        is_sse = plan.stream and ctype.startswith("text/event-stream")
+        return _Scanner(plan, core.budget.block_size, lease.bound, lease, is_sse)
+
+    def _request(original: Any, plan: _Plan) -> Any:
+        return mod.Request(
+            original.method,
+            original.url,
+            headers=plan.headers,
+            content=plan.content,
+            extensions=original.extensions,
+        )
+
+    def _response(resp: Any, stream: Any, scanner: _Scanner) -> Any:
+        headers = resp.headers
+        if scanner.strip:
+            # Bytes may be removed from the body, so a declared length would be wrong.
+            headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
+        return mod.Response(resp.status_code, headers=headers, stream=stream, extensions=resp.extensions)
+
+    def _preread_response(core: _Core, plan: _Plan, resp: Any, scanner: _Scanner) -> Any:
+        content = scanner.feed(resp.content) + scanner.flush()
+        _observe(core, plan, scanner)
+        if not scanner.strip:
+            return resp
+        headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
+        return mod.Response(resp.status_code, headers=headers, content=content, extensions=resp.extensions)
+
+    def _preread(resp: Any) -> bool:
+        return bool(getattr(resp, "is_closed", False)) or hasattr(resp, "_content")
+
+    class AsyncAdmissionTransport(mod.AsyncBaseTransport):  # type: ignore[name-defined,misc]
+        """Async admission transport (see :mod:`zp_client.transport`)."""
+
+        def __init__(
+            self,
+            inner: Any | None = None,
+            *,
+            budget: Budget,
+            settings: Settings | None = None,
+            estimator: Any | None = None,
+            retry: Any | None = None,
+            close_inner: bool = True,
+        ) -> None:
+            self._inner = inner if inner is not None else mod.AsyncHTTPTransport()
+            self._core = _Core(budget, settings, estimator, retry)
+            self._close_inner = close_inner
+
+        @property
+        def budget(self) -> Budget:
+            return self._core.budget
+
+        async def handle_async_request(self, request: Any) -> Any:
+            if not is_admitted(request.method, request.url.path):
+                return await self._inner.handle_async_request(request)
+            await request.aread()
+            try:
+                return await self._admitted(request)
+            except ZPError as exc:
+                surfaced = self._core.surface(exc)
+                if surfaced is exc:
+                    raise
+                raise surfaced from exc
+
+        async def _admitted(self, request: Any) -> Any:
+            core = self._core
+            p = core.parse(request)
+            if p is None:
+                return await self._inner.handle_async_request(request)
+            if core.settings.estimator == "server":
+                est = await core.estimator.estimate_async(
+                    request.url.path, p.body, core.server_for(p, mod, self._inner)
+                )
+            else:
+                est = core.estimator.estimate(request.url.path, p.body)
+            mml = await core.max_model_len(p, mod, self._inner)
+            plan = core.finish_plan(request, p, est, mml)
+            retry = core.retry
+            state = retry.new_request() if retry is not None else None
+            ticket: Ticket | None = None
+            attempt = 0
+            while True:
+                rem = core.check_deadline(plan, attempt)
+                lease = await core.budget.acquire(
+                    plan.blocks, priority=plan.priority, timeout=rem, ticket=ticket, held=plan.held
+                )
+                ticket = lease.ticket
+                if state is not None:
+                    state.ticket = ticket
+                holder = _Holder(lease, core.settings.idle_stream_timeout_s)
+                try:
+                    resp = await self._inner.handle_async_request(_request(request, plan))
+                except Exception as exc:
+                    await holder.release()
+                    if state is None:
+                        raise
+                    d = await core.decide_async(
+                        state, status=None, headers=None, error=exc, remaining_s=core.remaining(plan)
+                    )
+                    if not d.retry:
+                        if d.error is not None and d.error is not exc:
+                            raise d.error from exc
+                        raise
+                    logger.info("attempt %d failed (%s): retrying in %.3f s", attempt + 1, d.reason, d.delay_s)
+                    await retry.sleep(d.delay_s)
+                    attempt += 1
+                    continue
+                except BaseException:
+                    await holder.release()
+                    raise
+                try:
+                    if state is not None and resp.status_code >= 400:
+                        d = await core.decide_async(
+                            state, status=resp.status_code, headers=resp.headers, error=None,
+                            remaining_s=core.remaining(plan),
+                        )
+                        if d.retry or d.error is not None:
+                            await resp.aclose()
+                            await holder.release()
+                            if not d.retry:
+                                raise d.error
+                            logger.info(
+                                "attempt %d got HTTP %d (%s): retrying in %.3f s",
+                                attempt + 1, resp.status_code, d.reason, d.delay_s,
+                            )
+                            await retry.sleep(d.delay_s)
+                            attempt += 1
+                            continue
+                    scanner = _scanner_for(core, plan, resp, lease)
+                    if _preread(resp):
+                        await holder.release()
+                        return _preread_response(core, plan, resp, scanner)
+                    _watchdog.add(holder)
+                    return _response(resp, _AsyncBody(core, plan, resp, holder, scanner), scanner)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await resp.aclose()
+                    await holder.release()
+                    raise
+
+        async def aclose(self) -> None:
+            if self._close_inner:
+                await self._inner.aclose()
+
+    class AdmissionTransport(mod.BaseTransport):  # type: ignore[name-defined,misc]
+        """Blocking admission transport (see :mod:`zp_client.transport`)."""
+
+        def __init__(
+            self,
+            inner: Any | None = None,
+            *,
+            budget: Budget,
+            settings: Settings | None = None,
+            estimator: Any | None = None,
+            retry: Any | None = None,
+            close_inner: bool = True,
+        ) -> None:
+            self._inner = inner if inner is not None else mod.HTTPTransport()
+            self._core = _Core(budget, settings, estimator, retry)
+            self._close_inner = close_inner
+
+        @property
+        def budget(self) -> Budget:
+            return self._core.budget
+
+        def handle_request(self, request: Any) -> Any:
+            if not is_admitted(request.method, request.url.path):
+                return self._inner.handle_request(request)
+            request.read()
+            try:
+                return self._admitted(request)
+            except ZPError as exc:
+                surfaced = self._core.surface(exc)
+                if surfaced is exc:
+                    raise
+                raise surfaced from exc
+
+        def _admitted(self, request: Any) -> Any:
+            core = self._core
+            p = core.parse(request)
+            if p is None:
+                return self._inner.handle_request(request)
+            if core.settings.estimator == "server":
+                est = core.estimator.estimate_sync_server(
+                    request.url.path, p.body, core.server_for(p, mod, self._inner)
+                )
+            else:
+                est = core.estimator.estimate(request.url.path, p.body)
+            mml = core.max_model_len_sync(p, mod, self._inner)
+            plan = core.finish_plan(request, p, est, mml)
+            retry = core.retry
+            state = retry.new_request() if retry is not None else None
+            ticket: Ticket | None = None
+            attempt = 0
+            while True:
+                rem = core.check_deadline(plan, attempt)
+                lease = core.budget.acquire_sync(
+                    plan.blocks, priority=plan.priority, timeout=rem, ticket=ticket, held=plan.held
+                )
+                ticket = lease.ticket
+                if state is not None:
+                    state.ticket = ticket
+                holder = _Holder(lease, core.settings.idle_stream_timeout_s)
+                try:
+                    resp = self._inner.handle_request(_request(request, plan))
+                except Exception as exc:
+                    holder.release_sync()
+                    if state is None:
+                        raise
+                    d = retry.decide(
+                        state, status=None, headers=None, error=exc, delivered=False,
+                        remaining_s=core.remaining(plan),
+                    )
+                    if not d.retry:
+                        if d.error is not None and d.error is not exc:
+                            raise d.error from exc
+                        raise
+                    logger.info("attempt %d failed (%s): retrying in %.3f s", attempt + 1, d.reason, d.delay_s)
+                    retry.sleep_sync(d.delay_s)
+                    attempt += 1
+                    continue
+                except BaseException:
+                    holder.release_sync()
+                    raise
+                try:
+                    if state is not None and resp.status_code >= 400:
+                        d = retry.decide(
+                            state, status=resp.status_code, headers=resp.headers, error=None,
+                            delivered=False, remaining_s=core.remaining(plan),
+                        )
+                        if d.retry or d.error is not None:
+                            resp.close()
+                            holder.release_sync()
+                            if not d.retry:
+                                raise d.error
+                            logger.info(
+                                "attempt %d got HTTP %d (%s): retrying in %.3f s",
+                                attempt + 1, resp.status_code, d.reason, d.delay_s,
+                            )
+                            retry.sleep_sync(d.delay_s)
+                            attempt += 1
+                            continue
+                    scanner = _scanner_for(core, plan, resp, lease)
+                    if _preread(resp):
+                        holder.release_sync()
+                        return _preread_response(core, plan, resp, scanner)
+                    _watchdog.add(holder)
+                    return _response(resp, _SyncBody(core, plan, resp, holder, scanner), scanner)
+                except BaseException:
+                    resp.close()
+                    holder.release_sync()
+                    raise
+
+        def close(self) -> None:
+            if self._close_inner:
+                self._inner.close()
+
+    # httpx's classes keep the plain names; httpx2's carry a "2" so reprs and tracebacks tell them apart.
+    suffix = "" if mod.__name__ == "httpx" else "2"
+    for c in (AsyncAdmissionTransport, AdmissionTransport):
+        c.__name__ = c.__qualname__ = c.__name__ + suffix
+    AsyncAdmissionTransport.__module__ = __name__
+    AdmissionTransport.__module__ = __name__
+    return TransportClasses(mod, AsyncAdmissionTransport, AdmissionTransport)
+
+
+_httpx_classes = transport_classes(httpx)
+AsyncAdmissionTransport = _httpx_classes.AsyncAdmissionTransport
+"""Async admission transport for ``httpx`` (openai 2.x, LangChain, AutoGen)."""
+AdmissionTransport = _httpx_classes.AdmissionTransport
+"""Blocking admission transport for ``httpx``."""
+
+
+def _module_of(obj: Any) -> ModuleType:
+    """``httpx`` or ``httpx2``, whichever defines the class of ``obj`` (a transport or client)."""
+    top = type(obj).__module__.split(".")[0]
+    for cls in type(obj).__mro__:
+        top = cls.__module__.split(".")[0]
+        if top in ("httpx", "httpx2"):
+            break
+    if top == "httpx2":
+        import httpx2
+
+        return httpx2
+    if top == "httpx":
+        return httpx
+    raise ConfigurationError(
+        f"cannot tell whether {type(obj).__name__} belongs to httpx or httpx2; pass an httpx or httpx2 "
+        "transport (or use transport_classes(module) directly)"
+    )
+
+
+def admission_transport_for(inner: Any, *, budget: Budget, **options: Any) -> Any:
+    """An admission transport of the right module and flavour (async or sync) for ``inner``."""
+    classes = transport_classes(_module_of(inner))
+    mod = classes.module
+    if isinstance(inner, mod.AsyncBaseTransport):
+        return classes.AsyncAdmissionTransport(inner, budget=budget, **options)
+    if isinstance(inner, mod.BaseTransport):
+        return classes.AdmissionTransport(inner, budget=budget, **options)
+    raise ConfigurationError(f"{type(inner).__name__} is not an httpx/httpx2 transport")
+
+
+def __getattr__(name: str) -> Any:
+    # httpx2 is optional (openai 3.x brings it); its classes are built on first use.
+    if name == "AsyncAdmissionTransport2":
+        import httpx2
+
+        return transport_classes(httpx2).AsyncAdmissionTransport
+    if name == "AdmissionTransport2":
+        import httpx2
+
+        return transport_classes(httpx2).AdmissionTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,150 @@
+"""``wrap(openai_client, budget=...)``: the official openai SDK, admission-gated.
+
+What callers may rely on:
+
+- ``wrap`` accepts ``openai.AsyncOpenAI`` or ``openai.OpenAI`` (and subclasses such as ``AzureOpenAI``),
+  on openai 2.x (built on ``httpx``) and 3.x (built on ``httpx2``, or on a legacy ``httpx`` client the
+  user passed). It returns a new client of the same type made with ``client.with_options(...)``: every
+  call goes through an admission transport (:mod:`zp_client.transport`) and the SDK's own retries are off
+  (``max_retries=0``), so zp's retry policy (``retry=``) is the only retry loop.
+- The new client sends through the ORIGINAL client's own transport (and its mounted proxy transports),
+  so proxy, TLS, connection limits and the connection pool are shared; event hooks, timeout,
+  redirect settings, base URL, headers, cookies and auth of the original HTTP client are copied. The
+  original client is not mutated. Closing the wrapped client does not close the shared transport;
+  close the original client when done with both.
+- A refusal by zp reaches the caller as zp's own error type: :class:`~zp_client.LeaseTooLarge`,
+  :class:`~zp_client.AdmissionTimeout` (and its subclass :class:`~zp_client.DeadlineExceeded`),
+  :class:`~zp_client.PromptTooLong`, :class:`~zp_client.RetryBudgetExhausted`, ... — all catchable as
+  :class:`~zp_client.ZPError`. openai wraps any exception raised inside its transport into a generic
+  ``APIConnectionError("Connection error.")`` *unless* it is an ``openai.OpenAIError``; so the wrapped
+  client raises a subclass of BOTH the zp error class and ``openai.OpenAIError`` (same name, same
+  message, same attributes). ``except zp_client.LeaseTooLarge`` and ``except openai.OpenAIError`` both
+  work; the behaviour is identical on openai 2.x and 3.x.
+- Per call, ``extra_headers={"X-ZP-Priority": "1", "X-ZP-Deadline": "30"}`` set queue priority and the
+  deadline (both headers are stripped before sending).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from typing import Any, TypeVar
+
+from zp_client.budget.base import Budget
+from zp_client.config import Settings
+from zp_client.errors import ConfigurationError, ZPError
+from zp_client.transport import _module_of, transport_classes
+
+__all__ = ["wrap", "openai_compatible_error"]
+
+logger = logging.getLogger("zp_client.wrap")
+
+C = TypeVar("C")
+
+_compat_classes: dict[type, type] = {}
+
+
+def openai_compatible_error(err: ZPError) -> ZPError:
+    """The same error as an instance of a subclass of ``type(err)`` and ``openai.OpenAIError``.
+
+    openai passes ``OpenAIError`` through its request loop untouched (anything else becomes
+    ``APIConnectionError``), so this is how a zp refusal reaches the caller with its own type.
+    """
+    import openai
+
+    if isinstance(err, openai.OpenAIError):
+        return err
+    cls = type(err)
+    compat = _compat_classes.get(cls)
+    if compat is None:
+        compat = type(cls.__name__, (cls, openai.OpenAIError), {"__module__": cls.__module__,
+                                                                 "__doc__": cls.__doc__})
+        compat.__qualname__ = cls.__qualname__
+        _compat_classes[cls] = compat
+    new = compat.__new__(compat, *err.args)  # the built-in base (e.g. OSError) must make it
+    new.__dict__.update(err.__dict__)
+    new.__cause__ = err.__cause__
+    new.__context__ = err.__context__
+    new.__suppress_context__ = err.__suppress_context__
+    return new
+
+
+def wrap(
+    client: C,
+    budget: Budget,
+    *,
+    settings: Settings | None = None,
+    estimator: Any | None = None,
+    retry: Any | None = None,
+    **setting_overrides: Any,
+) -> C:
+    """Return a copy of ``client`` (``openai.AsyncOpenAI`` / ``openai.OpenAI``) that admits every call.
+
+    ``budget`` is the shared KV budget (LocalBudget, RedisBudget). ``settings`` (or keyword overrides of
+    its fields, e.g. ``default_max_tokens=1024``), ``estimator`` and ``retry`` (a RetryPolicy) configure
+    the admission transport. See the module docstring for what is kept from the original client.
+    """
+    try:
+        import openai
+    except ImportError:  # pragma: no cover - openai is an optional dependency
+        raise ConfigurationError("wrap() needs the openai package: pip install 'zp-client[openai]'") from None
+    if not isinstance(client, (openai.AsyncOpenAI, openai.OpenAI)):
+        raise ConfigurationError(
+            f"wrap() takes an openai.AsyncOpenAI or openai.OpenAI client, got {type(client).__name__}; "
+            "for other front ends pass zp_client.AsyncAdmissionTransport as their httpx transport"
+        )
+    if setting_overrides:
+        base = settings.model_dump() if settings is not None else {}
+        try:
+            settings = Settings(**{**base, **setting_overrides})
+        except Exception as exc:
+            raise ConfigurationError(f"invalid zp option for wrap(): {exc}") from None
+    is_async = isinstance(client, openai.AsyncOpenAI)
+    http = client._client  # the SDK's httpx / httpx2 client
+    mod = _module_of(http)
+    classes = transport_classes(mod)
+    cls = classes.AsyncAdmissionTransport if is_async else classes.AdmissionTransport
+
+    transport = cls(http._transport, budget=budget, settings=settings, estimator=estimator, retry=retry,
+                    close_inner=False)
+    core = transport._core
+    core.convert_error = openai_compatible_error
+    mounts: dict[str, Any] = {}
+    for pattern, inner in http._mounts.items():
+        if inner is None:
+            mounts[pattern.pattern] = None
+            continue
+        t = cls(inner, budget=budget, settings=settings, estimator=estimator, retry=retry, close_inner=False)
+        t._core = core  # one estimator, one metadata cache, one error conversion for all routes
+        mounts[pattern.pattern] = t
+
+    client_cls = mod.AsyncClient if is_async else mod.Client
+    new_http = client_cls(
+        transport=transport,
+        mounts=mounts,
+        # the original's env proxies already live in its mounts, which we copied
+        trust_env=False,
+        timeout=http.timeout,
+        follow_redirects=http.follow_redirects,
+        max_redirects=http.max_redirects,
+        event_hooks=http.event_hooks,
+        base_url=http.base_url,
+        headers=http.headers,
+        cookies=http.cookies,
+        auth=http._auth,
+    )
+    logger.debug("wrapped %s (%s) with admission", type(client).__name__, mod.__name__)
+    return client.with_options(http_client=new_http, max_retries=0)  # type: ignore[attr-defined,no-any-return]
+
+
+class _CallableModule(types.ModuleType):
+    """Importing ``zp_client.wrap`` (the module) makes Python set ``zp_client.wrap`` to the module,
+    shadowing the lazily exported function of the same name. Making the module callable keeps
+    ``from zp_client import wrap; wrap(client, budget=...)`` working in every import order."""
+
+    def __call__(self, client: Any, budget: Budget, **options: Any) -> Any:
+        return wrap(client, budget, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule
