@@ -479,6 +479,20 @@ def test_redis_budget_async_path_shares_the_window_with_the_sync_path(
 
 
 @pytest.mark.redis
+def test_redis_budget_from_url_works_from_one_event_loop_after_another(
+    redis_url: str, redis_prefix: str, redis_client: redis.Redis
+) -> None:
+    budget = RedisRetryBudget(redis_prefix, url=redis_url, ratio=0, floor_per_s=0.05, window_s=60)
+
+    async def spend() -> bool:
+        return await budget.try_spend_async()
+
+    # Each anyio.run is a new event loop; redis.asyncio clients cannot cross loops.
+    assert [anyio.run(spend) for _ in range(4)] == [True, True, True, False]
+    budget.close()
+
+
+@pytest.mark.redis
 def test_redis_budget_with_only_a_sync_client_works_from_async_code(
     redis_url: str, redis_prefix: str, redis_client: redis.Redis
 ) -> None:

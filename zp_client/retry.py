@@ -62,7 +62,9 @@ once (delays are still computed and recorded).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import email.utils
 import logging
 import math
@@ -405,6 +407,8 @@ class RedisRetryBudget:
         self._owns_sync = False
         self._script: Any = None
         self._async_script: Any = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None
+        self._init_lock = threading.Lock()
         self._flush_interval_s = float(flush_interval_s)
         self._pending = 0
         self._last_flush = -math.inf
@@ -413,6 +417,10 @@ class RedisRetryBudget:
     # -- clients -------------------------------------------------------------------------------------
 
     def _sync_script(self) -> Any:
+        with self._init_lock:
+            return self._sync_script_locked()
+
+    def _sync_script_locked(self) -> Any:
         if self._script is None:
             if self._client is None:
                 if self._url is None:
@@ -428,6 +436,13 @@ class RedisRetryBudget:
         return self._script
 
     def _aio_script(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._owns_async and self._async_loop is not loop:
+            # redis.asyncio connections belong to the loop that made them; a client made on another
+            # (finished) loop cannot be reused, so this budget makes a fresh one for this loop.
+            self._async_client = None
+            self._async_script = None
+            self._owns_async = False
         if self._async_script is None:
             if self._async_client is None:
                 if self._url is None:
@@ -436,6 +451,7 @@ class RedisRetryBudget:
 
                 self._async_client = redis.asyncio.Redis.from_url(self._url)
                 self._owns_async = True
+                self._async_loop = loop
             self._async_script = self._async_client.register_script(_load_lua("retry_budget.lua"))
         return self._async_script
 
@@ -893,8 +909,7 @@ class RetryPolicy:
             )
             err.__cause__ = step.details.error
             return self._give_up(
-                RetryDetails(**{**step.details.__dict__, "reason": f"{step.reason}; retry budget exhausted",
-                                "delay_s": 0.0}),
+                dataclasses.replace(step.details, reason=f"{step.reason}; retry budget exhausted", delay_s=0.0),
                 err,
             )
         state.retries += 1
@@ -910,8 +925,7 @@ class RetryPolicy:
         # budget admitted is exactly the load this module exists to prevent.
         log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=exc)
         return self._give_up(
-            RetryDetails(**{**step.details.__dict__, "reason": f"{step.reason}; retry budget unavailable",
-                            "delay_s": 0.0}),
+            dataclasses.replace(step.details, reason=f"{step.reason}; retry budget unavailable", delay_s=0.0),
             None,
         )
 
@@ -924,7 +938,7 @@ class RetryPolicy:
         return f"{ratio:g} x requests + {floor:g}/s x {window:g} s"
 
     def _give_up(self, details: RetryDetails, error: BaseException | None) -> RetryDecision:
-        final = RetryDetails(**{**details.__dict__, "delay_s": 0.0, "give_up_error": error})
+        final = dataclasses.replace(details, delay_s=0.0, give_up_error=error)
         self._call_hooks(self.on_give_up, final)
         log.debug("giving up after attempt %d: %s", details.attempt, details.reason)
         return RetryDecision(False, 0.0, details.reason, error)
