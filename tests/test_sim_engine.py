@@ -459,3 +459,26 @@ def test_profiles_are_documented_and_lookup_errors_list_names() -> None:
         get_profile("nope")
     cfg = EngineConfig.from_profile(get_profile("tiny"), num_gpu_blocks=300)
     assert cfg.num_gpu_blocks == 300 and cfg.max_model_len == 4096
+
+
+def test_step_output_carries_token_ids_and_caller_ids_are_used() -> None:
+    e = engine()
+    e.add_request("a", prompt(10), 3, output_token_ids=[5, 6, 7])
+    e.add_request("b", prompt(10), 2)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    for o in run_all(e):
+        for rid, tok in o.token_ids.items():
+            got[rid].append(tok)
+    assert got["a"] == [5, 6, 7] == e.output_token_ids("a")
+    assert got["b"] == [output_token_id("b", 0), output_token_id("b", 1)]
+    with pytest.raises(ValueError, match="output_token_ids"):
+        e.add_request("c", prompt(10), 3, output_token_ids=[1])
+
+
+def test_long_prefill_token_threshold_caps_a_request_per_step() -> None:
+    e = engine(long_prefill_token_threshold=32, max_model_len=256)
+    e.add_request("a", prompt(100), 2)
+    e.add_request("b", prompt(10), 2)
+    o = e.step()
+    assert o.scheduled == {"a": 32, "b": 10}
+    assert [e.step().scheduled["a"] for _ in range(3)] == [32, 32, 4]

@@ -58,6 +58,7 @@ DEFAULT_STEP_TIME = 0.02
 
 #: Size of the id space synthesized output tokens are drawn from (Llama 3's vocabulary).
 _VOCAB = 128_256
+_MIX = 2_654_435_761  # Knuth's multiplicative constant: spreads consecutive positions
 
 
 def output_token_id(request_id: str, position: int) -> int:
@@ -67,7 +68,7 @@ def output_token_id(request_id: str, position: int) -> int:
     different sequences, so their output blocks hash differently.
     """
     seed = zlib.crc32(request_id.encode("utf-8"))
-    return (seed + 2_654_435_761 * (position + 1)) % _VOCAB
+    return (seed + _MIX * (position + 1)) % _VOCAB
 
 
 @dataclass
@@ -158,6 +159,8 @@ class StepOutput:
     num_waiting: int = 0
     #: tokens scheduled per request this step (prefill chunk or 1 for a decode)
     scheduled: dict[str, int] = field(default_factory=dict)
+    #: the id of the token each request produced this step (only requests that produced one)
+    token_ids: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,6 +179,8 @@ class EngineStats:
     steps: int
     num_free_blocks: int
     num_gpu_blocks: int
+    #: prefix-cache hit tokens over every admission, resumptions after preemption included
+    cache_hit_tokens_all_admissions: int = 0
 
 
 @dataclass
@@ -333,6 +338,7 @@ class _Request:
         "tokens",
         "output_target",
         "output_ids",
+        "seed",
         "priority",
         "arrival_time",
         "status",
@@ -365,6 +371,7 @@ class _Request:
         self.tokens = prompt
         self.output_target = output_target
         self.output_ids = output_ids
+        self.seed = zlib.crc32(request_id.encode("utf-8"))
         self.priority = priority
         self.arrival_time = arrival_time
         self.status = _WAITING
@@ -463,6 +470,7 @@ class Engine:
         self._generation_tokens = 0
         self._pc_queries = 0
         self._pc_hits = 0
+        self._hits_all = 0
         self._steps = 0
         self._step_time = self._make_step_time(config.profile)
 
@@ -604,6 +612,7 @@ class Engine:
             steps=self._steps,
             num_free_blocks=self._pool.free.num_free,
             num_gpu_blocks=self.config.num_gpu_blocks,
+            cache_hit_tokens_all_admissions=self._hits_all,
         )
 
     @property
@@ -722,6 +731,8 @@ class Engine:
         threshold = cfg.long_prefill_token_threshold
         mml = cfg.max_model_len
         running = self._running
+        bs = self._bs
+        caching = self._caching
         scheduled: dict[str, int] = {}
         sched_reqs: dict[str, _Request] = {}
         preempted: list[_Request] = []
@@ -735,6 +746,17 @@ class Engine:
                 n = threshold
             n = min(n, budget, mml - 1 - req.num_computed)
             if n <= 0:
+                i += 1
+                continue
+            # Fast path (most decodes): the held blocks already cover the new tokens.
+            if req.num_computed + n <= len(req.blocks) * bs:
+                if caching:
+                    upto = min(req.num_computed + n, len(req.tokens))
+                    if upto // bs > req.num_cached_blocks:
+                        self._cache_blocks(req, upto)
+                scheduled[req.request_id] = n
+                sched_reqs[req.request_id] = req
+                budget -= n
                 i += 1
                 continue
             ok = False
@@ -782,6 +804,7 @@ class Engine:
                 waiting.pop()
                 running.append(req)
                 req.num_computed = num_hit
+                self._hits_all += num_hit
                 if self._caching and req.status == _WAITING:
                     # vLLM's PrefixCacheStats counts first admissions only (not resumptions).
                     self._pc_queries += len(req.tokens)
@@ -837,6 +860,7 @@ class Engine:
             scheduled=dict(scheduled),
         )
         new_tokens = out.new_tokens
+        token_ids = out.token_ids
         finished: list[_Request] = []
         for rid, n in scheduled.items():
             req = sched_reqs[rid]
@@ -854,7 +878,9 @@ class Engine:
                 continue
             pos = len(req.tokens) - req.prompt_len
             ids = req.output_ids
-            req.tokens.append(ids[pos] if ids is not None else output_token_id(rid, pos))
+            tok = ids[pos] if ids is not None else (req.seed + _MIX * (pos + 1)) % _VOCAB
+            req.tokens.append(tok)
+            token_ids[rid] = tok
             new_tokens[rid] = 1
             self._generation_tokens += 1
             if req.first_token_step is None:

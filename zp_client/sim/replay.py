@@ -301,6 +301,7 @@ def run_replay(
         "generation_tokens_total": stats.generation_tokens_total,
         "prefix_cache_queries_total": stats.prefix_cache_queries_total,
         "prefix_cache_hits_total": stats.prefix_cache_hits_total,
+        "prefix_cache_hit_tokens_all_admissions": stats.cache_hit_tokens_all_admissions,
         "mean_ttft_steps": (sum(ttfts) / len(ttfts)) if ttfts else None,
         "requests": requests,
     }
