@@ -78,3 +78,16 @@ class LeaseLost(ZPError):
 
 class RetryBudgetExhausted(ZPError):
     """The shared retry budget is spent: the request failed and is not retried, to avoid a retry storm."""
+
+
+class ServerInfoError(ZPError):
+    """The server could not answer an informational request (``/v1/models``, ``/tokenize``, ``/metrics``).
+
+    ``status`` is the HTTP status (0 when no response arrived). Check the base URL and that the server
+    exposes the endpoint (``/tokenize`` and ``/metrics`` are vLLM's, at the server root).
+    """
+
+    def __init__(self, what: str, status: int, detail: str = "") -> None:
+        self.status = status
+        msg = f"the server's {what} answered HTTP {status}" if status else f"the server's {what} did not answer"
+        super().__init__(f"{msg}: {detail}" if detail else msg)

@@ -1,0 +1,370 @@
+"""What the client reads from the server: ``/v1/models``, ``POST /tokenize`` and ``/metrics``.
+
+:class:`ServerInfo` does no HTTP of its own: it calls a *fetch* function the caller provides, so the same
+code runs over an ``httpx`` or an ``httpx2`` inner transport, and the admission transport can hand it a
+fetch that bypasses admission (an informational request must never queue behind the budget it informs).
+
+Fetch convention::
+
+    async def fetch(method: str, path: str, json_body: Any | None) -> tuple[int, bytes]: ...
+
+- ``path`` without a leading slash (``"models"``) is relative to the **API root**, the configured base
+  URL such as ``http://host:8000/v1``.
+- ``path`` with a leading slash (``"/tokenize"``, ``"/metrics"``) is relative to the **server root**:
+  the base URL with a trailing ``/v1`` removed (``http://host:8000``; a gateway prefix such as
+  ``http://gw/llm/v1`` gives ``http://gw/llm``). vLLM serves ``/tokenize`` and ``/metrics`` there.
+- ``json_body`` is None for GET. The function returns the HTTP status and the raw body; it raises only
+  when no response arrived (connection refused, timeout).
+
+:func:`resolve_url` implements the convention, for fetch functions to use.
+
+Example::
+
+    info = ServerInfo(fetch=my_fetch, settings=settings)
+    n = await info.max_model_len("llama-3-8b")        # GET models once, cached
+    m = await info.metrics()                           # ServerMetrics
+    limit = suggest_limit_blocks(m.num_gpu_blocks)     # (N - 1) * 0.95
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from zp_client.errors import ConfigurationError, ServerInfoError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zp_client.config import Settings
+
+__all__ = [
+    "AsyncFetch",
+    "SyncFetch",
+    "ServerInfo",
+    "ServerMetrics",
+    "parse_metrics",
+    "resolve_url",
+    "suggest_limit_blocks",
+    "tokenize_request",
+]
+
+logger = logging.getLogger("zp_client.server")
+
+AsyncFetch = Callable[[str, str, Any], Awaitable[tuple[int, bytes]]]
+"""(method, path, json_body or None) -> (status, body). See the module docstring for ``path``."""
+SyncFetch = Callable[[str, str, Any], tuple[int, bytes]]
+
+# After a failed GET models, ask again no sooner than this: a down server must not be asked on
+# every request.
+_MODELS_RETRY_S = 30.0
+
+
+def resolve_url(base_url: str, path: str) -> str:
+    """The absolute URL of ``path`` under the fetch convention (see the module docstring).
+
+    >>> resolve_url("http://h:8000/v1", "models")
+    'http://h:8000/v1/models'
+    >>> resolve_url("http://h:8000/v1/", "/tokenize")
+    'http://h:8000/tokenize'
+    """
+    base = base_url.rstrip("/")
+    if path.startswith("/"):
+        if base.endswith("/v1"):
+            base = base[: -len("/v1")]
+        return base + path
+    return f"{base}/{path}"
+
+
+def suggest_limit_blocks(num_gpu_blocks: int, headroom: float = 0.95) -> int:
+    """A budget limit for a server with ``num_gpu_blocks`` KV blocks: ``floor((N - 1) * headroom)``.
+
+    vLLM's pool includes one null block, so ``N - 1`` are usable; ``headroom`` leaves room for what
+    the budget does not see (requests from clients without zp-client, rounding).
+    """
+    if num_gpu_blocks < 1:
+        raise ConfigurationError(f"num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
+    if not 0 < headroom <= 1:
+        raise ConfigurationError(f"headroom must be in (0, 1], got {headroom}")
+    return max(0, math.floor((num_gpu_blocks - 1) * headroom))
+
+
+@dataclass(frozen=True)
+class ServerMetrics:
+    """The part of vLLM's ``/metrics`` the client uses. Values are summed over engines (label sets);
+    KV usage is the highest engine's. A field is None when the server does not export it."""
+
+    kv_cache_usage_perc: float | None
+    """0..1 (``vllm:kv_cache_usage_perc``, or ``vllm:gpu_cache_usage_perc`` on older servers)."""
+    num_requests_running: float | None
+    num_requests_waiting: float | None
+    num_preemptions_total: float | None
+    block_size: int | None
+    """From ``vllm:cache_config_info``."""
+    num_gpu_blocks: int | None
+    """From ``vllm:cache_config_info``; includes vLLM's null block."""
+    cache_config: dict[str, str] = field(default_factory=dict)
+    """All labels of ``vllm:cache_config_info`` (strings, as exported)."""
+    samples: dict[str, float] = field(default_factory=dict)
+    """Every sample, by full sample name (``vllm:prompt_tokens_total``...), summed over label sets."""
+
+
+def parse_metrics(text: str) -> ServerMetrics:
+    """Parse Prometheus text exposition (vLLM's ``/metrics``) with ``prometheus_client``'s parser."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ConfigurationError(
+            "reading /metrics needs prometheus-client: pip install 'zp-client[sim]' (or prometheus-client)"
+        ) from exc
+    samples: dict[str, float] = {}
+    maxima: dict[str, float] = {}
+    cache_config: dict[str, str] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.endswith("_created"):
+                    continue
+                samples[s.name] = samples.get(s.name, 0.0) + float(s.value)
+                maxima[s.name] = max(maxima.get(s.name, float("-inf")), float(s.value))
+                if s.name == "vllm:cache_config_info" and not cache_config:
+                    cache_config = dict(s.labels)
+    except ValueError as exc:
+        raise ServerInfoError("/metrics", 200, f"unparseable Prometheus text ({exc})") from exc
+
+    def _int(key: str) -> int | None:
+        try:
+            v = cache_config.get(key)
+            return int(float(v)) if v not in (None, "", "None") else None
+        except ValueError:
+            return None
+
+    usage = maxima.get("vllm:kv_cache_usage_perc", maxima.get("vllm:gpu_cache_usage_perc"))
+    return ServerMetrics(
+        kv_cache_usage_perc=usage,
+        num_requests_running=samples.get("vllm:num_requests_running"),
+        num_requests_waiting=samples.get("vllm:num_requests_waiting"),
+        num_preemptions_total=samples.get("vllm:num_preemptions_total"),
+        block_size=_int("block_size"),
+        num_gpu_blocks=_int("num_gpu_blocks"),
+        cache_config=cache_config,
+        samples=samples,
+    )
+
+
+def tokenize_request(path: str, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ``POST /tokenize`` bodies that count ``body``'s prompt: one chat-form request for a chat
+    body, one completion-form request per prompt for a completions body (token-id prompts need none)."""
+    model = body.get("model")
+    base: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
+    if "messages" in body or path.rstrip("/").endswith("chat/completions"):
+        req = dict(base, messages=body.get("messages") or [], add_generation_prompt=True)
+        if body.get("tools"):
+            req["tools"] = body["tools"]
+        for key in ("chat_template", "chat_template_kwargs"):
+            if body.get(key) is not None:
+                req[key] = body[key]
+        return [req]
+    prompt = body.get("prompt")
+    prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    return [dict(base, prompt=p, add_special_tokens=True) for p in prompts if isinstance(p, str)]
+
+
+def _token_count(prompt: Any) -> int | None:
+    """Length of a token-id prompt (the longest, for a batch of token-id lists); None for text."""
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(x, int) for x in prompt):
+            return len(prompt)
+        lens = [len(p) for p in prompt if isinstance(p, list) and all(isinstance(x, int) for x in p)]
+        return max(lens) if lens else None
+    return None
+
+
+def _error_detail(body: bytes) -> str:
+    try:
+        doc = json.loads(body)
+        err = doc.get("error", doc) if isinstance(doc, dict) else doc
+        if isinstance(err, dict):
+            return str(err.get("message") or err.get("detail") or err)[:300]
+        return str(err)[:300]
+    except ValueError:
+        return body[:300].decode("utf-8", "replace")
+
+
+class ServerInfo:
+    """Facts about one server, fetched lazily and cached. Safe to share between tasks and threads.
+
+    ``fetch`` serves the async methods and ``fetch_sync`` the ``*_sync`` ones; calling a method whose
+    fetch is missing raises :class:`~zp_client.errors.ConfigurationError`.
+    """
+
+    def __init__(
+        self,
+        *,
+        fetch: AsyncFetch | None = None,
+        fetch_sync: SyncFetch | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        self._fetch = fetch
+        self._fetch_sync = fetch_sync
+        self._settings = settings
+        self._models: dict[str, int | None] | None = None
+        self._models_failed_at: float | None = None
+        self._lock = threading.Lock()
+        self._alock: Any = None  # anyio.Lock, made on first async use
+
+    # --- max_model_len ---------------------------------------------------------------------------
+    def _configured_len(self) -> int | None:
+        if self._settings is None:
+            from zp_client.config import Settings
+
+            self._settings = Settings()
+        return self._settings.max_model_len
+
+    def _lookup(self, model: str | None) -> int | None:
+        models = self._models or {}
+        if model is not None and model in models:
+            return models[model]
+        # Unknown or unnamed model: the largest context served is the bound that never refuses a
+        # request the server would take (and keeps the KV bound an upper bound).
+        lens = [v for v in models.values() if v is not None]
+        return max(lens) if lens else None
+
+    def _should_fetch_models(self) -> bool:
+        if self._models is not None:
+            return False
+        return self._models_failed_at is None or time.monotonic() - self._models_failed_at >= _MODELS_RETRY_S
+
+    def _store_models(self, status: int, body: bytes) -> None:
+        if status != 200:
+            self._models_failed_at = time.monotonic()
+            logger.warning("GET models answered HTTP %s; max_model_len unknown for now (%s)", status,
+                           _error_detail(body))
+            return
+        try:
+            doc = json.loads(body)
+            cards = doc.get("data", []) if isinstance(doc, dict) else []
+            models: dict[str, int | None] = {}
+            for card in cards:
+                if isinstance(card, dict) and isinstance(card.get("id"), str):
+                    v = card.get("max_model_len")
+                    models[card["id"]] = int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        except (ValueError, AttributeError) as exc:
+            self._models_failed_at = time.monotonic()
+            logger.warning("GET models returned an unreadable body (%s); max_model_len unknown for now", exc)
+            return
+        self._models = models
+
+    async def max_model_len(self, model: str | None) -> int | None:
+        """The model's context length: ``Settings.max_model_len`` when set, else the ``max_model_len`` of
+        its card in ``GET models`` (fetched once, then cached; after a failure, asked again no sooner
+        than 30 s later). None when unknown. For an unknown model name, the largest served length."""
+        configured = self._configured_len()
+        if configured is not None:
+            return configured
+        if self._should_fetch_models():
+            if self._alock is None:
+                import anyio
+
+                self._alock = anyio.Lock()
+            async with self._alock:
+                if self._should_fetch_models():
+                    fetch = self._need(self._fetch, "fetch")
+                    try:
+                        status, body = await fetch("GET", "models", None)
+                    except Exception as exc:
+                        self._models_failed_at = time.monotonic()
+                        logger.warning("GET models failed (%s); max_model_len unknown for now", exc)
+                        return None
+                    self._store_models(status, body)
+        return self._lookup(model)
+
+    def max_model_len_sync(self, model: str | None) -> int | None:
+        """Synchronous counterpart of :meth:`max_model_len`."""
+        configured = self._configured_len()
+        if configured is not None:
+            return configured
+        if self._should_fetch_models():
+            with self._lock:
+                if self._should_fetch_models():
+                    fetch = self._need(self._fetch_sync, "fetch_sync")
+                    try:
+                        status, body = fetch("GET", "models", None)
+                    except Exception as exc:
+                        self._models_failed_at = time.monotonic()
+                        logger.warning("GET models failed (%s); max_model_len unknown for now", exc)
+                        return None
+                    self._store_models(status, body)
+        return self._lookup(model)
+
+    # --- tokenize --------------------------------------------------------------------------------
+    def _read_count(self, status: int, body: bytes) -> int:
+        if status != 200:
+            raise ServerInfoError("POST /tokenize", status, _error_detail(body))
+        try:
+            doc = json.loads(body)
+            if isinstance(doc.get("count"), int):
+                return int(doc["count"])
+            return len(doc["tokens"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ServerInfoError("POST /tokenize", status, f"unexpected body ({exc})") from exc
+
+    async def tokenize(self, path: str, body: Mapping[str, Any]) -> int:
+        """Exact prompt tokens of one sequence of the request ``body`` sent to ``path``, from the
+        server's ``POST /tokenize`` (chat form for chat bodies; for several prompts, the longest).
+        Raises :class:`~zp_client.errors.ServerInfoError` when the server cannot answer."""
+        fetch = self._need(self._fetch, "fetch")
+        best = _token_count(body.get("prompt")) or 0
+        for req in tokenize_request(path, body):
+            try:
+                status, raw = await fetch("POST", "/tokenize", req)
+            except Exception as exc:
+                raise ServerInfoError("POST /tokenize", 0, str(exc)) from exc
+            best = max(best, self._read_count(status, raw))
+        return best
+
+    def tokenize_sync(self, path: str, body: Mapping[str, Any]) -> int:
+        """Synchronous counterpart of :meth:`tokenize`."""
+        fetch = self._need(self._fetch_sync, "fetch_sync")
+        best = _token_count(body.get("prompt")) or 0
+        for req in tokenize_request(path, body):
+            try:
+                status, raw = fetch("POST", "/tokenize", req)
+            except Exception as exc:
+                raise ServerInfoError("POST /tokenize", 0, str(exc)) from exc
+            best = max(best, self._read_count(status, raw))
+        return best
+
+    # --- metrics ---------------------------------------------------------------------------------
+    async def metrics(self) -> ServerMetrics:
+        """``GET /metrics`` (server root), parsed. Not cached: each call asks the server."""
+        fetch = self._need(self._fetch, "fetch")
+        try:
+            status, raw = await fetch("GET", "/metrics", None)
+        except Exception as exc:
+            raise ServerInfoError("GET /metrics", 0, str(exc)) from exc
+        if status != 200:
+            raise ServerInfoError("GET /metrics", status, _error_detail(raw))
+        return parse_metrics(raw.decode("utf-8", "replace"))
+
+    def metrics_sync(self) -> ServerMetrics:
+        """Synchronous counterpart of :meth:`metrics`."""
+        fetch = self._need(self._fetch_sync, "fetch_sync")
+        try:
+            status, raw = fetch("GET", "/metrics", None)
+        except Exception as exc:
+            raise ServerInfoError("GET /metrics", 0, str(exc)) from exc
+        if status != 200:
+            raise ServerInfoError("GET /metrics", status, _error_detail(raw))
+        return parse_metrics(raw.decode("utf-8", "replace"))
+
+    @staticmethod
+    def _need(fn: Any, name: str) -> Any:
+        if fn is None:
+            raise ConfigurationError(
+                f"ServerInfo was built without {name!r}; pass {name}=... to use this method")
+        return fn
