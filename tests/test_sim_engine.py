@@ -482,3 +482,109 @@ def test_long_prefill_token_threshold_caps_a_request_per_step() -> None:
     o = e.step()
     assert o.scheduled == {"a": 32, "b": 10}
     assert [e.step().scheduled["a"] for _ in range(3)] == [32, 32, 4]
+
+
+# ------------------------------------------------------------------ invariants, property tests
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def check_invariants(e: Engine) -> None:
+    pool = e._pool
+    free_ids = pool.free.ids()
+    assert len(free_ids) == pool.free.num_free == len(set(free_ids))
+    assert 0 not in free_ids  # the null block never enters the free queue
+    holders: dict[int, int] = {}
+    for req in e._running:
+        assert len(req.blocks) == -(-req.num_computed // e.config.block_size)
+        assert all(b.block_hash is not None for b in req.blocks[: req.num_cached_blocks])
+        for b in req.blocks:
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+    for req in e._requests.values():
+        if req not in e._running:
+            assert req.blocks == []
+    for blk in pool.blocks[1:]:
+        if blk.block_id in holders:
+            assert blk.ref_cnt == holders[blk.block_id] and blk.block_id not in free_ids
+        else:
+            assert blk.ref_cnt == 0
+    assert len(free_ids) + len(holders) == e.config.num_gpu_blocks - 1
+    for h, entry in pool.cached.items():
+        for blk in entry.values():
+            assert blk.block_hash == h
+    assert len(e._running) <= e.config.max_num_seqs
+
+
+request_st = st.tuples(
+    st.integers(1, 120),  # prompt length
+    st.integers(1, 60),  # output tokens
+    st.integers(0, 3),  # shared prefix id (0 = unique)
+    st.integers(0, 3),  # priority
+    st.integers(0, 6),  # steps to run before the next request arrives
+    st.booleans(),  # abort an earlier request now
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    reqs=st.lists(request_st, min_size=1, max_size=25),
+    blocks=st.integers(13, 60),
+    budget=st.sampled_from([16, 48, 256]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+    reserve=st.booleans(),
+)
+def test_random_workloads_keep_pool_invariants(reqs, blocks, budget, policy, caching, reserve) -> None:  # type: ignore[no-untyped-def]
+    e = engine(
+        num_gpu_blocks=blocks,
+        max_model_len=180,
+        max_num_batched_tokens=budget,
+        max_num_seqs=6,
+        policy=policy,
+        enable_prefix_caching=caching,
+        reserve_full_isl=reserve,
+    )
+    prefixes = {k: list(range(k * 1_000_000, k * 1_000_000 + 64)) for k in (1, 2, 3)}
+    added: list[str] = []
+    for i, (p, o, pre, prio, gap, abort) in enumerate(reqs):
+        toks = (prefixes[pre][: min(p, 64)] if pre else []) + prompt(max(p - (64 if pre else 0), 0))
+        toks = toks[:p] or prompt(1)
+        e.add_request(f"r{i}", toks, o, priority=prio)
+        added.append(f"r{i}")
+        if abort and len(added) > 1:
+            e.abort(added[(i * 7) % (len(added) - 1)])
+            check_invariants(e)
+        for _ in range(gap):
+            out = e.step()
+            assert out.scheduled_tokens <= budget
+            check_invariants(e)
+    for _ in range(20_000):
+        if not e.has_unfinished():
+            break
+        e.step()
+        check_invariants(e)
+    assert not e.has_unfinished()
+    for rid in added:
+        rec = e.request_record(rid)
+        assert rec.finished or rec.aborted
+        if rec.finished:
+            assert rec.output_tokens_done == min(rec.output_tokens, 180 - rec.prompt_tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200), st.integers(0, 5)), min_size=1, max_size=20),
+    slack=st.integers(0, 3),
+)
+def test_requests_whose_kv_need_fits_the_pool_never_preempt(reqs, slack) -> None:  # type: ignore[no-untyped-def]
+    # VLLM_FACTS: a request can ever hold ceil((prompt + max_tokens - 1) / 16) blocks. If the
+    # sum over all requests fits the N - 1 usable blocks, no arrival pattern preempts.
+    need = sum(-(-(p + o - 1) // 16) for p, o, _ in reqs)
+    e = engine(num_gpu_blocks=max(need, 32) + 1 + slack, max_model_len=500, max_num_batched_tokens=64)
+    for i, (p, o, gap) in enumerate(reqs):
+        e.add_request(f"r{i}", prompt(p), o)
+        for _ in range(gap):
+            e.step()
+    run_all(e)
+    assert e.stats.preemptions_total == 0
