@@ -588,3 +588,21 @@ def test_requests_whose_kv_need_fits_the_pool_never_preempt(reqs, slack) -> None
             e.step()
     run_all(e)
     assert e.stats.preemptions_total == 0
+
+
+def test_preempt_only_iteration_is_followed_at_once_by_the_next() -> None:
+    # Priority policy: the least urgent running request (a, first in the running list) needs a
+    # block, is itself the victim, and vLLM breaks out of the running loop with nothing
+    # scheduled. The engine runs the next iteration at once and reports the preemption there.
+    e = engine(num_gpu_blocks=9, max_model_len=128, enable_prefix_caching=False, policy="priority")
+    e.add_request("a", prompt(47), 40, priority=5)  # 3 blocks; needs a 4th at position 48
+    e.step()
+    e.add_request("b", prompt(75), 40, priority=0)  # 5 blocks: the pool is then full
+    assert e.step().scheduled == {"a": 1, "b": 75}
+    assert e.stats.num_free_blocks == 0
+    out = e.step()
+    assert out.step == 2
+    assert out.preempted == ["a"]
+    assert out.scheduled == {"b": 1}
+    assert e.waiting_ids == ["a"]
+    assert e.stats.preemptions_total == 1

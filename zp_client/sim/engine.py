@@ -723,8 +723,22 @@ class Engine:
         """Run one scheduling iteration and the fake forward pass.
 
         Returns an empty output (``step is None``, clock unchanged) if nothing could be
-        scheduled, e.g. when nothing is running or waiting.
+        scheduled, e.g. when nothing is running or waiting. An iteration that only preempted
+        (the last running request preempted itself) schedules nothing; vLLM's engine then simply
+        schedules again, at no model cost, so this method does the same and reports those
+        preemptions in the output of the step that follows.
         """
+        carried: list[str] = []
+        while True:
+            out = self._step_once()
+            if out.step is not None or not out.preempted:
+                if carried:
+                    out.preempted = carried + out.preempted
+                return out
+            # Each preempt-only iteration removes a running request: this loop terminates.
+            carried.extend(out.preempted)
+
+    def _step_once(self) -> StepOutput:
         cfg = self.config
         start = self.now
         budget = cfg.max_num_batched_tokens

@@ -238,13 +238,9 @@ def run_replay(
             continue
         out = engine.step()
         if out.step is None:
-            # Nothing schedulable although requests wait: only possible right after a
-            # self-preemption (vLLM's empty step); a second empty step in a row is a deadlock.
-            out = engine.step()
-            if out.step is None:
-                raise ReplayError(
-                    "the engine cannot schedule any waiting request (pool too small?)"
-                )
+            # Cannot happen while max_model_len fits the pool (EngineConfig.validate); guard
+            # against an endless loop all the same.
+            raise ReplayError("the engine cannot schedule any waiting request (pool too small?)")
         max_running = max(max_running, out.num_running + len(out.finished))
         max_kv = max(max_kv, out.kv_usage)
 
