@@ -372,23 +372,30 @@ async def test_non_streamed_disconnect_aborts_the_request() -> None:
 
 
 async def test_gateway_timeout_answers_504_and_aborts() -> None:
-    # one sequence at a time: the streamed request waits behind a long one and never starts
+    # one sequence at a time: requests queued behind a long stream never start and time out
     async with SimServer(profile="tiny", speedup=20, gateway_timeout_s=1.0, max_num_seqs=1) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
-            long_req = http.post("/completions", json={"model": server.model, "prompt": "a b c", "max_tokens": 3000,
-                                                       "ignore_eos": True})
-            queued = http.post("/chat/completions", json={
-                "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-                "stream": True})
-            r1, r2 = await asyncio.gather(long_req, queued)
-            assert r1.status_code == 504 and r2.status_code == 504
-            assert "504 Gateway Time-out" in r1.text
-            # a short request still gets through
+            async with http.stream("POST", "/completions", json={
+                    "model": server.model, "prompt": "a b c", "max_tokens": 3000, "ignore_eos": True,
+                    "stream": True}) as running:
+                assert running.status_code == 200  # streaming started in time: no 504
+                queued_stream = http.post("/chat/completions", json={
+                    "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                    "stream": True})
+                queued_plain = http.post("/completions", json={"model": server.model, "prompt": "q",
+                                                               "max_tokens": 5})
+                r1, r2 = await asyncio.gather(queued_stream, queued_plain)
+                assert r1.status_code == 504 and r2.status_code == 504
+                assert "504 Gateway Time-out" in r1.text and r1.headers["content-type"].startswith("text/html")
+                assert server.engine.stats.num_waiting == 0  # both were aborted in the engine
+            # the long stream was closed by the client; a short request now gets through
+            await _wait_for(lambda: server.engine.stats.num_running == 0, "the closed stream to be aborted")
             ok = await http.post("/completions", json={"model": server.model, "prompt": "q", "max_tokens": 2})
             assert ok.status_code == 200
         st = server.stats(requests=True)
-        assert st["gateway_504"] == 2
-        assert sorted(r["status"] for r in st["requests"]) == ["finished", "gateway_timeout", "gateway_timeout"]
+        assert st["gateway_504"] == 2 and st["aborted_disconnect"] == 1
+        assert sorted(r["status"] for r in st["requests"]) == ["aborted", "finished", "gateway_timeout",
+                                                              "gateway_timeout"]
         assert server.engine.stats.num_running == 0 and server.engine.kv_usage == 0.0
 
 

@@ -88,6 +88,8 @@ DEFAULT_OUTPUT_MEDIAN = 220
 DEFAULT_OUTPUT_SIGMA = 0.9
 #: Lag (virtual seconds behind the real-time schedule) above which a run is flagged as lagging.
 LAG_WARN_S = 0.25
+#: While behind schedule, the engine loop yields to the HTTP handlers at least this often (real s).
+_MAX_UNYIELDED_S = 0.002
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py)
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -167,12 +169,23 @@ class _Pending:
     prompt_ids: list[int]
     choices: list[_Choice]
     record: _Record
-    events: asyncio.Queue[tuple[int, int, bool]] = field(default_factory=asyncio.Queue)
     last_token_t: dict[int, float] = field(default_factory=dict)
+    # Wake-ups: handlers wait on exactly what they need (first byte, completion, any progress), so a
+    # non-streamed request is not woken once per token.
+    first: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    completed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def done(self) -> bool:
         return all(c.finished for c in self.choices)
+
+    def notify(self, first: bool = False, completed: bool = False) -> None:
+        self.changed.set()
+        if (first or completed) and not self.first.done():
+            self.first.set_result(None)
+        if completed and not self.completed.done():
+            self.completed.set_result(None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,6 +256,8 @@ class _Sim:
         self._lag_warned = False
         self.real_steps = 0
         self.real_busy_s = 0.0  # real seconds spent in engine.step() (compute)
+        self.busy_wall_s = 0.0  # real seconds during which the engine had work
+        self._busy_since: float | None = None
         self._setup_metrics()
 
     # -- clock ---------------------------------------------------------------------------------
@@ -268,11 +283,16 @@ class _Sim:
 
     async def _run_loop(self) -> None:
         assert self._wake is not None
+        last_yield = time.monotonic()
         try:
             while True:
                 if not self.engine.has_unfinished():
+                    if self._busy_since is not None:
+                        self.busy_wall_s += time.monotonic() - self._busy_since
+                        self._busy_since = None
                     self._wake.clear()
                     await self._wake.wait()
+                    self._busy_since = time.monotonic()
                     continue
                 t0 = time.monotonic()
                 out = self.engine.step()
@@ -299,7 +319,14 @@ class _Sim:
                         logger.warning("simulator cannot keep up with speedup %.3g: the engine is %.3f "
                                        "virtual s behind its real-time schedule (lower --speedup)",
                                        self.speedup, self.lag_s)
-                await asyncio.sleep(max(0.0, deadline - now))
+                if deadline > now:
+                    await asyncio.sleep(deadline - now)
+                    last_yield = time.monotonic()
+                elif now - last_yield > _MAX_UNYIELDED_S:
+                    # behind schedule: run steps back to back, yielding to the HTTP side only every
+                    # few ms (a yield costs a poll syscall, which would otherwise dominate)
+                    await asyncio.sleep(0)
+                    last_yield = time.monotonic()
                 self._deliver(out)
         except asyncio.CancelledError:
             raise
@@ -307,7 +334,7 @@ class _Sim:
             self.loop_error = exc
             logger.exception("simulator engine loop died")
             for pending, _ in list(self._pending.values()):
-                pending.events.put_nowait((-1, 0, True))
+                pending.notify(completed=True)
             raise
 
     def _sample(self, out: Any) -> None:
@@ -320,7 +347,6 @@ class _Sim:
 
     def _deliver(self, out: Any) -> None:
         t = float(out.end_time)
-        labels = (self.model, "0")
         for eid in out.scheduled:
             entry = self._pending.get(eid)
             if entry is not None and entry[0].record.first_scheduled is None:
@@ -333,7 +359,7 @@ class _Sim:
             rec = pending.record
             if rec.first_token is None:
                 rec.first_token = t
-                self.h_ttft.labels(*labels).observe(t - rec.arrival)
+                self._ttft.observe(t - rec.arrival)
         for eid, n in out.new_tokens.items():
             entry = self._pending.get(eid)
             if entry is None or n <= 0:
@@ -342,10 +368,10 @@ class _Sim:
             choice = pending.choices[idx]
             last = pending.last_token_t.get(idx)
             if last is not None:
-                self.h_itl.labels(*labels).observe(t - last)
+                self._itl.observe(t - last)
             pending.last_token_t[idx] = t
             choice.generated += n
-            pending.events.put_nowait((idx, n, False))
+            pending.notify(first=True)
         for eid in out.finished:
             entry = self._pending.pop(eid, None)
             if entry is None:
@@ -353,7 +379,7 @@ class _Sim:
             pending, idx = entry
             choice = pending.choices[idx]
             choice.finished = True
-            pending.events.put_nowait((idx, 0, True))
+            pending.notify(completed=pending.done)
             if pending.done:
                 self._finish_record(pending.record, t, "finished")
 
@@ -445,6 +471,7 @@ class _Sim:
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "steps")
         engine_stats = {n: getattr(st, n, None) for n in names}
+        busy = self.busy_wall_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
         out: dict[str, Any] = {
             "model": self.model,
             "profile": self.profile.name,
@@ -461,6 +488,8 @@ class _Sim:
             "lagging": self.lagging,
             "real_steps": self.real_steps,
             "real_step_compute_s": self.real_busy_s,
+            "real_busy_s": busy,
+            "steps_per_real_s": self.real_steps / busy if busy > 0 else None,
             "in_flight": len({id(p) for p, _ in self._pending.values()}),
             **self.counts,
         }
@@ -490,6 +519,8 @@ class _Sim:
                                  "Histogram of time spent in WAITING phase for request.", ln,
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_EngineCollector(self))
+        self._ttft = self.h_ttft.labels(self.model, "0")
+        self._itl = self.h_itl.labels(self.model, "0")
 
     def cache_config_labels(self) -> dict[str, str]:
         # vLLM's CacheConfig.metrics_info(): every field as a string, plus the engine index
@@ -732,33 +763,20 @@ class _App:
         b = len(args) if end >= total else len(args) * end // total
         return args[a:b]
 
-    async def _wait_event(self, request: Request, pending: _Pending, until: float | None,
-                          need_all: bool) -> str:
-        """Wait for the first token (or for completion when ``need_all``) while watching the client.
+    async def _wait_event(self, request: Request, target: asyncio.Future[None], until: float | None) -> str:
+        """Wait for ``target`` (first token or completion) while watching the client.
 
         Returns "ready", "disconnect" or "timeout" (``until`` is a real monotonic deadline).
         """
+        if target.done():
+            return "ready"
         disc = asyncio.ensure_future(self._watch_disconnect(request))
         try:
-            while True:
-                if need_all and pending.done:
-                    return "ready"
-                if not need_all and (any(c.generated > 0 for c in pending.choices) or pending.done):
-                    return "ready"
-                if self.sim.loop_error is not None:
-                    return "ready"
-                timeout = None if until is None else max(0.0, until - time.monotonic())
-                get = asyncio.ensure_future(pending.events.get())
-                done, _ = await asyncio.wait({get, disc}, timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await get
-                if disc in done:
-                    return "disconnect"
-                if not done:
-                    return "timeout"
+            timeout = None if until is None else max(0.0, until - time.monotonic())
+            done, _ = await asyncio.wait({target, disc}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if target in done:
+                return "ready"
+            return "disconnect" if disc in done else "timeout"
         finally:
             disc.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -819,7 +837,8 @@ class _App:
 
     async def _respond(self, request: Request, body: Mapping[str, Any], pending: _Pending) -> Response:
         stream = bool(body.get("stream"))
-        outcome = await self._wait_event(request, pending, self._deadline(), need_all=not stream)
+        outcome = await self._wait_event(request, pending.first if stream else pending.completed,
+                                         self._deadline())
         if outcome == "disconnect":
             self.sim.abort(pending, "aborted")
             return Response(status_code=499)
@@ -907,11 +926,14 @@ class _App:
 
         try:
             while True:
+                # clear before taking the snapshot: progress made while the pieces are being sent
+                # sets the event again, so nothing is lost
+                pending.changed.clear()
                 for piece in pieces():
                     yield piece
                 if pending.done or self.sim.loop_error is not None:
                     break
-                await pending.events.get()
+                await pending.changed.wait()
             if include_usage:
                 yield _sse({"id": pending.request_id, "object": obj, "created": pending.created,
                             "model": pending.model, "choices": [], "usage": self._usage(pending)})
