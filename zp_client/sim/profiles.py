@@ -7,9 +7,10 @@ A step's duration follows the DistServe / Vidur form (see shared/VLLM_FACTS.md, 
 
 * ``prefill_tokens``: tokens scheduled this step for requests still catching up their prompt
   (compute-bound GEMMs grow linearly with tokens);
-* ``prefill_sq_sum``: sum over those requests of ``chunk * (context_before + chunk)``, the number
-  of query-key pairs of the chunk's attention (``chunk ** 2`` for an unchunked prefill), the
-  quadratic attention term;
+* ``prefill_sq_sum``: sum over those requests of ``chunk * (context_before + chunk)``
+  (``chunk ** 2`` for an unchunked prefill): the quadratic attention term. It counts the query-key
+  pairs of the chunk's attention, the causal triangle counted in full (about twice the pairs
+  really computed), which ``c2`` accounts for;
 * ``decode_context_tokens``: sum of the context lengths of the decoding requests (the KV bytes a
   decode step must read: decode is bandwidth-bound);
 * ``decode_batch``: number of decoding requests (per-sequence sampling / bookkeeping cost).
@@ -105,11 +106,12 @@ _L70_BLOCKS = kv_blocks_for_memory(
 # c0  fixed per-step cost: reading the FP8 weights once per step (70.6e9 B / 8 GPUs / 3.35 TB/s
 #     = 2.6 ms) plus all-reduces (2 per layer x 80 layers), kernel launches and the scheduler
 #     loop; published vLLM TP8 70B FP8 inter-token latency at batch 1 is ~8-10 ms -> 8 ms.
-# c1  prefill GEMM cost per token: 2 x 70.6e9 FLOP = 141 GFLOP/token over 8 x 989 TFLOPS dense
-#     FP8 (H100 SXM, no sparsity) at ~45% MFU (~3.6 PFLOP/s) -> 3.9e-5 s/token
-#     (an 8192-token chunk takes ~0.32 s).
-# c2  attention query-key pairs: 4 x layers x q_heads x head_dim = 4 x 80 x 64 x 128
-#     = 2.6 MFLOP per pair at ~30% of BF16 attention peak (8 x 989e12 x 0.3) -> 1.1e-9 s/pair.
+# c1  prefill GEMM cost per token: 2 x 70.6e9 FLOP = 141 GFLOP/token over 8 x 1,979 TFLOPS
+#     dense FP8 (H100 SXM, no sparsity) at ~25% MFU (TP8 all-reduces and non-GEMM work keep
+#     it low; ~4.0 PFLOP/s) -> 3.6e-5 s/token (an 8192-token chunk takes ~0.29 s).
+# c2  attention: 4 x layers x q_heads x head_dim = 4 x 80 x 64 x 128 = 2.6 MFLOP per causal
+#     query-key pair at ~30% of the BF16 peak (8 x 989e12 x 0.3) -> 1.1e-9 s per pair; the
+#     sq_sum input counts the causal triangle in full (2x the pairs), so c2 = 5.5e-10.
 # c3  decode KV read per context token: 160 KiB/token across the pool (20 KiB per GPU) at
 #     ~70% of 3.35 TB/s HBM bandwidth -> 20,480 / 2.35e12 = 8.7e-9 s per context token.
 # c4  per decoding sequence (sampling, logits of a 128K vocabulary, bookkeeping): ~20 us.
@@ -118,11 +120,12 @@ _L70_SOURCE = (
     "8 x H100 80GB (85,520,809,984 B each) x 0.92 util - weights 70.6e9 FP8 + BF16 embed/lm_head "
     f"(~72.7 GB) - ~2 GB/GPU activations+graphs = {_L70_BLOCKS} blocks; "
     "c0=8 ms (weights read 2.6 ms + 160 all-reduces + launch; vLLM TP8 70B FP8 ITL ~8-10 ms); "
-    "c1=3.9e-5 s/token (141 GFLOP/token at 45% of 8x989 TFLOPS FP8); "
-    "c2=1.1e-9 s per attention q-k pair (2.6 MFLOP/pair at 30% of peak); "
+    "c1=3.6e-5 s/token (141 GFLOP/token at 25% of 8x1979 TFLOPS dense FP8); "
+    "c2=5.5e-10 per unit of chunk*(context+chunk) (2.6 MFLOP per causal q-k pair at 30% of "
+    "8x989 TFLOPS BF16, the triangle counted twice); "
     "c3=8.7e-9 s per decode context token (20 KiB/GPU at 70% of 3.35 TB/s); "
-    "c4=2e-5 s per decoding sequence; max_num_batched_tokens 8192 (H100-class default), "
-    "max_num_seqs 256, max_model_len 8192."
+    "c4=2e-5 s per decoding sequence; max_num_batched_tokens 8192 and max_num_seqs 1024 "
+    "(vLLM's defaults on H100-class GPUs), max_model_len 8192."
 )
 
 PROFILES: dict[str, StepProfile] = {
@@ -135,12 +138,13 @@ PROFILES: dict[str, StepProfile] = {
         c4=5.0e-5,
         num_gpu_blocks=512,
         block_size=16,
-        max_num_seqs=64,
+        max_num_seqs=256,
         max_num_batched_tokens=2048,
         max_model_len=4096,
         source=(
             "test profile, not a real GPU: 511 usable blocks (8,176 tokens) so a handful of "
-            "requests fills the pool; max_num_batched_tokens 2048 (vLLM's default on small GPUs); "
+            "requests fills the pool; max_num_batched_tokens 2048 and max_num_seqs 256 (vLLM's "
+            "defaults on small GPUs); "
             "c0=4 ms, c1=2 us/prefill token, c3=0.1 us/decode context token, c4=50 us/sequence "
             "chosen so a 1k-token prompt prefills in ~6 ms and decode steps take ~5 ms."
         ),
@@ -166,13 +170,13 @@ PROFILES: dict[str, StepProfile] = {
     "llama3-70b-fp8-8xh100": StepProfile(
         name="llama3-70b-fp8-8xh100",
         c0=0.008,
-        c1=3.9e-5,
-        c2=1.1e-9,
+        c1=3.6e-5,
+        c2=5.5e-10,
         c3=8.7e-9,
         c4=2.0e-5,
         num_gpu_blocks=_L70_BLOCKS,
         block_size=16,
-        max_num_seqs=256,
+        max_num_seqs=1024,
         max_num_batched_tokens=8192,
         max_model_len=8192,
         source=_L70_SOURCE,
