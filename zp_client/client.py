@@ -1,0 +1,764 @@
+"""The drop-in client: ``AsyncClient`` and ``Client``, OpenAI-shaped, admitted by the budget.
+
+Every LLM call goes through :class:`~zp_client.transport.AsyncAdmissionTransport` (sync:
+:class:`~zp_client.transport.AdmissionTransport`), the one hook every front end shares; this module adds
+no admission logic of its own. It speaks the OpenAI HTTP API and returns the pydantic models of
+:mod:`zp_client.types`.
+
+Example::
+
+    from zp_client import AsyncClient, LocalBudget
+
+    async with AsyncClient(base_url="http://localhost:8000/v1", budget=LocalBudget(limit_blocks=24_000)) as c:
+        reply = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=64)
+        print(reply.choices[0].message.content)
+        async with await c.chat.completions.create(model="m", messages=..., stream=True) as stream:
+            async for chunk in stream:
+                print(chunk.choices[0].delta.content or "", end="")
+
+Errors: an HTTP error status raises :class:`APIStatusError` (or the subclass for the status:
+:class:`BadRequestError`, :class:`RateLimitError`, :class:`InternalServerError`...) carrying
+``status_code``, the server's ``message`` and the decoded ``body``; no response at all raises
+:class:`APIConnectionError` (:class:`APITimeoutError` on timeouts); a refusal by zp itself
+(:class:`~zp_client.errors.AdmissionError` and subclasses) reaches the caller unchanged. The API key never
+appears in reprs, logs or error messages.
+
+Per-call options: ``extra_headers`` (e.g. ``{"X-ZP-Priority": "0", "X-ZP-Deadline": "30"}``, read and
+stripped by the transport), ``extra_body`` (merged into the JSON body, e.g. vLLM's ``priority``) and
+``timeout``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+
+import httpx
+from httpx_sse import EventSource, SSEError
+from pydantic import BaseModel, SecretStr
+
+from zp_client.config import Settings
+from zp_client.errors import ConfigurationError, ZPError
+from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zp_client.budget.base import Budget
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "AsyncStream",
+    "Stream",
+    "APIError",
+    "APIStatusError",
+    "APIConnectionError",
+    "APITimeoutError",
+    "BadRequestError",
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "NotFoundError",
+    "ConflictError",
+    "UnprocessableEntityError",
+    "RateLimitError",
+    "InternalServerError",
+]
+
+logger = logging.getLogger("zp_client.client")
+
+T = TypeVar("T", bound=BaseModel)
+_NOT_GIVEN: Any = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# errors
+
+
+class APIError(ZPError):
+    """The server did not give a usable answer. ``message`` is the server's message (or ours)."""
+
+    def __init__(self, message: str, *, body: Any = None) -> None:
+        self.message = message
+        self.body = body
+        super().__init__(message)
+
+
+class APIStatusError(APIError):
+    """The server answered with an HTTP error status.
+
+    ``status_code``: the status; ``message``: the server's error message (vLLM/OpenAI
+    ``{"error": {"message": ...}}``, FastAPI ``detail``, or the start of a non-JSON body);
+    ``body``: the decoded JSON body (or the text); ``response``: the ``httpx.Response``.
+    """
+
+    def __init__(self, message: str, *, response: httpx.Response, body: Any) -> None:
+        self.status_code = response.status_code
+        self.response = response
+        super().__init__(f"HTTP {response.status_code}: {message}", body=body)
+        self.message = message
+
+
+class BadRequestError(APIStatusError):
+    """400: the request is invalid (for vLLM, also a prompt longer than the context)."""
+
+
+class AuthenticationError(APIStatusError):
+    """401: check the API key (``api_key=``, ``ZP_API_KEY`` or ``OPENAI_API_KEY``)."""
+
+
+class PermissionDeniedError(APIStatusError):
+    """403."""
+
+
+class NotFoundError(APIStatusError):
+    """404: for vLLM, usually an unknown ``model`` or a base URL without ``/v1``."""
+
+
+class ConflictError(APIStatusError):
+    """409."""
+
+
+class UnprocessableEntityError(APIStatusError):
+    """422: the body failed the server's validation."""
+
+
+class RateLimitError(APIStatusError):
+    """429: the server or a gateway rate-limited the request."""
+
+
+class InternalServerError(APIStatusError):
+    """5xx: the server (or a gateway: 502, 503, 504) failed."""
+
+
+class APIConnectionError(APIError):
+    """No response arrived (connection refused or reset, DNS failure...)."""
+
+
+class APITimeoutError(APIConnectionError):
+    """The HTTP request timed out (``timeout=``)."""
+
+
+_STATUS_ERRORS: dict[int, type[APIStatusError]] = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    409: ConflictError,
+    422: UnprocessableEntityError,
+    429: RateLimitError,
+}
+
+
+def _status_error(response: httpx.Response) -> APIStatusError:
+    raw = response.content
+    body: Any
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        body = raw.decode("utf-8", "replace")
+    message = ""
+    if isinstance(body, Mapping):
+        err = body.get("error", body)
+        if isinstance(err, Mapping):
+            message = str(err.get("message") or err.get("detail") or "")
+        elif isinstance(err, str):
+            message = err
+        if not message and "detail" in body:
+            message = str(body["detail"])
+        if not message and "message" in body:
+            message = str(body["message"])
+    elif isinstance(body, str):
+        message = " ".join(body.split())[:500]
+    if not message:
+        message = response.reason_phrase or "error"
+    cls = _STATUS_ERRORS.get(response.status_code)
+    if cls is None:
+        cls = InternalServerError if response.status_code >= 500 else APIStatusError
+    return cls(message, response=response, body=body)
+
+
+def _connection_error(exc: httpx.TransportError) -> APIConnectionError:
+    # httpx's messages name the URL at most, never headers; keep the type for callers that retry.
+    if isinstance(exc, httpx.TimeoutException):
+        return APITimeoutError(f"request timed out ({type(exc).__name__}: {exc})")
+    return APIConnectionError(f"connection error ({type(exc).__name__}: {exc})")
+
+
+# --------------------------------------------------------------------------------------------------
+# streams
+
+
+def _chunk_or_error(data: str, cls: type[T], response: httpx.Response) -> T:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise APIError(f"the server sent an unreadable stream event: {data[:200]!r}") from exc
+    if isinstance(doc, Mapping) and doc.get("error") is not None and "choices" not in doc:
+        err = doc["error"]
+        msg = err.get("message") if isinstance(err, Mapping) else str(err)
+        raise APIError(f"the server reported an error mid-stream: {msg}", body=doc)
+    return cls.model_validate(doc)
+
+
+class AsyncStream(Generic[T]):
+    """An async iterator of streamed events (``ChatCompletionChunk`` or ``Completion``).
+
+    It ends at the server's ``data: [DONE]``. Closing it (``await stream.aclose()``, leaving ``async
+    with``, or reaching the end) closes the HTTP response, which releases the request's lease. Close a
+    stream you stop reading early.
+    """
+
+    def __init__(self, response: httpx.Response, cls: type[T]) -> None:
+        self.response = response
+        self._cls = cls
+        self._events = EventSource(response).aiter_sse()
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[T]:
+        try:
+            async for sse in self._events:
+                if sse.data == "[DONE]":
+                    break
+                if not sse.data:
+                    continue
+                yield _chunk_or_error(sse.data, self._cls, self.response)
+        except httpx.TransportError as exc:
+            raise _connection_error(exc) from exc
+        except SSEError as exc:
+            raise APIError(f"the response is not an event stream: {exc}") from exc
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the response (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            try:
+                await self._events.aclose()
+            finally:
+                await self.response.aclose()
+
+    async def __aenter__(self) -> AsyncStream[T]:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Stream(Generic[T]):
+    """The blocking counterpart of :class:`AsyncStream`: an iterator, closable, a context manager."""
+
+    def __init__(self, response: httpx.Response, cls: type[T]) -> None:
+        self.response = response
+        self._cls = cls
+        self._events = EventSource(response).iter_sse()
+        self._closed = False
+
+    def __iter__(self) -> Iterator[T]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[T]:
+        try:
+            for sse in self._events:
+                if sse.data == "[DONE]":
+                    break
+                if not sse.data:
+                    continue
+                yield _chunk_or_error(sse.data, self._cls, self.response)
+        except httpx.TransportError as exc:
+            raise _connection_error(exc) from exc
+        except SSEError as exc:
+            raise APIError(f"the response is not an event stream: {exc}") from exc
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the response (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._events.close()  # type: ignore[attr-defined]
+            finally:
+                self.response.close()
+
+    def __enter__(self) -> Stream[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# shared request building
+
+
+def _resolve(base_url: str | None, api_key: str | None, settings: Settings) -> tuple[str, SecretStr | None]:
+    url = base_url or settings.base_url or os.environ.get("OPENAI_BASE_URL")
+    if not url:
+        raise ConfigurationError(
+            "no server URL: pass base_url='http://host:8000/v1', or set ZP_BASE_URL (or OPENAI_BASE_URL)")
+    key: SecretStr | None
+    if api_key is not None:
+        key = SecretStr(api_key)
+    elif settings.api_key is not None:
+        key = settings.api_key
+    else:
+        env = os.environ.get("OPENAI_API_KEY")
+        key = SecretStr(env) if env else None
+    return url.rstrip("/") + "/", key
+
+
+def _body(params: Mapping[str, Any], extra_body: Mapping[str, Any] | None) -> dict[str, Any]:
+    body = {k: v for k, v in params.items() if v is not _NOT_GIVEN}
+    if extra_body:
+        body.update(extra_body)
+    return body
+
+
+def _headers(stream: bool, extra_headers: Mapping[str, str] | None) -> dict[str, str]:
+    headers = {"Accept": "text/event-stream"} if stream else {}
+    if extra_headers:
+        headers.update(extra_headers)
+    return headers
+
+
+def _timeout(timeout: float | httpx.Timeout | None) -> Any:
+    return httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+
+
+def _parse(response: httpx.Response, cls: type[T]) -> T:
+    try:
+        return cls.model_validate_json(response.content)
+    except ValueError as exc:
+        raise APIError(f"the server's answer is not a valid {cls.__name__}: {exc}",
+                       body=response.content[:2000].decode("utf-8", "replace")) from exc
+
+
+def _client_kwargs(url: str, key: SecretStr | None, timeout: float | httpx.Timeout) -> dict[str, Any]:
+    headers = {"User-Agent": "zp-client"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key.get_secret_value()}"
+    return {"base_url": url, "headers": headers, "timeout": timeout}
+
+
+def _repr(kind: str, url: str, key: SecretStr | None) -> str:
+    return f"{kind}(base_url={url!r}, api_key={'***' if key is not None else None})"
+
+
+# --------------------------------------------------------------------------------------------------
+# async client
+
+
+class AsyncClient:
+    """OpenAI-compatible async client whose every LLM call is admitted by ``budget``.
+
+    ``base_url`` / ``api_key`` fall back to ``Settings.base_url`` / ``api_key`` (``ZP_BASE_URL``,
+    ``ZP_API_KEY``), then ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``. Without a key no ``Authorization``
+    header is sent. ``http_client``: an ``httpx.AsyncClient`` whose transport (proxy, TLS, limits), headers,
+    timeout and event hooks to keep; it is not modified, and its transport is wrapped for admission.
+    ``transport_options`` go to :class:`~zp_client.transport.AsyncAdmissionTransport` (``estimator=``,
+    ``retry=``...).
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        budget: Budget,
+        settings: Settings | None = None,
+        timeout: float | httpx.Timeout = 600,
+        http_client: httpx.AsyncClient | None = None,
+        **transport_options: Any,
+    ) -> None:
+        from zp_client.transport import AsyncAdmissionTransport
+
+        self.settings = settings or Settings()
+        self.budget = budget
+        self._url, self._key = _resolve(base_url, api_key, self.settings)
+        kwargs = _client_kwargs(self._url, self._key, timeout)
+        if http_client is not None:
+            inner = http_client._transport  # httpx has no public accessor; every wrapper library uses this
+            kwargs["headers"] = {**dict(http_client.headers), **kwargs["headers"]}
+            kwargs["event_hooks"] = http_client.event_hooks
+            kwargs["follow_redirects"] = http_client.follow_redirects
+            close_inner = False  # the caller owns http_client and closes it
+        else:
+            inner = httpx.AsyncHTTPTransport()
+            close_inner = True
+        if isinstance(inner, AsyncAdmissionTransport):
+            transport = inner
+        else:
+            transport = AsyncAdmissionTransport(inner, budget=budget, settings=self.settings,
+                                                close_inner=close_inner, **transport_options)
+        self._http = httpx.AsyncClient(transport=transport, **kwargs)
+        self.chat = _AsyncChat(self)
+        self.completions = _AsyncCompletions(self)
+        self.models = _AsyncModels(self)
+
+    @property
+    def base_url(self) -> str:
+        return self._url
+
+    def __repr__(self) -> str:
+        return _repr("AsyncClient", self._url, self._key)
+
+    async def _post(self, path: str, body: dict[str, Any], cls: type[T], stream: bool,
+                    extra_headers: Mapping[str, str] | None, timeout: Any) -> T | AsyncStream[T]:
+        request = self._http.build_request("POST", path, json=body, headers=_headers(stream, extra_headers),
+                                           timeout=_timeout(timeout))
+        try:
+            response = await self._http.send(request, stream=stream)
+        except httpx.TransportError as exc:
+            raise _connection_error(exc) from exc
+        if response.status_code >= 400:
+            try:
+                await response.aread()
+            except httpx.TransportError as exc:
+                raise _connection_error(exc) from exc
+            finally:
+                await response.aclose()
+            raise _status_error(response)
+        if stream:
+            return AsyncStream(response, cls)
+        return _parse(response, cls)
+
+    async def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None, timeout: Any) -> T:
+        try:
+            response = await self._http.get(path, headers=dict(extra_headers or {}), timeout=_timeout(timeout))
+        except httpx.TransportError as exc:
+            raise _connection_error(exc) from exc
+        if response.status_code >= 400:
+            raise _status_error(response)
+        return _parse(response, cls)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (and the transport this client created)."""
+        await self._http.aclose()
+
+    close = aclose
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
+class _AsyncChatCompletions:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    @overload
+    async def create(self, *, model: str, messages: Sequence[Mapping[str, Any]], stream: Literal[False] = ...,
+                     **kwargs: Any) -> ChatCompletion: ...
+
+    @overload
+    async def create(self, *, model: str, messages: Sequence[Mapping[str, Any]], stream: Literal[True],
+                     **kwargs: Any) -> AsyncStream[ChatCompletionChunk]: ...
+
+    async def create(
+        self,
+        *,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        stream: bool = False,
+        max_tokens: int | None = _NOT_GIVEN,
+        max_completion_tokens: int | None = _NOT_GIVEN,
+        temperature: float | None = _NOT_GIVEN,
+        top_p: float | None = _NOT_GIVEN,
+        n: int | None = _NOT_GIVEN,
+        stop: str | Sequence[str] | None = _NOT_GIVEN,
+        seed: int | None = _NOT_GIVEN,
+        tools: Sequence[Mapping[str, Any]] | None = _NOT_GIVEN,
+        tool_choice: Any = _NOT_GIVEN,
+        response_format: Mapping[str, Any] | None = _NOT_GIVEN,
+        stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **params: Any,
+    ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
+        """``POST chat/completions``. Returns a :class:`~zp_client.types.ChatCompletion`, or with
+        ``stream=True`` an :class:`AsyncStream` of :class:`~zp_client.types.ChatCompletionChunk`.
+        Other OpenAI/vLLM parameters pass through ``**params``; parameters left unset are not sent."""
+        body = _body(dict(model=model, messages=list(messages), max_tokens=max_tokens,
+                          max_completion_tokens=max_completion_tokens, temperature=temperature, top_p=top_p,
+                          n=n, stop=stop, seed=seed, tools=tools, tool_choice=tool_choice,
+                          response_format=response_format, stream_options=stream_options, **params),
+                     extra_body)
+        if stream:
+            body["stream"] = True
+        return await self._client._post("chat/completions", body, ChatCompletionChunk if stream else ChatCompletion,
+                                        stream, extra_headers, timeout)
+
+
+class _AsyncChat:
+    def __init__(self, client: AsyncClient) -> None:
+        self.completions = _AsyncChatCompletions(client)
+
+
+class _AsyncCompletions:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    @overload
+    async def create(self, *, model: str, prompt: Any, stream: Literal[False] = ..., **kwargs: Any) -> Completion: ...
+
+    @overload
+    async def create(self, *, model: str, prompt: Any, stream: Literal[True],
+                     **kwargs: Any) -> AsyncStream[Completion]: ...
+
+    async def create(
+        self,
+        *,
+        model: str,
+        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        stream: bool = False,
+        max_tokens: int | None = _NOT_GIVEN,
+        temperature: float | None = _NOT_GIVEN,
+        top_p: float | None = _NOT_GIVEN,
+        n: int | None = _NOT_GIVEN,
+        stop: str | Sequence[str] | None = _NOT_GIVEN,
+        seed: int | None = _NOT_GIVEN,
+        stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **params: Any,
+    ) -> Completion | AsyncStream[Completion]:
+        """``POST completions``. Returns a :class:`~zp_client.types.Completion`, or with ``stream=True`` an
+        :class:`AsyncStream` of them."""
+        body = _body(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                          top_p=top_p, n=n, stop=stop, seed=seed, stream_options=stream_options, **params),
+                     extra_body)
+        if stream:
+            body["stream"] = True
+        return await self._client._post("completions", body, Completion, stream, extra_headers, timeout)
+
+
+class _AsyncModels:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def list(self, *, extra_headers: Mapping[str, str] | None = None,
+                   timeout: float | httpx.Timeout | None = None) -> ModelList:
+        """``GET models`` (not admitted: it uses no KV cache)."""
+        return await self._client._get("models", ModelList, extra_headers, timeout)
+
+    async def retrieve(self, model: str, *, extra_headers: Mapping[str, str] | None = None,
+                       timeout: float | httpx.Timeout | None = None) -> Model:
+        """The card of ``model`` from ``GET models`` (raises :class:`NotFoundError` when absent)."""
+        for card in (await self.list(extra_headers=extra_headers, timeout=timeout)).data:
+            if card.id == model:
+                return card
+        raise NotFoundError(f"model {model!r} is not served here",
+                            response=httpx.Response(404, request=httpx.Request("GET", self._client._url + "models")),
+                            body=None)
+
+
+# --------------------------------------------------------------------------------------------------
+# sync client
+
+
+class Client:
+    """The blocking counterpart of :class:`AsyncClient` (same arguments, same methods, same errors)."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        budget: Budget,
+        settings: Settings | None = None,
+        timeout: float | httpx.Timeout = 600,
+        http_client: httpx.Client | None = None,
+        **transport_options: Any,
+    ) -> None:
+        from zp_client.transport import AdmissionTransport
+
+        self.settings = settings or Settings()
+        self.budget = budget
+        self._url, self._key = _resolve(base_url, api_key, self.settings)
+        kwargs = _client_kwargs(self._url, self._key, timeout)
+        if http_client is not None:
+            inner = http_client._transport
+            kwargs["headers"] = {**dict(http_client.headers), **kwargs["headers"]}
+            kwargs["event_hooks"] = http_client.event_hooks
+            kwargs["follow_redirects"] = http_client.follow_redirects
+            close_inner = False
+        else:
+            inner = httpx.HTTPTransport()
+            close_inner = True
+        if isinstance(inner, AdmissionTransport):
+            transport = inner
+        else:
+            transport = AdmissionTransport(inner, budget=budget, settings=self.settings,
+                                           close_inner=close_inner, **transport_options)
+        self._http = httpx.Client(transport=transport, **kwargs)
+        self.chat = _Chat(self)
+        self.completions = _Completions(self)
+        self.models = _Models(self)
+
+    @property
+    def base_url(self) -> str:
+        return self._url
+
+    def __repr__(self) -> str:
+        return _repr("Client", self._url, self._key)
+
+    def _post(self, path: str, body: dict[str, Any], cls: type[T], stream: bool,
+              extra_headers: Mapping[str, str] | None, timeout: Any) -> T | Stream[T]:
+        request = self._http.build_request("POST", path, json=body, headers=_headers(stream, extra_headers),
+                                           timeout=_timeout(timeout))
+        try:
+            response = self._http.send(request, stream=stream)
+        except httpx.TransportError as exc:
+            raise _connection_error(exc) from exc
+        if response.status_code >= 400:
+            try:
+                response.read()
+            except httpx.TransportError as exc:
+                raise _connection_error(exc) from exc
+            finally:
+                response.close()
+            raise _status_error(response)
+        if stream:
+            return Stream(response, cls)
+        return _parse(response, cls)
+
+    def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None, timeout: Any) -> T:
+        try:
+            response = self._http.get(path, headers=dict(extra_headers or {}), timeout=_timeout(timeout))
+        except httpx.TransportError as exc:
+            raise _connection_error(exc) from exc
+        if response.status_code >= 400:
+            raise _status_error(response)
+        return _parse(response, cls)
+
+    def close(self) -> None:
+        """Close the HTTP client (and the transport this client created)."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class _ChatCompletions:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    @overload
+    def create(self, *, model: str, messages: Sequence[Mapping[str, Any]], stream: Literal[False] = ...,
+               **kwargs: Any) -> ChatCompletion: ...
+
+    @overload
+    def create(self, *, model: str, messages: Sequence[Mapping[str, Any]], stream: Literal[True],
+               **kwargs: Any) -> Stream[ChatCompletionChunk]: ...
+
+    def create(
+        self,
+        *,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        stream: bool = False,
+        max_tokens: int | None = _NOT_GIVEN,
+        max_completion_tokens: int | None = _NOT_GIVEN,
+        temperature: float | None = _NOT_GIVEN,
+        top_p: float | None = _NOT_GIVEN,
+        n: int | None = _NOT_GIVEN,
+        stop: str | Sequence[str] | None = _NOT_GIVEN,
+        seed: int | None = _NOT_GIVEN,
+        tools: Sequence[Mapping[str, Any]] | None = _NOT_GIVEN,
+        tool_choice: Any = _NOT_GIVEN,
+        response_format: Mapping[str, Any] | None = _NOT_GIVEN,
+        stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **params: Any,
+    ) -> ChatCompletion | Stream[ChatCompletionChunk]:
+        """See :meth:`AsyncClient.chat.completions.create <_AsyncChatCompletions.create>`."""
+        body = _body(dict(model=model, messages=list(messages), max_tokens=max_tokens,
+                          max_completion_tokens=max_completion_tokens, temperature=temperature, top_p=top_p,
+                          n=n, stop=stop, seed=seed, tools=tools, tool_choice=tool_choice,
+                          response_format=response_format, stream_options=stream_options, **params),
+                     extra_body)
+        if stream:
+            body["stream"] = True
+        return self._client._post("chat/completions", body, ChatCompletionChunk if stream else ChatCompletion,
+                                  stream, extra_headers, timeout)
+
+
+class _Chat:
+    def __init__(self, client: Client) -> None:
+        self.completions = _ChatCompletions(client)
+
+
+class _Completions:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    @overload
+    def create(self, *, model: str, prompt: Any, stream: Literal[False] = ..., **kwargs: Any) -> Completion: ...
+
+    @overload
+    def create(self, *, model: str, prompt: Any, stream: Literal[True], **kwargs: Any) -> Stream[Completion]: ...
+
+    def create(
+        self,
+        *,
+        model: str,
+        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        stream: bool = False,
+        max_tokens: int | None = _NOT_GIVEN,
+        temperature: float | None = _NOT_GIVEN,
+        top_p: float | None = _NOT_GIVEN,
+        n: int | None = _NOT_GIVEN,
+        stop: str | Sequence[str] | None = _NOT_GIVEN,
+        seed: int | None = _NOT_GIVEN,
+        stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
+        extra_headers: Mapping[str, str] | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **params: Any,
+    ) -> Completion | Stream[Completion]:
+        """See :meth:`AsyncClient.completions.create <_AsyncCompletions.create>`."""
+        body = _body(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                          top_p=top_p, n=n, stop=stop, seed=seed, stream_options=stream_options, **params),
+                     extra_body)
+        if stream:
+            body["stream"] = True
+        return self._client._post("completions", body, Completion, stream, extra_headers, timeout)
+
+
+class _Models:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def list(self, *, extra_headers: Mapping[str, str] | None = None,
+             timeout: float | httpx.Timeout | None = None) -> ModelList:
+        """``GET models`` (not admitted: it uses no KV cache)."""
+        return self._client._get("models", ModelList, extra_headers, timeout)
+
+    def retrieve(self, model: str, *, extra_headers: Mapping[str, str] | None = None,
+                 timeout: float | httpx.Timeout | None = None) -> Model:
+        """The card of ``model`` from ``GET models`` (raises :class:`NotFoundError` when absent)."""
+        for card in self.list(extra_headers=extra_headers, timeout=timeout).data:
+            if card.id == model:
+                return card
+        raise NotFoundError(f"model {model!r} is not served here",
+                            response=httpx.Response(404, request=httpx.Request("GET", self._client._url + "models")),
+                            body=None)
