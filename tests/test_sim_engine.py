@@ -391,7 +391,9 @@ def test_idle_step_does_not_advance_and_advance_idle_jumps() -> None:
 
 
 def test_step_time_follows_profile() -> None:
-    prof = StepProfile(name="t", c0=1.0, c1=0.1, c2=0.001, c3=0.01, c4=0.5, num_gpu_blocks=64, max_model_len=256)
+    prof = StepProfile(
+        name="t", c0=1.0, c1=0.1, c2=0.001, c3=0.01, c4=0.5, num_gpu_blocks=64, max_model_len=256
+    )
     e = Engine(EngineConfig.from_profile(prof))
     e.add_request("a", prompt(20), 3)
     o = e.step()  # prefill 20 tokens
@@ -535,7 +537,9 @@ request_st = st.tuples(
     caching=st.booleans(),
     reserve=st.booleans(),
 )
-def test_random_workloads_keep_pool_invariants(reqs, blocks, budget, policy, caching, reserve) -> None:  # type: ignore[no-untyped-def]
+def test_random_workloads_keep_pool_invariants(  # type: ignore[no-untyped-def]
+    reqs, blocks, budget, policy, caching, reserve
+) -> None:
     e = engine(
         num_gpu_blocks=blocks,
         max_model_len=180,
@@ -574,10 +578,14 @@ def test_random_workloads_keep_pool_invariants(reqs, blocks, budget, policy, cac
 
 @settings(max_examples=60, deadline=None)
 @given(
-    reqs=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200), st.integers(0, 5)), min_size=1, max_size=20),
+    reqs=st.lists(
+        st.tuples(st.integers(1, 300), st.integers(1, 200), st.integers(0, 5)), min_size=1, max_size=20
+    ),
     slack=st.integers(0, 3),
 )
-def test_requests_whose_kv_need_fits_the_pool_never_preempt(reqs, slack) -> None:  # type: ignore[no-untyped-def]
+def test_requests_whose_kv_need_fits_the_pool_never_preempt(  # type: ignore[no-untyped-def]
+    reqs, slack
+) -> None:
     # VLLM_FACTS: a request can ever hold ceil((prompt + max_tokens - 1) / 16) blocks. If the
     # sum over all requests fits the N - 1 usable blocks, no arrival pattern preempts.
     need = sum(-(-(p + o - 1) // 16) for p, o, _ in reqs)

@@ -94,7 +94,8 @@ def test_fidelity_exact_per_request(ref_path: Path) -> None:
     mine = {q["id"]: tuple(q[k] for k in keys) for q in out["requests"]}
     theirs = {q["id"]: tuple(q[k] for k in keys) for q in ref["requests"]}
     assert mine == theirs
-    for key in ("preemptions", "recomputed_tokens", "max_running", "max_kv_usage", "prefix_cache_hit_tokens_all_admissions"):
+    totals = ("preemptions", "recomputed_tokens", "max_running", "max_kv_usage")
+    for key in (*totals, "prefix_cache_hit_tokens_all_admissions"):
         assert out[key] == ref[key], key
 
 
@@ -142,17 +143,19 @@ def test_replay_is_deterministic_with_prefixes_and_priorities() -> None:
 
 
 def test_shared_prefixes_hit_the_cache_and_unique_ones_do_not() -> None:
-    records = [
-        {"id": "a", "arrival_step": 0, "prompt_tokens": 100, "max_tokens": 5, "prefix_id": "x", "prefix_len": 64},
-        {"id": "b", "arrival_step": 10, "prompt_tokens": 90, "max_tokens": 5, "prefix_id": "x", "prefix_len": 64},
-        {"id": "c", "arrival_step": 20, "prompt_tokens": 100, "max_tokens": 5, "prefix_id": "y", "prefix_len": 64},
-        {"id": "d", "arrival_step": 30, "prompt_tokens": 100, "max_tokens": 5},
-    ]
+    def rec(rid: str, step: int, prompt: int, prefix: str | None) -> dict:
+        out = {"id": rid, "arrival_step": step, "prompt_tokens": prompt, "max_tokens": 5}
+        if prefix:
+            out.update(prefix_id=prefix, prefix_len=64)
+        return out
+
+    records = [rec("a", 0, 100, "x"), rec("b", 10, 90, "x"), rec("c", 20, 100, "y"), rec("d", 30, 100, None)]
     out = run_replay(records, EngineConfig(num_gpu_blocks=64, max_model_len=128))
     cached = {q["id"]: q["num_cached_tokens"] for q in out["requests"]}
     assert cached == {"a": 0, "b": 64, "c": 0, "d": 0}
     assert out["prefix_cache_hits_total"] == 64
-    off = run_replay(records, EngineConfig(num_gpu_blocks=64, max_model_len=128, enable_prefix_caching=False))
+    no_cache = EngineConfig(num_gpu_blocks=64, max_model_len=128, enable_prefix_caching=False)
+    off = run_replay(records, no_cache)
     assert all(q["num_cached_tokens"] == 0 for q in off["requests"])
 
 
@@ -201,10 +204,15 @@ def test_workload_validation_errors() -> None:
         parse_workload([{"id": "a", "prompt_tokens": 5, "max_tokens": 1}] * 2)
     with pytest.raises(ReplayError, match="every line"):
         parse_workload(
-            [{"arrival_step": 0, "prompt_tokens": 5, "max_tokens": 1}, {"arrival_s": 0, "prompt_tokens": 5, "max_tokens": 1}]
+            [
+                {"arrival_step": 0, "prompt_tokens": 5, "max_tokens": 1},
+                {"arrival_s": 0, "prompt_tokens": 5, "max_tokens": 1},
+            ]
         )
     with pytest.raises(ReplayError, match="max-model-len"):
-        run_replay([{"prompt_tokens": 100, "max_tokens": 1}], EngineConfig(num_gpu_blocks=16, max_model_len=64))
+        run_replay(
+            [{"prompt_tokens": 100, "max_tokens": 1}], EngineConfig(num_gpu_blocks=16, max_model_len=64)
+        )
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
@@ -213,7 +221,9 @@ def _cli(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_cli_prints_json_and_defaults_max_model_len(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_json_and_defaults_max_model_len(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     wl = tmp_path / "w.jsonl"
     # 4 x (385 + 16) and 4 x (384 + 17): 25 blocks each; the 384-token prompts cross into
     # their 25th block on their first decode, so 200 blocks preempt and 201 do not.
@@ -229,7 +239,9 @@ def test_cli_prints_json_and_defaults_max_model_len(tmp_path: Path, capsys: pyte
     assert json.loads(capsys.readouterr().out)["preemptions"] >= 1
 
 
-def test_cli_reports_bad_input_with_exit_code_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_reports_bad_input_with_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     wl = tmp_path / "w.jsonl"
     wl.write_text('{"prompt_tokens": 10, "max_tokens": 5}\nnot json\n')
     assert run_replay_command(_cli([str(wl), "--num-gpu-blocks", "64"])) == 2
