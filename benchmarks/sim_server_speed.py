@@ -59,6 +59,20 @@ async def over_http(n: int, prompt: int, tokens: int, stream: bool) -> tuple[flo
         return st["steps_per_real_s"], (server.timeline[-1][0] - server.timeline[0][0]) / max(1, steps - 1), st
 
 
+def tokenizer_speed() -> None:
+    from zp_client.sim import tokenizer as tok
+
+    words = [tok.decode([i]).strip() or "x" for i in range(1, 3000)]
+    text = " ".join(words[(i * 7) % len(words)] + ("," if i % 13 == 0 else "") for i in range(14000))
+    tok._MEMO.clear()
+    t0 = time.perf_counter()
+    n = len(tok.encode(text))
+    t1 = time.perf_counter()
+    tok.encode(text)
+    t2 = time.perf_counter()
+    print(f"tokenizer: {n} tokens, cold {1e3 * (t1 - t0):.1f} ms, warm {1e3 * (t2 - t1):.1f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
@@ -66,6 +80,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--stream", action="store_true")
     a = ap.parse_args()
+    tokenizer_speed()
     sps, vstep, steps = bare_engine(a.requests, a.prompt, a.tokens)
     print(f"bare engine: {steps} steps, {sps:,.0f} steps/s real; mean virtual step {vstep * 1e3:.2f} ms "
           f"-> sustainable speedup ~{sps * vstep:,.0f}x")
