@@ -19,10 +19,7 @@ from zp_client.config import Settings
 from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge, PromptTooLong
 from zp_client.transport import admission_transport_for, transport_classes
 
-try:
-    from zp_client.budget.local import LocalBudget as _Budget
-except ImportError:  # THROWAWAY until LocalBudget lands
-    from tests._tmp_budget import TmpBudget as _Budget  # type: ignore[assignment]
+from zp_client.budget.local import LocalBudget as _Budget
 
 MODULES = [httpx, httpx2]
 CHAT = {"model": "ok", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 32}

@@ -23,10 +23,7 @@ from zp_client.config import Settings
 from zp_client.errors import AdmissionTimeout, LeaseTooLarge, PromptTooLong, ZPError
 from zp_client.wrap import wrap
 
-try:
-    from zp_client.budget.local import LocalBudget as _Budget
-except ImportError:  # THROWAWAY until LocalBudget lands
-    from tests._tmp_budget import TmpBudget as _Budget  # type: ignore[assignment]
+from zp_client.budget.local import LocalBudget as _Budget
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 

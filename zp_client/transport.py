@@ -136,6 +136,19 @@ _logged_no_max_model_len: set[str] = set()
 
 def _api_base(url: Any) -> tuple[str, str]:
     """(API base, server root) of an admitted request's URL: ``http://h:p/v1``, ``http://h:p``."""
+    key = (url.scheme, url.host, url.port, url.path)
+    hit = _bases.get(key)
+    if hit is None:
+        if len(_bases) > 1024:
+            _bases.clear()
+        hit = _bases[key] = _api_base_uncached(url)
+    return hit
+
+
+_bases: dict[tuple[Any, ...], tuple[str, str]] = {}
+
+
+def _api_base_uncached(url: Any) -> tuple[str, str]:
     path = url.path.rstrip("/")
     for suffix in _ADMITTED_SUFFIXES:
         if path.endswith(suffix):
@@ -468,24 +481,29 @@ class _Watchdog:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        self._interval = 5.0
 
     def add(self, holder: _Holder) -> None:
         with self._lock:
             self._holders.add(holder)
             if self._thread is None or not self._thread.is_alive():
+                self._interval = holder.idle_timeout / 4
                 self._thread = threading.Thread(target=self._run, name="zp-idle-watchdog", daemon=True)
                 self._thread.start()
-            else:
-                self._wake.set()  # a shorter timeout may need an earlier check
+                return
+            wake = holder.idle_timeout / 4 < self._interval
+        if wake:
+            # Only a shorter timeout than any seen needs an earlier check; waking the thread on every
+            # request would cost a GIL hand-off per request.
+            self._wake.set()
 
     def _run(self) -> None:
         while True:
             with self._lock:
                 holders = [h for h in self._holders if not h.done]
-            if not holders:
-                interval = 5.0
-            else:
-                interval = max(0.01, min(h.idle_timeout for h in holders) / 4)
+                if holders:
+                    self._interval = max(0.01, min(h.idle_timeout for h in holders) / 4)
+                interval = self._interval
             now = time.monotonic()
             for h in holders:
                 if not h.done and now - h.last_activity > h.idle_timeout:
@@ -626,7 +644,7 @@ def _build(mod: ModuleType) -> TransportClasses:
     class _AsyncBody(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
         def __init__(self, core: _Core, plan: _Plan, resp: Any, holder: _Holder, scanner: _Scanner) -> None:
             self._core, self._plan, self._resp, self._holder, self._scanner = core, plan, resp, holder, scanner
-            weakref.finalize(self, _finalize, holder)
+            weakref.finalize(self, _finalize, holder).atexit = False
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
             holder, scanner = self._holder, self._scanner
@@ -653,7 +671,7 @@ def _build(mod: ModuleType) -> TransportClasses:
     class _SyncBody(mod.SyncByteStream):  # type: ignore[name-defined,misc]
         def __init__(self, core: _Core, plan: _Plan, resp: Any, holder: _Holder, scanner: _Scanner) -> None:
             self._core, self._plan, self._resp, self._holder, self._scanner = core, plan, resp, holder, scanner
-            weakref.finalize(self, _finalize, holder)
+            weakref.finalize(self, _finalize, holder).atexit = False
 
         def __iter__(self) -> Iterator[bytes]:
             holder, scanner = self._holder, self._scanner
