@@ -35,7 +35,7 @@ import heapq
 import logging
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -475,7 +475,7 @@ class Engine:
         self._step_time = self._make_step_time(config.profile)
 
     @staticmethod
-    def _make_step_time(profile: StepProfile | None):  # type: ignore[no-untyped-def]
+    def _make_step_time(profile: StepProfile | None) -> Callable[[int, float, int, int], float]:
         if profile is None:
             return lambda p, sq, dc, db: DEFAULT_STEP_TIME
         return profile.step_time

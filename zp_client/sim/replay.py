@@ -263,10 +263,16 @@ def run_replay(
                 "finish_s": _round(rec.finish_time),
             }
         )
-    ttfts = [
-        q["first_token_step"] - (reqs[i].arrival_step or 0)
-        for i, q in enumerate(requests)
-        if q["first_token_step"] is not None and not by_time
+    records = [engine.request_record(r.id) for r in reqs]
+    ttft_steps = [
+        rec.first_token_step - (r.arrival_step or 0)
+        for r, rec in zip(reqs, records)
+        if rec.first_token_step is not None and not by_time
+    ]
+    ttft_s = [
+        rec.first_token_time - rec.arrival
+        for rec in records
+        if rec.first_token_time is not None
     ]
     profile = config.profile
     return {
@@ -298,7 +304,8 @@ def run_replay(
         "prefix_cache_queries_total": stats.prefix_cache_queries_total,
         "prefix_cache_hits_total": stats.prefix_cache_hits_total,
         "prefix_cache_hit_tokens_all_admissions": stats.cache_hit_tokens_all_admissions,
-        "mean_ttft_steps": (sum(ttfts) / len(ttfts)) if ttfts else None,
+        "mean_ttft_steps": (sum(ttft_steps) / len(ttft_steps)) if ttft_steps else None,
+        "mean_ttft_s": _round(sum(ttft_s) / len(ttft_s)) if ttft_s else None,
         "requests": requests,
     }
 
