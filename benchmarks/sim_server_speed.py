@@ -56,7 +56,8 @@ async def over_http(n: int, prompt: int, tokens: int, stream: bool) -> tuple[flo
         steps = st["engine"]["steps"]
         # the server's own count: steps per real second while it had work (client overhead in this
         # process is included, as it would be in the storm benchmark)
-        return st["steps_per_real_s"], (server.timeline[-1][0] - server.timeline[0][0]) / max(1, steps - 1), st
+        span = server.timeline[-1][0] - server.timeline[0][0]
+        return st["steps_per_real_s"], span / max(1, steps - 1), st
 
 
 def tokenizer_speed() -> None:
@@ -86,9 +87,11 @@ def main() -> None:
           f"-> sustainable speedup ~{sps * vstep:,.0f}x")
     for stream in ([a.stream] if a.stream else [False, True]):
         sps, vstep, st = asyncio.run(over_http(a.requests, a.prompt, a.tokens, stream))
-        print(f"server ({'stream' if stream else 'non-stream'}, {a.requests} concurrent x {a.tokens} tokens): "
-              f"{st['engine']['steps']} steps, {sps:,.0f} steps/s real; mean virtual step {vstep * 1e3:.2f} ms "
-              f"-> sustainable speedup ~{sps * vstep:,.0f}x (engine compute {st['real_step_compute_s']:.2f} s)")
+        kind = "stream" if stream else "non-stream"
+        print(f"server ({kind}, {a.requests} concurrent x {a.tokens} tokens): "
+              f"{st['engine']['steps']} steps, {sps:,.0f} steps/s real; "
+              f"mean virtual step {vstep * 1e3:.2f} ms -> sustainable speedup ~{sps * vstep:,.0f}x "
+              f"(engine compute {st['real_step_compute_s']:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -271,7 +271,8 @@ async def test_tokenize_chat_form_counts_what_the_chat_request_counts(server: Si
             assert t["max_model_len"] == server.max_model_len
         plain = (await http.post("/tokenize", json={"prompt": "hello world"})).json()
         assert plain["tokens"] == tok.encode("hello world", add_special_tokens=True)
-        no_bos = (await http.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False})).json()
+        no_bos = (await http.post("/tokenize", json={"prompt": "hello world",
+                                                     "add_special_tokens": False})).json()
         assert no_bos["count"] == plain["count"] - 1
         detok = (await http.post("/detokenize", json={"tokens": no_bos["tokens"]})).json()
         assert detok["prompt"] == tok.decode(no_bos["tokens"])
@@ -311,7 +312,8 @@ async def test_metrics_parse_with_vllms_names_and_labels(server: SimServer) -> N
         assert families[name[: -len("_total")]].type == "counter"
         assert samples[name].labels == {"model_name": server.model, "engine": "0"}
     assert samples["vllm:generation_tokens_total"].value == 3
-    assert samples["vllm:prompt_tokens_total"].value == len(tok.encode("warm up the counters", add_special_tokens=True))
+    prompt = tok.encode("warm up the counters", add_special_tokens=True)
+    assert samples["vllm:prompt_tokens_total"].value == len(prompt)
     assert samples["vllm:e2e_request_latency_seconds_count"].value == 1
     assert samples["vllm:time_to_first_token_seconds_count"].value == 1
     assert samples["vllm:inter_token_latency_seconds_count"].value == 2
@@ -330,8 +332,8 @@ async def test_shared_chat_prefix_hits_the_prefix_cache_over_http(server: SimSer
     client = _client(server)
     system = {"role": "system", "content": "You are an agent with a long shared system prompt. " * 20}
     for q in ("first question", "second, different question"):
-        await client.chat.completions.create(model=server.model, messages=[system, {"role": "user", "content": q}],
-                                             max_tokens=2)
+        messages = [system, {"role": "user", "content": q}]
+        await client.chat.completions.create(model=server.model, messages=messages, max_tokens=2)
     st = server.engine.stats
     shared = len(tok.encode(tok.render_chat([system], add_generation_prompt=False)))
     assert st.prefix_cache_hits_total >= (shared // 16) * 16 > 0
@@ -386,7 +388,8 @@ async def test_gateway_timeout_answers_504_and_aborts() -> None:
                                                                "max_tokens": 5})
                 r1, r2 = await asyncio.gather(queued_stream, queued_plain)
                 assert r1.status_code == 504 and r2.status_code == 504
-                assert "504 Gateway Time-out" in r1.text and r1.headers["content-type"].startswith("text/html")
+                assert "504 Gateway Time-out" in r1.text
+                assert r1.headers["content-type"].startswith("text/html")
                 assert server.engine.stats.num_waiting == 0  # both were aborted in the engine
             # the long stream was closed by the client; a short request now gets through
             await _wait_for(lambda: server.engine.stats.num_running == 0, "the closed stream to be aborted")

@@ -8,7 +8,6 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import time
 
 import pytest
 
@@ -39,7 +38,11 @@ def _corpus() -> dict[str, str]:
 
 
 
-    zen = "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex. Complex is better than complicated. Flat is better than nested. Sparse is better than dense. Readability counts. Special cases are not special enough to break the rules, although practicality beats purity. Errors should never pass silently, unless explicitly silenced. In the face of ambiguity, refuse the temptation to guess."
+    zen = ("Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex. "
+           "Complex is better than complicated. Flat is better than nested. Sparse is better than dense. "
+           "Readability counts. Special cases are not special enough to break the rules, although "
+           "practicality beats purity. Errors should never pass silently, unless explicitly silenced. "
+           "In the face of ambiguity, refuse the temptation to guess.")
     texts["prose:zen_x4"] = "\n\n".join([zen] * 4)
     with open(tok.__file__, encoding="utf-8") as f:
         texts["prose:tokenizer_doc"] = (tok.__doc__ or "") + f.read()[:3000]
@@ -107,7 +110,8 @@ def test_special_tokens_are_single_ids_and_bos_is_added_on_request() -> None:
     assert ids[0] == tok.SPECIAL_TOKENS["<|begin_of_text|>"]
     assert ids.count(tok.SPECIAL_TOKENS["<|eot_id|>"]) == 1
     assert ids.count(tok.SPECIAL_TOKENS["<|start_header_id|>"]) == 2
-    assert tok.encode("hi", add_special_tokens=True) == [tok.SPECIAL_TOKENS["<|begin_of_text|>"], *tok.encode("hi")]
+    bos = tok.SPECIAL_TOKENS["<|begin_of_text|>"]
+    assert tok.encode("hi", add_special_tokens=True) == [bos, *tok.encode("hi")]
 
 
 def test_tools_change_the_chat_prompt() -> None:

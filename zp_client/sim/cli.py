@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # spelling (--num-gpu-blocks, --policy...) never clash in the shared namespace.
     parser.add_argument("--host", dest="sim_host", default="127.0.0.1",
                         help="interface to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", dest="sim_port", type=int, default=8000, help="port (default 8000; 0 = any)")
+    parser.add_argument("--port", dest="sim_port", type=int, default=8000,
+                        help="port (default 8000; 0 = any)")
     parser.add_argument("--profile", dest="sim_profile", default="tiny", choices=sorted(PROFILES),
                         help="GPU profile: pool size, limits and step-time constants (default tiny)")
     parser.add_argument("--num-gpu-blocks", dest="sim_num_gpu_blocks", type=int, default=None,
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", dest="sim_speedup", type=float, default=1.0,
                         help="virtual seconds per real second (default 1)")
     parser.add_argument("--gateway-timeout", dest="sim_gateway_timeout", type=float, default=None,
-                        metavar="S", help="answer 504 to requests without a first byte after S virtual seconds")
+                        metavar="S",
+                        help="answer 504 to requests without a first byte after S virtual seconds")
     parser.add_argument("--policy", dest="sim_policy", choices=["fcfs", "priority"], default="fcfs",
                         help="scheduling policy (vLLM's --scheduling-policy)")
     parser.add_argument("--max-num-seqs", dest="sim_max_num_seqs", type=int, default=None)

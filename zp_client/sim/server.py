@@ -114,7 +114,9 @@ class _HTTPError(Exception):
         return _error(self.status, self.message, self.type, self.param)
 
 
-def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, type_: str = "BadRequestError", param: str | None = None
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
                         status_code=status)
 
@@ -158,6 +160,10 @@ class _Record:
     preemptions: int = 0
 
 
+def _new_future() -> asyncio.Future[None]:
+    return asyncio.get_running_loop().create_future()
+
+
 @dataclass
 class _Pending:
     """One HTTP request in flight: its choices and the queue the engine loop feeds."""
@@ -172,8 +178,8 @@ class _Pending:
     last_token_t: dict[int, float] = field(default_factory=dict)
     # Wake-ups: handlers wait on exactly what they need (first byte, completion, any progress), so a
     # non-streamed request is not woken once per token.
-    first: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    completed: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    first: asyncio.Future[None] = field(default_factory=lambda: _new_future())
+    completed: asyncio.Future[None] = field(default_factory=lambda: _new_future())
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -471,7 +477,9 @@ class _Sim:
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "steps")
         engine_stats = {n: getattr(st, n, None) for n in names}
-        busy = self.busy_wall_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
+        busy = self.busy_wall_s
+        if self._busy_since is not None:
+            busy += time.monotonic() - self._busy_since
         out: dict[str, Any] = {
             "model": self.model,
             "profile": self.profile.name,
@@ -508,9 +516,11 @@ class _Sim:
     def _setup_metrics(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         ln = ["model_name", "engine"]
-        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+        self.h_ttft = Histogram("vllm:time_to_first_token_seconds",
+                                "Histogram of time to first token in seconds.",
                                 ln, buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.h_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+        self.h_itl = Histogram("vllm:inter_token_latency_seconds",
+                               "Histogram of inter-token latency in seconds.",
                                ln, buckets=_ITL_BUCKETS, registry=self.registry)
         self.h_e2e = Histogram("vllm:e2e_request_latency_seconds",
                                "Histogram of e2e request latency in seconds.", ln, buckets=_LATENCY_BUCKETS,
@@ -570,14 +580,16 @@ class _EngineCollector:
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
                     st.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.num_waiting)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    st.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", st.kv_usage)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       st.preemptions_total)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
                       st.generation_tokens_total)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.",
                       st.prefix_cache_queries_total)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       st.prefix_cache_hits_total)
@@ -656,7 +668,8 @@ def _pick_tool(body: Mapping[str, Any], messages: Sequence[Any]) -> Mapping[str,
         for fn in fns:
             if fn.get("name") == name:
                 return fn
-        raise _HTTPError(400, f"tool_choice names function {name!r}, which is not in 'tools'", param="tool_choice")
+        raise _HTTPError(400, f"tool_choice names function {name!r}, which is not in 'tools'",
+                         param="tool_choice")
     if choice == "required":
         return fns[0]
     # "auto": answer a user turn with a tool call, a tool result with text (agent loops terminate)
@@ -725,7 +738,8 @@ class _App:
             if tool is not None:
                 args = json.dumps(_object_from_schema(tool.get("parameters") or {}, rng))
                 call = (str(tool.get("name", "tool")), args)
-                natural = max(1, tok.count_tokens(json.dumps({"name": call[0], "parameters": json.loads(args)})))
+                rendered = json.dumps({"name": call[0], "parameters": json.loads(args)})
+                natural = max(1, tok.count_tokens(rendered))
             else:
                 natural = max(1, int(round(rng.lognormvariate(math.log(DEFAULT_OUTPUT_MEDIAN),
                                                               DEFAULT_OUTPUT_SIGMA))))
@@ -741,7 +755,8 @@ class _App:
             choices.append(_Choice(index=i, engine_id=f"{request_id}-{i}", target=target, bound=bound,
                                    token_ids=ids, tool_call=call))
         record = _Record(request_id=request_id, engine_ids=[c.engine_id for c in choices], kind=kind,
-                         prompt_tokens=n_prompt, max_tokens=bound, output_tokens=sum(c.target for c in choices),
+                         prompt_tokens=n_prompt, max_tokens=bound,
+                         output_tokens=sum(c.target for c in choices),
                          priority=priority, arrival=0.0)
         pending = _Pending(request_id=request_id, kind=kind, created=int(time.time()), model=sim.model,
                            prompt_ids=prompt_ids, choices=choices, record=record)
@@ -847,7 +862,8 @@ class _App:
             return Response(_GATEWAY_504_BODY, status_code=504, media_type="text/html")
         if self.sim.loop_error is not None:
             self.sim.abort(pending, "aborted")
-            return _error(503, f"the simulated engine is dead: {self.sim.loop_error!r}", "ServiceUnavailableError")
+            return _error(503, f"the simulated engine is dead: {self.sim.loop_error!r}",
+                          "ServiceUnavailableError")
         if not stream:
             return JSONResponse(self._full_body(pending))
         opts = body.get("stream_options") or {}
@@ -902,7 +918,8 @@ class _App:
                     a, b = sent[i], c.generated
                     sent[i] = b
                     if chat and c.tool_call:
-                        call: dict[str, Any] = {"index": 0, "function": {"arguments": self._args_piece(c, a, b)}}
+                        call: dict[str, Any] = {"index": 0,
+                                                "function": {"arguments": self._args_piece(c, a, b)}}
                         if a == 0:
                             call.update(id=tool_ids[i], type="function")
                             call["function"]["name"] = c.tool_call[0]
@@ -910,7 +927,8 @@ class _App:
                     else:
                         delta = {"content": tok.decode(c.token_ids[a:b])}
                     if chat:
-                        out.append(chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}))
+                        out.append(chunk({"index": i, "delta": delta, "logprobs": None,
+                                          "finish_reason": None}))
                     else:
                         out.append(chunk({"index": i, "text": delta["content"], "logprobs": None,
                                           "finish_reason": None}))
@@ -953,8 +971,9 @@ class _App:
                 if not isinstance(messages, list):
                     raise _HTTPError(400, "'messages' must be a list", param="messages")
                 try:
+                    gen = bool(body.get("add_generation_prompt", True))
                     text = tok.render_chat(messages, tools=body.get("tools") or None,
-                                           add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+                                           add_generation_prompt=gen)
                 except (ValueError, AttributeError, TypeError) as exc:
                     raise _HTTPError(400, f"invalid 'messages': {exc}", param="messages") from None
                 ids = tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
@@ -973,7 +992,7 @@ class _App:
             body = await self._json(request)
             self._check_model(body)
             ids = body.get("tokens")
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
                 raise _HTTPError(400, "'tokens' must be a list of integers", param="tokens")
             try:
                 text = tok.decode(ids)
@@ -1081,7 +1100,7 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        """Root URL, e.g. ``http://127.0.0.1:PORT`` (``/metrics``, ``/tokenize``, ``/sim/stats`` live here)."""
+        """Root URL, e.g. ``http://127.0.0.1:PORT`` (``/metrics``, ``/tokenize``, ``/sim/stats``)."""
         return f"http://{self._host}:{self._port}"
 
     @property
