@@ -480,3 +480,68 @@ async def test_timeline_and_per_request_records(server: SimServer) -> None:
         assert r["status"] == "finished" and r["output_tokens"] == 4 and r["num_preemptions"] == 0
         assert r["arrival_s"] <= r["first_scheduled_s"] <= r["first_token_s"] <= r["finish_s"]
     assert {"lag_s", "max_lag_s", "lagging", "clock_s"} <= set(st)
+
+
+async def test_a_run_that_cannot_keep_up_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    # a million-fold speed-up asks for 5 ms virtual steps in 5 ns of real time: impossible
+    caplog.set_level("WARNING", logger="zp_client.sim.server")
+    async with SimServer(profile="tiny", speedup=1e6) as server:
+        async with httpx.AsyncClient(base_url=server.base_url) as http:
+            r = await http.post("/completions", json={"model": server.model, "prompt": "p", "max_tokens": 50,
+                                                      "ignore_eos": True})
+            assert r.status_code == 200
+            st = (await http.get(server.url + "/sim/stats")).json()
+    assert st["lagging"] is True and st["max_lag_s"] > 0.25
+    assert any("cannot keep up" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_priority_field_reaches_the_engine() -> None:
+    async with SimServer(profile="tiny", speedup=1, policy="priority") as server:
+        async with httpx.AsyncClient(base_url=server.base_url) as http:
+            async with http.stream("POST", "/completions", json={
+                    "model": server.model, "prompt": "p", "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True, "priority": 7}) as resp:
+                first = json.loads((await resp.aiter_lines().__anext__())[len("data: "):])
+                record = server.engine.request_record(first["id"] + "-0")
+                assert record.priority == 7
+        await _wait_for(lambda: server.engine.stats.num_running == 0, "the closed stream to be aborted")
+        assert server.stats(requests=True)["requests"][0]["priority"] == 7
+
+
+def test_cli_serves_and_replays(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from zp_client.cli import main
+
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"arrival_step": 0, "prompt_tokens": 100, "max_tokens": 20}) + "\n"
+                                for _ in range(3)))
+    out = tmp_path / "out.json"
+    assert main(["sim", "replay", str(workload), "--num-gpu-blocks", "64", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["preemptions"] == 0 and len(result["requests"]) == 3
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zp_client.cli", "sim", "--port", "0", "--profile", "tiny",
+         "--num-gpu-blocks", "300", "--speedup", "5", "--gateway-timeout", "30"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stderr is not None
+        base_url = None
+        for line in proc.stderr:
+            if "serving model" in line:
+                base_url = line.rsplit(" at ", 1)[1].strip()
+                break
+        assert base_url and base_url.endswith("/v1"), "the CLI prints where it serves"
+        client = openai.OpenAI(base_url=base_url, api_key="sim", max_retries=0)
+        r = client.completions.create(model="sim-llama", prompt="hello", max_tokens=3,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage is not None and r.usage.completion_tokens == 3
+        metrics = httpx.get(base_url[: -len("/v1")] + "/metrics").text
+        assert 'num_gpu_blocks="300"' in metrics
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
