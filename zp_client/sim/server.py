@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -750,8 +751,10 @@ class _App:
             else:
                 target = min(natural, bound)
             # deterministic output text: ids derived from the prompt and the choice index
-            seed_rng = random.Random(f"{len(prompt_ids)}:{prompt_ids[-8:]}:{i}:{body.get('seed')}")
-            ids = [seed_rng.randrange(tok.VOCAB_SIZE) for _ in range(target)]
+            # (a multiplicative sequence from a stable hash: cheap even for thousands of tokens)
+            key = f"{len(prompt_ids)}:{prompt_ids[-8:]}:{i}:{body.get('seed')}".encode()
+            base = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+            ids = [(base + 2_654_435_761 * k) % tok.VOCAB_SIZE for k in range(1, target + 1)]
             choices.append(_Choice(index=i, engine_id=f"{request_id}-{i}", target=target, bound=bound,
                                    token_ids=ids, tool_call=call))
         record = _Record(request_id=request_id, engine_ids=[c.engine_id for c in choices], kind=kind,
