@@ -410,3 +410,14 @@ def test_heuristic_counts_indented_multiline_text() -> None:
     """) * 50
     t = Estimator(Settings(estimator="heuristic")).count_text(prompt)
     assert 0.75 < t / _cl100k_len(prompt) < 1.35
+
+
+def test_schema_text_is_the_same_with_and_without_orjson(monkeypatch: pytest.MonkeyPatch) -> None:
+    # prefix keys must agree between processes that have orjson installed and those that do not
+    import zp_client.estimate as mod
+
+    tools = [{"type": "function", "function": {"name": "ü_tool", "description": 'naïve "quoted" \\ \n\t',
+                                                "parameters": {"x": [1, 2.5, None, True, -3]}}}]
+    with_orjson = mod._schema_text(tools)
+    monkeypatch.setattr(mod, "_orjson", False)
+    assert mod._schema_text(tools) == with_orjson
