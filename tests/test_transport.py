@@ -70,6 +70,17 @@ def wait_released_sync(budget: Any, timeout: float = 15.0) -> int:
     return anyio.run(used, budget)
 
 
+def server_streams_closed(server: LoopbackServer, timeout: float = 15.0) -> bool:
+    """Wait (bounded) until the server saw every slow stream's client go away."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if server.slow_streams_open == 0:
+            return True
+        gc.collect()
+        time.sleep(0.02)
+    return False
+
+
 def async_client(mod: Any, server: LoopbackServer, budget: Any, **kw: Any) -> Any:
     t = transport_classes(mod).AsyncAdmissionTransport(budget=budget, settings=kw.pop("settings", settings()), **kw)
     return mod.AsyncClient(transport=t, base_url=server.base_url, timeout=30)
@@ -187,6 +198,8 @@ class TestAsyncMatrix:
         assert await used(b) > 0
         del it, r, req  # the caller walks away without closing anything
         assert await wait_released(b) == 0
+        # the connection was closed too, so the server aborted the request (its KV is free as well)
+        assert await anyio.to_thread.run_sync(server_streams_closed, server)
         await c.aclose()
 
 
@@ -227,6 +240,7 @@ class TestSyncMatrix:
         assert anyio.run(used, b) > 0
         del it, r
         assert wait_released_sync(b) == 0
+        assert server_streams_closed(server)
         c.close()
 
     def test_waits_while_budget_full(self, mod: Any, server: LoopbackServer) -> None:
@@ -367,9 +381,12 @@ async def test_idle_stream_watchdog(server: LoopbackServer) -> None:
             it = r.aiter_raw()
             await it.__anext__()
             assert await used(b) > 0
-            # keep `r` referenced but stop reading: the watchdog releases the lease
+            # keep `r` referenced but stop reading: the watchdog closes the stream and releases the lease
             assert await wait_released(b) == 0
-            assert r is not None
+            assert await anyio.to_thread.run_sync(server_streams_closed, server)
+            with pytest.raises(httpx.TransportError):  # reading on finds the connection closed
+                async for _ in it:
+                    pass
 
 
 async def test_retry_releases_and_keeps_ticket(server: LoopbackServer) -> None:

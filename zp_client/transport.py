@@ -406,19 +406,23 @@ class _Core:
 
 
 class _Holder:
-    """Owns one lease while a response body is open. Never references the stream (GC must work)."""
+    """Owns one lease while a response body is open. Never references the stream wrapper, so the
+    wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
 
-    __slots__ = ("lease", "done", "loop", "last_activity", "idle_timeout", "__weakref__")
+    __slots__ = ("lease", "done", "loop", "resp", "last_activity", "idle_timeout", "__weakref__")
 
-    def __init__(self, lease: Lease, idle_timeout: float) -> None:
+    def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool) -> None:
         self.lease = lease
         self.done = False
+        self.resp: Any = None  # the inner response, once its body is handed to the caller
         self.last_activity = time.monotonic()
         self.idle_timeout = idle_timeout
-        try:
-            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self.loop = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        if is_async:
+            try:
+                self.loop = asyncio.get_running_loop()
+            except RuntimeError:  # trio: finalizers fall back to release_sync
+                self.loop = None
 
     async def release(self) -> None:
         if self.done:
@@ -440,28 +444,56 @@ class _Holder:
         except Exception:
             logger.exception("lease release failed")
 
-    def release_from_anywhere(self) -> None:
-        """Release from a finalizer or the watchdog thread, without blocking an event loop."""
+    def abandon(self) -> None:
+        """The caller walked away (garbage collection) or stopped reading (watchdog).
+
+        Closes the inner response first, so the server sees the disconnect, aborts the request and
+        frees its KV (releasing the lease while the server still generated would break the bound),
+        then releases the lease. Callable from any thread; never blocks an event loop.
+        """
         if self.done:
             return
+        resp, self.resp = self.resp, None
         loop = self.loop
         if loop is None or loop.is_closed():
+            if resp is not None and loop is None:
+                try:
+                    resp.close()
+                except Exception:
+                    logger.debug("closing an abandoned response failed", exc_info=True)
             self.release_sync()
             return
+        self.done = True
+        coro = _abandon_async(resp, self.lease)
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            self.done = True
-            task = loop.create_task(self.lease.release())
+            task = loop.create_task(coro)
             _pending.add(task)
             task.add_done_callback(_pending.discard)
         elif loop.is_running():
-            self.done = True
-            asyncio.run_coroutine_threadsafe(self.lease.release(), loop)
+            asyncio.run_coroutine_threadsafe(coro, loop)
         else:
-            self.release_sync()
+            coro.close()
+            try:
+                self.lease.release_sync()
+            except Exception:
+                logger.exception("lease release failed")
+
+
+async def _abandon_async(resp: Any, lease: Lease) -> None:
+    try:
+        if resp is not None:
+            await resp.aclose()
+    except Exception:
+        logger.debug("closing an abandoned response failed", exc_info=True)
+    finally:
+        try:
+            await lease.release()
+        except Exception:
+            logger.exception("lease release failed")
 
 
 _pending: set[asyncio.Task[None]] = set()
@@ -469,8 +501,8 @@ _pending: set[asyncio.Task[None]] = set()
 
 def _finalize(holder: _Holder) -> None:
     if not holder.done:
-        logger.debug("response abandoned without close: releasing its lease")
-        holder.release_from_anywhere()
+        logger.debug("response abandoned without close: closing it and releasing its lease")
+        holder.abandon()
 
 
 class _Watchdog:
@@ -508,11 +540,11 @@ class _Watchdog:
             for h in holders:
                 if not h.done and now - h.last_activity > h.idle_timeout:
                     logger.warning(
-                        "stream idle for more than %.1f s (Settings.idle_stream_timeout_s): releasing its "
-                        "lease",
+                        "stream idle for more than %.1f s (Settings.idle_stream_timeout_s): closing it and "
+                        "releasing its lease",
                         h.idle_timeout,
                     )
-                    h.release_from_anywhere()
+                    h.abandon()
             self._wake.wait(interval)
             self._wake.clear()
 
@@ -784,7 +816,7 @@ def _build(mod: ModuleType) -> TransportClasses:
                 ticket = lease.ticket
                 if state is not None:
                     state.ticket = ticket
-                holder = _Holder(lease, core.settings.idle_stream_timeout_s)
+                holder = _Holder(lease, core.settings.idle_stream_timeout_s, is_async=True)
                 try:
                     resp = await self._inner.handle_async_request(_request(request, plan))
                 except Exception as exc:
@@ -827,6 +859,7 @@ def _build(mod: ModuleType) -> TransportClasses:
                     if _preread(resp):
                         await holder.release()
                         return _preread_response(core, plan, resp, scanner)
+                    holder.resp = resp
                     _watchdog.add(holder)
                     return _response(resp, _AsyncBody(core, plan, resp, holder, scanner), scanner)
                 except BaseException:
@@ -897,7 +930,7 @@ def _build(mod: ModuleType) -> TransportClasses:
                 ticket = lease.ticket
                 if state is not None:
                     state.ticket = ticket
-                holder = _Holder(lease, core.settings.idle_stream_timeout_s)
+                holder = _Holder(lease, core.settings.idle_stream_timeout_s, is_async=False)
                 try:
                     resp = self._inner.handle_request(_request(request, plan))
                 except Exception as exc:
@@ -941,6 +974,7 @@ def _build(mod: ModuleType) -> TransportClasses:
                     if _preread(resp):
                         holder.release_sync()
                         return _preread_response(core, plan, resp, scanner)
+                    holder.resp = resp
                     _watchdog.add(holder)
                     return _response(resp, _SyncBody(core, plan, resp, holder, scanner), scanner)
                 except BaseException:
