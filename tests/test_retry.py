@@ -36,6 +36,7 @@ from zp_client.retry import (
     RetryState,
     is_testing,
     parse_retry_after,
+    retry_budget_for,
     set_testing,
     testing,
 )
@@ -502,6 +503,28 @@ def test_redis_budget_with_only_a_sync_client_works_from_async_code(
         return [await budget.try_spend_async() for _ in range(4)]
 
     assert anyio.run(main) == [True, True, True, False]
+
+
+@pytest.mark.redis
+def test_retry_budget_for_a_redis_budget_is_fleet_wide_under_its_hash_tag(
+    redis_url: str, redis_prefix: str, redis_client: redis.Redis
+) -> None:
+    from zp_client.budget.redis import RedisBudget
+
+    # Two processes' worth of RedisBudget objects of one name: their retry budgets share one window.
+    budgets = [RedisBudget(redis_url, redis_prefix, limit_blocks=100) for _ in range(2)]
+    a, b = (retry_budget_for(x, ratio=0, floor_per_s=0.05, window_s=60) for x in budgets)
+    try:
+        assert isinstance(a, RedisRetryBudget) and a.key == f"{{zp:{redis_prefix}}}:retry_budget"
+        assert [a.try_spend(), b.try_spend(), a.try_spend(), b.try_spend()] == [True, True, True, False]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_retry_budget_for_any_other_budget_is_local() -> None:
+    rb = retry_budget_for(object(), ratio=0.2)
+    assert isinstance(rb, LocalRetryBudget) and rb.ratio == 0.2 and rb.window_s == 10.0
 
 
 def test_redis_budget_with_only_an_async_client_refuses_sync_calls_clearly() -> None:
