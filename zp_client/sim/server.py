@@ -46,8 +46,13 @@ What callers may rely on
 * Time: a background loop runs ``engine.step()``; each step's virtual duration is slept as
   duration / speedup of real time (sleeping until the step's real deadline, so compute time is
   absorbed). When idle, virtual time follows real time x speedup. When the engine cannot keep up, it
-  runs steps back to back, ``/sim/stats`` reports ``lag_s`` / ``max_lag_s`` (virtual seconds behind the
-  real-time schedule) and ``lagging: true``, and a warning is logged once.
+  runs steps back to back, ``/sim/stats`` reports ``lag_s`` / ``max_lag_s`` / ``mean_lag_s`` (virtual
+  seconds behind the real-time schedule) and ``lagging: true`` once the lag exceeded ``LAG_WARN_S``
+  (0.25 virtual s), and a warning is logged once. Requests arriving while the engine lags are stamped
+  with the engine's clock, so the lag is also the largest distortion of arrival times. Clients running
+  in the same process (the openai SDK building requests, parsing SSE) share the event loop and count
+  towards the lag; at high speed-ups keep them light or in another process.
+* ``steps_per_real_s`` in ``/sim/stats`` is engine steps per real second of busy time.
 * ``server.timeline`` holds ``(virtual_t, kv_usage, preemptions_total, running, waiting)`` samples, one
   per step (or per ``timeline_interval_s`` of virtual time when set).
 """
@@ -259,6 +264,7 @@ class _Sim:
                        "errors_4xx": 0}
         self.lag_s = 0.0
         self.max_lag_s = 0.0
+        self._lag_sum = 0.0
         self.lagging = False
         self._lag_warned = False
         self.real_steps = 0
@@ -317,6 +323,7 @@ class _Sim:
                 deadline = self._real0 + (out.end_time - self._virt0) / self.speedup
                 now = time.monotonic()
                 self.lag_s = max(0.0, (now - deadline) * self.speedup)
+                self._lag_sum += self.lag_s
                 if self.lag_s > self.max_lag_s:
                     self.max_lag_s = self.lag_s
                 if self.lag_s > LAG_WARN_S:
@@ -494,6 +501,8 @@ class _Sim:
             "engine": engine_stats,
             "lag_s": self.lag_s,
             "max_lag_s": self.max_lag_s,
+            "mean_lag_s": self._lag_sum / self.real_steps if self.real_steps else 0.0,
+            "lag_warn_s": LAG_WARN_S,
             "lagging": self.lagging,
             "real_steps": self.real_steps,
             "real_step_compute_s": self.real_busy_s,
