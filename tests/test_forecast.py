@@ -1,0 +1,86 @@
+"""The output-length forecaster: conditional quantiles on known distributions, cold start, per-key."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from zp_client.errors import ConfigurationError
+from zp_client.forecast import BUCKET_RATIO, LengthForecaster, Prior
+
+
+def _close(x: float, expected: float, rel: float = BUCKET_RATIO - 1) -> bool:
+    return abs(x - expected) <= rel * expected + 1
+
+
+def test_cold_start_answers_from_the_prior() -> None:
+    fc = LengthForecaster(prior=Prior(median=300, sigma=1.0, weight=20))
+    assert _close(fc.quantile("m", 0.5), 300)
+    # p90 of lognormal(ln 300, 1.0) = 300 * e^(1.2816)
+    assert _close(fc.quantile("m", 0.9), 300 * math.exp(1.2816))
+
+
+def test_learns_a_known_distribution_and_forgets_the_prior() -> None:
+    rng = random.Random(1)
+    fc = LengthForecaster(prior=Prior(median=2000, sigma=0.5, weight=20), half_life=None)
+    samples = [int(rng.lognormvariate(math.log(220), 1.2)) for _ in range(20_000)]
+    fc.observe_many("agent", samples)
+    srt = sorted(samples)
+    for q in (0.5, 0.9, 0.99):
+        assert _close(fc.quantile("agent", q), srt[int(q * len(srt))], rel=0.2), q
+
+
+def test_conditional_quantile_given_tokens_so_far() -> None:
+    # Exponential lengths are memoryless: L - g | L > g has the same law, so the conditional median of L
+    # given g is g + median.
+    rng = random.Random(2)
+    fc = LengthForecaster(prior=Prior(weight=1e-9), half_life=None)
+    samples = [int(rng.expovariate(1 / 400)) for _ in range(50_000)]
+    fc.observe_many("exp", samples)
+    median = 400 * math.log(2)
+    for g in (0, 200, 800):
+        expected = g + median
+        assert _close(fc.quantile("exp", 0.5, generated=g), expected, rel=0.12), g
+    # Conditional quantiles move out as the stream grows and always exceed what was generated.
+    assert fc.quantile("exp", 0.9, generated=3000) > 3000
+
+
+def test_forecast_is_capped_by_max_tokens_and_outlives_generated() -> None:
+    fc = LengthForecaster(q=0.9)
+    fc.observe_many("k", [100] * 200)
+    assert fc.forecast("k", max_tokens=50) == 50
+    assert fc.forecast("k", generated=5000) > 5000
+
+
+def test_keys_are_separate() -> None:
+    fc = LengthForecaster(prior=Prior(weight=1e-6), half_life=None)
+    fc.observe_many("short", [20] * 500)
+    fc.observe_many("long", [2000] * 500)
+    assert fc.forecast("short") < 30
+    assert fc.forecast("long") > 1500
+    assert fc.observations("short") == 500 and fc.observations("none") == 0
+
+
+def test_decay_follows_a_drifting_workload() -> None:
+    fc = LengthForecaster(prior=Prior(weight=1e-6), half_life=200)
+    fc.observe_many("k", [100] * 2000)
+    fc.observe_many("k", [1000] * 2000)
+    assert _close(fc.quantile("k", 0.5), 1000)
+
+
+def test_snapshot_round_trips_through_merge() -> None:
+    a, b = LengthForecaster(), LengthForecaster()
+    a.observe_many("k", [50, 60, 70] * 100)
+    b.merge_counts("k", a.snapshot("k"))
+    assert b.forecast("k") == a.forecast("k")
+
+
+def test_bad_input_is_a_typed_error() -> None:
+    with pytest.raises(ConfigurationError):
+        LengthForecaster(q=1.5)
+    with pytest.raises(ConfigurationError):
+        LengthForecaster().observe("k", -1)
+    with pytest.raises(ConfigurationError):
+        LengthForecaster().merge_counts("k", [1.0, 2.0])

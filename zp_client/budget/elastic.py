@@ -1,0 +1,269 @@
+"""The ``elastic`` reservation policy: admit on the projected peak of the pool, not on max_tokens.
+
+Reserving every request's ``prompt + max_tokens`` (``strict``) makes preemption impossible but, on agent
+workloads whose max_tokens is 4096 while true outputs are a few hundred tokens, leaves most of the pool
+idle and multiplies time-to-first-token. ``elastic`` admits a waiter only while the **projected peak** of
+the pool stays within the limit:
+
+* every live lease holds ``held`` blocks now and grows by one token per engine step until its forecast
+  end, then frees everything at once (vLLM frees a finished request's blocks immediately);
+* so the pool's total only rises between two lease ends and only falls at an end: its maximum over the
+  future is reached just before some lease ends (or now). Evaluating the total at those instants is exact
+  and cheap;
+* a shared prefix (system prompt, tool schemas) is counted once among the live leases with the same
+  ``prefix_key`` — as vLLM's ref counting does — but only once some live lease with that key has produced
+  its first token: before that the prefix may not be in the cache yet and a concurrent request would
+  allocate its own copy.
+
+Units. The projection runs in *steps* (one output token per live request per step) and *blocks*. A lease
+whose occupancy is ``held`` blocks holds at most ``held * block_size`` tokens, so after ``t`` more steps it
+holds at most ``held + ceil(t / block_size)`` blocks; this is exact for the conservative reading of
+``held`` and makes the sum over leases linear, hence the O(log n) evaluation per candidate below.
+
+Lease metadata read by the policy (``LeaseRecord.meta`` / ``WaiterRecord.meta``; all optional):
+
+``prompt_tokens``  tokens at admission (default: ``held * block_size``).
+``forecast_tokens`` forecast number of output tokens at the end (default: the whole bound: then the lease
+                   is projected exactly as ``strict`` would count it at its end).
+``streaming``      False when the client cannot see growth (non-streamed): the lease is projected at its
+                   forecast end from now until ``forecast_tokens`` steps have passed (default True).
+``prefix_key``     key of the shared prefix, ``prefix_blocks`` its full-block count.
+``first_token``    True once the lease has produced its first token.
+
+Safety. Under ``elastic`` the admission rule holds at every admission: the projected peak including the
+new lease is within the limit. Growth after admission is recorded, never blocked; a lease that outgrows its
+forecast makes the projection tighten at once (its end moves to its bound until the caller re-forecasts).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zp_client.budget.ledger import LedgerView, WaiterRecord
+
+__all__ = ["ElasticPolicy", "Projection", "project", "projected_peak", "brute_force_peak"]
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """One term of the projection: ``blocks + grows * ceil(t / block_size)`` for ``0 <= t <= remaining``."""
+
+    blocks: int
+    remaining: int
+    grows: bool = True
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def project(
+    *,
+    held: int,
+    bound: int,
+    block_size: int,
+    meta: Mapping[str, Any],
+    candidate: bool = False,
+) -> Projection:
+    """Projection of one lease (or of a candidate about to be admitted) from its metadata."""
+    prompt_tokens = int(meta.get("prompt_tokens", held * block_size))
+    bound_tokens = bound * block_size
+    forecast = meta.get("forecast_tokens")
+    end_tokens = bound_tokens if forecast is None else min(bound_tokens, prompt_tokens + int(forecast))
+    if not meta.get("streaming", True):
+        # The client cannot see its growth: hold the forecast end for as long as the forecast runs.
+        blocks = min(bound, _ceil_div(end_tokens, block_size))
+        return Projection(blocks=blocks, remaining=max(0, end_tokens - prompt_tokens), grows=False)
+    if candidate:
+        held = _ceil_div(prompt_tokens, block_size)
+    # Fewest tokens the lease may hold now: its remaining steps are counted from there (conservative).
+    tokens_low = max(prompt_tokens, (held - 1) * block_size + 1) if held > 0 else prompt_tokens
+    if tokens_low >= end_tokens and end_tokens < bound_tokens:
+        # Outgrew its forecast and nobody re-forecast yet: project to the bound (tightens at once).
+        end_tokens = bound_tokens
+    remaining = max(0, end_tokens - tokens_low)
+    return Projection(blocks=held, remaining=remaining, grows=True)
+
+
+class _Profile:
+    """The pool's projected occupancy at every lease end, prepared for O(log n) candidate checks."""
+
+    __slots__ = ("bs", "ends", "values", "pre_max", "suf_max", "suf_blocks", "suf_growers", "sparse", "groups")
+
+    def __init__(self, terms: list[Projection], block_size: int, groups: dict[str, tuple[int, int]]) -> None:
+        self.bs = bs = block_size
+        self.groups = groups  # prefix_key -> (prefix blocks, remaining of the group's pseudo term)
+        terms = sorted(terms, key=lambda p: p.remaining)
+        n = len(terms)
+        self.ends = [p.remaining for p in terms]
+        # Suffix sums over terms alive at ends[j] (remaining >= ends[j]).
+        self.suf_blocks = [0] * (n + 1)
+        self.suf_growers = [0] * (n + 1)
+        for j in range(n - 1, -1, -1):
+            self.suf_blocks[j] = self.suf_blocks[j + 1] + terms[j].blocks
+            self.suf_growers[j] = self.suf_growers[j + 1] + (1 if terms[j].grows else 0)
+        # values[j]: total at instant ends[j]. Equal ends are evaluated at their first index (all alive).
+        values = []
+        for j in range(n):
+            k = bisect.bisect_left(self.ends, self.ends[j])
+            values.append(self.suf_blocks[k] + self.suf_growers[k] * _ceil_div(self.ends[j], bs))
+        self.values = values
+        # pre_max[j] = max over i < j of values[i] + ceil(ends[i]/bs) (a candidate alive there adds that).
+        self.pre_max = [float("-inf")] * (n + 1)
+        for j in range(n):
+            self.pre_max[j + 1] = max(self.pre_max[j], values[j] + _ceil_div(self.ends[j], bs))
+        self.suf_max = [float("-inf")] * (n + 1)
+        for j in range(n - 1, -1, -1):
+            self.suf_max[j] = max(self.suf_max[j + 1], values[j])
+        self.sparse: list[list[float]] | None = None
+
+    def peak(self) -> int:
+        now = self.suf_blocks[0]
+        return int(max(now, self.suf_max[0])) if self.ends else now
+
+    def _range_max(self, lo: int, hi: int) -> float:
+        """max over lo <= i < hi of values[i] + ceil(ends[i]/bs) (sparse table, built on first use)."""
+        if lo >= hi:
+            return float("-inf")
+        if self.sparse is None:
+            base = [v + _ceil_div(e, self.bs) for v, e in zip(self.values, self.ends)]
+            table = [base]
+            width = 1
+            while 2 * width <= len(base):
+                prev = table[-1]
+                table.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
+                width *= 2
+            self.sparse = table
+        k = (hi - lo).bit_length() - 1
+        row = self.sparse[k]
+        return max(row[lo], row[hi - (1 << k)])
+
+    def peak_with(self, c: Projection, extra_prefix: tuple[int, int] | None = None) -> int:
+        """Projected peak if the candidate ``c`` joins. ``extra_prefix = (blocks, from_end)``: the candidate
+        extends a shared prefix's life from ``from_end`` to ``c.remaining`` (it outlives the group)."""
+        bs = self.bs
+        rc = c.remaining
+        grow_c = 1 if c.grows else 0
+        # Instants where the candidate is alive: ends <= rc, i.e. indices [0, hi).
+        hi = bisect.bisect_right(self.ends, rc)
+        best: float = self.suf_max[hi]  # after the candidate ends: unchanged
+        if grow_c:
+            alive_best = self.pre_max[hi] + c.blocks
+        else:
+            alive_best = self.suf_max_before(hi) + c.blocks
+        best = max(best, alive_best)
+        # The candidate's own end instant (everything with remaining >= rc is alive, plus the candidate).
+        k = bisect.bisect_left(self.ends, rc)
+        at_end = self.suf_blocks[k] + self.suf_growers[k] * _ceil_div(rc, bs) + c.blocks + grow_c * _ceil_div(rc, bs)
+        if extra_prefix is not None:
+            pblocks, from_end = extra_prefix
+            at_end += pblocks
+            lo = bisect.bisect_right(self.ends, from_end)
+            if grow_c:
+                best = max(best, self._range_max(lo, hi) + c.blocks + pblocks)
+            else:
+                best = max(best, max(self.values[lo:hi], default=float("-inf")) + c.blocks + pblocks)
+        best = max(best, at_end, self.suf_blocks[0] + c.blocks)
+        return int(best)
+
+    def suf_max_before(self, hi: int) -> float:
+        return max(self.values[:hi], default=float("-inf"))
+
+
+def _terms_for(
+    leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int
+) -> tuple[list[Projection], dict[str, tuple[int, int]]]:
+    """Projection terms of live leases ``(held, bound, meta)``, shared prefixes counted once."""
+    items = [(project(held=h, bound=b, block_size=block_size, meta=m), m) for h, b, m in leases]
+    active: dict[str, int] = {}
+    for _, m in items:
+        key = m.get("prefix_key")
+        if key is not None and m.get("first_token") and int(m.get("prefix_blocks", 0)) > 0:
+            active[key] = int(m["prefix_blocks"])
+    # A member cannot share more than it holds: the group's prefix is the smallest member's at most.
+    for p, m in items:
+        key = m.get("prefix_key")
+        if key in active and p.grows:
+            active[key] = min(active[key], p.blocks)
+    terms: list[Projection] = []
+    group_end: dict[str, int] = {}
+    for p, m in items:
+        key = m.get("prefix_key")
+        if key in active and p.grows:
+            terms.append(Projection(p.blocks - active[key], p.remaining, True))
+            group_end[key] = max(group_end.get(key, -1), p.remaining)
+        else:
+            terms.append(p)
+    groups: dict[str, tuple[int, int]] = {}
+    for key, end in group_end.items():
+        terms.append(Projection(active[key], end, grows=False))
+        groups[key] = (active[key], end)
+    return terms, groups
+
+
+def projected_peak(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int) -> int:
+    """The projected peak in blocks of live leases given as ``(held, bound, meta)``."""
+    terms, groups = _terms_for(leases, block_size)
+    return _Profile(terms, block_size, groups).peak()
+
+
+def brute_force_peak(terms: Iterable[Projection], block_size: int) -> int:
+    """Reference for tests: step through every future instant and sum what is alive."""
+    terms = list(terms)
+    horizon = max((p.remaining for p in terms), default=0)
+    best = 0
+    for t in range(horizon + 1):
+        total = sum(p.blocks + (_ceil_div(t, block_size) if p.grows else 0) for p in terms if p.remaining >= t)
+        best = max(best, total)
+    return best
+
+
+class ElasticPolicy:
+    """Admit a waiter while the projected peak, with the waiter, stays within the limit.
+
+    ``used`` reports the projected peak of the live leases. The policy keeps a cache of the prepared
+    projection keyed on the ledger's ``version`` (when it has one), so a grant that checks many waiters
+    against an unchanged pool costs O(log n) per waiter.
+    """
+
+    name = "elastic"
+
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = block_size
+        self._cache_key: object = None
+        self._profile: _Profile | None = None
+
+    def _prepare(self, view: LedgerView) -> _Profile:
+        version = getattr(view, "version", None)
+        key = (id(view), version) if version is not None else None
+        if key is not None and key == self._cache_key and self._profile is not None:
+            return self._profile
+        leases = ((rec.held, rec.bound, rec.meta) for rec in view.leases.values())
+        terms, groups = _terms_for(leases, self.block_size)
+        profile = _Profile(terms, self.block_size, groups)
+        self._cache_key, self._profile = key, profile
+        return profile
+
+    def used(self, view: LedgerView) -> int:
+        return self._prepare(view).peak()
+
+    def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
+        profile = self._prepare(view)
+        meta = candidate.meta
+        c = project(held=candidate.held, bound=candidate.bound, block_size=self.block_size, meta=meta, candidate=True)
+        extra: tuple[int, int] | None = None
+        key = meta.get("prefix_key")
+        group = profile.groups.get(key) if key is not None else None
+        if group is not None and c.grows:
+            pblocks, group_end = group
+            pblocks = min(pblocks, int(meta.get("prefix_blocks", pblocks)), c.blocks)
+            c = Projection(c.blocks - pblocks, c.remaining, True)
+            if c.remaining > group_end:
+                extra = (pblocks, group_end)
+        return profile.peak_with(c, extra) <= view.limit
+
+    def __repr__(self) -> str:
+        return f"ElasticPolicy(block_size={self.block_size})"

@@ -1,0 +1,227 @@
+"""Output-length forecasts for the elastic policy: an online distribution per key, with a prior.
+
+The elastic policy needs, for every live lease, where its output will end. The forecaster learns the
+distribution of true output lengths (``usage.completion_tokens``) per key — a model name, or a route label
+the caller gives — and answers *conditional* quantiles: given that a stream has produced ``g`` tokens,
+the length ``x`` with ``P(L <= x | L > g) = q``. A stream that outgrows its forecast is simply asked
+again with its new ``g``, so the forecast moves out as the stream does.
+
+Representation: counts over log-spaced buckets (ratio :data:`BUCKET_RATIO`), so memory is constant, an
+observation is O(1) and a quantile O(buckets). Within a bucket mass is spread log-uniformly. Counts decay
+(``half_life`` observations) so the distribution follows a drifting workload. A cold key starts from a
+prior (lognormal, weight ``prior_weight`` pseudo-observations) that fades as real observations arrive.
+
+The default prior (median 256, sigma 1.2, so p99 ~ 4,200 tokens) is deliberately wide: an agent's
+replies range from a tool call of a dozen tokens to a file of thousands.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from zp_client.errors import ConfigurationError
+
+__all__ = ["BUCKET_RATIO", "LengthForecaster", "LengthHistogram", "Prior"]
+
+BUCKET_RATIO = 1.15
+_MAX_LEN = 1 << 20
+# Bucket edges: [0, 1), [1, 2), then geometric. Edge i is the lower bound of bucket i.
+_EDGES: list[float] = [0.0, 1.0]
+while _EDGES[-1] < _MAX_LEN:
+    _EDGES.append(max(_EDGES[-1] + 1.0, _EDGES[-1] * BUCKET_RATIO))
+_NB = len(_EDGES) - 1
+_LOG_RATIO = math.log(BUCKET_RATIO)
+
+
+def _bucket(x: float) -> int:
+    if x < 1:
+        return 0
+    # Geometric edges after the first few unit-width ones: start from the log guess, then correct.
+    i = min(_NB - 1, max(1, int(math.log(x) / _LOG_RATIO)))
+    while i > 0 and _EDGES[i] > x:
+        i -= 1
+    while i < _NB - 1 and _EDGES[i + 1] <= x:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class Prior:
+    """A lognormal prior over output lengths: ``median`` tokens, log-space ``sigma``, ``weight``
+    pseudo-observations."""
+
+    median: float = 256.0
+    sigma: float = 1.2
+    weight: float = 20.0
+
+    def masses(self) -> list[float]:
+        mu = math.log(self.median)
+        out = []
+        for i in range(_NB):
+            lo, hi = _EDGES[i], _EDGES[i + 1]
+            c_lo = 0.0 if lo <= 0 else _norm_cdf((math.log(lo) - mu) / self.sigma)
+            c_hi = _norm_cdf((math.log(hi) - mu) / self.sigma)
+            out.append((c_hi - c_lo) * self.weight)
+        return out
+
+
+def _norm_cdf(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+class LengthHistogram:
+    """Decaying counts over log-spaced buckets. Not thread-safe (the forecaster locks)."""
+
+    __slots__ = ("counts", "total", "observations", "_scale", "_decay")
+
+    def __init__(self, prior: Prior | None, half_life: float | None) -> None:
+        self.counts = prior.masses() if prior is not None else [0.0] * _NB
+        self.total = sum(self.counts)
+        self.observations = 0
+        # Decay by scaling new observations up instead of every count down; renormalise when large.
+        self._scale = 1.0
+        self._decay = 1.0 if not half_life else 2.0 ** (1.0 / half_life)
+
+    def add(self, length: float, weight: float = 1.0) -> None:
+        self._scale *= self._decay
+        w = weight * self._scale
+        self.counts[_bucket(length)] += w
+        self.total += w
+        self.observations += 1
+        if self._scale > 1e12:
+            self.counts = [c / self._scale for c in self.counts]
+            self.total /= self._scale
+            self._scale = 1.0
+
+    def _mass_above(self, g: float) -> tuple[int, float]:
+        """(bucket of g, mass strictly above g), with g's bucket split log-uniformly."""
+        b = _bucket(g)
+        lo, hi = _EDGES[b], _EDGES[b + 1]
+        frac_above = 1.0 - _within(lo, hi, g)
+        above = self.counts[b] * frac_above + sum(self.counts[b + 1 :])
+        return b, above
+
+    def conditional_quantile(self, q: float, given: float = 0.0) -> float | None:
+        """The ``q`` quantile of the length given that it exceeds ``given``; None without mass above."""
+        b, above = self._mass_above(given)
+        if above <= 0:
+            return None
+        target = q * above
+        lo, hi = _EDGES[b], _EDGES[b + 1]
+        frac_above = 1.0 - _within(lo, hi, given)
+        first = self.counts[b] * frac_above
+        if first >= target and first > 0:
+            # Inside g's own bucket, between g and the bucket's top.
+            f0 = _within(lo, hi, given)
+            return max(given, _inverse_within(lo, hi, f0 + (target / self.counts[b])))
+        acc = first
+        for i in range(b + 1, _NB):
+            c = self.counts[i]
+            if acc + c >= target and c > 0:
+                return _inverse_within(_EDGES[i], _EDGES[i + 1], (target - acc) / c)
+            acc += c
+        return _EDGES[-1]
+
+
+def _within(lo: float, hi: float, x: float) -> float:
+    """Fraction of a bucket's (log-uniform) mass below x."""
+    if x <= lo:
+        return 0.0
+    if x >= hi:
+        return 1.0
+    if lo <= 0:
+        return (x - lo) / (hi - lo)
+    return math.log(x / lo) / math.log(hi / lo)
+
+
+def _inverse_within(lo: float, hi: float, f: float) -> float:
+    f = min(1.0, max(0.0, f))
+    if lo <= 0:
+        return lo + f * (hi - lo)
+    return lo * (hi / lo) ** f
+
+
+class LengthForecaster:
+    """Per-key online distributions of output lengths, answering conditional quantiles.
+
+    Example::
+
+        fc = LengthForecaster(q=0.9)
+        fc.observe("llama-70b", 180)
+        end = fc.forecast("llama-70b", generated=0, max_tokens=4096)   # total output tokens expected
+
+    Thread-safe. ``q`` is the quantile used by :meth:`forecast`; higher is safer (fewer surprises for the
+    elastic policy) and admits less.
+    """
+
+    def __init__(
+        self,
+        *,
+        q: float = 0.9,
+        prior: Prior | None = None,
+        half_life: float | None = 2000.0,
+        priors: Mapping[str, Prior] | None = None,
+    ) -> None:
+        if not 0.0 < q < 1.0:
+            raise ConfigurationError(f"forecast quantile q must be in (0, 1), got {q!r}")
+        self.q = q
+        self.prior = prior if prior is not None else Prior()
+        self._priors = dict(priors or {})
+        self._half_life = half_life
+        self._hists: dict[str, LengthHistogram] = {}
+        self._lock = threading.Lock()
+
+    def _hist(self, key: str) -> LengthHistogram:
+        h = self._hists.get(key)
+        if h is None:
+            h = self._hists[key] = LengthHistogram(self._priors.get(key, self.prior), self._half_life)
+        return h
+
+    def observe(self, key: str, completion_tokens: int) -> None:
+        """Learn one finished request's true output length."""
+        if completion_tokens < 0:
+            raise ConfigurationError(f"completion_tokens must be >= 0, got {completion_tokens}")
+        with self._lock:
+            self._hist(key).add(float(completion_tokens))
+
+    def observe_many(self, key: str, lengths: Sequence[int]) -> None:
+        with self._lock:
+            h = self._hist(key)
+            for n in lengths:
+                h.add(float(n))
+
+    def observations(self, key: str) -> int:
+        with self._lock:
+            h = self._hists.get(key)
+            return h.observations if h else 0
+
+    def quantile(self, key: str, q: float, *, generated: int = 0) -> float:
+        """The ``q`` quantile of the output length of a request of ``key`` that has produced ``generated``
+        tokens so far (conditional on outliving them)."""
+        with self._lock:
+            x = self._hist(key).conditional_quantile(q, float(generated))
+        # No mass beyond g (it outgrew everything seen): assume it is half-way.
+        return float(2 * generated + 1) if x is None else max(x, generated + 1.0)
+
+    def forecast(self, key: str, *, generated: int = 0, max_tokens: int | None = None) -> int:
+        """Total output tokens expected at the end (the forecaster's ``q`` quantile), capped at
+        ``max_tokens``."""
+        x = math.ceil(self.quantile(key, self.q, generated=generated))
+        return min(x, max_tokens) if max_tokens is not None else x
+
+    def snapshot(self, key: str) -> list[float]:
+        """The bucket counts of ``key`` (for sharing through Redis and for tests)."""
+        with self._lock:
+            return list(self._hist(key).counts)
+
+    def merge_counts(self, key: str, counts: Sequence[float]) -> None:
+        """Replace ``key``'s counts by a fleet-wide snapshot (e.g. read from Redis)."""
+        if len(counts) != _NB:
+            raise ConfigurationError(f"expected {_NB} bucket counts, got {len(counts)}")
+        with self._lock:
+            h = self._hist(key)
+            h.counts = [float(c) for c in counts]
+            h.total = sum(h.counts)
