@@ -3,7 +3,8 @@
 Behaviour is chosen by the request's ``model``:
 
 - ``ok``: a normal answer; streamed when ``stream`` is true (role chunk, ``min(max_tokens, 6)`` content
-  chunks, a finish chunk, the usage-only chunk when ``stream_options.include_usage``, ``[DONE]``).
+  chunks, a finish chunk, the usage-only chunk when ``stream_options.include_usage``, ``[DONE]``). With
+  ``include_usage`` every chunk also carries ``"usage": null``, as OpenAI's API does.
 - ``err400`` / ``err500``: an error body in vLLM's shape with that status.
 - ``reset``: streams two chunks, then drops the connection without finishing the chunked body.
 - ``slow``: streams a chunk every 20 ms, up to 3000 chunks, until the client goes away.
@@ -145,6 +146,8 @@ class LoopbackServer:
             else:
                 obj = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": model,
                        "choices": [{"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish}]}
+            if include_usage:
+                obj["usage"] = None  # as OpenAI does: every chunk says "usage": null once usage is on
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
         yield chunk({"role": "assistant", "content": ""})

@@ -295,7 +295,9 @@ async def test_stream_usage_chunk_invisible_to_caller(server: LoopbackServer) ->
         # a caller that asked for usage gets it
         asked = {**body, "stream_options": {"include_usage": True}}
         got_usage = (await c.post("/chat/completions", json=asked)).content
-        assert b'"usage"' in got_usage and got_usage.endswith(b"[DONE]\n\n")
+        assert b'"usage": {' in got_usage and b'"usage": null' in got_usage  # untouched
+        async with httpx.AsyncClient(base_url=server.base_url) as bare:
+            assert got_usage == (await bare.post("/chat/completions", json=asked)).content
     assert await used(b) == 0
 
 
@@ -409,3 +411,98 @@ async def test_retry_releases_and_keeps_ticket(server: LoopbackServer) -> None:
     assert len(attempts) == 2
     assert tickets[0][0] is None and tickets[1][0] == tickets[0][1]  # the retry reused its ticket
     assert await used(b) == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The same lifecycle against the vLLM simulator (the loopback app above shapes 500s and resets, which
+# the simulator does not produce). The simulator's engine tells us the server side freed the request.
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Any]:
+    from zp_client.sim.server import SimServer
+
+    with SimServer(profile="tiny", speedup=5.0, max_model_len=2048) as s:
+        yield s
+
+
+def sim_idle(sim: Any, timeout: float = 15.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        eng = sim.stats()["engine"]
+        if eng["num_running"] == 0 and eng["num_waiting"] == 0:
+            return True
+        gc.collect()
+        time.sleep(0.02)
+    return False
+
+
+SIM_CHAT = {"model": "sim-llama", "messages": [{"role": "user", "content": "tell me a story"}],
+            "max_tokens": 24, "ignore_eos": True, "seed": 7}
+
+
+@pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
+class TestAgainstSimulator:
+    def _client(self, mod: Any, sim: Any, b: Any, **kw: Any) -> Any:
+        t = transport_classes(mod).AsyncAdmissionTransport(budget=b, settings=settings(**kw))
+        return mod.AsyncClient(transport=t, base_url=sim.base_url, timeout=60)
+
+    async def test_success_errors_and_usage_hidden(self, mod: Any, sim: Any) -> None:
+        b = make_budget()
+        async with self._client(mod, sim, b) as c:
+            r = await c.post("/chat/completions", json=SIM_CHAT)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+            assert await used(b) == 0
+            async with c.stream("POST", "/chat/completions", json={**SIM_CHAT, "stream": True}) as r:
+                events = [line async for line in r.aiter_lines() if line.startswith("data:")]
+            assert events[-1] == "data: [DONE]"
+            assert not any('"usage"' in e for e in events)  # zp's include_usage is invisible
+            async with mod.AsyncClient(base_url=sim.base_url, timeout=60) as bare:
+                async with bare.stream("POST", "/chat/completions", json={**SIM_CHAT, "stream": True}) as r:
+                    bare_events = [line async for line in r.aiter_lines() if line.startswith("data:")]
+
+            def text(evs: list[str]) -> str:
+                return "".join(json.loads(e[5:])["choices"][0]["delta"].get("content", "") for e in evs[:-1])
+
+            # same seeded output, same shape (ids and chunking by engine step may differ)
+            assert text(events) == text(bare_events) and len(text(events)) > 0
+            assert await used(b) == 0
+            r = await c.post("/chat/completions", json={**SIM_CHAT, "model": "no-such-model"})
+            assert r.status_code == 404 and await used(b) == 0
+        # zp read max_model_len (2048) from the simulator's /v1/models and refuses locally
+        async with self._client(mod, sim, b) as c:
+            with pytest.raises(PromptTooLong):
+                await c.post("/chat/completions", json={**SIM_CHAT, "messages": [
+                    {"role": "user", "content": "many words here " * 2000}]})
+        # told a larger context than the server has, zp sends it and the server's 400 comes back
+        async with self._client(mod, sim, b, max_model_len=1_000_000) as c:
+            r = await c.post("/chat/completions", json={**SIM_CHAT, "messages": [
+                {"role": "user", "content": "many words here " * 2000}]})
+            assert r.status_code == 400 and await used(b) == 0
+
+    async def test_cancel_and_abandon_free_both_sides(self, mod: Any, sim: Any) -> None:
+        b = make_budget()
+        long = {**SIM_CHAT, "max_tokens": 1500, "stream": True}
+        async with self._client(mod, sim, b) as c:
+            got = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                async def call() -> None:
+                    async with c.stream("POST", "/chat/completions", json=long) as r:
+                        async for _ in r.aiter_raw():
+                            got.set()
+
+                tg.start_soon(call)
+                await got.wait()
+                assert await used(b) > 0
+                tg.cancel_scope.cancel()
+            assert await used(b) == 0
+            assert await anyio.to_thread.run_sync(sim_idle, sim)
+
+            r = await c.send(c.build_request("POST", "/chat/completions", json=long), stream=True)
+            it = r.aiter_raw()
+            await it.__anext__()
+            await it.__anext__()
+            del it, r
+            assert await wait_released(b) == 0
+            assert await anyio.to_thread.run_sync(sim_idle, sim)

@@ -85,6 +85,7 @@ _REPORT_STEP_BLOCKS = 4
 # Non-streamed bodies are kept (up to this size) only to read their ``usage`` at the end.
 _MAX_USAGE_BODY = 4 * 1024 * 1024
 _SSE_SEPARATOR = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_USAGE_NULL = re.compile(rb'\s*,\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
 
 
 def is_admitted(method: str, path: str) -> bool:
@@ -566,6 +567,7 @@ class _Scanner:
         self.events = 0
         self.reported = plan.held
         self.usage: dict[str, Any] | None = None
+        self.pending: bytes | None = None
         self.body = bytearray() if not is_sse else None
 
     def feed(self, chunk: bytes) -> bytes:
@@ -583,7 +585,7 @@ class _Scanner:
             event = bytes(self.buf[start : m.end()])
             start = m.end()
             if self._event(event) and out is not None:
-                out += event
+                out += self._take(event)
         del self.buf[:start]
         if out is None:
             return chunk
@@ -596,7 +598,13 @@ class _Scanner:
         rest = bytes(self.buf)
         self.buf.clear()
         keep = self._event(rest)
-        return rest if (self.strip and keep) else b""
+        return self._take(rest) if (self.strip and keep) else b""
+
+    def _take(self, event: bytes) -> bytes:
+        """The event as the caller gets it (with an added ``"usage": null`` removed)."""
+        if self.pending is not None:
+            event, self.pending = self.pending, None
+        return event
 
     def _event(self, event: bytes) -> bool:
         """Account one SSE event; False when it is the usage-only chunk zp asked for."""
@@ -614,6 +622,10 @@ class _Scanner:
                 self.usage = obj["usage"]
                 if obj.get("choices") == []:
                     return not self.strip
+            elif self.strip and isinstance(obj, dict) and "usage" in obj:
+                # OpenAI-style servers put "usage": null in every chunk once include_usage is on;
+                # without it they send no such key, so drop the key to hand back the original bytes.
+                self.pending = _USAGE_NULL.sub(b"", event)
         self.events += 1
         # About one token per choice per event; the first (role) event carries none, which only makes
         # this a slight overestimate of growth: fine for accounting.
