@@ -414,3 +414,41 @@ def test_connection_errors_are_typed() -> None:
 
     anyio.run(main)
     gc.collect()
+
+
+def test_cancelling_a_stream_reader_releases_the_lease(sim: SimServer) -> None:
+    budget = _budget()
+
+    async def main() -> tuple[int, int]:
+        async with AsyncClient(sim.base_url, budget=budget) as client:
+            stream = await client.chat.completions.create(model=sim.model, messages=MSGS, max_tokens=1000,
+                                                          stream=True, extra_body={"ignore_eos": True})
+            got = 0
+            with anyio.CancelScope() as scope:
+                async for _ in stream:
+                    got += 1
+                    if got == 2:
+                        scope.cancel()
+            return got, _used(budget)
+
+    got, used = anyio.run(main)
+    # cancellation lands at the next real checkpoint (chunks already buffered are still yielded), but
+    # well before the 1000-token stream ends
+    assert 2 <= got < 900 and used == 0
+
+
+def test_cancelling_a_waiting_request_releases_nothing_and_leaks_nothing(sim: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=70)
+
+    async def main() -> tuple[int, int]:
+        async with AsyncClient(sim.base_url, budget=budget) as client:
+            hog = await client.chat.completions.create(model=sim.model, messages=MSGS, max_tokens=1000, stream=True,
+                                                       extra_body={"ignore_eos": True})
+            held = _used(budget)
+            with anyio.move_on_after(0.3):  # the second request cannot fit and waits for a lease
+                await client.chat.completions.create(model=sim.model, messages=MSGS, max_tokens=1000)
+            await hog.aclose()
+            return held, _used(budget)
+
+    held, used = anyio.run(main)
+    assert held > 35 and used == 0

@@ -421,3 +421,13 @@ def test_schema_text_is_the_same_with_and_without_orjson(monkeypatch: pytest.Mon
     with_orjson = mod._schema_text(tools)
     monkeypatch.setattr(mod, "_orjson", False)
     assert mod._schema_text(tools) == with_orjson
+
+
+def test_lower_bound_is_below_the_reservation_and_tracks_calibration(heur: Estimator) -> None:
+    raw = _est("lb")
+    assert heur.lower_bound_tokens(raw) < 1000 < heur.reserve_tokens(raw)
+    for _ in range(100):
+        heur.observe(raw, 1500)
+    assert 1450 <= heur.lower_bound_tokens(raw) <= 1500 < heur.reserve_tokens(raw)
+    exact = PromptEstimate(1234, 1, None, "lb", None, 0, True)
+    assert heur.lower_bound_tokens(exact) == heur.reserve_tokens(exact) == 1234

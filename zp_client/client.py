@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
+import anyio
 import httpx
 from httpx_sse import EventSource, SSEError
 from pydantic import BaseModel, SecretStr
@@ -237,13 +238,15 @@ class AsyncStream(Generic[T]):
             await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the response (idempotent)."""
+        """Close the response (idempotent). Shielded: it completes even inside a cancelled scope, so a
+        cancelled reader still closes the connection and releases the lease at once."""
         if not self._closed:
             self._closed = True
-            try:
-                await self._events.aclose()
-            finally:
-                await self.response.aclose()
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._events.aclose()
+                finally:
+                    await self.response.aclose()
 
     async def __aenter__(self) -> AsyncStream[T]:
         return self

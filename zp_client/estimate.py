@@ -660,6 +660,16 @@ class Estimator:
         margin = self._config().margin
         return math.ceil(est.tokens * (factor + self.dev_k * dev) * (1.0 + margin))
 
+    def lower_bound_tokens(self, est: PromptEstimate) -> int:
+        """Prompt tokens the request almost surely has at least: ``floor(tokens * (factor - dev_k * dev))``
+        (the exact count when ``est.exact``). Use it to refuse a prompt as too long without refusing one
+        that an over-estimate merely pushed over the limit."""
+        if est.exact or est.tokens <= 0:
+            return max(0, est.tokens)
+        cal = self._cal.get(est.model)
+        factor, dev = (1.0, self._prior_dev()) if cal is None else (cal.factor, cal.dev)
+        return max(0, math.floor(est.tokens * max(0.0, factor - self.dev_k * dev)))
+
     def observe(self, est: PromptEstimate, prompt_tokens: int) -> None:
         """Learn from a response's ``usage.prompt_tokens`` for the request ``est`` described.
 
