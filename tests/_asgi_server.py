@@ -41,6 +41,7 @@ class LoopbackServer:
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._chat, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/v1/responses", self._responses, methods=["POST"]),
                 Route("/v1/files", self._files, methods=["POST"]),
             ]
         )
@@ -78,7 +79,7 @@ class LoopbackServer:
         return f"http://127.0.0.1:{self.port}"
 
     def llm_requests(self) -> list[dict[str, Any]]:
-        return [r for r in self.requests if r["path"].endswith("completions")]
+        return [r for r in self.requests if r["path"].endswith(("completions", "responses"))]
 
     # -- endpoints -----------------------------------------------------------------------------------
     async def _health(self, request: Request) -> Response:
@@ -89,6 +90,12 @@ class LoopbackServer:
         body = await request.body()
         self._record(request, None)
         return JSONResponse({"received": len(body)})
+
+    async def _responses(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        self._record(request, body)
+        return JSONResponse({"id": "resp-1", "object": "response", "status": "completed", "output": [],
+                             "usage": {"input_tokens": 9, "output_tokens": 2, "total_tokens": 11}})
 
     async def _models(self, request: Request) -> Response:
         self._record(request, None)

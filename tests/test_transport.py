@@ -506,3 +506,40 @@ class TestAgainstSimulator:
             del it, r
             assert await wait_released(b) == 0
             assert await anyio.to_thread.run_sync(sim_idle, sim)
+
+
+async def test_responses_and_completions_are_admitted(server: LoopbackServer) -> None:
+    b = make_budget(100)
+    blocker = await hold_all(b)
+    async with async_client(httpx, server, b, settings=settings(default_max_tokens=50)) as c:
+        for path, body in (("/responses", {"model": "ok", "input": "hi"}),
+                           ("/completions", {"model": "ok", "prompt": "hi"})):
+            with pytest.raises(AdmissionTimeout):  # admitted: it waits for blocks like a chat call
+                await c.post(path, json=body, headers={"X-ZP-Deadline": "0.1"})
+        await blocker.release()
+        r = await c.post("/responses", json={"model": "ok", "input": "hi"})
+        assert r.json()["usage"]["input_tokens"] == 9
+        assert server.llm_requests()[-1]["body"]["max_output_tokens"] == 50  # the /responses name
+        r = await c.post("/completions", json={"model": "ok", "prompt": "hi"})
+        assert r.json()["choices"][0]["text"]
+        assert server.llm_requests()[-1]["body"]["max_tokens"] == 50
+    assert await used(b) == 0
+
+
+async def test_stream_growth_is_reported(server: LoopbackServer) -> None:
+    """held starts at the prompt's blocks and grows as the stream advances, reported in steps."""
+    b = make_budget()
+    body = {**CHAT, "model": "slow", "stream": True, "max_tokens": 2000}
+    async with async_client(httpx, server, b) as c:
+        async with c.stream("POST", "/chat/completions", json=body) as r:
+            it = r.aiter_raw()
+            await it.__anext__()
+            start = (await b.status()).held
+            n = 1
+            while (await b.status()).held <= start and n < 400:
+                await it.__anext__()
+                n += 1
+            grown = (await b.status()).held
+    assert 0 < start < grown
+    assert n < 400
+    assert await used(b) == 0

@@ -84,6 +84,7 @@ _ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
 _REPORT_STEP_BLOCKS = 4
 # Non-streamed bodies are kept (up to this size) only to read their ``usage`` at the end.
 _MAX_USAGE_BODY = 4 * 1024 * 1024
+_METADATA_TIMEOUT = {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
 _SSE_SEPARATOR = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _USAGE_NULL = re.compile(rb'\s*,\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
 
@@ -314,7 +315,9 @@ class _Core:
             return root + path if path.startswith("/") else base.rstrip("/") + "/" + path
 
         def build(method: str, path: str, payload: Any) -> Any:
-            kw: dict[str, Any] = {"headers": {**auth, "accept": "application/json"}}
+            # Metadata calls bypass admission; bounded so a silent server cannot hang the first request.
+            kw: dict[str, Any] = {"headers": {**auth, "accept": "application/json"},
+                                  "extensions": {"timeout": dict(_METADATA_TIMEOUT)}}
             if payload is not None:
                 kw["json"] = payload
             return mod.Request(method, url_of(path), **kw)
@@ -653,8 +656,11 @@ class _Scanner:
 def _observe(core: _Core, plan: _Plan, scanner: _Scanner) -> None:
     try:
         usage = scanner.final_usage()
-        if usage and isinstance(usage.get("prompt_tokens"), int):
-            core.estimator.observe(plan.estimate, usage["prompt_tokens"])
+        if usage:
+            # chat/completions say prompt_tokens; /responses says input_tokens
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            if isinstance(prompt, int):
+                core.estimator.observe(plan.estimate, prompt)
     except Exception:  # calibration must never break a response
         logger.debug("usage reconciliation failed", exc_info=True)
 
