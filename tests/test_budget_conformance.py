@@ -1,0 +1,233 @@
+"""One conformance suite for every Budget backend, with the sans-I/O ledger as the model.
+
+A hypothesis state machine drives random acquire (with and without a retried ticket) / release /
+double release / cancel / held report / limit change sequences against a real backend (LocalBudget,
+and RedisBudget on the test Redis) and against :class:`~zp_client.budget.ledger.Ledger`. After every
+step the backend must agree with the model exactly: which requests hold leases (and with which
+tickets), which were refused, and the status snapshot (limit, used, held, live leases, waiters and
+their weight per class).
+
+The starvation bound is 0 (pure FIFO: every non-fitting waiter is a barrier) or effectively infinite
+(unbounded backfill), so the outcome never depends on timing. Expiry is time-based and is tested per
+backend (tests/test_redis_budget.py, tests/test_redis_multiprocess.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from zp_client.budget.base import Budget, Lease, Ticket
+from zp_client.budget.ledger import Ledger
+from zp_client.errors import LeaseTooLarge
+
+LIMIT = 12
+NO_BACKFILL = 0.0
+FULL_BACKFILL = 1e9  # seconds; no wait in a test comes near it
+
+BudgetFactory = Callable[[int, float], Budget]
+
+
+def _local_factory(limit: int, starvation: float) -> Budget:
+    from zp_client.budget.local import LocalBudget
+
+    return LocalBudget(limit, starvation_bound=starvation)
+
+
+def _make_machine(factory: BudgetFactory, starvation: float, cleanup: Callable[[], None]) -> type:
+    class BudgetMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loop = asyncio.new_event_loop()
+            self.model = Ledger(LIMIT, starvation_bound=starvation)
+            self.budget = factory(LIMIT, starvation)
+            self.labels = itertools.count()
+            self.tasks: dict[str, asyncio.Task[Lease]] = {}
+            self.leases: dict[str, Lease] = {}
+            self.released: list[Lease] = []
+            self.tickets: list[Ticket] = []
+            self.rejected: set[str] = set()
+
+        # ----------------------------------------------------------------- helpers
+        def run(self, coro: Any) -> Any:
+            return self.loop.run_until_complete(coro)
+
+        def settle(self) -> None:
+            """Wait (bounded, for liveness only) for every grant the model made; check refusals."""
+            granted = [lbl for lbl in self.model.leases if lbl not in self.leases]
+            waiting = [self.tasks[lbl] for lbl in granted]
+            rejected = [self.tasks[lbl] for lbl in self.rejected]
+            if waiting or rejected:
+                done, pending = self.run(asyncio.wait(waiting + rejected, timeout=20))
+                assert not pending, f"the backend did not grant/refuse what the model did: {granted} {self.rejected}"
+            for lbl in granted:
+                lease = self.tasks.pop(lbl).result()
+                assert lease.ticket == self.model.lease(lbl).ticket, "ticket order differs from the ledger's"
+                assert lease.bound == self.model.lease(lbl).bound
+                self.leases[lbl] = lease
+                self.tickets.append(lease.ticket)
+            for lbl in self.rejected:
+                exc = self.tasks.pop(lbl).exception()
+                assert isinstance(exc, LeaseTooLarge), f"expected LeaseTooLarge for a waiter above the limit, got {exc!r}"
+            self.rejected.clear()
+            # Let any (wrong) extra grant surface before comparing.
+            self.run(asyncio.sleep(0.002))
+            for lbl, task in self.tasks.items():
+                assert not task.done(), f"{lbl} finished ({task!r}) but the model says it waits"
+            flush = getattr(self.budget, "flush", None)
+            if flush is not None:
+                self.run(flush())
+            got = self.run(self.budget.status())
+            want = self.model.status(0.0)
+            assert (got.limit, got.used, got.free, got.held, got.leases) == (
+                want.limit, want.used, want.free, want.held, want.leases)
+            assert got.waiters == want.waiters
+
+        # ----------------------------------------------------------------- rules
+        @rule(blocks=st.integers(1, LIMIT + 2), priority=st.integers(0, 2), retry=st.booleans())
+        def acquire(self, blocks: int, priority: int, retry: bool) -> None:
+            ticket = self.tickets.pop(0) if retry and self.tickets else None
+            lbl = f"r{next(self.labels)}"
+            try:
+                self.model.enqueue(lbl, blocks, None, priority, 0.0, ticket)
+            except LeaseTooLarge:
+                with pytest.raises(LeaseTooLarge):
+                    self.run(self.budget.acquire(blocks, priority=priority, ticket=ticket))
+                return
+            self.tasks[lbl] = self.loop.create_task(self.budget.acquire(blocks, priority=priority, ticket=ticket))
+            self.run(asyncio.sleep(0))  # let it reach the backend before the model grants
+            self.run(self._until_registered(lbl))
+            self.model.grant(0.0)
+            self.settle()
+
+        async def _until_registered(self, lbl: str) -> None:
+            # The acquire call's own round trip: wait until the backend has the request (granted or queued).
+            for _ in range(2000):
+                st_ = await self.budget.status()
+                n = st_.leases + sum(c.waiters for c in st_.waiters.values())
+                if n >= len(self.leases) + len(self.tasks) or self.tasks[lbl].done():
+                    return
+                await asyncio.sleep(0.001)
+            raise AssertionError("acquire never reached the backend")
+
+        @precondition(lambda self: bool(self.leases))
+        @rule(data=st.data())
+        def release(self, data: st.DataObject) -> None:
+            lbl = data.draw(st.sampled_from(sorted(self.leases)))
+            lease = self.leases.pop(lbl)
+            self.run(lease.release())
+            assert lease.released
+            self.released.append(lease)
+            self.model.release(lbl, 0.0)
+            self.model.grant(0.0)
+            self.settle()
+
+        @precondition(lambda self: bool(self.released))
+        @rule(data=st.data())
+        def release_again_is_a_no_op(self, data: st.DataObject) -> None:
+            lease = data.draw(st.sampled_from(self.released))
+            self.run(lease.release())
+            self.settle()
+
+        @precondition(lambda self: bool(self.tasks))
+        @rule(data=st.data())
+        def cancel(self, data: st.DataObject) -> None:
+            lbl = data.draw(st.sampled_from(sorted(self.tasks)))
+            task = self.tasks.pop(lbl)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                self.run(task)
+            assert self.model.cancel(lbl)
+            self.model.grant(0.0)
+            self.settle()
+
+        @precondition(lambda self: bool(self.leases))
+        @rule(data=st.data(), value=st.integers(-2, LIMIT + 2))
+        def report_held(self, data: st.DataObject, value: int) -> None:
+            lbl = data.draw(st.sampled_from(sorted(self.leases)))
+            self.leases[lbl].report_held(value)
+            self.model.report_held(lbl, value)
+            assert self.leases[lbl].held == self.model.lease(lbl).held
+            self.settle()
+
+        @rule(limit=st.integers(0, LIMIT + 4))
+        def set_limit(self, limit: int) -> None:
+            self.run(self.budget.set_limit(limit))
+            self.rejected |= set(self.model.set_limit(limit, 0.0))
+            self.model.grant(0.0)
+            self.settle()
+
+        @invariant()
+        def strict_invariant(self) -> None:
+            st_ = self.model
+            assert all(0 <= le.held <= le.bound for le in st_.leases.values())
+
+        def teardown(self) -> None:
+            try:
+                for task in self.tasks.values():
+                    task.cancel()
+                for task in self.tasks.values():
+                    try:
+                        lease = self.run(task)
+                    except (asyncio.CancelledError, LeaseTooLarge):
+                        continue
+                    self.run(lease.release())  # only after a failed step: a grant the model did not make
+                for lease in self.leases.values():
+                    self.run(lease.release())
+                st_ = self.run(self.budget.status())
+                assert st_.leases == 0 and not st_.waiters, f"leaked: {st_}"
+                self.run(self.budget.aclose())
+            finally:
+                self.loop.close()
+                cleanup()
+
+    return BudgetMachine
+
+
+_SETTINGS = settings(
+    max_examples=25, stateful_step_count=20, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@pytest.mark.parametrize("starvation", [NO_BACKFILL, FULL_BACKFILL], ids=["fifo", "backfill"])
+def test_local_budget_conforms_to_the_ledger(starvation: float) -> None:
+    pytest.importorskip("zp_client.budget.local")
+    machine = _make_machine(_local_factory, starvation, lambda: None)
+    run_state_machine_as_test(machine, settings=_SETTINGS)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("starvation", [NO_BACKFILL, FULL_BACKFILL], ids=["fifo", "backfill"])
+def test_redis_budget_conforms_to_the_ledger(starvation: float, redis_url: str, redis_prefix: str) -> None:
+    from zp_client.budget.redis import RedisBudget
+
+    names: list[str] = []
+    counter = itertools.count()
+
+    def factory(limit: int, starve: float) -> Budget:
+        name = f"{redis_prefix}-{next(counter)}"
+        names.append(name)
+        # recovery=0: a fresh budget would otherwise admit nothing for one lease TTL (tested elsewhere)
+        return RedisBudget(redis_url, name, limit, recovery=0, starvation_bound=starve, held_report_blocks=1)
+
+    def cleanup() -> None:
+        r = redis.Redis.from_url(redis_url)
+        try:
+            for name in names:
+                keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
+                if keys:
+                    r.delete(*keys)
+        finally:
+            r.close()
+
+    machine = _make_machine(factory, starvation, cleanup)
+    run_state_machine_as_test(machine, settings=_SETTINGS)

@@ -1,0 +1,52 @@
+-- acquire.lua: enqueue a waiter (Ledger.enqueue) and run a grant pass (Ledger.grant). Idempotent per
+-- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
+-- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
+--       waiter_ttl_ms
+-- Returns {'G', order, priority, epoch} granted | {'W', order, priority, epoch, recovery_left_ms}
+--         waiting | {'X', limit} larger than the limit | {'I'} budget absent (call init.lua first).
+if redis.call('EXISTS', K_META) == 0 then return {'I'} end
+local id = ARGV[1]
+local now = now_ms()
+local epoch = redis.call('HGET', K_META, 'epoch')
+reap(now)
+local raw = redis.call('HGET', K_LEASES, id)
+if raw then
+  local l = cjson.decode(raw)
+  return {'G', l.o, l.p, epoch}
+end
+local wraw = redis.call('HGET', K_WAIT, id)
+local order, prio
+if wraw then
+  local w = cjson.decode(wraw)
+  redis.call('ZADD', K_WEXP, now + int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9), id)
+  order, prio = w.o, w.p
+else
+  if string.len(id) < 16 or string.len(id) > 64 then
+    error({err = 'ERR zp: request id must be 16..64 characters (use an unguessable token)'})
+  end
+  local bound = int_arg(ARGV[2], 'blocks', 1, 1e12)
+  local held = int_arg(ARGV[3], 'held', 0, bound)
+  prio = int_arg(ARGV[4], 'priority', -4096, 4096)
+  order = int_arg(ARGV[5], 'ticket order', -1, 1099511627775)
+  local ttl = int_arg(ARGV[6], 'lease_ttl_ms', 1, 1e9)
+  local wttl = int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9)
+  local limit = meta_num('limit')
+  if bound > limit then return {'X', limit} end
+  if order < 0 then
+    order = redis.call('HINCRBY', K_META, 'seq', 1) - 1
+  elseif order >= meta_num('seq') then
+    -- a ticket from elsewhere must not let later arrivals slip in ahead of it
+    redis.call('HSET', K_META, 'seq', order + 1)
+  end
+  local arrival = redis.call('HINCRBY', K_META, 'arr', 1)
+  local member = string.format('%012d', arrival) .. '|' .. id
+  redis.call('HSET', K_WAIT, id, cjson.encode({b = bound, h = held, p = prio, o = order, s = now,
+    m = member, x = ARGV[7], w = ARGV[8], l = ttl}))
+  redis.call('ZADD', K_LINE, prio * PRIO_SPAN + order, member)
+  redis.call('ZADD', K_WEXP, now + wttl, id)
+  class_add(prio, 1, bound)
+end
+grant(now, id)
+if redis.call('HEXISTS', K_LEASES, id) == 1 then return {'G', order, prio, epoch} end
+if redis.call('HEXISTS', K_WAIT, id) == 0 then return {'X', meta_num('limit')} end
+return {'W', order, prio, epoch, math.max(0, meta_num('rec') - now)}

@@ -1,0 +1,29 @@
+-- release.lua: return a lease's blocks (Ledger.release) or take a waiter out of line (Ledger.cancel),
+-- then run a grant pass; grants are pushed to the admitted waiters' mailboxes. Idempotent: an unknown id
+-- is a no-op. Only the owner that holds the lease (or the waiter) may release it.
+-- ARGV: id, owner.  Returns 1 released a lease | 2 cancelled a waiter | 0 nothing to do.
+if redis.call('EXISTS', K_META) == 0 then return 0 end
+local id, owner = ARGV[1], ARGV[2]
+local now = now_ms()
+local done = 0
+local raw = redis.call('HGET', K_LEASES, id)
+if raw then
+  if cjson.decode(raw).w ~= owner then
+    error({err = 'ERR zp: lease ' .. id .. ' is not held by this caller; not released'})
+  end
+  drop_lease(id)
+  done = 1
+else
+  local wraw = redis.call('HGET', K_WAIT, id)
+  if wraw then
+    local w = cjson.decode(wraw)
+    if w.w ~= owner then
+      error({err = 'ERR zp: waiter ' .. id .. ' belongs to another caller; not cancelled'})
+    end
+    drop_waiter(id, w)
+    done = 2
+  end
+end
+reap(now)
+grant(now, '')
+return done

@@ -1,0 +1,42 @@
+-- renew.lua: heartbeat a batch of one owner's leases (Ledger.renew), with their current held blocks.
+-- A lease Redis no longer has is re-adopted when it was granted in another epoch (Redis restarted or
+-- failed over and lost it: the holder really runs, so the ledger must count it again), and reported
+-- lost when it was granted in the current epoch (it expired: its blocks may already be someone else's).
+-- ARGV: owner, lease_ttl_ms, then per lease 6 values: id, epoch, bound, held, priority, order
+-- Returns {'I'} budget absent (call init.lua, then renew again) | {epoch, code...}, one code per lease:
+--   1 renewed, 2 re-adopted, 0 lost, -1 held by another owner.
+if redis.call('EXISTS', K_META) == 0 then return {'I'} end
+local owner = ARGV[1]
+local ttl = int_arg(ARGV[2], 'lease_ttl_ms', 1, 1e9)
+local now = now_ms()
+reap(now)
+local epoch = redis.call('HGET', K_META, 'epoch')
+local out = {epoch}
+for i = 3, #ARGV, 6 do
+  local id, lep = ARGV[i], ARGV[i + 1]
+  local raw = redis.call('HGET', K_LEASES, id)
+  if raw then
+    local l = cjson.decode(raw)
+    if l.w ~= owner then
+      table.insert(out, -1)
+    else
+      redis.call('ZADD', K_LEXP, now + ttl, id)
+      table.insert(out, 1)
+    end
+  elseif lep ~= epoch and redis.call('HEXISTS', K_WAIT, id) == 0 then
+    local b = int_arg(ARGV[i + 2], 'blocks', 1, 1e12)
+    local h = int_arg(ARGV[i + 3], 'held', 0, b)
+    local l = {b = b, h = h, p = int_arg(ARGV[i + 4], 'priority', -4096, 4096),
+               o = int_arg(ARGV[i + 5], 'order', 0, 1099511627775), w = owner, l = ttl, g = now}
+    redis.call('HSET', K_LEASES, id, cjson.encode(l))
+    redis.call('ZADD', K_LEXP, now + ttl, id)
+    redis.call('HINCRBY', K_META, 'bsum', b)
+    redis.call('HINCRBY', K_META, 'hsum', h)
+    redis.call('HINCRBY', K_META, 'nl', 1)
+    table.insert(out, 2)
+  else
+    table.insert(out, 0)
+  end
+end
+grant(now, '')
+return out

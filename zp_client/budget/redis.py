@@ -1,0 +1,1004 @@
+"""RedisBudget: one KV-block budget shared by many processes on many hosts, through Redis.
+
+The semantics are those of :class:`~zp_client.budget.ledger.Ledger` (and of
+:class:`~zp_client.budget.local.LocalBudget`): one fair line (priority class, then ticket order), the
+``strict`` policy (sum of live bounds <= limit), bounded backfill with the starvation bound, limit
+changes that never revoke. The ledger's rules are ported to Lua (``budget/lua/*.lua``, one job per
+script, sharing ``common.lua``); every decision is one atomic script call, timed by Redis ``TIME``.
+
+Example::
+
+    budget = RedisBudget("redis://localhost:6379/0", "llama-70b", limit_blocks=20_000)
+    async with budget.lease(120, priority=0, timeout=30) as lease:
+        ...                      # send the request; lease.report_held(n) as the stream grows
+    with budget.lease_sync(120) as lease:   # threads, no event loop needed
+        ...
+
+What callers may rely on:
+
+* **Safety** — under ``strict`` the sum of live leases' bounds never exceeds the limit, across every
+  process sharing the budget (admission is a single Lua script). A Redis that lost its state starts in
+  *recovery*: for one lease TTL it admits nothing new while surviving holders re-adopt their leases.
+* **Idempotent acquire** — each attempt carries an unguessable request id; a call retried after a lost
+  reply finds its lease or its place in line.
+* **Wake-ups** — a release runs a grant pass and pushes the admitted ids to the waiting processes'
+  mailbox lists (``BLPOP``, one blocked connection per process, not per waiter); a lost wake-up costs at
+  most ``poll_interval``, and the same poll heartbeats the process's waiters so dead waiters leave.
+* **Leases** — renewed in batches every ``lease_ttl / 3`` by a background task (an event-loop task for
+  ``acquire``, a daemon thread for ``acquire_sync``). A holder that dies stops renewing and its blocks
+  return after ``lease_ttl`` (reaped by the next script call, at the latest one ``poll_interval`` later
+  while anyone waits). A renewal that finds its lease gone because Redis lost it (the budget's *epoch*
+  changed) re-adopts it (event ``"readopted"``); a lease that expired in the current epoch is reported
+  lost (event ``"lease_lost"``, ``lease.lost`` becomes True) and is not re-adopted.
+* **Release** never raises; if Redis cannot be reached it is retried in the background until the lease
+  would have expired anyway.
+* **Unavailable Redis** — ``on_unavailable="fail_closed"`` (default) retries for ``unavailable_timeout``
+  seconds and then raises :class:`~zp_client.BudgetUnavailable`; it never admits without Redis.
+  ``"fail_local"`` falls back to a per-process :class:`LocalBudget` holding ``local_share`` of the limit,
+  logged at ERROR level.
+* **Limit** — the first process to create the budget sets its limit; a process configured with another
+  value logs a warning and follows the stored one. :meth:`set_limit` / :meth:`compare_and_set_limit`
+  change it.
+
+Keys: everything lives under the hash tag ``{zp:<name>}`` (one Cluster slot). Priorities must lie in
+``[-4096, 4096]`` (they are packed into a sorted-set score).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Literal
+
+import anyio
+import redis as redis_sync
+import redis.asyncio as redis_async
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from zp_client.budget.base import Budget, BudgetStatus, ClassStatus, Lease, Ticket
+from zp_client.budget.ledger import DEFAULT_STARVATION_BOUND_S, validate_blocks
+from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, LeaseTooLarge
+
+__all__ = ["RedisBudget", "RedisLease", "RedisBudgetEvent"]
+
+log = logging.getLogger("zp_client.budget.redis")
+
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+_PRIORITY_RANGE = 4096
+_SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status")
+_KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
+_RENEW_BATCH = 200
+
+
+def _load_scripts() -> dict[str, tuple[str, str]]:
+    pkg = resources.files("zp_client.budget") / "lua"
+    common = (pkg / "common.lua").read_text(encoding="utf-8")
+    out: dict[str, tuple[str, str]] = {}
+    for name in _SCRIPTS:
+        text = common + "\n" + (pkg / f"{name}.lua").read_text(encoding="utf-8")
+        out[name] = (text, hashlib.sha1(text.encode()).hexdigest())
+    return out
+
+
+_SCRIPT_CACHE: dict[str, tuple[str, str]] | None = None
+
+
+def _scripts() -> dict[str, tuple[str, str]]:
+    global _SCRIPT_CACHE
+    if _SCRIPT_CACHE is None:
+        _SCRIPT_CACHE = _load_scripts()
+    return _SCRIPT_CACHE
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass(frozen=True)
+class RedisBudgetEvent:
+    """Something a RedisBudget wants its operator to know (passed to ``on_event`` hooks).
+
+    ``kind`` is one of ``"readopted"`` (a lease Redis lost was counted again), ``"lease_lost"`` (a
+    lease expired while its holder ran), ``"unavailable"`` / ``"available"`` (Redis went away / came
+    back), ``"fallback_local"`` (``fail_local`` admitted locally), ``"limit_mismatch"`` (the stored limit
+    differs from the configured one), ``"created"`` (this process created the budget's state; recovery
+    runs for ``detail["recovery_s"]``).
+    """
+
+    kind: str
+    lease_id: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class RedisLease(Lease):
+    """A lease held in a :class:`RedisBudget`. Release is idempotent and never raises."""
+
+    def __init__(
+        self, budget: RedisBudget, lease_id: str, bound: int, held: int, ticket: Ticket, epoch: str, sync: bool
+    ) -> None:
+        self.id = lease_id
+        self.bound = bound
+        self.priority = ticket.priority
+        self.ticket = ticket
+        self.epoch = epoch
+        self._budget = budget
+        self._held = held
+        self._sent_held = held
+        self._released = False
+        self._lost = False
+        self._sync = sync
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def lost(self) -> bool:
+        """True once a renewal found the lease expired in the current epoch (see ``"lease_lost"``)."""
+        return self._lost
+
+    def report_held(self, blocks: int) -> None:
+        try:
+            value = int(blocks)
+        except (TypeError, ValueError):
+            return
+        value = min(max(value, 0), self.bound)
+        if value == self._held or self._released:
+            return
+        self._held = value
+        if abs(value - self._sent_held) >= self._budget._held_report_blocks:
+            self._budget._held_dirty(self)
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        await self._budget._release_lease(self)
+
+    def release_sync(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._budget._release_lease_sync(self)
+
+    def __repr__(self) -> str:
+        return f"RedisLease(id={self.id[:8]}..., bound={self.bound}, held={self._held}, ticket={self.ticket})"
+
+
+class _Waiter:
+    __slots__ = ("id", "fut", "order")
+
+    def __init__(self, rid: str, fut: asyncio.Future[str], order: int) -> None:
+        self.id = rid
+        self.fut = fut
+        self.order = order
+
+
+class _AsyncSide:
+    """State bound to the event loop RedisBudget is used from (redis.asyncio clients are loop-bound)."""
+
+    def __init__(self, budget: RedisBudget, client: Any, owns_client: bool) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.get_ident()
+        self.client = client
+        self.owns_client = owns_client
+        self.waiters: dict[str, _Waiter] = {}
+        self.leases: dict[str, RedisLease] = {}
+        self.dirty: set[str] = set()
+        self.retry_releases: dict[str, float] = {}  # lease id -> give up at (monotonic)
+        self.poll_at = math.inf  # an earlier poll wanted (recovery ends), monotonic seconds
+        self.waiters_changed = asyncio.Event()
+        self.dirty_event = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.budget = budget
+
+    def start(self) -> None:
+        if not self.tasks:
+            b = self.budget
+            self.tasks = [
+                self.loop.create_task(b._pump(self), name="zp-redis-pump"),
+                self.loop.create_task(b._keeper(self), name="zp-redis-keeper"),
+                self.loop.create_task(b._held_flusher(self), name="zp-redis-held"),
+            ]
+
+
+class RedisBudget(Budget):
+    """A :class:`~zp_client.budget.base.Budget` shared through Redis; see the module docstring.
+
+    ``url_or_client`` is a ``redis://`` / ``rediss://`` URL (AUTH and TLS go in the URL, e.g.
+    ``rediss://:password@host:6380/0``) or a ``redis.asyncio`` client (``Redis`` or
+    ``cluster.RedisCluster``). ``sync_client`` (a ``redis.Redis`` / ``redis.cluster.RedisCluster``) is
+    needed for :meth:`acquire_sync` only when a client object rather than a URL was given.
+    """
+
+    def __init__(
+        self,
+        url_or_client: str | Any,
+        name: str,
+        limit_blocks: int,
+        block_size: int = 16,
+        *,
+        lease_ttl: float = 30.0,
+        poll_interval: float = 2.0,
+        waiter_ttl: float | None = None,
+        starvation_bound: float = DEFAULT_STARVATION_BOUND_S,
+        policy: str = "strict",
+        recovery: float | None = None,
+        on_unavailable: Literal["fail_closed", "fail_local"] = "fail_closed",
+        unavailable_timeout: float = 10.0,
+        local_share: float = 0.1,
+        held_report_blocks: int = 2,
+        sync_client: Any | None = None,
+        on_event: Callable[[RedisBudgetEvent], None] | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name or any(c in name for c in "{}") or len(name) > 200:
+            raise ConfigurationError(
+                f"budget name must be a non-empty string of at most 200 characters without braces, got {name!r}"
+            )
+        self._configured_limit = validate_blocks(limit_blocks, "limit_blocks", minimum=0)
+        self.block_size = validate_blocks(block_size, "block_size")
+        for what, v in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
+                        ("unavailable_timeout", unavailable_timeout)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0) or math.isinf(v):
+                raise ConfigurationError(f"{what} must be a positive number of seconds, got {v!r}")
+        if policy != "strict":
+            raise ConfigurationError(
+                f"RedisBudget supports policy 'strict' (elastic arrives with its own issue), got {policy!r}"
+            )
+        if on_unavailable not in ("fail_closed", "fail_local"):
+            raise ConfigurationError(
+                f"on_unavailable must be 'fail_closed' or 'fail_local', got {on_unavailable!r}"
+            )
+        if not (0 < local_share <= 1):
+            raise ConfigurationError(f"local_share must be in (0, 1], got {local_share!r}")
+        if not isinstance(starvation_bound, (int, float)) or not (starvation_bound >= 0):
+            raise ConfigurationError(f"starvation_bound must be seconds >= 0, got {starvation_bound!r}")
+        self.name = name
+        self._prefix = f"{{zp:{name}}}"
+        self._keys = [f"{self._prefix}:{s}" for s in _KEY_SUFFIXES]
+        self._lease_ttl = float(lease_ttl)
+        self._poll_interval = float(poll_interval)
+        self._waiter_ttl = float(waiter_ttl) if waiter_ttl is not None else 3 * self._poll_interval + 1.0
+        self._starvation_bound = float(starvation_bound)
+        self._policy = policy
+        self._recovery = self._lease_ttl if recovery is None else float(recovery)
+        self._on_unavailable = on_unavailable
+        self._unavailable_timeout = float(unavailable_timeout)
+        self._local_share = float(local_share)
+        self._held_report_blocks = max(1, int(held_report_blocks))
+        # Reconnect attempts stay frequent enough that holders re-adopt well within a recovery window.
+        self._backoff_cap = min(1.0, self._lease_ttl / 4)
+        self._owner = secrets.token_urlsafe(12)
+        self._limit = self._configured_limit
+        self._epoch: str | None = None
+        self._hooks: list[Callable[[RedisBudgetEvent], None]] = [on_event] if on_event else []
+        self.counters: dict[str, int] = {
+            "readopted": 0, "lease_lost": 0, "unavailable": 0, "fallback_local": 0, "release_retried": 0,
+        }
+        self._url: str | None = url_or_client if isinstance(url_or_client, str) else None
+        self._given_client = None if isinstance(url_or_client, str) else url_or_client
+        self._sync_client = sync_client
+        self._owns_sync = False
+        self._side: _AsyncSide | None = None
+        self._sync_lock = threading.Lock()
+        self._sync_leases: dict[str, RedisLease] = {}
+        self._sync_dirty: set[str] = set()
+        self._sync_retry: dict[str, float] = {}
+        self._sync_thread: threading.Thread | None = None
+        self._sync_wake = threading.Event()
+        self._closed = False
+        self._fallback: Any = None
+        self._was_unavailable = False
+        self._fallback_logged = False
+        self._warned_limit = False
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def limit(self) -> int:
+        """The limit last seen in Redis (the configured one until the first call)."""
+        return self._limit
+
+    def add_event_hook(self, hook: Callable[[RedisBudgetEvent], None]) -> None:
+        """Call ``hook(event)`` for every :class:`RedisBudgetEvent` (from a background task or thread)."""
+        self._hooks.append(hook)
+
+    async def acquire(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+    ) -> Lease:
+        bound, held_v, prio, order = self._validate(blocks, priority, ticket, held)
+        try:
+            if timeout is None:
+                return await self._acquire(bound, held_v, prio, order)
+            with anyio.fail_after(timeout):
+                return await self._acquire(bound, held_v, prio, order)
+        except TimeoutError as exc:
+            if isinstance(exc, AdmissionTimeout):
+                raise
+            raise AdmissionTimeout(
+                f"waited {timeout:.3g} s for {bound} KV blocks in Redis budget {self.name!r} without "
+                "admission; raise the timeout, lower max_tokens, or add capacity"
+            ) from None
+        except BudgetUnavailable:
+            if self._on_unavailable != "fail_local":
+                raise
+            return await self._local().acquire(bound, priority=prio, timeout=timeout, ticket=ticket, held=held_v)
+
+    def acquire_sync(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+    ) -> Lease:
+        bound, held_v, prio, order = self._validate(blocks, priority, ticket, held)
+        try:
+            return self._acquire_sync(bound, held_v, prio, order, timeout)
+        except BudgetUnavailable:
+            if self._on_unavailable != "fail_local":
+                raise
+            return self._local().acquire_sync(bound, priority=prio, timeout=timeout, ticket=ticket, held=held_v)
+
+    async def status(self) -> BudgetStatus:
+        """A read-only snapshot from Redis (``extra`` holds epoch, recovery, counters)."""
+        side = await self._get_side()
+        r = await self._eval(side, "status", [], init=False)
+        return self._status_from(r)
+
+    def status_sync(self) -> BudgetStatus:
+        """Blocking form of :meth:`status`."""
+        return self._status_from(self._eval_sync("status", [], init=False))
+
+    async def set_limit(self, limit: int) -> None:
+        """Set the limit for the whole fleet. Raising it admits waiters; lowering never revokes a lease."""
+        validate_blocks(limit, "limit", minimum=0)
+        side = await self._get_side()
+        r = await self._eval(side, "set_limit", [limit, ""])
+        self._limit = int(r[1])
+
+    async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
+        """Set the limit only if it is still ``expected``; returns False (and changes nothing) otherwise."""
+        validate_blocks(limit, "limit", minimum=0)
+        validate_blocks(expected, "expected", minimum=0)
+        side = await self._get_side()
+        r = await self._eval(side, "set_limit", [limit, expected])
+        self._limit = int(r[1])
+        return bool(int(r[0]))
+
+    async def flush(self) -> None:
+        """Send every lease's latest held report now (normally batched; see ``held_report_blocks``)."""
+        side = await self._get_side()
+        args: list[Any] = [self._owner]
+        sent: list[tuple[RedisLease, int]] = []
+        for le in [*side.leases.values(), *list(self._sync_leases.values())]:
+            if not le._released and le._held != le._sent_held:
+                args += [le.id, le._held]
+                sent.append((le, le._held))
+        if sent:
+            await self._eval(side, "held", args, init=False)
+            for le, v in sent:
+                le._sent_held = v
+
+    async def aclose(self) -> None:
+        """Stop background tasks and threads; live leases are not released (they expire by TTL)."""
+        self._closed = True
+        side, self._side = self._side, None
+        if side is not None:
+            # one last attempt at pending releases before the tasks go
+            for lid in list(side.retry_releases):
+                with contextlib.suppress(Exception):
+                    await self._eval(side, "release", [lid, self._owner], init=False, patient=False)
+            for t in side.tasks:
+                t.cancel()
+            for t in side.tasks:
+                with contextlib.suppress(BaseException):
+                    await t
+            if side.owns_client:
+                with contextlib.suppress(Exception):
+                    await side.client.aclose()
+        self._stop_sync()
+
+    def close_sync(self) -> None:
+        """Stop the sync keeper thread (for programs without an event loop)."""
+        self._closed = True
+        self._stop_sync()
+
+    # ------------------------------------------------------------------ validation / events
+    def _validate(
+        self, blocks: int, priority: int, ticket: Ticket | None, held: int | None
+    ) -> tuple[int, int, int, int]:
+        if self._closed:
+            raise ConfigurationError(f"RedisBudget {self.name!r} is closed")
+        bound = validate_blocks(blocks, "blocks")
+        held_v = bound if held is None else validate_blocks(held, "held", minimum=0)
+        if held_v > bound:
+            raise ConfigurationError(f"held ({held_v}) must not exceed the lease's blocks ({bound})")
+        order = -1
+        if ticket is not None:
+            if not isinstance(ticket, Ticket):
+                raise ConfigurationError(f"ticket must be a zp_client.Ticket, got {ticket!r}")
+            priority, order = ticket.priority, ticket.order
+            if isinstance(order, bool) or not isinstance(order, int) or order < 0:
+                raise ConfigurationError(f"ticket order must be an int >= 0, got {order!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigurationError(f"priority must be an int (lower = more urgent), got {priority!r}")
+        if not -_PRIORITY_RANGE <= priority <= _PRIORITY_RANGE:
+            raise ConfigurationError(
+                f"RedisBudget priorities must lie in [-{_PRIORITY_RANGE}, {_PRIORITY_RANGE}], got {priority}"
+            )
+        return bound, held_v, priority, order
+
+    def _emit(self, kind: str, lease_id: str | None = None, **detail: Any) -> None:
+        if kind in self.counters:
+            self.counters[kind] += 1
+        ev = RedisBudgetEvent(kind, lease_id, detail)
+        for hook in list(self._hooks):
+            try:
+                hook(ev)
+            except Exception:  # a broken hook must not break admission
+                log.exception("zp_client RedisBudget event hook failed for %s", kind)
+
+    def _local(self) -> Any:
+        if self._fallback is None:
+            from zp_client.budget.local import LocalBudget
+
+            share = max(1, int(self._limit * self._local_share))
+            self._fallback = LocalBudget(share, self.block_size)
+        self.counters["fallback_local"] += 1
+        if self._fallback_logged:
+            return self._fallback
+        self._fallback_logged = True
+        log.error(
+            "zp_client: Redis budget %r unreachable; admitting through a per-process LocalBudget of %d "
+            "blocks (local_share=%.3g of %d). The fleet-wide limit is NOT enforced until Redis is back.",
+            self.name, self._fallback.limit, self._local_share, self._limit,
+        )
+        self._emit("fallback_local", blocks=self._fallback.limit)
+        return self._fallback
+
+    def _mark_available(self, ok: bool) -> None:
+        if ok and self._was_unavailable:
+            self._was_unavailable = False
+            self._fallback_logged = False
+            log.warning("zp_client: Redis budget %r reachable again", self.name)
+            self._emit("available")
+        elif not ok and not self._was_unavailable:
+            self._was_unavailable = True
+            log.error("zp_client: Redis budget %r unreachable; retrying (policy %s)", self.name,
+                      self._on_unavailable)
+            self._emit("unavailable")
+
+    def _after_init(self, r: list[Any]) -> None:
+        created, limit, _bs, epoch, _policy, _starve, rec_left = (
+            int(r[0]), int(r[1]), int(r[2]), _s(r[3]), _s(r[4]), int(r[5]), int(r[6]))
+        self._limit = limit
+        self._epoch = epoch
+        if created:
+            log.warning(
+                "zp_client: created Redis budget %r (limit %d blocks); recovery: admitting nothing new for "
+                "%.3g s while holders that survived a Redis restart re-adopt their leases",
+                self.name, limit, rec_left / 1000,
+            )
+            self._emit("created", recovery_s=rec_left / 1000)
+        elif limit != self._configured_limit and not self._warned_limit:
+            self._warned_limit = True
+            log.warning(
+                "zp_client: Redis budget %r already exists with limit %d blocks; this process was configured "
+                "with %d and follows the stored limit (use set_limit to change it for the fleet)",
+                self.name, limit, self._configured_limit,
+            )
+            self._emit("limit_mismatch", stored=limit, configured=self._configured_limit)
+
+    def _init_args(self) -> list[Any]:
+        starve_ms = int(min(self._starvation_bound, 1e12) * 1000)  # inf: unbounded backfill
+        return [self._configured_limit, self.block_size, secrets.token_urlsafe(12),
+                int(self._recovery * 1000), self._policy, starve_ms]
+
+    def _status_from(self, r: list[Any]) -> BudgetStatus:
+        if int(r[0]) == 0:
+            return BudgetStatus(
+                limit=self._configured_limit, used=0, free=self._configured_limit, held=0, leases=0,
+                policy=self._policy, block_size=self.block_size,
+                extra={"exists": False, "name": self.name, "counters": dict(self.counters)},
+            )
+        limit, bsum, hsum, nl = int(r[1]), int(r[2]), int(r[3]), int(r[4])
+        self._limit = limit
+        flat = [_s(x) for x in r[12]]
+        cls: dict[int, list[int]] = {}
+        for k, v in zip(flat[::2], flat[1::2]):
+            p = int(k[1:])
+            cls.setdefault(p, [0, 0])[0 if k[0] == "n" else 1] = int(v)
+        waiters = {p: ClassStatus(waiters=n, weight=w) for p, (n, w) in sorted(cls.items()) if n > 0}
+        return BudgetStatus(
+            limit=limit, used=bsum, free=max(0, limit - bsum), held=hsum, leases=nl, waiters=waiters,
+            head_wait_s=int(r[10]) / 1000, policy=_s(r[6]), block_size=int(r[8]),
+            extra={
+                "exists": True, "name": self.name, "epoch": _s(r[5]), "starvation_bound_s": int(r[7]) / 1000,
+                "recovering": int(r[9]) > 0, "recovery_left_s": int(r[9]) / 1000, "limit_version": int(r[11]),
+                "counters": dict(self.counters),
+            },
+        )
+
+    # ------------------------------------------------------------------ async plumbing
+    async def _get_side(self) -> _AsyncSide:
+        side = self._side
+        loop = asyncio.get_running_loop()
+        if side is not None:
+            if side.loop is loop:
+                return side
+            if side.loop.is_closed():
+                self._side = None
+            else:
+                raise ConfigurationError(
+                    f"RedisBudget {self.name!r} is already used from another event loop; create one "
+                    "RedisBudget per event loop (redis.asyncio clients are bound to their loop)"
+                )
+        if self._given_client is not None:
+            client, owns = self._given_client, False
+        else:
+            client, owns = redis_async.Redis.from_url(self._url), True  # type: ignore[arg-type]
+        self._side = _AsyncSide(self, client, owns)
+        return self._side
+
+    async def _eval(
+        self, side: _AsyncSide, script: str, args: list[Any], *, init: bool = True, patient: bool = True
+    ) -> Any:
+        """Run a script by SHA (loading it on NOSCRIPT); create the budget on an ``{'I'}`` reply.
+
+        Connection errors are retried with backoff for ``unavailable_timeout`` (``patient=False``: once),
+        then :class:`BudgetUnavailable` is raised.
+        """
+        text, sha = _scripts()[script]
+        deadline = time.monotonic() + self._unavailable_timeout
+        delay = 0.02
+        while True:
+            try:
+                try:
+                    r = await side.client.evalsha(sha, len(self._keys), *self._keys, *args)
+                except NoScriptError:
+                    await side.client.script_load(text)
+                    r = await side.client.evalsha(sha, len(self._keys), *self._keys, *args)
+                if init and isinstance(r, list) and r and r[0] in (b"I", "I"):
+                    ri = await self._eval(side, "init", self._init_args(), init=False, patient=patient)
+                    self._after_init(ri)
+                    continue
+                self._mark_available(True)
+                return r
+            except ResponseError as exc:
+                if "NOSCRIPT" in str(exc):
+                    continue
+                raise ConfigurationError(f"Redis budget {self.name!r} refused the call: {exc}") from exc
+            except _UNAVAILABLE as exc:
+                self._mark_available(False)
+                if not patient or time.monotonic() + delay > deadline:
+                    raise BudgetUnavailable(
+                        f"Redis budget {self.name!r} unreachable for {self._unavailable_timeout:.3g} s "
+                        f"({exc}); nothing was admitted. Check the Redis URL/server, or use "
+                        "on_unavailable='fail_local' to degrade to a per-process share"
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._backoff_cap)
+
+    async def _acquire(self, bound: int, held: int, prio: int, order: int) -> RedisLease:
+        side = await self._get_side()
+        rid = secrets.token_urlsafe(18)
+        fut: asyncio.Future[str] = side.loop.create_future()
+        w = _Waiter(rid, fut, order)
+        side.waiters[rid] = w  # registered before the call so a mailbox grant cannot be missed
+        args = [rid, bound, held, prio, order, int(self._lease_ttl * 1000), self._owner, self._owner,
+                int(self._waiter_ttl * 1000)]
+        try:
+            while True:
+                # fail_local degrades at once instead of waiting out unavailable_timeout
+                r = await self._eval(side, "acquire", args, patient=self._on_unavailable == "fail_closed")
+                code = _s(r[0])
+                if code == "G":
+                    return self._new_lease(side, rid, bound, held, Ticket(int(r[2]), int(r[1])), _s(r[3]))
+                if code == "X":
+                    self._limit = int(r[1])
+                    raise LeaseTooLarge(bound, self._limit)
+                ticket = Ticket(int(r[2]), int(r[1]))
+                args[4] = w.order = ticket.order  # a re-enqueue (after 'N') keeps the place in line
+                rec_left = int(r[4]) / 1000
+                if rec_left > 0:  # recovery ends: look again then rather than a poll interval later
+                    side.poll_at = min(side.poll_at, time.monotonic() + rec_left + 0.005)
+                side.start()
+                side.waiters_changed.set()
+                while True:
+                    res = await fut
+                    if res == "G":
+                        return self._new_lease(side, rid, bound, held, ticket, self._epoch or _s(r[3]))
+                    if res == "X":
+                        raise LeaseTooLarge(bound, self._limit, "the limit was lowered while waiting")
+                    # 'N': Redis forgot the waiter (state lost, or reaped): enqueue again, same ticket
+                    fut = side.loop.create_future()
+                    w.fut = fut
+                    break
+        except BaseException:
+            side.waiters.pop(rid, None)
+            # Leave no trace: remove the waiter, or release a grant that raced the cancellation.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._eval(side, "release", [rid, self._owner], init=False, patient=False)
+                except Exception:
+                    side.retry_releases[rid] = time.monotonic() + self._lease_ttl
+            raise
+        finally:
+            side.waiters.pop(rid, None)
+
+    def _new_lease(self, side: _AsyncSide, rid: str, bound: int, held: int, ticket: Ticket, epoch: str) -> RedisLease:
+        lease = RedisLease(self, rid, bound, held, ticket, epoch, sync=False)
+        side.leases[rid] = lease
+        side.start()
+        return lease
+
+    async def _pump(self, side: _AsyncSide) -> None:
+        """Deliver wake-ups from this process's mailbox; poll (and heartbeat waiters) when it is quiet."""
+        mailbox = f"{self._prefix}:mb:{self._owner}"
+        next_poll = time.monotonic() + self._poll_interval
+        while True:
+            if not side.waiters:
+                side.waiters_changed.clear()
+                await side.waiters_changed.wait()
+                next_poll = time.monotonic() + self._poll_interval
+                continue
+            if side.poll_at < next_poll:
+                next_poll, side.poll_at = side.poll_at, math.inf
+            wait = max(0.01, next_poll - time.monotonic())
+            try:
+                item = await side.client.blpop([mailbox], timeout=wait)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: the poll below retries patiently
+                log.debug("zp_client: mailbox BLPOP failed: %r", exc)
+                item = None
+                await asyncio.sleep(min(wait, 0.2))
+            if item is not None:
+                self._deliver(side, _s(item[1]))
+                continue
+            if time.monotonic() < next_poll:
+                continue
+            ids = list(side.waiters)
+            next_poll = time.monotonic() + self._poll_interval
+            if not ids:
+                continue
+            try:
+                r = await self._eval(side, "poll", [int(self._waiter_ttl * 1000), *ids])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("zp_client: poll of Redis budget %r failed: %r", self.name, exc)
+                continue
+            rec_left = int(r[0]) / 1000
+            for rid, st in zip(ids, r[1:]):
+                self._resolve(side, rid, _s(st))
+            if rec_left > 0:  # recovery ends: look again then rather than a full interval later
+                next_poll = min(next_poll, time.monotonic() + rec_left + 0.005)
+
+    def _deliver(self, side: _AsyncSide, msg: str) -> None:
+        for rid in msg.split(","):
+            if rid.startswith("!"):
+                self._resolve(side, rid[1:], "X")
+            else:
+                self._resolve(side, rid, "G")
+
+    def _resolve(self, side: _AsyncSide, rid: str, state: str) -> None:
+        w = side.waiters.get(rid)
+        if w is None or w.fut.done() or state == "W":
+            return
+        w.fut.set_result(state)
+
+    async def _keeper(self, side: _AsyncSide) -> None:
+        """Renew this loop's leases every TTL/3; retry releases that could not reach Redis."""
+        period = self._lease_ttl / 3
+        while True:
+            await asyncio.sleep(period)
+            for lid, give_up in list(side.retry_releases.items()):
+                if time.monotonic() > give_up:
+                    side.retry_releases.pop(lid, None)  # it has expired by TTL anyway
+                    continue
+                try:
+                    await self._eval(side, "release", [lid, self._owner], init=False, patient=False)
+                    side.retry_releases.pop(lid, None)
+                except Exception:
+                    pass
+            leases = [le for le in side.leases.values() if not le._released and not le._lost]
+            for i in range(0, len(leases), _RENEW_BATCH):
+                batch = leases[i : i + _RENEW_BATCH]
+                try:
+                    r = await self._eval(side, "renew", self._renew_args(batch))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.name, exc)
+                    continue
+                self._after_renew(batch, r, side.leases)
+
+    def _renew_args(self, batch: list[RedisLease]) -> list[Any]:
+        args: list[Any] = [self._owner, int(self._lease_ttl * 1000)]
+        for le in batch:
+            args += [le.id, le.epoch, le.bound, le._held, le.priority, le.ticket.order]
+        return args
+
+    def _after_renew(self, batch: list[RedisLease], r: list[Any], registry: dict[str, RedisLease]) -> None:
+        epoch = _s(r[0])
+        self._epoch = epoch
+        for le, code in zip(batch, r[1:]):
+            code = int(code)
+            if code == 2:
+                le.epoch = epoch
+                le._sent_held = le._held
+                log.warning("zp_client: re-adopted lease %s... (%d blocks) in Redis budget %r after Redis lost it",
+                            le.id[:8], le.bound, self.name)
+                self._emit("readopted", le.id, bound=le.bound, epoch=epoch)
+            elif code in (0, -1):
+                le._lost = True
+                registry.pop(le.id, None)
+                log.error("zp_client: lease %s... (%d blocks) in Redis budget %r was lost (expired while its "
+                          "holder ran: event loop or process paused longer than lease_ttl?)",
+                          le.id[:8], le.bound, self.name)
+                self._emit("lease_lost", le.id, bound=le.bound)
+
+    def _held_dirty(self, lease: RedisLease) -> None:
+        if lease._sync:
+            with self._sync_lock:
+                self._sync_dirty.add(lease.id)
+            self._sync_wake.set()
+            return
+        side = self._side
+        if side is None:
+            return
+        if threading.get_ident() == side.thread:
+            side.dirty.add(lease.id)
+            side.dirty_event.set()
+        else:
+            side.loop.call_soon_threadsafe(lambda: (side.dirty.add(lease.id), side.dirty_event.set()))
+
+    async def _held_flusher(self, side: _AsyncSide) -> None:
+        """Send held reports in batches: one script call carries every lease that grew meanwhile."""
+        while True:
+            await side.dirty_event.wait()
+            side.dirty_event.clear()
+            ids, side.dirty = side.dirty, set()
+            args: list[Any] = [self._owner]
+            sent: list[tuple[RedisLease, int]] = []
+            for lid in ids:
+                le = side.leases.get(lid)
+                if le is not None and not le._released:
+                    args += [lid, le._held]
+                    sent.append((le, le._held))
+            if not sent:
+                continue
+            try:
+                await self._eval(side, "held", args, init=False, patient=False)
+                for le, v in sent:
+                    le._sent_held = v
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the next renewal carries held too
+                log.debug("zp_client: held report failed: %r", exc)
+
+    async def _release_lease(self, lease: RedisLease) -> None:
+        if lease._sync or self._side is None or self._side.loop is not asyncio.get_running_loop():
+            await anyio.to_thread.run_sync(self._release_lease_sync, lease)
+            return
+        side = self._side
+        side.leases.pop(lease.id, None)
+        side.dirty.discard(lease.id)
+        if lease._lost:
+            return
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._eval(side, "release", [lease.id, self._owner], init=False, patient=False)
+        except Exception as exc:
+            log.warning("zp_client: release of lease %s... in Redis budget %r failed (%r); retrying in the "
+                        "background", lease.id[:8], self.name, exc)
+            self.counters["release_retried"] += 1
+            side.retry_releases[lease.id] = time.monotonic() + self._lease_ttl
+
+    # ------------------------------------------------------------------ sync plumbing
+    def _sync(self) -> Any:
+        if self._sync_client is None:
+            with self._sync_lock:
+                if self._sync_client is None:
+                    if self._url is None:
+                        raise ConfigurationError(
+                            "acquire_sync/lease_sync need a sync Redis client: pass a URL, or "
+                            "sync_client=redis.Redis(...) next to the async client"
+                        )
+                    self._sync_client = redis_sync.Redis.from_url(self._url)
+                    self._owns_sync = True
+        return self._sync_client
+
+    def _eval_sync(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True) -> Any:
+        client = self._sync()
+        text, sha = _scripts()[script]
+        deadline = time.monotonic() + self._unavailable_timeout
+        delay = 0.02
+        while True:
+            try:
+                try:
+                    r = client.evalsha(sha, len(self._keys), *self._keys, *args)
+                except NoScriptError:
+                    client.script_load(text)
+                    r = client.evalsha(sha, len(self._keys), *self._keys, *args)
+                if init and isinstance(r, list) and r and r[0] in (b"I", "I"):
+                    self._after_init(self._eval_sync("init", self._init_args(), init=False, patient=patient))
+                    continue
+                self._mark_available(True)
+                return r
+            except ResponseError as exc:
+                if "NOSCRIPT" in str(exc):
+                    continue
+                raise ConfigurationError(f"Redis budget {self.name!r} refused the call: {exc}") from exc
+            except _UNAVAILABLE as exc:
+                self._mark_available(False)
+                if not patient or time.monotonic() + delay > deadline:
+                    raise BudgetUnavailable(
+                        f"Redis budget {self.name!r} unreachable for {self._unavailable_timeout:.3g} s "
+                        f"({exc}); nothing was admitted. Check the Redis URL/server, or use "
+                        "on_unavailable='fail_local' to degrade to a per-process share"
+                    ) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, self._backoff_cap)
+
+    def _acquire_sync(self, bound: int, held: int, prio: int, order: int, timeout: float | None) -> RedisLease:
+        client = self._sync()
+        rid = secrets.token_urlsafe(18)
+        # A sync waiter blocks on its own mailbox (one connection per waiting thread).
+        mailbox = f"{self._prefix}:mb:{rid}"
+        args = [rid, bound, held, prio, order, int(self._lease_ttl * 1000), rid, self._owner,
+                int(self._waiter_ttl * 1000)]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            r = self._eval_sync("acquire", args, patient=self._on_unavailable == "fail_closed")
+            while True:
+                code = _s(r[0])
+                if code == "G":
+                    return self._new_sync_lease(rid, bound, held, Ticket(int(r[2]), int(r[1])), _s(r[3]))
+                if code == "X":
+                    self._limit = int(r[1])
+                    raise LeaseTooLarge(bound, self._limit)
+                args[4] = int(r[1])
+                rec_left = int(r[4]) / 1000
+                wait = self._poll_interval if rec_left <= 0 else min(self._poll_interval, rec_left + 0.005)
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise AdmissionTimeout(
+                            f"waited {timeout:.3g} s for {bound} KV blocks in Redis budget {self.name!r} "
+                            "without admission; raise the timeout, lower max_tokens, or add capacity"
+                        )
+                    wait = min(wait, left)
+                try:
+                    item = client.blpop([mailbox], timeout=max(0.01, wait))
+                except _UNAVAILABLE:
+                    item = None
+                    time.sleep(min(wait, 0.2))
+                if item is not None and _s(item[1]).startswith("!"):
+                    raise LeaseTooLarge(bound, self._limit, "the limit was lowered while waiting")
+                # Granted or not, one idempotent acquire call answers (and heartbeats the waiter).
+                r = self._eval_sync("acquire", args)
+        except BaseException:
+            try:
+                self._eval_sync("release", [rid, self._owner], init=False, patient=False)
+            except Exception:
+                with self._sync_lock:
+                    self._sync_retry[rid] = time.monotonic() + self._lease_ttl
+                self._ensure_sync_thread()
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                client.delete(mailbox)
+
+    def _new_sync_lease(self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str) -> RedisLease:
+        lease = RedisLease(self, rid, bound, held, ticket, epoch, sync=True)
+        with self._sync_lock:
+            self._sync_leases[rid] = lease
+        self._ensure_sync_thread()
+        return lease
+
+    def _release_lease_sync(self, lease: RedisLease) -> None:
+        if not lease._sync and self._side is not None:
+            self._side.leases.pop(lease.id, None)
+        with self._sync_lock:
+            self._sync_leases.pop(lease.id, None)
+            self._sync_dirty.discard(lease.id)
+        if lease._lost:
+            return
+        try:
+            self._eval_sync("release", [lease.id, self._owner], init=False, patient=False)
+        except Exception as exc:
+            log.warning("zp_client: release of lease %s... in Redis budget %r failed (%r); retrying in the "
+                        "background", lease.id[:8], self.name, exc)
+            self.counters["release_retried"] += 1
+            with self._sync_lock:
+                self._sync_retry[lease.id] = time.monotonic() + self._lease_ttl
+            self._ensure_sync_thread()
+
+    def _ensure_sync_thread(self) -> None:
+        with self._sync_lock:
+            if self._sync_thread is None or not self._sync_thread.is_alive():
+                self._sync_thread = threading.Thread(
+                    target=self._sync_keeper, name=f"zp-redis-keeper-{self.name}", daemon=True
+                )
+                self._sync_thread.start()
+
+    def _sync_keeper(self) -> None:
+        """Thread: renew sync leases every TTL/3, flush their held reports, retry failed releases."""
+        period = self._lease_ttl / 3
+        next_renew = time.monotonic() + period
+        while not self._closed:
+            self._sync_wake.wait(timeout=max(0.0, next_renew - time.monotonic()))
+            self._sync_wake.clear()
+            if self._closed:
+                return
+            with self._sync_lock:
+                dirty, self._sync_dirty = self._sync_dirty, set()
+                pending = [(le, le._held) for lid in dirty if (le := self._sync_leases.get(lid)) is not None]
+                retry = list(self._sync_retry.items())
+            if pending:
+                args: list[Any] = [self._owner]
+                for le, v in pending:
+                    args += [le.id, v]
+                try:
+                    self._eval_sync("held", args, init=False, patient=False)
+                    for le, v in pending:
+                        le._sent_held = v
+                except Exception as exc:
+                    log.debug("zp_client: held report failed: %r", exc)
+            if time.monotonic() < next_renew:
+                continue
+            next_renew = time.monotonic() + period
+            for lid, give_up in retry:
+                try:
+                    if time.monotonic() <= give_up:
+                        self._eval_sync("release", [lid, self._owner], init=False, patient=False)
+                    with self._sync_lock:
+                        self._sync_retry.pop(lid, None)
+                except Exception:
+                    pass
+            with self._sync_lock:
+                leases = [le for le in self._sync_leases.values() if not le._released and not le._lost]
+            for i in range(0, len(leases), _RENEW_BATCH):
+                batch = leases[i : i + _RENEW_BATCH]
+                try:
+                    r = self._eval_sync("renew", self._renew_args(batch), patient=False)
+                except Exception as exc:
+                    log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.name, exc)
+                    continue
+                with self._sync_lock:
+                    self._after_renew(batch, r, self._sync_leases)
+
+    def _stop_sync(self) -> None:
+        self._sync_wake.set()
+        t = self._sync_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2)
+        if self._owns_sync and self._sync_client is not None:
+            with contextlib.suppress(Exception):
+                self._sync_client.close()
+            self._sync_client = None
+            self._owns_sync = False
