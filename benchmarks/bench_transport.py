@@ -7,7 +7,9 @@ chat completion with a fixed JSON body, or with a short SSE stream. In each roun
 sends ``--requests`` sequential requests bare (``httpx.AsyncClient()``) and through
 ``AsyncAdmissionTransport(budget=LocalBudget(...))``; the two are interleaved round by round so drift in
 machine load hits both. Printed: median per-request time of each, the added microseconds, and the
-ratio admitted / bare, for plain and streamed requests (and for httpx2 when installed).
+ratio admitted / bare, for plain and streamed requests (and for httpx2 when installed). A second table
+repeats the measurement with an in-memory inner transport (no sockets), which isolates zp's own CPU
+cost per request (estimate, lease, body rewrite, stream scanning).
 """
 
 from __future__ import annotations
@@ -132,6 +134,54 @@ async def _bench(mod: Any, base: str, n: int, rounds: int, stream: bool) -> tupl
     return statistics.median(b_times), statistics.median(z_times)
 
 
+class _MemoryServer:
+    """An in-memory inner transport answering like the loopback server: isolates zp's CPU cost."""
+
+    def __init__(self, mod: Any) -> None:
+        self.mod = mod
+
+    def _stream(self, parts: list[bytes]) -> Any:
+        mod = self.mod
+
+        class _S(mod.AsyncByteStream):  # type: ignore[misc,name-defined]
+            async def __aiter__(self) -> Any:
+                for p in parts:
+                    yield p
+
+        return _S()
+
+    async def handle_async_request(self, request: Any) -> Any:
+        body = await request.aread()
+        mod = self.mod
+        if request.url.path.endswith("/models"):
+            return mod.Response(200, content=b'{"data":[{"id":"m","max_model_len":8192}]}')
+        if b'"stream":true' in body:
+            parts = [_CHUNK] * 16 + ([_USAGE] if b"include_usage" in body else []) + [b"data: [DONE]\n\n"]
+            return mod.Response(200, headers={"content-type": "text/event-stream"}, stream=self._stream(parts))
+        return mod.Response(200, headers={"content-type": "application/json"}, stream=self._stream([_PLAIN]))
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _bench_memory(mod: Any, n: int, rounds: int, stream: bool) -> tuple[float, float]:
+    from zp_client.budget.local import LocalBudget
+
+    budget = LocalBudget(limit_blocks=100_000, block_size=16)
+    inner = type("Mem", (_MemoryServer, mod.AsyncBaseTransport), {})(mod)
+    bare = mod.AsyncClient(base_url="http://mem/v1", transport=inner)
+    zp = mod.AsyncClient(base_url="http://mem/v1", transport=transport_classes(mod).AsyncAdmissionTransport(
+        inner, budget=budget, settings=Settings()))
+    await _run(bare, 50, stream)
+    await _run(zp, 50, stream)
+    b_times, z_times = [], []
+    for _ in range(rounds):
+        b_times.append(await _run(bare, n, stream))
+        z_times.append(await _run(zp, n, stream))
+    assert (await budget.status()).used == 0
+    return min(b_times), min(z_times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=400, help="sequential requests per round and side")
@@ -158,6 +208,13 @@ def main() -> None:
                   f"{(zp - bare) * 1e6:9.0f} {zp / bare:6.3f}")
     server.terminate()
     server.wait(10)
+    print("\nin-memory server (no sockets): zp's own CPU time per request (min over rounds)")
+    print(f"{'module':8} {'kind':8} {'bare us':>9} {'zp us':>9} {'added us':>9}")
+    for mod in mods:
+        for stream in (False, True):
+            bare, zp = asyncio.run(_bench_memory(mod, args.requests, args.rounds, stream))
+            print(f"{mod.__name__:8} {'stream' if stream else 'plain':8} {bare * 1e6:9.0f} {zp * 1e6:9.0f} "
+                  f"{(zp - bare) * 1e6:9.0f}")
 
 
 if __name__ == "__main__":

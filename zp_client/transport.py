@@ -581,6 +581,12 @@ class _Scanner:
                 else:
                     self.body = None
             return chunk
+        if not self.buf and b'"usage"' not in chunk and chunk.endswith((b"\n\n", b"\r\r")):
+            # Fast path, the usual case: whole events and nothing to strip or read, so just count them.
+            n = chunk.count(b"data:")
+            if n:
+                self._grow(n)
+            return chunk
         self.buf += chunk
         out = bytearray() if self.strip else None
         start = 0
@@ -629,7 +635,11 @@ class _Scanner:
                 # OpenAI-style servers put "usage": null in every chunk once include_usage is on;
                 # without it they send no such key, so drop the key to hand back the original bytes.
                 self.pending = _USAGE_NULL.sub(b"", event)
-        self.events += 1
+        self._grow(1)
+        return True
+
+    def _grow(self, events: int) -> None:
+        self.events += events
         # About one token per choice per event; the first (role) event carries none, which only makes
         # this a slight overestimate of growth: fine for accounting.
         generated = self.events // self.plan.n
@@ -640,7 +650,6 @@ class _Scanner:
         if held >= self.reported + _REPORT_STEP_BLOCKS:
             self.reported = held
             self.lease.report_held(held)
-        return True
 
     def final_usage(self) -> dict[str, Any] | None:
         if self.usage is None and self.body is not None:
@@ -750,11 +759,13 @@ def _build(mod: ModuleType) -> TransportClasses:
         return _Scanner(plan, core.budget.block_size, lease.bound, lease, is_sse)
 
     def _request(original: Any, plan: _Plan) -> Any:
+        # A fresh request per attempt (the caller's object is never mutated, so it can be re-sent).
+        headers = [*plan.headers, (b"Content-Length", str(len(plan.content)).encode())]
         return mod.Request(
             original.method,
             original.url,
-            headers=plan.headers,
-            content=plan.content,
+            headers=headers,
+            stream=mod.ByteStream(plan.content),
             extensions=original.extensions,
         )
 
