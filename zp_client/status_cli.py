@@ -1,0 +1,212 @@
+"""``zp-client status``: what a server's KV pool and a shared budget look like right now.
+
+    zp-client status --server http://127.0.0.1:8000/v1 [--headroom 0.95]
+    zp-client status --redis redis://127.0.0.1:6379/0 --name NAME
+    zp-client status --server URL --redis URL --name NAME --json
+
+``--server`` reads the server's ``/metrics`` (vLLM's): the KV pool from ``vllm:cache_config_info``
+(``num_gpu_blocks``, ``block_size``), the current KV usage, requests running / waiting, preemptions so
+far, and the budget limit :func:`~zp_client.server.suggest_limit_blocks` suggests for ``--headroom``.
+
+``--redis`` / ``--name`` print a :class:`~zp_client.RedisBudget`'s status. This is strictly read-only:
+it runs the budget's ``status`` script (which writes nothing) and never the one that creates a budget,
+so asking about a name that does not exist creates nothing and exits with status 1. Leases whose holder
+died still count until the budget's next admission reaps them.
+
+Exit status: 0 when everything asked for was read, 1 when the budget does not exist, 2 on bad arguments
+or an unreachable server / Redis. ``--json`` prints one JSON object (keys ``server`` and/or ``budget``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from zp_client.errors import BudgetUnavailable, ZPError
+
+__all__ = ["add_arguments", "run", "server_status", "budget_status"]
+
+logger = logging.getLogger("zp_client.status_cli")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``status`` options to ``parser``."""
+    parser.add_argument("--server", metavar="URL",
+                        help="the server's base URL (http://host:8000/v1 or http://host:8000); reads /metrics")
+    parser.add_argument("--headroom", type=float, default=0.95,
+                        help="fraction of the usable KV pool to suggest as limit_blocks (default 0.95)")
+    parser.add_argument("--redis", metavar="URL", help="Redis URL of a shared budget (redis://host:6379/0)")
+    parser.add_argument("--name", help="the RedisBudget's name (with --redis)")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to wait for the server / Redis before giving up (default 5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def server_status(url: str, headroom: float = 0.95, timeout: float = 5.0) -> dict[str, Any]:
+    """Read ``url``'s ``/metrics`` and summarise its KV pool. Raises a ZPError subclass on failure."""
+    import httpx
+
+    from zp_client.server import ServerInfo, resolve_url, suggest_limit_blocks
+
+    base = url.rstrip("/")
+
+    def fetch(method: str, path: str, body: Any) -> tuple[int, bytes]:
+        resp = httpx.request(method, resolve_url(base, path), json=body, timeout=timeout)
+        return resp.status_code, resp.content
+
+    m = ServerInfo(fetch_sync=fetch).metrics_sync()
+    out: dict[str, Any] = {
+        "url": base,
+        "num_gpu_blocks": m.num_gpu_blocks,
+        "block_size": m.block_size,
+        "usable_blocks": m.num_gpu_blocks - 1 if m.num_gpu_blocks else None,
+        "kv_cache_usage": m.kv_cache_usage_perc,
+        "num_requests_running": _int_or_none(m.num_requests_running),
+        "num_requests_waiting": _int_or_none(m.num_requests_waiting),
+        "num_preemptions_total": _int_or_none(m.num_preemptions_total),
+        "headroom": headroom,
+        "suggested_limit_blocks": (
+            suggest_limit_blocks(m.num_gpu_blocks, headroom) if m.num_gpu_blocks else None),
+    }
+    return out
+
+
+def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, Any]:
+    """A RedisBudget's status, read without creating or changing it.
+
+    Returns ``{"exists": False, ...}`` when no budget of that name is stored. Raises
+    :class:`~zp_client.BudgetUnavailable` when Redis does not answer within ``timeout`` seconds.
+    """
+    from zp_client.budget.redis import RedisBudget
+
+    # limit_blocks is only what a *creating* call would store; status never creates, so 0 is inert.
+    budget = RedisBudget(redis_url, name, limit_blocks=0, unavailable_timeout=timeout)
+    try:
+        s = budget.status_sync()
+    finally:
+        budget.close_sync()
+    exists = bool(s.extra.get("exists"))
+    out: dict[str, Any] = {"name": name, "redis": _redact(redis_url), "exists": exists}
+    if not exists:
+        return out
+    out.update({
+        "limit": s.limit,
+        "used": s.used,
+        "free": s.free,
+        "held": s.held,
+        "leases": s.leases,
+        "waiters": {str(p): {"waiters": c.waiters, "weight": c.weight} for p, c in sorted(s.waiters.items())},
+        "head_wait_s": s.head_wait_s,
+        "policy": s.policy,
+        "block_size": s.block_size,
+    })
+    for key in ("epoch", "recovering", "recovery_left_s", "starvation_bound_s", "limit_version"):
+        if key in s.extra:
+            out[key] = s.extra[key]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``zp-client status``; returns the exit status."""
+    if not args.server and not args.redis:
+        print("zp-client status: give --server URL and/or --redis URL --name NAME", file=sys.stderr)
+        return 2
+    if args.redis and not args.name:
+        print("zp-client status: --redis needs --name (the budget's name)", file=sys.stderr)
+        return 2
+    if args.name and not args.redis:
+        print("zp-client status: --name needs --redis URL", file=sys.stderr)
+        return 2
+    if not 0 < args.headroom <= 1:
+        print(f"zp-client status: --headroom must be in (0, 1], got {args.headroom}", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:
+        print(f"zp-client status: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
+        return 2
+    # The library logs (e.g. "Redis unreachable") at WARNING/ERROR; the CLI reports errors itself.
+    logging.getLogger("zp_client").setLevel(logging.CRITICAL)
+
+    result: dict[str, Any] = {}
+    try:
+        if args.server:
+            result["server"] = server_status(args.server, args.headroom, args.timeout)
+        if args.redis:
+            result["budget"] = budget_status(args.redis, args.name, args.timeout)
+    except BudgetUnavailable as exc:
+        # The library's message speaks of admission; here nothing is admitted, only read.
+        print(f"zp-client status: Redis at {_redact(args.redis)} did not answer within {args.timeout:g} s "
+              f"({exc.__cause__ or exc}); check the URL and that Redis is running", file=sys.stderr)
+        return 2
+    except ZPError as exc:
+        print(f"zp-client status: {exc}", file=sys.stderr)
+        return 2
+
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        if "server" in result:
+            _print_server(result["server"])
+        if "budget" in result:
+            _print_budget(result["budget"])
+    budget = result.get("budget")
+    return 1 if budget is not None and not budget["exists"] else 0
+
+
+def _print_server(s: dict[str, Any]) -> None:
+    print(f"server {s['url']}")
+    if s["num_gpu_blocks"] is None:
+        print("  KV pool:          unknown (no vllm:cache_config_info with num_gpu_blocks in /metrics)")
+    else:
+        print(f"  KV pool:          {s['num_gpu_blocks']} blocks of {s['block_size']} tokens "
+              f"({s['usable_blocks']} usable)")
+    usage = s["kv_cache_usage"]
+    print(f"  KV usage:         {'unknown' if usage is None else f'{usage:.1%}'}")
+    print(f"  requests:         {_show(s['num_requests_running'])} running, "
+          f"{_show(s['num_requests_waiting'])} waiting")
+    print(f"  preemptions:      {_show(s['num_preemptions_total'])} since start")
+    if s["suggested_limit_blocks"] is not None:
+        print(f"  suggested limit:  limit_blocks={s['suggested_limit_blocks']} (headroom {s['headroom']:g})")
+
+
+def _print_budget(b: dict[str, Any]) -> None:
+    if not b["exists"]:
+        print(f"budget {b['name']!r} at {b['redis']}: does not exist (no client has used it yet; "
+              "nothing was created)")
+        return
+    print(f"budget {b['name']!r} at {b['redis']} (policy {b['policy']}, block size {b['block_size']})")
+    print(f"  limit:            {b['limit']} blocks")
+    print(f"  used:             {b['used']} blocks reserved by {b['leases']} leases ({b['free']} free)")
+    print(f"  held:             {b['held']} blocks occupied now (as reported by the streams)")
+    if b["waiters"]:
+        for prio, c in b["waiters"].items():
+            print(f"  waiters (prio {prio}): {c['waiters']} waiting for {c['weight']} blocks")
+    else:
+        print("  waiters:          none")
+    print(f"  head wait:        {b['head_wait_s']:.3f} s")
+    if b.get("recovering"):
+        print(f"  recovering:       admitting nothing new for {b['recovery_left_s']:.1f} s more")
+
+
+def _show(v: Any) -> str:
+    return "unknown" if v is None else str(v)
+
+
+def _int_or_none(v: float | None) -> int | None:
+    return None if v is None else int(v)
+
+
+def _redact(url: str) -> str:
+    """The URL without a password (a status line must never print credentials)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + host))
