@@ -221,6 +221,9 @@ async def test_wrap_keeps_original_untouched_and_shares_transport(server: Loopba
     assert orig.max_retries == 5 and c.max_retries == 0
     assert orig._client is http and http._transport is transport
     assert c._client._transport._inner is transport  # same connection pool / proxy / TLS
+    expected = "httpx2" if int(openai.__version__.split(".")[0]) >= 3 else "httpx"
+    assert mod.__name__ == expected and isinstance(c._client, mod.AsyncClient)
+    assert isinstance(c._client._transport, mod.AsyncBaseTransport)
     await c.chat.completions.create(model="ok", messages=MSGS, max_tokens=4)
     assert calls == ["/v1/chat/completions"]  # event hooks kept
     await c.close()
@@ -308,6 +311,20 @@ def test_sync_refusal_types(server: LoopbackServer) -> None:
         c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8, extra_headers={"X-ZP-Deadline": "0.2"})
     blocker.release_sync()
     assert API_KEY not in str(tmo.value)
+    assert status_sync(b).used == 0
+
+
+def test_openai3_with_a_legacy_httpx_client(server: LoopbackServer) -> None:
+    """openai 3.x also accepts a plain httpx client; wrap() then builds an httpx (not httpx2) client."""
+    if int(openai.__version__.split(".")[0]) < 3:
+        pytest.skip("openai 2.x is built on httpx: covered by every other test here")
+    b = make_budget(10)
+    orig = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, http_client=httpx.Client())
+    c = wrap(orig, budget=b, settings=Settings(estimator="heuristic"))
+    assert isinstance(c._client, httpx.Client)
+    assert c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8).choices
+    with pytest.raises(LeaseTooLarge):
+        c.chat.completions.create(model="ok", messages=MSGS, max_tokens=1000)
     assert status_sync(b).used == 0
 
 
