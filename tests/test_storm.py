@@ -1,0 +1,158 @@
+"""The storm benchmark: workloads, setups and an end-to-end tiny storm against the real simulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from zp_client.bench.report import build_report, write_report
+from zp_client.bench.runner import StormConfig, run_storm
+from zp_client.bench.setups import DEFAULT_SETUPS, parse_setups
+from zp_client.bench.workloads import SLO, ServerFacts, build_workload, count_chat_tokens, make_text
+from zp_client.errors import ConfigurationError
+
+FACTS = ServerFacts(num_gpu_blocks=2049, block_size=16, max_model_len=8192, unloaded_itl_s=0.0085)
+
+# A tiny seed-burst on the "tiny" profile (511 usable blocks): six streams hold ~75% of the pool and
+# run two requests each; three 1200-token agent prompts land mid-way. Without admission the server must
+# preempt (the running requests' outputs outgrow the pool); zp's reservations make that impossible.
+TINY = {"streams": 6, "stream_out": 512, "rounds": 2, "burst": 3, "burst_prompt": 1200, "burst_max_tokens": 256}
+
+
+def test_make_text_hits_the_requested_token_count() -> None:
+    import random
+
+    from zp_client.sim.tokenizer import count_tokens
+
+    for n in (50, 700, 4000):
+        text = make_text(n, random.Random(n), "tag")
+        assert abs(count_tokens(text) - n) <= 3
+
+
+def test_seed_burst_is_deterministic_and_holds_the_requested_share_of_the_pool() -> None:
+    a = build_workload("seed-burst", FACTS, seed=3)
+    b = build_workload("seed-burst", FACTS, seed=3)
+    assert [t.messages for t in a.iter_turns()] == [t.messages for t in b.iter_turns()]
+    streams = [s for s in a.sessions if s.kind == "stream"]
+    burst = [s for s in a.sessions if s.kind == "burst"]
+    assert len(streams) == 16 and len(burst) == 16
+    # average occupancy of the streams: prompt plus half of their output, over the usable pool
+    first = [s.turns[1] for s in streams]
+    avg_blocks = sum((t.prompt_tokens + t.true_out / 2) / 16 for t in first)
+    assert 0.70 <= avg_blocks / FACTS.usable_blocks <= 0.80
+    # every burst call arrives at once, is not streamed, and fits the context with its bound
+    assert len({s.start_s for s in burst}) == 1
+    assert all(not s.turns[0].stream and s.turns[0].prompt_tokens + s.turns[0].max_tokens <= 8192 for s in burst)
+    assert a.gateway_timeout_s is not None and a.gateway_timeout_s > 0
+
+
+def test_agentic_shares_the_preamble_grows_context_and_bounds_max_tokens() -> None:
+    wl = build_workload("agentic", FACTS, seed=1, conversations=6)
+    convs = [s for s in wl.sessions if s.kind == "agent"]
+    preambles = {s.turns[0].messages[0]["content"] for s in convs}
+    assert len(preambles) == 1
+    assert 1700 <= count_chat_tokens([convs[0].turns[0].messages[0]]) <= 2300
+    for s in convs:
+        lens = [t.prompt_tokens for t in s.turns]
+        assert lens == sorted(lens) and len(set(lens)) == len(lens)
+        assert all(t.max_tokens == 4096 and 1 <= t.true_out <= 4096 for t in s.turns)
+        assert all(t.prompt_tokens + t.max_tokens <= FACTS.max_model_len for t in s.turns)
+
+
+def test_agentic_output_lengths_follow_the_stated_distribution() -> None:
+    wl = build_workload("agentic", FACTS, seed=7, conversations=120)
+    outs = sorted(t.true_out for t in wl.iter_turns())
+    median = outs[len(outs) // 2]
+    assert 150 <= median <= 320
+    assert outs[math.ceil(0.99 * len(outs)) - 1] >= 1500
+
+
+@pytest.mark.parametrize("name", ["azure-code", "azure-conv", "mooncake"])
+def test_trace_replays_scale_time_and_cap_lengths_to_the_context(name: str) -> None:
+    wl = build_workload(name, FACTS, seed=0, time_scale=0.5, load_scale=1.0, max_requests=60)
+    full = build_workload(name, FACTS, seed=0, time_scale=1.0, load_scale=1.0, max_requests=60)
+    assert wl.num_requests == 60
+    assert wl.params["time_scale"] == 0.5
+    starts = [s.start_s for s in wl.sessions]
+    assert starts == sorted(starts)
+    assert max(starts) == pytest.approx(0.5 * max(s.start_s for s in full.sessions), rel=1e-3, abs=1e-3)
+    for t in wl.iter_turns():
+        assert t.prompt_tokens + t.max_tokens <= FACTS.max_model_len
+        assert t.true_out <= t.max_tokens
+
+
+def test_load_scale_thins_and_replicates_trace_requests() -> None:
+    def span(load: float) -> float:
+        wl = build_workload("azure-conv", FACTS, seed=0, load_scale=load, time_scale=1.0, max_requests=80)
+        assert wl.num_requests == 80
+        return wl.sessions[-1].start_s
+
+    one, half, double = span(1.0), span(0.5), span(2.0)
+    # the same number of requests takes about twice the trace time at half the load, half at double
+    assert 1.4 * one < half < 2.8 * one
+    assert 0.3 * one < double < 0.7 * one
+
+
+def test_mooncake_shared_prefix_blocks_become_identical_text() -> None:
+    wl = build_workload("mooncake", FACTS, seed=0, max_requests=5)
+    # the first two requests of the trace share their first 512-token block (hash id 0)
+    a, b = (s.turns[0].messages[0]["content"] for s in wl.sessions[:2])
+    assert a.split("\n", 1)[0] == b.split("\n", 1)[0]
+    assert a != b
+
+
+def test_unknown_workload_and_setups_are_clear_errors() -> None:
+    with pytest.raises(ConfigurationError, match="choose one of"):
+        build_workload("nope", FACTS, seed=0)
+    with pytest.raises(ConfigurationError, match="unknown setup"):
+        parse_setups("naive,bogus", None)
+    with pytest.raises(ConfigurationError, match="--redis"):
+        parse_setups("zp-redis", None)
+    assert parse_setups(None, None) == list(DEFAULT_SETUPS)
+    assert parse_setups("zp-strict", None) == ["no-admission", "zp-strict"]
+
+
+def test_slo_for_non_streamed_calls_allows_the_streamed_equivalent_duration() -> None:
+    slo = SLO(ttft_s=2.0, tpot_s=0.1)
+    assert slo.met(1.0, 0.05)
+    assert not slo.met(3.0, 0.05)
+    assert not slo.met(1.0, 0.2)
+    assert slo.met(None, None, streamed=False, e2e=11.9, out_tokens=100)
+    assert not slo.met(None, None, streamed=False, e2e=12.1, out_tokens=100)
+
+
+@pytest.mark.slow
+def test_tiny_storm_end_to_end_preempts_without_admission_and_never_with_zp(tmp_path) -> None:
+    cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "naive", "zp-strict"],
+                      profile="tiny", num_gpu_blocks=None, speedup=4.0, workload_overrides=dict(TINY))
+    wl, facts, runs = asyncio.run(run_storm(cfg))
+    report = build_report(wl, facts, runs, cfg, "pytest")
+    jp, pp = write_report(report, tmp_path)
+    assert pp.stat().st_size > 10_000  # a real PNG with three panels
+    data = json.loads(jp.read_text())
+    assert [m["setup"] for m in data["setups"]] == ["no-admission", "naive", "zp-strict"]
+    for key in ("workload", "slo", "server", "setups", "ratios", "checks", "timelines", "ttfts", "requests"):
+        assert key in data
+    by = {m["setup"]: m for m in data["setups"]}
+    for m in data["setups"]:
+        for key in ("preemptions", "recomputed_tokens", "kv_usage_max", "ttft_p50", "ttft_p99", "itl_p50",
+                    "itl_p99", "itl_p99_vs_unloaded", "goodput_rps", "goodput_tps", "amplification", "errors",
+                    "makespan", "valid", "harness", "effective_speedup"):
+            assert key in m, key
+        assert m["sent"] == wl.num_requests
+        assert m["amplification"] >= 1.0
+        assert len(data["timelines"][m["setup"]]) > 10
+    # the ordering the benchmark exists to show
+    assert by["naive"]["preemptions"] > 0
+    assert by["no-admission"]["preemptions"] > 0
+    assert by["zp-strict"]["preemptions"] == 0
+    assert by["zp-strict"]["kv_usage_max"] < 1.0
+    assert data["checks"]["zp_zero_preemptions"] is True and data["checks"]["naive_preempts"] is True
+    # the server's own /metrics counter agrees with /sim/stats
+    assert by["naive"]["preemptions_metrics"] == by["naive"]["preemptions"]
+    # no-admission never sees a gateway; every zp request completed
+    assert by["no-admission"]["gateway_504"] == 0
+    assert by["zp-strict"]["errors"] == 0

@@ -1,0 +1,290 @@
+"""The load generator: replays a workload's sessions through one client setup, in virtual time.
+
+Arrivals are open loop (each session starts at its virtual ``start_s`` whatever the server does);
+turns within a session are closed loop (the next turn waits for the previous one, its think time and
+its sub-agents). Every timestamp is read from a :class:`VirtualClock` (the simulator's clock), never
+the harness's wall clock.
+
+The generator also measures itself: an event-loop lag sampler and the process's CPU use against wall
+time (:class:`HarnessMonitor`), so a run whose harness could not keep up is flagged instead of trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+
+from zp_client.bench.workloads import Session, Turn, Workload
+
+__all__ = [
+    "Caller",
+    "HarnessMonitor",
+    "RequestRecord",
+    "VirtualClock",
+    "run_sessions",
+    "stream_chat",
+]
+
+log = logging.getLogger("zp_client.bench.loadgen")
+
+
+class VirtualClock:
+    """Virtual time from a ``now()`` callable (e.g. ``SimServer.clock``), and sleeps measured in it.
+
+    ``speedup`` is virtual seconds per wall second, used only to size the wall-clock naps; a sleep
+    always ends by re-reading ``now()``, so a lagging simulator lengthens the nap instead of skewing it.
+    """
+
+    def __init__(self, now: Callable[[], float], speedup: float) -> None:
+        self._now = now
+        self.speedup = float(speedup)
+
+    def now(self) -> float:
+        return float(self._now())
+
+    async def sleep_until(self, t: float) -> None:
+        while True:
+            d = t - self.now()
+            if d <= 0:
+                return
+            await asyncio.sleep(max(d / self.speedup, 0.0005))
+
+    async def sleep(self, dt: float) -> None:
+        if dt > 0:
+            await self.sleep_until(self.now() + dt)
+
+
+@dataclass
+class RequestRecord:
+    """What the app observed for one logical request (virtual seconds, relative to the run's start)."""
+
+    id: str
+    session: str
+    kind: str
+    prompt_tokens: int
+    max_tokens: int
+    true_out: int
+    t_submit: float | None = None
+    t_first: float | None = None
+    t_end: float | None = None
+    out_tokens: int = 0
+    attempts: int = 0
+    ok: bool = False
+    error: str | None = None
+    sent: bool = False  # False: its conversation had stopped after an earlier error
+    stream: bool = True
+    token_times: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def ttft(self) -> float | None:
+        if self.t_first is None or self.t_submit is None:
+            return None
+        return self.t_first - self.t_submit
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two chunks)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    def itls(self) -> list[float]:
+        tt = self.token_times
+        return [b - a for a, b in zip(tt, tt[1:])]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "session": self.session, "kind": self.kind,
+            "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens, "true_out": self.true_out,
+            "t_submit": _r(self.t_submit), "t_first": _r(self.t_first), "t_end": _r(self.t_end),
+            "ttft": _r(self.ttft), "tpot": _r(self.tpot), "out_tokens": self.out_tokens,
+            "attempts": self.attempts, "ok": self.ok, "error": self.error, "sent": self.sent,
+            "stream": self.stream,
+        }
+
+
+def _r(x: float | None, nd: int = 5) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+class Caller(Protocol):
+    """A client setup's way of making one logical request (its retries included).
+
+    It must fill ``rec.attempts``, ``rec.token_times`` (virtual time of each content chunk of the
+    attempt that succeeded), ``rec.out_tokens`` and ``rec.t_first``, and raise on a failure surfaced to
+    the app.
+    """
+
+    async def __call__(self, turn: Turn, rec: RequestRecord, clock: VirtualClock) -> None: ...
+
+
+async def stream_chat(client: Any, model: str, turn: Turn, rec: RequestRecord, clock: VirtualClock,
+                      **extra: Any) -> None:
+    """One streamed chat completion through an openai-style ``client``; stamps chunks in virtual time.
+
+    ``max_tokens`` is the client's bound; the true output length travels in ``sim_output_tokens``.
+    """
+    times: list[float] = []
+    usage_tokens: int | None = None
+    body = {"sim_output_tokens": turn.true_out, **extra.pop("extra_body", {})}
+    if not turn.stream:
+        resp = await client.chat.completions.create(
+            model=model, messages=turn.messages, max_tokens=turn.max_tokens, extra_body=body, **extra)
+        rec.t_first = clock.now()
+        rec.token_times = []
+        rec.out_tokens = resp.usage.completion_tokens if resp.usage is not None else 0
+        return
+    stream = await client.chat.completions.create(
+        model=model, messages=turn.messages, max_tokens=turn.max_tokens, stream=True,
+        stream_options={"include_usage": True}, extra_body=body, **extra,
+    )
+    try:
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(clock.now())
+            if getattr(chunk, "usage", None) is not None:
+                usage_tokens = chunk.usage.completion_tokens
+    finally:
+        await stream.close()
+    rec.token_times = times
+    rec.t_first = times[0] if times else clock.now()
+    rec.out_tokens = usage_tokens if usage_tokens is not None else len(times)
+
+
+def _describe(exc: BaseException) -> str:
+    status = getattr(exc, "status_code", None)
+    name = type(exc).__name__
+    return f"{name} {status}" if status is not None else name
+
+
+async def run_sessions(
+    sessions: list[Session],
+    caller: Caller,
+    clock: VirtualClock,
+    *,
+    t0: float,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
+    """Replay ``sessions`` through ``caller``; returns one record per logical request of the workload
+    (requests of a conversation that stopped after an error are returned with ``sent=False``).
+
+    Times in the records are relative to ``t0`` (a reading of ``clock``).
+    """
+    records: list[RequestRecord] = []
+
+    def unsent(session: Session, from_turn: int) -> None:
+        for k, turn in enumerate(session.turns[from_turn:], start=from_turn):
+            rec = RequestRecord(f"{session.id}/t{k}", session.id, session.kind, turn.prompt_tokens,
+                                turn.max_tokens, turn.true_out, error="conversation stopped")
+            records.append(rec)
+            if on_done:
+                on_done(rec)
+            for child in turn.children:
+                unsent(child, 0)
+
+    async def run_session(session: Session, start: float | None) -> None:
+        if start is not None:
+            await clock.sleep_until(t0 + start)
+        for k, turn in enumerate(session.turns):
+            if turn.delay_s:
+                await clock.sleep(turn.delay_s)
+            rec = RequestRecord(f"{session.id}/t{k}", session.id, session.kind, turn.prompt_tokens,
+                                turn.max_tokens, turn.true_out, sent=True, stream=turn.stream)
+            records.append(rec)
+            rec.t_submit = clock.now()
+            try:
+                await caller(turn, rec, clock)
+                rec.ok = True
+            except Exception as exc:  # an error surfaced to the app: the conversation stops here
+                rec.error = _describe(exc)
+                log.debug("request %s failed: %r", rec.id, exc)
+            rec.t_end = clock.now()
+            _relativise(rec, t0)
+            if on_done:
+                on_done(rec)
+            if not rec.ok:
+                for child in turn.children:
+                    unsent(child, 0)
+                unsent(session, k + 1)
+                return
+            if turn.children:
+                async with anyio.create_task_group() as tg:
+                    for child in turn.children:
+                        tg.start_soon(run_session, child, None)
+
+    async with anyio.create_task_group() as tg:
+        for s in sessions:
+            tg.start_soon(run_session, s, s.start_s)
+    return records
+
+
+def _relativise(rec: RequestRecord, t0: float) -> None:
+    if rec.t_submit is not None:
+        rec.t_submit -= t0
+    if rec.t_first is not None:
+        rec.t_first -= t0
+    if rec.t_end is not None:
+        rec.t_end -= t0
+    rec.token_times = [t - t0 for t in rec.token_times]
+
+
+class HarnessMonitor:
+    """Measures the harness itself while a setup runs: event-loop lag and process CPU against wall.
+
+    ``lag`` samples are how late a 10 ms nap woke up (wall seconds). CPU is ``os.times()`` user +
+    system of this process (all its threads, the in-process simulator included) over the wall time.
+    """
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        self.interval_s = interval_s
+        self.lags: list[float] = []
+        self._wall0 = self._cpu0 = 0.0
+        self.wall_s = self.cpu_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> HarnessMonitor:
+        self._wall0 = time.perf_counter()
+        t = os.times()
+        self._cpu0 = t.user + t.system
+        self._task = asyncio.get_running_loop().create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self.wall_s = time.perf_counter() - self._wall0
+        t = os.times()
+        self.cpu_s = t.user + t.system - self._cpu0
+
+    async def _sample(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            self.lags.append(max(0.0, time.perf_counter() - t - self.interval_s))
+
+    def summary(self) -> dict[str, float]:
+        lags = sorted(self.lags) or [0.0]
+        return {
+            "wall_s": round(self.wall_s, 3),
+            "cpu_s": round(self.cpu_s, 3),
+            "cpu_frac": round(self.cpu_s / self.wall_s, 3) if self.wall_s > 0 else 0.0,
+            "loop_lag_p50_ms": round(1000 * lags[len(lags) // 2], 2),
+            "loop_lag_p99_ms": round(1000 * lags[min(len(lags) - 1, math.ceil(0.99 * len(lags)) - 1)], 2),
+            "loop_lag_max_ms": round(1000 * lags[-1], 2),
+        }
+
+
+async def gather_all(aws: list[Awaitable[Any]]) -> list[Any]:
+    return list(await asyncio.gather(*aws))

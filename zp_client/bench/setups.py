@@ -1,0 +1,263 @@
+"""The client setups the storm compares. Each replays the same workload against a fresh server.
+
+=================  ==========================================================================================
+``no-admission``   the real ``openai.AsyncOpenAI`` with ``max_retries=0``, no app-level retry, and no gateway
+                   timeout in front of the server: what the server does with all the load. The denominator.
+``naive``          ``openai.AsyncOpenAI`` with its defaults (``max_retries=2``: exponential backoff 0.5 s x
+                   2^n, capped at 8 s, minus up to 25% jitter, on 408/409/429/5xx and connection errors)
+                   inside an app-level retry shaped like an agent framework's (LangChain's
+                   ``create_base_retry_decorator``): tenacity ``stop_after_attempt(3)``,
+                   ``wait_exponential(multiplier=1, min=4, max=10)`` on any ``openai.APIError``. Up to
+                   3 x 3 = 9 attempts per logical request. Behind the workload's gateway timeout.
+``rate-limited``   ``naive`` plus LangChain's ``InMemoryRateLimiter`` acquired before every app-level attempt
+                   (as ``BaseChatModel`` does), at the server's sustainable request rate: the completed
+                   requests per virtual second of the ``no-admission`` run. ``max_bucket_size=1``.
+``zp-strict``      ``zp_client.wrap(AsyncOpenAI(...), budget=LocalBudget(limit))`` with default estimation
+                   (the harness passes no token counts) and zp's default retry policy (its only retry loop),
+                   inside the same app-level retry as ``naive``.
+``zp-redis``       as ``zp-strict`` but with a ``RedisBudget`` shared by several worker processes, each
+                   replaying a share of the sessions. Only with ``--redis URL``.
+``clairvoyant``    a reference, not a product setup: ``AsyncOpenAI(max_retries=0)`` whose every attempt
+                   first takes a ``LocalBudget`` lease of ceil((prompt + TRUE output) / block) blocks, the
+                   harness counting both exactly; same app-level retry. Shows what reserving ``max_tokens``
+                   costs against knowing each request's length.
+=================  ==========================================================================================
+
+Every client-side sleep (openai's backoff, tenacity's waits, zp's retry backoff, the rate limiter) is
+scaled to virtual time: the simulator runs ``speedup`` times faster than the wall clock, so a 4 s wait
+is 4 virtual seconds. The zp setups take their limit from the server's pool as read from ``/metrics``
+(``vllm:cache_config_info``): ``(num_gpu_blocks - 1) x headroom`` with ``HEADROOM`` below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from zp_client.bench.loadgen import Caller, RequestRecord, VirtualClock, stream_chat
+from zp_client.bench.workloads import Turn
+from zp_client.errors import ConfigurationError
+
+__all__ = [
+    "ALL_SETUPS",
+    "DEFAULT_SETUPS",
+    "HEADROOM",
+    "SETUPS",
+    "APP_RETRY",
+    "SetupContext",
+    "SetupSpec",
+    "open_caller",
+    "parse_setups",
+    "zp_limit_blocks",
+]
+
+log = logging.getLogger("zp_client.bench.setups")
+
+#: Fraction of the usable pool the zp setups (and clairvoyant) may lease. The 5% margin covers the
+#: difference between zp's prompt estimate (cl100k) and the server's tokenizer and chat template.
+HEADROOM = 0.95
+
+#: The app-level retry of every setup but ``no-admission`` (LangChain's base retry decorator's shape).
+APP_RETRY = {"attempts": 3, "wait_exponential": {"multiplier": 1, "min": 4, "max": 10}, "on": "openai.APIError"}
+
+
+@dataclass(frozen=True)
+class SetupSpec:
+    name: str
+    gateway: bool
+    """Whether the server gets the workload's gateway timeout."""
+    needs_redis: bool = False
+    workers: int = 1
+    description: str = ""
+
+
+SETUPS: dict[str, SetupSpec] = {
+    s.name: s
+    for s in (
+        SetupSpec("no-admission", False, description="openai AsyncOpenAI, max_retries=0, no gateway timeout"),
+        SetupSpec("naive", True, description="openai defaults (2 retries) + app retry (3 attempts, exp. backoff 4-10 s)"),
+        SetupSpec("rate-limited", True, description="naive + LangChain InMemoryRateLimiter at the sustainable rate"),
+        SetupSpec("zp-strict", True, description="wrap(AsyncOpenAI) + LocalBudget (strict), default estimation"),
+        SetupSpec("zp-redis", True, needs_redis=True, workers=3,
+                  description="wrap(AsyncOpenAI) + RedisBudget shared by 3 worker processes"),
+        SetupSpec("clairvoyant", True, description="lease of prompt + TRUE output per attempt (reference)"),
+    )
+}
+ALL_SETUPS: tuple[str, ...] = tuple(SETUPS)
+DEFAULT_SETUPS: tuple[str, ...] = tuple(n for n in ALL_SETUPS if n != "zp-redis")
+
+
+def parse_setups(text: str | None, redis_url: str | None) -> list[str]:
+    """The setups to run, in canonical order; ``no-admission`` is always included (it is the
+    denominator and ``rate-limited`` needs its measured rate). Unknown names raise ConfigurationError."""
+    if not text:
+        names = list(ALL_SETUPS if redis_url else DEFAULT_SETUPS)
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in SETUPS]
+        if unknown:
+            raise ConfigurationError(f"unknown setup(s) {', '.join(unknown)}; choose from: {', '.join(ALL_SETUPS)}")
+    if "zp-redis" in names and not redis_url:
+        raise ConfigurationError("setup zp-redis needs --redis URL (make demo never touches a Redis it was not given)")
+    names = ["no-admission", *[n for n in names if n != "no-admission"]]
+    return [n for n in ALL_SETUPS if n in names]
+
+
+@dataclass
+class SetupContext:
+    """What a setup needs to build its client (all picklable: worker processes get a copy)."""
+
+    base_url: str
+    """The server's OpenAI base URL (ends with /v1)."""
+    root_url: str
+    model: str
+    speedup: float
+    num_gpu_blocks: int
+    block_size: int
+    limit_blocks: int
+    rate_rps: float | None = None
+    """Sustainable request rate (virtual requests per second), for ``rate-limited``."""
+    redis_url: str | None = None
+    budget_name: str = "zp-storm"
+
+
+def zp_limit_blocks(num_gpu_blocks: int, headroom: float = HEADROOM) -> int:
+    """The zp budget's limit for a pool of ``num_gpu_blocks`` (one of them vLLM's null block)."""
+    try:
+        from zp_client.server import suggest_limit_blocks
+    except ImportError:  # the server helper is not there yet: same rule, written out
+        return int((num_gpu_blocks - 1) * headroom)
+    return int(suggest_limit_blocks(num_gpu_blocks, headroom))
+
+
+def _openai_class(speedup: float) -> type:
+    """``openai.AsyncOpenAI`` whose retry backoff is measured in virtual seconds."""
+    import openai
+
+    class VirtualTimeAsyncOpenAI(openai.AsyncOpenAI):
+        def _calculate_retry_timeout(self, *args: Any, **kwargs: Any) -> float:
+            return float(super()._calculate_retry_timeout(*args, **kwargs)) / speedup
+
+    return VirtualTimeAsyncOpenAI
+
+
+def _zp_retry_policy(speedup: float) -> Any:
+    """zp's default retry policy with its sleeps measured in virtual seconds."""
+    from zp_client.retry import RetryPolicy
+
+    class VirtualTimeRetryPolicy(RetryPolicy):
+        async def sleep(self, seconds: float) -> None:
+            await super().sleep(seconds / speedup)
+
+        def sleep_sync(self, seconds: float) -> None:
+            super().sleep_sync(seconds / speedup)
+
+    return VirtualTimeRetryPolicy()
+
+
+class _AppCaller:
+    """One logical request: optional app-level retry around attempts of ``send``."""
+
+    def __init__(self, client: Any, model: str, *, app_retry: bool, limiter: Any = None,
+                 budget: Any = None, block_size: int = 16) -> None:
+        self.client = client
+        self.model = model
+        self.app_retry = app_retry
+        self.limiter = limiter
+        self.budget = budget
+        self.block_size = block_size
+
+    async def _attempt(self, turn: Turn, rec: RequestRecord, clock: VirtualClock) -> None:
+        rec.attempts += 1
+        if self.limiter is not None:
+            await self.limiter.aacquire()
+        if self.budget is not None:
+            bs = self.block_size
+            blocks = math.ceil((turn.prompt_tokens + turn.true_out) / bs)
+            async with self.budget.lease(blocks, held=math.ceil(turn.prompt_tokens / bs)):
+                await stream_chat(self.client, self.model, turn, rec, clock)
+        else:
+            await stream_chat(self.client, self.model, turn, rec, clock)
+
+    async def __call__(self, turn: Turn, rec: RequestRecord, clock: VirtualClock) -> None:
+        if not self.app_retry:
+            await self._attempt(turn, rec, clock)
+            return
+        import openai
+        import tenacity
+
+        async def vsleep(seconds: float) -> None:
+            await clock.sleep(seconds)
+
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(APP_RETRY["attempts"]),
+            wait=tenacity.wait_exponential(**APP_RETRY["wait_exponential"]),
+            retry=tenacity.retry_if_exception_type(openai.APIError),
+            sleep=vsleep,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self._attempt(turn, rec, clock)
+
+
+@contextlib.asynccontextmanager
+async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
+    """Build setup ``name``'s client for one process and yield its :class:`Caller`; closes it after."""
+    cls = _openai_class(ctx.speedup)
+    common = {"base_url": ctx.base_url, "api_key": "sk-storm-bench"}
+    stack = contextlib.AsyncExitStack()
+    async with stack:
+        if name == "no-admission":
+            client = cls(max_retries=0, **common)
+            stack.push_async_callback(client.close)
+            yield _AppCaller(client, ctx.model, app_retry=False)
+        elif name == "naive":
+            client = cls(**common)  # openai's defaults: max_retries=2
+            stack.push_async_callback(client.close)
+            yield _AppCaller(client, ctx.model, app_retry=True)
+        elif name == "rate-limited":
+            from langchain_core.rate_limiters import InMemoryRateLimiter
+
+            if not ctx.rate_rps:
+                raise ConfigurationError("rate-limited needs the sustainable rate measured by no-admission")
+            limiter = InMemoryRateLimiter(requests_per_second=ctx.rate_rps * ctx.speedup,
+                                          check_every_n_seconds=max(0.002, 0.05 / ctx.speedup),
+                                          max_bucket_size=1)
+            client = cls(**common)
+            stack.push_async_callback(client.close)
+            yield _AppCaller(client, ctx.model, app_retry=True, limiter=limiter)
+        elif name in ("zp-strict", "zp-redis"):
+            from zp_client.wrap import wrap
+
+            if name == "zp-strict":
+                from zp_client.budget.local import LocalBudget
+
+                budget: Any = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size)
+            else:
+                from zp_client.budget.redis import RedisBudget
+
+                if not ctx.redis_url:
+                    raise ConfigurationError("zp-redis needs --redis URL")
+                budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=ctx.limit_blocks,
+                                     block_size=ctx.block_size)
+            stack.push_async_callback(budget.aclose)
+            raw = cls(**common)
+            stack.push_async_callback(raw.close)
+            client = wrap(raw, budget=budget, retry=_zp_retry_policy(ctx.speedup))
+            stack.push_async_callback(client.close)
+            yield _AppCaller(client, ctx.model, app_retry=True)
+        elif name == "clairvoyant":
+            from zp_client.budget.local import LocalBudget
+
+            budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size)
+            stack.push_async_callback(budget.aclose)
+            client = cls(max_retries=0, **common)
+            stack.push_async_callback(client.close)
+            yield _AppCaller(client, ctx.model, app_retry=True, budget=budget, block_size=ctx.block_size)
+        else:
+            raise ConfigurationError(f"unknown setup {name!r}; choose from: {', '.join(ALL_SETUPS)}")

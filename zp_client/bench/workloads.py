@@ -1,0 +1,561 @@
+"""Storm workloads: the request sequences every client setup replays against a fresh simulated server.
+
+A workload is a list of :class:`Session` objects. A session is a chain of :class:`Turn` calls that run
+one after another (closed loop: the next turn is sent only after the previous one ended, plus a think
+time); a turn may spawn child sessions (parallel sub-agents) that all finish before the next turn.
+Open-loop arrivals are sessions of one turn. Every prompt is real text whose length is measured with
+the simulator's own tokenizer (:mod:`zp_client.sim.tokenizer`), so the harness knows each request's
+true prompt length (the clairvoyant setup reserves it) while the zp setups estimate it themselves.
+
+Workloads are built from :class:`ServerFacts` (pool size, context length, unloaded inter-token latency)
+read from a fresh server before any setup runs, so every setup replays the identical sequence.
+
+Every builder is deterministic in ``seed``. All times are virtual seconds (the simulator's clock).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from zp_client.errors import ConfigurationError
+
+__all__ = [
+    "SLO",
+    "ServerFacts",
+    "SimConfig",
+    "Session",
+    "Turn",
+    "Workload",
+    "WORKLOADS",
+    "build_workload",
+    "count_chat_tokens",
+    "find_shared_dir",
+    "make_text",
+]
+
+Message = dict[str, str]
+
+
+# --------------------------------------------------------------------------------------- data model
+
+
+@dataclass
+class Turn:
+    """One call to ``/v1/chat/completions``.
+
+    ``messages`` is the full prompt; ``prompt_tokens`` its length under the simulator's chat template.
+    ``max_tokens`` is the client's bound (what zp reserves), ``true_out`` the real output length (sent
+    to the simulator as ``sim_output_tokens``). ``delay_s`` is the virtual think time before the call
+    (after the previous turn and its children ended). ``children`` run in parallel after this turn.
+    """
+
+    messages: list[Message]
+    prompt_tokens: int
+    max_tokens: int
+    true_out: int
+    delay_s: float = 0.0
+    children: list[Session] = field(default_factory=list)
+    stream: bool = True
+    """Streamed (SSE) or not. A non-streamed call's first byte is its whole response, so a gateway
+    timeout applies to its full duration, as for agent frameworks' usual non-streamed tool calls."""
+
+
+@dataclass
+class Session:
+    """A chain of turns. ``start_s`` is the virtual arrival of its first turn, relative to the run's
+    start (ignored for a child session, which starts when its parent spawns it)."""
+
+    id: str
+    start_s: float
+    kind: str
+    turns: list[Turn]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How every fresh :class:`~zp_client.sim.server.SimServer` of a run is configured."""
+
+    profile: str
+    num_gpu_blocks: int | None
+    speedup: float
+    gateway_timeout_s: float | None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class SLO:
+    """A logical request counts toward goodput when it succeeded with TTFT (client queue wait included)
+    <= ``ttft_s`` and mean time per output token after the first <= ``tpot_s`` (virtual seconds).
+    A non-streamed request must finish within ``ttft_s + output_tokens x tpot_s`` (when a streamed
+    request meeting both limits would have finished)."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, ttft: float | None, tpot: float | None, *, streamed: bool = True,
+            e2e: float | None = None, out_tokens: int = 0) -> bool:
+        if not streamed:
+            return e2e is not None and e2e <= self.ttft_s + out_tokens * self.tpot_s
+        return ttft is not None and ttft <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What a workload builder may know about the server (read from a fresh server before the run)."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int
+    unloaded_itl_s: float
+    unloaded_ttft_s: float = 0.0
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_gpu_blocks - 1
+
+
+@dataclass
+class Workload:
+    """A request sequence plus the knobs it was built with (printed with every result)."""
+
+    name: str
+    description: str
+    sessions: list[Session]
+    slo: SLO
+    gateway_timeout_s: float | None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def iter_turns(self) -> list[Turn]:
+        out: list[Turn] = []
+
+        def walk(sessions: Sequence[Session]) -> None:
+            for s in sessions:
+                for t in s.turns:
+                    out.append(t)
+                    walk(t.children)
+
+        walk(self.sessions)
+        return out
+
+    @property
+    def num_requests(self) -> int:
+        """Logical requests in the workload (every turn of every session, children included)."""
+        return len(self.iter_turns())
+
+    def summary(self) -> dict[str, Any]:
+        turns = self.iter_turns()
+        prompts = sorted(t.prompt_tokens for t in turns)
+        outs = sorted(t.true_out for t in turns)
+
+        def q(xs: list[int], p: float) -> int:
+            return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0
+
+        return {
+            "sessions": len(self.sessions),
+            "requests": len(turns),
+            "prompt_tokens_p50": q(prompts, 0.5),
+            "prompt_tokens_p99": q(prompts, 0.99),
+            "true_out_p50": q(outs, 0.5),
+            "true_out_p99": q(outs, 0.99),
+            "max_tokens_max": max((t.max_tokens for t in turns), default=0),
+        }
+
+
+# --------------------------------------------------------------------------------------- text
+
+
+# Short common words: one token each under the simulator's tokenizer (words of <= 6 letters), so
+# text length in tokens is easy to steer. A leading tag keeps every prompt unique from its first block,
+# which keeps the prefix cache from hitting between requests that should not share anything.
+_WORDS = (
+    "the of and to in is it for on with as was at by be this are or from an but not have had his they "
+    "you were her she all there can one been would if will more when which their said so what about out "
+    "up them into some time could than other then its two first may only new over also any after our "
+    "most way made where very well back just much good did how each first file code test call read "
+    "write value error line list name type data path user tool task step plan fix run check build"
+).split()
+
+
+def _token_counter() -> Callable[[str], int]:
+    from zp_client.sim.tokenizer import count_tokens
+
+    return count_tokens
+
+
+def count_chat_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Prompt tokens of ``messages`` exactly as the simulator counts them (its chat template)."""
+    from zp_client.sim.tokenizer import encode, render_chat
+
+    return len(encode(render_chat(messages)))
+
+
+def make_text(n_tokens: int, rng: random.Random, tag: str = "") -> str:
+    """Text of about ``n_tokens`` simulator tokens (within a few tokens), starting with ``tag``."""
+    count = _token_counter()
+    head = f"[{tag}]" if tag else ""
+    if n_tokens <= 0:
+        return head
+    words: list[str] = [rng.choice(_WORDS) for _ in range(max(1, n_tokens))]
+    # one word is about one token; trim or extend until the measured count lands on the target
+    text = head + " " + " ".join(words)
+    for _ in range(4):
+        c = count(text)
+        if abs(c - n_tokens) <= 2:
+            break
+        if c > n_tokens:
+            words = words[: max(1, len(words) - (c - n_tokens))]
+        else:
+            words.extend(rng.choice(_WORDS) for _ in range(n_tokens - c))
+        text = head + " " + " ".join(words)
+    return text
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _lognormal_int(rng: random.Random, median: float, p99: float, lo: int, hi: int) -> int:
+    sigma = math.log(p99 / median) / 2.3263
+    return max(lo, min(hi, int(round(rng.lognormvariate(math.log(median), sigma)))))
+
+
+def find_shared_dir() -> Path:
+    """The shared data folder: ``$ZP_SHARED_DIR``, else ``../shared`` next to the repository."""
+    env = os.environ.get("ZP_SHARED_DIR")
+    candidates = [Path(env)] if env else []
+    repo = Path(__file__).resolve().parents[2]
+    candidates += [repo.parent / "shared", repo / "shared"]
+    for c in candidates:
+        if (c / "traces").is_dir():
+            return c
+    raise ConfigurationError(
+        "cannot find the shared traces folder; set ZP_SHARED_DIR to the folder holding traces/ "
+        f"(looked in: {', '.join(str(c) for c in candidates)})"
+    )
+
+
+# --------------------------------------------------------------------------------------- seed-burst
+
+
+def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 16, burst: int = 16,
+               burst_prompt: int = 8192, burst_max_tokens: int = 1024, stream_out: int = 768,
+               rounds: int = 2, hold: float = 0.75, gateway_factor: float = 1.25,
+               scale: float = 1.0) -> Workload:
+    """Steady decode streams holding about ``hold`` of the KV pool, then a simultaneous burst.
+
+    Each of ``streams`` clients generates back to back (``rounds`` requests, no think time), each
+    request a fresh prompt plus ``stream_out`` output tokens; ``max_tokens`` equals the true output
+    (long generations that run to their bound). The first round's outputs are staggered (25%..100% of
+    ``stream_out``) so the streams end at different times and the pool churns as in a steady state.
+    Prompts are sized so that the streams hold ``hold`` of the usable pool on average (prompt plus half
+    the output each). The burst is ``burst`` agent prompts of ``burst_prompt`` tokens (capped to fit
+    ``max_model_len`` with ``burst_max_tokens``) with ``max_tokens = burst_max_tokens`` and true outputs
+    lognormal (median 300, p99 1000), all arriving at once, when the streams are 60% into their first round.
+    Agent calls are not streamed (agent frameworks' tool calls usually are not), so the gateway timeout
+    covers their whole duration; the streams are streamed.
+    ``scale`` multiplies ``streams`` and ``burst``.
+    """
+    rng = random.Random(seed)
+    streams = max(1, round(streams * scale))
+    burst = max(1, round(burst * scale))
+    bs = facts.block_size
+    burst_prompt = min(burst_prompt, facts.max_model_len - burst_max_tokens - 64)
+    per_stream = hold * facts.usable_blocks * bs / streams
+    stream_prompt = int(per_stream - stream_out / 2) - 8  # minus the chat template's tokens
+    if stream_prompt < 64:
+        raise ConfigurationError(
+            f"seed-burst: {streams} streams cannot hold {hold:.0%} of a {facts.usable_blocks}-block pool "
+            "with the given output length; use fewer streams or a larger pool"
+        )
+    sessions: list[Session] = []
+    ramp = 0.5
+    for i in range(streams):
+        turns = []
+        for k in range(rounds):
+            out = int(stream_out * (0.25 + 0.75 * (i + 1) / streams)) if k == 0 else stream_out
+            msgs = [{"role": "user", "content": make_text(stream_prompt, rng, f"stream {i} round {k}")}]
+            turns.append(Turn(msgs, count_chat_tokens(msgs), out, out))
+        sessions.append(Session(f"stream-{i}", ramp * i / streams, "stream", turns))
+    # prefill of all streams (one 8k-token budget per step, ~0.35 s per full step on the 70B profile)
+    # plus 60% of the first round (the shorter first requests have ended, the pool is churning)
+    prefill_s = streams * stream_prompt / 8192 * 0.35
+    burst_at = ramp + prefill_s + 0.6 * stream_out * facts.unloaded_itl_s
+    for j in range(burst):
+        msgs = [{"role": "system", "content": make_text(400, rng, f"agent {j} system")},
+                {"role": "user", "content": make_text(burst_prompt - 420, rng, f"agent {j} task")}]
+        out = _lognormal_int(rng, 300, 1000, 16, burst_max_tokens)
+        sessions.append(Session(f"burst-{j}", burst_at, "burst",
+                                [Turn(msgs, count_chat_tokens(msgs), burst_max_tokens, out, stream=False)]))
+    # The gateway (a proxy in front of the server) times out a response whose first byte has not come
+    # within 1.25x the unloaded duration of the longest possible agent call (its prefill plus
+    # max_tokens decode steps): never on an unloaded server, but an agent call (non-streamed) stuck
+    # behind a full pool or preempted gets a 504, as in the seed incident.
+    agent_s = burst_prompt / 8192 * 0.35 + burst_max_tokens * facts.unloaded_itl_s
+    gateway = round(gateway_factor * agent_s, 2)
+    slo = SLO(ttft_s=round(agent_s, 2), tpot_s=round(5 * facts.unloaded_itl_s, 4))
+    return Workload(
+        "seed-burst",
+        f"{streams} decode streams x {rounds} requests (prompt {stream_prompt}, output <= {stream_out} tokens) "
+        f"holding ~{hold:.0%} of the pool, then {burst} agent prompts of ~{burst_prompt} tokens at t={burst_at:.2f}s",
+        sessions, slo, gateway,
+        {"streams": streams, "burst": burst, "stream_prompt": stream_prompt, "stream_out": stream_out,
+         "burst_prompt": burst_prompt, "burst_max_tokens": burst_max_tokens, "burst_at_s": round(burst_at, 3),
+         "rounds": rounds, "gateway_timeout_s": gateway,
+         "hold": hold, "scale": scale},
+    )
+
+
+# --------------------------------------------------------------------------------------- agentic
+
+
+_TOOL_NAMES = ["read_file", "write_file", "run_tests", "search_code", "list_dir", "apply_patch",
+               "run_shell", "git_diff", "open_url", "ask_user"]
+
+
+def _agent_preamble(rng: random.Random, tokens: int) -> str:
+    parts = ["You are a coding agent working in a repository. Use the tools to inspect, edit and test "
+             "code. Think step by step, call one tool at a time, and report when the task is done.\n"]
+    per_tool = max(40, (tokens - 60) // len(_TOOL_NAMES))
+    for name in _TOOL_NAMES:
+        schema = {"type": "function", "function": {"name": name, "description": make_text(per_tool - 30, rng),
+                                                   "parameters": {"type": "object", "properties": {
+                                                       "path": {"type": "string"}, "args": {"type": "string"}}}}}
+        parts.append(json.dumps(schema) + "\n")
+    return "".join(parts)
+
+
+def agentic(facts: ServerFacts, seed: int, *, conversations: int = 24, window_s: float | None = None,
+            preamble_tokens: int = 2000, max_tokens: int = 4096, turns_lo: int = 3, turns_hi: int = 10,
+            subagent_p: float = 0.12, scale: float = 1.0) -> Workload:
+    """Coding-agent conversations sharing a ~2k-token tool+system preamble (prefix-cacheable).
+
+    Each conversation: a user task (lognormal, median 300 tokens), then turns whose context grows by
+    the previous output and a tool result (lognormal, median 400, p99 2500 tokens); ``max_tokens`` is
+    4096 on every call while true outputs are lognormal (median 220, p99 3700); think time between
+    turns lognormal (median 1 s). With probability ``subagent_p`` a turn spawns 2-5 parallel
+    sub-agents (2-3 turns each, same preamble) and waits for them. A conversation ends when its next
+    prompt would not leave ``max_tokens`` within the context length (an agent would compact there).
+    Conversations arrive as a Poisson process over ``window_s`` (default: 60 unloaded decode steps per
+    conversation, so they overlap).
+    """
+    rng = random.Random(seed)
+    conversations = max(1, round(conversations * scale))
+    ctx_cap = facts.max_model_len - max_tokens - 32
+    if preamble_tokens + 600 > ctx_cap:
+        raise ConfigurationError(
+            f"agentic: max_model_len {facts.max_model_len} leaves no room for a {preamble_tokens}-token "
+            f"preamble plus max_tokens {max_tokens}; use a profile with a longer context"
+        )
+    preamble = {"role": "system", "content": _agent_preamble(rng, preamble_tokens)}
+    window = window_s if window_s is not None else conversations * 60 * facts.unloaded_itl_s * 10
+    counter = [0]
+
+    def conversation(cid: str, n_turns: int, depth: int) -> list[Turn]:
+        msgs: list[Message] = [preamble, {"role": "user", "content": make_text(
+            _lognormal_int(rng, 300, 1500, 30, 3000), rng, f"task {cid}")}]
+        turns: list[Turn] = []
+        for k in range(n_turns):
+            ptoks = count_chat_tokens(msgs)
+            if ptoks > ctx_cap:
+                break
+            out = _lognormal_int(rng, 220, 3700, 1, max_tokens)
+            turn = Turn(list(msgs), ptoks, max_tokens, out,
+                        delay_s=0.0 if k == 0 else _lognormal_int(rng, 1000, 6000, 50, 20000) / 1000)
+            if depth == 0 and k < n_turns - 1 and rng.random() < subagent_p:
+                n_sub = rng.randint(2, 5)
+                for s in range(n_sub):
+                    counter[0] += 1
+                    sid = f"{cid}.sub{s}"
+                    turn.children.append(Session(sid, 0.0, "subagent", conversation(sid, rng.randint(2, 3), 1)))
+            turns.append(turn)
+            msgs = msgs + [{"role": "assistant", "content": make_text(out, rng)},
+                           {"role": "user", "content": make_text(
+                               _lognormal_int(rng, 400, 2500, 20, 6000), rng, f"tool result {cid}.{k}")}]
+        return turns
+
+    sessions: list[Session] = []
+    t = 0.0
+    for c in range(conversations):
+        cid = f"conv-{c}"
+        sessions.append(Session(cid, round(t, 4), "agent", conversation(cid, rng.randint(turns_lo, turns_hi), 0)))
+        t += rng.expovariate(conversations / window) if window > 0 else 0.0
+    slo = SLO(ttft_s=round(max(5.0, 200 * facts.unloaded_itl_s), 2), tpot_s=round(5 * facts.unloaded_itl_s, 4))
+    return Workload(
+        "agentic",
+        f"{conversations} coding-agent conversations over {window:.1f}s sharing a {preamble_tokens}-token "
+        f"preamble; max_tokens {max_tokens}, true outputs lognormal median 220 / p99 3700",
+        sessions, slo, None,
+        {"conversations": conversations, "window_s": round(window, 3), "preamble_tokens": preamble_tokens,
+         "max_tokens": max_tokens, "turns": [turns_lo, turns_hi], "subagent_p": subagent_p, "scale": scale},
+    )
+
+
+# --------------------------------------------------------------------------------------- trace replays
+
+
+@dataclass(frozen=True)
+class _TraceRow:
+    t: float  # seconds from the trace's start
+    prompt: int
+    out: int
+    hash_ids: tuple[int, ...] = ()
+
+
+def _read_azure(path: Path) -> list[_TraceRow]:
+    rows: list[_TraceRow] = []
+    t0: datetime | None = None
+    with path.open(newline="") as f:
+        for rec in csv.DictReader(f):
+            ts = rec["TIMESTAMP"]
+            # 7 fractional digits: trim to the 6 that datetime parses
+            head, _, frac = ts.partition(".")
+            when = datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}")
+            t0 = t0 or when
+            rows.append(_TraceRow((when - t0).total_seconds(), int(rec["ContextTokens"]),
+                                  int(rec["GeneratedTokens"])))
+    return rows
+
+
+def _read_mooncake(path: Path) -> list[_TraceRow]:
+    raw = [json.loads(line) for line in path.open() if line.strip()]
+    # Timestamps sit on a ~3 s grid (most gaps are 0): spread the requests of one grid step evenly
+    # over the step that ends at the next distinct timestamp, keeping their order.
+    out: list[_TraceRow] = []
+    i = 0
+    while i < len(raw):
+        j = i
+        while j < len(raw) and raw[j]["timestamp"] == raw[i]["timestamp"]:
+            j += 1
+        start = raw[i]["timestamp"] / 1000
+        end = raw[j]["timestamp"] / 1000 if j < len(raw) else start + 3.0
+        step = (end - start) / (j - i)
+        for k in range(i, j):
+            r = raw[k]
+            out.append(_TraceRow(start + (k - i) * step, int(r["input_length"]), int(r["output_length"]),
+                                 tuple(r.get("hash_ids", ()))))
+        i = j
+    return out
+
+
+_TRACES = {
+    "azure-code": ("traces/azure2023/AzureLLMInferenceTrace_code.csv", _read_azure),
+    "azure-conv": ("traces/azure2023/AzureLLMInferenceTrace_conv.csv", _read_azure),
+    "mooncake": ("traces/mooncake/conversation_trace.jsonl", _read_mooncake),
+}
+
+
+def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float = 1.0,
+                 load_scale: float = 1.0, max_requests: int = 200, start_s: float = 0.0,
+                 max_tokens: int = 1024, length_scale: float = 1.0) -> Workload:
+    """Replay a window of a public trace.
+
+    ``time_scale`` multiplies the trace's clock (0.1 runs ten times faster: virtual arrival = trace
+    offset x time_scale). ``load_scale`` thins (< 1: each request kept with that probability) or
+    replicates (> 1: each request sent floor(y) or ceil(y) times, copies 1 ms apart) the requests.
+    ``length_scale`` multiplies prompt and output lengths (to fit a real trace to a small simulated pool).
+    Lengths are then capped to the context: prompt <= max_model_len - 64 - min(out, max_tokens... ) as
+    follows: out <= max_tokens' (see below) and prompt <= max_model_len - max_tokens' - 16, where the
+    client bound max_tokens' = max(max_tokens, true output) capped at max_model_len / 4.
+    The window starts at trace offset ``start_s`` and holds the first ``max_requests`` requests after
+    load scaling. Mooncake's shared 512-token prefix blocks (``hash_ids``) become shared prompt text.
+    """
+    rel, reader = _TRACES[name]
+    path = find_shared_dir() / rel
+    rows = [r for r in reader(path) if r.t >= start_s]
+    rng = random.Random(seed)
+    picked: list[tuple[float, _TraceRow]] = []
+    for r in rows:
+        copies = int(load_scale) + (1 if rng.random() < load_scale - int(load_scale) else 0)
+        for c in range(copies):
+            picked.append(((r.t - start_s) * time_scale + c * 0.001, r))
+        if len(picked) >= max_requests:
+            break
+    picked = picked[:max_requests]
+    if not picked:
+        raise ConfigurationError(f"{name}: no requests in the window (load_scale {load_scale} too small?)")
+    bound_cap = facts.max_model_len // 4
+    chunk_text: dict[int, str] = {}
+    chunk_tokens = max(16, int(512 * length_scale))
+    sessions: list[Session] = []
+    capped = 0
+    for i, (t, r) in enumerate(picked):
+        out = max(1, int(r.out * length_scale))
+        bound = min(max(max_tokens, out), bound_cap)
+        out = min(out, bound)
+        prompt = max(16, int(r.prompt * length_scale))
+        limit = facts.max_model_len - bound - 16
+        if prompt > limit:
+            prompt, capped = limit, capped + 1
+        if r.hash_ids:
+            # shared prefix blocks become identical text; the remainder is unique to the request
+            parts = []
+            for h in r.hash_ids[: max(0, prompt // chunk_tokens)]:
+                if h not in chunk_text:
+                    chunk_text[h] = make_text(chunk_tokens - 2, random.Random(h * 7919 + seed), f"b{h}") + "\n"
+                parts.append(chunk_text[h])
+            used = len(parts) * chunk_tokens
+            parts.append(make_text(max(1, prompt - used - 8), rng, f"req {i}"))
+            content = "".join(parts)
+        else:
+            content = make_text(prompt - 8, rng, f"req {i}")
+        msgs = [{"role": "user", "content": content}]
+        sessions.append(Session(f"req-{i}", round(t, 6), "trace", [Turn(msgs, count_chat_tokens(msgs), bound, out)]))
+    span = picked[-1][0]
+    slo = SLO(ttft_s=round(max(5.0, 200 * facts.unloaded_itl_s), 2), tpot_s=round(5 * facts.unloaded_itl_s, 4))
+    return Workload(
+        name,
+        f"{len(sessions)} requests of {rel} from offset {start_s:.0f}s, time_scale {time_scale}, "
+        f"load_scale {load_scale}, length_scale {length_scale} ({span:.1f}s virtual)",
+        sessions, slo, None,
+        {"trace": rel, "time_scale": time_scale, "load_scale": load_scale, "length_scale": length_scale,
+         "start_s": start_s, "max_requests": max_requests, "max_tokens": max_tokens,
+         "prompts_capped_to_context": capped,
+         "cap_rule": "bound = min(max(max_tokens, true_out), max_model_len/4); "
+                     "prompt = min(prompt, max_model_len - bound - 16)"},
+    )
+
+
+WORKLOADS: tuple[str, ...] = ("seed-burst", "agentic", "azure-code", "azure-conv", "mooncake")
+
+
+def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: float | None = None,
+                   load_scale: float | None = None, **overrides: Any) -> Workload:
+    """Build workload ``name`` for a server described by ``facts``. Unknown names raise
+    :class:`~zp_client.errors.ConfigurationError` listing the known ones."""
+    if name == "seed-burst":
+        if load_scale is not None:
+            overrides.setdefault("scale", load_scale)
+        return seed_burst(facts, seed, **overrides)
+    if name == "agentic":
+        if load_scale is not None:
+            overrides.setdefault("scale", load_scale)
+        if time_scale is not None and "window_s" not in overrides:
+            base = agentic.__kwdefaults__["conversations"] * 60 * facts.unloaded_itl_s * 10  # type: ignore[index]
+            overrides["window_s"] = base * time_scale
+        return agentic(facts, seed, **overrides)
+    if name in _TRACES:
+        defaults = _TRACE_DEFAULTS[name]
+        kw = {**defaults, **overrides}
+        if time_scale is not None:
+            kw["time_scale"] = time_scale
+        if load_scale is not None:
+            kw["load_scale"] = load_scale
+        return trace_replay(name, facts, seed, **kw)
+    raise ConfigurationError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+
+
+# Defaults chosen so a replay of a few hundred requests loads a small simulated pool (see the README's
+# storm table for the exact values printed with each result).
+_TRACE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "azure-code": {"time_scale": 1.0, "load_scale": 1.0, "max_requests": 200, "length_scale": 1.0},
+    "azure-conv": {"time_scale": 1.0, "load_scale": 1.0, "max_requests": 200, "length_scale": 1.0},
+    "mooncake": {"time_scale": 1.0, "load_scale": 1.0, "max_requests": 200, "length_scale": 0.25},
+}
