@@ -112,7 +112,8 @@ def parent(args: argparse.Namespace, base_url: str) -> int:
     done = sum(1 for out in outputs if "requests done" in out)
     final = budget.status_sync()
     budget.close_sync()
-    print(f"fleet: {done}/{args.processes} workers finished {done * args.requests} requests in {elapsed:.2f} s")
+    print(f"fleet: {done}/{args.processes} workers finished {done * args.requests} requests "
+          f"in {elapsed:.2f} s")
     print(f"peak reserved {peak_used} of {limit} blocks across the fleet, peak leases {peak_leases}, "
           f"peak waiters {peak_waiters}")
     print(f"budget {args.name!r} after the run: used={final.used} leases={final.leases}")

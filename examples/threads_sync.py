@@ -95,7 +95,8 @@ def run(args: argparse.Namespace, base_url: str) -> int:
         status = budget.status_sync()
         print(f"completed {len(calls)}/{args.requests} calls and {len(jobs)} batch jobs on {args.threads} "
               f"threads in {elapsed:.2f} s (finish reasons: {sorted(set(calls))})")
-        print(f"peak reserved {peaks['used']} of {status.limit} blocks, peak waiting threads {peaks['waiters']}")
+        print(f"peak reserved {peaks['used']} of {status.limit} blocks, "
+              f"peak waiting threads {peaks['waiters']}")
         print(f"budget after the run: used={status.used} leases={status.leases} "
               f"granted={status.extra.get('granted')}")
         return 0 if len(calls) == args.requests and status.used == 0 else 1

@@ -19,7 +19,8 @@ def run_example(name: str, *args: str, timeout: float = 90) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZP_")}  # no stray ZP_BASE_URL etc.
     proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=EXAMPLES.parent)
-    assert proc.returncode == 0, f"{name} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"{name} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc.stdout
 
 

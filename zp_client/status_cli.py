@@ -35,7 +35,8 @@ logger = logging.getLogger("zp_client.status_cli")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``status`` options to ``parser``."""
     parser.add_argument("--server", metavar="URL",
-                        help="the server's base URL (http://host:8000/v1 or http://host:8000); reads /metrics")
+                        help="the server's base URL (http://host:8000/v1 or http://host:8000); "
+                        "reads /metrics")
     parser.add_argument("--headroom", type=float, default=0.95,
                         help="fraction of the usable KV pool to suggest as limit_blocks (default 0.95)")
     parser.add_argument("--redis", metavar="URL", help="Redis URL of a shared budget (redis://host:6379/0)")
@@ -111,14 +112,14 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``zp-client status``; returns the exit status."""
-    if not args.server and not args.redis:
-        print("zp-client status: give --server URL and/or --redis URL --name NAME", file=sys.stderr)
-        return 2
     if args.redis and not args.name:
         print("zp-client status: --redis needs --name (the budget's name)", file=sys.stderr)
         return 2
     if args.name and not args.redis:
         print("zp-client status: --name needs --redis URL", file=sys.stderr)
+        return 2
+    if not args.server and not args.redis:
+        print("zp-client status: give --server URL and/or --redis URL --name NAME", file=sys.stderr)
         return 2
     if not 0 < args.headroom <= 1:
         print(f"zp-client status: --headroom must be in (0, 1], got {args.headroom}", file=sys.stderr)
