@@ -1,0 +1,396 @@
+"""The in-process budget: the embedded default, no server needed.
+
+:class:`LocalBudget` is a thin, thread-safe shell around :class:`~zp_client.budget.ledger.Ledger`: every
+admission decision is a ledger call made under one :class:`threading.Lock`, with ``time.monotonic()`` as
+``now``. The shell only parks callers and hands them what the ledger granted.
+
+What callers may rely on:
+
+* One limit and one line for everybody: async tasks (``acquire`` / ``lease``) and threads
+  (``acquire_sync`` / ``lease_sync``) of one budget share them. The sync API needs no event loop.
+* Waiters wake on events, never on sleep loops. A release (or limit raise) wakes exactly the waiters it
+  admits: the grant is assigned to the waiter *before* it is woken, so a woken waiter never goes back to
+  sleep. Wake-ups cross threads: a thread's release wakes an asyncio task (``call_soon_threadsafe``), a
+  task's release wakes a thread (``threading.Event``).
+* Cancellation or timeout while waiting removes the waiter (which can let others in, e.g. if it was a
+  starving head). If the grant won the race, the lease is released, never leaked; on a timeout that lost
+  the race to a grant, the caller simply gets the lease.
+* Release is idempotent and never raises. ``report_held`` records growth, never blocks.
+* Errors: :class:`~zp_client.ConfigurationError` for a weight that is not a positive int (or a bad
+  timeout), :class:`~zp_client.LeaseTooLarge` at once when ``blocks`` exceeds the limit (and for waiters
+  left larger than a lowered limit), :class:`~zp_client.AdmissionTimeout` after ``timeout`` seconds.
+
+Example::
+
+    budget = LocalBudget(limit_blocks=2_000)
+    async with budget.lease(40, priority=0, timeout=30) as lease:
+        ...                                  # send the request; lease.report_held(n) as it streams
+    with budget.lease_sync(40) as lease:     # from a thread, no event loop needed
+        ...
+
+Leases here never expire (they die with the process); the Redis backend adds TTLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
+from zp_client.budget.ledger import (
+    DEFAULT_STARVATION_BOUND_S,
+    Ledger,
+    ReservationPolicy,
+    validate_blocks,
+)
+from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge
+
+if TYPE_CHECKING:
+    from zp_client.config import Settings
+
+__all__ = ["LocalBudget"]
+
+logger = logging.getLogger("zp_client.budget.local")
+
+_monotonic = time.monotonic
+
+
+class _LocalLease(Lease):
+    """A lease granted by a :class:`LocalBudget`."""
+
+    __slots__ = ("id", "bound", "priority", "ticket", "_budget", "_held", "_released")
+
+    def __init__(self, budget: LocalBudget, lease_id: str, bound: int, held: int, priority: int,
+                 ticket: Ticket) -> None:
+        self.id = lease_id
+        self.bound = bound
+        self.priority = priority
+        self.ticket = ticket
+        self._budget = budget
+        self._held = held
+        self._released = False
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def report_held(self, blocks: int) -> None:
+        if self._released:
+            return
+        try:
+            value = min(max(int(blocks), 0), self.bound)
+        except (TypeError, ValueError):
+            logger.warning("ignored report_held(%r) on lease %s: not a number of blocks", blocks, self.id)
+            return
+        self._held = value
+        with self._budget._lock:
+            self._budget._ledger.report_held(self.id, value)
+
+    async def release(self) -> None:
+        # Non-blocking (a short lock), so the async form just calls the sync one; this also keeps
+        # release working inside a cancelled scope, where awaiting would raise.
+        self.release_sync()
+
+    def release_sync(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._budget._release(self.id)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "live"
+        return f"<LocalLease {self.id} bound={self.bound} held={self._held} priority={self.priority} {state}>"
+
+
+class _Waiter:
+    """A parked caller. ``lease``/``error`` are set under the budget lock before ``wake`` is called."""
+
+    __slots__ = ("id", "bound", "lease", "error", "wake", "event")
+
+    def __init__(self, wid: str, bound: int, wake: Callable[[], None], event: Any) -> None:
+        self.id = wid
+        self.bound = bound
+        self.lease: _LocalLease | None = None
+        self.error: BaseException | None = None
+        self.wake = wake
+        self.event = event
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
+        raise ConfigurationError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+def _async_waker(event: anyio.Event) -> Callable[[], None]:
+    """A wake function for a task parked on ``event``, callable from any thread."""
+    owner = threading.get_ident()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is not None:
+
+        def wake() -> None:
+            if threading.get_ident() == owner:
+                event.set()
+            else:
+                loop.call_soon_threadsafe(event.set)
+
+        return wake
+    # Not asyncio: anyio's other backend is trio, whose token plays the role of call_soon_threadsafe.
+    import trio  # noqa: PLC0415 - only reached under trio
+
+    token = trio.lowlevel.current_trio_token()
+
+    def wake_trio() -> None:
+        if threading.get_ident() == owner:
+            event.set()
+        else:
+            token.run_sync_soon(event.set)
+
+    return wake_trio
+
+
+class LocalBudget(Budget):
+    """An in-process KV-block budget shared by the tasks and threads of one process.
+
+    ``limit_blocks`` is in usable blocks (see the README: ``(num_gpu_blocks - 1) x headroom``).
+    ``starvation_bound_s`` bounds backfill (default 2.0 s, as ``Settings.starvation_bound_s``; see
+    :mod:`zp_client.budget.ledger`). ``policy`` is ``"strict"`` or a
+    :class:`~zp_client.budget.ledger.ReservationPolicy` object.
+    """
+
+    def __init__(
+        self,
+        limit_blocks: int,
+        block_size: int = 16,
+        *,
+        starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
+        policy: str | ReservationPolicy = "strict",
+        name: str = "local",
+    ) -> None:
+        self.block_size = validate_blocks(block_size, "block_size")
+        self.name = name
+        self._ledger = Ledger(
+            validate_blocks(limit_blocks, "limit_blocks"), policy=policy, starvation_bound=starvation_bound_s
+        )
+        self._lock = threading.Lock()
+        self._waiters: dict[str, _Waiter] = {}
+        self._ids = itertools.count(1)
+        self._wakeups = 0
+        self._granted_total = 0
+
+    @classmethod
+    def from_settings(cls, limit_blocks: int, settings: Settings | None = None, **kwargs: Any) -> LocalBudget:
+        """A budget using ``block_size`` and ``starvation_bound_s`` from :class:`~zp_client.Settings`."""
+        if settings is None:
+            from zp_client.config import Settings  # noqa: PLC0415
+
+            settings = Settings()
+        kwargs.setdefault("starvation_bound_s", settings.starvation_bound_s)
+        return cls(limit_blocks, settings.block_size, **kwargs)
+
+    @property
+    def limit(self) -> int:
+        return self._ledger.limit
+
+    # ------------------------------------------------------------------ admission
+    def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
+               ) -> tuple[str, _LocalLease | None, list[_Waiter]]:
+        """Enqueue and grant (caller holds the lock). Returns (id, own lease if admitted, others to wake)."""
+        now = _monotonic()
+        wid = f"L{next(self._ids)}"
+        self._ledger.enqueue(wid, blocks, held, priority, now, ticket)
+        mine, to_wake = self._hand_out(self._ledger.grant(now), own=wid)
+        return wid, mine, to_wake
+
+    def _hand_out(self, granted: list[str], own: str | None = None) -> tuple[_LocalLease | None, list[_Waiter]]:
+        """Turn ledger grants into leases assigned to their waiters (caller holds the lock)."""
+        mine = None
+        to_wake: list[_Waiter] = []
+        for gid in granted:
+            rec = self._ledger.leases[gid]
+            lease = _LocalLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket)
+            self._granted_total += 1
+            if gid == own:
+                mine = lease
+                continue
+            waiter = self._waiters.pop(gid)
+            waiter.lease = lease
+            to_wake.append(waiter)
+        return mine, to_wake
+
+    def _wake(self, waiters: list[_Waiter]) -> None:
+        """Wake granted/failed waiters, outside the lock."""
+        for w in waiters:
+            try:
+                w.wake()
+            except RuntimeError:
+                # The waiter's event loop is closed: nobody will ever take this lease, so return it.
+                logger.warning("waiter %s's event loop is gone; releasing its lease", w.id)
+                if w.lease is not None:
+                    w.lease.release_sync()
+
+    def _release(self, lease_id: str) -> None:
+        now = _monotonic()
+        with self._lock:
+            if not self._ledger.release(lease_id, now):
+                return
+            _, to_wake = self._hand_out(self._ledger.grant(now))
+        self._wake(to_wake)
+
+    def _abandon(self, waiter: _Waiter) -> _LocalLease | None:
+        """Take a waiter out of line after a timeout or cancellation.
+
+        Returns its lease if the grant already happened (the caller decides: keep it or release it).
+        """
+        now = _monotonic()
+        with self._lock:
+            if waiter.lease is not None or waiter.error is not None:
+                return waiter.lease
+            self._waiters.pop(waiter.id, None)
+            self._ledger.cancel(waiter.id)
+            # Removing a waiter (say a starving head) may let the ones behind it in.
+            _, to_wake = self._hand_out(self._ledger.grant(now))
+        self._wake(to_wake)
+        return None
+
+    def _count_wakeup(self) -> None:
+        with self._lock:
+            self._wakeups += 1
+
+    async def acquire(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+    ) -> Lease:
+        timeout = _check_timeout(timeout)
+        with self._lock:
+            wid, mine, to_wake = self._enter(blocks, priority, ticket, held)
+            if mine is None:
+                event = anyio.Event()
+                waiter = _Waiter(wid, blocks, _async_waker(event), event)
+                self._waiters[wid] = waiter
+        self._wake(to_wake)
+        if mine is not None:
+            return mine
+        try:
+            with anyio.move_on_after(timeout):
+                await waiter.event.wait()
+                self._count_wakeup()
+        except BaseException:
+            lease = self._abandon(waiter)
+            if lease is not None:
+                # The grant raced the cancellation: give the blocks back rather than leak them.
+                lease.release_sync()
+            raise
+        return self._outcome(waiter, timeout)
+
+    def acquire_sync(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+    ) -> Lease:
+        timeout = _check_timeout(timeout)
+        with self._lock:
+            wid, mine, to_wake = self._enter(blocks, priority, ticket, held)
+            if mine is None:
+                event = threading.Event()
+                waiter = _Waiter(wid, blocks, event.set, event)
+                self._waiters[wid] = waiter
+        self._wake(to_wake)
+        if mine is not None:
+            return mine
+        try:
+            if waiter.event.wait(timeout):
+                self._count_wakeup()
+        except BaseException:  # KeyboardInterrupt and friends while parked
+            lease = self._abandon(waiter)
+            if lease is not None:
+                lease.release_sync()
+            raise
+        return self._outcome(waiter, timeout)
+
+    def _outcome(self, waiter: _Waiter, timeout: float | None) -> Lease:
+        if waiter.error is not None:
+            raise waiter.error
+        if waiter.lease is not None:
+            return waiter.lease
+        lease = self._abandon(waiter)  # timed out; unless a grant slipped in meanwhile
+        if lease is not None:
+            return lease
+        if waiter.error is not None:
+            raise waiter.error
+        raise AdmissionTimeout(
+            f"waited {timeout:g} s for {waiter.bound} KV blocks without being admitted (budget limit "
+            f"{self.limit} blocks is busy); raise the timeout, lower max_tokens, or raise limit_blocks"
+        )
+
+    # ------------------------------------------------------------------ control and status
+    async def status(self) -> BudgetStatus:
+        return self.status_sync()
+
+    def status_sync(self) -> BudgetStatus:
+        """Blocking form of :meth:`status` (it never waits on anything but a short lock).
+
+        ``extra`` holds ``wakeups`` (waiters woken so far; every wake-up is a grant or a rejection) and
+        ``granted`` (leases granted so far), besides the ledger's facts.
+        """
+        with self._lock:
+            s = self._ledger.status(_monotonic(), block_size=self.block_size)
+            s.extra.update({"wakeups": self._wakeups, "granted": self._granted_total, "name": self.name})
+        return s
+
+    async def set_limit(self, limit: int) -> None:
+        self.set_limit_sync(limit)
+
+    def set_limit_sync(self, limit: int) -> None:
+        """Blocking form of :meth:`set_limit`.
+
+        Raising the limit admits waiters at once. Lowering it never revokes a lease: admission pauses until
+        enough is released. Waiters larger than the new limit could never be admitted: they fail with
+        :class:`~zp_client.LeaseTooLarge`.
+        """
+        limit = validate_blocks(limit, "limit_blocks")
+        now = _monotonic()
+        with self._lock:
+            rejected = self._ledger.set_limit(limit, now)
+            failed: list[_Waiter] = []
+            for wid in rejected:
+                waiter = self._waiters.pop(wid)
+                waiter.error = LeaseTooLarge(waiter.bound, limit, "the limit was lowered while it waited")
+                failed.append(waiter)
+            _, to_wake = self._hand_out(self._ledger.grant(now))
+        logger.info("budget %s: limit set to %d blocks (%d waiters rejected)", self.name, limit, len(rejected))
+        self._wake(failed + to_wake)
+
+    async def aclose(self) -> None:
+        """Nothing to close: a LocalBudget has no background tasks. Live leases are not released."""
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return f"<LocalBudget {self.name} {self._ledger!r}>"
+
