@@ -270,10 +270,11 @@ def test_sync_matrix(server: LoopbackServer) -> None:
     del it, stream
     for _ in range(750):
         gc.collect()
-        if status_sync(b).used == 0:
+        if status_sync(b).used == 0 and server.slow_streams_open == 0:
             break
         time.sleep(0.02)
     assert status_sync(b).used == 0
+    assert server.slow_streams_open == 0  # the connection was closed: the server aborted the request
 
 
 def test_sync_waits_while_budget_full(server: LoopbackServer) -> None:

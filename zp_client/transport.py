@@ -707,6 +707,7 @@ def _build(mod: ModuleType) -> TransportClasses:
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
             holder, scanner = self._holder, self._scanner
+            completed = False
             try:
                 async for chunk in self._resp.stream:
                     holder.last_activity = time.monotonic()
@@ -716,8 +717,17 @@ def _build(mod: ModuleType) -> TransportClasses:
                 tail = scanner.flush()
                 if tail:
                     yield tail
+                completed = True
                 _observe(self._core, self._plan, scanner)
             finally:
+                if not completed:
+                    # Error, cancellation or an abandoned iterator: close the connection first so the
+                    # server aborts the request and frees its KV before the blocks return to the budget.
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await self._resp.aclose()
+                        except Exception:
+                            logger.debug("closing the inner response failed", exc_info=True)
                 await holder.release()
 
         async def aclose(self) -> None:
@@ -734,6 +744,7 @@ def _build(mod: ModuleType) -> TransportClasses:
 
         def __iter__(self) -> Iterator[bytes]:
             holder, scanner = self._holder, self._scanner
+            completed = False
             try:
                 for chunk in self._resp.stream:
                     holder.last_activity = time.monotonic()
@@ -743,8 +754,14 @@ def _build(mod: ModuleType) -> TransportClasses:
                 tail = scanner.flush()
                 if tail:
                     yield tail
+                completed = True
                 _observe(self._core, self._plan, scanner)
             finally:
+                if not completed:  # see the async form: the server must see the disconnect first
+                    try:
+                        self._resp.close()
+                    except Exception:
+                        logger.debug("closing the inner response failed", exc_info=True)
                 holder.release_sync()
 
         def close(self) -> None:
