@@ -8,6 +8,7 @@ Behaviour is chosen by the request's ``model``:
 - ``err400`` / ``err500``: an error body in vLLM's shape with that status.
 - ``reset``: streams two chunks, then drops the connection without finishing the chunked body.
 - ``slow``: streams a chunk every 20 ms, up to 3000 chunks, until the client goes away.
+- ``delay``: streams the role chunk, stays silent for 0.8 s, then goes on like ``ok``.
 
 Every request is recorded (method, path, headers, JSON body) in ``server.requests``.
 """
@@ -101,7 +102,7 @@ class LoopbackServer:
         self._record(request, None)
         return JSONResponse(
             {"object": "list", "data": [{"id": m, "object": "model", "max_model_len": MAX_MODEL_LEN}
-                                        for m in ("ok", "err400", "err500", "reset", "slow", "flaky")]}
+                                        for m in ("ok", "err400", "err500", "reset", "slow", "flaky", "delay")]}
         )
 
     def _record(self, request: Request, body: Any) -> None:
@@ -163,6 +164,8 @@ class LoopbackServer:
             yield chunk({"content": "b"})
             await asyncio.sleep(0.05)
             raise ConnectionResetError("test server drops the connection mid-stream")
+        if model == "delay":  # a server slow to produce: silence after the role chunk
+            await asyncio.sleep(0.8)
         if model == "slow":
             self.slow_streams_open += 1
             try:

@@ -391,6 +391,16 @@ async def test_idle_stream_watchdog(server: LoopbackServer) -> None:
                     pass
 
 
+async def test_watchdog_spares_a_caller_waiting_on_a_slow_server(server: LoopbackServer) -> None:
+    b = make_budget()
+    async with async_client(httpx, server, b, settings=settings(idle_stream_timeout_s=0.2)) as c:
+        body = {**CHAT, "model": "delay", "stream": True}
+        async with c.stream("POST", "/chat/completions", json=body) as r:
+            data = b"".join([x async for x in r.aiter_raw()])  # the server is silent 4x the idle timeout
+    assert data.endswith(b"data: [DONE]\n\n") and data.count(b"data:") == 1 + 6 + 1 + 1
+    assert await used(b) == 0
+
+
 async def test_retry_releases_and_keeps_ticket(server: LoopbackServer) -> None:
     from zp_client.retry import RetryPolicy, testing
 
@@ -543,3 +553,24 @@ async def test_stream_growth_is_reported(server: LoopbackServer) -> None:
     assert 0 < start < grown
     assert n < 400
     assert await used(b) == 0
+
+
+@pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
+async def test_cancel_while_server_generates_unstreamed(mod: Any, sim: Any) -> None:
+    """Cancelled after sending, before the response headers: blocks return on both sides."""
+    b = make_budget()
+    t = transport_classes(mod).AsyncAdmissionTransport(budget=b, settings=settings())
+    async with mod.AsyncClient(transport=t, base_url=sim.base_url, timeout=60) as c:
+        async with anyio.create_task_group() as tg:
+            async def call() -> None:
+                await c.post("/chat/completions", json={**SIM_CHAT, "max_tokens": 1500})
+
+            tg.start_soon(call)
+            for _ in range(1500):
+                if sim.stats()["engine"]["num_running"] > 0:
+                    break
+                await anyio.sleep(0.01)
+            assert sim.stats()["engine"]["num_running"] == 1 and await used(b) > 0
+            tg.cancel_scope.cancel()
+    assert await used(b) == 0
+    assert await anyio.to_thread.run_sync(sim_idle, sim)

@@ -20,9 +20,12 @@ What callers may rely on:
   (cached). A prompt longer than ``max_model_len`` raises :class:`~zp_client.PromptTooLong` and nothing
   is sent.
 - The lease is released when the response body closes: end of a plain body, end of a stream, a read
-  error, caller cancellation, ``close()``, a stream the caller abandons (garbage collection), or a stream
-  nobody read for ``Settings.idle_stream_timeout_s`` (watchdog thread). A response that arrives already
-  read releases at once.
+  error, caller cancellation, ``close()``, a stream the caller abandons (garbage collection), or a body
+  the caller has not asked to read for ``Settings.idle_stream_timeout_s`` (watchdog thread; time the
+  caller spends waiting for a slow server does not count). Whenever the body did not finish, the
+  connection is closed BEFORE the lease is released, so the server aborts the request and frees its KV
+  (a caller reading on after the watchdog fired gets the HTTP library's read error). A response that
+  arrives already read releases at once.
 - While a stream advances, the lease's occupancy is reported with ``lease.report_held`` every few blocks
   (counted from SSE ``data:`` events, about one token each). At the end, the response's ``usage`` (when
   present) calibrates the estimator.
@@ -413,13 +416,15 @@ class _Holder:
     """Owns one lease while a response body is open. Never references the stream wrapper, so the
     wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
 
-    __slots__ = ("lease", "done", "loop", "resp", "last_activity", "idle_timeout", "__weakref__")
+    __slots__ = ("lease", "done", "loop", "resp", "last_activity", "waiting", "idle_timeout", "__weakref__")
 
     def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool) -> None:
         self.lease = lease
         self.done = False
         self.resp: Any = None  # the inner response, once its body is handed to the caller
         self.last_activity = time.monotonic()
+        # True while the caller waits for the server's next chunk: a slow server is not an idle caller.
+        self.waiting = False
         self.idle_timeout = idle_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
         if is_async:
@@ -542,7 +547,7 @@ class _Watchdog:
                 interval = self._interval
             now = time.monotonic()
             for h in holders:
-                if not h.done and now - h.last_activity > h.idle_timeout:
+                if not h.done and not h.waiting and now - h.last_activity > h.idle_timeout:
                     logger.warning(
                         "stream idle for more than %.1f s (Settings.idle_stream_timeout_s): closing it and "
                         "releasing its lease",
@@ -709,11 +714,15 @@ def _build(mod: ModuleType) -> TransportClasses:
             holder, scanner = self._holder, self._scanner
             completed = False
             try:
+                holder.waiting = True
                 async for chunk in self._resp.stream:
+                    holder.waiting = False
                     holder.last_activity = time.monotonic()
                     out = scanner.feed(chunk)
                     if out:
                         yield out
+                        holder.last_activity = time.monotonic()
+                    holder.waiting = True
                 tail = scanner.flush()
                 if tail:
                     yield tail
@@ -746,11 +755,15 @@ def _build(mod: ModuleType) -> TransportClasses:
             holder, scanner = self._holder, self._scanner
             completed = False
             try:
+                holder.waiting = True
                 for chunk in self._resp.stream:
+                    holder.waiting = False
                     holder.last_activity = time.monotonic()
                     out = scanner.feed(chunk)
                     if out:
                         yield out
+                        holder.last_activity = time.monotonic()
+                    holder.waiting = True
                 tail = scanner.flush()
                 if tail:
                     yield tail
