@@ -226,6 +226,8 @@ async def test_wrap_keeps_original_untouched_and_shares_transport(server: Loopba
     assert isinstance(c._client._transport, mod.AsyncBaseTransport)
     await c.chat.completions.create(model="ok", messages=MSGS, max_tokens=4)
     assert calls == ["/v1/chat/completions"]  # event hooks kept
+    again = c.with_options(timeout=10)  # the SDK's own copies keep the admission client and no retries
+    assert again._client is c._client and again.max_retries == 0
     await c.close()
     await orig.models.list()  # closing the wrapped client leaves the original working
     await orig.close()

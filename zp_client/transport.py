@@ -65,11 +65,12 @@ from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
 
+# AsyncAdmissionTransport2 / AdmissionTransport2 (httpx2) are importable by name but left out of
+# __all__: they import httpx2, which only openai 3.x environments have.
 __all__ = [
     "AsyncAdmissionTransport",
     "AdmissionTransport",
-    "AsyncAdmissionTransport2",
-    "AdmissionTransport2",
+    "TransportClasses",
     "transport_classes",
     "admission_transport_for",
     "is_admitted",
