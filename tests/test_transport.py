@@ -574,3 +574,26 @@ async def test_cancel_while_server_generates_unstreamed(mod: Any, sim: Any) -> N
             tg.cancel_scope.cancel()
     assert await used(b) == 0
     assert await anyio.to_thread.run_sync(sim_idle, sim)
+
+
+@pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
+async def test_server_estimator_counts_through_the_inner_transport(mod: Any, sim: Any) -> None:
+    """estimator="server" asks the simulator's /tokenize (through the inner transport, unadmitted)."""
+    from zp_client.estimate import Estimator
+
+    seen: list[Any] = []
+
+    class Spy(Estimator):
+        async def estimate_async(self, path: str, body: Any, server: Any) -> Any:
+            est = await super().estimate_async(path, body, server)
+            seen.append(est)
+            return est
+
+    s = Settings(estimator="server")
+    b = make_budget(100)
+    t = transport_classes(mod).AsyncAdmissionTransport(budget=b, settings=s, estimator=Spy(s))
+    async with mod.AsyncClient(transport=t, base_url=sim.base_url, timeout=60) as c:
+        r = await c.post("/chat/completions", json=SIM_CHAT)
+    assert r.status_code == 200
+    assert len(seen) == 1 and seen[0].exact and seen[0].tokens == r.json()["usage"]["prompt_tokens"]
+    assert await used(b) == 0

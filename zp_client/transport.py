@@ -137,6 +137,7 @@ class _Parsed:
 
 
 _logged_default_max_tokens = False
+_logged_compressed = False
 _logged_no_max_model_len: set[str] = set()
 
 
@@ -787,6 +788,22 @@ def _build(mod: ModuleType) -> TransportClasses:
     def _scanner_for(core: _Core, plan: _Plan, resp: Any, lease: Lease) -> _Scanner:
         ctype = resp.headers.get("content-type", "")
         is_sse = plan.stream and ctype.startswith("text/event-stream")
+        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            # A compressed body cannot be scanned without decoding it (vLLM never compresses SSE; a
+            # proxy might). Growth is then not reported and an added usage chunk is not removed.
+            global _logged_compressed
+            if is_sse and not _logged_compressed:
+                _logged_compressed = True
+                logger.warning(
+                    "server compressed an event stream (%s): zp cannot report its growth or remove the "
+                    "usage chunk it asked for; turn compression off for text/event-stream",
+                    encoding,
+                )
+            is_sse = False
+            scanner = _Scanner(plan, core.budget.block_size, lease.bound, lease, False)
+            scanner.body = None  # nor parse usage out of compressed bytes
+            return scanner
         return _Scanner(plan, core.budget.block_size, lease.bound, lease, is_sse)
 
     def _request(original: Any, plan: _Plan) -> Any:
