@@ -348,10 +348,17 @@ async def test_refusals_send_nothing(server: LoopbackServer) -> None:
 async def test_max_model_len_caps_the_bound(server: LoopbackServer) -> None:
     """max_tokens far above the context: the bound is capped by max_model_len read from /v1/models."""
     b = make_budget(MAX_MODEL_LEN // 16)
+
+    def model_fetches() -> int:
+        return sum(x["path"] == "/v1/models" for x in server.requests)
+
+    before = model_fetches()
     async with async_client(httpx, server, b) as c:
-        r = await c.post("/chat/completions", json={**CHAT, "max_tokens": 100_000})
-    assert r.status_code == 200
-    assert any(x["path"] == "/v1/models" for x in server.requests)
+        for _ in range(3):
+            r = await c.post("/chat/completions", json={**CHAT, "max_tokens": 100_000})
+            assert r.status_code == 200
+    assert model_fetches() == before + 1  # read lazily, once, then cached
+    assert server.llm_requests()[-1]["headers"]["content-type"] == "application/json"
 
 
 async def test_non_llm_paths_pass_through_without_lease(server: LoopbackServer) -> None:

@@ -366,7 +366,8 @@ class _Core:
         except Exception as exc:  # metadata is an optimisation of the bound, never a reason to fail
             self._mml_failed(p, exc)
             value = None
-        self._mml[key] = value
+        if value is not None:  # unknown stays uncached: ServerInfo retries (no sooner than 30 s apart)
+            self._mml[key] = value
         return value
 
     def max_model_len_sync(self, p: _Parsed, mod: ModuleType, inner: Any) -> int | None:
@@ -380,7 +381,8 @@ class _Core:
         except Exception as exc:
             self._mml_failed(p, exc)
             value = None
-        self._mml[key] = value
+        if value is not None:  # unknown stays uncached: ServerInfo retries (no sooner than 30 s apart)
+            self._mml[key] = value
         return value
 
     # -- errors and retry ---------------------------------------------------------------------------
