@@ -22,6 +22,9 @@ What callers may rely on:
   work; the behaviour is identical on openai 2.x and 3.x.
 - Per call, ``extra_headers={"X-ZP-Priority": "1", "X-ZP-Deadline": "30"}`` set queue priority and the
   deadline (both headers are stripped before sending).
+- ``from zp_client import wrap`` works in any import order: once the submodule ``zp_client.wrap`` is
+  imported Python binds that name on the package to the module, so the module itself is callable and
+  forwards to :func:`wrap`.
 """
 
 from __future__ import annotations
