@@ -175,6 +175,9 @@ class LocalBudget(Budget):
     :class:`~zp_client.budget.ledger.ReservationPolicy` object.
     """
 
+    # How a parked thread waits; a seam for tests that interrupt a wait.
+    _new_sync_event: Callable[[], threading.Event] = threading.Event
+
     def __init__(
         self,
         limit_blocks: int,
@@ -318,7 +321,7 @@ class LocalBudget(Budget):
         with self._lock:
             wid, mine, to_wake = self._enter(blocks, priority, ticket, held)
             if mine is None:
-                event = threading.Event()
+                event = self._new_sync_event()
                 waiter = _Waiter(wid, blocks, event.set, event)
                 self._waiters[wid] = waiter
         self._wake(to_wake)
