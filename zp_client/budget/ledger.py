@@ -162,6 +162,10 @@ class ReservationPolicy(Protocol):
     ``fits`` is called during :meth:`Ledger.grant` with the view already updated for every lease admitted
     earlier in the same grant. Policies must be pure functions of the view and the candidate (no clock,
     no I/O), so the Redis port can reproduce them.
+
+    Optional: a policy may define ``exhausted(view) -> bool``, true when no waiter at all can fit (e.g.
+    no free block). :meth:`Ledger.grant` then stops walking the line early; it is only a shortcut and
+    must agree with ``fits``.
     """
 
     name: str
@@ -185,6 +189,10 @@ class StrictPolicy:
 
     def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
         return view.bound_sum + candidate.bound <= view.limit
+
+    def exhausted(self, view: LedgerView) -> bool:
+        # Every waiter needs at least one block.
+        return view.bound_sum >= view.limit
 
     def __repr__(self) -> str:
         return "StrictPolicy()"
@@ -401,27 +409,36 @@ class Ledger:
             return []
         granted: list[str] = []
         policy = self._policy
+        fits = policy.fits
+        exhausted = getattr(policy, "exhausted", None)
+        if exhausted is not None and exhausted(self):
+            return granted
         bound_s = self._starvation_bound
         for p in list(self._class_order):
             cls = self._classes[p]
-            admitted_here: list[WaiterRecord] = []
-            barrier = False
-            for w in cls:
-                if policy.fits(self, w):
-                    admitted_here.append(w)
+            admitted_here: list[int] = []  # indices into cls
+            stop = False
+            for i, w in enumerate(cls):
+                if fits(self, w):
+                    admitted_here.append(i)
                     self._admit(w, now)
                     granted.append(w.id)
+                    if exhausted is not None and exhausted(self):
+                        stop = True
+                        break
                 elif now - w.since >= bound_s:
-                    barrier = True
+                    stop = True  # a barrier: capacity drains to it
                     break
             if admitted_here:
                 if len(admitted_here) == len(cls):
                     del self._classes[p]
                     self._class_order.remove(p)
+                elif admitted_here[-1] == len(admitted_here) - 1:
+                    del cls[: len(admitted_here)]  # FIFO: a prefix was admitted
                 else:
-                    gone = {id(w) for w in admitted_here}
-                    cls[:] = [w for w in cls if id(w) not in gone]
-            if barrier:
+                    for i in reversed(admitted_here):  # backfill: a few from the middle
+                        del cls[i]
+            if stop:
                 break
         return granted
 
