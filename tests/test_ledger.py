@@ -49,6 +49,21 @@ def test_small_waiter_backfills_behind_young_head() -> None:
     assert led.grant(0.5) == ["small"]
 
 
+def test_one_grant_can_admit_several_from_the_middle_of_the_line() -> None:
+    led = Ledger(10)
+    led.enqueue("hold", 9, None, 0, now=0.0)
+    led.grant(0.0)
+    for wid, bound in [("big", 8), ("s1", 3), ("big2", 9), ("s2", 2), ("s3", 4)]:
+        led.enqueue(wid, bound, None, 0, now=0.0)
+    assert led.grant(0.0) == []
+    led.release("hold", 0.5)
+    assert led.grant(0.5) == ["big", "s2"]
+    assert [w.id for w in led.line()] == ["s1", "big2", "s3"]
+    led.release("big", 0.6)
+    assert led.grant(0.6) == ["s1", "s3"]
+    assert [w.id for w in led.line()] == ["big2"]
+
+
 def test_starving_head_blocks_backfill_until_admitted() -> None:
     led = Ledger(10, starvation_bound=2.0)
     led.enqueue("hold", 6, None, 0, now=0.0)
@@ -304,20 +319,11 @@ class LedgerMachine(RuleBasedStateMachine):
     def advance(self, dt: float) -> None:
         self.now += dt
 
-    @rule(
-        bound=st.one_of(st.integers(1, 8), st.integers(1, 26)),
-        held_frac=st.floats(0, 1),
-        priority=st.integers(0, 2),
-        reuse=st.booleans(),
-        data=st.data(),
-        ttl=st.sampled_from([None, None, 1.0, 3.0]),
-    )
-    def enqueue(self, bound: int, held_frac: float, priority: int, reuse: bool, data: st.DataObject,
-                ttl: float | None) -> None:
+    def _enqueue_one(self, bound: int, held_frac: float, priority: int, ticket: Ticket | None,
+                     ttl: float | None) -> None:
         wid = f"w{self.n}"
         self.n += 1
         held = int(bound * held_frac)
-        ticket = data.draw(st.sampled_from(self.tickets)) if reuse and self.tickets else None
         expires_at = None if ttl is None else self.now + ttl
         if bound > self.limit:
             with pytest.raises(LeaseTooLarge):
@@ -334,6 +340,27 @@ class LedgerMachine(RuleBasedStateMachine):
         self.seq += 1
         self.waiters[wid] = {"bound": bound, "held": held, "priority": t.priority, "order": t.order,
                              "seq": self.seq, "since": self.now, "expires_at": expires_at}
+
+    @rule(
+        bound=st.one_of(st.integers(1, 8), st.integers(1, 26)),
+        held_frac=st.floats(0, 1),
+        priority=st.integers(0, 2),
+        reuse=st.booleans(),
+        data=st.data(),
+        ttl=st.sampled_from([None, None, 1.0, 3.0]),
+    )
+    def enqueue(self, bound: int, held_frac: float, priority: int, reuse: bool, data: st.DataObject,
+                ttl: float | None) -> None:
+        ticket = data.draw(st.sampled_from(self.tickets)) if reuse and self.tickets else None
+        self._enqueue_one(bound, held_frac, priority, ticket, ttl)
+        self._grant_and_check()
+
+    @rule(batch=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 1)), min_size=2, max_size=6))
+    def enqueue_batch_then_grant(self, batch: list[tuple[int, int]]) -> None:
+        # Several arrivals before one grant (as between two Redis script runs): grants in the middle of
+        # a class and several backfills in one grant.
+        for bound, priority in batch:
+            self._enqueue_one(bound, 1.0, priority, None, None)
         self._grant_and_check()
 
     @precondition(lambda self: bool(self.leases))
