@@ -156,3 +156,21 @@ def test_tiny_storm_end_to_end_preempts_without_admission_and_never_with_zp(tmp_
     # no-admission never sees a gateway; every zp request completed
     assert by["no-admission"]["gateway_504"] == 0
     assert by["zp-strict"]["errors"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_zp_redis_workers_share_one_budget_and_never_preempt(redis_url: str) -> None:
+    cfg = StormConfig(workload="seed-burst", seed=1, setups=["no-admission", "zp-redis"], redis_url=redis_url,
+                      profile="tiny", num_gpu_blocks=None, speedup=4.0, workers=2, workload_overrides=dict(TINY))
+    wl, facts, runs = asyncio.run(run_storm(cfg))
+    report = build_report(wl, facts, runs, cfg, "pytest")
+    by = {m["setup"]: m for m in report["setups"]}
+    zr = by["zp-redis"]
+    # every request of every worker came back, once, and succeeded; the server never preempted
+    ids = [r["id"] for r in report["requests"]["zp-redis"]]
+    assert sorted(ids) == sorted(r["id"] for r in report["requests"]["no-admission"])
+    assert zr["ok"] == wl.num_requests and zr["errors"] == 0
+    assert zr["preemptions"] == 0
+    assert by["no-admission"]["preemptions"] > 0
+    assert len(zr["harness"]["workers"]) == 2

@@ -26,12 +26,12 @@ __all__ = ["add_arguments", "run"]
 #: with a scaled-down pool keep a whole storm under 3 minutes on 2 cores. seed-burst's pool (8192
 #: usable blocks = 131k tokens) keeps an 8k-token agent prompt a small share of it (~5%), as on the
 #: real deployment (0.25% of 206k blocks), so several burst prompts fit at once and then outgrow it.
-_DEFAULTS: dict[str, tuple[str, int | None, float]] = {
-    "seed-burst": ("llama3-70b-fp8-8xh100", 8193, 2.0),
-    "agentic": ("llama3-70b-fp8-8xh100", 2049, 2.0),
-    "azure-code": ("llama3-70b-fp8-8xh100", 2049, 2.0),
-    "azure-conv": ("llama3-70b-fp8-8xh100", 2049, 2.0),
-    "mooncake": ("llama3-70b-fp8-8xh100", 2049, 2.0),
+_DEFAULTS: dict[str, tuple[str, int | None, int | None, float]] = {
+    "seed-burst": ("llama3-70b-fp8-8xh100", 8193, None, 2.0),
+    "agentic": ("llama3-70b-fp8-8xh100", 2049, 32768, 3.0),
+    "azure-code": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),
+    "azure-conv": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),
+    "mooncake": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),
 }
 
 
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace replays: keep/replicate requests x this; seed-burst/agentic: sessions x this")
     parser.add_argument("--profile", default=None, help="simulator profile (see zp_client.sim.profiles)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profile's pool size")
+    parser.add_argument("--max-model-len", type=int, default=None, help="override the context length")
     parser.add_argument("--workers", type=int, default=3, help="zp-redis worker processes (default 3)")
     parser.add_argument("--max-requests", type=int, default=None, help="trace replays: requests in the window")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     except ZPError as exc:
         print(f"zp-client storm: {exc}", file=sys.stderr)
         return 2
-    profile, blocks, speedup = _DEFAULTS[args.workload]
+    profile, blocks, mml, speedup = _DEFAULTS[args.workload]
     overrides: dict[str, Any] = {}
     if args.max_requests is not None:
         overrides["max_requests"] = args.max_requests
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         workload=args.workload, seed=args.seed, setups=setups,
         profile=args.profile or profile,
         num_gpu_blocks=args.num_gpu_blocks if args.num_gpu_blocks is not None else blocks,
+        max_model_len=args.max_model_len if args.max_model_len is not None else mml,
         speedup=args.speedup or speedup, redis_url=args.redis, time_scale=args.time_scale,
         load_scale=args.load_scale, workers=args.workers, workload_overrides=overrides,
     )

@@ -249,11 +249,24 @@ class HarnessMonitor:
         self._wall0 = self._cpu0 = 0.0
         self.wall_s = self.cpu_s = 0.0
         self._task: asyncio.Task[None] | None = None
+        self.workers: list[dict[str, float]] = []
+        """Self-measurements of worker processes (zp-redis), each like :meth:`summary`."""
 
-    async def __aenter__(self) -> HarnessMonitor:
+    def mark(self) -> None:
+        """Start measuring wall and CPU time from now (the run's t0, after setup work)."""
         self._wall0 = time.perf_counter()
         t = os.times()
         self._cpu0 = t.user + t.system
+
+    def stop(self) -> None:
+        """Stop the wall and CPU clocks (the run's last request ended; teardown is not measured)."""
+        if self._stopped is None:
+            t = os.times()
+            self._stopped = (time.perf_counter() - self._wall0, t.user + t.system - self._cpu0)
+
+    async def __aenter__(self) -> HarnessMonitor:
+        self._stopped: tuple[float, float] | None = None
+        self.mark()
         self._task = asyncio.get_running_loop().create_task(self._sample())
         return self
 
@@ -264,9 +277,9 @@ class HarnessMonitor:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self.wall_s = time.perf_counter() - self._wall0
-        t = os.times()
-        self.cpu_s = t.user + t.system - self._cpu0
+        self.stop()
+        assert self._stopped is not None
+        self.wall_s, self.cpu_s = self._stopped
 
     async def _sample(self) -> None:
         while True:
@@ -274,9 +287,9 @@ class HarnessMonitor:
             await asyncio.sleep(self.interval_s)
             self.lags.append(max(0.0, time.perf_counter() - t - self.interval_s))
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         lags = sorted(self.lags) or [0.0]
-        return {
+        out: dict[str, Any] = {
             "wall_s": round(self.wall_s, 3),
             "cpu_s": round(self.cpu_s, 3),
             "cpu_frac": round(self.cpu_s / self.wall_s, 3) if self.wall_s > 0 else 0.0,
@@ -284,6 +297,9 @@ class HarnessMonitor:
             "loop_lag_p99_ms": round(1000 * lags[min(len(lags) - 1, math.ceil(0.99 * len(lags)) - 1)], 2),
             "loop_lag_max_ms": round(1000 * lags[-1], 2),
         }
+        if self.workers:
+            out["workers"] = self.workers
+        return out
 
 
 async def gather_all(aws: list[Awaitable[Any]]) -> list[Any]:

@@ -80,6 +80,9 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
                        "(the process could not keep up)")
     if run.harness.get("cpu_frac", 0) > CPU_SATURATED:
         reasons.append(f"process CPU {run.harness['cpu_frac']:.2f} of a core")
+    for i, w in enumerate(run.harness.get("workers", [])):
+        if w.get("cpu_frac", 0) > CPU_SATURATED:
+            reasons.append(f"worker {i} CPU {w['cpu_frac']:.2f} of a core")
     return {
         "setup": run.name,
         "valid": not reasons,

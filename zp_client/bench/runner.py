@@ -35,6 +35,7 @@ class StormConfig:
     setups: list[str] = field(default_factory=list)
     profile: str = "llama3-70b-fp8-8xh100"
     num_gpu_blocks: int | None = 2049
+    max_model_len: int | None = None
     speedup: float = 2.0
     redis_url: str | None = None
     time_scale: float | None = None
@@ -63,7 +64,7 @@ def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None) -> Any:
     from zp_client.sim.server import SimServer
 
     return SimServer(cfg.profile, num_gpu_blocks=cfg.num_gpu_blocks, speedup=cfg.speedup,
-                     gateway_timeout_s=gateway_timeout_s, seed=cfg.seed)
+                     gateway_timeout_s=gateway_timeout_s, seed=cfg.seed, max_model_len=cfg.max_model_len)
 
 
 async def _pool_facts(root_url: str) -> tuple[int, int, int, str]:
@@ -115,11 +116,13 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
 
         async with HarnessMonitor() as mon:
             if name == "zp-redis":
-                records, t0 = await _run_workers(cfg, ctx, wl.sessions, clock, done)
+                records, t0 = await _run_workers(cfg, ctx, wl.sessions, clock, done, mon)
             else:
                 async with open_caller(name, ctx) as caller:
+                    mon.mark()
                     t0 = clock.now()
                     records = await run_sessions(wl.sessions, caller, clock, t0=t0, on_done=done)
+                    mon.stop()
         stats = server.stats(requests=True)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             from zp_client.server import parse_metrics
@@ -174,6 +177,11 @@ class _HttpClock:
         return self._last
 
 
+def _count_turns(sessions: list[Session]) -> int:
+    return sum(1 + 0 for s in sessions for _ in s.turns) + sum(
+        _count_turns(t.children) for s in sessions for t in s.turns)
+
+
 def _worker_main(ctx: SetupContext, sessions: list[Session], t0_value: Any, start_evt: Any, out_q: Any) -> None:
     async def main() -> None:
         hc = _HttpClock(ctx.root_url, ctx.speedup)
@@ -184,9 +192,10 @@ def _worker_main(ctx: SetupContext, sessions: list[Session], t0_value: Any, star
                 out_q.put(("ready", None))
                 while not start_evt.is_set():
                     await asyncio.sleep(0.005)
-                recs = await run_sessions(sessions, caller, clock, t0=t0_value.value,
-                                          on_done=lambda r: out_q.put(("done", None)))
-            out_q.put(("records", recs))
+                async with HarnessMonitor() as mon:
+                    recs = await run_sessions(sessions, caller, clock, t0=t0_value.value,
+                                              on_done=lambda r: out_q.put(("done", None)))
+            out_q.put(("records", (recs, mon.summary())))
         finally:
             await hc.stop()
 
@@ -197,7 +206,8 @@ def _worker_main(ctx: SetupContext, sessions: list[Session], t0_value: Any, star
 
 
 async def _run_workers(cfg: StormConfig, ctx: SetupContext, sessions: list[Session], clock: VirtualClock,
-                       done: Callable[[RequestRecord], None]) -> tuple[list[RequestRecord], float]:
+                       done: Callable[[RequestRecord], None], mon: HarnessMonitor
+                       ) -> tuple[list[RequestRecord], float]:
     mpc = mp.get_context("spawn")
     n = max(1, cfg.workers)
     shares: list[list[Session]] = [sessions[i::n] for i in range(n)]
@@ -209,7 +219,9 @@ async def _run_workers(cfg: StormConfig, ctx: SetupContext, sessions: list[Sessi
     for p in procs:
         p.start()
     records: list[RequestRecord] = []
-    ready = finished = 0
+    ready = finished = dones = 0
+    worker_stats: list[dict[str, Any]] = []
+    total = _count_turns(sessions)
     errors: list[str] = []
     dummy = RequestRecord("", "", "", 0, 0, 0)
     try:
@@ -228,11 +240,16 @@ async def _run_workers(cfg: StormConfig, ctx: SetupContext, sessions: list[Sessi
                 if ready == n:
                     t0_value.value = clock.now() + 0.05 * cfg.speedup  # a small lead for every worker
                     t0 = t0_value.value
+                    mon.mark()
                     start_evt.set()
             elif kind == "done":
                 done(dummy)
+                if (dones := dones + 1) == total:
+                    mon.stop()  # the last request ended; worker teardown is not part of the run
             elif kind == "records":
-                records.extend(payload)
+                recs, worker_harness = payload
+                records.extend(recs)
+                worker_stats.append(worker_harness)
                 finished += 1
             elif kind == "error":
                 raise RuntimeError(f"a zp-redis worker failed: {payload}")
@@ -241,6 +258,7 @@ async def _run_workers(cfg: StormConfig, ctx: SetupContext, sessions: list[Sessi
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
+    mon.workers = worker_stats
     return records, t0
 
 

@@ -205,12 +205,23 @@ class _AppCaller:
                 await self._attempt(turn, rec, clock)
 
 
+def _warm_openai(client: Any) -> None:
+    """Do the openai SDK's lazy imports (resources, response models, SSE decoding) now, before the run:
+    a fresh process would otherwise block its event loop for a few hundred ms on its first request."""
+    import openai.types.chat.chat_completion  # noqa: F401
+    import openai.types.chat.chat_completion_chunk  # noqa: F401
+    from openai._streaming import AsyncStream  # noqa: F401
+
+    _ = client.chat.completions
+
+
 @contextlib.asynccontextmanager
 async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
     """Build setup ``name``'s client for one process and yield its :class:`Caller`; closes it after."""
     cls = _openai_class(ctx.speedup)
     common = {"base_url": ctx.base_url, "api_key": "sk-storm-bench"}
     stack = contextlib.AsyncExitStack()
+    _warm_openai(cls(**common))
     async with stack:
         if name == "no-admission":
             client = cls(max_retries=0, **common)
@@ -243,12 +254,20 @@ async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
 
                 if not ctx.redis_url:
                     raise ConfigurationError("zp-redis needs --redis URL")
+                # a fresh budget name per run: no earlier holders can exist, so no recovery window
                 budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=ctx.limit_blocks,
-                                     block_size=ctx.block_size)
+                                     block_size=ctx.block_size, recovery=0.0)
             stack.push_async_callback(budget.aclose)
             raw = cls(**common)
             stack.push_async_callback(raw.close)
-            client = wrap(raw, budget=budget, retry=_zp_retry_policy(ctx.speedup))
+            from zp_client.config import Settings
+            from zp_client.estimate import Estimator
+
+            # zp's default estimator, loaded before the run starts: loading the BPE file takes a few
+            # hundred ms of blocking work that would otherwise land on the first request of the run
+            estimator = Estimator(Settings())
+            estimator.count_text("warm up the tokenizer")
+            client = wrap(raw, budget=budget, retry=_zp_retry_policy(ctx.speedup), estimator=estimator)
             stack.push_async_callback(client.close)
             yield _AppCaller(client, ctx.model, app_retry=True)
         elif name == "clairvoyant":

@@ -332,7 +332,7 @@ def _agent_preamble(rng: random.Random, tokens: int) -> str:
     return "".join(parts)
 
 
-def agentic(facts: ServerFacts, seed: int, *, conversations: int = 24, window_s: float | None = None,
+def agentic(facts: ServerFacts, seed: int, *, conversations: int = 16, window_s: float | None = None,
             preamble_tokens: int = 2000, max_tokens: int = 4096, turns_lo: int = 3, turns_hi: int = 10,
             subagent_p: float = 0.12, scale: float = 1.0) -> Workload:
     """Coding-agent conversations sharing a ~2k-token tool+system preamble (prefix-cacheable).
@@ -343,8 +343,8 @@ def agentic(facts: ServerFacts, seed: int, *, conversations: int = 24, window_s:
     turns lognormal (median 1 s). With probability ``subagent_p`` a turn spawns 2-5 parallel
     sub-agents (2-3 turns each, same preamble) and waits for them. A conversation ends when its next
     prompt would not leave ``max_tokens`` within the context length (an agent would compact there).
-    Conversations arrive as a Poisson process over ``window_s`` (default: 60 unloaded decode steps per
-    conversation, so they overlap).
+    Conversations arrive as a Poisson process over ``window_s`` (default: 400 unloaded decode steps
+    per conversation, about 3 s on the 70B profile, so a dozen or more overlap).
     """
     rng = random.Random(seed)
     conversations = max(1, round(conversations * scale))
@@ -355,7 +355,7 @@ def agentic(facts: ServerFacts, seed: int, *, conversations: int = 24, window_s:
             f"preamble plus max_tokens {max_tokens}; use a profile with a longer context"
         )
     preamble = {"role": "system", "content": _agent_preamble(rng, preamble_tokens)}
-    window = window_s if window_s is not None else conversations * 60 * facts.unloaded_itl_s * 10
+    window = window_s if window_s is not None else conversations * 400 * facts.unloaded_itl_s
     counter = [0]
 
     def conversation(cid: str, n_turns: int, depth: int) -> list[Turn]:
@@ -460,7 +460,8 @@ def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float 
     ``time_scale`` multiplies the trace's clock (0.1 runs ten times faster: virtual arrival = trace
     offset x time_scale). ``load_scale`` thins (< 1: each request kept with that probability) or
     replicates (> 1: each request sent floor(y) or ceil(y) times, copies 1 ms apart) the requests.
-    ``length_scale`` multiplies prompt and output lengths (to fit a real trace to a small simulated pool).
+    ``length_scale`` multiplies prompt lengths (to fit long-context traces to a small simulated pool;
+    output lengths are kept).
     Lengths are then capped to the context: prompt <= max_model_len - 64 - min(out, max_tokens... ) as
     follows: out <= max_tokens' (see below) and prompt <= max_model_len - max_tokens' - 16, where the
     client bound max_tokens' = max(max_tokens, true output) capped at max_model_len / 4.
@@ -487,7 +488,7 @@ def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float 
     sessions: list[Session] = []
     capped = 0
     for i, (t, r) in enumerate(picked):
-        out = max(1, int(r.out * length_scale))
+        out = max(1, r.out)
         bound = min(max(max_tokens, out), bound_cap)
         out = min(out, bound)
         prompt = max(16, int(r.prompt * length_scale))
@@ -538,8 +539,8 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
         if load_scale is not None:
             overrides.setdefault("scale", load_scale)
         if time_scale is not None and "window_s" not in overrides:
-            base = agentic.__kwdefaults__["conversations"] * 60 * facts.unloaded_itl_s * 10  # type: ignore[index]
-            overrides["window_s"] = base * time_scale
+            n = overrides.get("conversations", agentic.__kwdefaults__["conversations"])  # type: ignore[index]
+            overrides["window_s"] = round(n * (load_scale or 1.0)) * 400 * facts.unloaded_itl_s * time_scale
         return agentic(facts, seed, **overrides)
     if name in _TRACES:
         defaults = _TRACE_DEFAULTS[name]
@@ -555,7 +556,7 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
 # Defaults chosen so a replay of a few hundred requests loads a small simulated pool (see the README's
 # storm table for the exact values printed with each result).
 _TRACE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "azure-code": {"time_scale": 1.0, "load_scale": 1.0, "max_requests": 200, "length_scale": 1.0},
-    "azure-conv": {"time_scale": 1.0, "load_scale": 1.0, "max_requests": 200, "length_scale": 1.0},
+    "azure-code": {"time_scale": 0.1, "load_scale": 1.0, "max_requests": 200, "length_scale": 1.0},
+    "azure-conv": {"time_scale": 0.25, "load_scale": 1.0, "max_requests": 200, "length_scale": 1.0},
     "mooncake": {"time_scale": 1.0, "load_scale": 1.0, "max_requests": 200, "length_scale": 0.25},
 }
