@@ -590,3 +590,34 @@ async def test_status_reports_held_waiters_and_head_age() -> None:
         await lease.release()
     assert_empty(budget)
     await budget.aclose()
+
+
+async def test_a_timeout_that_loses_the_race_to_a_grant_returns_the_lease() -> None:
+    budget = LocalBudget(5)
+    holder = budget.acquire_sync(5)
+
+    class GrantedButTimedOut(threading.Event):
+        # The wait reports a timeout although the grant arrived just before it.
+        def wait(self, timeout: float | None = None) -> bool:
+            super().wait(None)
+            return False
+
+    budget._new_sync_event = GrantedButTimedOut  # type: ignore[method-assign]
+    got: list[Lease] = []
+    t = threading.Thread(target=lambda: got.append(budget.acquire_sync(5, timeout=60)))
+    t.start()
+    await wait_until(lambda: waiting(budget) == 1, "thread parked")
+    holder.release_sync()
+    await anyio.to_thread.run_sync(t.join)
+    assert len(got) == 1 and not got[0].released  # admitted, not AdmissionTimeout
+    assert budget.status_sync().used == 5
+    got[0].release_sync()
+    assert_empty(budget)
+
+
+def test_from_settings_takes_block_size_and_starvation_bound() -> None:
+    from zp_client.config import Settings
+
+    budget = LocalBudget.from_settings(100, Settings(block_size=32, starvation_bound_s=0.5))
+    s = budget.status_sync()
+    assert (s.limit, s.block_size, s.extra["starvation_bound_s"]) == (100, 32, 0.5)

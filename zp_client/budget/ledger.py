@@ -340,7 +340,9 @@ class Ledger:
 
         ``held`` defaults to ``bound``. ``ticket`` (from an earlier attempt) keeps that place in line; its
         priority class wins over ``priority``. ``expires_at`` lets a backend drop waiters whose owner died
-        (see :meth:`renew`, :meth:`expire`); ``None`` never expires.
+        (see :meth:`renew`, :meth:`expire`); ``None`` never expires. A granted lease keeps the waiter's
+        expiry, so a backend that heartbeats waiters keeps heartbeating the lease under the same id.
+        ``meta`` travels from the waiter to its lease, for policies that need more than weights.
 
         Raises :class:`ConfigurationError` for a weight that is not a positive int, ``held`` outside
         ``[0, bound]``, a non-int priority or a duplicate id, and :class:`LeaseTooLarge` when ``bound``
