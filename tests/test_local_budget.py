@@ -24,9 +24,9 @@ from zp_client.budget.base import Lease
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 class LiveCounter:
@@ -267,6 +267,7 @@ async def test_cancelling_a_starving_head_lets_the_line_move() -> None:
     assert_empty(budget)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_grant_racing_a_cancellation_is_released_not_leaked() -> None:
     budget = LocalBudget(10)
     holder = await budget.acquire(10)
