@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Ticket", "Lease", "Budget", "BudgetStatus", "ClassStatus"]
 
@@ -88,6 +89,24 @@ class Lease(abc.ABC):
         blocks from a streaming loop; backends may batch.
         """
 
+    def update_meta(self, **fields: Any) -> None:  # noqa: B027 - optional hook with a safe default
+        """Record progress metadata the budget's policy may read (``first_token=True``, a re-forecast
+        ``forecast_tokens=...``; see :mod:`zp_client.budget.elastic`).
+
+        Never blocks and never raises, like :meth:`report_held`. The default ignores the fields: a
+        backend whose policy reads no metadata (``strict``) needs none. A backend with a
+        progress-sensitive policy (``elastic``) re-runs admission when waiters exist, since progress can
+        lower the projected peak.
+        """
+
+    def report_progress(self, held: int | None = None, **fields: Any) -> None:
+        """:meth:`report_held` (when ``held`` is given) and :meth:`update_meta` in one call; backends may
+        override it to do both under one lock / round trip."""
+        if held is not None:
+            self.report_held(held)
+        if fields:
+            self.update_meta(**fields)
+
     @abc.abstractmethod
     async def release(self) -> None:
         """Return the blocks. Idempotent; safe to call from any exit path."""
@@ -107,6 +126,13 @@ class Budget(abc.ABC):
     def limit(self) -> int:
         """The current limit in usable blocks."""
 
+    @property
+    def policy_name(self) -> str:
+        """The reservation policy's name (``"strict"``, ``"elastic"``). The transport sends lease
+        metadata (``meta=``: prompt tokens, forecast, prefix) and progress only when it is
+        ``"elastic"``. Default ``"strict"``, for backends without policies."""
+        return "strict"
+
     @abc.abstractmethod
     async def acquire(
         self,
@@ -116,10 +142,14 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         """Wait in line for a lease of ``blocks`` blocks and return it.
 
         ``held`` is what the request occupies at admission (its prompt's blocks; default ``blocks``).
+        ``meta`` is what the reservation policy may read about the request (for ``elastic``:
+        ``prompt_tokens``, ``forecast_tokens``, ``streaming``, ``prefix_key``, ``prefix_blocks``; see
+        :mod:`zp_client.budget.elastic`); policies that read none (``strict``) ignore it.
         ``ticket`` keeps a retried request's place in line. Raises :class:`~zp_client.LeaseTooLarge`
         at once when ``blocks`` exceeds the limit, :class:`~zp_client.AdmissionTimeout` after
         ``timeout`` seconds. Cancellation while waiting leaves no trace in the budget.
@@ -134,6 +164,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         """Blocking form of :meth:`acquire` for threads; needs no running event loop."""
 
@@ -157,9 +188,12 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[Lease]:
         """``async with budget.lease(blocks) as lease:`` waits, holds, and releases on every exit path."""
-        lease = await self.acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held)
+        # meta is passed only when given, so a backend written before it existed keeps working.
+        extra = {"meta": meta} if meta is not None else {}
+        lease = await self.acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held, **extra)
         try:
             yield lease
         finally:
@@ -174,9 +208,11 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Iterator[Lease]:
         """``with budget.lease_sync(blocks) as lease:``, the blocking form for threads."""
-        lease = self.acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held)
+        extra = {"meta": meta} if meta is not None else {}
+        lease = self.acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held, **extra)
         try:
             yield lease
         finally:

@@ -29,6 +29,9 @@ Lease metadata read by the policy (``LeaseRecord.meta`` / ``WaiterRecord.meta``;
                    forecast end from now until ``forecast_tokens`` steps have passed (default True).
 ``prefix_key``     key of the shared prefix, ``prefix_blocks`` its full-block count.
 ``first_token``    True once the lease has produced its first token.
+``tokens``         tokens the lease holds now (prompt + generated), reported together with ``held`` when
+                   the reporter knows it; tightens the reading of ``held`` (default: the fewest tokens
+                   ``held`` blocks can hold, ``(held - 1) * block_size + 1``).
 
 Safety. Under ``elastic`` the admission rule holds at every admission: the projected peak including the
 new lease is within the limit. Growth after admission is recorded, never blocked; a lease that outgrows its
@@ -81,6 +84,10 @@ def project(
         held = _ceil_div(prompt_tokens, block_size)
     # Fewest tokens the lease may hold now: its remaining steps are counted from there (conservative).
     tokens_low = max(prompt_tokens, (held - 1) * block_size + 1) if held > 0 else prompt_tokens
+    tokens = meta.get("tokens")
+    if tokens is not None and not candidate:
+        # Reported with held: the exact count, so a stream on schedule does not look one block ahead.
+        tokens_low = max(tokens_low, min(int(tokens), held * block_size))
     if tokens_low >= end_tokens and end_tokens < bound_tokens:
         # Outgrew its forecast and nobody re-forecast yet: project to the bound (tightens at once).
         end_tokens = bound_tokens
@@ -230,6 +237,9 @@ class ElasticPolicy:
     """
 
     name = "elastic"
+    progress_sensitive = True
+    """Progress (held growth, ``first_token``, a re-forecast) can let waiters in: backends grant after
+    progress reports (see :class:`~zp_client.budget.ledger.ReservationPolicy`)."""
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
@@ -249,6 +259,11 @@ class ElasticPolicy:
 
     def used(self, view: LedgerView) -> int:
         return self._prepare(view).peak()
+
+    def exhausted(self, view: LedgerView) -> bool:
+        # Adding a candidate never lowers the projected peak (every term is non-negative), so once the
+        # live leases alone project above the limit nobody fits.
+        return self._prepare(view).peak() > view.limit
 
     def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
         profile = self._prepare(view)

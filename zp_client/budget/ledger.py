@@ -20,9 +20,12 @@ Vocabulary
   priority wins over the ``priority`` argument, because the ticket *is* the place in line.
 * **policy** — a :class:`ReservationPolicy` decides whether a candidate fits next to the live leases.
   :class:`StrictPolicy` admits while the sum of live bounds stays within the limit, so the server can
-  never be forced to preempt. An elastic policy (projected peak of ``held`` plus forecast growth, shared
-  prefixes counted once) plugs in through the same seam; waiters and leases carry a free-form ``meta``
-  mapping (e.g. ``prefix_key``, ``prefix_blocks``, ``forecast``) for such policies.
+  never be forced to preempt. :class:`~zp_client.budget.elastic.ElasticPolicy` (``"elastic"``:
+  projected peak of ``held`` plus forecast growth, shared prefixes counted once) plugs in through the
+  same seam; waiters and leases carry a free-form ``meta`` mapping (``prompt_tokens``,
+  ``forecast_tokens``, ``prefix_key``... see :mod:`zp_client.budget.elastic`) for such policies,
+  updated as a stream advances with :meth:`Ledger.update_meta`. The ``bound > limit`` refusal
+  (:class:`~zp_client.LeaseTooLarge`) holds under every policy.
 
 Admission rule (what :meth:`Ledger.grant` does)
 -----------------------------------------------
@@ -154,6 +157,9 @@ class LedgerView(Protocol):
     @property
     def leases(self) -> Mapping[str, LeaseRecord]: ...
 
+    # Optional (not part of the protocol, so simple views need not have it): ``version``, an int bumped
+    # on every mutation; the Ledger has it and policies may cache on it.
+
 
 @runtime_checkable
 class ReservationPolicy(Protocol):
@@ -166,6 +172,12 @@ class ReservationPolicy(Protocol):
     Optional: a policy may define ``exhausted(view) -> bool``, true when no waiter at all can fit (e.g.
     no free block). :meth:`Ledger.grant` then stops walking the line early; it is only a shortcut and
     must agree with ``fits``.
+
+    Optional: ``progress_sensitive = True`` declares that a lease's progress (``held``, ``meta``) can
+    change what fits, so a backend must call :meth:`Ledger.grant` after :meth:`Ledger.report_held` /
+    :meth:`Ledger.update_meta` when waiters exist (``strict`` only counts bounds, so it does not).
+    A policy may cache work on ``(id(view), view.version)``: the ledger bumps ``version`` on every
+    mutation.
     """
 
     name: str
@@ -198,19 +210,27 @@ class StrictPolicy:
         return "StrictPolicy()"
 
 
-_POLICIES: dict[str, type[Any]] = {"strict": StrictPolicy}
+_POLICY_NAMES = ("elastic", "strict")
 
 
-def make_policy(policy: str | ReservationPolicy) -> ReservationPolicy:
-    """Return a policy object for a name (``"strict"``) or pass a policy object through."""
+def make_policy(policy: str | ReservationPolicy, *, block_size: int = 16) -> ReservationPolicy:
+    """Return a policy object for a name or pass a policy object through.
+
+    Names: ``"strict"`` (:class:`StrictPolicy`) and ``"elastic"``
+    (:class:`~zp_client.budget.elastic.ElasticPolicy`, which projects growth token by token and so needs
+    the budget's ``block_size``; ignored by ``strict``).
+    """
     if isinstance(policy, str):
-        cls = _POLICIES.get(policy)
-        if cls is None:
-            raise ConfigurationError(
-                f"unknown reservation policy {policy!r}; available: {', '.join(sorted(_POLICIES))} "
-                "(or pass a ReservationPolicy object)"
-            )
-        return cls()  # type: ignore[no-any-return]
+        if policy == "strict":
+            return StrictPolicy()
+        if policy == "elastic":
+            from zp_client.budget.elastic import ElasticPolicy  # noqa: PLC0415 - elastic imports this module
+
+            return ElasticPolicy(validate_blocks(block_size, "block_size"))
+        raise ConfigurationError(
+            f"unknown reservation policy {policy!r}; available: {', '.join(_POLICY_NAMES)} "
+            "(or pass a ReservationPolicy object)"
+        )
     if not isinstance(policy, ReservationPolicy):
         raise ConfigurationError(
             f"policy must be a name or a ReservationPolicy (with name, used() and fits()), got {policy!r}"
@@ -248,9 +268,12 @@ class Ledger:
         *,
         policy: str | ReservationPolicy = "strict",
         starvation_bound: float = DEFAULT_STARVATION_BOUND_S,
+        block_size: int = 16,
     ) -> None:
         self._limit = validate_blocks(limit, "limit", minimum=0)
-        self._policy = make_policy(policy)
+        self._policy = make_policy(policy, block_size=block_size)
+        self._progress_sensitive = bool(getattr(self._policy, "progress_sensitive", False))
+        self._version = 0
         if not isinstance(starvation_bound, (int, float)) or math.isnan(starvation_bound) or starvation_bound < 0:
             raise ConfigurationError(
                 f"starvation_bound must be a number of seconds >= 0, got {starvation_bound!r}"
@@ -278,6 +301,18 @@ class Ledger:
     @property
     def starvation_bound(self) -> float:
         return self._starvation_bound
+
+    @property
+    def version(self) -> int:
+        """A counter bumped by every mutation (enqueue, cancel, admission, release, report_held,
+        update_meta, renew, expire, set_limit). Equal versions of one ledger mean equal state."""
+        return self._version
+
+    @property
+    def progress_sensitive(self) -> bool:
+        """True when the policy declares that lease progress can admit waiters (see
+        :class:`ReservationPolicy`); backends then call :meth:`grant` after progress reports."""
+        return self._progress_sensitive
 
     @property
     def bound_sum(self) -> int:
@@ -382,6 +417,7 @@ class Ledger:
             meta=dict(meta) if meta else {},
         )
         self._waiters[waiter_id] = w
+        self._version += 1
         cls = self._classes.get(w.priority)
         if cls is None:
             self._classes[w.priority] = [w]
@@ -402,6 +438,7 @@ class Ledger:
         w = self._waiters.pop(waiter_id, None)
         if w is None:
             return False
+        self._version += 1
         self._remove_from_class(w)
         return True
 
@@ -449,6 +486,7 @@ class Ledger:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        self._version += 1
         self._bound_sum -= lease.bound
         self._held_sum -= lease.held
         return True
@@ -464,8 +502,24 @@ class Ledger:
         except (TypeError, ValueError):
             return False
         value = min(max(value, 0), lease.bound)
-        self._held_sum += value - lease.held
-        lease.held = value
+        if value != lease.held:
+            self._version += 1
+            self._held_sum += value - lease.held
+            lease.held = value
+        return True
+
+    def update_meta(self, lease_id: str, **fields: Any) -> bool:
+        """Merge ``fields`` into a live lease's ``meta`` (progress the policy may read: ``first_token``,
+        a re-forecast ``forecast_tokens``...). False if not live. Like :meth:`report_held` it records,
+        never refuses. Under a progress-sensitive policy call :meth:`grant` next (waiters may now fit)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        if fields:
+            meta = lease.meta if isinstance(lease.meta, dict) else dict(lease.meta)
+            meta.update(fields)
+            lease.meta = meta
+            self._version += 1
         return True
 
     def renew(self, ident: str, now: float, ttl: float | None) -> bool:
@@ -474,6 +528,7 @@ class Ledger:
         if rec is None:
             return False
         rec.expires_at = None if ttl is None else now + ttl
+        self._version += 1
         return True
 
     def expire(self, now: float) -> Expired:
@@ -492,6 +547,7 @@ class Ledger:
         are removed and their ids returned so the backend can fail them with :class:`LeaseTooLarge`.
         Call :meth:`grant` next (a raise admits waiters)."""
         self._limit = validate_blocks(limit, "limit", minimum=0)
+        self._version += 1
         rejected = [w.id for w in self._waiters.values() if w.bound > limit]
         for wid in rejected:
             self.cancel(wid)
@@ -527,6 +583,7 @@ class Ledger:
     # ------------------------------------------------------------------ internals
     def _admit(self, w: WaiterRecord, now: float) -> None:
         del self._waiters[w.id]
+        self._version += 1
         self._leases[w.id] = LeaseRecord(
             id=w.id,
             bound=w.bound,

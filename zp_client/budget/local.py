@@ -39,7 +39,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -87,16 +87,28 @@ class _LocalLease(Lease):
         return self._released
 
     def report_held(self, blocks: int) -> None:
+        self.report_progress(blocks)
+
+    def update_meta(self, **fields: Any) -> None:
+        """Merge progress metadata into the lease (see :meth:`Lease.update_meta`); under ``elastic``
+        waiters the progress lets in are admitted at once."""
+        self.report_progress(None, **fields)
+
+    def report_progress(self, held: int | None = None, **fields: Any) -> None:
+        """Occupancy and metadata in one short critical section; never blocks on admission."""
         if self._released:
             return
-        try:
-            value = min(max(int(blocks), 0), self.bound)
-        except (TypeError, ValueError):
-            logger.warning("ignored report_held(%r) on lease %s: not a number of blocks", blocks, self.id)
+        if held is not None:
+            try:
+                held = min(max(int(held), 0), self.bound)
+            except (TypeError, ValueError):
+                logger.warning("ignored report_held(%r) on lease %s: not a number of blocks", held, self.id)
+                held = None
+            else:
+                self._held = held
+        if held is None and not fields:
             return
-        self._held = value
-        with self._budget._lock:
-            self._budget._ledger.report_held(self.id, value)
+        self._budget._progress(self.id, held, fields)
 
     async def release(self) -> None:
         # Non-blocking (a short lock), so the async form just calls the sync one; this also keeps
@@ -171,8 +183,18 @@ class LocalBudget(Budget):
 
     ``limit_blocks`` is in usable blocks (see the README: ``(num_gpu_blocks - 1) x headroom``).
     ``starvation_bound_s`` bounds backfill (default 2.0 s, as ``Settings.starvation_bound_s``; see
-    :mod:`zp_client.budget.ledger`). ``policy`` is ``"strict"`` or a
-    :class:`~zp_client.budget.ledger.ReservationPolicy` object.
+    :mod:`zp_client.budget.ledger`). ``policy`` is ``"strict"`` (the default: preemption impossible),
+    ``"elastic"`` (admit on the projected peak; :mod:`zp_client.budget.elastic`) or a
+    :class:`~zp_client.budget.ledger.ReservationPolicy` object (an object with a ``block_size`` must
+    agree with the budget's).
+
+    Under ``elastic``, ``acquire(..., meta=...)`` carries what the policy projects from
+    (``prompt_tokens``, ``forecast_tokens``, ``streaming``, ``prefix_key``, ``prefix_blocks``), and
+    ``lease.report_progress(held, **fields)`` / ``lease.update_meta(**fields)`` record progress
+    (``first_token=True``, a re-forecast). Progress can lower the projected peak, so when waiters exist a
+    progress report re-runs admission and wakes whoever now fits; with nobody waiting it is only a
+    dictionary update under the lock. Under ``strict`` meta and progress metadata are ignored by the
+    decision (recorded only).
     """
 
     # How a parked thread waits; a seam for tests that interrupt a wait.
@@ -189,8 +211,17 @@ class LocalBudget(Budget):
     ) -> None:
         self.block_size = validate_blocks(block_size, "block_size")
         self.name = name
+        pbs = getattr(policy, "block_size", None)
+        if not isinstance(policy, str) and pbs is not None and pbs != self.block_size:
+            raise ConfigurationError(
+                f"the policy's block_size ({pbs}) differs from the budget's ({self.block_size}); "
+                "build the policy with the budget's block_size, or pass its name"
+            )
         self._ledger = Ledger(
-            validate_blocks(limit_blocks, "limit_blocks"), policy=policy, starvation_bound=starvation_bound_s
+            validate_blocks(limit_blocks, "limit_blocks"),
+            policy=policy,
+            starvation_bound=starvation_bound_s,
+            block_size=self.block_size,
         )
         self._lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
@@ -212,13 +243,18 @@ class LocalBudget(Budget):
     def limit(self) -> int:
         return self._ledger.limit
 
+    @property
+    def policy_name(self) -> str:
+        return self._ledger.policy.name
+
     # ------------------------------------------------------------------ admission
     def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
+               meta: Mapping[str, Any] | None = None,
                ) -> tuple[str, _LocalLease | None, list[_Waiter]]:
         """Enqueue and grant (caller holds the lock). Returns (id, own lease if admitted, others to wake)."""
         now = _monotonic()
         wid = f"L{next(self._ids)}"
-        self._ledger.enqueue(wid, blocks, held, priority, now, ticket)
+        self._ledger.enqueue(wid, blocks, held, priority, now, ticket, meta=meta)
         mine, to_wake = self._hand_out(self._ledger.grant(now), own=wid)
         return wid, mine, to_wake
 
@@ -257,6 +293,23 @@ class LocalBudget(Budget):
             _, to_wake = self._hand_out(self._ledger.grant(now))
         self._wake(to_wake)
 
+    def _progress(self, lease_id: str, held: int | None, fields: Mapping[str, Any]) -> None:
+        """Record a lease's progress; under a progress-sensitive policy admit whoever now fits."""
+        to_wake: list[_Waiter] = []
+        with self._lock:
+            led = self._ledger
+            if held is not None:
+                live = led.report_held(lease_id, held)
+            else:
+                live = lease_id in led.leases
+            if fields and live:
+                led.update_meta(lease_id, **fields)
+            # Only a policy that reads progress can admit on it, and only if somebody waits.
+            if live and led.progress_sensitive and len(led):
+                _, to_wake = self._hand_out(led.grant(_monotonic()))
+        if to_wake:
+            self._wake(to_wake)
+
     def _abandon(self, waiter: _Waiter) -> _LocalLease | None:
         """Take a waiter out of line after a timeout or cancellation.
 
@@ -285,10 +338,11 @@ class LocalBudget(Budget):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         timeout = _check_timeout(timeout)
         with self._lock:
-            wid, mine, to_wake = self._enter(blocks, priority, ticket, held)
+            wid, mine, to_wake = self._enter(blocks, priority, ticket, held, meta)
             if mine is None:
                 event = anyio.Event()
                 waiter = _Waiter(wid, blocks, _async_waker(event), event)
@@ -316,10 +370,11 @@ class LocalBudget(Budget):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         timeout = _check_timeout(timeout)
         with self._lock:
-            wid, mine, to_wake = self._enter(blocks, priority, ticket, held)
+            wid, mine, to_wake = self._enter(blocks, priority, ticket, held, meta)
             if mine is None:
                 event = self._new_sync_event()
                 waiter = _Waiter(wid, blocks, event.set, event)

@@ -1,0 +1,311 @@
+"""The elastic policy through the ledger's version/meta API and through LocalBudget (async and threads)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+
+from zp_client.budget.elastic import ElasticPolicy
+from zp_client.budget.ledger import Ledger, StrictPolicy, make_policy
+from zp_client.budget.local import LocalBudget
+from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge
+
+BS = 16
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# ---------------------------------------------------------------------------------------------- ledger
+def test_make_policy_elastic_takes_the_block_size() -> None:
+    pol = make_policy("elastic", block_size=32)
+    assert isinstance(pol, ElasticPolicy) and pol.block_size == 32
+    assert isinstance(make_policy("strict", block_size=32), StrictPolicy)
+    assert Ledger(10, policy="elastic", block_size=8).policy.block_size == 8  # type: ignore[attr-defined]
+    assert Ledger(10, policy="elastic").progress_sensitive
+    assert not Ledger(10).progress_sensitive
+    with pytest.raises(ConfigurationError):
+        make_policy("elastic", block_size=0)
+
+
+def test_version_bumps_on_every_mutation() -> None:
+    led = Ledger(100, policy="elastic")
+    seen = [led.version]
+
+    def bumped() -> None:
+        assert led.version > seen[-1]
+        seen.append(led.version)
+
+    led.enqueue("a", 10, 2, 0, 0.0, meta={"prompt_tokens": 32})
+    bumped()
+    led.grant(0.0)
+    bumped()
+    led.report_held("a", 3)
+    bumped()
+    led.update_meta("a", first_token=True)
+    bumped()
+    led.renew("a", 0.0, 5.0)
+    bumped()
+    led.set_limit(90, 0.0)
+    bumped()
+    led.enqueue("b", 95 - 10, None, 0, 0.0)
+    bumped()
+    led.cancel("b")
+    bumped()
+    led.release("a", 0.0)
+    bumped()
+    led.enqueue("c", 5, None, 0, 0.0, expires_at=1.0)
+    bumped()
+    led.expire(2.0)
+    bumped()
+    # No-ops leave it alone: an unchanged held, unknown ids, a grant with nobody waiting.
+    v = led.version
+    led.release("a", 3.0)
+    led.cancel("zzz")
+    led.grant(3.0)
+    assert not led.update_meta("zzz", x=1)
+    assert led.version == v
+
+
+def test_update_meta_merges_into_the_lease() -> None:
+    led = Ledger(100, policy="elastic")
+    led.enqueue("a", 10, 2, 0, 0.0, meta={"prompt_tokens": 32, "forecast_tokens": 10})
+    assert led.grant(0.0) == ["a"]
+    assert led.update_meta("a", first_token=True, forecast_tokens=40)
+    assert dict(led.leases["a"].meta) == {"prompt_tokens": 32, "forecast_tokens": 40, "first_token": True}
+
+
+def test_cached_projection_follows_meta_updates() -> None:
+    # The policy caches its profile on (ledger, version): a re-forecast must tighten admission at once.
+    led = Ledger(40, policy="elastic")
+    led.enqueue("a", 40, 20, 0, 0.0, meta={"prompt_tokens": 320, "forecast_tokens": 16})
+    assert led.grant(0.0) == ["a"]
+    assert led.used == 21
+    led.update_meta("a", forecast_tokens=320)  # peak 40 now
+    assert led.used == 40
+    # b is small now but outlives a's growth: at a's end (t=320) 40 + 21 > 40.
+    led.enqueue("b", 40, 1, 0, 0.0, meta={"prompt_tokens": 16, "forecast_tokens": 400})
+    assert led.grant(0.0) == []
+    led.update_meta("a", forecast_tokens=16)
+    assert led.grant(0.0) == ["b"]
+
+
+def test_elastic_keeps_the_lease_too_large_rule() -> None:
+    led = Ledger(50, policy="elastic")
+    with pytest.raises(LeaseTooLarge):
+        led.enqueue("a", 51, 1, 0, 0.0, meta={"prompt_tokens": 16, "forecast_tokens": 1})
+
+
+def test_exhausted_agrees_with_fits() -> None:
+    pol = ElasticPolicy(BS)
+    led = Ledger(30, policy=pol)
+    led.enqueue("a", 30, 20, 0, 0.0, meta={"prompt_tokens": 320, "forecast_tokens": 400})
+    assert led.grant(0.0) == ["a"]
+    assert not pol.exhausted(led)
+    led.report_held("a", 30)  # grew to its bound
+    led.set_limit(29, 0.0)  # lowered under it: nothing can fit now
+    assert pol.exhausted(led)
+    led.enqueue("b", 1, 0, 0, 0.0, meta={"prompt_tokens": 0, "forecast_tokens": 0})
+    assert not pol.fits(led, led.waiter("b"))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- LocalBudget
+A_META = {"prompt_tokens": 800, "forecast_tokens": 16}
+B_META = {"prompt_tokens": 320, "forecast_tokens": 160}
+
+
+@pytest.mark.anyio
+async def test_local_budget_admits_on_the_projected_peak() -> None:
+    budget = LocalBudget(75, BS, policy="elastic")
+    assert budget.policy_name == "elastic"
+    a = await budget.acquire(75, held=50, meta=A_META)
+    # Static sum 51 + 30 = 81 > 75, projected peak 72: admitted at once.
+    b = await budget.acquire(75, held=20, meta=B_META)
+    st = await budget.status()
+    assert st.policy == "elastic" and st.used == 72 and st.leases == 2
+    with pytest.raises(AdmissionTimeout):
+        await budget.acquire(75, held=5, meta={"prompt_tokens": 80, "forecast_tokens": 16}, timeout=0)
+    await a.release()
+    await b.release()
+    assert (await budget.status()).used == 0
+
+
+async def _wait_waiters(budget: LocalBudget, n: int) -> None:
+    while sum(c.waiters for c in (await budget.status()).waiters.values()) != n:
+        await anyio.sleep(0.001)
+
+
+@pytest.mark.anyio
+async def test_held_growth_lets_a_waiter_in() -> None:
+    # A: 20 blocks of prompt, forecast 160 tokens. B the same. Together both peak at their common end:
+    # 30 + 30 = 60 > 55. Once A reports 29 blocks held it has <= 31 steps left: peak 53 <= 55.
+    budget = LocalBudget(55, BS, policy="elastic")
+    a = await budget.acquire(55, held=20, meta=B_META)
+    got: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        async def waiter() -> None:
+            got.append(await budget.acquire(55, held=20, meta=B_META))
+
+        tg.start_soon(waiter)
+        await _wait_waiters(budget, 1)
+        a.report_progress(24)  # 111 steps left: at A's end 31 + 27 = 58 > 55, still waiting
+        assert (await budget.status()).waiters[0].waiters == 1
+        a.report_progress(29)  # 31 steps left: 31 + 22 = 53, and B alone peaks at 30
+    assert len(got) == 1 and not got[0].released
+    assert (await budget.status()).used <= 55
+    await a.release()
+    await got[0].release()
+
+
+@pytest.mark.anyio
+async def test_first_token_makes_a_shared_prefix_count_once() -> None:
+    budget = LocalBudget(60, BS, policy="elastic")
+    meta = {"prompt_tokens": 640, "forecast_tokens": 32, "prefix_key": "sys", "prefix_blocks": 30}
+    a = await budget.acquire(60, held=40, meta=meta)  # peak 42
+    got: list[Any] = []
+    async with anyio.create_task_group() as tg:
+        async def waiter() -> None:
+            got.append(await budget.acquire(60, held=40, meta=meta))
+
+        tg.start_soon(waiter)
+        await _wait_waiters(budget, 1)
+        # Before A's first token the prefix may not be cached yet: B would need its own copy (84 > 60).
+        assert not got
+        a.update_meta(first_token=True)  # now B only adds its 12 own blocks
+    assert len(got) == 1
+    assert (await budget.status()).used == 54
+    await a.release()
+    await got[0].release()
+
+
+@pytest.mark.anyio
+async def test_reforecast_tightens_admission_at_once() -> None:
+    budget = LocalBudget(40, BS, policy="elastic")
+    a = await budget.acquire(40, held=20, meta={"prompt_tokens": 320, "forecast_tokens": 16})
+    late = {"prompt_tokens": 16, "forecast_tokens": 400}
+    b = await budget.acquire(40, held=1, meta=late)  # a ends at t=16: fits
+    await b.release()
+    a.update_meta(forecast_tokens=320)  # a now peaks at 40 at t=320
+    with pytest.raises(AdmissionTimeout):
+        await budget.acquire(40, held=1, meta=late, timeout=0)
+    assert (await budget.status()).waiters == {}
+    await a.release()
+
+
+@pytest.mark.anyio
+async def test_progress_without_waiters_does_not_run_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = LocalBudget(100, BS, policy="elastic")
+    a = await budget.acquire(50, held=10, meta={"prompt_tokens": 160, "forecast_tokens": 100})
+    calls = []
+    real = budget._ledger.grant
+    monkeypatch.setattr(budget._ledger, "grant", lambda now: calls.append(now) or real(now))
+    for held in range(11, 20):
+        a.report_progress(held, first_token=True)
+    assert calls == []
+    assert budget._ledger.leases[a.id].held == 19
+    await a.release()
+
+
+@pytest.mark.anyio
+async def test_strict_ignores_meta_and_progress() -> None:
+    budget = LocalBudget(75, BS)
+    assert budget.policy_name == "strict"
+    a = await budget.acquire(50, held=10, meta=A_META)
+    with pytest.raises(AdmissionTimeout):
+        await budget.acquire(30, held=10, meta=B_META, timeout=0)
+    got: list[Any] = []
+    with anyio.move_on_after(5):  # bounded: the assertion is that it is still waiting, not how fast
+        async with anyio.create_task_group() as tg:
+            async def waiter() -> None:
+                got.append(await budget.acquire(30, held=10, meta=B_META))
+
+            tg.start_soon(waiter)
+            await _wait_waiters(budget, 1)
+            a.report_progress(50, first_token=True, forecast_tokens=1)
+            assert not got  # strict counts bounds: progress never admits
+            await a.release()
+    assert len(got) == 1
+    await got[0].release()
+    assert (await budget.status()).used == 0
+
+
+@pytest.mark.anyio
+async def test_cancelled_elastic_waiter_leaves_no_trace() -> None:
+    budget = LocalBudget(40, BS, policy="elastic")
+    a = await budget.acquire(40, held=30, meta={"prompt_tokens": 480, "forecast_tokens": 160})
+    with anyio.move_on_after(0.05):
+        await budget.acquire(40, held=20, meta=B_META)
+    st = await budget.status()
+    assert st.waiters == {} and st.leases == 1
+    await a.release()
+    assert (await budget.status()).used == 0
+
+
+def test_progress_from_a_thread_wakes_a_sync_waiter() -> None:
+    budget = LocalBudget(60, BS, policy="elastic")
+    meta = {"prompt_tokens": 640, "forecast_tokens": 32, "prefix_key": "sys", "prefix_blocks": 30}
+    a = budget.acquire_sync(60, held=40, meta=meta)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(budget.acquire_sync(60, held=40, meta=meta, timeout=30)))
+    t.start()
+    while not budget.status_sync().waiters:
+        threading.Event().wait(0.001)
+    a.report_progress(None, first_token=True)
+    t.join(30)
+    assert len(got) == 1 and got[0].held == 40
+    got[0].release_sync()
+    a.release_sync()
+    assert budget.status_sync().used == 0
+
+
+def test_policy_object_must_match_the_block_size() -> None:
+    with pytest.raises(ConfigurationError, match="block_size"):
+        LocalBudget(100, 16, policy=ElasticPolicy(32))
+    assert LocalBudget(100, 32, policy=ElasticPolicy(32)).policy_name == "elastic"
+    with pytest.raises(ConfigurationError):
+        LocalBudget(100, policy="elastic-someday")
+
+
+@pytest.mark.anyio
+async def test_every_admission_keeps_the_projected_peak_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many tasks, progress reports out of lockstep: right after every grant that admits someone, the
+    projected peak (computed afresh) is within the limit. (Between admissions it may exceed the limit:
+    streams progressing out of lockstep legitimately move the projection; growth is never blocked.)"""
+    budget = LocalBudget(120, BS, policy="elastic")
+    led = budget._ledger
+    real_grant = led.grant
+    at_admission: list[int] = []
+
+    def checked_grant(now: float) -> list[str]:
+        granted = real_grant(now)
+        if granted:
+            fresh = ElasticPolicy(BS)  # no cache: recompute from the ledger's state
+            at_admission.append(fresh.used(led))
+        return granted
+
+    monkeypatch.setattr(led, "grant", checked_grant)
+    done = 0
+
+    async def one(i: int) -> None:
+        nonlocal done
+        prompt = 16 * (5 + i % 7)
+        fc = 16 * (1 + i % 5)
+        meta = {"prompt_tokens": prompt, "forecast_tokens": fc}
+        lease = await budget.acquire(60, held=-(-prompt // BS), meta=meta)
+        for step in range(1, fc // 16):  # at its forecast end it finishes (a report there reads as outgrown)
+            lease.report_progress(-(-(prompt + 16 * step) // BS), first_token=True, tokens=prompt + 16 * step)
+            await anyio.sleep(0)
+        await lease.release()
+        done += 1
+
+    async with anyio.create_task_group() as tg:
+        for i in range(60):
+            tg.start_soon(one, i)
+    assert done == 60 and len(at_admission) >= 2
+    assert max(at_admission) <= 120
+    assert (await budget.status()).used == 0
