@@ -217,6 +217,65 @@ class ServerInfo:
         self._lock = threading.Lock()
         self._alock: Any = None  # anyio.Lock, made on first async use
 
+    @classmethod
+    def from_url(
+        cls,
+        base_url: str,
+        *,
+        http: Any | None = None,
+        headers: Mapping[str, str] | None = None,
+        settings: Settings | None = None,
+        timeout: float = 10.0,
+    ) -> ServerInfo:
+        """A ServerInfo for the server at ``base_url`` (the OpenAI base URL, e.g. ``http://h:8000/v1``).
+
+        ``http`` is an ``httpx`` / ``httpx2`` client to send through: an ``AsyncClient`` serves the async
+        methods, a ``Client`` the ``*_sync`` ones (the other flavour then raises ConfigurationError).
+        Without it every fetch uses a short-lived ``httpx`` client (metadata calls are rare: models are
+        cached), and both flavours work. ``headers`` (e.g. ``Authorization``) go with every call;
+        ``timeout`` bounds each call when no client is given.
+        """
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ConfigurationError(f"base_url must be an http(s) URL such as http://host:8000/v1, got {base_url!r}")
+        hdrs = {"accept": "application/json", **dict(headers or {})}
+
+        def kwargs(payload: Any) -> dict[str, Any]:
+            kw: dict[str, Any] = {"headers": hdrs}
+            if payload is not None:
+                kw["json"] = payload
+            return kw
+
+        fetch: AsyncFetch | None = None
+        fetch_sync: SyncFetch | None = None
+        is_async = http is not None and hasattr(http, "aclose")
+        if http is None or is_async:
+
+            async def fetch(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+                url = resolve_url(base_url, path)
+                if http is not None:
+                    r = await http.request(method, url, **kwargs(payload))
+                    return r.status_code, r.content
+                import httpx
+
+                async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+                    r = await client.request(method, url, **kwargs(payload))
+                    return r.status_code, r.content
+
+        if http is None or not is_async:
+
+            def fetch_sync(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+                url = resolve_url(base_url, path)
+                if http is not None:
+                    r = http.request(method, url, **kwargs(payload))
+                    return r.status_code, r.content
+                import httpx
+
+                with httpx.Client(timeout=timeout, trust_env=False) as client:
+                    r = client.request(method, url, **kwargs(payload))
+                    return r.status_code, r.content
+
+        return cls(fetch=fetch, fetch_sync=fetch_sync, settings=settings)
+
     # --- max_model_len ---------------------------------------------------------------------------
     def _configured_len(self) -> int | None:
         if self._settings is None:

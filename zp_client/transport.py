@@ -35,7 +35,22 @@ What callers may rely on:
   in ordinary chunks, so nothing else differs). The request body is the only change on the wire.
 - Per-call options: header ``X-ZP-Priority`` (int, lower = earlier) sets the queue priority; without it a
   body ``priority`` field (vLLM's) is used and left in the body. Header ``X-ZP-Deadline`` (seconds) or
-  ``Settings.deadline_s`` bounds the wait for a lease and every retry attempt. Both headers are stripped.
+  ``Settings.deadline_s`` bounds the wait for a lease and every retry attempt. Header ``X-ZP-Route`` names
+  the route whose output lengths the forecaster learns (default: the body's ``model``). All three
+  headers are stripped.
+- Elastic budgets (``budget.policy_name == "elastic"``): the lease is taken with ``meta`` for
+  :class:`~zp_client.budget.elastic.ElasticPolicy`: ``prompt_tokens`` (the reserved prompt estimate),
+  ``forecast_tokens`` (a :class:`~zp_client.forecast.LengthForecaster` quantile for the route, capped at
+  max_tokens), ``streaming``, and ``prefix_key`` / ``prefix_blocks`` (full blocks of the shared preamble,
+  from the estimator's lower bound). As a stream advances the transport reports ``first_token=True`` at
+  its first event (vLLM sends the first chunk once the prompt is prefilled, so the prefix is cached),
+  the held growth with the exact ``tokens`` count, and a re-forecast (conditional quantile given the
+  tokens so far) whenever the stream reaches its forecast. A non-streamed request keeps its forecast
+  until it completes. Every complete response's ``usage.completion_tokens`` (per choice) teaches the
+  forecaster. The forecaster is ``forecaster=`` or, by default, one shared by every transport of the
+  same budget. ``oracle=True`` (benchmarks only, never the default) uses the simulator's body field
+  ``sim_output_tokens`` as the forecast: the limit a forecaster can reach. Strict budgets get none of
+  this (no metadata, no extra work).
 - With a :class:`~zp_client.retry.RetryPolicy`, the transport runs the attempt loop: on a retryable
   outcome the lease is released, the policy sleeps, and the lease is re-acquired with the same ticket
   (the request keeps its place in line). Nothing is retried once the response was handed to the caller.
@@ -76,12 +91,15 @@ __all__ = [
     "is_admitted",
     "PRIORITY_HEADER",
     "DEADLINE_HEADER",
+    "ROUTE_HEADER",
+    "forecaster_for",
 ]
 
 logger = logging.getLogger("zp_client.transport")
 
 PRIORITY_HEADER = "x-zp-priority"
 DEADLINE_HEADER = "x-zp-deadline"
+ROUTE_HEADER = "x-zp-route"
 _ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
 # Growth is reported every few blocks: often enough for the elastic policy to see a stream grow,
 # rarely enough that a Redis backend is not hit per token.
@@ -118,6 +136,19 @@ class _Plan:
     prompt_tokens: int
     n: int
     estimate: Any
+    meta: dict[str, Any] | None = None
+    """Lease metadata for an elastic budget (None under strict)."""
+    route: str = "default"
+    """The forecaster's key."""
+    max_tokens: int = 0
+    forecast: int = 0
+    """Forecast output tokens per choice (elastic only)."""
+    oracle: bool = False
+    chat: bool = False
+
+    def acquire_kwargs(self) -> dict[str, Any]:
+        # meta only when there is some: a backend written before it existed keeps working.
+        return {"meta": dict(self.meta)} if self.meta is not None else {}
 
 
 @dataclass
@@ -134,6 +165,7 @@ class _Parsed:
     base: str
     root: str
     auth_headers: dict[str, str] = field(default_factory=dict)
+    route: str | None = None
 
 
 _logged_default_max_tokens = False
@@ -175,6 +207,8 @@ class _Core:
         settings: Settings | None,
         estimator: Any | None,
         retry: Any | None,
+        forecaster: Any | None = None,
+        oracle: bool = False,
     ) -> None:
         if not isinstance(budget, Budget):
             raise ConfigurationError(
@@ -188,6 +222,10 @@ class _Core:
             estimator = Estimator(self.settings)
         self.estimator = estimator
         self.retry = retry
+        # Elastic metadata is worth its cost only when the budget's policy reads it.
+        self.elastic = getattr(budget, "policy_name", "strict") == "elastic"
+        self.forecaster = forecaster if forecaster is not None else (forecaster_for(budget) if self.elastic else None)
+        self.oracle = bool(oracle)
         self._servers: dict[str, Any] = {}
         self._mml: dict[tuple[str, str | None], int | None] = {}
         # wrap() sets this so zp refusals pass through the openai SDK as a catchable type.
@@ -206,8 +244,12 @@ class _Core:
         deadline_s: float | None = self.settings.deadline_s
         headers: list[tuple[bytes, bytes]] = []
         auth: dict[str, str] = {}
+        route: str | None = None
         for k, v in request.headers.raw:
             lk = k.lower()
+            if lk == ROUTE_HEADER.encode():
+                route = v.decode("utf-8", "replace").strip() or None
+                continue
             if lk == PRIORITY_HEADER.encode():
                 try:
                     priority = int(v.decode().strip())
@@ -277,13 +319,17 @@ class _Core:
             base=base,
             root=root,
             auth_headers=auth,
+            route=route,
         )
 
     def finish_plan(self, request: Any, p: _Parsed, est: Any, mml: int | None) -> _Plan:
         from zp_client.estimate import kv_blocks
 
-        if mml is not None and est.tokens > mml:
-            raise PromptTooLong(int(est.tokens), mml)
+        lower = getattr(self.estimator, "lower_bound_tokens", None)
+        # Refuse only what surely does not fit: an over-estimate must never refuse a prompt that fits.
+        low = int(lower(est)) if lower is not None else int(est.tokens)
+        if mml is not None and low > mml:
+            raise PromptTooLong(low, mml)
         prompt = int(self.estimator.reserve_tokens(est))
         n = int(getattr(est, "n", 1) or 1)
         bs = self.budget.block_size
@@ -292,6 +338,27 @@ class _Core:
         content = (
             json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode() if p.changed else request.content
         )
+        route = p.route or p.model or "default"
+        meta: dict[str, Any] | None = None
+        forecast = 0
+        oracle = False
+        if self.elastic:
+            forecast, oracle = self._forecast(p, route)
+            # n > 1 grows n tokens per step, which the one-token-per-step projection cannot express:
+            # project it as non-streamed (its forecast end held from now), which is conservative.
+            streaming = p.stream and n == 1
+            meta = {"prompt_tokens": prompt * n, "forecast_tokens": forecast * n, "streaming": streaming}
+            key = getattr(est, "prefix_key", None)
+            ptok = int(getattr(est, "prefix_tokens", 0) or 0)
+            if key is not None and ptok > 0:
+                # vLLM shares only full blocks; count the prefix from the estimate's lower bound so an
+                # over-estimate never claims sharing that does not happen.
+                if est.tokens > 0 and lower is not None:
+                    ptok = min(ptok, ptok * low // int(est.tokens))
+                pblocks = ptok // bs
+                if pblocks > 0:
+                    meta["prefix_key"] = key
+                    meta["prefix_blocks"] = pblocks
         return _Plan(
             content=content,
             headers=p.headers,
@@ -304,7 +371,22 @@ class _Core:
             prompt_tokens=prompt,
             n=n,
             estimate=est,
+            meta=meta,
+            route=route,
+            max_tokens=p.max_tokens,
+            forecast=forecast,
+            oracle=oracle,
+            chat=request.url.path.rstrip("/").endswith("/chat/completions"),
         )
+
+    def _forecast(self, p: _Parsed, route: str) -> tuple[int, bool]:
+        """(forecast output tokens per choice, from the oracle?)."""
+        if self.oracle:
+            true_len = p.body.get("sim_output_tokens")
+            if isinstance(true_len, int) and not isinstance(true_len, bool) and true_len >= 0:
+                return min(true_len, p.max_tokens), True
+        fc = self.forecaster
+        return int(fc.forecast(route, generated=0, max_tokens=p.max_tokens)), False
 
     # -- server metadata ----------------------------------------------------------------------------
     def server_for(self, p: _Parsed, mod: ModuleType, inner: Any) -> Any:
@@ -568,8 +650,16 @@ _watchdog = _Watchdog()
 class _Scanner:
     """Watches a response body go by: counts SSE events, finds ``usage``, strips the one zp added."""
 
-    def __init__(self, plan: _Plan, block_size: int, bound: int, lease: Lease, is_sse: bool) -> None:
+    def __init__(self, plan: _Plan, block_size: int, bound: int, lease: Lease, is_sse: bool,
+                 forecaster: Any | None = None) -> None:
         self.plan = plan
+        # Elastic progress: first token, exact tokens with each held report, re-forecasts.
+        self.elastic = plan.meta is not None and plan.meta.get("streaming", False) and is_sse
+        self.forecaster = forecaster
+        self.forecast = plan.forecast
+        self.first_sent = False
+        # A chat stream's first event is the role chunk: it carries no token.
+        self.skip = 1 if plan.chat else 0
         self.block_size = block_size
         self.bound = bound
         self.lease = lease
@@ -649,6 +739,9 @@ class _Scanner:
 
     def _grow(self, events: int) -> None:
         self.events += events
+        if self.elastic:
+            self._progress()
+            return
         # About one token per choice per event; the first (role) event carries none, which only makes
         # this a slight overestimate of growth: fine for accounting.
         generated = self.events // self.plan.n
@@ -659,6 +752,35 @@ class _Scanner:
         if held >= self.reported + _REPORT_STEP_BLOCKS:
             self.reported = held
             self.lease.report_held(held)
+
+    def _progress(self) -> None:
+        """Elastic (n == 1, streamed): report first token, growth with exact tokens, re-forecasts."""
+        plan = self.plan
+        fields: dict[str, Any] = {}
+        if not self.first_sent:
+            # vLLM sends a stream's first event once the prompt is prefilled: its prefix is cached now.
+            self.first_sent = True
+            fields["first_token"] = True
+        generated = max(0, self.events - self.skip)
+        if generated >= self.forecast and self.forecast < plan.max_tokens:
+            # Reached its forecast and still going: ask again, given the tokens so far. At the forecast
+            # end itself the policy already reads the lease as outgrown (projected to its bound), so a
+            # new forecast here loosens that as soon as it is known.
+            if plan.oracle or self.forecaster is None:
+                new = min(plan.max_tokens, generated + self.block_size)
+            else:
+                new = int(self.forecaster.forecast(plan.route, generated=generated, max_tokens=plan.max_tokens))
+            if new > self.forecast:
+                self.forecast = new
+                fields["forecast_tokens"] = new
+        tokens = plan.prompt_tokens + generated
+        held = min(self.bound, -(-tokens // self.block_size))
+        if fields or held >= self.reported + _REPORT_STEP_BLOCKS:
+            self.reported = held
+            try:
+                self.lease.report_progress(held, tokens=tokens, **fields)
+            except Exception:  # progress is advisory; it must never break the caller's stream
+                logger.debug("progress report failed", exc_info=True)
 
     def final_usage(self) -> dict[str, Any] | None:
         if self.usage is None and self.body is not None:
@@ -679,8 +801,29 @@ def _observe(core: _Core, plan: _Plan, scanner: _Scanner) -> None:
             prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
             if isinstance(prompt, int):
                 core.estimator.observe(plan.estimate, prompt)
+            if core.forecaster is not None:
+                out = usage.get("completion_tokens", usage.get("output_tokens"))
+                if isinstance(out, int) and not isinstance(out, bool) and out >= 0:
+                    # Per choice: what one sequence of this route produces.
+                    core.forecaster.observe(plan.route, round(out / max(1, plan.n)))
     except Exception:  # calibration must never break a response
         logger.debug("usage reconciliation failed", exc_info=True)
+
+
+_forecasters: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_forecasters_lock = threading.Lock()
+
+
+def forecaster_for(budget: Budget) -> Any:
+    """The :class:`~zp_client.forecast.LengthForecaster` every transport of ``budget`` shares by
+    default (made on first use, q = 0.9), so wrapped clients of one budget learn together."""
+    from zp_client.forecast import LengthForecaster
+
+    with _forecasters_lock:
+        fc = _forecasters.get(budget)
+        if fc is None:
+            fc = _forecasters[budget] = LengthForecaster()
+        return fc
 
 
 # --------------------------------------------------------------------------------------------------
@@ -806,7 +949,7 @@ def _build(mod: ModuleType) -> TransportClasses:
             scanner = _Scanner(plan, core.budget.block_size, lease.bound, lease, False)
             scanner.body = None  # nor parse usage out of compressed bytes
             return scanner
-        return _Scanner(plan, core.budget.block_size, lease.bound, lease, is_sse)
+        return _Scanner(plan, core.budget.block_size, lease.bound, lease, is_sse, core.forecaster)
 
     def _request(original: Any, plan: _Plan) -> Any:
         # A fresh request per attempt (the caller's object is never mutated, so it can be re-sent).
@@ -849,14 +992,21 @@ def _build(mod: ModuleType) -> TransportClasses:
             estimator: Any | None = None,
             retry: Any | None = None,
             close_inner: bool = True,
+            forecaster: Any | None = None,
+            oracle: bool = False,
         ) -> None:
             self._inner = inner if inner is not None else mod.AsyncHTTPTransport()
-            self._core = _Core(budget, settings, estimator, retry)
+            self._core = _Core(budget, settings, estimator, retry, forecaster, oracle)
             self._close_inner = close_inner
 
         @property
         def budget(self) -> Budget:
             return self._core.budget
+
+        @property
+        def forecaster(self) -> Any | None:
+            """The output-length forecaster (elastic budgets; None under strict unless one was given)."""
+            return self._core.forecaster
 
         async def handle_async_request(self, request: Any) -> Any:
             if not is_admitted(request.method, request.url.path):
@@ -884,13 +1034,18 @@ def _build(mod: ModuleType) -> TransportClasses:
             mml = await core.max_model_len(p, mod, self._inner)
             plan = core.finish_plan(request, p, est, mml)
             retry = core.retry
-            state = retry.new_request() if retry is not None else None
+            state = None
+            if retry is not None:
+                # RedisRetryBudget records the request over the network: not on the event loop's thread.
+                nra = getattr(retry, "new_request_async", None)
+                state = await nra() if nra is not None else retry.new_request()
             ticket: Ticket | None = None
             attempt = 0
             while True:
                 rem = core.check_deadline(plan, attempt)
                 lease = await core.budget.acquire(
-                    plan.blocks, priority=plan.priority, timeout=rem, ticket=ticket, held=plan.held
+                    plan.blocks, priority=plan.priority, timeout=rem, ticket=ticket, held=plan.held,
+                    **plan.acquire_kwargs(),
                 )
                 ticket = lease.ticket
                 if state is not None:
@@ -963,14 +1118,21 @@ def _build(mod: ModuleType) -> TransportClasses:
             estimator: Any | None = None,
             retry: Any | None = None,
             close_inner: bool = True,
+            forecaster: Any | None = None,
+            oracle: bool = False,
         ) -> None:
             self._inner = inner if inner is not None else mod.HTTPTransport()
-            self._core = _Core(budget, settings, estimator, retry)
+            self._core = _Core(budget, settings, estimator, retry, forecaster, oracle)
             self._close_inner = close_inner
 
         @property
         def budget(self) -> Budget:
             return self._core.budget
+
+        @property
+        def forecaster(self) -> Any | None:
+            """The output-length forecaster (elastic budgets; None under strict unless one was given)."""
+            return self._core.forecaster
 
         def handle_request(self, request: Any) -> Any:
             if not is_admitted(request.method, request.url.path):
@@ -1004,7 +1166,8 @@ def _build(mod: ModuleType) -> TransportClasses:
             while True:
                 rem = core.check_deadline(plan, attempt)
                 lease = core.budget.acquire_sync(
-                    plan.blocks, priority=plan.priority, timeout=rem, ticket=ticket, held=plan.held
+                    plan.blocks, priority=plan.priority, timeout=rem, ticket=ticket, held=plan.held,
+                    **plan.acquire_kwargs(),
                 )
                 ticket = lease.ticket
                 if state is not None:

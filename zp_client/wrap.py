@@ -20,8 +20,9 @@ What callers may rely on:
   client raises a subclass of BOTH the zp error class and ``openai.OpenAIError`` (same name, same
   message, same attributes). ``except zp_client.LeaseTooLarge`` and ``except openai.OpenAIError`` both
   work; the behaviour is identical on openai 2.x and 3.x.
-- Per call, ``extra_headers={"X-ZP-Priority": "1", "X-ZP-Deadline": "30"}`` set queue priority and the
-  deadline (both headers are stripped before sending).
+- Per call, ``extra_headers={"X-ZP-Priority": "1", "X-ZP-Deadline": "30", "X-ZP-Route": "planner"}`` set
+  queue priority, the deadline and the route whose output lengths the forecaster learns (an elastic
+  budget's); all are stripped before sending.
 - ``from zp_client import wrap`` works in any import order: once the submodule ``zp_client.wrap`` is
   imported Python binds that name on the package to the module, so the module itself is callable and
   forwards to :func:`wrap`.
@@ -80,13 +81,19 @@ def wrap(
     settings: Settings | None = None,
     estimator: Any | None = None,
     retry: Any | None = None,
+    forecaster: Any | None = None,
+    oracle: bool = False,
     **setting_overrides: Any,
 ) -> C:
     """Return a copy of ``client`` (``openai.AsyncOpenAI`` / ``openai.OpenAI``) that admits every call.
 
     ``budget`` is the shared KV budget (LocalBudget, RedisBudget). ``settings`` (or keyword overrides of
     its fields, e.g. ``default_max_tokens=1024``), ``estimator`` and ``retry`` (a RetryPolicy) configure
-    the admission transport. See the module docstring for what is kept from the original client.
+    the admission transport. With an elastic budget, ``forecaster`` (a
+    :class:`~zp_client.forecast.LengthForecaster`; default: the one shared by the budget's transports)
+    forecasts output lengths, and ``oracle=True`` (benchmarks only) forecasts from the simulator's
+    ``sim_output_tokens`` body field instead. See the module docstring for what is kept from the
+    original client.
     """
     try:
         import openai
@@ -110,7 +117,7 @@ def wrap(
     cls = classes.AsyncAdmissionTransport if is_async else classes.AdmissionTransport
 
     transport = cls(http._transport, budget=budget, settings=settings, estimator=estimator, retry=retry,
-                    close_inner=False)
+                    close_inner=False, forecaster=forecaster, oracle=oracle)
     core = transport._core
     core.convert_error = openai_compatible_error
     mounts: dict[str, Any] = {}
