@@ -334,3 +334,48 @@ def test_openai3_with_a_legacy_httpx_client(server: LoopbackServer) -> None:
 def test_wrap_rejects_other_objects() -> None:
     with pytest.raises(zp_client.ConfigurationError):
         wrap(httpx.Client(), budget=make_budget())
+
+
+# ---------------------------------------------------------------------------------------------------
+# elastic budgets through the SDK
+# ---------------------------------------------------------------------------------------------------
+
+
+async def test_async_elastic_route_oracle_and_learning(server: LoopbackServer) -> None:
+    from zp_client.forecast import LengthForecaster
+
+    b = _Budget(limit_blocks=1000, block_size=16, policy="elastic")
+    metas: list[dict[str, Any]] = []
+    real = b.acquire
+
+    async def spy(blocks: int, **kw: Any) -> Any:
+        metas.append(dict(kw.get("meta") or {}))
+        return await real(blocks, **kw)
+
+    b.acquire = spy  # type: ignore[method-assign]
+    fc = LengthForecaster()
+    c = awrapped(server, b, forecaster=fc, oracle=True)
+    stream = await c.chat.completions.create(
+        model="ok", messages=MSGS, max_tokens=500, stream=True,
+        extra_headers={"X-ZP-Route": "coder"}, extra_body={"sim_output_tokens": 9},
+    )
+    async for _ in stream:
+        pass
+    r = await c.chat.completions.create(model="ok", messages=MSGS, max_tokens=500)
+    assert r.usage is not None and await used(b) == 0
+    assert metas[0]["forecast_tokens"] == 9 and metas[0]["streaming"] is True
+    assert metas[1]["streaming"] is False and metas[1]["forecast_tokens"] > 9  # no field: the forecaster
+    assert "x-zp-route" not in server.llm_requests()[-2]["headers"]
+    # Both responses taught the forecaster, keyed by route and by model.
+    assert fc.observations("coder") == 1 and fc.observations("ok") == 1
+
+
+def test_sync_elastic_waits_and_releases(server: LoopbackServer) -> None:
+    b = _Budget(limit_blocks=1000, block_size=16, policy="elastic")
+    c = swrapped(server, b)
+    for _ in c.chat.completions.create(model="ok", messages=MSGS, max_tokens=32, stream=True):
+        assert b.status_sync().used > 0
+    assert b.status_sync().used == 0
+    from zp_client.transport import forecaster_for
+
+    assert forecaster_for(b).observations("ok") == 1

@@ -671,6 +671,7 @@ class _Scanner:
         self.usage: dict[str, Any] | None = None
         self.pending: bytes | None = None
         self.body = bytearray() if not is_sse else None
+        self.observed = False
 
     def feed(self, chunk: bytes) -> bytes:
         if not self.sse:
@@ -794,6 +795,10 @@ class _Scanner:
 
 
 def _observe(core: _Core, plan: _Plan, scanner: _Scanner) -> None:
+    """Learn from the response's usage, once (calibration and the length forecaster)."""
+    if scanner.observed:
+        return
+    scanner.observed = True
     try:
         usage = scanner.final_usage()
         if usage:
@@ -808,6 +813,13 @@ def _observe(core: _Core, plan: _Plan, scanner: _Scanner) -> None:
                     core.forecaster.observe(plan.route, round(out / max(1, plan.n)))
     except Exception:  # calibration must never break a response
         logger.debug("usage reconciliation failed", exc_info=True)
+
+
+def _observe_seen(core: _Core, plan: _Plan, scanner: _Scanner) -> None:
+    """A stream closed before its body ended: learn only if its usage chunk already went by (SDKs stop
+    reading at ``[DONE]`` and close; the usage chunk comes before it, so the answer was complete)."""
+    if scanner.sse and scanner.usage is not None:
+        _observe(core, plan, scanner)
 
 
 _forecasters: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -884,6 +896,7 @@ def _build(mod: ModuleType) -> TransportClasses:
                             await self._resp.aclose()
                         except Exception:
                             logger.debug("closing the inner response failed", exc_info=True)
+                    _observe_seen(self._core, self._plan, scanner)
                 await holder.release()
 
         async def aclose(self) -> None:
@@ -891,6 +904,7 @@ def _build(mod: ModuleType) -> TransportClasses:
                 with anyio.CancelScope(shield=True):
                     await self._resp.aclose()
             finally:
+                _observe_seen(self._core, self._plan, self._scanner)
                 await self._holder.release()
 
     class _SyncBody(mod.SyncByteStream):  # type: ignore[name-defined,misc]
@@ -922,12 +936,14 @@ def _build(mod: ModuleType) -> TransportClasses:
                         self._resp.close()
                     except Exception:
                         logger.debug("closing the inner response failed", exc_info=True)
+                    _observe_seen(self._core, self._plan, scanner)
                 holder.release_sync()
 
         def close(self) -> None:
             try:
                 self._resp.close()
             finally:
+                _observe_seen(self._core, self._plan, self._scanner)
                 self._holder.release_sync()
 
     def _scanner_for(core: _Core, plan: _Plan, resp: Any, lease: Lease) -> _Scanner:
