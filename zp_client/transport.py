@@ -757,12 +757,19 @@ class _Scanner:
     def _progress(self) -> None:
         """Elastic (n == 1, streamed): report first token, growth with exact tokens, re-forecasts."""
         plan = self.plan
+        generated = max(0, self.events - self.skip)
+        tokens = plan.prompt_tokens + generated
+        if (
+            self.first_sent
+            and generated < self.forecast
+            and tokens < (self.reported + _REPORT_STEP_BLOCKS - 1) * self.block_size + 1
+        ):
+            return  # the common case, per event: nothing to report yet
         fields: dict[str, Any] = {}
         if not self.first_sent:
             # vLLM sends a stream's first event once the prompt is prefilled: its prefix is cached now.
             self.first_sent = True
             fields["first_token"] = True
-        generated = max(0, self.events - self.skip)
         if generated >= self.forecast and self.forecast < plan.max_tokens:
             # Reached its forecast and still going: ask again, given the tokens so far. At the forecast
             # end itself the policy already reads the lease as outgrown (projected to its bound), so a
@@ -774,7 +781,6 @@ class _Scanner:
             if new > self.forecast:
                 self.forecast = new
                 fields["forecast_tokens"] = new
-        tokens = plan.prompt_tokens + generated
         held = min(self.bound, -(-tokens // self.block_size))
         if fields or held >= self.reported + _REPORT_STEP_BLOCKS:
             self.reported = held
