@@ -309,3 +309,60 @@ async def test_every_admission_keeps_the_projected_peak_within_the_limit(monkeyp
     assert done == 60 and len(at_admission) >= 2
     assert max(at_admission) <= 120
     assert (await budget.status()).used == 0
+
+
+# ---------------------------------------------------------------------------------------------- property
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_op = st.one_of(
+    st.tuples(st.just("enqueue"), st.integers(1, 40), st.integers(1, 30), st.integers(0, 200),
+              st.sampled_from([None, "p", "q"]), st.booleans()),
+    st.tuples(st.just("held"), st.integers(0, 50), st.integers(0, 40)),
+    st.tuples(st.just("meta"), st.integers(0, 50), st.integers(0, 300), st.booleans()),
+    st.tuples(st.just("release"), st.integers(0, 50)),
+    st.tuples(st.just("cancel"), st.integers(0, 50)),
+    st.tuples(st.just("limit"), st.integers(20, 80)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_op, min_size=1, max_size=40))
+def test_cached_projection_matches_a_fresh_one_and_admissions_respect_the_limit(ops: list[Any]) -> None:
+    """Random ledger histories under elastic: the policy's cache (keyed on the ledger's version) always
+    agrees with a projection computed from scratch, and every grant that admits leaves it within the
+    limit."""
+    pol = ElasticPolicy(BS)
+    led = Ledger(60, policy=pol, starvation_bound=1.0)
+    ids: list[str] = []
+    now = 0.0
+    for op in ops:
+        now += 0.25
+        kind = op[0]
+        if kind == "enqueue":
+            _, bound, prompt_blocks, forecast, prefix, streaming = op
+            prompt_blocks = min(prompt_blocks, bound)
+            meta: dict[str, Any] = {"prompt_tokens": prompt_blocks * BS, "forecast_tokens": forecast,
+                                    "streaming": streaming}
+            if prefix is not None:
+                meta.update(prefix_key=prefix, prefix_blocks=max(1, prompt_blocks // 2))
+            wid = f"w{len(ids)}"
+            ids.append(wid)
+            try:
+                led.enqueue(wid, bound, prompt_blocks, 0, now, meta=meta)
+            except LeaseTooLarge:
+                continue
+        elif kind == "held" and ids:
+            led.report_held(ids[op[1] % len(ids)], op[2])
+        elif kind == "meta" and ids:
+            led.update_meta(ids[op[1] % len(ids)], forecast_tokens=op[2], first_token=op[3])
+        elif kind == "release" and ids:
+            led.release(ids[op[1] % len(ids)], now)
+        elif kind == "cancel" and ids:
+            led.cancel(ids[op[1] % len(ids)])
+        elif kind == "limit":
+            led.set_limit(op[1], now)
+        assert pol.used(led) == ElasticPolicy(BS).used(led)
+        if led.grant(now):
+            assert ElasticPolicy(BS).used(led) <= led.limit
+        assert pol.used(led) == ElasticPolicy(BS).used(led)

@@ -54,6 +54,9 @@ Guarantees callers may rely on (checked by ``tests/test_ledger.py``)
 * Under ``strict``, a grant never takes ``used`` (sum of live bounds) above the limit: after any grant
   that admits someone, ``used <= limit``. Lowering the limit never revokes a lease; while ``used`` exceeds
   the new limit nothing is admitted (admission pauses) until enough is released.
+* Under ``elastic``, right after any grant that admits someone, the projected peak of the live leases
+  (``used``) is within the limit. Between admissions it may exceed it: growth and metadata updates are
+  recorded, never refused, and admission pauses while the projection is above the limit.
 * ``0 <= held <= bound`` for every lease.
 * A request whose ``bound`` exceeds the limit is refused at enqueue (:class:`~zp_client.LeaseTooLarge`);
   waiters left larger than a lowered limit are removed by :meth:`Ledger.set_limit` and returned so the
