@@ -46,7 +46,9 @@ class BudgetStatus:
     limit: int
     """Usable blocks the budget may hand out."""
     used: int
-    """Blocks the reservation policy counts as taken (under ``strict``: the sum of live bounds)."""
+    """Blocks the reservation policy counts as taken (under ``strict``: the sum of live bounds; under
+    ``elastic``: the projected peak of the live leases, which may exceed ``limit`` between admissions
+    when leases outgrow their forecasts)."""
     free: int
     """``max(0, limit - used)``."""
     held: int
