@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.budget.ledger import Ledger
-from zp_client.errors import LeaseTooLarge
+from zp_client.errors import ConfigurationError, LeaseTooLarge
 
 LIMIT = 12
 NO_BACKFILL = 0.0
@@ -39,7 +39,7 @@ BudgetFactory = Callable[[int, float], Budget]
 def _local_factory(limit: int, starvation: float) -> Budget:
     from zp_client.budget.local import LocalBudget
 
-    return LocalBudget(limit, starvation_bound=starvation)
+    return LocalBudget(limit, starvation_bound_s=starvation)
 
 
 def _make_machine(factory: BudgetFactory, starvation: float, cleanup: Callable[[], None]) -> type:
@@ -158,7 +158,13 @@ def _make_machine(factory: BudgetFactory, starvation: float, cleanup: Callable[[
             assert self.leases[lbl].held == self.model.lease(lbl).held
             self.settle()
 
-        @rule(limit=st.integers(0, LIMIT + 4))
+        @rule(limit=st.sampled_from([0, -1, 2.5]))
+        def set_limit_refuses_a_limit_below_one_block(self, limit: Any) -> None:
+            with pytest.raises(ConfigurationError):
+                self.run(self.budget.set_limit(limit))
+            self.settle()
+
+        @rule(limit=st.integers(1, LIMIT + 4))
         def set_limit(self, limit: int) -> None:
             self.run(self.budget.set_limit(limit))
             self.rejected |= set(self.model.set_limit(limit, 0.0))

@@ -54,14 +54,14 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Literal
 
-import anyio
 import redis as redis_sync
 import redis.asyncio as redis_async
+from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -205,6 +205,7 @@ class _AsyncSide:
         self.waiters_changed = asyncio.Event()
         self.dirty_event = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
+        self.closed = False
         self.budget = budget
 
     def start(self) -> None:
@@ -250,7 +251,7 @@ class RedisBudget(Budget):
             raise ConfigurationError(
                 f"budget name must be a non-empty string of at most 200 characters without braces, got {name!r}"
             )
-        self._configured_limit = validate_blocks(limit_blocks, "limit_blocks", minimum=0)
+        self._configured_limit = validate_blocks(limit_blocks, "limit_blocks")
         self.block_size = validate_blocks(block_size, "block_size")
         for what, v in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
                         ("unavailable_timeout", unavailable_timeout)):
@@ -313,6 +314,12 @@ class RedisBudget(Budget):
         """The limit last seen in Redis (the configured one until the first call)."""
         return self._limit
 
+    @property
+    def policy_name(self) -> str:
+        """``"strict"``: ``meta`` given to :meth:`acquire` is accepted and ignored (elastic over Redis
+        arrives with its own issue)."""
+        return self._policy
+
     def add_event_hook(self, hook: Callable[[RedisBudgetEvent], None]) -> None:
         """Call ``hook(event)`` for every :class:`RedisBudgetEvent` (from a background task or thread)."""
         self._hooks.append(hook)
@@ -325,14 +332,14 @@ class RedisBudget(Budget):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         bound, held_v, prio, order = self._validate(blocks, priority, ticket, held)
         try:
             if timeout is None:
                 return await self._acquire(bound, held_v, prio, order)
-            with anyio.fail_after(timeout):
-                return await self._acquire(bound, held_v, prio, order)
-        except TimeoutError as exc:
+            return await asyncio.wait_for(self._acquire(bound, held_v, prio, order), timeout)
+        except asyncio.TimeoutError as exc:
             if isinstance(exc, AdmissionTimeout):
                 raise
             raise AdmissionTimeout(
@@ -342,7 +349,8 @@ class RedisBudget(Budget):
         except BudgetUnavailable:
             if self._on_unavailable != "fail_local":
                 raise
-            return await self._local().acquire(bound, priority=prio, timeout=timeout, ticket=ticket, held=held_v)
+            return await self._local().acquire(bound, priority=prio, timeout=timeout, ticket=ticket, held=held_v,
+                                               meta=meta)
 
     def acquire_sync(
         self,
@@ -352,6 +360,7 @@ class RedisBudget(Budget):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         bound, held_v, prio, order = self._validate(blocks, priority, ticket, held)
         try:
@@ -359,7 +368,8 @@ class RedisBudget(Budget):
         except BudgetUnavailable:
             if self._on_unavailable != "fail_local":
                 raise
-            return self._local().acquire_sync(bound, priority=prio, timeout=timeout, ticket=ticket, held=held_v)
+            return self._local().acquire_sync(bound, priority=prio, timeout=timeout, ticket=ticket, held=held_v,
+                                              meta=meta)
 
     async def status(self) -> BudgetStatus:
         """A read-only snapshot from Redis (``extra`` holds epoch, recovery, counters)."""
@@ -373,15 +383,15 @@ class RedisBudget(Budget):
 
     async def set_limit(self, limit: int) -> None:
         """Set the limit for the whole fleet. Raising it admits waiters; lowering never revokes a lease."""
-        validate_blocks(limit, "limit", minimum=0)
+        validate_blocks(limit, "limit")
         side = await self._get_side()
         r = await self._eval(side, "set_limit", [limit, ""])
         self._limit = int(r[1])
 
     async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
         """Set the limit only if it is still ``expected``; returns False (and changes nothing) otherwise."""
-        validate_blocks(limit, "limit", minimum=0)
-        validate_blocks(expected, "expected", minimum=0)
+        validate_blocks(limit, "limit")
+        validate_blocks(expected, "expected")
         side = await self._get_side()
         r = await self._eval(side, "set_limit", [limit, expected])
         self._limit = int(r[1])
@@ -410,11 +420,14 @@ class RedisBudget(Budget):
             for lid in list(side.retry_releases):
                 with contextlib.suppress(Exception):
                     await self._eval(side, "release", [lid, self._owner], init=False, patient=False)
+            side.closed = True
+            side.waiters_changed.set()
+            side.dirty_event.set()
             for t in side.tasks:
                 t.cancel()
-            for t in side.tasks:
-                with contextlib.suppress(BaseException):
-                    await t
+            if side.tasks:
+                # bounded: a task stuck inside a client call must not hang aclose
+                await asyncio.wait(side.tasks, timeout=2.0)
             if side.owns_client:
                 with contextlib.suppress(Exception):
                     await side.client.aclose()
@@ -465,7 +478,8 @@ class RedisBudget(Budget):
             from zp_client.budget.local import LocalBudget
 
             share = max(1, int(self._limit * self._local_share))
-            self._fallback = LocalBudget(share, self.block_size)
+            self._fallback = LocalBudget(share, self.block_size, starvation_bound_s=self._starvation_bound,
+                                         name=f"{self.name}-local-fallback")
         self.counters["fallback_local"] += 1
         if self._fallback_logged:
             return self._fallback
@@ -496,13 +510,19 @@ class RedisBudget(Budget):
         self._limit = limit
         self._epoch = epoch
         if created:
+            self._warned_limit = True  # our own limit is the stored one
             log.warning(
                 "zp_client: created Redis budget %r (limit %d blocks); recovery: admitting nothing new for "
                 "%.3g s while holders that survived a Redis restart re-adopt their leases",
                 self.name, limit, rec_left / 1000,
             )
             self._emit("created", recovery_s=rec_left / 1000)
-        elif limit != self._configured_limit and not self._warned_limit:
+        else:
+            self._learn_limit(limit)
+
+    def _learn_limit(self, limit: int) -> None:
+        self._limit = limit
+        if limit != self._configured_limit and not self._warned_limit:
             self._warned_limit = True
             log.warning(
                 "zp_client: Redis budget %r already exists with limit %d blocks; this process was configured "
@@ -586,6 +606,11 @@ class RedisBudget(Budget):
                     continue
                 self._mark_available(True)
                 return r
+            except (AuthenticationError, AuthorizationError) as exc:
+                raise ConfigurationError(
+                    f"Redis refused the credentials for budget {self.name!r} ({exc}); check the user/password "
+                    "in the URL (redis://user:password@host:port/db) and the ACL"
+                ) from exc
             except ResponseError as exc:
                 if "NOSCRIPT" in str(exc):
                     continue
@@ -614,6 +639,8 @@ class RedisBudget(Budget):
                 # fail_local degrades at once instead of waiting out unavailable_timeout
                 r = await self._eval(side, "acquire", args, patient=self._on_unavailable == "fail_closed")
                 code = _s(r[0])
+                if code in ("G", "W"):
+                    self._learn_limit(int(r[4]))
                 if code == "G":
                     return self._new_lease(side, rid, bound, held, Ticket(int(r[2]), int(r[1])), _s(r[3]))
                 if code == "X":
@@ -621,7 +648,7 @@ class RedisBudget(Budget):
                     raise LeaseTooLarge(bound, self._limit)
                 ticket = Ticket(int(r[2]), int(r[1]))
                 args[4] = w.order = ticket.order  # a re-enqueue (after 'N') keeps the place in line
-                rec_left = int(r[4]) / 1000
+                rec_left = int(r[5]) / 1000
                 if rec_left > 0:  # recovery ends: look again then rather than a poll interval later
                     side.poll_at = min(side.poll_at, time.monotonic() + rec_left + 0.005)
                 side.start()
@@ -639,11 +666,7 @@ class RedisBudget(Budget):
         except BaseException:
             side.waiters.pop(rid, None)
             # Leave no trace: remove the waiter, or release a grant that raced the cancellation.
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self._eval(side, "release", [rid, self._owner], init=False, patient=False)
-                except Exception:
-                    side.retry_releases[rid] = time.monotonic() + self._lease_ttl
+            await self._remote_release(side, rid)
             raise
         finally:
             side.waiters.pop(rid, None)
@@ -658,7 +681,7 @@ class RedisBudget(Budget):
         """Deliver wake-ups from this process's mailbox; poll (and heartbeat waiters) when it is quiet."""
         mailbox = f"{self._prefix}:mb:{self._owner}"
         next_poll = time.monotonic() + self._poll_interval
-        while True:
+        while not side.closed:
             if not side.waiters:
                 side.waiters_changed.clear()
                 await side.waiters_changed.wait()
@@ -713,7 +736,7 @@ class RedisBudget(Budget):
     async def _keeper(self, side: _AsyncSide) -> None:
         """Renew this loop's leases every TTL/3; retry releases that could not reach Redis."""
         period = self._lease_ttl / 3
-        while True:
+        while not side.closed:
             await asyncio.sleep(period)
             for lid, give_up in list(side.retry_releases.items()):
                 if time.monotonic() > give_up:
@@ -724,17 +747,20 @@ class RedisBudget(Budget):
                     side.retry_releases.pop(lid, None)
                 except Exception:
                     pass
-            leases = [le for le in side.leases.values() if not le._released and not le._lost]
-            for i in range(0, len(leases), _RENEW_BATCH):
-                batch = leases[i : i + _RENEW_BATCH]
-                try:
-                    r = await self._eval(side, "renew", self._renew_args(batch))
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.name, exc)
-                    continue
-                self._after_renew(batch, r, side.leases)
+            await self._renew_round(side)
+
+    async def _renew_round(self, side: _AsyncSide) -> None:
+        leases = [le for le in side.leases.values() if not le._released and not le._lost]
+        for i in range(0, len(leases), _RENEW_BATCH):
+            batch = leases[i : i + _RENEW_BATCH]
+            try:
+                r = await self._eval(side, "renew", self._renew_args(batch))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.name, exc)
+                continue
+            self._after_renew(batch, r, side.leases)
 
     def _renew_args(self, batch: list[RedisLease]) -> list[Any]:
         args: list[Any] = [self._owner, int(self._lease_ttl * 1000)]
@@ -778,7 +804,7 @@ class RedisBudget(Budget):
 
     async def _held_flusher(self, side: _AsyncSide) -> None:
         """Send held reports in batches: one script call carries every lease that grew meanwhile."""
-        while True:
+        while not side.closed:
             await side.dirty_event.wait()
             side.dirty_event.clear()
             ids, side.dirty = side.dirty, set()
@@ -802,21 +828,32 @@ class RedisBudget(Budget):
 
     async def _release_lease(self, lease: RedisLease) -> None:
         if lease._sync or self._side is None or self._side.loop is not asyncio.get_running_loop():
-            await anyio.to_thread.run_sync(self._release_lease_sync, lease)
+            await asyncio.to_thread(self._release_lease_sync, lease)
             return
         side = self._side
         side.leases.pop(lease.id, None)
         side.dirty.discard(lease.id)
         if lease._lost:
             return
-        try:
-            with anyio.CancelScope(shield=True):
-                await self._eval(side, "release", [lease.id, self._owner], init=False, patient=False)
-        except Exception as exc:
-            log.warning("zp_client: release of lease %s... in Redis budget %r failed (%r); retrying in the "
-                        "background", lease.id[:8], self.name, exc)
-            self.counters["release_retried"] += 1
-            side.retry_releases[lease.id] = time.monotonic() + self._lease_ttl
+        await self._remote_release(side, lease.id)
+
+    async def _remote_release(self, side: _AsyncSide, lid: str) -> None:
+        """Release a lease / cancel a waiter in Redis. Never raises (except the caller's own
+        cancellation); runs as its own task so a cancelled caller still releases, and a failure is
+        retried in the background until the lease would have expired anyway."""
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if t.cancelled() or t.exception() is not None:
+                exc = None if t.cancelled() else t.exception()
+                log.warning("zp_client: release of %s... in Redis budget %r failed (%r); retrying in the "
+                            "background", lid[:8], self.name, exc)
+                self.counters["release_retried"] += 1
+                side.retry_releases[lid] = time.monotonic() + self._lease_ttl
+
+        task = side.loop.create_task(self._eval(side, "release", [lid, self._owner], init=False, patient=False))
+        task.add_done_callback(done)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(task)
 
     # ------------------------------------------------------------------ sync plumbing
     def _sync(self) -> Any:
@@ -849,6 +886,11 @@ class RedisBudget(Budget):
                     continue
                 self._mark_available(True)
                 return r
+            except (AuthenticationError, AuthorizationError) as exc:
+                raise ConfigurationError(
+                    f"Redis refused the credentials for budget {self.name!r} ({exc}); check the user/password "
+                    "in the URL (redis://user:password@host:port/db) and the ACL"
+                ) from exc
             except ResponseError as exc:
                 if "NOSCRIPT" in str(exc):
                     continue
@@ -876,13 +918,15 @@ class RedisBudget(Budget):
             r = self._eval_sync("acquire", args, patient=self._on_unavailable == "fail_closed")
             while True:
                 code = _s(r[0])
+                if code in ("G", "W"):
+                    self._learn_limit(int(r[4]))
                 if code == "G":
                     return self._new_sync_lease(rid, bound, held, Ticket(int(r[2]), int(r[1])), _s(r[3]))
                 if code == "X":
                     self._limit = int(r[1])
                     raise LeaseTooLarge(bound, self._limit)
                 args[4] = int(r[1])
-                rec_left = int(r[4]) / 1000
+                rec_left = int(r[5]) / 1000
                 wait = self._poll_interval if rec_left <= 0 else min(self._poll_interval, rec_left + 0.005)
                 if deadline is not None:
                     left = deadline - time.monotonic()

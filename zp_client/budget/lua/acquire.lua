@@ -2,8 +2,8 @@
 -- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
 --       waiter_ttl_ms
--- Returns {'G', order, priority, epoch} granted | {'W', order, priority, epoch, recovery_left_ms}
---         waiting | {'X', limit} larger than the limit | {'I'} budget absent (call init.lua first).
+-- Returns {'G', order, priority, epoch, limit} granted
+--       | {'W', order, priority, epoch, limit, recovery_left_ms} waiting | {'X', limit} larger than the limit | {'I'} budget absent (call init.lua first).
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local id = ARGV[1]
 local now = now_ms()
@@ -12,12 +12,13 @@ reap(now)
 local raw = redis.call('HGET', K_LEASES, id)
 if raw then
   local l = cjson.decode(raw)
-  return {'G', l.o, l.p, epoch}
+  return {'G', l.o, l.p, epoch, meta_num('limit')}
 end
 local wraw = redis.call('HGET', K_WAIT, id)
 local order, prio
 if wraw then
   local w = cjson.decode(wraw)
+  if reject_if_too_large(id, w, meta_num('limit'), {}) then return {'X', meta_num('limit')} end
   redis.call('ZADD', K_WEXP, now + int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9), id)
   order, prio = w.o, w.p
 else
@@ -47,6 +48,7 @@ else
   class_add(prio, 1, bound)
 end
 grant(now, id)
-if redis.call('HEXISTS', K_LEASES, id) == 1 then return {'G', order, prio, epoch} end
-if redis.call('HEXISTS', K_WAIT, id) == 0 then return {'X', meta_num('limit')} end
-return {'W', order, prio, epoch, math.max(0, meta_num('rec') - now)}
+local limit = meta_num('limit')
+if redis.call('HEXISTS', K_LEASES, id) == 1 then return {'G', order, prio, epoch, limit} end
+if redis.call('HEXISTS', K_WAIT, id) == 0 then return {'X', limit} end
+return {'W', order, prio, epoch, limit, math.max(0, meta_num('rec') - now)}

@@ -89,6 +89,31 @@ local function fits(policy, limit, bsum, w)
   return bsum + w.b <= limit
 end
 
+local function notify(boxes)
+  for x, ids in pairs(boxes) do
+    local key = PREFIX .. ':mb:' .. x
+    redis.call('RPUSH', key, table.concat(ids, ','))
+    redis.call('PEXPIRE', key, MAILBOX_TTL_MS)
+  end
+end
+
+local function add_box(boxes, x, item)
+  if x and x ~= '' then
+    local box = boxes[x]
+    if box then table.insert(box, item) else boxes[x] = {item} end
+  end
+end
+
+-- Ledger.set_limit: a waiter larger than the limit can never be admitted; fail it ('!id' in its mailbox).
+local function reject_if_too_large(id, w, limit, boxes)
+  if w.b > limit then
+    drop_waiter(id, w)
+    add_box(boxes, w.x, '!' .. id)
+    return true
+  end
+  return false
+end
+
 -- Ledger.grant: walk the line from the head, admit every waiter that fits; a non-fitting waiter that
 -- has waited >= the starvation bound is a barrier. Admitted waiters become leases with the same id and
 -- are told through their mailbox (except `self_id`, who learns it from the reply).
@@ -107,13 +132,8 @@ local function grant(now, self_id)
       redis.call('ZREM', K_LINE, m)  -- defensive: a line entry without its record
     else
       local w = cjson.decode(raw)
-      if w.b > limit then
-        -- Ledger.set_limit: a waiter larger than a lowered limit can never be admitted; fail it.
-        drop_waiter(id, w)
-        if w.x and w.x ~= '' then
-          local box = boxes[w.x]
-          if box then table.insert(box, '!' .. id) else boxes[w.x] = {'!' .. id} end
-        end
+      if reject_if_too_large(id, w, limit, boxes) then
+        -- failed (set_limit normally did this already; kept for waiters beyond its scan)
       elseif fits(policy, limit, bsum, w) then
         drop_waiter(id, w)
         local lease = {b = w.b, h = w.h, p = w.p, o = w.o, w = w.w, l = w.l, g = now}
@@ -123,19 +143,12 @@ local function grant(now, self_id)
         redis.call('HINCRBY', K_META, 'nl', 1)
         bsum = redis.call('HINCRBY', K_META, 'bsum', w.b)
         n = n + 1
-        if id ~= self_id and w.x and w.x ~= '' then
-          local box = boxes[w.x]
-          if box then table.insert(box, id) else boxes[w.x] = {id} end
-        end
+        if id ~= self_id then add_box(boxes, w.x, id) end
       elseif now - w.s >= starve then
         break  -- barrier: capacity drains to this waiter
       end
     end
   end
-  for x, ids in pairs(boxes) do
-    local key = PREFIX .. ':mb:' .. x
-    redis.call('RPUSH', key, table.concat(ids, ','))
-    redis.call('PEXPIRE', key, MAILBOX_TTL_MS)
-  end
+  notify(boxes)
   return n
 end

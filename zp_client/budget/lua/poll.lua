@@ -11,6 +11,13 @@ reap(now)
 for i = 2, #ARGV do
   redis.call('ZADD', K_WEXP, 'XX', now + wttl, ARGV[i])
 end
+local limit = meta_num('limit')
+local boxes = {}
+for i = 2, #ARGV do
+  local raw = redis.call('HGET', K_WAIT, ARGV[i])
+  if raw then reject_if_too_large(ARGV[i], cjson.decode(raw), limit, boxes) end
+end
+notify(boxes)
 grant(now, '')
 local out = {math.max(0, meta_num('rec') - now)}
 for i = 2, #ARGV do

@@ -1,6 +1,7 @@
 -- set_limit.lua: change the limit by compare-and-set (Ledger.set_limit). Never revokes a lease: when
 -- used exceeds the new limit, admission pauses. Waiters larger than the new limit are failed (their
--- mailbox gets '!id'); the grant pass does the same lazily for any it meets later (bounded work).
+-- mailbox gets '!id'): the first 256 of the line here, the rest when a grant pass or their
+-- own process's poll meets them (bounded work per call).
 -- ARGV: new limit, expected current limit ('' = unconditional)
 -- Returns {'I'} budget absent | {1, limit, version} applied | {0, current limit, version} CAS failed.
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
@@ -11,6 +12,13 @@ if ARGV[2] ~= '' and tonumber(ARGV[2]) ~= cur then
 end
 redis.call('HSET', K_META, 'limit', new)
 local ver = redis.call('HINCRBY', K_META, 'ver', 1)
+local boxes = {}
+for _, m in ipairs(redis.call('ZRANGE', K_LINE, 0, 255)) do
+  local id = string.sub(m, 14)
+  local raw = redis.call('HGET', K_WAIT, id)
+  if raw then reject_if_too_large(id, cjson.decode(raw), new, boxes) end
+end
+notify(boxes)
 local now = now_ms()
 reap(now)
 grant(now, '')
