@@ -471,6 +471,32 @@ async def test_auth_through_the_url() -> None:
 
 
 # ---------------------------------------------------------------------------------------- Redis Cluster
+def _cluster_state(r: redis.Redis) -> str:
+    info = r.execute_command("CLUSTER INFO")  # parsed into a dict by redis-py, or raw text
+    if isinstance(info, dict):
+        v = info.get("cluster_state", info.get(b"cluster_state"))
+        return v.decode() if isinstance(v, bytes) else str(v)
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "ok" if "cluster_state:ok" in text else "fail"
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is valid and free too."""
+    import socket
+
+    for _ in range(200):
+        port = _free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 @pytest.fixture
 def redis_cluster() -> Iterator[list[int]]:
     missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
@@ -479,7 +505,7 @@ def redis_cluster() -> Iterator[list[int]]:
     procs, ports = [], []
     try:
         for _ in range(3):
-            port = _free_port()
+            port = _cluster_port()
             workdir = tempfile.mkdtemp(prefix="zp-cluster-")
             procs.append(subprocess.Popen(
                 ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
@@ -497,7 +523,7 @@ def redis_cluster() -> Iterator[list[int]]:
              "--cluster-yes"], check=True, capture_output=True, timeout=60)
         r = redis.Redis(port=ports[0])
         deadline = time.monotonic() + 90  # gossip is slow on a loaded 2-core machine
-        while b"cluster_state:ok" not in r.execute_command("CLUSTER INFO"):
+        while _cluster_state(r) != "ok":
             assert time.monotonic() < deadline, "cluster never reached state ok"
             time.sleep(0.05)
         r.close()
