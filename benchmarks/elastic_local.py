@@ -84,7 +84,7 @@ async def run_setup(setup: str, seed: int, args: argparse.Namespace) -> dict[str
         else:
             budget = LocalBudget(limit, 16, policy="strict" if setup == "strict" else "elastic")
             fc = LengthForecaster(q=args.q, prior=Prior(weight=args.prior_weight)) if setup != "strict" else None
-            client = wrap(base, budget=budget, settings=Settings(estimator="heuristic", deadline_s=None),
+            client = wrap(base, budget=budget, settings=Settings(estimator=args.estimator, deadline_s=None),
                           oracle=setup == "oracle", forecaster=fc)
         ttfts: list[float] = []
         errors = 0
@@ -146,6 +146,8 @@ async def main() -> None:
     ap.add_argument("--turns-lo", type=int, default=2)
     ap.add_argument("--turns-hi", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--estimator", default="heuristic",
+                    help="prompt estimator: heuristic (over-reserves, slack) or server (exact /tokenize)")
     ap.add_argument("--q", type=float, default=0.9, help="the forecaster's quantile")
     ap.add_argument("--prior-weight", type=float, default=20.0, help="pseudo-observations of the cold-start prior")
     args = ap.parse_args()
