@@ -206,6 +206,7 @@ class _AsyncSide:
         self.dirty_event = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
+        self.background: set[asyncio.Task[Any]] = set()  # strong refs to fire-and-forget releases
         self.budget = budget
 
     def start(self) -> None:
@@ -838,22 +839,32 @@ class RedisBudget(Budget):
         await self._remote_release(side, lease.id)
 
     async def _remote_release(self, side: _AsyncSide, lid: str) -> None:
-        """Release a lease / cancel a waiter in Redis. Never raises (except the caller's own
-        cancellation); runs as its own task so a cancelled caller still releases, and a failure is
-        retried in the background until the lease would have expired anyway."""
+        """Release a lease / cancel a waiter in Redis. Never raises except the caller's own
+        cancellation; a cancelled or failed release is finished by a background task / retried until
+        the lease would have expired anyway (release is idempotent, so a repeat is harmless)."""
+        try:
+            await self._eval(side, "release", [lid, self._owner], init=False, patient=False)
+        except asyncio.CancelledError:
+            self._release_in_background(side, lid)
+            raise
+        except Exception as exc:
+            self._retry_later(side, lid, exc)
 
+    def _release_in_background(self, side: _AsyncSide, lid: str) -> None:
         def done(t: asyncio.Task[Any]) -> None:
             if t.cancelled() or t.exception() is not None:
-                exc = None if t.cancelled() else t.exception()
-                log.warning("zp_client: release of %s... in Redis budget %r failed (%r); retrying in the "
-                            "background", lid[:8], self.name, exc)
-                self.counters["release_retried"] += 1
-                side.retry_releases[lid] = time.monotonic() + self._lease_ttl
+                self._retry_later(side, lid, None if t.cancelled() else t.exception())
 
         task = side.loop.create_task(self._eval(side, "release", [lid, self._owner], init=False, patient=False))
+        side.background.add(task)
+        task.add_done_callback(side.background.discard)
         task.add_done_callback(done)
-        with contextlib.suppress(Exception):
-            await asyncio.shield(task)
+
+    def _retry_later(self, side: _AsyncSide, lid: str, exc: BaseException | None) -> None:
+        log.warning("zp_client: release of %s... in Redis budget %r failed (%r); retrying in the background",
+                    lid[:8], self.name, exc)
+        self.counters["release_retried"] += 1
+        side.retry_releases[lid] = time.monotonic() + self._lease_ttl
 
     # ------------------------------------------------------------------ sync plumbing
     def _sync(self) -> Any:

@@ -31,8 +31,24 @@ else
   order = int_arg(ARGV[5], 'ticket order', -1, 1099511627775)
   local ttl = int_arg(ARGV[6], 'lease_ttl_ms', 1, 1e9)
   local wttl = int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9)
-  local limit = meta_num('limit')
+  local mm = redis.call('HMGET', K_META, 'limit', 'bsum', 'rec')
+  local limit = tonumber(mm[1])
   if bound > limit then return {'X', limit} end
+  -- Fast path, identical in outcome to enqueue + grant: with nobody in line, outside recovery, a
+  -- request that fits is the head and is admitted at once (fewer commands: the common uncontended case).
+  if now >= tonumber(mm[3]) and tonumber(mm[2]) + bound <= limit and redis.call('ZCARD', K_LINE) == 0 then
+    if order < 0 then
+      order = redis.call('HINCRBY', K_META, 'seq', 1) - 1
+    elseif order >= meta_num('seq') then
+      redis.call('HSET', K_META, 'seq', order + 1)
+    end
+    redis.call('HSET', K_LEASES, id, cjson.encode({b = bound, h = held, p = prio, o = order, w = ARGV[8], l = ttl, g = now}))
+    redis.call('ZADD', K_LEXP, now + ttl, id)
+    redis.call('HINCRBY', K_META, 'bsum', bound)
+    redis.call('HINCRBY', K_META, 'hsum', held)
+    redis.call('HINCRBY', K_META, 'nl', 1)
+    return {'G', order, prio, epoch, limit}
+  end
   if order < 0 then
     order = redis.call('HINCRBY', K_META, 'seq', 1) - 1
   elseif order >= meta_num('seq') then

@@ -8,22 +8,36 @@ if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local wttl = int_arg(ARGV[1], 'waiter_ttl_ms', 1, 1e9)
 local now = now_ms()
 reap(now)
-for i = 2, #ARGV do
-  redis.call('ZADD', K_WEXP, 'XX', now + wttl, ARGV[i])
-end
+-- Batched commands (a constant number per chunk of ids, not several per waiter): idle waiters cost
+-- Redis little even when a process has hundreds of them.
+local CHUNK = 500
 local limit = meta_num('limit')
 local boxes = {}
-for i = 2, #ARGV do
-  local raw = redis.call('HGET', K_WAIT, ARGV[i])
-  if raw then reject_if_too_large(ARGV[i], cjson.decode(raw), limit, boxes) end
+for c = 2, #ARGV, CHUNK do
+  local ids, zargs = {}, {}
+  for i = c, math.min(#ARGV, c + CHUNK - 1) do
+    table.insert(ids, ARGV[i])
+    table.insert(zargs, now + wttl)
+    table.insert(zargs, ARGV[i])
+  end
+  redis.call('ZADD', K_WEXP, 'XX', unpack(zargs))
+  local raws = redis.call('HMGET', K_WAIT, unpack(ids))
+  for j, raw in ipairs(raws) do
+    if raw then reject_if_too_large(ids[j], cjson.decode(raw), limit, boxes) end
+  end
 end
 notify(boxes)
 grant(now, '')
 local out = {math.max(0, meta_num('rec') - now)}
-for i = 2, #ARGV do
-  local id = ARGV[i]
-  if redis.call('HEXISTS', K_LEASES, id) == 1 then table.insert(out, 'G')
-  elseif redis.call('HEXISTS', K_WAIT, id) == 1 then table.insert(out, 'W')
-  else table.insert(out, 'N') end
+for c = 2, #ARGV, CHUNK do
+  local ids = {}
+  for i = c, math.min(#ARGV, c + CHUNK - 1) do table.insert(ids, ARGV[i]) end
+  local ws = redis.call('HMGET', K_WAIT, unpack(ids))
+  local ls = redis.call('HMGET', K_LEASES, unpack(ids))
+  for j = 1, #ids do
+    if ls[j] then table.insert(out, 'G')
+    elseif ws[j] then table.insert(out, 'W')
+    else table.insert(out, 'N') end
+  end
 end
 return out
