@@ -366,3 +366,24 @@ def test_cached_projection_matches_a_fresh_one_and_admissions_respect_the_limit(
         if led.grant(now):
             assert ElasticPolicy(BS).used(led) <= led.limit
         assert pol.used(led) == ElasticPolicy(BS).used(led)
+
+
+@pytest.mark.anyio
+async def test_a_backend_without_meta_keeps_working_with_the_base_helpers() -> None:
+    """base.Budget.lease passes ``meta`` only when given, and Lease.update_meta/report_progress have
+    defaults, so a backend written before elastic existed still works unchanged."""
+
+    class OldBudget(LocalBudget):
+        async def acquire(self, blocks: int, *, priority: int = 0, timeout: float | None = None,  # type: ignore[override]
+                          ticket: Any = None, held: int | None = None) -> Any:
+            return await super().acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held)
+
+    b = OldBudget(10, BS)
+    assert b.policy_name == "strict"
+    async with b.lease(3, held=1) as lease:
+        lease.report_progress(2, first_token=True)
+        assert lease.held == 2
+    assert (await b.status()).used == 0
+    with pytest.raises(TypeError):
+        async with b.lease(3, meta={"x": 1}):
+            pass
