@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -301,6 +301,3 @@ class HarnessMonitor:
             out["workers"] = self.workers
         return out
 
-
-async def gather_all(aws: list[Awaitable[Any]]) -> list[Any]:
-    return list(await asyncio.gather(*aws))

@@ -106,6 +106,7 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "goodput_rps": _r(len(good) / makespan if makespan else 0.0),
         "goodput_tps": _r(sum(r.out_tokens for r in good) / makespan if makespan else 0.0, 1),
         "good": len(good),
+        "slo_attainment": _r(len(good) / len(sent) if sent else None, 3),
         "attempts_server": attempts_server,
         "attempts_client": sum(r.attempts for r in sent),
         "amplification": _r(attempts_server / len(sent) if sent else None, 3),
@@ -187,6 +188,7 @@ _COLUMNS = [
     ("ITL p50 ms", "itl_p50", "ms"),
     ("ITL p99 ms", "itl_p99", "ms"),
     ("p99 ITL/unl", "itl_p99_vs_unloaded", "{:.1f}x"),
+    ("in SLO", "slo_attainment", "pct"),
     ("good req/s", "goodput_rps", "{:.3f}"),
     ("good tok/s", "goodput_tps", "{:.0f}"),
     ("vs naive", "goodput_vs_naive", "{:.2f}x"),
@@ -202,6 +204,8 @@ def _fmt(v: Any, f: str | None) -> str:
         return "-"
     if f == "ms":
         return f"{v * 1000:.1f}"
+    if f == "pct":
+        return f"{v * 100:.0f}%"
     if f:
         return f.format(v)
     return str(v)
@@ -218,6 +222,15 @@ def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def _eff(w: dict[str, Any], key: str, alt: str | None = None) -> str:
+    """The value a workload actually used (the CLI's, else the workload's default)."""
+    if w.get(key) is not None:
+        return str(w[key])
+    p = w.get("params", {})
+    v = p.get(key, p.get(alt) if alt else None)
+    return "n/a" if v is None else f"{v} (default)"
+
+
 def header_lines(report: dict[str, Any]) -> list[str]:
     w, s, slo = report["workload"], report["server"], report["slo"]
     lines = [
@@ -225,10 +238,11 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         f"server: profile {s['profile']}, {s['num_gpu_blocks']} blocks x {s['block_size']} tokens, "
         f"max_model_len {s['max_model_len']}, speedup {s['speedup']}; unloaded ITL "
         f"{s['unloaded_itl_s'] * 1000:.1f} ms, TTFT {s['unloaded_ttft_s'] * 1000:.0f} ms (virtual)",
-        f"time_scale {w['time_scale'] if w['time_scale'] is not None else 'default'}, load_scale "
-        f"{w['load_scale'] if w['load_scale'] is not None else 'default'}; gateway timeout "
-        f"{w['gateway_timeout_s']} s (all setups but no-admission); SLO: TTFT <= {slo['ttft_s']} s and "
-        f"TPOT <= {slo['tpot_s'] * 1000:.1f} ms (virtual)",
+        f"time_scale {_eff(w, 'time_scale')}, load_scale {_eff(w, 'load_scale', 'scale')}; "
+        + (f"gateway timeout {w['gateway_timeout_s']} s (all setups but no-admission)"
+           if w["gateway_timeout_s"] is not None else "no gateway timeout")
+        + f"; SLO: TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s'] * 1000:.1f} ms (virtual; a non-streamed "
+        "call must end within TTFT + output x TPOT)",
     ]
     for m in report["setups"]:
         if m["setup"] == "rate-limited" and m.get("rate_rps") is not None:

@@ -178,8 +178,7 @@ class _HttpClock:
 
 
 def _count_turns(sessions: list[Session]) -> int:
-    return sum(1 + 0 for s in sessions for _ in s.turns) + sum(
-        _count_turns(t.children) for s in sessions for t in s.turns)
+    return sum(1 + _count_turns(t.children) for s in sessions for t in s.turns)
 
 
 def _worker_main(ctx: SetupContext, sessions: list[Session], t0_value: Any, start_evt: Any, out_q: Any) -> None:

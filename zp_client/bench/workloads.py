@@ -461,12 +461,11 @@ def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float 
     offset x time_scale). ``load_scale`` thins (< 1: each request kept with that probability) or
     replicates (> 1: each request sent floor(y) or ceil(y) times, copies 1 ms apart) the requests.
     ``length_scale`` multiplies prompt lengths (to fit long-context traces to a small simulated pool;
-    output lengths are kept).
-    Lengths are then capped to the context: prompt <= max_model_len - 64 - min(out, max_tokens... ) as
-    follows: out <= max_tokens' (see below) and prompt <= max_model_len - max_tokens' - 16, where the
-    client bound max_tokens' = max(max_tokens, true output) capped at max_model_len / 4.
-    The window starts at trace offset ``start_s`` and holds the first ``max_requests`` requests after
-    load scaling. Mooncake's shared 512-token prefix blocks (``hash_ids``) become shared prompt text.
+    output lengths are kept). Lengths are then capped to the context: the client's bound is
+    ``max_tokens' = min(max(max_tokens, true output), max_model_len / 4)``, the true output is capped
+    to it, and the prompt to ``max_model_len - max_tokens' - 16`` (the count of capped prompts is
+    reported as ``prompts_capped_to_context``). The window starts at trace offset ``start_s`` and holds
+    the first ``max_requests`` requests after load scaling. Mooncake's shared 512-token prefix blocks (``hash_ids``) become shared prompt text.
     """
     rel, reader = _TRACES[name]
     path = find_shared_dir() / rel
