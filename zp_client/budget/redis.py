@@ -79,6 +79,7 @@ _PRIORITY_RANGE = 4096
 _SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status")
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 _RENEW_BATCH = 200
+_MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -203,6 +204,7 @@ class _AsyncSide:
         self.retry_releases: dict[str, float] = {}  # lease id -> give up at (monotonic)
         self.poll_at = math.inf  # an earlier poll wanted (recovery ends), monotonic seconds
         self.waiters_changed = asyncio.Event()
+        self.poll_hint = asyncio.Event()
         self.dirty_event = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
@@ -214,6 +216,7 @@ class _AsyncSide:
             b = self.budget
             self.tasks = [
                 self.loop.create_task(b._pump(self), name="zp-redis-pump"),
+                self.loop.create_task(b._poller(self), name="zp-redis-poller"),
                 self.loop.create_task(b._keeper(self), name="zp-redis-keeper"),
                 self.loop.create_task(b._held_flusher(self), name="zp-redis-held"),
             ]
@@ -423,6 +426,7 @@ class RedisBudget(Budget):
                     await self._eval(side, "release", [lid, self._owner], init=False, patient=False)
             side.closed = True
             side.waiters_changed.set()
+            side.poll_hint.set()
             side.dirty_event.set()
             for t in side.tasks:
                 t.cancel()
@@ -652,6 +656,7 @@ class RedisBudget(Budget):
                 rec_left = int(r[5]) / 1000
                 if rec_left > 0:  # recovery ends: look again then rather than a poll interval later
                     side.poll_at = min(side.poll_at, time.monotonic() + rec_left + 0.005)
+                    side.poll_hint.set()
                 side.start()
                 side.waiters_changed.set()
                 while True:
@@ -679,33 +684,48 @@ class RedisBudget(Budget):
         return lease
 
     async def _pump(self, side: _AsyncSide) -> None:
-        """Deliver wake-ups from this process's mailbox; poll (and heartbeat waiters) when it is quiet."""
+        """Deliver wake-ups pushed to this process's mailbox (one blocked connection per process).
+
+        The BLPOP timeout is long: the bounded poll is a separate task (:meth:`_poller`), so an idle
+        waiter costs one poll per ``poll_interval`` plus one BLPOP per ``_MAILBOX_BLOCK_S``.
+        """
         mailbox = f"{self._prefix}:mb:{self._owner}"
-        next_poll = time.monotonic() + self._poll_interval
         while not side.closed:
             if not side.waiters:
                 side.waiters_changed.clear()
                 await side.waiters_changed.wait()
-                next_poll = time.monotonic() + self._poll_interval
                 continue
-            if side.poll_at < next_poll:
-                next_poll, side.poll_at = side.poll_at, math.inf
-            wait = max(0.01, next_poll - time.monotonic())
             try:
-                item = await side.client.blpop([mailbox], timeout=wait)
+                item = await side.client.blpop([mailbox], timeout=_MAILBOX_BLOCK_S)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis away: the poll below retries patiently
+            except Exception as exc:  # Redis away: the poller retries patiently; try again shortly
                 log.debug("zp_client: mailbox BLPOP failed: %r", exc)
-                item = None
-                await asyncio.sleep(min(wait, 0.2))
+                await asyncio.sleep(min(self._poll_interval, 0.2))
+                continue
             if item is not None:
                 self._deliver(side, _s(item[1]))
+
+    async def _poller(self, side: _AsyncSide) -> None:
+        """The bounded-poll fallback: every ``poll_interval`` while this process has waiters, one script
+        call heartbeats all of them, reaps, runs a grant pass and reports each waiter's state, so a lost
+        wake-up costs at most one interval. Polls early when recovery is about to end."""
+        deadline = time.monotonic() + self._poll_interval
+        while not side.closed:
+            if not side.waiters:
+                side.waiters_changed.clear()
+                await side.waiters_changed.wait()
+                deadline = time.monotonic() + self._poll_interval
                 continue
-            if time.monotonic() < next_poll:
-                continue
+            delay = min(deadline, side.poll_at) - time.monotonic()
+            if delay > 0:
+                side.poll_hint.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(side.poll_hint.wait(), delay)
+                continue  # recompute: the time came, or an earlier poll was asked for
+            side.poll_at = math.inf
+            deadline = time.monotonic() + self._poll_interval
             ids = list(side.waiters)
-            next_poll = time.monotonic() + self._poll_interval
             if not ids:
                 continue
             try:
@@ -719,7 +739,7 @@ class RedisBudget(Budget):
             for rid, st in zip(ids, r[1:]):
                 self._resolve(side, rid, _s(st))
             if rec_left > 0:  # recovery ends: look again then rather than a full interval later
-                next_poll = min(next_poll, time.monotonic() + rec_left + 0.005)
+                side.poll_at = min(side.poll_at, time.monotonic() + rec_left + 0.005)
 
     def _deliver(self, side: _AsyncSide, msg: str) -> None:
         for rid in msg.split(","):
