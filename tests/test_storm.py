@@ -174,3 +174,33 @@ def test_zp_redis_workers_share_one_budget_and_never_preempt(redis_url: str) -> 
     assert zr["preemptions"] == 0
     assert by["no-admission"]["preemptions"] > 0
     assert len(zr["harness"]["workers"]) == 2
+
+
+@pytest.fixture
+def restore_setups():
+    from zp_client.bench import setups
+
+    saved_specs, saved_factories = dict(setups.SETUPS), dict(setups._FACTORIES)
+    yield setups
+    setups.SETUPS.clear()
+    setups.SETUPS.update(saved_specs)
+    setups._FACTORIES.clear()
+    setups._FACTORIES.update(saved_factories)
+
+
+def test_register_setup_adds_a_setup_in_canonical_order(restore_setups) -> None:
+    setups = restore_setups
+
+    async def factory(ctx, stack):  # pragma: no cover - not run here
+        raise AssertionError
+
+    setups.register_setup(setups.SetupSpec("zp-elastic", True, description="test"), factory, after="zp-strict")
+    assert list(setups.SETUPS).index("zp-elastic") == list(setups.SETUPS).index("zp-strict") + 1
+    assert parse_setups("zp-elastic,naive", None) == ["no-admission", "naive", "zp-elastic"]
+    assert "zp-elastic" in parse_setups(None, None)
+    assert setups.factory_module("zp-elastic") == __name__
+    redis_only = setups.SetupSpec("zp-elastic-redis", True, needs_redis=True, workers=2)
+    setups.register_setup(redis_only, factory)
+    assert "zp-elastic-redis" not in parse_setups(None, None)
+    with pytest.raises(ConfigurationError, match="--redis"):
+        parse_setups("zp-elastic-redis", None)

@@ -280,6 +280,11 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
     for k, v in report["checks"].items():
         console.print(f"check {k}: {'PASS' if v else ('n/a' if v is None else 'FAIL')}", highlight=False)
     for m in report["setups"]:
+        h = m["harness"]
+        console.print(f"harness {m['setup']}: effective speedup {m['effective_speedup']}x, event-loop lag p99 "
+                      f"{h['loop_lag_p99_ms']} ms / max {h['loop_lag_max_ms']} ms (wall), CPU {h['cpu_frac']:.0%} "
+                      f"of a core, simulator max lag {m['sim_max_lag_s']} virtual s", highlight=False)
+    for m in report["setups"]:
         if not m["valid"]:
             console.print(f"[bold red]{m['setup']}: harness saturated, numbers not valid:[/] "
                           + "; ".join(m["saturation"]))

@@ -115,8 +115,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
             progress(name, 1)
 
         async with HarnessMonitor() as mon:
-            if name == "zp-redis":
-                records, t0 = await _run_workers(cfg, ctx, wl.sessions, clock, done, mon)
+            if spec.workers > 1:
+                records, t0 = await _run_workers(cfg, name, ctx, wl.sessions, clock, done, mon)
             else:
                 async with open_caller(name, ctx) as caller:
                     mon.mark()
@@ -181,13 +181,18 @@ def _count_turns(sessions: list[Session]) -> int:
     return sum(1 + _count_turns(t.children) for s in sessions for t in s.turns)
 
 
-def _worker_main(ctx: SetupContext, sessions: list[Session], t0_value: Any, start_evt: Any, out_q: Any) -> None:
+def _worker_main(name: str, factory_module: str, ctx: SetupContext, sessions: list[Session], t0_value: Any,
+                 start_evt: Any, out_q: Any) -> None:
+    import importlib
+
+    importlib.import_module(factory_module)  # a setup registered by another module exists here too
+
     async def main() -> None:
         hc = _HttpClock(ctx.root_url, ctx.speedup)
         await hc.start()
         clock = VirtualClock(hc.now, ctx.speedup)
         try:
-            async with open_caller("zp-redis", ctx) as caller:
+            async with open_caller(name, ctx) as caller:
                 out_q.put(("ready", None))
                 while not start_evt.is_set():
                     await asyncio.sleep(0.005)
@@ -204,17 +209,20 @@ def _worker_main(ctx: SetupContext, sessions: list[Session], t0_value: Any, star
         out_q.put(("error", repr(exc)))
 
 
-async def _run_workers(cfg: StormConfig, ctx: SetupContext, sessions: list[Session], clock: VirtualClock,
+async def _run_workers(cfg: StormConfig, name: str, ctx: SetupContext, sessions: list[Session], clock: VirtualClock,
                        done: Callable[[RequestRecord], None], mon: HarnessMonitor
                        ) -> tuple[list[RequestRecord], float]:
     mpc = mp.get_context("spawn")
-    n = max(1, cfg.workers)
+    n = max(1, cfg.workers if cfg.workers else SETUPS[name].workers)
     shares: list[list[Session]] = [sessions[i::n] for i in range(n)]
     t0_value = mpc.Value("d", 0.0)
     start_evt = mpc.Event()
     out_q = mpc.Queue()
-    procs = [mpc.Process(target=_worker_main, args=(ctx, share, t0_value, start_evt, out_q), daemon=True)
-             for share in shares]
+    from zp_client.bench.setups import factory_module
+
+    module = factory_module(name)
+    procs = [mpc.Process(target=_worker_main, args=(name, module, ctx, share, t0_value, start_evt, out_q),
+                         daemon=True) for share in shares]
     for p in procs:
         p.start()
     records: list[RequestRecord] = []

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,10 +48,15 @@ __all__ = [
     "HEADROOM",
     "SETUPS",
     "APP_RETRY",
+    "AppCaller",
     "SetupContext",
+    "SetupFactory",
     "SetupSpec",
     "open_caller",
+    "openai_client",
     "parse_setups",
+    "register_setup",
+    "zp_client_for",
     "zp_limit_blocks",
 ]
 
@@ -95,16 +100,18 @@ def parse_setups(text: str | None, redis_url: str | None) -> list[str]:
     """The setups to run, in canonical order; ``no-admission`` is always included (it is the
     denominator and ``rate-limited`` needs its measured rate). Unknown names raise ConfigurationError."""
     if not text:
-        names = list(ALL_SETUPS if redis_url else DEFAULT_SETUPS)
+        names = [n for n, sp in SETUPS.items() if redis_url or not sp.needs_redis]
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in SETUPS]
         if unknown:
-            raise ConfigurationError(f"unknown setup(s) {', '.join(unknown)}; choose from: {', '.join(ALL_SETUPS)}")
-    if "zp-redis" in names and not redis_url:
-        raise ConfigurationError("setup zp-redis needs --redis URL (make demo never touches a Redis it was not given)")
+            raise ConfigurationError(f"unknown setup(s) {', '.join(unknown)}; choose from: {', '.join(SETUPS)}")
+    needs = [n for n in names if SETUPS[n].needs_redis]
+    if needs and not redis_url:
+        raise ConfigurationError(f"setup {', '.join(needs)} needs --redis URL (make demo never touches a Redis "
+                                 "it was not given)")
     names = ["no-admission", *[n for n in names if n != "no-admission"]]
-    return [n for n in ALL_SETUPS if n in names]
+    return [n for n in SETUPS if n in names]
 
 
 @dataclass
@@ -159,8 +166,9 @@ def _zp_retry_policy(speedup: float) -> Any:
     return VirtualTimeRetryPolicy()
 
 
-class _AppCaller:
-    """One logical request: optional app-level retry around attempts of ``send``."""
+class AppCaller:
+    """One logical request: the app-level retry (``APP_RETRY``) around attempts; each attempt optionally
+    waits for ``limiter`` and, with ``budget``, holds a lease of the request's TRUE length (clairvoyant)."""
 
     def __init__(self, client: Any, model: str, *, app_retry: bool, limiter: Any = None,
                  budget: Any = None, block_size: int = 16) -> None:
@@ -215,68 +223,125 @@ def _warm_openai(client: Any) -> None:
     _ = client.chat.completions
 
 
+SetupFactory = Callable[[SetupContext, contextlib.AsyncExitStack], Awaitable[Caller]]
+"""Builds one setup's :class:`Caller` in the current process; registers cleanups on the exit stack."""
+
+_FACTORIES: dict[str, SetupFactory] = {}
+
+
+def register_setup(spec: SetupSpec, factory: SetupFactory, *, after: str | None = None) -> None:
+    """Add a setup to the storm (issue 8's ``zp-elastic`` / ``zp-oracle`` plug in here).
+
+    ``factory(ctx, stack)`` builds the client (closing it via ``stack``) and returns a :class:`Caller`;
+    the caller gets each :class:`~zp_client.bench.workloads.Turn`, so an oracle can read ``true_out``.
+    Helpers for factories: :func:`openai_client`, :func:`zp_client_for`, :class:`AppCaller`.
+    ``after`` places it in the canonical order after that setup (default: at the end).
+    Re-registering a name replaces it.
+    """
+    SETUPS.pop(spec.name, None)
+    items = list(SETUPS.items())
+    pos = len(items) if after is None else [n for n, _ in items].index(after) + 1
+    items.insert(pos, (spec.name, spec))
+    SETUPS.clear()
+    SETUPS.update(items)
+    _FACTORIES[spec.name] = factory
+    global ALL_SETUPS, DEFAULT_SETUPS
+    ALL_SETUPS = tuple(SETUPS)
+    DEFAULT_SETUPS = tuple(n for n, sp in SETUPS.items() if not sp.needs_redis)
+
+
+def openai_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **kwargs: Any) -> Any:
+    """An ``openai.AsyncOpenAI`` for the run's server whose retry backoff runs in virtual time."""
+    client = _openai_class(ctx.speedup)(base_url=ctx.base_url, api_key="sk-storm-bench", **kwargs)
+    stack.push_async_callback(client.close)
+    return client
+
+
+async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, budget: Any, **wrap_options: Any) -> Any:
+    """``wrap(AsyncOpenAI)`` on ``budget`` with zp's default estimator (warmed up before the run) and
+    default retry policy (sleeping in virtual time); closes client and budget with ``stack``."""
+    from zp_client.config import Settings
+    from zp_client.estimate import Estimator
+    from zp_client.wrap import wrap
+
+    stack.push_async_callback(budget.aclose)
+    raw = openai_client(ctx, stack)
+    # loading the BPE file takes a few hundred ms of blocking work that would otherwise land on the
+    # first request of the run
+    estimator = wrap_options.pop("estimator", None) or Estimator(Settings())
+    estimator.count_text("warm up the tokenizer")
+    client = wrap(raw, budget=budget, retry=wrap_options.pop("retry", None) or _zp_retry_policy(ctx.speedup),
+                  estimator=estimator, **wrap_options)
+    stack.push_async_callback(client.close)
+    return client
+
+
+async def _no_admission(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    return AppCaller(openai_client(ctx, stack, max_retries=0), ctx.model, app_retry=False)
+
+
+async def _naive(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    return AppCaller(openai_client(ctx, stack), ctx.model, app_retry=True)  # openai's max_retries=2
+
+
+async def _rate_limited(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    from langchain_core.rate_limiters import InMemoryRateLimiter
+
+    if not ctx.rate_rps:
+        raise ConfigurationError("rate-limited needs the sustainable rate measured by no-admission")
+    limiter = InMemoryRateLimiter(requests_per_second=ctx.rate_rps * ctx.speedup,
+                                  check_every_n_seconds=max(0.002, 0.05 / ctx.speedup), max_bucket_size=1)
+    return AppCaller(openai_client(ctx, stack), ctx.model, app_retry=True, limiter=limiter)
+
+
+async def _zp_strict(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    from zp_client.budget.local import LocalBudget
+
+    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size)
+    return AppCaller(await zp_client_for(ctx, stack, budget), ctx.model, app_retry=True)
+
+
+async def _zp_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    from zp_client.budget.redis import RedisBudget
+
+    if not ctx.redis_url:
+        raise ConfigurationError("zp-redis needs --redis URL")
+    # a fresh budget name per run: no earlier holders can exist, so no recovery window
+    budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=ctx.limit_blocks,
+                         block_size=ctx.block_size, recovery=0.0)
+    return AppCaller(await zp_client_for(ctx, stack, budget), ctx.model, app_retry=True)
+
+
+async def _clairvoyant(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    from zp_client.budget.local import LocalBudget
+
+    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size)
+    stack.push_async_callback(budget.aclose)
+    return AppCaller(openai_client(ctx, stack, max_retries=0), ctx.model, app_retry=True, budget=budget,
+                     block_size=ctx.block_size)
+
+
+_FACTORIES.update({
+    "no-admission": _no_admission,
+    "naive": _naive,
+    "rate-limited": _rate_limited,
+    "zp-strict": _zp_strict,
+    "zp-redis": _zp_redis,
+    "clairvoyant": _clairvoyant,
+})
+
+
+def factory_module(name: str) -> str:
+    """The module that defines setup ``name``'s factory (worker processes import it)."""
+    return _FACTORIES[name].__module__
+
+
 @contextlib.asynccontextmanager
 async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
     """Build setup ``name``'s client for one process and yield its :class:`Caller`; closes it after."""
-    cls = _openai_class(ctx.speedup)
-    common = {"base_url": ctx.base_url, "api_key": "sk-storm-bench"}
-    stack = contextlib.AsyncExitStack()
-    _warm_openai(cls(**common))
-    async with stack:
-        if name == "no-admission":
-            client = cls(max_retries=0, **common)
-            stack.push_async_callback(client.close)
-            yield _AppCaller(client, ctx.model, app_retry=False)
-        elif name == "naive":
-            client = cls(**common)  # openai's defaults: max_retries=2
-            stack.push_async_callback(client.close)
-            yield _AppCaller(client, ctx.model, app_retry=True)
-        elif name == "rate-limited":
-            from langchain_core.rate_limiters import InMemoryRateLimiter
-
-            if not ctx.rate_rps:
-                raise ConfigurationError("rate-limited needs the sustainable rate measured by no-admission")
-            limiter = InMemoryRateLimiter(requests_per_second=ctx.rate_rps * ctx.speedup,
-                                          check_every_n_seconds=max(0.002, 0.05 / ctx.speedup),
-                                          max_bucket_size=1)
-            client = cls(**common)
-            stack.push_async_callback(client.close)
-            yield _AppCaller(client, ctx.model, app_retry=True, limiter=limiter)
-        elif name in ("zp-strict", "zp-redis"):
-            from zp_client.wrap import wrap
-
-            if name == "zp-strict":
-                from zp_client.budget.local import LocalBudget
-
-                budget: Any = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size)
-            else:
-                from zp_client.budget.redis import RedisBudget
-
-                if not ctx.redis_url:
-                    raise ConfigurationError("zp-redis needs --redis URL")
-                # a fresh budget name per run: no earlier holders can exist, so no recovery window
-                budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=ctx.limit_blocks,
-                                     block_size=ctx.block_size, recovery=0.0)
-            stack.push_async_callback(budget.aclose)
-            raw = cls(**common)
-            stack.push_async_callback(raw.close)
-            from zp_client.config import Settings
-            from zp_client.estimate import Estimator
-
-            # zp's default estimator, loaded before the run starts: loading the BPE file takes a few
-            # hundred ms of blocking work that would otherwise land on the first request of the run
-            estimator = Estimator(Settings())
-            estimator.count_text("warm up the tokenizer")
-            client = wrap(raw, budget=budget, retry=_zp_retry_policy(ctx.speedup), estimator=estimator)
-            stack.push_async_callback(client.close)
-            yield _AppCaller(client, ctx.model, app_retry=True)
-        elif name == "clairvoyant":
-            from zp_client.budget.local import LocalBudget
-
-            budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size)
-            stack.push_async_callback(budget.aclose)
-            client = cls(max_retries=0, **common)
-            stack.push_async_callback(client.close)
-            yield _AppCaller(client, ctx.model, app_retry=True, budget=budget, block_size=ctx.block_size)
-        else:
-            raise ConfigurationError(f"unknown setup {name!r}; choose from: {', '.join(ALL_SETUPS)}")
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ConfigurationError(f"unknown setup {name!r}; choose from: {', '.join(SETUPS)}")
+    _warm_openai(_openai_class(ctx.speedup)(base_url=ctx.base_url, api_key="sk-storm-bench"))
+    async with contextlib.AsyncExitStack() as stack:
+        yield await factory(ctx, stack)
