@@ -359,6 +359,16 @@ async def test_held_reports_reach_redis_batched_without_a_flush(budgets: Any) ->
     await b.aclose()
 
 
+async def test_renewal_carries_held_reports_below_the_batching_threshold(budgets: Any) -> None:
+    b = budgets(40, held_report_blocks=10)
+    lease = await b.acquire(30, held=5)
+    lease.report_held(8)  # below the threshold: not sent on its own
+    await b._renew_round(b._side)
+    assert (await b.status()).held == 8
+    await lease.release()
+    await b.aclose()
+
+
 # ------------------------------------------------------------------------------------------ sync path
 def test_lease_sync_works_without_an_event_loop_and_shares_the_limit(budgets: Any, redis_url: str, redis_prefix: str) -> None:
     b = budgets(10, poll_interval=0.2)

@@ -1,4 +1,4 @@
--- renew.lua: heartbeat a batch of one owner's leases (Ledger.renew), with their current held blocks.
+-- renew.lua: heartbeat a batch of one owner's leases (Ledger.renew), recording their current held blocks.
 -- A lease Redis no longer has is re-adopted when it was granted in another epoch (Redis restarted or
 -- failed over and lost it: the holder really runs, so the ledger must count it again), and reported
 -- lost when it was granted in the current epoch (it expired: its blocks may already be someone else's).
@@ -21,6 +21,13 @@ for i = 3, #ARGV, 6 do
       table.insert(out, -1)
     else
       redis.call('ZADD', K_LEXP, now + ttl, id)
+      -- carry the latest held too, in case a batched report was lost
+      local h = tonumber(ARGV[i + 3])
+      if h and h == math.floor(h) and h >= 0 and h <= l.b and h ~= l.h then
+        redis.call('HINCRBY', K_META, 'hsum', h - l.h)
+        l.h = h
+        redis.call('HSET', K_LEASES, id, cjson.encode(l))
+      end
       table.insert(out, 1)
     end
   elseif lep ~= epoch and redis.call('HEXISTS', K_WAIT, id) == 0 then
