@@ -175,6 +175,14 @@ async def test_acquire_retried_after_a_lost_reply_counts_once(budgets: Any) -> N
     await b.aclose()
 
 
+def test_from_settings_takes_the_budget_settings(redis_url: str) -> None:
+    from zp_client.config import Settings
+
+    b = RedisBudget.from_settings(redis_url, "zptest-settings", 10, Settings(starvation_bound_s=0.5, lease_ttl_s=7))
+    assert (b._starvation_bound, b._lease_ttl, b.block_size) == (0.5, 7.0, 16)
+    assert RedisBudget(redis_url, "zptest-x", 10, starvation_bound_s=0.25)._starvation_bound == 0.25
+
+
 async def test_status_is_read_only(budgets: Any, redis_url: str, redis_prefix: str) -> None:
     b = budgets(10)
     st = await b.status()

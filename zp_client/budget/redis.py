@@ -250,12 +250,16 @@ class RedisBudget(Budget):
         held_report_blocks: int = 2,
         sync_client: Any | None = None,
         on_event: Callable[[RedisBudgetEvent], None] | None = None,
+        starvation_bound_s: float | None = None,
     ) -> None:
+        if starvation_bound_s is not None:  # LocalBudget's spelling
+            starvation_bound = starvation_bound_s
         if not isinstance(name, str) or not name or any(c in name for c in "{}") or len(name) > 200:
             raise ConfigurationError(
                 f"budget name must be a non-empty string of at most 200 characters without braces, got {name!r}"
             )
-        self._configured_limit = validate_blocks(limit_blocks, "limit_blocks")
+        # 0 is allowed for read-only handles (status); a budget created with it admits nothing.
+        self._configured_limit = validate_blocks(limit_blocks, "limit_blocks", minimum=0)
         self.block_size = validate_blocks(block_size, "block_size")
         for what, v in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
                         ("unavailable_timeout", unavailable_timeout)):
@@ -311,6 +315,20 @@ class RedisBudget(Budget):
         self._was_unavailable = False
         self._fallback_logged = False
         self._warned_limit = False
+
+    @classmethod
+    def from_settings(
+        cls, url_or_client: str | Any, name: str, limit_blocks: int, settings: Any = None, **kwargs: Any
+    ) -> RedisBudget:
+        """A budget using ``block_size``, ``starvation_bound_s`` and ``lease_ttl_s`` from
+        :class:`~zp_client.Settings` (explicit keyword arguments win)."""
+        if settings is None:
+            from zp_client.config import Settings
+
+            settings = Settings()
+        kwargs.setdefault("starvation_bound", settings.starvation_bound_s)
+        kwargs.setdefault("lease_ttl", settings.lease_ttl_s)
+        return cls(url_or_client, name, limit_blocks, settings.block_size, **kwargs)
 
     # ------------------------------------------------------------------ public API
     @property
