@@ -123,6 +123,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                     t0 = clock.now()
                     records = await run_sessions(wl.sessions, caller, clock, t0=t0, on_done=done)
                     mon.stop()
+        if cfg.redis_url and SETUPS[name].needs_redis:
+            await _delete_budget_keys(cfg.redis_url, ctx.budget_name)
         stats = server.stats(requests=True)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
             from zp_client.server import parse_metrics
@@ -132,6 +134,21 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                         limit_blocks=limit if name.startswith("zp") or name == "clairvoyant" else None,
                         rate_rps=rate_rps if name == "rate-limited" else None,
                         metrics_preemptions=mp_total)
+
+
+async def _delete_budget_keys(url: str, budget_name: str) -> None:
+    """Remove the keys of this run's budget (its name holds a random id, so nothing else matches)."""
+    import redis.asyncio as aredis
+
+    client = aredis.Redis.from_url(url)
+    try:
+        keys = [k async for k in client.scan_iter(match=f"*{budget_name}*", count=500)]
+        if keys:
+            await client.unlink(*keys)
+    except Exception as exc:  # cleanup must not fail a finished run
+        log.warning("could not delete the storm's Redis keys for %s: %r", budget_name, exc)
+    finally:
+        await client.aclose()
 
 
 # ------------------------------------------------------------------------------ zp-redis workers
