@@ -204,3 +204,18 @@ def test_register_setup_adds_a_setup_in_canonical_order(restore_setups) -> None:
     assert "zp-elastic-redis" not in parse_setups(None, None)
     with pytest.raises(ConfigurationError, match="--redis"):
         parse_setups("zp-elastic-redis", None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("setup", "message"), [("crash-exit", "worker died"), ("crash-raise", "factory exploded")])
+def test_a_failing_worker_process_fails_the_run_with_a_clear_error(restore_setups, setup: str, message: str) -> None:
+    import importlib
+    import multiprocessing
+
+    importlib.reload(importlib.import_module("_storm_crash_setups"))  # registers its setups again
+    cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", setup], profile="tiny",
+                      num_gpu_blocks=None, speedup=4.0, workers=2, workload_overrides=dict(TINY))
+    with pytest.raises(RuntimeError, match=message):
+        asyncio.run(run_storm(cfg))
+    # no worker is left behind
+    assert multiprocessing.active_children() == []

@@ -246,17 +246,16 @@ async def _run_workers(cfg: StormConfig, name: str, ctx: SetupContext, sessions:
     ready = finished = dones = 0
     worker_stats: list[dict[str, Any]] = []
     total = _count_turns(sessions)
-    errors: list[str] = []
     dummy = RequestRecord("", "", "", 0, 0, 0)
     try:
         while finished < n:
             try:
                 kind, payload = out_q.get_nowait()
             except Exception:
-                if any(not p.is_alive() for p in procs) and out_q.empty() and finished + len(errors) < n:
+                if any(not p.is_alive() for p in procs) and out_q.empty():
                     await asyncio.sleep(0.2)
                     if out_q.empty() and any(p.exitcode not in (None, 0) for p in procs):
-                        raise RuntimeError(f"a zp-redis worker died: exit codes {[p.exitcode for p in procs]}")
+                        raise RuntimeError(f"a {name} worker died: exit codes {[p.exitcode for p in procs]}")
                 await asyncio.sleep(0.01)
                 continue
             if kind == "ready":
@@ -276,7 +275,7 @@ async def _run_workers(cfg: StormConfig, name: str, ctx: SetupContext, sessions:
                 worker_stats.append(worker_harness)
                 finished += 1
             elif kind == "error":
-                raise RuntimeError(f"a zp-redis worker failed: {payload}")
+                raise RuntimeError(f"a {name} worker failed: {payload}")
     finally:
         for p in procs:
             p.join(timeout=5)
