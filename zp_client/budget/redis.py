@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import secrets
@@ -80,6 +81,46 @@ _SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", 
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 _RENEW_BATCH = 200
 _MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
+_POLICIES = ("strict", "elastic")
+# Lease metadata the elastic policy reads (zp_client.budget.elastic), stored compactly in Redis.
+_META_KEYS = {
+    "prompt_tokens": "pt", "tokens": "tk", "forecast_tokens": "ft", "streaming": "st",
+    "prefix_key": "pk", "prefix_blocks": "pb", "first_token": "f1",
+}
+_META_FLAGS = ("st", "f1")
+
+
+def _compact_meta(meta: Mapping[str, Any], *, update: bool) -> dict[str, Any]:
+    """The policy-relevant part of ``meta`` with short keys (see ``lua/common.lua``).
+
+    Flags keep Python truthiness (``streaming=None`` reads as not streamed, as in ElasticPolicy). In an
+    update, ``None`` removes a field. Raises :class:`ConfigurationError` for a negative or non-integer
+    count or an over-long prefix key (the Lua scripts refuse them too).
+    """
+    out: dict[str, Any] = {}
+    for k, v in meta.items():
+        short = _META_KEYS.get(k)
+        if short is None:
+            continue
+        if short in _META_FLAGS:
+            out[short] = 1 if v else 0
+        elif v is None:
+            if update:
+                out[short] = None
+        elif short == "pk":
+            key = str(v)
+            if len(key) > 256:
+                raise ConfigurationError(f"meta prefix_key must be at most 256 characters, got {len(key)}")
+            out[short] = key
+        else:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v > 1e12:
+                raise ConfigurationError(f"meta {k} must be a number of tokens/blocks in [0, 1e12], got {v!r}")
+            out[short] = int(v)
+    return out
+
+
+def _meta_json(compact: Mapping[str, Any]) -> str:
+    return json.dumps(compact, separators=(",", ":")) if compact else ""
 
 
 def _load_scripts() -> dict[str, tuple[str, str]]:
@@ -139,6 +180,7 @@ class RedisLease(Lease):
         self._released = False
         self._lost = False
         self._sync = sync
+        self._meta_pending: dict[str, Any] = {}  # elastic: compact meta fields not yet sent
 
     @property
     def held(self) -> int:
@@ -154,16 +196,49 @@ class RedisLease(Lease):
         return self._lost
 
     def report_held(self, blocks: int) -> None:
-        try:
-            value = int(blocks)
-        except (TypeError, ValueError):
+        self.report_progress(blocks)
+
+    def update_meta(self, **fields: Any) -> None:
+        """Record progress metadata (``first_token``, a re-forecast ``forecast_tokens``...). Under
+        ``elastic`` it is sent at once (batched with other leases' reports) and the grant pass it triggers
+        may admit waiters; under ``strict`` it is ignored."""
+        self.report_progress(None, **fields)
+
+    def report_progress(self, held: int | None = None, **fields: Any) -> None:
+        """Occupancy and metadata in one report. Held growth is sent once it moved by
+        ``held_report_blocks`` (the next renewal carries smaller moves); a metadata change other than
+        ``tokens`` is sent at once; ``tokens`` travels with the next report. Never raises."""
+        if self._released:
             return
-        value = min(max(value, 0), self.bound)
-        if value == self._held or self._released:
-            return
-        self._held = value
-        if abs(value - self._sent_held) >= self._budget._held_report_blocks:
+        urgent = False
+        if held is not None:
+            try:
+                value = min(max(int(held), 0), self.bound)
+            except (TypeError, ValueError):
+                value = self._held
+            self._held = value
+            urgent = abs(value - self._sent_held) >= self._budget._held_report_blocks
+        if fields and self._budget._policy == "elastic":
+            try:
+                compact = _compact_meta(fields, update=True)
+            except ConfigurationError as exc:
+                log.warning("zp_client: ignored progress metadata on lease %s...: %s", self.id[:8], exc)
+                compact = {}
+            if compact:
+                self._meta_pending.update(compact)
+                urgent = urgent or any(k != "tk" for k in compact)
+        if urgent:
             self._budget._held_dirty(self)
+
+    def _take_report(self) -> tuple[int, str, dict[str, Any]]:
+        """(held, meta JSON, the meta taken) for a held.lua triple; the meta is cleared until sent."""
+        pending, self._meta_pending = self._meta_pending, {}
+        return self._held, _meta_json(pending), pending
+
+    def _report_failed(self, pending: dict[str, Any]) -> None:
+        # Keep newer fields that arrived meanwhile; resend the rest with the next report.
+        for k, v in pending.items():
+            self._meta_pending.setdefault(k, v)
 
     async def release(self) -> None:
         if self._released:
@@ -265,9 +340,9 @@ class RedisBudget(Budget):
                         ("unavailable_timeout", unavailable_timeout)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0) or math.isinf(v):
                 raise ConfigurationError(f"{what} must be a positive number of seconds, got {v!r}")
-        if policy != "strict":
+        if policy not in _POLICIES:
             raise ConfigurationError(
-                f"RedisBudget supports policy 'strict' (elastic arrives with its own issue), got {policy!r}"
+                f"RedisBudget policy must be 'strict' or 'elastic' (see zp_client.budget.elastic), got {policy!r}"
             )
         if on_unavailable not in ("fail_closed", "fail_local"):
             raise ConfigurationError(
@@ -315,6 +390,7 @@ class RedisBudget(Budget):
         self._was_unavailable = False
         self._fallback_logged = False
         self._warned_limit = False
+        self._policy_known = False  # the stored policy is read once (the creator's choice wins)
 
     @classmethod
     def from_settings(
@@ -338,8 +414,8 @@ class RedisBudget(Budget):
 
     @property
     def policy_name(self) -> str:
-        """``"strict"``: ``meta`` given to :meth:`acquire` is accepted and ignored (elastic over Redis
-        arrives with its own issue)."""
+        """``"strict"`` or ``"elastic"`` (the stored policy once Redis was reached: the budget's creator
+        chose it). Under ``strict`` the ``meta`` given to :meth:`acquire` is accepted and ignored."""
         return self._policy
 
     def add_event_hook(self, hook: Callable[[RedisBudgetEvent], None]) -> None:
@@ -357,10 +433,11 @@ class RedisBudget(Budget):
         meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         bound, held_v, prio, order = self._validate(blocks, priority, ticket, held)
+        self._meta_arg(meta)  # bad metadata fails here, before any I/O
         try:
             if timeout is None:
-                return await self._acquire(bound, held_v, prio, order)
-            return await asyncio.wait_for(self._acquire(bound, held_v, prio, order), timeout)
+                return await self._acquire(bound, held_v, prio, order, meta)
+            return await asyncio.wait_for(self._acquire(bound, held_v, prio, order, meta), timeout)
         except asyncio.TimeoutError as exc:
             if isinstance(exc, AdmissionTimeout):
                 raise
@@ -385,8 +462,9 @@ class RedisBudget(Budget):
         meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         bound, held_v, prio, order = self._validate(blocks, priority, ticket, held)
+        self._meta_arg(meta)  # bad metadata fails here, before any I/O
         try:
-            return self._acquire_sync(bound, held_v, prio, order, timeout)
+            return self._acquire_sync(bound, held_v, prio, order, timeout, meta)
         except BudgetUnavailable:
             if self._on_unavailable != "fail_local":
                 raise
@@ -423,14 +501,20 @@ class RedisBudget(Budget):
         """Send every lease's latest held report now (normally batched; see ``held_report_blocks``)."""
         side = await self._get_side()
         args: list[Any] = [self._owner]
-        sent: list[tuple[RedisLease, int]] = []
+        sent: list[tuple[RedisLease, int, dict[str, Any]]] = []
         for le in [*side.leases.values(), *list(self._sync_leases.values())]:
-            if not le._released and le._held != le._sent_held:
-                args += [le.id, le._held]
-                sent.append((le, le._held))
+            if not le._released and (le._held != le._sent_held or le._meta_pending):
+                v, mj, pending = le._take_report()
+                args += [le.id, v, mj]
+                sent.append((le, v, pending))
         if sent:
-            await self._eval(side, "held", args, init=False)
-            for le, v in sent:
+            try:
+                await self._eval(side, "held", args, init=False)
+            except BaseException:
+                for le, _, pending in sent:
+                    le._report_failed(pending)
+                raise
+            for le, v, _ in sent:
                 le._sent_held = v
 
     async def aclose(self) -> None:
@@ -486,6 +570,25 @@ class RedisBudget(Budget):
             )
         return bound, held_v, priority, order
 
+    def _learn_policy(self, policy: str) -> None:
+        self._policy_known = True
+        if policy != self._policy and policy in _POLICIES:
+            log.warning("zp_client: Redis budget %r exists with policy %r; this process was configured with %r "
+                        "and follows the stored one (configure every process alike: the transport picks what "
+                        "to report from the configured policy)", self.name, policy, self._policy)
+            self._policy = policy
+
+    def _learn_status(self, r: list[Any]) -> None:
+        if int(r[0]) == 1:
+            self._learn_policy(_s(r[6]))
+
+    def _meta_arg(self, meta: Mapping[str, Any] | None) -> str:
+        if self._policy != "elastic" or not meta:
+            return ""
+        if not isinstance(meta, Mapping):
+            raise ConfigurationError(f"meta must be a mapping (see zp_client.budget.elastic), got {meta!r}")
+        return _meta_json(_compact_meta(meta, update=False))
+
     def _emit(self, kind: str, lease_id: str | None = None, **detail: Any) -> None:
         if kind in self.counters:
             self.counters[kind] += 1
@@ -502,7 +605,7 @@ class RedisBudget(Budget):
 
             share = max(1, int(self._limit * self._local_share))
             self._fallback = LocalBudget(share, self.block_size, starvation_bound_s=self._starvation_bound,
-                                         name=f"{self.name}-local-fallback")
+                                         name=f"{self.name}-local-fallback", policy=self._policy)
         self.counters["fallback_local"] += 1
         if self._fallback_logged:
             return self._fallback
@@ -528,10 +631,11 @@ class RedisBudget(Budget):
             self._emit("unavailable")
 
     def _after_init(self, r: list[Any]) -> None:
-        created, limit, _bs, epoch, _policy, _starve, rec_left = (
+        created, limit, _bs, epoch, policy, _starve, rec_left = (
             int(r[0]), int(r[1]), int(r[2]), _s(r[3]), _s(r[4]), int(r[5]), int(r[6]))
         self._limit = limit
         self._epoch = epoch
+        self._learn_policy(policy)
         if created:
             self._warned_limit = True  # our own limit is the stored one
             log.warning(
@@ -567,7 +671,9 @@ class RedisBudget(Budget):
                 extra={"exists": False, "name": self.name, "counters": dict(self.counters)},
             )
         limit, bsum, hsum, nl = int(r[1]), int(r[2]), int(r[3]), int(r[4])
+        used = int(r[13]) if len(r) > 13 else bsum  # elastic: the projected peak
         self._limit = limit
+        self._learn_policy(_s(r[6]))
         flat = [_s(x) for x in r[12]]
         cls: dict[int, list[int]] = {}
         for k, v in zip(flat[::2], flat[1::2]):
@@ -575,11 +681,12 @@ class RedisBudget(Budget):
             cls.setdefault(p, [0, 0])[0 if k[0] == "n" else 1] = int(v)
         waiters = {p: ClassStatus(waiters=n, weight=w) for p, (n, w) in sorted(cls.items()) if n > 0}
         return BudgetStatus(
-            limit=limit, used=bsum, free=max(0, limit - bsum), held=hsum, leases=nl, waiters=waiters,
+            limit=limit, used=used, free=max(0, limit - used), held=hsum, leases=nl, waiters=waiters,
             head_wait_s=int(r[10]) / 1000, policy=_s(r[6]), block_size=int(r[8]),
             extra={
                 "exists": True, "name": self.name, "epoch": _s(r[5]), "starvation_bound_s": int(r[7]) / 1000,
                 "recovering": int(r[9]) > 0, "recovery_left_s": int(r[9]) / 1000, "limit_version": int(r[11]),
+                "bound_sum": bsum,
                 "counters": dict(self.counters),
             },
         )
@@ -649,14 +756,19 @@ class RedisBudget(Budget):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
 
-    async def _acquire(self, bound: int, held: int, prio: int, order: int) -> RedisLease:
+    async def _acquire(
+        self, bound: int, held: int, prio: int, order: int, meta: Mapping[str, Any] | None = None
+    ) -> RedisLease:
         side = await self._get_side()
+        if not self._policy_known:
+            self._learn_status(await self._eval(side, "status", [], init=False))
+        meta_json = self._meta_arg(meta)
         rid = secrets.token_urlsafe(18)
         fut: asyncio.Future[str] = side.loop.create_future()
         w = _Waiter(rid, fut, order)
         side.waiters[rid] = w  # registered before the call so a mailbox grant cannot be missed
         args = [rid, bound, held, prio, order, int(self._lease_ttl * 1000), self._owner, self._owner,
-                int(self._waiter_ttl * 1000)]
+                int(self._waiter_ttl * 1000), meta_json]
         try:
             while True:
                 # fail_local degrades at once instead of waiting out unavailable_timeout
@@ -848,21 +960,26 @@ class RedisBudget(Budget):
             side.dirty_event.clear()
             ids, side.dirty = side.dirty, set()
             args: list[Any] = [self._owner]
-            sent: list[tuple[RedisLease, int]] = []
+            sent: list[tuple[RedisLease, int, dict[str, Any]]] = []
             for lid in ids:
                 le = side.leases.get(lid)
                 if le is not None and not le._released:
-                    args += [lid, le._held]
-                    sent.append((le, le._held))
+                    v, mj, pending = le._take_report()
+                    args += [lid, v, mj]
+                    sent.append((le, v, pending))
             if not sent:
                 continue
             try:
                 await self._eval(side, "held", args, init=False, patient=False)
-                for le, v in sent:
+                for le, v, _ in sent:
                     le._sent_held = v
             except asyncio.CancelledError:
+                for le, _, pending in sent:
+                    le._report_failed(pending)
                 raise
-            except Exception as exc:  # the next renewal carries held too
+            except Exception as exc:  # the next renewal carries held; metadata waits for the next report
+                for le, _, pending in sent:
+                    le._report_failed(pending)
                 log.debug("zp_client: held report failed: %r", exc)
 
     async def _release_lease(self, lease: RedisLease) -> None:
@@ -955,13 +1072,19 @@ class RedisBudget(Budget):
                 time.sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
 
-    def _acquire_sync(self, bound: int, held: int, prio: int, order: int, timeout: float | None) -> RedisLease:
+    def _acquire_sync(
+        self, bound: int, held: int, prio: int, order: int, timeout: float | None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> RedisLease:
         client = self._sync()
+        if not self._policy_known:
+            self._learn_status(self._eval_sync("status", [], init=False))
+        meta_json = self._meta_arg(meta)
         rid = secrets.token_urlsafe(18)
         # A sync waiter blocks on its own mailbox (one connection per waiting thread).
         mailbox = f"{self._prefix}:mb:{rid}"
         args = [rid, bound, held, prio, order, int(self._lease_ttl * 1000), rid, self._owner,
-                int(self._waiter_ttl * 1000)]
+                int(self._waiter_ttl * 1000), meta_json]
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             r = self._eval_sync("acquire", args, patient=self._on_unavailable == "fail_closed")
@@ -1050,17 +1173,20 @@ class RedisBudget(Budget):
                 return
             with self._sync_lock:
                 dirty, self._sync_dirty = self._sync_dirty, set()
-                pending = [(le, le._held) for lid in dirty if (le := self._sync_leases.get(lid)) is not None]
+                pending = [(le, *le._take_report()) for lid in dirty
+                           if (le := self._sync_leases.get(lid)) is not None]
                 retry = list(self._sync_retry.items())
             if pending:
                 args: list[Any] = [self._owner]
-                for le, v in pending:
-                    args += [le.id, v]
+                for le, v, mj, _ in pending:
+                    args += [le.id, v, mj]
                 try:
                     self._eval_sync("held", args, init=False, patient=False)
-                    for le, v in pending:
+                    for le, v, _, _ in pending:
                         le._sent_held = v
                 except Exception as exc:
+                    for le, _, _, meta in pending:
+                        le._report_failed(meta)
                     log.debug("zp_client: held report failed: %r", exc)
             if time.monotonic() < next_renew:
                 continue

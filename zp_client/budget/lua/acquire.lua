@@ -1,7 +1,7 @@
 -- acquire.lua: enqueue a waiter (Ledger.enqueue) and run a grant pass (Ledger.grant). Idempotent per
 -- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
---       waiter_ttl_ms
+--       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none)
 -- Returns {'G', order, priority, epoch, limit} granted
 --       | {'W', order, priority, epoch, limit, recovery_left_ms} waiting | {'X', limit} larger than the limit | {'I'} budget absent (call init.lua first).
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
@@ -31,12 +31,16 @@ else
   order = int_arg(ARGV[5], 'ticket order', -1, 1099511627775)
   local ttl = int_arg(ARGV[6], 'lease_ttl_ms', 1, 1e9)
   local wttl = int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9)
-  local mm = redis.call('HMGET', K_META, 'limit', 'bsum', 'rec')
+  local mm = redis.call('HMGET', K_META, 'limit', 'bsum', 'rec', 'policy')
   local limit = tonumber(mm[1])
   if bound > limit then return {'X', limit} end
+  local wmeta = nil
+  if mm[4] == 'elastic' then wmeta = meta_arg(ARGV[10], false) end
   -- Fast path, identical in outcome to enqueue + grant: with nobody in line, outside recovery, a
   -- request that fits is the head and is admitted at once (fewer commands: the common uncontended case).
-  if now >= tonumber(mm[3]) and tonumber(mm[2]) + bound <= limit and redis.call('ZCARD', K_LINE) == 0 then
+  -- (strict only: under elastic a lease may project one block above its bound, so bsum says nothing)
+  if wmeta == nil and now >= tonumber(mm[3]) and tonumber(mm[2]) + bound <= limit
+      and redis.call('ZCARD', K_LINE) == 0 then
     if order < 0 then
       order = redis.call('HINCRBY', K_META, 'seq', 1) - 1
     elseif order >= meta_num('seq') then
@@ -58,7 +62,7 @@ else
   local arrival = redis.call('HINCRBY', K_META, 'arr', 1)
   local member = string.format('%012d', arrival) .. '|' .. id
   redis.call('HSET', K_WAIT, id, cjson.encode({b = bound, h = held, p = prio, o = order, s = now,
-    m = member, x = ARGV[7], w = ARGV[8], l = ttl}))
+    m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta}))
   redis.call('ZADD', K_LINE, prio * PRIO_SPAN + order, member)
   redis.call('ZADD', K_WEXP, now + wttl, id)
   class_add(prio, 1, bound)

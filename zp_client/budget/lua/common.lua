@@ -2,7 +2,8 @@
 -- script before registering it, so every script stays one atomic EVALSHA with no cross-script calls.
 --
 -- The semantics are those of zp_client/budget/ledger.py (the reference model): one line ordered by
--- (priority, ticket order, arrival), StrictPolicy (sum of live bounds <= limit), bounded backfill with
+-- (priority, ticket order, arrival), StrictPolicy (sum of live bounds <= limit) or ElasticPolicy
+-- (projected peak <= limit; the elastic section below), bounded backfill with
 -- the starvation rule (a non-fitting waiter that has waited >= the bound is a barrier), limit changes
 -- that never revoke. Time is Redis TIME only (milliseconds). Every call does bounded work: at most
 -- REAP_MAX expired leases / waiters are reaped and at most SCAN_MAX waiters examined per grant pass.
@@ -10,11 +11,13 @@
 -- KEYS (all share the hash tag {zp:<name>}, so a budget lives in one Cluster slot):
 --   1 meta   HASH  limit, bs, epoch, rec (recovery ends, ms), starve (ms), policy, ver (limit version),
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
---                  nl (live leases)
---   2 leases HASH  lease id -> cjson {b=bound, h=held, p=priority, o=order, w=owner, l=ttl ms, g=granted ms}
+--                  nl (live leases), adm (elastic admission counter)
+--   2 leases HASH  lease id -> cjson {b=bound, h=held, p=priority, o=order, w=owner, l=ttl ms, g=granted ms,
+--                  m=meta and a=admission seq (elastic only; see the elastic section)}
 --   3 lexp   ZSET  lease id -> expiry (ms)
 --   4 line   ZSET  member (arrival seq, zero padded, "|" id) -> priority * 2^40 + ticket order
---   5 wait   HASH  waiter id -> cjson {b, h, p, o, s=since ms, m=line member, x=mailbox, w=owner, l=lease ttl}
+--   5 wait   HASH  waiter id -> cjson {b, h, p, o, s=since ms, m=line member, x=mailbox, w=owner, l=lease ttl,
+--                  mt=meta (elastic only)}
 --   6 wexp   ZSET  waiter id -> heartbeat expiry (ms)
 --   7 cls    HASH  "n<prio>" -> waiters of the class, "w<prio>" -> their weight (status without scans)
 -- Mailboxes ({zp:<name>}:mb:<x>) are lists in the same slot; a grant RPUSHes the lease id to the
@@ -83,10 +86,196 @@ local function reap(now)
   return #dead + #gone
 end
 
--- The reservation policy seam. 'strict' is StrictPolicy.fits; an elastic policy adds a branch here
--- reading per-lease held / forecast / prefix fields (leases carry them in their cjson record).
+-- The reservation policy seam. 'strict' is StrictPolicy.fits (sum of live bounds). 'elastic' is
+-- ElasticPolicy.fits (zp_client/budget/elastic.py), ported exactly: see the elastic section below.
 local function fits(policy, limit, bsum, w)
   return bsum + w.b <= limit
+end
+
+-- ------------------------------------------------------------------------------------------------
+-- elastic: admit while the projected peak of the pool, with the candidate, stays within the limit.
+-- A port of zp_client/budget/elastic.py (project, _terms_for, _Profile.peak / peak_with,
+-- ElasticPolicy.fits); the Python ledger with ElasticPolicy is the model in the conformance suite.
+-- Leases and waiters carry their metadata compactly in their record, field m:
+--   pt prompt_tokens, tk tokens, ft forecast_tokens, st streaming (0/1), pk prefix_key,
+--   pb prefix_blocks, f1 first_token (0/1); an absent field is absent (the Python default applies).
+-- Leases also carry a = admission sequence: the Python ledger walks leases in admission order, and
+-- the group prefix of a key is that of the last admitted member with first_token (exactness).
+-- Cost per grant pass: one HGETALL of the live leases, O(n log n) to prepare, O(n) per candidate
+-- examined (at most SCAN_MAX), O(n log n) again after each admission. Above ELASTIC_MAX_LEASES live
+-- leases the pass falls back to the strict rule (sum of bounds): conservative, since a lease never
+-- occupies more than its bound on the server, and it keeps a script call bounded.
+local ELASTIC_MAX_LEASES = 4096
+
+local function cdiv(a, b)
+  return -math.floor(-a / b)
+end
+
+-- project(): returns blocks, remaining, grows.
+local function e_project(held, bound, bs, m, candidate)
+  local pt = m.pt
+  if pt == nil then pt = held * bs end
+  local bt = bound * bs
+  local et = bt
+  if m.ft ~= nil then et = math.min(bt, pt + m.ft) end
+  if m.st == 0 then
+    -- not streamed: the client cannot see growth; hold the forecast end while the forecast runs
+    return math.min(bound, cdiv(et, bs)), math.max(0, et - pt), false
+  end
+  if candidate then held = cdiv(pt, bs) end
+  local low = pt
+  if held > 0 then low = math.max(pt, (held - 1) * bs + 1) end
+  if m.tk ~= nil and not candidate then low = math.max(low, math.min(m.tk, held * bs)) end
+  if low >= et and et < bt then et = bt end  -- outgrew its forecast: project to the bound
+  return held, math.max(0, et - low), true
+end
+
+-- items: list of {h=held, b=bound, m=meta, a=admission seq}. Returns the prepared profile.
+local function e_profile(items, bs)
+  table.sort(items, function(x, y) return (x.a or 0) < (y.a or 0) end)
+  local projs = {}
+  local active = {}
+  for i, it in ipairs(items) do
+    local blocks, rem, grows = e_project(it.h, it.b, bs, it.m, false)
+    projs[i] = {blocks, rem, grows}
+    local m = it.m
+    if m.pk ~= nil and m.f1 == 1 and (m.pb or 0) > 0 then active[m.pk] = m.pb end
+  end
+  for i, it in ipairs(items) do
+    local k = it.m.pk
+    if k ~= nil and active[k] ~= nil and projs[i][3] then active[k] = math.min(active[k], projs[i][1]) end
+  end
+  local terms = {}
+  local gend = {}
+  for i, it in ipairs(items) do
+    local p = projs[i]
+    local k = it.m.pk
+    if k ~= nil and active[k] ~= nil and p[3] then
+      terms[#terms + 1] = {p[1] - active[k], p[2], true}
+      if gend[k] == nil or p[2] > gend[k] then gend[k] = p[2] end
+    else
+      terms[#terms + 1] = p
+    end
+  end
+  local groups = {}
+  for k, e in pairs(gend) do
+    terms[#terms + 1] = {active[k], e, false}
+    groups[k] = {active[k], e}
+  end
+  table.sort(terms, function(x, y) return x[2] < y[2] end)
+  local n = #terms
+  local ends, sb, sg = {}, {}, {}
+  sb[n + 1], sg[n + 1] = 0, 0
+  for j = n, 1, -1 do
+    ends[j] = terms[j][2]
+    sb[j] = sb[j + 1] + terms[j][1]
+    sg[j] = sg[j + 1] + (terms[j][3] and 1 or 0)
+  end
+  -- values[j]: the total at instant ends[j] (everything with remaining >= ends[j] is alive)
+  local values = {}
+  local first = 1
+  local peak = sb[1]
+  for j = 1, n do
+    if ends[j] ~= ends[first] then first = j end
+    values[j] = sb[first] + sg[first] * cdiv(ends[j], bs)
+    if values[j] > peak then peak = values[j] end
+  end
+  return {bs = bs, n = n, ends = ends, sb = sb, sg = sg, values = values, peak = peak, groups = groups}
+end
+
+-- _Profile.peak_with, evaluated at every instant (0, each end, the candidate's end): O(n).
+local function e_peak_with(pr, cb, cr, cg, xp, xfrom)
+  local bs = pr.bs
+  local gc = cg and 1 or 0
+  local best = pr.sb[1] + cb
+  local k = pr.n + 1
+  for j = 1, pr.n do
+    local e = pr.ends[j]
+    local v = pr.values[j]
+    if e <= cr then
+      v = v + cb + gc * cdiv(e, bs)
+      if xp ~= nil and e > xfrom then v = v + xp end
+    end
+    if v > best then best = v end
+    if k > pr.n and e >= cr then k = j end
+  end
+  local at_end = pr.sb[k] + pr.sg[k] * cdiv(cr, bs) + cb + gc * cdiv(cr, bs)
+  if xp ~= nil then at_end = at_end + xp end
+  if at_end > best then best = at_end end
+  return best
+end
+
+-- ElasticPolicy.fits for a waiter record w (b, h, m).
+local function e_fits(pr, limit, w)
+  local m = w.mt or {}
+  local cb, cr, cg = e_project(w.h, w.b, pr.bs, m, true)
+  local xp, xfrom = nil, nil
+  local g = nil
+  if m.pk ~= nil then g = pr.groups[m.pk] end
+  if g ~= nil and cg then
+    local pb = m.pb
+    if pb == nil then pb = g[1] end
+    pb = math.min(g[1], pb, cb)
+    cb = cb - pb
+    if cr > g[2] then xp, xfrom = pb, g[2] end
+  end
+  return e_peak_with(pr, cb, cr, cg, xp, xfrom) <= limit
+end
+
+-- Live leases as profile items (nil when there are more than ELASTIC_MAX_LEASES: strict fallback).
+local function e_items()
+  if meta_num('nl') > ELASTIC_MAX_LEASES then return nil end
+  local flat = redis.call('HGETALL', K_LEASES)
+  local items = {}
+  for i = 2, #flat, 2 do
+    local l = cjson.decode(flat[i])
+    items[#items + 1] = {h = l.h, b = l.b, m = l.m or {}, a = l.a}
+  end
+  return items
+end
+
+-- The projected peak of the live leases (BudgetStatus.used under elastic).
+local function e_used()
+  local items = e_items()
+  if items == nil then return meta_num('bsum') end
+  return e_profile(items, meta_num('bs')).peak
+end
+
+-- Decode and validate a compact meta object from a caller (never trusted). '' -> {}. With
+-- allow_null, a JSON null is kept (it removes the field in merge_meta).
+local META_INT = {pt = true, tk = true, ft = true, pb = true}
+local META_FLAG = {st = true, f1 = true}
+local function meta_arg(raw, allow_null)
+  if raw == nil or raw == '' then return {} end
+  local ok, m = pcall(cjson.decode, raw)
+  if not ok or type(m) ~= 'table' then
+    error({err = 'ERR zp: lease meta must be a JSON object, got ' .. string.sub(tostring(raw), 1, 80)})
+  end
+  local out = {}
+  for k, v in pairs(m) do
+    if allow_null and v == cjson.null then
+      out[k] = v
+    elseif META_INT[k] then
+      out[k] = int_arg(v, 'meta ' .. k, 0, 1e12)
+    elseif META_FLAG[k] then
+      out[k] = int_arg(v, 'meta ' .. k, 0, 1)
+    elseif k == 'pk' then
+      if type(v) ~= 'string' or string.len(v) > 256 then
+        error({err = 'ERR zp: meta pk (prefix key) must be a string of at most 256 characters'})
+      end
+      out[k] = v
+    end  -- unknown fields are dropped: the policy reads none
+  end
+  return out
+end
+
+-- Merge a compact meta update (cjson object; null removes a field) into record field m.
+local function merge_meta(rec, upd)
+  local m = rec.m or {}
+  for k, v in pairs(upd) do
+    if v == cjson.null then m[k] = nil else m[k] = v end
+  end
+  rec.m = m
 end
 
 local function notify(boxes)
@@ -125,6 +314,13 @@ local function grant(now, self_id)
   local members = redis.call('ZRANGE', K_LINE, 0, SCAN_MAX - 1)
   local n = 0
   local boxes = {}
+  -- elastic: the live leases (items) and their prepared profile, rebuilt after each admission
+  local elastic, items, prof = false, nil, nil
+  if policy == 'elastic' and #members > 0 then
+    items = e_items()
+    elastic = items ~= nil
+  end
+  local bs = elastic and meta_num('bs') or 0
   for _, m in ipairs(members) do
     local id = string.sub(m, 14)
     local raw = redis.call('HGET', K_WAIT, id)
@@ -132,11 +328,24 @@ local function grant(now, self_id)
       redis.call('ZREM', K_LINE, m)  -- defensive: a line entry without its record
     else
       local w = cjson.decode(raw)
+      local ok
       if reject_if_too_large(id, w, limit, boxes) then
-        -- failed (set_limit normally did this already; kept for waiters beyond its scan)
-      elseif fits(policy, limit, bsum, w) then
+        ok = nil  -- failed (set_limit normally did this already; kept for waiters beyond its scan)
+      elseif elastic then
+        if prof == nil then prof = e_profile(items, bs) end
+        ok = e_fits(prof, limit, w)
+      else
+        ok = fits(policy, limit, bsum, w)
+      end
+      if ok then
         drop_waiter(id, w)
         local lease = {b = w.b, h = w.h, p = w.p, o = w.o, w = w.w, l = w.l, g = now}
+        if elastic then
+          lease.m = w.mt
+          lease.a = redis.call('HINCRBY', K_META, 'adm', 1)
+          items[#items + 1] = {h = w.h, b = w.b, m = w.mt or {}, a = lease.a}
+          prof = nil
+        end
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
         redis.call('ZADD', K_LEXP, now + w.l, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)
@@ -144,7 +353,7 @@ local function grant(now, self_id)
         bsum = redis.call('HINCRBY', K_META, 'bsum', w.b)
         n = n + 1
         if id ~= self_id then add_box(boxes, w.x, id) end
-      elseif now - w.s >= starve then
+      elseif ok == false and now - w.s >= starve then
         break  -- barrier: capacity drains to this waiter
       end
     end

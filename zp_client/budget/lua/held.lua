@@ -1,24 +1,40 @@
--- held.lua: record a batch of leases' current occupancy (Ledger.report_held), clamped to [0, bound].
--- Growth is recorded, never refused. Reports for leases this owner does not hold are ignored.
--- ARGV: owner, then pairs: id, held.   Returns the number of leases updated.
+-- held.lua: record a batch of leases' current occupancy (Ledger.report_held), clamped to [0, bound], and
+-- under elastic their progress metadata (Ledger.update_meta). Growth is recorded, never refused. Reports
+-- for leases this owner does not hold are ignored.
+-- ARGV: owner, then triples: id, held ('' = unchanged), meta update (compact JSON; '' = none).
+-- Under elastic, progress can let waiters in (a first token makes a prefix shared, a stream on schedule
+-- projects less than its bound): when anyone waits, a grant pass runs and admitted waiters are told
+-- through their mailboxes, as after a release. Returns the number of leases updated.
 if redis.call('EXISTS', K_META) == 0 then return 0 end
 local owner = ARGV[1]
+local elastic = redis.call('HGET', K_META, 'policy') == 'elastic'
 local n = 0
-for i = 2, #ARGV, 2 do
+for i = 2, #ARGV, 3 do
   local id = ARGV[i]
   local raw = redis.call('HGET', K_LEASES, id)
-  local v = tonumber(ARGV[i + 1])
-  if raw and v then
+  if raw then
     local l = cjson.decode(raw)
     if l.w == owner then
-      v = math.min(math.max(math.floor(v), 0), l.b)
-      if v ~= l.h then
-        redis.call('HINCRBY', K_META, 'hsum', v - l.h)
-        l.h = v
-        redis.call('HSET', K_LEASES, id, cjson.encode(l))
+      local changed = false
+      local v = tonumber(ARGV[i + 1])
+      if v then
+        v = math.min(math.max(math.floor(v), 0), l.b)
+        if v ~= l.h then
+          redis.call('HINCRBY', K_META, 'hsum', v - l.h)
+          l.h = v
+          changed = true
+        end
       end
+      if elastic and ARGV[i + 2] and ARGV[i + 2] ~= '' then
+        merge_meta(l, meta_arg(ARGV[i + 2], true))
+        changed = true
+      end
+      if changed then redis.call('HSET', K_LEASES, id, cjson.encode(l)) end
       n = n + 1
     end
   end
+end
+if elastic and n > 0 and redis.call('ZCARD', K_LINE) > 0 then
+  grant(now_ms(), '')
 end
 return n

@@ -10,11 +10,11 @@ if redis.call('EXISTS', K_META) == 0 then
   local bs = int_arg(ARGV[2], 'block_size', 1, 1e6)
   local rec = int_arg(ARGV[4], 'recovery_ms', 0, 1e9)
   local starve = int_arg(ARGV[6], 'starvation_ms', 0, 1e15)
-  if ARGV[5] ~= 'strict' then
+  if ARGV[5] ~= 'strict' and ARGV[5] ~= 'elastic' then
     error({err = 'ERR zp: unknown policy ' .. tostring(ARGV[5])})
   end
   redis.call('HSET', K_META, 'limit', limit, 'bs', bs, 'epoch', ARGV[3], 'rec', now + rec,
-    'starve', starve, 'policy', ARGV[5], 'ver', 1, 'seq', 0, 'arr', 0, 'bsum', 0, 'hsum', 0, 'nl', 0)
+    'starve', starve, 'policy', ARGV[5], 'ver', 1, 'seq', 0, 'arr', 0, 'bsum', 0, 'hsum', 0, 'nl', 0, 'adm', 0)
   created = 1
 end
 local m = redis.call('HMGET', K_META, 'limit', 'bs', 'epoch', 'policy', 'starve', 'rec')

@@ -1,0 +1,334 @@
+"""RedisBudget(policy="elastic") and the Redis-shared length forecaster.
+
+* Conformance: a hypothesis state machine drives random acquire (with elastic metadata) / progress
+  (held, tokens, first_token, re-forecast) / release / cancel sequences against a RedisBudget and the
+  sans-I/O :class:`~zp_client.budget.ledger.Ledger` with :class:`~zp_client.budget.elastic.ElasticPolicy`
+  (the model). After every step the grants, the projected peak (``status().used``), held and the line
+  must agree exactly. The Lua port of the projected-peak rule is therefore checked against the Python one
+  on prefixes shared or not, first tokens, non-streamed leases, outgrown forecasts and re-forecasts.
+* Hand-made cases: a first token makes a prefix shared and the progress report alone (no flush, no
+  release) admits a waiter of another process through its mailbox; metadata is validated.
+* The forecaster shared through Redis: a subprocess observes lengths; this process's forecaster and an
+  elastic admission that depends on the forecast reflect them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
+
+from zp_client.budget.base import Lease
+from zp_client.budget.elastic import projected_peak
+from zp_client.budget.ledger import Ledger
+from zp_client.budget.redis import RedisBudget
+from zp_client.errors import ConfigurationError
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # redis.asyncio is asyncio-only
+
+BS = 4
+LIMIT = 24
+NO_BACKFILL = 0.0
+FULL_BACKFILL = 1e9
+
+
+def _delete(url: str, names: list[str]) -> None:
+    r = redis.Redis.from_url(url)
+    try:
+        for name in names:
+            keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
+            if keys:
+                r.delete(*keys)
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def budgets(redis_url: str, redis_prefix: str) -> Iterator[Any]:
+    names: list[str] = []
+    counter = itertools.count()
+
+    def make(limit: int, block_size: int = 16, **kw: Any) -> RedisBudget:
+        name = f"{redis_prefix}-{next(counter)}"
+        names.append(name)
+        kw.setdefault("recovery", 0)
+        return RedisBudget(redis_url, name, limit, block_size, policy="elastic", **kw)
+
+    yield make
+    _delete(redis_url, names)
+
+
+# --------------------------------------------------------------------------------------------- conformance
+_meta = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt_tokens": st.integers(0, 14 * BS),
+        "forecast_tokens": st.integers(0, 14 * BS),
+        "streaming": st.sampled_from([True, True, False]),
+        "prefix_key": st.sampled_from(["A", "B"]),
+        "prefix_blocks": st.integers(0, 4),
+        "first_token": st.booleans(),
+    },
+)
+_progress = st.fixed_dictionaries(
+    {},
+    optional={
+        "tokens": st.integers(0, 16 * BS),
+        "first_token": st.just(True),
+        "forecast_tokens": st.integers(0, 16 * BS),
+    },
+)
+
+
+def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
+    counter = itertools.count()
+
+    class ElasticMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loop = asyncio.new_event_loop()
+            self.model = Ledger(LIMIT, policy="elastic", block_size=BS, starvation_bound=starvation)
+            name = f"{names[0]}-m{next(counter)}"
+            names.append(name)
+            self.budget = RedisBudget(redis_url, name, LIMIT, BS, policy="elastic", recovery=0,
+                                      starvation_bound=starvation, held_report_blocks=1)
+            self.labels = itertools.count()
+            self.tasks: dict[str, asyncio.Task[Lease]] = {}
+            self.leases: dict[str, Lease] = {}
+
+        def run(self, coro: Any) -> Any:
+            return self.loop.run_until_complete(coro)
+
+        def settle(self) -> None:
+            want = self.model.status(0.0)
+            got = None
+            # Bounded wait for liveness only: reports in flight must land. A wrong grant never heals.
+            for _ in range(300):
+                self.run(self.budget.flush())
+                got = self.run(self.budget.status())
+                if (got.used, got.held, got.leases, got.waiters) == (want.used, want.held, want.leases,
+                                                                      want.waiters):
+                    break
+                self.run(asyncio.sleep(0.01))
+            assert got is not None
+            assert (got.limit, got.used, got.free, got.held, got.leases) == (
+                want.limit, want.used, want.free, want.held, want.leases), (got, want)
+            assert got.waiters == want.waiters
+            granted = [lbl for lbl in self.model.leases if lbl not in self.leases]
+            if granted:
+                _, pending = self.run(asyncio.wait([self.tasks[lbl] for lbl in granted], timeout=20))
+                assert not pending, f"Redis did not hand out the grants the model made: {granted}"
+            for lbl in granted:
+                lease = self.tasks.pop(lbl).result()
+                assert lease.ticket == self.model.lease(lbl).ticket
+                self.leases[lbl] = lease
+            for lbl, task in self.tasks.items():
+                assert not task.done(), f"{lbl} finished ({task!r}) but the model says it waits"
+
+        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 1), meta=_meta)
+        def acquire(self, blocks: int, held_frac: int, priority: int, meta: dict[str, Any]) -> None:
+            held = blocks * held_frac // 4
+            lbl = f"r{next(self.labels)}"
+            self.model.enqueue(lbl, blocks, held, priority, 0.0, meta=meta)
+            self.tasks[lbl] = self.loop.create_task(
+                self.budget.acquire(blocks, held=held, priority=priority, meta=meta))
+            self.run(self._until_registered(lbl))
+            self.model.grant(0.0)
+            self.settle()
+
+        async def _until_registered(self, lbl: str) -> None:
+            for _ in range(2000):
+                st_ = await self.budget.status()
+                n = st_.leases + sum(c.waiters for c in st_.waiters.values())
+                if n >= len(self.leases) + len(self.tasks) or self.tasks[lbl].done():
+                    return
+                await asyncio.sleep(0.001)
+            raise AssertionError("acquire never reached Redis")
+
+        @precondition(lambda self: bool(self.leases))
+        @rule(data=st.data(), held=st.integers(-1, 16), fields=_progress)
+        def progress(self, data: st.DataObject, held: int, fields: dict[str, Any]) -> None:
+            lbl = data.draw(st.sampled_from(sorted(self.leases)))
+            self.leases[lbl].report_progress(held, **fields)
+            self.model.report_held(lbl, held)
+            if fields:
+                self.model.update_meta(lbl, **fields)
+            self.model.grant(0.0)
+            self.settle()
+
+        @precondition(lambda self: bool(self.leases))
+        @rule(data=st.data())
+        def release(self, data: st.DataObject) -> None:
+            lbl = data.draw(st.sampled_from(sorted(self.leases)))
+            self.run(self.leases.pop(lbl).release())
+            self.model.release(lbl, 0.0)
+            self.model.grant(0.0)
+            self.settle()
+
+        @precondition(lambda self: bool(self.tasks))
+        @rule(data=st.data())
+        def cancel(self, data: st.DataObject) -> None:
+            lbl = data.draw(st.sampled_from(sorted(self.tasks)))
+            task = self.tasks.pop(lbl)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                self.run(task)
+            assert self.model.cancel(lbl)
+            self.model.grant(0.0)
+            self.settle()
+
+        def teardown(self) -> None:
+            try:
+                for task in self.tasks.values():
+                    task.cancel()
+                for task in self.tasks.values():
+                    try:
+                        lease = self.run(task)
+                    except asyncio.CancelledError:
+                        continue
+                    self.run(lease.release())
+                for lease in self.leases.values():
+                    self.run(lease.release())
+                st_ = self.run(self.budget.status())
+                assert st_.leases == 0 and not st_.waiters, f"leaked: {st_}"
+                self.run(self.budget.aclose())
+            finally:
+                self.loop.close()
+
+    return ElasticMachine
+
+
+@pytest.mark.parametrize("starvation", [NO_BACKFILL, FULL_BACKFILL], ids=["fifo", "backfill"])
+def test_elastic_redis_budget_conforms_to_the_elastic_ledger(
+    starvation: float, redis_url: str, redis_prefix: str
+) -> None:
+    names = [redis_prefix]
+    try:
+        machine = _make_machine(redis_url, names, starvation)
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=30, stateful_step_count=25, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        ))
+    finally:
+        _delete(redis_url, names[1:])
+
+
+# --------------------------------------------------------------------------------------------- hand-made
+@pytest.mark.anyio
+async def test_used_is_the_projected_peak_and_a_waiter_is_admitted_on_it(budgets: Any) -> None:
+    # bs 16, limit 30. A: 8 blocks held (prompt 120 tokens), forecast 40 more tokens: 40 steps, growing
+    # ceil(40/16) = 3 blocks from its 8 -> peak 11. B asks for 25 blocks: prompt 100 (7 blocks), 50 more
+    # tokens -> 7 + 4 at its end. Just before A ends (t = 40): 11 + 7 + 3 = 21 <= 30, then B alone 11.
+    # Strict would need 20 + 25 = 45 > 30.
+    b = budgets(30)
+    ma = {"prompt_tokens": 120, "forecast_tokens": 40}
+    la = await b.acquire(20, held=8, meta=ma)
+    assert (await b.status()).used == projected_peak([(8, 20, ma)], 16) == 11
+    mb = {"prompt_tokens": 100, "forecast_tokens": 50}
+    lb = await asyncio.wait_for(b.acquire(25, held=7, meta=mb), 20)
+    st_ = await b.status()
+    assert st_.used == projected_peak([(8, 20, ma), (7, 25, mb)], 16) == 21 and st_.extra["bound_sum"] == 45
+    # A third without a forecast is projected to its bound (200 -> 320 tokens): 13 blocks now, 37 just
+    # before A ends (21 + 13 + 3): it must wait until A and B leave.
+    third = asyncio.ensure_future(b.acquire(20, held=13, meta={"prompt_tokens": 200}))
+    await asyncio.sleep(0.3)
+    assert not third.done()
+    await la.release()
+    await lb.release()
+    lc = await asyncio.wait_for(third, 20)
+    await lc.release()
+    await b.aclose()
+
+
+@pytest.mark.anyio
+async def test_first_token_report_admits_a_waiter_of_another_process(budgets: Any) -> None:
+    # Two budget handles (two "processes", separate owners and mailboxes). A holds 10 blocks of which
+    # 8 are a shared prefix. B (same prefix, 10 blocks) does not fit beside A's own copy (limit 14),
+    # but fits once A's first token makes the prefix shared: the progress report alone admits B.
+    a = budgets(14)
+    other = RedisBudget(a._url, a.name, 14, 16, policy="elastic", recovery=0, poll_interval=30)
+    meta = {"prompt_tokens": 160, "forecast_tokens": 0, "prefix_key": "sys", "prefix_blocks": 8}
+    la = await a.acquire(10, held=10, meta=meta)
+    waiter = asyncio.ensure_future(other.acquire(10, held=10, meta=meta))
+    await asyncio.sleep(0.3)
+    assert not waiter.done()
+    assert (await a.status()).waiters[0].waiters == 1
+    la.update_meta(first_token=True)  # no flush: the batched report goes at once for metadata
+    lb = await asyncio.wait_for(waiter, 10)  # poll_interval is 30 s: this is the mailbox push
+    st_ = await a.status()
+    assert st_.leases == 2 and st_.used <= 14
+    await lb.release()
+    await la.release()
+    await other.aclose()
+    await a.aclose()
+
+
+@pytest.mark.anyio
+async def test_growth_reports_reach_redis_without_a_flush(budgets: Any) -> None:
+    b = budgets(100, held_report_blocks=2)
+    lease = await b.acquire(40, held=4, meta={"prompt_tokens": 60, "forecast_tokens": 100})
+    lease.report_progress(7, tokens=110)
+    for _ in range(500):
+        st_ = await b.status()
+        if st_.held == 7:
+            break
+        await asyncio.sleep(0.01)
+    assert st_.held == 7
+    assert st_.used == projected_peak([(7, 40, {"prompt_tokens": 60, "forecast_tokens": 100, "tokens": 110})], 16)
+    await lease.release()
+    await b.aclose()
+
+
+@pytest.mark.anyio
+async def test_meta_is_validated(budgets: Any, redis_url: str) -> None:
+    b = budgets(50)
+    with pytest.raises(ConfigurationError, match="forecast_tokens"):
+        await b.acquire(5, meta={"forecast_tokens": -3})
+    with pytest.raises(ConfigurationError, match="prefix_key"):
+        await b.acquire(5, meta={"prefix_key": "x" * 300})
+    lease = await b.acquire(5, meta={"prompt_tokens": 10})
+    lease.report_progress(2, forecast_tokens=-1)  # progress never raises; the bad field is dropped
+    await b.flush()
+    assert (await b.status()).held == 2
+    # The script refuses bad metadata from a caller that bypasses the client.
+    from zp_client.budget.redis import _scripts
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        text, _ = _scripts()["acquire"]
+        with pytest.raises(redis.ResponseError, match="meta pt"):
+            r.eval(text, len(b._keys), *b._keys, "x" * 20, 5, 5, 0, -1, 1000, "mb", "o", 1000, '{"pt":-4}')
+    finally:
+        r.close()
+    await lease.release()
+    await b.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_process_configured_strict_follows_a_stored_elastic_policy(budgets: Any) -> None:
+    b = budgets(20)
+    lease = await b.acquire(5, meta={"prompt_tokens": 10})
+    s = RedisBudget(b._url, b.name, 20, 16, policy="strict", recovery=0)
+    st_ = await s.status()
+    assert st_.policy == "elastic"
+    l2 = await s.acquire(5, meta={"prompt_tokens": 10, "forecast_tokens": 5})
+    assert s.policy_name == "elastic"
+    await l2.release()
+    await lease.release()
+    await s.aclose()
+    await b.aclose()
