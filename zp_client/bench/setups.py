@@ -345,3 +345,7 @@ async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
     _warm_openai(_openai_class(ctx.speedup)(base_url=ctx.base_url, api_key="sk-storm-bench"))
     async with contextlib.AsyncExitStack() as stack:
         yield await factory(ctx, stack)
+
+
+# The elastic setups (issue 8) register themselves; imported last because they build on this module.
+from zp_client.bench import elastic_setups as _elastic_setups  # noqa: E402,F401

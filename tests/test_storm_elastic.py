@@ -1,0 +1,76 @@
+"""The elastic storm setups (issue 8): registration, and a tiny storm in which zp-elastic and zp-oracle
+never let the server preempt while no-admission does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from zp_client.bench import elastic_setups
+from zp_client.bench.report import build_report, write_report
+from zp_client.bench.runner import StormConfig, run_storm
+from zp_client.bench.setups import SETUPS, parse_setups
+from zp_client.errors import ConfigurationError
+
+# As tests/test_storm.py's tiny seed-burst: six streams hold ~75% of the "tiny" profile's pool, three
+# 1200-token agent prompts land mid-way; without admission the server must preempt.
+TINY = {"streams": 6, "stream_out": 512, "rounds": 2, "burst": 3, "burst_prompt": 1200, "burst_max_tokens": 256}
+
+
+def test_elastic_setups_are_registered_after_zp_strict_and_run_by_default() -> None:
+    names = list(SETUPS)
+    assert names.index("zp-elastic") == names.index("zp-strict") + 1
+    assert names.index("zp-oracle") == names.index("zp-elastic") + 1
+    default = parse_setups(None, None)
+    assert "zp-elastic" in default and "zp-oracle" in default
+    assert parse_setups("zp-oracle,zp-elastic", None) == ["no-admission", "zp-elastic", "zp-oracle"]
+    if "zp-redis-elastic" in SETUPS:
+        assert SETUPS["zp-redis-elastic"].needs_redis
+        assert "zp-redis-elastic" not in default
+        with pytest.raises(ConfigurationError, match="--redis"):
+            parse_setups("zp-redis-elastic", None)
+
+
+def test_configure_overrides_the_forecaster_and_restores_the_default(monkeypatch) -> None:
+    monkeypatch.delenv("ZP_STORM_ELASTIC_Q", raising=False)
+    monkeypatch.delenv("ZP_STORM_ELASTIC_PRIOR_WEIGHT", raising=False)
+    assert elastic_setups._forecaster() is None  # the budget's shared default forecaster
+    try:
+        elastic_setups.configure(q=0.7, prior_weight=5.0)
+        fc = elastic_setups._forecaster()
+        assert fc.q == 0.7 and fc.prior.weight == 5.0
+    finally:
+        elastic_setups.configure()
+    assert elastic_setups._forecaster() is None
+    monkeypatch.setenv("ZP_STORM_ELASTIC_Q", "nope")
+    with pytest.raises(ConfigurationError, match="ZP_STORM_ELASTIC_Q"):
+        elastic_setups._forecaster()
+
+
+@pytest.mark.slow
+def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path) -> None:
+    setups = ["no-admission", "zp-strict", "zp-elastic", "zp-oracle"]
+    cfg = StormConfig(workload="seed-burst", seed=0, setups=setups, profile="tiny", num_gpu_blocks=None,
+                      speedup=4.0, workload_overrides=dict(TINY))
+    wl, facts, runs = asyncio.run(run_storm(cfg))
+    report = build_report(wl, facts, runs, cfg, "pytest")
+    jp, _ = write_report(report, tmp_path)
+    data = json.loads(jp.read_text())
+    assert [m["setup"] for m in data["setups"]] == setups
+    by = {m["setup"]: m for m in data["setups"]}
+    for name in ("zp-elastic", "zp-oracle"):
+        m = by[name]
+        for key in ("preemptions", "kv_usage_max", "ttft_p50", "ttft_p99", "itl_p99", "makespan", "errors"):
+            assert key in m, key
+        assert m["sent"] == wl.num_requests
+        assert m["ok"] == wl.num_requests and m["errors"] == 0
+        assert m["preemptions"] == 0, name
+        assert m["limit_blocks"] == by["zp-strict"]["limit_blocks"]
+        assert len(data["timelines"][name]) > 10
+        assert name in data["ttfts"] and name in data["requests"]
+    assert by["no-admission"]["preemptions"] > 0
+    assert data["checks"]["zp_zero_preemptions"] is True
+    # elastic admits on the projected peak, so it may use more of the pool than strict ever does
+    assert by["zp-elastic"]["kv_usage_max"] >= by["zp-strict"]["kv_usage_max"]
