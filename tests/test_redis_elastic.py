@@ -332,3 +332,82 @@ async def test_a_process_configured_strict_follows_a_stored_elastic_policy(budge
     await lease.release()
     await s.aclose()
     await b.aclose()
+
+
+# --------------------------------------------------------------------------------------------- forecaster
+_LEARNER = textwrap.dedent(
+    """
+    import sys
+    from zp_client.budget.redis import RedisBudget
+
+    url, name = sys.argv[1], sys.argv[2]
+    b = RedisBudget(url, name, 40, 16, policy="elastic", recovery=0)
+    fc = b.shared_forecaster(sync_interval=30)
+    for i in range(300):
+        fc.observe("agent", 18 + i % 5)   # short replies: 18..22 tokens
+    b.close_sync()                         # sends what is pending
+    print("ok")
+    """
+)
+
+
+@pytest.mark.anyio
+async def test_one_process_admits_on_a_forecaster_learned_by_another(budgets: Any) -> None:
+    # bs 16, limit 40. Leases of 30 blocks: a 160-token prompt (10 blocks) and max_tokens 320. Cold, the
+    # prior's 0.9 quantile (~1,200 tokens) is capped at 320: each lease projects 10 + 20 = 30 blocks, so a
+    # second one does not fit. Once another process has taught the fleet that replies are ~20 tokens, a
+    # lease projects 10 + 2 blocks and two fit easily.
+    b = budgets(40)
+    fc = b.shared_forecaster(sync_interval=0.2)
+    assert fc is b.shared_forecaster()
+    from zp_client.transport import forecaster_for
+
+    assert forecaster_for(b) is fc  # the transport's default for this budget
+    cold = fc.forecast("agent", max_tokens=320)
+    assert cold == 320
+    proc = subprocess.run([sys.executable, "-c", _LEARNER, b._url, b.name], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+    learned = cold
+    for _ in range(200):  # the periodic sync (0.2 s) picks the fleet's counts up; bounded for liveness
+        learned = fc.forecast("agent", max_tokens=320)
+        if learned < 64:
+            break
+        await asyncio.sleep(0.05)
+    assert 18 <= learned < 64, learned
+    assert fc.observations("agent") == 0  # this process observed nothing itself
+
+    def meta(forecast: int) -> dict[str, Any]:
+        return {"prompt_tokens": 160, "forecast_tokens": forecast}
+
+    # With the cold forecast a second request must wait (both project to 30 blocks at the end) ...
+    first = await b.acquire(30, held=10, meta=meta(cold))
+    cold_waiter = asyncio.ensure_future(b.acquire(30, held=10, meta=meta(cold)))
+    await asyncio.sleep(0.3)
+    assert not cold_waiter.done()
+    cold_waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cold_waiter
+    await first.release()
+    # ... with the learned one it is admitted next to the first at once.
+    first = await b.acquire(30, held=10, meta=meta(learned))
+    second = await asyncio.wait_for(b.acquire(30, held=10, meta=meta(learned)), 20)
+    assert (await b.status()).used <= 40
+    await second.release()
+    await first.release()
+    await b.aclose()
+
+
+def test_forecaster_observations_reach_redis_and_local_view_includes_them(budgets: Any) -> None:
+    b = budgets(40)
+    fc = b.shared_forecaster(sync_interval=60)
+    fc.observe_many("k", [100] * 50)
+    local = fc.forecast("k")  # local at once, before any sync
+    fc.sync()
+    assert fc.forecast("k") == local  # the fleet view (prior + the same 50) equals the local one
+    other = RedisBudget(b._url, b.name, 40, 16, policy="elastic", recovery=0)
+    fc2 = other.shared_forecaster(sync_interval=60)
+    fc2.sync()
+    assert fc2.forecast("k") == local
+    other.close_sync()
+    b.close_sync()

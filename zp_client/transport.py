@@ -834,13 +834,16 @@ _forecasters_lock = threading.Lock()
 
 def forecaster_for(budget: Budget) -> Any:
     """The :class:`~zp_client.forecast.LengthForecaster` every transport of ``budget`` shares by
-    default (made on first use, q = 0.9), so wrapped clients of one budget learn together."""
+    default (made on first use, q = 0.9), so wrapped clients of one budget learn together. A budget with
+    a ``shared_forecaster()`` method (RedisBudget) supplies it: the fleet learns together."""
     from zp_client.forecast import LengthForecaster
 
     with _forecasters_lock:
         fc = _forecasters.get(budget)
         if fc is None:
-            fc = _forecasters[budget] = LengthForecaster()
+            # A budget that shares forecasts across processes (RedisBudget) provides its own.
+            shared = getattr(budget, "shared_forecaster", None)
+            fc = _forecasters[budget] = shared() if shared is not None else LengthForecaster()
         return fc
 
 

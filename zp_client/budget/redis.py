@@ -391,6 +391,7 @@ class RedisBudget(Budget):
         self._fallback_logged = False
         self._warned_limit = False
         self._policy_known = False  # the stored policy is read once (the creator's choice wins)
+        self._forecaster: Any = None
 
     @classmethod
     def from_settings(
@@ -417,6 +418,33 @@ class RedisBudget(Budget):
         """``"strict"`` or ``"elastic"`` (the stored policy once Redis was reached: the budget's creator
         chose it). Under ``strict`` the ``meta`` given to :meth:`acquire` is accepted and ignored."""
         return self._policy
+
+    def shared_forecaster(self, **kwargs: Any) -> Any:
+        """The :class:`~zp_client.budget.redis_forecast.RedisLengthForecaster` of this budget: output
+        lengths learned by every process of the fleet (made on first call; ``kwargs`` such as ``q`` or
+        ``sync_interval`` apply then). The transport uses it by default for an elastic RedisBudget.
+        Needs a URL or ``sync_client`` (it syncs from a daemon thread); closed with the budget."""
+        with self._sync_lock:
+            fc = self._forecaster
+        if fc is None:
+            from zp_client.budget.redis_forecast import RedisLengthForecaster
+
+            try:
+                client = self._sync()
+            except ConfigurationError as exc:
+                from zp_client.forecast import LengthForecaster
+
+                log.warning("zp_client: Redis budget %r forecasts from this process only: %s", self.name, exc)
+                kwargs = {k: v for k, v in kwargs.items() if k in ("q", "prior", "half_life", "priors")}
+                with self._sync_lock:
+                    if self._forecaster is None:
+                        self._forecaster = LengthForecaster(**kwargs)
+                    return self._forecaster
+            with self._sync_lock:
+                if self._forecaster is None:
+                    self._forecaster = RedisLengthForecaster(client, self.name, **kwargs)
+                fc = self._forecaster
+        return fc
 
     def add_event_hook(self, hook: Callable[[RedisBudgetEvent], None]) -> None:
         """Call ``hook(event)`` for every :class:`RedisBudgetEvent` (from a background task or thread)."""
@@ -1212,6 +1240,9 @@ class RedisBudget(Budget):
                     self._after_renew(batch, r, self._sync_leases)
 
     def _stop_sync(self) -> None:
+        fc, self._forecaster = self._forecaster, None
+        if fc is not None and hasattr(fc, "close"):
+            fc.close()  # sends its pending observations with the sync client, before that closes
         self._sync_wake.set()
         t = self._sync_thread
         if t is not None and t is not threading.current_thread():

@@ -1,0 +1,209 @@
+"""A :class:`~zp_client.forecast.LengthForecaster` shared by the fleet through Redis.
+
+Every process of a :class:`~zp_client.budget.redis.RedisBudget` learns output lengths from its own
+responses; the elastic policy admits better when every process forecasts from what the whole fleet saw.
+:class:`RedisLengthForecaster` keeps the local forecaster's API (``observe``, ``forecast``, ``quantile``)
+and, in a daemon thread:
+
+* sends observations in batches (every ``sync_interval`` seconds, or at once when ``batch`` are pending):
+  one script call per key adds the bucket counts (``HINCRBYFLOAT``) to ``{zp:<name>}:fc:<key>`` and
+  records the key in ``{zp:<name>}:fckeys`` — all under the budget's hash tag (one Cluster slot);
+* then reads the fleet's counts of every key (at most ``max_keys``; one pipelined round trip) and makes
+  them the local distribution (prior + fleet counts, through ``merge_counts``).
+
+So an observation reaches every process within about two ``sync_interval``; :meth:`sync` does both steps
+now. Decay is fleet-wide: when a key's total passes ``2 * half_life`` observations the script halves its
+counts (the local histograms do not decay on their own). Redis unreachable: observations stay local and
+pending (bounded by ``max_pending``), logged at WARNING once; forecasts keep working from the last view.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from zp_client.errors import ConfigurationError
+from zp_client.forecast import LengthForecaster, Prior, _bucket
+
+__all__ = ["RedisLengthForecaster"]
+
+log = logging.getLogger("zp_client.budget.redis_forecast")
+
+# KEYS: counts hash, keys set. ARGV: key name, halve-at total, max keys, then pairs bucket, weight.
+# Field "t" holds the total. Bounded: one HINCRBYFLOAT per distinct bucket of the batch, a halving
+# rewrites at most the ~100 buckets of one key.
+_ADD_LUA = """
+local total = 0
+for i = 4, #ARGV, 2 do
+  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+  total = total + tonumber(ARGV[i + 1])
+end
+local t = tonumber(redis.call('HINCRBYFLOAT', KEYS[1], 't', total))
+local cap = tonumber(ARGV[2])
+if cap > 0 and t > cap then
+  local flat = redis.call('HGETALL', KEYS[1])
+  for i = 1, #flat, 2 do
+    redis.call('HSET', KEYS[1], flat[i], tonumber(flat[i + 1]) / 2)
+  end
+end
+if redis.call('SCARD', KEYS[2]) < tonumber(ARGV[3]) then redis.call('SADD', KEYS[2], ARGV[1]) end
+return 1
+"""
+
+
+class RedisLengthForecaster(LengthForecaster):
+    """Per-key length distributions learned by the whole fleet; see the module docstring.
+
+    ``client`` is a sync ``redis.Redis`` (or ``RedisCluster``) or a URL; ``name`` the budget's name (its
+    hash tag ``{zp:<name>}``). Thread-safe. Call :meth:`close` to send what is pending and stop the
+    thread (a :class:`RedisBudget` does it in ``aclose``/``close_sync``).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        name: str,
+        *,
+        q: float = 0.9,
+        prior: Prior | None = None,
+        half_life: float | None = 2000.0,
+        priors: Mapping[str, Prior] | None = None,
+        sync_interval: float = 5.0,
+        batch: int = 64,
+        max_keys: int = 1000,
+        max_pending: int = 100_000,
+    ) -> None:
+        super().__init__(q=q, prior=prior, half_life=None, priors=priors)
+        if not (isinstance(sync_interval, (int, float)) and sync_interval > 0):
+            raise ConfigurationError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
+        if isinstance(client, str):
+            import redis as redis_sync
+
+            client, self._owns = redis_sync.Redis.from_url(client), True
+        else:
+            self._owns = False
+        self._client = client
+        self._prefix = f"{{zp:{name}}}"
+        self._keys_key = f"{self._prefix}:fckeys"
+        self._halve_at = 2.0 * half_life if half_life else 0.0
+        self._interval = float(sync_interval)
+        self._batch = max(1, int(batch))
+        self._max_keys = int(max_keys)
+        self._max_pending = int(max_pending)
+        self._pending: dict[str, dict[int, float]] = {}
+        self._n_pending = 0
+        self._plock = threading.Lock()
+        self._io_lock = threading.Lock()  # one sync at a time (the thread, or a caller's sync())
+        self._wake = threading.Event()
+        self._closed = False
+        self._warned = False
+        self._script = client.register_script(_ADD_LUA)
+        self._thread = threading.Thread(target=self._run, name=f"zp-forecast-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, key: str, completion_tokens: int) -> None:
+        """Learn one length locally at once; it reaches the fleet with the next batch."""
+        super().observe(key, completion_tokens)
+        self._queue(key, [completion_tokens])
+
+    def observe_many(self, key: str, lengths: Any) -> None:
+        lengths = list(lengths)
+        super().observe_many(key, lengths)
+        self._queue(key, lengths)
+
+    def _queue(self, key: str, lengths: list[int]) -> None:
+        with self._plock:
+            if self._n_pending >= self._max_pending:
+                return  # Redis away for long: the fleet misses these, the local view has them
+            d = self._pending.setdefault(key, {})
+            for n in lengths:
+                b = _bucket(float(n))
+                d[b] = d.get(b, 0.0) + 1.0
+            self._n_pending += len(lengths)
+            full = self._n_pending >= self._batch
+        if full:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ sync
+    def sync(self) -> None:
+        """Send pending observations and adopt the fleet's counts now. Raises on Redis errors."""
+        with self._io_lock:
+            self._flush()
+            self._pull()
+
+    def _flush(self) -> None:
+        with self._plock:
+            pending, self._pending, self._n_pending = self._pending, {}, 0
+        try:
+            for key, buckets in pending.items():
+                args: list[Any] = [key, self._halve_at, self._max_keys]
+                for b, w in buckets.items():
+                    args += [b, w]
+                self._script(keys=[self._hkey(key), self._keys_key], args=args)
+                buckets.clear()
+        except Exception:
+            with self._plock:  # put back what was not sent
+                for key, buckets in pending.items():
+                    d = self._pending.setdefault(key, {})
+                    for b, w in buckets.items():
+                        d[b] = d.get(b, 0.0) + w
+                        self._n_pending += int(w)
+            raise
+
+    def _pull(self) -> None:
+        keys = [k.decode() if isinstance(k, bytes) else str(k) for k in self._client.smembers(self._keys_key)]
+        keys = keys[: self._max_keys]
+        if not keys:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(self._hkey(k))
+        for k, flat in zip(keys, pipe.execute()):
+            if not flat:
+                continue
+            counts = self._priors.get(k, self.prior).masses()
+            for field, v in flat.items():
+                f = field.decode() if isinstance(field, bytes) else str(field)
+                if f.isdigit() and int(f) < len(counts):
+                    counts[int(f)] += float(v)
+            self.merge_counts(k, counts)
+
+    def _hkey(self, key: str) -> str:
+        return f"{self._prefix}:fc:{key}"
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(timeout=self._interval)
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                self.sync()
+                if self._warned:
+                    self._warned = False
+                    log.warning("zp_client: fleet length forecaster %s reachable again", self._prefix)
+            except Exception as exc:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("zp_client: fleet length forecaster %s cannot reach Redis (%r); forecasting "
+                                "from this process's observations until it is back", self._prefix, exc)
+                time.sleep(min(self._interval, 1.0))
+
+    def close(self) -> None:
+        """Send what is pending (best effort) and stop the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with contextlib.suppress(Exception), self._io_lock:
+            self._flush()
+        if self._owns:
+            with contextlib.suppress(Exception):
+                self._client.close()
