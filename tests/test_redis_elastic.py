@@ -19,6 +19,7 @@ import itertools
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -410,4 +411,40 @@ def test_forecaster_observations_reach_redis_and_local_view_includes_them(budget
     fc2.sync()
     assert fc2.forecast("k") == local
     other.close_sync()
+    b.close_sync()
+
+
+@pytest.mark.anyio
+async def test_a_lease_redis_lost_is_readopted_with_its_metadata(budgets: Any, redis_url: str) -> None:
+    b = budgets(60, lease_ttl=30.0)
+    meta = {"prompt_tokens": 100, "forecast_tokens": 30, "prefix_key": "p", "prefix_blocks": 3}
+    lease = await b.acquire(40, held=7, meta=meta)
+    lease.report_progress(8, tokens=120, first_token=True)
+    await b.flush()
+    want = projected_peak([(8, 40, {**meta, "tokens": 120, "first_token": True})], 16)
+    assert (await b.status()).used == want
+    _delete(redis_url, [b.name])  # Redis lost its state
+    await b._renew_round(b._side)
+    assert b.counters["readopted"] == 1
+    st_ = await b.status()
+    # Without its metadata the lease would project to its bound (40 + 1 blocks).
+    assert (st_.leases, st_.held, st_.used) == (1, 8, want)
+    await lease.release()
+    await b.aclose()
+
+
+def test_lease_sync_carries_metadata_and_progress(budgets: Any) -> None:
+    b = budgets(30)
+    meta = {"prompt_tokens": 100, "forecast_tokens": 20}
+    with b.lease_sync(25, held=7, meta=meta) as lease:
+        assert b.status_sync().used == projected_peak([(7, 25, meta)], 16)
+        lease.report_progress(9, tokens=140, forecast_tokens=60)
+        want = projected_peak([(9, 25, {**meta, "tokens": 140, "forecast_tokens": 60})], 16)
+        for _ in range(500):  # the sync keeper thread sends it (metadata goes at once)
+            if b.status_sync().used == want:
+                break
+            time.sleep(0.01)
+        st_ = b.status_sync()
+        assert (st_.held, st_.used) == (9, want)
+    assert b.status_sync().leases == 0
     b.close_sync()

@@ -2,8 +2,9 @@
 
 The semantics are those of :class:`~zp_client.budget.ledger.Ledger` (and of
 :class:`~zp_client.budget.local.LocalBudget`): one fair line (priority class, then ticket order), the
-``strict`` policy (sum of live bounds <= limit), bounded backfill with the starvation bound, limit
-changes that never revoke. The ledger's rules are ported to Lua (``budget/lua/*.lua``, one job per
+``strict`` policy (sum of live bounds <= limit) or the ``elastic`` one (projected peak <= limit; see
+:mod:`zp_client.budget.elastic`), bounded backfill with the starvation bound, limit changes that never
+revoke. The ledger's rules are ported to Lua (``budget/lua/*.lua``, one job per
 script, sharing ``common.lua``); every decision is one atomic script call, timed by Redis ``TIME``.
 
 Example::
@@ -39,6 +40,19 @@ What callers may rely on:
 * **Limit** — the first process to create the budget sets its limit; a process configured with another
   value logs a warning and follows the stored one. :meth:`set_limit` / :meth:`compare_and_set_limit`
   change it.
+
+* **Elastic** (``policy="elastic"``) — ``acquire(..., meta=...)`` stores the lease's metadata in Redis
+  (compactly: prompt_tokens, tokens, forecast_tokens, streaming, prefix_key, prefix_blocks,
+  first_token; other keys are ignored). ``lease.report_progress(held, **fields)`` /
+  ``lease.update_meta(**fields)`` travel on the batched held reports: held growth once it moved by
+  ``held_report_blocks``, any metadata other than ``tokens`` at once; when waiters exist the report
+  runs a grant pass and the admitted waiters are woken through their mailboxes. The projected-peak rule
+  runs in Lua with exactly ElasticPolicy's semantics (tests/test_redis_elastic.py checks it against the
+  Python ledger); a grant pass costs O(n log n) in the n live leases plus O(n) per waiter examined, and
+  above 4,096 live leases falls back to the strict rule (conservative). A renewal that re-adopts a lease
+  Redis lost restores its metadata. The budget's creator chooses the policy; a process configured
+  otherwise logs a warning and follows the stored one. :meth:`RedisBudget.shared_forecaster` is the
+  fleet's output-length forecaster (:mod:`zp_client.budget.redis_forecast`).
 
 Keys: everything lives under the hash tag ``{zp:<name>}`` (one Cluster slot). Priorities must lie in
 ``[-4096, 4096]`` (they are packed into a sorted-set score).
@@ -181,6 +195,7 @@ class RedisLease(Lease):
         self._lost = False
         self._sync = sync
         self._meta_pending: dict[str, Any] = {}  # elastic: compact meta fields not yet sent
+        self._meta_all: dict[str, Any] = {}  # elastic: the whole compact meta, for re-adoption
 
     @property
     def held(self) -> int:
@@ -226,6 +241,11 @@ class RedisLease(Lease):
                 compact = {}
             if compact:
                 self._meta_pending.update(compact)
+                for k, v in compact.items():
+                    if v is None:
+                        self._meta_all.pop(k, None)
+                    else:
+                        self._meta_all[k] = v
                 urgent = urgent or any(k != "tk" for k in compact)
         if urgent:
             self._budget._held_dirty(self)
@@ -805,7 +825,7 @@ class RedisBudget(Budget):
                 if code in ("G", "W"):
                     self._learn_limit(int(r[4]))
                 if code == "G":
-                    return self._new_lease(side, rid, bound, held, Ticket(int(r[2]), int(r[1])), _s(r[3]))
+                    return self._new_lease(side, rid, bound, held, Ticket(int(r[2]), int(r[1])), _s(r[3]), meta_json)
                 if code == "X":
                     self._limit = int(r[1])
                     raise LeaseTooLarge(bound, self._limit)
@@ -820,7 +840,7 @@ class RedisBudget(Budget):
                 while True:
                     res = await fut
                     if res == "G":
-                        return self._new_lease(side, rid, bound, held, ticket, self._epoch or _s(r[3]))
+                        return self._new_lease(side, rid, bound, held, ticket, self._epoch or _s(r[3]), meta_json)
                     if res == "X":
                         raise LeaseTooLarge(bound, self._limit, "the limit was lowered while waiting")
                     # 'N': Redis forgot the waiter (state lost, or reaped): enqueue again, same ticket
@@ -835,8 +855,12 @@ class RedisBudget(Budget):
         finally:
             side.waiters.pop(rid, None)
 
-    def _new_lease(self, side: _AsyncSide, rid: str, bound: int, held: int, ticket: Ticket, epoch: str) -> RedisLease:
+    def _new_lease(
+        self, side: _AsyncSide, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str = ""
+    ) -> RedisLease:
         lease = RedisLease(self, rid, bound, held, ticket, epoch, sync=False)
+        if meta_json:
+            lease._meta_all = json.loads(meta_json)
         side.leases[rid] = lease
         side.start()
         return lease
@@ -944,7 +968,8 @@ class RedisBudget(Budget):
     def _renew_args(self, batch: list[RedisLease]) -> list[Any]:
         args: list[Any] = [self._owner, int(self._lease_ttl * 1000)]
         for le in batch:
-            args += [le.id, le.epoch, le.bound, le._held, le.priority, le.ticket.order]
+            args += [le.id, le.epoch, le.bound, le._held, le.priority, le.ticket.order,
+                     _meta_json(le._meta_all) if self._policy == "elastic" else ""]
         return args
 
     def _after_renew(self, batch: list[RedisLease], r: list[Any], registry: dict[str, RedisLease]) -> None:
@@ -1121,7 +1146,7 @@ class RedisBudget(Budget):
                 if code in ("G", "W"):
                     self._learn_limit(int(r[4]))
                 if code == "G":
-                    return self._new_sync_lease(rid, bound, held, Ticket(int(r[2]), int(r[1])), _s(r[3]))
+                    return self._new_sync_lease(rid, bound, held, Ticket(int(r[2]), int(r[1])), _s(r[3]), meta_json)
                 if code == "X":
                     self._limit = int(r[1])
                     raise LeaseTooLarge(bound, self._limit)
@@ -1157,8 +1182,12 @@ class RedisBudget(Budget):
             with contextlib.suppress(Exception):
                 client.delete(mailbox)
 
-    def _new_sync_lease(self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str) -> RedisLease:
+    def _new_sync_lease(
+        self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str = ""
+    ) -> RedisLease:
         lease = RedisLease(self, rid, bound, held, ticket, epoch, sync=True)
+        if meta_json:
+            lease._meta_all = json.loads(meta_json)
         with self._sync_lock:
             self._sync_leases[rid] = lease
         self._ensure_sync_thread()

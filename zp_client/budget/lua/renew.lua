@@ -2,7 +2,8 @@
 -- A lease Redis no longer has is re-adopted when it was granted in another epoch (Redis restarted or
 -- failed over and lost it: the holder really runs, so the ledger must count it again), and reported
 -- lost when it was granted in the current epoch (it expired: its blocks may already be someone else's).
--- ARGV: owner, lease_ttl_ms, then per lease 6 values: id, epoch, bound, held, priority, order
+-- ARGV: owner, lease_ttl_ms, then per lease 7 values: id, epoch, bound, held, priority, order, meta
+--       (compact JSON, elastic: a re-adopted lease keeps its projection; '' otherwise)
 -- Returns {'I'} budget absent (call init.lua, then renew again) | {epoch, code...}, one code per lease:
 --   1 renewed, 2 re-adopted, 0 lost, -1 held by another owner.
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
@@ -12,7 +13,8 @@ local now = now_ms()
 reap(now)
 local epoch = redis.call('HGET', K_META, 'epoch')
 local out = {epoch}
-for i = 3, #ARGV, 6 do
+local elastic = redis.call('HGET', K_META, 'policy') == 'elastic'
+for i = 3, #ARGV, 7 do
   local id, lep = ARGV[i], ARGV[i + 1]
   local raw = redis.call('HGET', K_LEASES, id)
   if raw then
@@ -35,6 +37,10 @@ for i = 3, #ARGV, 6 do
     local h = int_arg(ARGV[i + 3], 'held', 0, b)
     local l = {b = b, h = h, p = int_arg(ARGV[i + 4], 'priority', -4096, 4096),
                o = int_arg(ARGV[i + 5], 'order', 0, 1099511627775), w = owner, l = ttl, g = now}
+    if elastic then
+      l.m = meta_arg(ARGV[i + 6], false)
+      l.a = redis.call('HINCRBY', K_META, 'adm', 1)
+    end
     redis.call('HSET', K_LEASES, id, cjson.encode(l))
     redis.call('ZADD', K_LEXP, now + ttl, id)
     redis.call('HINCRBY', K_META, 'bsum', b)
