@@ -38,7 +38,7 @@ def test_seed_burst_is_deterministic_and_holds_the_requested_share_of_the_pool()
     assert [t.messages for t in a.iter_turns()] == [t.messages for t in b.iter_turns()]
     streams = [s for s in a.sessions if s.kind == "stream"]
     burst = [s for s in a.sessions if s.kind == "burst"]
-    assert len(streams) == 16 and len(burst) == 16
+    assert len(streams) == 24 and len(burst) == 16
     # average occupancy of the streams: prompt plus half of their output, over the usable pool
     first = [s.turns[1] for s in streams]
     avg_blocks = sum((t.prompt_tokens + t.true_out / 2) / 16 for t in first)
@@ -47,6 +47,39 @@ def test_seed_burst_is_deterministic_and_holds_the_requested_share_of_the_pool()
     assert len({s.start_s for s in burst}) == 1
     assert all(not s.turns[0].stream and s.turns[0].prompt_tokens + s.turns[0].max_tokens <= 8192 for s in burst)
     assert a.gateway_timeout_s is not None and a.gateway_timeout_s > 0
+
+
+def test_seed_burst_matches_the_seed_case() -> None:
+    """The burst's prompts far exceed the pool's free share, the streams keep growing after it, the
+    gateway is the real 60 s scaled to the simulator (not derived from the workload's own calls), and
+    the SLO is the fixed rule every workload uses."""
+    from zp_client.bench.workloads import REAL_GATEWAY_TIMEOUT_S, gateway_time_scale, interactive_slo, loaded_step_s
+
+    facts = ServerFacts(num_gpu_blocks=8193, block_size=16, max_model_len=8192, unloaded_itl_s=0.008)
+    wl = build_workload("seed-burst", facts, seed=0)
+    p = wl.params
+    free = facts.usable_blocks * (1 - p["hold"])
+    burst = [s.turns[0] for s in wl.sessions if s.kind == "burst"]
+    assert all(t.prompt_tokens >= 7000 for t in burst)  # 8k-token agent prompts, capped by the context
+    assert sum(math.ceil(t.prompt_tokens / 16) for t in burst) >= 3 * free
+    # vLLM admits several at once on their current tokens (the free quarter holds 4 prompts) ...
+    assert p["burst_fits_free_pool"] >= 3
+    # ... and the streams' growth alone is of the order of the whole free share
+    assert p["stream_growth_blocks"] >= 0.5 * free
+    # the gateway: 60 s x the loaded-step ratio (about 0.2 for a 25x smaller pool of the 70B profile)
+    scale = gateway_time_scale(facts, p["stream_prompt"] + p["stream_out"] / 2)
+    assert 0.1 < scale < 0.3
+    assert wl.gateway_timeout_s == pytest.approx(REAL_GATEWAY_TIMEOUT_S * scale, abs=0.01)
+    # it does not depend on the burst's own size or output bound (not tuned to the calls it times out)
+    other = build_workload("seed-burst", facts, seed=0, burst_max_tokens=512, burst=8)
+    assert other.gateway_timeout_s == wl.gateway_timeout_s
+    # a healthy admitted agent call (prefill + max_tokens loaded decode steps) fits within it
+    step = loaded_step_s(facts.usable_blocks * 16, p["stream_prompt"] + p["stream_out"] / 2)
+    assert p["burst_prompt"] / 8192 * 0.35 + p["burst_max_tokens"] * step < wl.gateway_timeout_s
+    assert build_workload("seed-burst", facts, seed=0, gateway_s=30.0).gateway_timeout_s == 30.0
+    assert wl.slo == interactive_slo(facts) == SLO(ttft_s=5.0, tpot_s=0.04)
+    # the same SLO rule as the other workloads
+    assert build_workload("agentic", facts, seed=0, conversations=2).slo == wl.slo
 
 
 def test_agentic_shares_the_preamble_grows_context_and_bounds_max_tokens() -> None:

@@ -245,22 +245,91 @@ def find_shared_dir() -> Path:
 # --------------------------------------------------------------------------------------- seed-burst
 
 
-def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 16, burst: int = 16,
-               burst_prompt: int = 8192, burst_max_tokens: int = 1024, stream_out: int = 768,
-               rounds: int = 2, hold: float = 0.75, gateway_factor: float = 1.25,
-               scale: float = 1.0) -> Workload:
-    """Steady decode streams holding about ``hold`` of the KV pool, then a simultaneous burst.
+#: The seed case's deployment (Llama-3-70B FP8 on 8x H100, shared/VLLM_FACTS.md): the simulated server of
+#: seed-burst is this profile with a pool scaled down so a storm runs in minutes.
+SEED_CASE_PROFILE = "llama3-70b-fp8-8xh100"
 
-    Each of ``streams`` clients generates back to back (``rounds`` requests, no think time), each
-    request a fresh prompt plus ``stream_out`` output tokens; ``max_tokens`` equals the true output
-    (long generations that run to their bound). The first round's outputs are staggered (25%..100% of
-    ``stream_out``) so the streams end at different times and the pool churns as in a steady state.
-    Prompts are sized so that the streams hold ``hold`` of the usable pool on average (prompt plus half
-    the output each). The burst is ``burst`` agent prompts of ``burst_prompt`` tokens (capped to fit
-    ``max_model_len`` with ``burst_max_tokens``) with ``max_tokens = burst_max_tokens`` and true outputs
-    lognormal (median 300, p99 1000), all arriving at once, when the streams are 60% into their first round.
-    Agent calls are not streamed (agent frameworks' tool calls usually are not), so the gateway timeout
-    covers their whole duration; the streams are streamed.
+#: The gateway in front of vLLM in the seed case: nginx's default ``proxy_read_timeout`` (and the AWS ALB
+#: idle timeout) is 60 s: the time a non-streamed response may take before the proxy answers 504.
+REAL_GATEWAY_TIMEOUT_S = 60.0
+
+#: The goodput SLO of every workload, fixed here and printed with every result: TTFT (client queue wait,
+#: retries and backoff included) at most 5 s; mean time per output token after the first at most 5x the
+#: unloaded inter-token latency (40 ms on the 70B profile: 25 tokens/s, faster than anyone reads).
+SLO_TTFT_S = 5.0
+SLO_TPOT_ITL_FACTOR = 5.0
+
+
+def interactive_slo(facts: ServerFacts) -> SLO:
+    """The fixed goodput SLO (``SLO_TTFT_S`` / ``SLO_TPOT_ITL_FACTOR`` x the unloaded ITL)."""
+    return SLO(ttft_s=round(max(SLO_TTFT_S, 200 * facts.unloaded_itl_s), 2),
+               tpot_s=round(SLO_TPOT_ITL_FACTOR * facts.unloaded_itl_s, 4))
+
+
+def loaded_step_s(pool_tokens: float, seq_tokens: float, profile: str = SEED_CASE_PROFILE) -> float:
+    """Duration of a pure decode step of ``profile`` when ``pool_tokens`` of KV are held by sequences of
+    ``seq_tokens`` each (the profile's step-time formula: c0 + c3 x context + c4 x batch)."""
+    from zp_client.sim.profiles import get_profile
+
+    p = get_profile(profile)
+    return p.step_time(0, 0.0, int(pool_tokens), max(1, round(pool_tokens / seq_tokens)))
+
+
+def gateway_time_scale(facts: ServerFacts, seq_tokens: float, profile: str = SEED_CASE_PROFILE) -> float:
+    """How much faster the scaled-down simulated server runs a loaded decode step than the real one.
+
+    A gateway timeout is a budget of decode steps for a non-streamed call: on the real deployment, with
+    its whole pool held by ``seq_tokens``-token sequences, a step costs ``loaded_step_s(real pool)``
+    (47 ms for the 70B profile's 206k blocks); the simulated pool holds 25x fewer sequences, so its
+    loaded step is shorter (~9.5 ms). ``REAL_GATEWAY_TIMEOUT_S`` x this ratio gives the simulated
+    gateway the same number of loaded decode steps as the real 60 s.
+    """
+    from zp_client.sim.profiles import get_profile
+
+    real_pool = (get_profile(profile).num_gpu_blocks - 1) * facts.block_size
+    sim_pool = facts.usable_blocks * facts.block_size
+    return loaded_step_s(sim_pool, seq_tokens, profile) / loaded_step_s(real_pool, seq_tokens, profile)
+
+
+def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 24, burst: int = 16,
+               burst_prompt: int = 8192, burst_max_tokens: int = 1024, burst_out_median: int = 300,
+               burst_out_p99: int = 1000, stream_out: int = 1024, rounds: int = 2, hold: float = 0.75,
+               burst_at_frac: float = 0.5, gateway_s: float | None = None, scale: float = 1.0) -> Workload:
+    """The seed case: steady decode streams holding ~``hold`` of the KV pool, then a simultaneous burst
+    of 8k-token agent prompts whose KV, with the streams' growth, far exceeds the pool.
+
+    Each choice, and why (the printed ``params`` carry the derived numbers; defaults on the 8193-block
+    pool that ``zp-client storm`` uses):
+
+    * **Streams.** ``streams`` (24) chat clients each generate ``rounds`` (2) requests back to back (a
+      fresh prompt, streamed, ``max_tokens`` = the true output: generations that run to their bound, so
+      zp reserves exactly what the streams will use). They are *decode* streams: the output
+      (``stream_out`` = 1024) keeps growing every sequence after the burst is admitted; their total
+      growth (``params['stream_growth_blocks']``, 24 x 1024 tokens = 1536 blocks) is three quarters of
+      the pool's free share. Prompts are sized so the streams hold ``hold`` (75%) of the usable pool on
+      average (prompt + half the output each: ~3.6k-token prompts); the first round's outputs are
+      staggered (25%..100% of ``stream_out``) so the streams end at different times and the pool churns
+      as in a steady state; the second round is the interactive traffic that arrives *during* the burst.
+      Growth, not the burst's size, is what makes vLLM preempt: it admits a prompt only when its whole
+      sequence fits, so preemptions are bounded by (growth after the burst) / (a victim's size). With
+      half this growth (16 streams x 768 tokens) the server preempted 1-3 times, with 16 x 1024 not at
+      all; 24 x 1024 keeps the run short enough for ``make demo`` with every setup.
+    * **Burst.** ``burst`` (16) non-streamed agent calls (agent frameworks' tool calls usually are not
+      streamed) of ``burst_prompt`` = 8k tokens (capped to fit ``max_model_len`` with
+      ``burst_max_tokens``: ~7.1k), ``max_tokens`` = 1024, true outputs lognormal (median 300, p99
+      1000), all arriving at the same instant, when the streams are ``burst_at_frac`` (half) into their
+      first round. Their prompts alone (16 x ~7.1k tokens) are ~3.5x the pool's free quarter and ~0.9x
+      the whole pool: vLLM admits what fits *now* (``params['burst_fits_free_pool']`` calls), never
+      reserving anyone's future tokens; the streams' growth plus the admitted calls' outputs then exceed
+      the pool, so it preempts (recompute) and re-admits the victims as soon as they fit again.
+    * **Gateway.** A proxy answers 504 to a response that has not begun within ``REAL_GATEWAY_TIMEOUT_S``
+      (60 s, nginx's default ``proxy_read_timeout``), scaled to the simulator by
+      :func:`gateway_time_scale` (the same number of loaded decode steps: ~12 s virtual). It is a
+      property of the deployment, the same for every setup but ``no-admission``, never derived from the
+      burst's own calls; ``gateway_s`` overrides it (printed).
+    * **SLO.** :func:`interactive_slo`, the same fixed rule as every other workload: TTFT <= 5 s, TPOT
+      <= 5x the unloaded ITL; a non-streamed call must end within 5 s + output x TPOT.
+
     ``scale`` multiplies ``streams`` and ``burst``.
     """
     rng = random.Random(seed)
@@ -270,10 +339,11 @@ def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 16, burst: int =
     burst_prompt = min(burst_prompt, facts.max_model_len - burst_max_tokens - 64)
     per_stream = hold * facts.usable_blocks * bs / streams
     stream_prompt = int(per_stream - stream_out / 2) - 8  # minus the chat template's tokens
-    if stream_prompt < 64:
+    if stream_prompt < 64 or stream_prompt + stream_out > facts.max_model_len:
         raise ConfigurationError(
             f"seed-burst: {streams} streams cannot hold {hold:.0%} of a {facts.usable_blocks}-block pool "
-            "with the given output length; use fewer streams or a larger pool"
+            f"with {stream_out}-token outputs within max_model_len {facts.max_model_len}; "
+            "change the number of streams or the pool size"
         )
     sessions: list[Session] = []
     ramp = 0.5
@@ -285,31 +355,41 @@ def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 16, burst: int =
             turns.append(Turn(msgs, count_chat_tokens(msgs), out, out))
         sessions.append(Session(f"stream-{i}", ramp * i / streams, "stream", turns))
     # prefill of all streams (one 8k-token budget per step, ~0.35 s per full step on the 70B profile)
-    # plus 60% of the first round (the shorter first requests have ended, the pool is churning)
+    # plus burst_at_frac of the first round's full output
     prefill_s = streams * stream_prompt / 8192 * 0.35
-    burst_at = ramp + prefill_s + 0.6 * stream_out * facts.unloaded_itl_s
+    burst_at = ramp + prefill_s + burst_at_frac * stream_out * facts.unloaded_itl_s
+    burst_turns: list[Turn] = []
     for j in range(burst):
         msgs = [{"role": "system", "content": make_text(400, rng, f"agent {j} system")},
                 {"role": "user", "content": make_text(burst_prompt - 420, rng, f"agent {j} task")}]
-        out = _lognormal_int(rng, 300, 1000, 16, burst_max_tokens)
-        sessions.append(Session(f"burst-{j}", burst_at, "burst",
-                                [Turn(msgs, count_chat_tokens(msgs), burst_max_tokens, out, stream=False)]))
-    # The gateway (a proxy in front of the server) times out a response whose first byte has not come
-    # within 1.25x the unloaded duration of the longest possible agent call (its prefill plus
-    # max_tokens decode steps): never on an unloaded server, but an agent call (non-streamed) stuck
-    # behind a full pool or preempted gets a 504, as in the seed incident.
-    agent_s = burst_prompt / 8192 * 0.35 + burst_max_tokens * facts.unloaded_itl_s
-    gateway = round(gateway_factor * agent_s, 2)
-    slo = SLO(ttft_s=round(agent_s, 2), tpot_s=round(5 * facts.unloaded_itl_s, 4))
+        out = _lognormal_int(rng, burst_out_median, burst_out_p99, 16, burst_max_tokens)
+        burst_turns.append(Turn(msgs, count_chat_tokens(msgs), burst_max_tokens, out, stream=False))
+        sessions.append(Session(f"burst-{j}", burst_at, "burst", [burst_turns[-1]]))
+    seq_tokens = stream_prompt + stream_out / 2
+    if gateway_s is None:
+        gateway = round(REAL_GATEWAY_TIMEOUT_S * gateway_time_scale(facts, seq_tokens), 2)
+        gateway_rule = (f"{REAL_GATEWAY_TIMEOUT_S:.0f} s x loaded decode step sim/real "
+                        f"({gateway_time_scale(facts, seq_tokens):.3f})")
+    else:
+        gateway, gateway_rule = round(gateway_s, 2), "given"
+    free_blocks = facts.usable_blocks * (1 - hold)
+    burst_blocks = sum(math.ceil(t.prompt_tokens / bs) for t in burst_turns)
+    slo = interactive_slo(facts)
     return Workload(
         "seed-burst",
         f"{streams} decode streams x {rounds} requests (prompt {stream_prompt}, output <= {stream_out} tokens) "
-        f"holding ~{hold:.0%} of the pool, then {burst} agent prompts of ~{burst_prompt} tokens at t={burst_at:.2f}s",
+        f"holding ~{hold:.0%} of the pool, then {burst} agent prompts of ~{burst_prompt} tokens "
+        f"(KV {burst_blocks / free_blocks:.1f}x the free pool) at t={burst_at:.2f}s",
         sessions, slo, gateway,
         {"streams": streams, "burst": burst, "stream_prompt": stream_prompt, "stream_out": stream_out,
-         "burst_prompt": burst_prompt, "burst_max_tokens": burst_max_tokens, "burst_at_s": round(burst_at, 3),
-         "rounds": rounds, "gateway_timeout_s": gateway,
-         "hold": hold, "scale": scale},
+         "burst_prompt": burst_prompt, "burst_max_tokens": burst_max_tokens,
+         "burst_out": [burst_out_median, burst_out_p99], "burst_at_s": round(burst_at, 3),
+         "rounds": rounds, "gateway_timeout_s": gateway, "gateway_rule": gateway_rule,
+         "hold": hold, "scale": scale,
+         "free_pool_blocks": int(free_blocks), "burst_prompt_blocks": burst_blocks,
+         "burst_fits_free_pool": int(free_blocks // max(1, burst_blocks / burst)),
+         "stream_growth_blocks": streams * stream_out // bs,
+         "slo_rule": f"TTFT <= {SLO_TTFT_S} s, TPOT <= {SLO_TPOT_ITL_FACTOR}x unloaded ITL"},
     )
 
 
