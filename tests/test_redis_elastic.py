@@ -448,3 +448,62 @@ def test_lease_sync_carries_metadata_and_progress(budgets: Any) -> None:
         assert (st_.held, st_.used) == (9, want)
     assert b.status_sync().leases == 0
     b.close_sync()
+
+
+# --------------------------------------------------------------------------------------------- transport
+@pytest.fixture(scope="module")
+def http_server() -> Iterator[Any]:
+    from tests._asgi_server import LoopbackServer
+
+    with LoopbackServer() as s:
+        yield s
+
+
+@pytest.mark.anyio
+async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server: Any, redis_url: str) -> None:
+    import json as _json
+
+    import httpx
+
+    from zp_client.budget.redis_forecast import RedisLengthForecaster
+    from zp_client.config import Settings
+    from zp_client.transport import forecaster_for, transport_classes
+
+    b = budgets(1000)
+    t = transport_classes(httpx).AsyncAdmissionTransport(budget=b, settings=Settings(estimator="heuristic"))
+    assert isinstance(t.forecaster, RedisLengthForecaster) and t.forecaster is forecaster_for(b)
+    system = {"role": "system", "content": "You are a careful coding agent. " * 120}
+    body = {"model": "slow", "stream": True, "max_tokens": 2000,
+            "messages": [system, {"role": "user", "content": "hello there"}]}
+    r = redis.Redis.from_url(redis_url)
+    try:
+        async with httpx.AsyncClient(transport=t, base_url=http_server.base_url, timeout=30) as c:
+            async with c.stream("POST", "/chat/completions", json=body) as resp:
+                it = resp.aiter_raw()
+                await it.__anext__()
+                rec: dict[str, Any] = {}
+                for _ in range(500):  # the first-token report is sent at once, in the background
+                    (raw,) = r.hvals(b._keys[1]) or [b"{}"]
+                    rec = _json.loads(raw)
+                    if rec.get("m", {}).get("f1") == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                m = rec["m"]
+                assert m["f1"] == 1 and m["st"] == 1 and m["pt"] > 200 and m["pb"] > 0 and m["pk"]
+                assert 0 < m["ft"] <= 2000
+            ok = {"model": "ok", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+            for _ in range(3):
+                async with c.stream("POST", "/chat/completions", json=ok, headers={"X-ZP-Route": "planner"}) as resp:
+                    await resp.aread()
+        assert t.forecaster.observations("planner") == 3
+        t.forecaster.sync()
+        other = RedisBudget(b._url, b.name, 1000, 16, policy="elastic", recovery=0)
+        fc2 = other.shared_forecaster(sync_interval=60)
+        fc2.sync()  # another process sees what this one learned: replies of 6 tokens
+        assert fc2.quantile("planner", 0.5) < fc2.quantile("never-seen", 0.5)
+        other.close_sync()
+    finally:
+        r.close()
+    assert (await b.status()).leases == 0
+    await b.aclose()
+
