@@ -30,6 +30,16 @@ local REAP_MAX = 32
 local SCAN_MAX = 64
 local PRIO_SPAN = 1099511627776  -- 2^40: ticket orders below this; priorities within +-4096 keep scores exact
 local MAILBOX_TTL_MS = 60000
+-- elastic only: a mirror of every live lease's projection inputs as one short string (parsing it costs a
+-- third of decoding the lease's cjson record, and a grant pass reads them all):
+--   "held bound adm pt tk ft st pb f1 pk" with -1 for an absent number and pk as "=<key>" or "-".
+local K_EM = PREFIX .. ':em'
+
+local function em_put(id, l)
+  local m = l.m or {}
+  redis.call('HSET', K_EM, id, table.concat({l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1,
+    m.st or -1, m.pb or -1, m.f1 or -1, m.pk and ('=' .. m.pk) or '-'}, ' '))
+end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -68,6 +78,7 @@ local function drop_lease(id)
   local l = cjson.decode(raw)
   redis.call('HDEL', K_LEASES, id)
   redis.call('ZREM', K_LEXP, id)
+  if l.a then redis.call('HDEL', K_EM, id) end  -- an elastic lease (strict ones have no mirror)
   redis.call('HINCRBY', K_META, 'bsum', 0 - l.b)  -- "0 - x", not "-x": Lua formats -0 as "-0", which HINCRBY rejects
   redis.call('HINCRBY', K_META, 'hsum', 0 - l.h)
   redis.call('HINCRBY', K_META, 'nl', -1)
@@ -243,13 +254,23 @@ local function e_fits(pr, limit, w)
 end
 
 -- Live leases as profile items (nil when there are more than ELASTIC_MAX_LEASES: strict fallback).
+local function em_opt(v)
+  v = tonumber(v)
+  if v < 0 then return nil end
+  return v
+end
+
 local function e_items()
   if meta_num('nl') > ELASTIC_MAX_LEASES then return nil end
-  local flat = redis.call('HGETALL', K_LEASES)
+  local vals = redis.call('HVALS', K_EM)
   local items = {}
-  for i = 2, #flat, 2 do
-    local l = cjson.decode(flat[i])
-    items[#items + 1] = {h = l.h, b = l.b, m = l.m or {}, a = l.a}
+  for i = 1, #vals do
+    local h, b, a, pt, tk, ft, st, pb, f1, pk =
+      string.match(vals[i], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
+    local m = {pt = em_opt(pt), tk = em_opt(tk), ft = em_opt(ft), st = em_opt(st), pb = em_opt(pb),
+               f1 = em_opt(f1)}
+    if string.sub(pk, 1, 1) == '=' then m.pk = string.sub(pk, 2) end
+    items[i] = {h = tonumber(h), b = tonumber(b), m = m, a = tonumber(a)}
   end
   return items
 end
@@ -367,6 +388,7 @@ local function grant(now, self_id)
           prof = nil
         end
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
+        if elastic then em_put(id, lease) end
         redis.call('ZADD', K_LEXP, now + w.l, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)
         redis.call('HINCRBY', K_META, 'nl', 1)

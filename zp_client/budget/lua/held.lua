@@ -29,7 +29,10 @@ for i = 2, #ARGV, 3 do
         merge_meta(l, meta_arg(ARGV[i + 2], true))
         changed = true
       end
-      if changed then redis.call('HSET', K_LEASES, id, cjson.encode(l)) end
+      if changed then
+        redis.call('HSET', K_LEASES, id, cjson.encode(l))
+        if l.a then em_put(id, l) end
+      end
       n = n + 1
     end
   end

@@ -29,6 +29,7 @@ for i = 3, #ARGV, 7 do
         redis.call('HINCRBY', K_META, 'hsum', h - l.h)
         l.h = h
         redis.call('HSET', K_LEASES, id, cjson.encode(l))
+        if l.a then em_put(id, l) end
       end
       table.insert(out, 1)
     end
@@ -40,6 +41,7 @@ for i = 3, #ARGV, 7 do
     if elastic then
       l.m = meta_arg(ARGV[i + 6], false)
       l.a = redis.call('HINCRBY', K_META, 'adm', 1)
+      em_put(id, l)
     end
     redis.call('HSET', K_LEASES, id, cjson.encode(l))
     redis.call('ZADD', K_LEXP, now + ttl, id)
