@@ -74,3 +74,23 @@ def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path) -> None:
     assert data["checks"]["zp_zero_preemptions"] is True
     # elastic admits on the projected peak, so it may use more of the pool than strict ever does
     assert by["zp-elastic"]["kv_usage_max"] >= by["zp-strict"]["kv_usage_max"]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_zp_redis_elastic_workers_share_one_elastic_budget_and_never_preempt(redis_url: str) -> None:
+    if "zp-redis-elastic" not in SETUPS:
+        pytest.fail("RedisBudget does not take policy='elastic': zp-redis-elastic is not registered")
+    cfg = StormConfig(workload="seed-burst", seed=1, setups=["no-admission", "zp-redis-elastic"],
+                      redis_url=redis_url, profile="tiny", num_gpu_blocks=None, speedup=4.0, workers=2,
+                      workload_overrides=dict(TINY))
+    wl, facts, runs = asyncio.run(run_storm(cfg))
+    report = build_report(wl, facts, runs, cfg, "pytest")
+    by = {m["setup"]: m for m in report["setups"]}
+    m = by["zp-redis-elastic"]
+    ids = [r["id"] for r in report["requests"]["zp-redis-elastic"]]
+    assert sorted(ids) == sorted(r["id"] for r in report["requests"]["no-admission"])
+    assert m["ok"] == wl.num_requests and m["errors"] == 0
+    assert m["preemptions"] == 0
+    assert by["no-admission"]["preemptions"] > 0
+    assert len(m["harness"]["workers"]) == 2
