@@ -35,6 +35,8 @@ from zp_client.budget.ledger import Ledger
 from zp_client.budget.redis import RedisBudget
 from zp_client.errors import ConfigurationError
 
+from test_redis_budget import redis_cluster  # noqa: F401 - the 3-master cluster fixture
+
 pytestmark = pytest.mark.redis
 
 
@@ -507,3 +509,37 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
     assert (await b.status()).leases == 0
     await b.aclose()
 
+
+
+@pytest.mark.anyio
+async def test_elastic_on_redis_cluster(redis_cluster: list[int], redis_prefix: str) -> None:
+    # Everything elastic adds (the projection mirror, the forecaster's keys) lives under the hash tag.
+    from redis.asyncio.cluster import RedisCluster
+    from redis.cluster import RedisCluster as SyncRedisCluster
+
+    client = RedisCluster(host="127.0.0.1", port=redis_cluster[0])
+    sync_client = SyncRedisCluster(host="127.0.0.1", port=redis_cluster[0])
+    a = RedisBudget(client, redis_prefix, 14, 16, policy="elastic", recovery=0, sync_client=sync_client,
+                    poll_interval=30)
+    b = RedisBudget(client, redis_prefix, 14, 16, policy="elastic", recovery=0, sync_client=sync_client,
+                    poll_interval=30)
+    meta = {"prompt_tokens": 160, "forecast_tokens": 0, "prefix_key": "sys", "prefix_blocks": 8}
+    la = await a.acquire(10, held=10, meta=meta)
+    waiter = asyncio.ensure_future(b.acquire(10, held=10, meta=meta))
+    await asyncio.sleep(0.3)
+    assert not waiter.done()
+    la.update_meta(first_token=True)
+    lb = await asyncio.wait_for(waiter, 20)
+    fc = a.shared_forecaster(sync_interval=60)
+    fc.observe_many("k", [50] * 20)
+    fc.sync()
+    fc2 = b.shared_forecaster(sync_interval=60)
+    fc2.sync()
+    assert fc2.forecast("k") == fc.forecast("k")
+    await lb.release()
+    await la.release()
+    assert (await a.status()).used == 0
+    await a.aclose()
+    await b.aclose()
+    await client.aclose()
+    sync_client.close()
