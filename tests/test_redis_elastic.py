@@ -543,3 +543,34 @@ async def test_elastic_on_redis_cluster(redis_cluster: list[int], redis_prefix: 
     await b.aclose()
     await client.aclose()
     sync_client.close()
+
+
+@pytest.mark.anyio
+async def test_above_the_lease_cap_a_pass_admits_by_the_strict_rule(budgets: Any, redis_url: str) -> None:
+    b = budgets(40)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        meta = {"prompt_tokens": 16, "forecast_tokens": 16}  # each projects to 2 blocks at most
+        leases = [await b.acquire(10, held=1, meta=meta)]  # creates the budget
+        r.hset(b._keys[0], "emax", 2)  # the cap (4,096 by default), lowered for the test
+        leases += [await b.acquire(10, held=1, meta=meta) for _ in range(2)]  # elastic passes: they fit
+        assert (await b.status()).used == 30  # above the cap: used is the sum of bounds
+        # Elastic would admit a fourth and a fifth (tiny projections); strict admits one more only.
+        w4 = asyncio.ensure_future(b.acquire(10, held=1, meta=meta))
+        w5 = asyncio.ensure_future(b.acquire(10, held=1, meta=meta))
+        l4 = await asyncio.wait_for(w4, 20)
+        await asyncio.sleep(0.3)
+        assert not w5.done()
+        # Every lease, admitted either way, stays in the projection mirror: none is lost to elastic.
+        assert r.hlen(f"{{zp:{b.name}}}:em") == 4
+        r.hdel(b._keys[0], "emax")
+        await l4.release()  # a pass under the cap again: the elastic rule admits the fifth
+        l5 = await asyncio.wait_for(w5, 20)
+        st_ = await b.status()
+        assert st_.used == projected_peak([(1, 10, meta)] * 4, 16) and st_.extra["bound_sum"] == 40
+        for le in [*leases, l5]:
+            await le.release()
+        assert r.hlen(f"{{zp:{b.name}}}:em") == 0
+    finally:
+        r.close()
+    await b.aclose()

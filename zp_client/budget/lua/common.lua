@@ -262,7 +262,9 @@ local function em_opt(v)
 end
 
 local function e_items()
-  if meta_num('nl') > ELASTIC_MAX_LEASES then return nil end
+  -- meta field 'emax' overrides the cap (operators, and the test of the fallback)
+  local cap = tonumber(redis.call('HGET', K_META, 'emax') or ELASTIC_MAX_LEASES)
+  if meta_num('nl') > cap then return nil end
   local vals = redis.call('HVALS', K_EM)
   local items = {}
   for i = 1, #vals do
@@ -357,8 +359,10 @@ local function grant(now, self_id)
   local n = 0
   local boxes = {}
   -- elastic: the live leases (items) and their prepared profile, rebuilt after each admission
+  -- (above ELASTIC_MAX_LEASES the pass admits by the strict rule, but the leases stay elastic ones)
+  local is_elastic = policy == 'elastic'
   local elastic, items, prof = false, nil, nil
-  if policy == 'elastic' and #members > 0 then
+  if is_elastic and #members > 0 then
     items = e_items()
     elastic = items ~= nil
   end
@@ -382,14 +386,16 @@ local function grant(now, self_id)
       if ok then
         drop_waiter(id, w)
         local lease = {b = w.b, h = w.h, p = w.p, o = w.o, w = w.w, l = w.l, g = now}
-        if elastic then
+        if is_elastic then
           lease.m = w.mt
           lease.a = redis.call('HINCRBY', K_META, 'adm', 1)
-          items[#items + 1] = {h = w.h, b = w.b, m = w.mt or {}, a = lease.a}
-          prof = nil
+          if elastic then
+            items[#items + 1] = {h = w.h, b = w.b, m = w.mt or {}, a = lease.a}
+            prof = nil
+          end
         end
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
-        if elastic then em_put(id, lease) end
+        if is_elastic then em_put(id, lease) end
         redis.call('ZADD', K_LEXP, now + w.l, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)
         redis.call('HINCRBY', K_META, 'nl', 1)
