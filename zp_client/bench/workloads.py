@@ -29,7 +29,11 @@ from typing import Any
 from zp_client.errors import ConfigurationError
 
 __all__ = [
+    "REAL_GATEWAY_TIMEOUT_S",
+    "SEED_CASE_PROFILE",
     "SLO",
+    "SLO_TPOT_ITL_FACTOR",
+    "SLO_TTFT_S",
     "ServerFacts",
     "SimConfig",
     "Session",
@@ -39,7 +43,11 @@ __all__ = [
     "build_workload",
     "count_chat_tokens",
     "find_shared_dir",
+    "gateway_time_scale",
+    "interactive_slo",
+    "loaded_step_s",
     "make_text",
+    "seed_burst",
 ]
 
 Message = dict[str, str]
@@ -280,9 +288,9 @@ def gateway_time_scale(facts: ServerFacts, seq_tokens: float, profile: str = SEE
 
     A gateway timeout is a budget of decode steps for a non-streamed call: on the real deployment, with
     its whole pool held by ``seq_tokens``-token sequences, a step costs ``loaded_step_s(real pool)``
-    (47 ms for the 70B profile's 206k blocks); the simulated pool holds 25x fewer sequences, so its
-    loaded step is shorter (~9.5 ms). ``REAL_GATEWAY_TIMEOUT_S`` x this ratio gives the simulated
-    gateway the same number of loaded decode steps as the real 60 s.
+    (53 ms for the 70B profile's 206k blocks held by ~4k-token sequences); the simulated pool holds
+    25x fewer sequences, so its loaded step is shorter (~9.8 ms). ``REAL_GATEWAY_TIMEOUT_S`` x this
+    ratio gives the simulated gateway the same number of loaded decode steps as the real 60 s.
     """
     from zp_client.sim.profiles import get_profile
 
@@ -324,7 +332,7 @@ def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 24, burst: int =
       the pool, so it preempts (recompute) and re-admits the victims as soon as they fit again.
     * **Gateway.** A proxy answers 504 to a response that has not begun within ``REAL_GATEWAY_TIMEOUT_S``
       (60 s, nginx's default ``proxy_read_timeout``), scaled to the simulator by
-      :func:`gateway_time_scale` (the same number of loaded decode steps: ~12 s virtual). It is a
+      :func:`gateway_time_scale` (the same number of loaded decode steps: ~11 s virtual). It is a
       property of the deployment, the same for every setup but ``no-admission``, never derived from the
       burst's own calls; ``gateway_s`` overrides it (printed).
     * **SLO.** :func:`interactive_slo`, the same fixed rule as every other workload: TTFT <= 5 s, TPOT
