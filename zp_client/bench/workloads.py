@@ -320,8 +320,9 @@ def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 24, burst: int =
       as in a steady state; the second round is the interactive traffic that arrives *during* the burst.
       Growth, not the burst's size, is what makes vLLM preempt: it admits a prompt only when its whole
       sequence fits, so preemptions are bounded by (growth after the burst) / (a victim's size). With
-      half this growth (16 streams x 768 tokens) the server preempted 1-3 times, with 16 x 1024 not at
-      all; 24 x 1024 keeps the run short enough for ``make demo`` with every setup.
+      half this growth (16 streams x 768 tokens) the server preempted 1-3 times per run, with 16 x 1024
+      not at all (one run), with 16 x 1536 3-6 times but too slowly for ``make demo``'s 3 minutes with
+      every setup; 24 x 1024 preempts 3-6 times and keeps a whole storm near 2 minutes.
     * **Burst.** ``burst`` (16) non-streamed agent calls (agent frameworks' tool calls usually are not
       streamed) of ``burst_prompt`` = 8k tokens (capped to fit ``max_model_len`` with
       ``burst_max_tokens``: ~7.1k), ``max_tokens`` = 1024, true outputs lognormal (median 300, p99
