@@ -84,3 +84,19 @@ def test_bad_input_is_a_typed_error() -> None:
         LengthForecaster().observe("k", -1)
     with pytest.raises(ConfigurationError):
         LengthForecaster().merge_counts("k", [1.0, 2.0])
+
+
+def test_default_forecast_is_the_median_for_streams_and_the_blind_quantile_otherwise() -> None:
+    from zp_client.forecast import DEFAULT_Q, DEFAULT_Q_BLIND
+
+    fc = LengthForecaster(prior=Prior(median=300, sigma=1.0, weight=1e6))
+    assert fc.q == DEFAULT_Q and fc.q_blind == DEFAULT_Q_BLIND and DEFAULT_Q < DEFAULT_Q_BLIND
+    seen = fc.forecast("m")
+    blind = fc.forecast("m", streaming=False)
+    assert _close(seen, fc.quantile("m", DEFAULT_Q), 0.05) and _close(blind, fc.quantile("m", DEFAULT_Q_BLIND), 0.05)
+    assert blind > seen
+    # an explicit q above the blind default is kept for both; q_blind can be set on its own
+    assert LengthForecaster(q=0.95).q_blind == 0.95
+    assert LengthForecaster(q=0.5, q_blind=0.99).forecast("m", streaming=False) > blind
+    with pytest.raises(ConfigurationError):
+        LengthForecaster(q_blind=1.0)

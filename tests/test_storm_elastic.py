@@ -94,3 +94,45 @@ def test_zp_redis_elastic_workers_share_one_elastic_budget_and_never_preempt(red
     assert m["preemptions"] == 0
     assert by["no-admission"]["preemptions"] > 0
     assert len(m["harness"]["workers"]) == 2
+
+
+def test_wrapped_openai_forecasts_streams_at_q_and_non_streamed_calls_at_q_blind() -> None:
+    """Through the real openai SDK against the simulator: a stream's lease carries the forecaster's ``q``
+    quantile, a non-streamed call's (whose growth the client cannot see) its higher ``q_blind``."""
+    import openai
+
+    from zp_client.budget.local import LocalBudget
+    from zp_client.forecast import LengthForecaster, Prior
+    from zp_client.sim.server import SimServer
+    from zp_client.wrap import wrap
+
+    async def main() -> list[dict]:
+        async with SimServer(profile="tiny", speedup=50.0, seed=0) as server:
+            budget = LocalBudget(400, 16, policy="elastic")
+            metas: list[dict] = []
+            real = budget.acquire
+
+            async def spy(blocks: int, **kw):
+                metas.append(dict(kw.get("meta") or {}))
+                return await real(blocks, **kw)
+
+            budget.acquire = spy  # type: ignore[method-assign]
+            fc = LengthForecaster(q=0.5, q_blind=0.9, prior=Prior(median=300, sigma=1.0, weight=1e6))
+            raw = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+            client = wrap(raw, budget=budget, forecaster=fc)
+            msgs = [{"role": "user", "content": "hello there"}]
+            stream = await client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4000,
+                                                          stream=True, extra_body={"sim_output_tokens": 5})
+            async for _ in stream:
+                pass
+            await client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4000,
+                                                 extra_body={"sim_output_tokens": 5})
+            await raw.close()
+            await budget.aclose()
+            return metas
+
+    metas = asyncio.run(main())
+    assert [m["streaming"] for m in metas] == [True, False]
+    median, p90 = 300, 300 * 3.6  # lognormal sigma 1: q0.9 / q0.5 = e^1.2816
+    assert 0.8 * median <= metas[0]["forecast_tokens"] <= 1.25 * median
+    assert 0.8 * p90 <= metas[1]["forecast_tokens"] <= 1.25 * p90

@@ -343,10 +343,10 @@ class _Core:
         forecast = 0
         oracle = False
         if self.elastic:
-            forecast, oracle = self._forecast(p, route)
             # n > 1 grows n tokens per step, which the one-token-per-step projection cannot express:
             # project it as non-streamed (its forecast end held from now), which is conservative.
             streaming = p.stream and n == 1
+            forecast, oracle = self._forecast(p, route, streaming)
             meta = {"prompt_tokens": prompt * n, "forecast_tokens": forecast * n, "streaming": streaming}
             key = getattr(est, "prefix_key", None)
             ptok = int(getattr(est, "prefix_tokens", 0) or 0)
@@ -379,14 +379,20 @@ class _Core:
             chat=request.url.path.rstrip("/").endswith("/chat/completions"),
         )
 
-    def _forecast(self, p: _Parsed, route: str) -> tuple[int, bool]:
-        """(forecast output tokens per choice, from the oracle?)."""
+    def _forecast(self, p: _Parsed, route: str, streaming: bool = True) -> tuple[int, bool]:
+        """(forecast output tokens per choice, from the oracle?). A request whose growth is not seen
+        (``streaming`` False) is forecast at the forecaster's ``q_blind``: nothing corrects it later."""
         if self.oracle:
             true_len = p.body.get("sim_output_tokens")
             if isinstance(true_len, int) and not isinstance(true_len, bool) and true_len >= 0:
                 return min(true_len, p.max_tokens), True
         fc = self.forecaster
-        return int(fc.forecast(route, generated=0, max_tokens=p.max_tokens)), False
+        if streaming:
+            return int(fc.forecast(route, generated=0, max_tokens=p.max_tokens)), False
+        q_blind = getattr(fc, "q_blind", None)
+        if q_blind is None:  # a forecaster without the blind quantile: its single q
+            return int(fc.forecast(route, generated=0, max_tokens=p.max_tokens)), False
+        return int(fc.forecast(route, generated=0, max_tokens=p.max_tokens, streaming=False)), False
 
     # -- server metadata ----------------------------------------------------------------------------
     def server_for(self, p: _Parsed, mod: ModuleType, inner: Any) -> Any:
@@ -834,8 +840,9 @@ _forecasters_lock = threading.Lock()
 
 def forecaster_for(budget: Budget) -> Any:
     """The :class:`~zp_client.forecast.LengthForecaster` every transport of ``budget`` shares by
-    default (made on first use, q = 0.9), so wrapped clients of one budget learn together. A budget with
-    a ``shared_forecaster()`` method (RedisBudget) supplies it: the fleet learns together."""
+    default (made on first use with the forecaster's defaults: ``DEFAULT_Q`` for streams,
+    ``DEFAULT_Q_BLIND`` for requests whose growth is not seen), so wrapped clients of one budget learn
+    together. A budget with a ``shared_forecaster()`` method (RedisBudget) supplies it: the fleet learns together."""
     from zp_client.forecast import LengthForecaster
 
     with _forecasters_lock:
