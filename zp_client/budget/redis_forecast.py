@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zp_client.errors import ConfigurationError
-from zp_client.forecast import LengthForecaster, Prior, _bucket
+from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
 
 __all__ = ["RedisLengthForecaster"]
 
@@ -68,7 +68,8 @@ class RedisLengthForecaster(LengthForecaster):
         client: Any,
         name: str,
         *,
-        q: float = 0.9,
+        q: float = DEFAULT_Q,
+        q_blind: float | None = None,
         prior: Prior | None = None,
         half_life: float | None = 2000.0,
         priors: Mapping[str, Prior] | None = None,
@@ -77,7 +78,7 @@ class RedisLengthForecaster(LengthForecaster):
         max_keys: int = 1000,
         max_pending: int = 100_000,
     ) -> None:
-        super().__init__(q=q, prior=prior, half_life=None, priors=priors)
+        super().__init__(q=q, q_blind=q_blind, prior=prior, half_life=None, priors=priors)
         if not (isinstance(sync_interval, (int, float)) and sync_interval > 0):
             raise ConfigurationError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
         if isinstance(client, str):
