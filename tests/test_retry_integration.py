@@ -29,7 +29,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from zp_client.budget.local import LocalBudget
-from zp_client.config import Settings
 from zp_client.retry import LocalRetryBudget, RetryPolicy
 from zp_client.sim.server import SimServer
 from zp_client.wrap import wrap

@@ -49,6 +49,11 @@ _EXPORTS: dict[str, str] = {
     "AdmissionTransport": "zp_client.transport",
     "Estimator": "zp_client.estimate",
     "RetryPolicy": "zp_client.retry",
+    "ServerInfo": "zp_client.server",
+    # elastic admission
+    "ElasticPolicy": "zp_client.budget.elastic",
+    "LengthForecaster": "zp_client.forecast",
+    "Prior": "zp_client.forecast",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -85,7 +90,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         RetryBudgetExhausted,
         ZPError,
     )
+    from zp_client.budget.elastic import ElasticPolicy
     from zp_client.estimate import Estimator
+    from zp_client.forecast import LengthForecaster, Prior
     from zp_client.retry import RetryPolicy
+    from zp_client.server import ServerInfo
     from zp_client.transport import AdmissionTransport, AsyncAdmissionTransport
     from zp_client.wrap import wrap

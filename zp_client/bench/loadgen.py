@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from zp_client.bench.workloads import Session, Turn, Workload
+from zp_client.bench.workloads import Session, Turn
 
 __all__ = [
     "Caller",
