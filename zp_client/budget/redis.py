@@ -760,6 +760,23 @@ class RedisBudget(Budget):
         self._side = _AsyncSide(self, client, owns)
         return self._side
 
+    # The async and sync script paths fail with the same errors and messages.
+    def _credentials_error(self, exc: BaseException) -> ConfigurationError:
+        return ConfigurationError(
+            f"Redis refused the credentials for budget {self.name!r} ({exc}); check the user/password "
+            "in the URL (redis://user:password@host:port/db) and the ACL"
+        )
+
+    def _refused_error(self, exc: BaseException) -> ConfigurationError:
+        return ConfigurationError(f"Redis budget {self.name!r} refused the call: {exc}")
+
+    def _unavailable_error(self, exc: BaseException) -> BudgetUnavailable:
+        return BudgetUnavailable(
+            f"Redis budget {self.name!r} unreachable for {self._unavailable_timeout:.3g} s "
+            f"({exc}); nothing was admitted. Check the Redis URL/server, or use "
+            "on_unavailable='fail_local' to degrade to a per-process share"
+        )
+
     async def _eval(
         self, side: _AsyncSide, script: str, args: list[Any], *, init: bool = True, patient: bool = True
     ) -> Any:
@@ -785,22 +802,15 @@ class RedisBudget(Budget):
                 self._mark_available(True)
                 return r
             except (AuthenticationError, AuthorizationError) as exc:
-                raise ConfigurationError(
-                    f"Redis refused the credentials for budget {self.name!r} ({exc}); check the user/password "
-                    "in the URL (redis://user:password@host:port/db) and the ACL"
-                ) from exc
+                raise self._credentials_error(exc) from exc
             except ResponseError as exc:
                 if "NOSCRIPT" in str(exc):
                     continue
-                raise ConfigurationError(f"Redis budget {self.name!r} refused the call: {exc}") from exc
+                raise self._refused_error(exc) from exc
             except _UNAVAILABLE as exc:
                 self._mark_available(False)
                 if not patient or time.monotonic() + delay > deadline:
-                    raise BudgetUnavailable(
-                        f"Redis budget {self.name!r} unreachable for {self._unavailable_timeout:.3g} s "
-                        f"({exc}); nothing was admitted. Check the Redis URL/server, or use "
-                        "on_unavailable='fail_local' to degrade to a per-process share"
-                    ) from exc
+                    raise self._unavailable_error(exc) from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
 
@@ -1106,22 +1116,15 @@ class RedisBudget(Budget):
                 self._mark_available(True)
                 return r
             except (AuthenticationError, AuthorizationError) as exc:
-                raise ConfigurationError(
-                    f"Redis refused the credentials for budget {self.name!r} ({exc}); check the user/password "
-                    "in the URL (redis://user:password@host:port/db) and the ACL"
-                ) from exc
+                raise self._credentials_error(exc) from exc
             except ResponseError as exc:
                 if "NOSCRIPT" in str(exc):
                     continue
-                raise ConfigurationError(f"Redis budget {self.name!r} refused the call: {exc}") from exc
+                raise self._refused_error(exc) from exc
             except _UNAVAILABLE as exc:
                 self._mark_available(False)
                 if not patient or time.monotonic() + delay > deadline:
-                    raise BudgetUnavailable(
-                        f"Redis budget {self.name!r} unreachable for {self._unavailable_timeout:.3g} s "
-                        f"({exc}); nothing was admitted. Check the Redis URL/server, or use "
-                        "on_unavailable='fail_local' to degrade to a per-process share"
-                    ) from exc
+                    raise self._unavailable_error(exc) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
 
