@@ -124,7 +124,8 @@ async def test_non_streamed_elastic_request_holds_its_forecast(server: LoopbackS
         return await real(blocks, **kw)
 
     budget.acquire = spy  # type: ignore[method-assign]
-    async with async_client(httpx, server, budget, forecaster=short_forecaster()) as c:
+    # stream_upstream off: this is about requests sent upstream non-streamed.
+    async with async_client(httpx, server, budget, forecaster=short_forecaster(), stream_upstream=False) as c:
         r = await c.post("/chat/completions", json={**CHAT, "model": "ok"}, headers={"X-ZP-Route": "slow"})
         assert r.status_code == 200
         r = await c.post("/chat/completions", json={**CHAT, "n": 2})

@@ -354,7 +354,8 @@ async def test_async_elastic_route_oracle_and_learning(server: LoopbackServer) -
 
     b.acquire = spy  # type: ignore[method-assign]
     fc = LengthForecaster()
-    c = awrapped(server, b, forecaster=fc, oracle=True)
+    # stream_upstream off: the second call is about a non-streamed request's (blind) metadata.
+    c = awrapped(server, b, forecaster=fc, oracle=True, stream_upstream=False)
     stream = await c.chat.completions.create(
         model="ok", messages=MSGS, max_tokens=500, stream=True,
         extra_headers={"X-ZP-Route": "coder"}, extra_body={"sim_output_tokens": 9},

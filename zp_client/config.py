@@ -58,6 +58,12 @@ class Settings(BaseSettings):
     idle_stream_timeout_s: float = Field(
         300.0, gt=0, description="A stream the caller stops reading for this long releases its lease."
     )
+    stream_upstream: bool = Field(
+        True,
+        description="Send non-streamed chat/completions calls upstream as streams and reassemble the "
+        "JSON answer inside the transport: proxies' idle timeouts no longer cut long generations (504), "
+        "and elastic budgets see the request grow. Calls asking for logprobs/echo are sent as they are.",
+    )
     api_key: SecretStr | None = Field(None, description="API key for the drop-in client (never logged).")
     base_url: str | None = Field(None, description="Server base URL for the drop-in client.")
 

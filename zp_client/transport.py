@@ -33,6 +33,20 @@ What callers may rely on:
   caller did not ask for it, the usage-only chunk is removed from the stream the caller reads, so the
   caller sees exactly the bytes the server would have sent without zp (vLLM does not put ``"usage":null``
   in ordinary chunks, so nothing else differs). The request body is the only change on the wire.
+- Non-streamed calls are streamed upstream (``Settings.stream_upstream``, default on; per transport
+  ``stream_upstream=``): a ``/chat/completions`` or ``/completions`` body without ``"stream": true`` is
+  sent with ``"stream": true`` and ``stream_options.include_usage``, the whole stream is read inside the
+  transport (growth reported as for any stream, the lease released at its end) and the caller gets the
+  JSON answer the server would have sent: status 200, ``content-type: application/json``, the other
+  upstream headers, the body rebuilt from the chunks (see ``_Reassembler``; ``id`` / ``created`` are the
+  stream's). Bytes flow while the answer is generated, so a proxy's idle timeout does not cut a long
+  generation. Not done for bodies asking for ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` /
+  ``echo`` / beam search / ``best_of > n`` (sent as they are), nor is an answer that is not a 200 event
+  stream touched (an error status comes back as sent). A mid-stream error event becomes that error's
+  answer (status = its ``code`` when 400-599, else 500; body ``{"error": {...}}``) and goes through the
+  retry decision like any error status; a stream that ends without ``[DONE]`` raises the HTTP library's
+  ``RemoteProtocolError``, a broken connection its read error, as a cut non-streamed read would.
+  Cancellation while the stream is read closes the connection before the lease is released.
 - Per-call options: header ``X-ZP-Priority`` (int, lower = earlier) sets the queue priority; without it a
   body ``priority`` field (vLLM's) is used and left in the body. Header ``X-ZP-Deadline`` (seconds) or
   ``Settings.deadline_s`` bounds the wait for a lease and every retry attempt. Header ``X-ZP-Route`` names
@@ -45,10 +59,11 @@ What callers may rely on:
   from the estimator's lower bound). As a stream advances the transport reports ``first_token=True`` at
   its first event (vLLM sends the first chunk once the prompt is prefilled, so the prefix is cached),
   the held growth with the exact ``tokens`` count, and a re-forecast (conditional quantile given the
-  tokens so far) whenever the stream reaches its forecast. A non-streamed request keeps its forecast
-  until it completes. Every complete response's ``usage.completion_tokens`` (per choice) teaches the
-  forecaster. The forecaster is ``forecaster=`` or, by default, one shared by every transport of the
-  same budget. ``oracle=True`` (benchmarks only, never the default) uses the simulator's body field
+  tokens so far) whenever the stream reaches its forecast. A non-streamed call streamed upstream is a
+  stream here (``streaming`` True, the streams' quantile); one sent as it is keeps its forecast (the
+  blind quantile) until it completes. Every complete response's ``usage.completion_tokens`` (per
+  choice) teaches the forecaster. The forecaster is ``forecaster=`` or, by default, one shared by every
+  transport of the same budget. ``oracle=True`` (benchmarks only, never the default) uses the simulator's body field
   ``sim_output_tokens`` as the forecast: the limit a forecaster can reach. Strict budgets get none of
   this (no metadata, no extra work).
 - With a :class:`~zp_client.retry.RetryPolicy`, the transport runs the attempt loop: on a retryable
@@ -145,6 +160,8 @@ class _Plan:
     """Forecast output tokens per choice (elastic only)."""
     oracle: bool = False
     chat: bool = False
+    upstream: bool = False
+    """A non-streamed call sent upstream as a stream: the transport reassembles the JSON answer."""
 
     def acquire_kwargs(self) -> dict[str, Any]:
         # meta only when there is some: a backend written before it existed keeps working.
@@ -166,6 +183,7 @@ class _Parsed:
     root: str
     auth_headers: dict[str, str] = field(default_factory=dict)
     route: str | None = None
+    upstream: bool = False
 
 
 _logged_default_max_tokens = False
@@ -209,6 +227,7 @@ class _Core:
         retry: Any | None,
         forecaster: Any | None = None,
         oracle: bool = False,
+        stream_upstream: bool | None = None,
     ) -> None:
         if not isinstance(budget, Budget):
             raise ConfigurationError(
@@ -226,6 +245,9 @@ class _Core:
         self.elastic = getattr(budget, "policy_name", "strict") == "elastic"
         self.forecaster = forecaster if forecaster is not None else (forecaster_for(budget) if self.elastic else None)
         self.oracle = bool(oracle)
+        self.stream_upstream = (
+            self.settings.stream_upstream if stream_upstream is None else bool(stream_upstream)
+        )
         self._servers: dict[str, Any] = {}
         self._mml: dict[tuple[str, str | None], int | None] = {}
         # wrap() sets this so zp refusals pass through the openai SDK as a catchable type.
@@ -296,7 +318,24 @@ class _Core:
                 )
         stream = body.get("stream") is True
         strip_usage = False
-        if stream and not path.endswith("/responses"):
+        upstream = False
+        if (
+            not stream
+            and self.stream_upstream
+            and not path.endswith("/responses")
+            and body.get("stream") in (None, False)
+            and _reassembly_faithful(body)
+        ):
+            # Streamed upstream, reassembled here: bytes flow while the answer is generated (no proxy
+            # idle timeout) and the lease sees its growth. The usage chunk is always asked for.
+            upstream = stream = True
+            body["stream"] = True
+            so = body.get("stream_options")
+            so = dict(so) if isinstance(so, dict) else {}
+            so["include_usage"] = True
+            body["stream_options"] = so
+            changed = True
+        elif stream and not path.endswith("/responses"):
             so = body.get("stream_options")
             if not (isinstance(so, dict) and so.get("include_usage") is True):
                 so = dict(so) if isinstance(so, dict) else {}
@@ -320,6 +359,7 @@ class _Core:
             root=root,
             auth_headers=auth,
             route=route,
+            upstream=upstream,
         )
 
     def finish_plan(self, request: Any, p: _Parsed, est: Any, mml: int | None) -> _Plan:
@@ -377,6 +417,7 @@ class _Core:
             forecast=forecast,
             oracle=oracle,
             chat=request.url.path.rstrip("/").endswith("/chat/completions"),
+            upstream=p.upstream,
         )
 
     def _forecast(self, p: _Parsed, route: str, streaming: bool = True) -> tuple[int, bool]:
@@ -795,6 +836,14 @@ class _Scanner:
             except Exception:  # progress is advisory; it must never break the caller's stream
                 logger.debug("progress report failed", exc_info=True)
 
+    def advance(self, events: int, usage: dict[str, Any] | None = None) -> None:
+        """Account ``events`` SSE data events already split and parsed elsewhere (a stream the transport
+        reassembles itself): the same growth, first-token and re-forecast reports as :meth:`feed`."""
+        if usage is not None:
+            self.usage = usage
+        if events:
+            self._grow(events)
+
     def final_usage(self) -> dict[str, Any] | None:
         if self.usage is None and self.body is not None:
             try:
@@ -832,6 +881,197 @@ def _observe_seen(core: _Core, plan: _Plan, scanner: _Scanner) -> None:
     reading at ``[DONE]`` and close; the usage chunk comes before it, so the answer was complete)."""
     if scanner.sse and scanner.usage is not None:
         _observe(core, plan, scanner)
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-streamed calls streamed upstream: the answer is rebuilt from the stream (sans I/O).
+# --------------------------------------------------------------------------------------------------
+
+# Body fields whose answer a stream cannot carry faithfully into the non-streamed shape (logprobs are
+# laid out differently; echo, beam search and best_of behave differently or are refused when streamed).
+_UNFAITHFUL_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "use_beam_search")
+# Delta fields that name something rather than accumulate text: the first non-null value wins.
+_IDENTITY_FIELDS = frozenset(("id", "type", "role", "name"))
+# Chunk-level fields that only make sense in a stream.
+_STREAM_ONLY_FIELDS = frozenset(("choices", "usage", "object", "obfuscation"))
+# Upstream headers that described the stream, not the JSON body handed to the caller.
+_REASSEMBLY_DROPPED_HEADERS = (b"content-length", b"transfer-encoding", b"content-type", b"content-encoding")
+
+
+def _reassembly_faithful(body: dict[str, Any]) -> bool:
+    """True when a stream of this request can be turned back into its exact non-streamed answer."""
+    for key in _UNFAITHFUL_FIELDS:
+        value = body.get(key)
+        if value is not None and value is not False:
+            return False
+    best_of, n = body.get("best_of"), body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) else 1
+    return not (isinstance(best_of, int) and not isinstance(best_of, bool) and best_of > n)
+
+
+class _BadEvent(ValueError):
+    """An SSE event that cannot be reassembled (surfaced as the HTTP library's DecodingError)."""
+
+
+def _merge_delta(into: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Fold one streamed delta into the message built so far (see :class:`_Reassembler`)."""
+    for key, value in delta.items():
+        if value is None:
+            into.setdefault(key, None)
+            continue
+        current = into.get(key)
+        if key == "tool_calls" and isinstance(value, list):
+            # Built as {index: call} (an earlier "tool_calls": null left None); a list in body().
+            calls: dict[int, dict[str, Any]] = current if isinstance(current, dict) else {}
+            into[key] = calls
+            for call in value:
+                if not isinstance(call, dict):
+                    continue
+                i = call.get("index")
+                if not isinstance(i, int) or isinstance(i, bool):
+                    # A server without indices: a call with an id starts a new one, the rest continue.
+                    i = len(calls) if (call.get("id") or not calls) else max(calls)
+                _merge_delta(calls.setdefault(i, {}), {k: v for k, v in call.items() if k != "index"})
+        elif isinstance(value, str):
+            if key in _IDENTITY_FIELDS:
+                if current is None:
+                    into[key] = value
+            else:
+                into[key] = (current if isinstance(current, str) else "") + value
+        elif isinstance(value, dict):
+            if not isinstance(current, dict):
+                current = into[key] = {}
+            _merge_delta(current, value)
+        else:
+            into[key] = value
+
+
+class _Reassembler:
+    """Rebuilds the JSON answer a server gives a non-streamed call from the SSE stream of the same call.
+
+    Chat deltas merge per choice ``index``: strings concatenate (``content``, ``reasoning_content``,
+    ``refusal``, ``function.arguments``...) except identity fields (``id``, ``type``, ``role``,
+    ``name``: first non-null wins); ``tool_calls`` merge by their ``index`` (dropped from the result);
+    other choice fields (``finish_reason``, vLLM's ``stop_reason``) keep their last non-null value.
+    ``content`` is null when only tool calls were generated; ``tool_calls`` is always a list, as vLLM
+    answers. Completions concatenate ``text``. Top-level fields (``id``, ``created``, ``model``,
+    ``system_fingerprint``...) keep their first non-null value; ``usage`` comes from the usage chunk.
+    An ``{"error": ...}`` event (vLLM's mid-stream error) is kept as :attr:`error`.
+    """
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.buf = bytearray()
+        self.top: dict[str, Any] = {}
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> int:
+        """Take bytes of the stream; returns how many ``data:`` events they completed."""
+        self.buf += chunk
+        start = events = 0
+        for m in _SSE_SEPARATOR.finditer(self.buf):
+            events += self._event(bytes(self.buf[start : m.start()]))
+            start = m.end()
+        if start:
+            del self.buf[:start]
+        return events
+
+    def end(self) -> int:
+        """The stream ended: whatever follows the last separator is a last event."""
+        rest, self.buf = bytes(self.buf), bytearray()
+        return self._event(rest) if rest.strip() else 0
+
+    def _event(self, raw: bytes) -> int:
+        lines = [line[5:] for line in raw.splitlines() if line.startswith(b"data:")]
+        if not lines:
+            return 0  # a comment, a keep-alive, an event: line alone
+        data = b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines).strip()
+        if data == b"[DONE]":
+            self.done = True
+            return 1
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise _BadEvent(f"the server sent an event that is not JSON: {data[:200]!r}") from None
+        if not isinstance(obj, dict):
+            raise _BadEvent(f"the server sent an event that is not a JSON object: {data[:200]!r}")
+        if isinstance(obj.get("error"), dict) and not obj.get("choices"):
+            self.error = obj["error"]
+            return 1
+        if obj.get("object") == "error":  # older vLLM: the error fields at the top level
+            self.error = {k: obj.get(k) for k in ("message", "type", "param", "code")}
+            return 1
+        for key, value in obj.items():
+            if key not in _STREAM_ONLY_FIELDS and self.top.get(key) is None:
+                self.top[key] = value
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict):
+                self._choice(choice)
+        return 1
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        i = choice.get("index", 0)
+        i = i if isinstance(i, int) and not isinstance(i, bool) else 0
+        state = self.choices.get(i)
+        if state is None:
+            state = self.choices[i] = {"message": {}, "text": "", "fields": {}}
+        fields = state["fields"]
+        for key, value in choice.items():
+            if key in ("index", "logprobs"):
+                continue
+            if self.chat and key == "delta":
+                if isinstance(value, dict):
+                    _merge_delta(state["message"], value)
+            elif not self.chat and key == "text":
+                if isinstance(value, str):
+                    state["text"] += value
+            elif value is not None or key not in fields:
+                fields[key] = value
+
+    def body(self) -> dict[str, Any]:
+        """The non-streamed answer (call after the stream ended with ``[DONE]`` and no error)."""
+        choices = []
+        for i in sorted(self.choices):
+            state = self.choices[i]
+            fields = dict(state["fields"])
+            out: dict[str, Any] = {"index": i}
+            if self.chat:
+                msg = dict(state["message"])
+                role = msg.pop("role", None) or "assistant"
+                content = msg.pop("content", None)
+                calls = msg.pop("tool_calls", None) or {}
+                tool_calls = [calls[k] for k in sorted(calls)]
+                if not content:  # nothing generated: null beside tool calls (or when never sent)
+                    content = None if (tool_calls or content is None) else ""
+                out["message"] = {"role": role, "content": content, **msg, "tool_calls": tool_calls}
+            else:
+                out["text"] = state["text"]
+            out["logprobs"] = None
+            out["finish_reason"] = fields.pop("finish_reason", None)
+            out.update(fields)
+            choices.append(out)
+        top = dict(self.top)
+        return {
+            "id": top.pop("id", None),
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": top.pop("created", None),
+            "model": top.pop("model", None),
+            "choices": choices,
+            "usage": self.usage,
+            **top,
+        }
+
+    def error_body(self) -> tuple[int, dict[str, Any]]:
+        """(status, body) of the error answer a server gives a non-streamed call that failed so."""
+        error = self.error or {}
+        code = error.get("code")
+        status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599 else 500
+        return status, {"error": error}
 
 
 _forecasters: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -1012,6 +1252,79 @@ def _build(mod: ModuleType) -> TransportClasses:
     def _preread(resp: Any) -> bool:
         return bool(getattr(resp, "is_closed", False)) or hasattr(resp, "_content")
 
+    def _is_event_stream(resp: Any) -> bool:
+        ctype = resp.headers.get("content-type", "")
+        return bool(resp.status_code == 200 and ctype.startswith("text/event-stream"))
+
+    def _new_reassembly(core: _Core, plan: _Plan, holder: _Holder) -> tuple[_Scanner, _Reassembler]:
+        lease = holder.lease
+        scanner = _Scanner(plan, core.budget.block_size, lease.bound, lease, True, core.forecaster)
+        return scanner, _Reassembler(plan.chat)
+
+    def _reassembled(core: _Core, plan: _Plan, original: Any, resp: Any, scanner: _Scanner,
+                     asm: _Reassembler) -> Any:
+        """The consumed stream as the non-streamed answer, or its error answer; raises like a body read
+        that was cut short when the stream ended without ``[DONE]``."""
+        if asm.error is not None:
+            status, payload = asm.error_body()
+        elif not asm.done:
+            raise mod.RemoteProtocolError(
+                "the server ended the event stream without 'data: [DONE]': the answer is incomplete",
+                request=original,
+            )
+        else:
+            _observe(core, plan, scanner)
+            status, payload = 200, asm.body()
+        content = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in _REASSEMBLY_DROPPED_HEADERS]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+        # The reason phrase was the stream's (an error answer has its own); the connection is gone.
+        extensions = {k: v for k, v in resp.extensions.items() if k not in ("reason_phrase", "network_stream")}
+        return mod.Response(status, headers=headers, content=content, extensions=extensions)
+
+    async def _consume_async(core: _Core, plan: _Plan, original: Any, resp: Any, holder: _Holder) -> Any:
+        """Read the upstream stream of a non-streamed call to its end inside the transport, reporting its
+        growth; the lease is released once it is consumed. Any other exit (error, cancellation) closes
+        the connection first, so the server aborts the request before the blocks return."""
+        scanner, asm = _new_reassembly(core, plan, holder)
+        completed = False
+        try:
+            async for chunk in resp.aiter_bytes():
+                scanner.advance(asm.feed(chunk), asm.usage)
+            scanner.advance(asm.end(), asm.usage)
+            completed = True
+        except _BadEvent as exc:
+            raise mod.DecodingError(str(exc), request=original) from None
+        finally:
+            if not completed:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await resp.aclose()
+                    except Exception:
+                        logger.debug("closing the inner response failed", exc_info=True)
+        await holder.release()
+        return _reassembled(core, plan, original, resp, scanner, asm)
+
+    def _consume_sync(core: _Core, plan: _Plan, original: Any, resp: Any, holder: _Holder) -> Any:
+        """Blocking form of ``_consume_async``."""
+        scanner, asm = _new_reassembly(core, plan, holder)
+        completed = False
+        try:
+            for chunk in resp.iter_bytes():
+                scanner.advance(asm.feed(chunk), asm.usage)
+            scanner.advance(asm.end(), asm.usage)
+            completed = True
+        except _BadEvent as exc:
+            raise mod.DecodingError(str(exc), request=original) from None
+        finally:
+            if not completed:
+                try:
+                    resp.close()
+                except Exception:
+                    logger.debug("closing the inner response failed", exc_info=True)
+        holder.release_sync()
+        return _reassembled(core, plan, original, resp, scanner, asm)
+
     class AsyncAdmissionTransport(mod.AsyncBaseTransport):  # type: ignore[name-defined,misc]
         """Async admission transport (see :mod:`zp_client.transport`)."""
 
@@ -1026,9 +1339,10 @@ def _build(mod: ModuleType) -> TransportClasses:
             close_inner: bool = True,
             forecaster: Any | None = None,
             oracle: bool = False,
+            stream_upstream: bool | None = None,
         ) -> None:
             self._inner = inner if inner is not None else mod.AsyncHTTPTransport()
-            self._core = _Core(budget, settings, estimator, retry, forecaster, oracle)
+            self._core = _Core(budget, settings, estimator, retry, forecaster, oracle, stream_upstream)
             self._close_inner = close_inner
 
         @property
@@ -1083,8 +1397,12 @@ def _build(mod: ModuleType) -> TransportClasses:
                 if state is not None:
                     state.ticket = ticket
                 holder = _Holder(lease, core.settings.idle_stream_timeout_s, is_async=True)
+                assembled = False
                 try:
                     resp = await self._inner.handle_async_request(_request(request, plan))
+                    if plan.upstream and _is_event_stream(resp):
+                        resp = await _consume_async(core, plan, request, resp, holder)
+                        assembled = True
                 except Exception as exc:
                     await holder.release()
                     if state is None:
@@ -1121,6 +1439,8 @@ def _build(mod: ModuleType) -> TransportClasses:
                             await retry.sleep(d.delay_s)
                             attempt += 1
                             continue
+                    if assembled:  # consumed, observed and released already
+                        return resp
                     scanner = _scanner_for(core, plan, resp, lease)
                     if _preread(resp):
                         await holder.release()
@@ -1152,9 +1472,10 @@ def _build(mod: ModuleType) -> TransportClasses:
             close_inner: bool = True,
             forecaster: Any | None = None,
             oracle: bool = False,
+            stream_upstream: bool | None = None,
         ) -> None:
             self._inner = inner if inner is not None else mod.HTTPTransport()
-            self._core = _Core(budget, settings, estimator, retry, forecaster, oracle)
+            self._core = _Core(budget, settings, estimator, retry, forecaster, oracle, stream_upstream)
             self._close_inner = close_inner
 
         @property
@@ -1205,8 +1526,12 @@ def _build(mod: ModuleType) -> TransportClasses:
                 if state is not None:
                     state.ticket = ticket
                 holder = _Holder(lease, core.settings.idle_stream_timeout_s, is_async=False)
+                assembled = False
                 try:
                     resp = self._inner.handle_request(_request(request, plan))
+                    if plan.upstream and _is_event_stream(resp):
+                        resp = _consume_sync(core, plan, request, resp, holder)
+                        assembled = True
                 except Exception as exc:
                     holder.release_sync()
                     if state is None:
@@ -1244,6 +1569,8 @@ def _build(mod: ModuleType) -> TransportClasses:
                             retry.sleep_sync(d.delay_s)
                             attempt += 1
                             continue
+                    if assembled:  # consumed, observed and released already
+                        return resp
                     scanner = _scanner_for(core, plan, resp, lease)
                     if _preread(resp):
                         holder.release_sync()
