@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 $(OA2)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(OA2)
 	$(PY2) -m pip install -q --upgrade pip
-	$(PY2) -m pip install -q -e ".[sim,redis,offline]" "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
+	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
 	touch $@
 
 test: test-main test-openai2

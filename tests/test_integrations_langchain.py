@@ -1,0 +1,312 @@
+"""LangChain's real ChatOpenAI / OpenAI, admission-gated, against the simulated vLLM server on loopback.
+
+Marked ``openai_compat``: runs with openai 3.x (httpx2) and again with openai 2.x (httpx); langchain-openai
+picks the HTTP library of the installed openai SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("langchain_openai")
+
+from langchain_core.runnables import ConfigurableField  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+from langchain_openai import ChatOpenAI  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+
+from zp_client import LocalBudget, Settings  # noqa: E402
+from zp_client.errors import ConfigurationError, LeaseTooLarge, PromptTooLong, ZPError  # noqa: E402
+from zp_client.integrations import MissingIntegration  # noqa: E402
+from zp_client.integrations.langchain import ZPChatOpenAI, ZPOpenAI, admit_langchain  # noqa: E402
+from zp_client.sim.server import SimServer  # noqa: E402
+
+pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
+
+SETTINGS = Settings(estimator="heuristic")
+# tiny profile: 4 ms per engine step at speedup 1, so a 150-token answer runs ~0.6 s: long enough to be
+# seen in flight, short enough for the suite.
+LONG = {"sim_output_tokens": 150}
+# One call's bound: ceil((~10 prompt + 160 max_tokens) / 16) = 11 blocks; 16 fits one call, not two.
+ONE_CALL_LIMIT = 16
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def server() -> Iterator[SimServer]:
+    # One server (one port) per test: LangChain caches its default HTTP client per base URL, and an async
+    # pool must not outlive the test's event loop.
+    with SimServer(profile="tiny", speedup=1.0) as s:
+        yield s
+
+
+def chat(server: SimServer, budget: LocalBudget, **kw: Any) -> ZPChatOpenAI:
+    kw.setdefault("max_tokens", 160)
+    return ZPChatOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", budget=budget,
+                        zp_settings=SETTINGS, **kw)
+
+
+def granted(budget: LocalBudget) -> int:
+    return int(budget.status_sync().extra["granted"])
+
+
+def waiters(budget: LocalBudget) -> dict[int, int]:
+    return {cls: st.waiters for cls, st in budget.status_sync().waiters.items() if st.waiters}
+
+
+def records(server: SimServer) -> dict[str, dict[str, Any]]:
+    import httpx
+
+    body = httpx.get(server.url + "/sim/stats", params={"requests": "1"}).json()
+    return {r["id"]: r for r in body["requests"]}
+
+
+def overlapped(recs: list[dict[str, Any]]) -> bool:
+    """Did the server run these requests at the same time (virtual clock)?"""
+    assert len(recs) == 2 and all(r["status"] == "finished" for r in recs)
+    a, b = sorted(recs, key=lambda r: r["arrival_s"])
+    return b["arrival_s"] < a["finish_s"]
+
+
+async def wait_until(predicate: Any, what: str, limit_s: float = 30.0) -> None:
+    """Poll until ``predicate()`` holds (a liveness limit, not a timing assertion)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError(f"gave up waiting for: {what}")
+        await asyncio.sleep(0.01)
+
+
+@tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+# ------------------------------------------------------------------------------------------- basics
+
+
+def test_invoke_takes_one_lease_and_returns_it(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget)
+    reply = llm.invoke("hello", extra_body={"sim_output_tokens": 8})
+    assert reply.content and reply.usage_metadata["output_tokens"] == 8
+    assert granted(budget) == 1 and budget.status_sync().used == 0
+
+
+def test_stream_holds_its_lease_until_the_last_chunk(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget)
+    used_while_streaming = []
+    text = ""
+    for chunk in llm.stream("hello", extra_body={"sim_output_tokens": 20}):
+        used_while_streaming.append(budget.status_sync().used)
+        text += chunk.content
+    # held from the first chunk on (LangChain's own last chunk may come after the stream closed)
+    assert text and used_while_streaming[0] > 0
+    assert budget.status_sync().used == 0 and granted(budget) == 1
+
+
+async def test_ainvoke_and_astream_go_through_the_budget(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget)
+    reply = await llm.ainvoke("hello", extra_body={"sim_output_tokens": 8})
+    assert reply.content
+    seen = []
+    async for chunk in llm.astream("hello", extra_body={"sim_output_tokens": 20}):
+        seen.append((await budget.status()).used)
+    assert seen and seen[0] > 0
+    assert (await budget.status()).used == 0 and granted(budget) == 2
+
+
+def test_batch_takes_a_lease_per_prompt(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)  # the three calls take turns
+    llm = chat(server, budget)
+    replies = llm.batch(["one", "two", "three"], extra_body={"sim_output_tokens": 8})
+    assert len(replies) == 3 and all(r.content for r in replies)
+    assert granted(budget) == 3 and budget.status_sync().used == 0
+
+
+def test_tool_calling_goes_through_the_budget(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget).bind_tools([get_weather], tool_choice="get_weather")
+    reply = llm.invoke("What is the weather in Paris?")
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
+    assert set(reply.tool_calls[0]["args"]) == {"city"}
+    assert granted(budget) == 1 and budget.status_sync().used == 0
+
+
+def test_completions_llm_goes_through_the_budget(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = ZPOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", budget=budget,
+                   zp_settings=SETTINGS, max_tokens=16)
+    text = llm.invoke("Once upon a time", extra_body={"sim_output_tokens": 8})
+    assert text and granted(budget) == 1 and budget.status_sync().used == 0
+
+
+# -------------------------------------------------------------------------------------- admission
+
+
+async def test_two_concurrent_calls_with_room_for_one_never_run_together(server: SimServer) -> None:
+    before = set(records(server))
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    llm = chat(server, budget)
+    first = asyncio.create_task(llm.ainvoke("one", extra_body=LONG))
+    second = asyncio.create_task(llm.ainvoke("two", extra_body=LONG))
+    await wait_until(lambda: waiters(budget) == {0: 1}, "one call waiting for the other's lease")
+    await asyncio.gather(first, second)
+    mine = [r for rid, r in records(server).items() if rid not in before]
+    assert not overlapped(mine)
+    assert (await budget.status()).used == 0 and granted(budget) == 2
+
+
+async def test_without_zp_the_same_two_calls_run_together(server: SimServer) -> None:
+    # the control of the test above: the server does run both at once when nothing admits them
+    before = set(records(server))
+    llm = ChatOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", max_tokens=160)
+    await asyncio.gather(llm.ainvoke("one", extra_body=LONG), llm.ainvoke("two", extra_body=LONG))
+    mine = [r for rid, r in records(server).items() if rid not in before]
+    assert overlapped(mine)
+
+
+def test_sync_calls_from_two_threads_take_turns(server: SimServer) -> None:
+    before = set(records(server))
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    llm = chat(server, budget)
+    threads = [threading.Thread(target=llm.invoke, args=(p,), kwargs={"extra_body": LONG}) for p in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    mine = [r for rid, r in records(server).items() if rid not in before]
+    assert not overlapped(mine) and granted(budget) == 2
+
+
+async def test_zp_priority_is_the_waiting_calls_class(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    blocker = await budget.acquire(ONE_CALL_LIMIT)
+    call = asyncio.create_task(chat(server, budget, zp_priority=3).ainvoke("hi", extra_body={"sim_output_tokens": 4}))
+    await wait_until(lambda: waiters(budget) == {3: 1}, "the call waiting in priority class 3")
+    await blocker.release()
+    assert (await call).content
+    assert (await budget.status()).used == 0
+
+
+async def test_cancelling_an_in_flight_call_releases_its_lease(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget)
+    call = asyncio.create_task(llm.ainvoke("hello", extra_body={"sim_output_tokens": 2000}, max_tokens=2000))
+    await wait_until(lambda: budget.status_sync().used > 0 and budget.status_sync().leases == 1, "the lease")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await wait_until(lambda: budget.status_sync().used == 0, "the lease released after cancellation")
+    assert budget.status_sync().leases == 0
+
+
+async def test_cancelling_a_call_waiting_for_its_lease_leaves_the_line(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    blocker = await budget.acquire(ONE_CALL_LIMIT)
+    before = set(records(server))
+    call = asyncio.create_task(chat(server, budget).ainvoke("hello"))
+    await wait_until(lambda: waiters(budget) == {0: 1}, "the call waiting")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert waiters(budget) == {}
+    await blocker.release()
+    assert (await budget.status()).used == 0 and set(records(server)) == before  # nothing was sent
+
+
+# ----------------------------------------------------------------------------------------- refusals
+
+
+async def test_prompt_too_long_is_a_typed_error_sync_and_async(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget)
+    long_prompt = "hello world " * (2 * server.max_model_len)
+    with pytest.raises(PromptTooLong) as info:
+        await llm.ainvoke(long_prompt)
+    assert isinstance(info.value, ZPError)
+    with pytest.raises(PromptTooLong):
+        await asyncio.to_thread(llm.invoke, long_prompt)
+    assert (await budget.status()).used == 0 and granted(budget) == 0
+
+
+def test_a_call_larger_than_the_budget_is_refused_at_once(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=8)
+    with pytest.raises(LeaseTooLarge):
+        chat(server, budget, max_tokens=1000).invoke("hello")
+    with pytest.raises(LeaseTooLarge):
+        list(chat(server, budget, max_tokens=1000).stream("hello"))
+
+
+# ------------------------------------------------------------------------------- configuration
+
+
+def test_max_retries_defaults_to_zero_and_an_explicit_value_is_kept(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget)
+    assert llm.max_retries == 0
+    assert llm.root_client.max_retries == 0 and llm.root_async_client.max_retries == 0
+    explicit = chat(server, budget, max_retries=2)
+    assert explicit.root_client.max_retries == 2 and explicit.root_async_client.max_retries == 2
+
+
+def test_a_budget_is_required() -> None:
+    with pytest.raises(ValidationError):
+        ZPChatOpenAI(model="m", base_url="http://127.0.0.1:9/v1", api_key="x")  # type: ignore[call-arg]
+    with pytest.raises(ValidationError):
+        ZPChatOpenAI(model="m", base_url="http://127.0.0.1:9/v1", api_key="x", budget="not a budget")
+
+
+def test_admit_langchain_admits_a_copy_and_leaves_the_original_alone(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    plain = ChatOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", max_tokens=16,
+                       max_retries=3)
+    admitted = admit_langchain(plain, budget, settings=SETTINGS)
+    assert type(admitted) is ChatOpenAI and admitted.max_retries == 0 and plain.max_retries == 3
+    plain.invoke("hi", extra_body={"sim_output_tokens": 4})
+    assert granted(budget) == 0
+    admitted.invoke("hi", extra_body={"sim_output_tokens": 4})
+    assert granted(budget) == 1 and budget.status_sync().used == 0
+
+
+def test_admitting_twice_never_takes_two_leases_per_call(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget)
+    again = admit_langchain(llm, budget)
+    again.invoke("hi", extra_body={"sim_output_tokens": 4})
+    assert granted(budget) == 1
+    with pytest.raises(ConfigurationError):
+        admit_langchain(llm, LocalBudget(limit_blocks=400))
+    with pytest.raises(ConfigurationError):
+        admit_langchain("not a model", budget)  # type: ignore[type-var]
+
+
+def test_a_model_rebuilt_by_configurable_fields_is_admitted_once(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    llm = chat(server, budget).configurable_fields(temperature=ConfigurableField(id="temperature"))
+    reply = llm.with_config(configurable={"temperature": 0.5}).invoke("hi", extra_body={"sim_output_tokens": 4})
+    assert reply.content and granted(budget) == 1
+
+
+def test_missing_langchain_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "langchain_openai", None)  # what an uninstalled package looks like
+    monkeypatch.delitem(sys.modules, "zp_client.integrations.langchain")
+    with pytest.raises(MissingIntegration) as info:
+        importlib.import_module("zp_client.integrations.langchain")
+    assert isinstance(info.value, ConfigurationError) and isinstance(info.value, ImportError)
+    assert "pip install 'zp-client[langchain]'" in str(info.value)
