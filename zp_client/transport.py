@@ -32,21 +32,24 @@ What callers may rely on:
 - For streams, ``stream_options.include_usage`` is added to the request so usage is known; when the
   caller did not ask for it, the usage-only chunk is removed from the stream the caller reads, so the
   caller sees exactly the bytes the server would have sent without zp (vLLM does not put ``"usage":null``
-  in ordinary chunks, so nothing else differs). The request body is the only change on the wire.
+  in ordinary chunks, so nothing else differs). The request body is the only change on the wire; for a
+  non-streamed call that change makes the answer travel as a stream (next item).
 - Non-streamed calls are streamed upstream (``Settings.stream_upstream``, default on; per transport
   ``stream_upstream=``): a ``/chat/completions`` or ``/completions`` body without ``"stream": true`` is
   sent with ``"stream": true`` and ``stream_options.include_usage``, the whole stream is read inside the
   transport (growth reported as for any stream, the lease released at its end) and the caller gets the
   JSON answer the server would have sent: status 200, ``content-type: application/json``, the other
-  upstream headers, the body rebuilt from the chunks (see ``_Reassembler``; ``id`` / ``created`` are the
-  stream's). Bytes flow while the answer is generated, so a proxy's idle timeout does not cut a long
-  generation. Not done for bodies asking for ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` /
-  ``echo`` / beam search / ``best_of > n`` (sent as they are), nor is an answer that is not a 200 event
-  stream touched (an error status comes back as sent). A mid-stream error event becomes that error's
-  answer (status = its ``code`` when 400-599, else 500; body ``{"error": {...}}``) and goes through the
-  retry decision like any error status; a stream that ends without ``[DONE]`` raises the HTTP library's
-  ``RemoteProtocolError``, a broken connection its read error, as a cut non-streamed read would.
-  Cancellation while the stream is read closes the connection before the lease is released.
+  upstream headers, the body rebuilt from the chunks (texts concatenated, tool calls and choices merged
+  by ``index``, ``finish_reason`` and ``usage`` as sent, ``tool_calls`` always a list as vLLM answers;
+  ``id`` / ``created`` are the stream's). Bytes flow while the answer is generated, so a proxy's idle
+  timeout does not cut a long generation. Not done for bodies asking for ``logprobs`` /
+  ``top_logprobs`` / ``prompt_logprobs`` / ``echo`` / beam search / ``best_of > n`` (sent as they are),
+  nor is an answer that is not a 200 event stream touched (an error status comes back as sent). A
+  mid-stream error event becomes that error's answer (status = its ``code`` when 400-599, else 500;
+  body ``{"error": {...}}``) and goes through the retry decision like any error status; a stream that
+  ends without ``[DONE]`` raises the HTTP library's ``RemoteProtocolError``, a broken connection its
+  read error, as a cut non-streamed read would. Cancellation while the stream is read closes the
+  connection before the lease is released.
 - Per-call options: header ``X-ZP-Priority`` (int, lower = earlier) sets the queue priority; without it a
   body ``priority`` field (vLLM's) is used and left in the body. Header ``X-ZP-Deadline`` (seconds) or
   ``Settings.deadline_s`` bounds the wait for a lease and every retry attempt. Header ``X-ZP-Route`` names
