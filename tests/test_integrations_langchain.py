@@ -216,6 +216,26 @@ async def test_cancelling_an_in_flight_call_releases_its_lease(server: SimServer
     assert budget.status_sync().leases == 0
 
 
+async def test_cancelling_an_in_flight_stream_releases_its_lease(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    # langchain-openai bounds each chunk's wait with asyncio.wait_for, which on Python < 3.12 can swallow
+    # a cancellation that races a chunk (the stream then runs to its end); 0 turns that bound off.
+    llm = chat(server, budget, max_tokens=2000, stream_chunk_timeout=0)
+    got_chunk = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in llm.astream("hello", extra_body={"sim_output_tokens": 2000}):
+            got_chunk.set()
+
+    task = asyncio.create_task(consume())
+    await got_chunk.wait()
+    assert (await budget.status()).used > 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: budget.status_sync().used == 0, "the lease released after cancellation")
+
+
 async def test_cancelling_a_call_waiting_for_its_lease_leaves_the_line(server: SimServer) -> None:
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
     blocker = await budget.acquire(ONE_CALL_LIMIT)

@@ -23,6 +23,10 @@ What callers may rely on:
   explicit ``max_retries=n`` is honoured, but the SDK's retries run *around* zp's (each SDK attempt
   is a new admission with zp's retries inside), so attempts multiply. LangChain's
   ``.with_retry()`` runnable likewise sits outside zp.
+- Cancelling an ``ainvoke`` / ``astream`` task releases its lease. Caveat (langchain-openai, not zp):
+  its per-chunk stream timeout (``stream_chunk_timeout``, default 120 s) uses ``asyncio.wait_for``,
+  which on Python < 3.12 can swallow a cancellation that races a chunk, so the stream runs to its end
+  holding its lease; ``stream_chunk_timeout=0`` avoids it.
 - ``zp_priority`` / ``zp_deadline`` / ``zp_route`` become the default ``X-ZP-Priority`` /
   ``X-ZP-Deadline`` / ``X-ZP-Route`` headers of every call; per call,
   ``llm.invoke(..., extra_headers={"X-ZP-Priority": "0"})`` overrides them. zp strips them before

@@ -1,0 +1,260 @@
+"""AutoGen's real OpenAIChatCompletionClient, admission-gated, against the simulated vLLM server on loopback.
+
+Marked ``openai_compat``: runs with openai 3.x (httpx2) and again with openai 2.x (httpx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("autogen_ext.models.openai")
+
+from autogen_core import CancellationToken  # noqa: E402
+from autogen_core.models import CreateResult, UserMessage  # noqa: E402
+from autogen_core.tools import FunctionTool  # noqa: E402
+from autogen_ext.models.openai import OpenAIChatCompletionClient  # noqa: E402
+
+from zp_client import LocalBudget, Settings  # noqa: E402
+from zp_client.errors import ConfigurationError, LeaseTooLarge, PromptTooLong, ZPError  # noqa: E402
+from zp_client.integrations import MissingIntegration  # noqa: E402
+from zp_client.integrations.autogen import ZPOpenAIChatCompletionClient  # noqa: E402
+from zp_client.sim.server import SimServer  # noqa: E402
+
+pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
+
+SETTINGS = Settings(estimator="heuristic")
+MODEL_INFO = {"vision": False, "function_calling": True, "json_output": True, "family": "unknown",
+              "structured_output": True}
+HI = [UserMessage(content="hello", source="user")]
+# tiny profile: 4 ms per engine step at speedup 1, so a 150-token answer runs ~0.6 s.
+LONG = {"extra_body": {"sim_output_tokens": 150}}
+SHORT = {"extra_body": {"sim_output_tokens": 8}}
+ONE_CALL_LIMIT = 16  # one call's bound is ceil((~10 prompt + 160 max_tokens) / 16) = 11 blocks
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+_open: list[Any] = []
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[SimServer]:
+    async with SimServer(profile="tiny", speedup=1.0) as s:
+        yield s
+        while _open:  # close every model client on the test's own event loop
+            await _open.pop().close()
+
+
+def client(server: SimServer, budget: LocalBudget, **kw: Any) -> ZPOpenAIChatCompletionClient:
+    kw.setdefault("max_tokens", 160)
+    c = ZPOpenAIChatCompletionClient(model=server.model, base_url=server.base_url, api_key="sk-test",
+                                     model_info=MODEL_INFO, budget=budget, zp_settings=SETTINGS, **kw)
+    _open.append(c)
+    return c
+
+
+def granted(budget: LocalBudget) -> int:
+    return int(budget.status_sync().extra["granted"])
+
+
+def waiters(budget: LocalBudget) -> dict[int, int]:
+    return {cls: st.waiters for cls, st in budget.status_sync().waiters.items() if st.waiters}
+
+
+def records(server: SimServer) -> dict[str, dict[str, Any]]:
+    return {r["id"]: r for r in server.stats(requests=True)["requests"]}  # same loop: no race
+
+
+def overlapped(recs: list[dict[str, Any]]) -> bool:
+    """Did the server run these requests at the same time (virtual clock)?"""
+    assert len(recs) == 2 and all(r["status"] == "finished" for r in recs)
+    a, b = sorted(recs, key=lambda r: r["arrival_s"])
+    return b["arrival_s"] < a["finish_s"]
+
+
+async def wait_until(predicate: Any, what: str, limit_s: float = 30.0) -> None:
+    """Poll until ``predicate()`` holds (a liveness limit, not a timing assertion)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError(f"gave up waiting for: {what}")
+        await asyncio.sleep(0.01)
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+# ------------------------------------------------------------------------------------------- basics
+
+
+async def test_create_takes_one_lease_and_returns_it(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    result = await client(server, budget).create(HI, extra_create_args=SHORT)
+    assert isinstance(result.content, str) and result.content and result.usage.completion_tokens == 8
+    assert granted(budget) == 1 and (await budget.status()).used == 0
+
+
+async def test_create_stream_holds_its_lease_until_the_end(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    used_while_streaming = []
+    final = None
+    async for item in client(server, budget).create_stream(HI, extra_create_args={"extra_body": {"sim_output_tokens": 20}}):
+        if isinstance(item, CreateResult):
+            final = item
+        else:
+            used_while_streaming.append((await budget.status()).used)
+    assert final is not None and final.content and used_while_streaming and min(used_while_streaming) > 0
+    assert (await budget.status()).used == 0 and granted(budget) == 1
+
+
+async def test_tool_calling_goes_through_the_budget(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    tool = FunctionTool(get_weather, description="The weather in a city.")
+    result = await client(server, budget).create(
+        [UserMessage(content="What is the weather in Paris?", source="user")], tools=[tool],
+        tool_choice="required")
+    assert result.finish_reason == "function_calls"
+    assert isinstance(result.content, list) and result.content[0].name == "get_weather"
+    assert granted(budget) == 1 and (await budget.status()).used == 0
+
+
+# -------------------------------------------------------------------------------------- admission
+
+
+async def test_two_concurrent_calls_with_room_for_one_never_run_together(server: SimServer) -> None:
+    before = set(records(server))
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    c = client(server, budget)
+    first = asyncio.create_task(c.create(HI, extra_create_args=LONG))
+    second = asyncio.create_task(c.create(HI, extra_create_args=LONG))
+    await wait_until(lambda: waiters(budget) == {0: 1}, "one call waiting for the other's lease")
+    await asyncio.gather(first, second)
+    mine = [r for rid, r in records(server).items() if rid not in before]
+    assert not overlapped(mine)
+    assert (await budget.status()).used == 0 and granted(budget) == 2
+
+
+async def test_without_zp_the_same_two_calls_run_together(server: SimServer) -> None:
+    before = set(records(server))
+    c = OpenAIChatCompletionClient(model=server.model, base_url=server.base_url, api_key="sk-test",
+                                   model_info=MODEL_INFO, max_tokens=160)
+    _open.append(c)
+    await asyncio.gather(c.create(HI, extra_create_args=LONG), c.create(HI, extra_create_args=LONG))
+    mine = [r for rid, r in records(server).items() if rid not in before]
+    assert overlapped(mine)
+
+
+async def test_zp_priority_is_the_waiting_calls_class(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    blocker = await budget.acquire(ONE_CALL_LIMIT)
+    call = asyncio.create_task(client(server, budget, zp_priority=2).create(HI, extra_create_args=SHORT))
+    await wait_until(lambda: waiters(budget) == {2: 1}, "the call waiting in priority class 2")
+    await blocker.release()
+    assert (await call).content
+    assert (await budget.status()).used == 0
+
+
+async def test_cancellation_token_releases_the_lease_of_an_in_flight_stream(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    token = CancellationToken()
+    got_chunk = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in client(server, budget, max_tokens=2000).create_stream(
+                HI, cancellation_token=token, extra_create_args={"extra_body": {"sim_output_tokens": 2000}}):
+            got_chunk.set()
+
+    task = asyncio.create_task(consume())
+    await got_chunk.wait()
+    assert (await budget.status()).used > 0
+    token.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: budget.status_sync().used == 0, "the lease released after cancellation")
+    assert budget.status_sync().leases == 0
+
+
+async def test_cancelling_an_in_flight_create_releases_its_lease(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    task = asyncio.create_task(client(server, budget, max_tokens=2000).create(
+        HI, extra_create_args={"extra_body": {"sim_output_tokens": 2000}}))
+    await wait_until(lambda: budget.status_sync().leases == 1, "the lease")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: budget.status_sync().used == 0, "the lease released after cancellation")
+
+
+# ----------------------------------------------------------------------------------------- refusals
+
+
+async def test_prompt_too_long_is_a_typed_error(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    long_prompt = [UserMessage(content="hello world " * (2 * server.max_model_len), source="user")]
+    with pytest.raises(PromptTooLong) as info:
+        await client(server, budget).create(long_prompt)
+    assert isinstance(info.value, ZPError)
+    with pytest.raises(PromptTooLong):
+        async for _ in client(server, budget).create_stream(long_prompt):
+            pass
+    assert (await budget.status()).used == 0 and granted(budget) == 0
+
+
+async def test_a_call_larger_than_the_budget_is_refused_at_once(server: SimServer) -> None:
+    with pytest.raises(LeaseTooLarge):
+        await client(server, LocalBudget(limit_blocks=8), max_tokens=1000).create(HI)
+
+
+# ------------------------------------------------------------------------------- configuration
+
+
+async def test_max_retries_defaults_to_zero_and_an_explicit_value_is_kept(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    assert client(server, budget)._client.max_retries == 0
+    assert client(server, budget, max_retries=2)._client.max_retries == 2
+
+
+async def test_component_round_trip(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400)
+    dumped = client(server, budget, zp_priority=1).dump_component()
+    assert dumped.provider == "autogen_ext.models.openai.OpenAIChatCompletionClient"
+    assert "budget" not in dumped.config and dumped.config["model"] == server.model
+
+    plain = OpenAIChatCompletionClient.load_component(dumped)  # loads, but unadmitted: no live budget
+    _open.append(plain)
+    await plain.create(HI, extra_create_args=SHORT)
+    assert granted(budget) == 0
+
+    again = ZPOpenAIChatCompletionClient.from_component(dumped.model_dump(), budget=budget)
+    _open.append(again)
+    assert (await again.create(HI, extra_create_args=SHORT)).content
+    assert granted(budget) == 1 and (await budget.status()).used == 0
+
+
+async def test_a_budget_is_required(server: SimServer) -> None:
+    with pytest.raises(TypeError):
+        ZPOpenAIChatCompletionClient(model="m", base_url=server.base_url, model_info=MODEL_INFO)  # type: ignore[call-arg]
+    with pytest.raises(ConfigurationError):
+        ZPOpenAIChatCompletionClient(model="m", base_url=server.base_url, api_key="x", model_info=MODEL_INFO,
+                                     budget="not a budget")  # type: ignore[arg-type]
+
+
+def test_missing_autogen_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "autogen_ext.models.openai", None)
+    monkeypatch.delitem(sys.modules, "zp_client.integrations.autogen")
+    with pytest.raises(MissingIntegration) as info:
+        importlib.import_module("zp_client.integrations.autogen")
+    assert isinstance(info.value, ConfigurationError) and isinstance(info.value, ImportError)
+    assert "pip install 'zp-client[autogen]'" in str(info.value)
