@@ -259,6 +259,32 @@ async def test_used_is_the_projected_peak_and_a_waiter_is_admitted_on_it(budgets
 
 
 @pytest.mark.anyio
+async def test_the_uncontended_fast_path_never_admits_what_the_projection_refuses(budgets: Any) -> None:
+    # An acquire with nobody in line skips the grant pass when bsum + live leases + bound + 1 <= limit
+    # (acquire.lua). Its edge: bs 16, limit 20. A (bound 10, held 1, prompt 1 token, no forecast) is
+    # projected from its fewest tokens to its bound: 1 + ceil(159 / 16) = 11 blocks just before it ends,
+    # one above its bound. B, the same, would hold 11 then too: 22 > 20, although the bounds sum to 20.
+    b = budgets(20)
+    m = {"prompt_tokens": 1}
+    la = await b.acquire(10, held=1, meta=m)
+    assert (await b.status()).used == projected_peak([(1, 10, m)], 16) == 11
+    assert projected_peak([(1, 10, m), (1, 10, m)], 16) == 22
+    pending = asyncio.ensure_future(b.acquire(10, held=1, meta=m))
+    await asyncio.sleep(0.3)
+    assert not pending.done()
+    # A lease that fits with room to spare takes the fast path and keeps its metadata: the projection
+    # (status().used) counts its forecast (2 + ceil(4 / 16) = 3 blocks), not its bound (9 blocks).
+    await la.release()
+    lb = await asyncio.wait_for(pending, 20)
+    await lb.release()
+    small = {"prompt_tokens": 20, "forecast_tokens": 4}
+    lc = await b.acquire(8, held=2, meta=small)
+    assert (await b.status()).used == projected_peak([(2, 8, small)], 16) == 3
+    await lc.release()
+    await b.aclose()
+
+
+@pytest.mark.anyio
 async def test_first_token_report_admits_a_waiter_of_another_process(budgets: Any) -> None:
     # Two budget handles (two "processes", separate owners and mailboxes). A holds 10 blocks of which
     # 8 are a shared prefix. B (same prefix, 10 blocks) does not fit beside A's own copy (limit 14),

@@ -38,15 +38,32 @@ else
   if mm[4] == 'elastic' then wmeta = meta_arg(ARGV[10], false) end
   -- Fast path, identical in outcome to enqueue + grant: with nobody in line, outside recovery, a
   -- request that fits is the head and is admitted at once (fewer commands: the common uncontended case).
-  -- (strict only: under elastic a lease may project one block above its bound, so bsum says nothing)
-  if wmeta == nil and now >= tonumber(mm[3]) and tonumber(mm[2]) + bound <= limit
-      and redis.call('ZCARD', K_LINE) == 0 then
+  -- strict: fits is bsum + bound <= limit. elastic: a live lease's projection never exceeds its bound by
+  -- more than one block (elastic.py, project: held + ceil((bound * bs - ((held - 1) * bs + 1)) / bs)),
+  -- nor does the candidate's while its prompt fits its bound, and shared prefixes only subtract; so
+  -- bsum + nl + bound + 1 <= limit implies ElasticPolicy.fits without building the projection.
+  local fast = false
+  if now >= tonumber(mm[3]) and redis.call('ZCARD', K_LINE) == 0 then
+    if wmeta == nil then
+      fast = tonumber(mm[2]) + bound <= limit
+    else
+      fast = tonumber(mm[2]) + meta_num('nl') + bound + 1 <= limit
+        and (wmeta.pt == nil or wmeta.pt <= bound * meta_num('bs'))
+    end
+  end
+  if fast then
     if order < 0 then
       order = redis.call('HINCRBY', K_META, 'seq', 1) - 1
     elseif order >= meta_num('seq') then
       redis.call('HSET', K_META, 'seq', order + 1)
     end
-    redis.call('HSET', K_LEASES, id, cjson.encode({b = bound, h = held, p = prio, o = order, w = ARGV[8], l = ttl, g = now}))
+    local lease = {b = bound, h = held, p = prio, o = order, w = ARGV[8], l = ttl, g = now}
+    if wmeta ~= nil then
+      lease.m = wmeta
+      lease.a = redis.call('HINCRBY', K_META, 'adm', 1)
+    end
+    redis.call('HSET', K_LEASES, id, cjson.encode(lease))
+    if wmeta ~= nil then em_put(id, lease) end
     redis.call('ZADD', K_LEXP, now + ttl, id)
     redis.call('HINCRBY', K_META, 'bsum', bound)
     redis.call('HINCRBY', K_META, 'hsum', held)
