@@ -28,7 +28,7 @@ def test_readme_lists_every_example() -> None:
     readme = (EXAMPLES / "README.md").read_text()
     programs = sorted(p.name for p in EXAMPLES.glob("*.py"))
     assert programs == sorted(["quickstart_wrap.py", "drop_in_client.py", "threads_sync.py", "fleet_redis.py",
-                               "limit_from_server.py"])
+                               "limit_from_server.py", "langchain_agent.py"])
     for name in programs:
         assert name in readme, f"examples/README.md does not mention {name}"
 
@@ -55,6 +55,17 @@ def test_drop_in_client_streams_and_abandoned_stream_releases() -> None:
     assert peak, out
     assert int(peak[2]) <= int(peak[1])
     assert "all 4 streams done (3 finished, 1 abandoned); budget used=0 leases=0" in out
+
+
+def test_langchain_agent_tool_loops_complete_and_return_every_block() -> None:
+    pytest.importorskip("langchain_openai")
+    out = run_example("langchain_agent.py", "--sim", "--agents", "6", "--speedup", "10")
+    assert "completed 6/6 agents" in out
+    peak = re.search(r"peak reserved (\d+) of (\d+) blocks, peak waiters (\d+)", out)
+    assert peak, out
+    assert 0 < int(peak[1]) <= int(peak[2]) == 60 and int(peak[3]) > 0
+    assert "budget after the agents: used=0 leases=0 waiters=0" in out
+    assert "simulator preemptions: 0" in out
 
 
 def test_threads_sync_shared_wrapped_client() -> None:
