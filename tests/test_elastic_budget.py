@@ -387,3 +387,43 @@ async def test_a_backend_without_meta_keeps_working_with_the_base_helpers() -> N
     with pytest.raises(TypeError):
         async with b.lease(3, meta={"x": 1}):
             pass
+
+
+# ------------------------------------------------------------------------------ leases without metadata
+# A: acquire(10, held=1) with no metadata. Projected as a stream it would grow from 16 tokens to its bound
+# in 144 steps and end there (1 + 9 = 10 blocks at t = 144), so B (prompt 16 tokens, forecast 170, bound 12:
+# 1 + 11 = 12 blocks at t = 170) would fit a limit of 20 (10 + 10 at t = 144, B alone after). But A reports
+# nothing: it may live as long as it likes at its bound. It is reserved at 10 for its whole life, so B
+# (12 more at its end) does not fit; C, a lease of 10 blocks without metadata, fits exactly, as under strict.
+B_LATE = {"prompt_tokens": 16, "forecast_tokens": 170}
+
+
+def test_a_lease_without_metadata_is_projected_at_its_bound_forever() -> None:
+    from zp_client.budget.elastic import FOREVER, Projection, project, projected_peak
+
+    assert project(held=1, bound=10, block_size=BS, meta={}) == Projection(10, FOREVER, False)
+    assert project(held=1, bound=10, block_size=BS, meta={"unrelated": 1}) == Projection(10, FOREVER, False)
+    assert projected_peak([(1, 10, {}), (1, 12, B_LATE)], BS) == 22
+    # with one field the lease is projected (here to its bound from its prompt: it ends at t = 144)
+    assert projected_peak([(1, 10, {"prompt_tokens": 16}), (1, 12, B_LATE)], BS) == 20
+    led = Ledger(20, policy="elastic")
+    led.enqueue("a", 10, 1, 0, 0.0)
+    assert led.grant(0.0) == ["a"]
+    led.enqueue("b", 12, 1, 0, 0.0, meta=dict(B_LATE))
+    assert led.grant(0.0) == []
+    led.enqueue("c", 10, 1, 0, 0.0)
+    led.cancel("b")
+    assert led.grant(0.0) == ["c"]
+
+
+@pytest.mark.anyio
+async def test_local_budget_reserves_a_lease_without_metadata_at_its_bound() -> None:
+    budget = LocalBudget(limit_blocks=20, block_size=BS, policy="elastic")
+    a = await budget.acquire(10, held=1)
+    with pytest.raises(AdmissionTimeout):
+        await budget.acquire(12, held=1, meta=dict(B_LATE), timeout=0)
+    c = await budget.acquire(10, held=1, timeout=0)
+    assert (await budget.status()).used == 20
+    await a.release()
+    await c.release()
+    await budget.aclose()

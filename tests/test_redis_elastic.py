@@ -285,6 +285,23 @@ async def test_the_uncontended_fast_path_never_admits_what_the_projection_refuse
 
 
 @pytest.mark.anyio
+async def test_a_lease_without_metadata_is_reserved_at_its_bound(budgets: Any) -> None:
+    # As tests/test_elastic_budget.py: A (bound 10, held 1, no metadata) is not projected to end after 144
+    # steps but counted at 10 for its whole life, so B (1 + 11 = 12 blocks at its end, t = 170) waits.
+    b = budgets(20)
+    la = await b.acquire(10, held=1)
+    assert (await b.status()).used == 10
+    late = {"prompt_tokens": 16, "forecast_tokens": 170}
+    pending = asyncio.ensure_future(b.acquire(12, held=1, meta=late))
+    await asyncio.sleep(0.3)
+    assert not pending.done()
+    await la.release()
+    lb = await asyncio.wait_for(pending, 20)
+    await lb.release()
+    await b.aclose()
+
+
+@pytest.mark.anyio
 async def test_first_token_report_admits_a_waiter_of_another_process(budgets: Any) -> None:
     # Two budget handles (two "processes", separate owners and mailboxes). A holds 10 blocks of which
     # 8 are a shared prefix. B (same prefix, 10 blocks) does not fit beside A's own copy (limit 14),

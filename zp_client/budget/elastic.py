@@ -33,6 +33,10 @@ Lease metadata read by the policy (``LeaseRecord.meta`` / ``WaiterRecord.meta``;
                    the reporter knows it; tightens the reading of ``held`` (default: the fewest tokens
                    ``held`` blocks can hold, ``(held - 1) * block_size + 1``).
 
+A lease with none of these fields (the budget used directly, ``acquire(blocks, held=...)``) is reserved
+at its bound for as long as it lives, as ``strict`` counts it: the policy never projects a lease that
+reports nothing.
+
 Safety. Under ``elastic`` the admission rule holds at every admission: the projected peak including the
 new lease is within the limit. Growth after admission is recorded, never blocked; a lease that outgrows its
 forecast makes the projection tighten at once (its end moves to its bound until the caller re-forecasts).
@@ -47,7 +51,16 @@ from typing import Any
 
 from zp_client.budget.ledger import LedgerView, WaiterRecord
 
-__all__ = ["ElasticPolicy", "Projection", "project", "projected_peak", "brute_force_peak"]
+__all__ = ["FOREVER", "POLICY_KEYS", "ElasticPolicy", "Projection", "project", "projected_peak", "brute_force_peak"]
+
+
+#: The metadata fields the policy reads; a lease with none of them is projected at its bound, forever.
+POLICY_KEYS = ("prompt_tokens", "forecast_tokens", "streaming", "tokens", "prefix_key", "prefix_blocks",
+               "first_token")
+
+#: ``remaining`` of a lease without metadata: later than any projected end (2**53 stays exact in the
+#: Lua port's doubles).
+FOREVER = 2**53
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +84,13 @@ def project(
     meta: Mapping[str, Any],
     candidate: bool = False,
 ) -> Projection:
-    """Projection of one lease (or of a candidate about to be admitted) from its metadata."""
+    """Projection of one lease (or of a candidate about to be admitted) from its metadata.
+
+    A lease that carries none of the policy's metadata (a caller using the budget directly, without
+    reporting progress) tells the policy nothing to project: it is reserved at its bound for its whole
+    life, exactly as ``strict`` counts it."""
+    if not any(k in meta for k in POLICY_KEYS):
+        return Projection(blocks=bound, remaining=FOREVER, grows=False)
     prompt_tokens = int(meta.get("prompt_tokens", held * block_size))
     bound_tokens = bound * block_size
     forecast = meta.get("forecast_tokens")
@@ -220,7 +239,9 @@ def projected_peak(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_s
 def brute_force_peak(terms: Iterable[Projection], block_size: int) -> int:
     """Reference for tests: step through every future instant and sum what is alive."""
     terms = list(terms)
-    horizon = max((p.remaining for p in terms), default=0)
+    # Terms without metadata live FOREVER at a constant size: they are alive at every finite instant,
+    # so stepping to the last finite end covers the maximum.
+    horizon = max((p.remaining for p in terms if p.remaining < FOREVER), default=0)
     best = 0
     for t in range(horizon + 1):
         total = sum(p.blocks + (_ceil_div(t, block_size) if p.grows else 0) for p in terms if p.remaining >= t)

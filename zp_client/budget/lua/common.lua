@@ -124,7 +124,13 @@ local function cdiv(a, b)
 end
 
 -- project(): returns blocks, remaining, grows.
+local FOREVER = 9007199254740992  -- 2^53, elastic.FOREVER
 local function e_project(held, bound, bs, m, candidate)
+  if m.pt == nil and m.tk == nil and m.ft == nil and m.st == nil and m.pk == nil and m.pb == nil
+      and m.f1 == nil then
+    -- no metadata: reserved at its bound for its whole life, as strict counts it
+    return bound, FOREVER, false
+  end
   local pt = m.pt
   if pt == nil then pt = held * bs end
   local bt = bound * bs
