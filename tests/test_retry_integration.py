@@ -174,8 +174,9 @@ async def _storm(kind: str, overcommit: int = 1) -> tuple[int, int, float, tuple
         retry_budget = LocalRetryBudget()  # ratio 0.1, floor 1/s, window 10 s
         if kind == "zp":
             # The simulated gateway aborts the upstream request on timeout, so 504s are safe to retry.
+            # stream_upstream off: the storm is about retrying the 504s of calls sent non-streamed.
             client = wrap(client, LocalBudget(limit_blocks=overcommit * (sim.num_gpu_blocks - 1)),
-                          retry=RetryPolicy(retry_on_504=True, budget=retry_budget))
+                          retry=RetryPolicy(retry_on_504=True, budget=retry_budget), stream_upstream=False)
         errors = 0
 
         async def one(i: int) -> None:

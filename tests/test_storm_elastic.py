@@ -119,7 +119,8 @@ def test_wrapped_openai_forecasts_streams_at_q_and_non_streamed_calls_at_q_blind
             budget.acquire = spy  # type: ignore[method-assign]
             fc = LengthForecaster(q=0.5, q_blind=0.9, prior=Prior(median=300, sigma=1.0, weight=1e6))
             raw = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
-            client = wrap(raw, budget=budget, forecaster=fc)
+            # stream_upstream off: this is about a call sent upstream non-streamed.
+            client = wrap(raw, budget=budget, forecaster=fc, stream_upstream=False)
             msgs = [{"role": "user", "content": "hello there"}]
             stream = await client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4000,
                                                           stream=True, extra_body={"sim_output_tokens": 5})
