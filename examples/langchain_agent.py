@@ -74,7 +74,8 @@ async def model_name(base_url: str) -> str:
 
 
 async def run(args: argparse.Namespace, base_url: str) -> int:
-    budget = LocalBudget(limit_blocks=args.limit_blocks)
+    # strict: every call reserves its prompt + max_tokens, so the limit below is a hard cap on the server
+    budget = LocalBudget(limit_blocks=args.limit_blocks, policy="strict")
     llm = ZPChatOpenAI(
         model=args.model or await model_name(base_url),
         base_url=base_url,

@@ -100,14 +100,14 @@ def get_weather(city: str) -> str:
 
 
 async def test_create_takes_one_lease_and_returns_it(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     result = await client(server, budget).create(HI, extra_create_args=SHORT)
     assert isinstance(result.content, str) and result.content and result.usage.completion_tokens == 8
     assert granted(budget) == 1 and (await budget.status()).used == 0
 
 
 async def test_create_stream_holds_its_lease_until_the_end(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     used_while_streaming = []
     final = None
     async for item in client(server, budget).create_stream(HI, extra_create_args={"extra_body": {"sim_output_tokens": 20}}):
@@ -120,7 +120,7 @@ async def test_create_stream_holds_its_lease_until_the_end(server: SimServer) ->
 
 
 async def test_tool_calling_goes_through_the_budget(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     tool = FunctionTool(get_weather, description="The weather in a city.")
     result = await client(server, budget).create(
         [UserMessage(content="What is the weather in Paris?", source="user")], tools=[tool],
@@ -135,7 +135,7 @@ async def test_tool_calling_goes_through_the_budget(server: SimServer) -> None:
 
 async def test_two_concurrent_calls_with_room_for_one_never_run_together(server: SimServer) -> None:
     before = set(records(server))
-    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     c = client(server, budget)
     first = asyncio.create_task(c.create(HI, extra_create_args=LONG))
     second = asyncio.create_task(c.create(HI, extra_create_args=LONG))
@@ -157,7 +157,7 @@ async def test_without_zp_the_same_two_calls_run_together(server: SimServer) -> 
 
 
 async def test_zp_priority_is_the_waiting_calls_class(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     blocker = await budget.acquire(ONE_CALL_LIMIT)
     call = asyncio.create_task(client(server, budget, zp_priority=2).create(HI, extra_create_args=SHORT))
     await wait_until(lambda: waiters(budget) == {2: 1}, "the call waiting in priority class 2")
@@ -167,7 +167,7 @@ async def test_zp_priority_is_the_waiting_calls_class(server: SimServer) -> None
 
 
 async def test_cancellation_token_releases_the_lease_of_an_in_flight_stream(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     token = CancellationToken()
     got_chunk = asyncio.Event()
 
@@ -187,7 +187,7 @@ async def test_cancellation_token_releases_the_lease_of_an_in_flight_stream(serv
 
 
 async def test_cancelling_an_in_flight_create_releases_its_lease(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     task = asyncio.create_task(client(server, budget, max_tokens=2000).create(
         HI, extra_create_args={"extra_body": {"sim_output_tokens": 2000}}))
     await wait_until(lambda: budget.status_sync().leases == 1, "the lease")
@@ -201,7 +201,7 @@ async def test_cancelling_an_in_flight_create_releases_its_lease(server: SimServ
 
 
 async def test_prompt_too_long_is_a_typed_error(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     long_prompt = [UserMessage(content="hello world " * (2 * server.max_model_len), source="user")]
     with pytest.raises(PromptTooLong) as info:
         await client(server, budget).create(long_prompt)
@@ -214,20 +214,20 @@ async def test_prompt_too_long_is_a_typed_error(server: SimServer) -> None:
 
 async def test_a_call_larger_than_the_budget_is_refused_at_once(server: SimServer) -> None:
     with pytest.raises(LeaseTooLarge):
-        await client(server, LocalBudget(limit_blocks=8), max_tokens=1000).create(HI)
+        await client(server, LocalBudget(limit_blocks=8, policy="strict"), max_tokens=1000).create(HI)
 
 
 # ------------------------------------------------------------------------------- configuration
 
 
 async def test_max_retries_defaults_to_zero_and_an_explicit_value_is_kept(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     assert client(server, budget)._client.max_retries == 0
     assert client(server, budget, max_retries=2)._client.max_retries == 2
 
 
 async def test_component_round_trip(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     dumped = client(server, budget, zp_priority=1).dump_component()
     assert dumped.provider == "autogen_ext.models.openai.OpenAIChatCompletionClient"
     assert "budget" not in dumped.config and dumped.config["model"] == server.model

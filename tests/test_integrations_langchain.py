@@ -99,7 +99,7 @@ def get_weather(city: str) -> str:
 
 
 def test_invoke_takes_one_lease_and_returns_it(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget)
     reply = llm.invoke("hello", extra_body={"sim_output_tokens": 8})
     assert reply.content and reply.usage_metadata["output_tokens"] == 8
@@ -107,7 +107,7 @@ def test_invoke_takes_one_lease_and_returns_it(server: SimServer) -> None:
 
 
 def test_stream_holds_its_lease_until_the_last_chunk(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget)
     used_while_streaming = []
     text = ""
@@ -120,7 +120,7 @@ def test_stream_holds_its_lease_until_the_last_chunk(server: SimServer) -> None:
 
 
 async def test_ainvoke_and_astream_go_through_the_budget(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget)
     reply = await llm.ainvoke("hello", extra_body={"sim_output_tokens": 8})
     assert reply.content
@@ -132,7 +132,7 @@ async def test_ainvoke_and_astream_go_through_the_budget(server: SimServer) -> N
 
 
 def test_batch_takes_a_lease_per_prompt(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)  # the three calls take turns
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")  # the three calls take turns
     llm = chat(server, budget)
     replies = llm.batch(["one", "two", "three"], extra_body={"sim_output_tokens": 8})
     assert len(replies) == 3 and all(r.content for r in replies)
@@ -140,7 +140,7 @@ def test_batch_takes_a_lease_per_prompt(server: SimServer) -> None:
 
 
 def test_tool_calling_goes_through_the_budget(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget).bind_tools([get_weather], tool_choice="get_weather")
     reply = llm.invoke("What is the weather in Paris?")
     assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
@@ -149,11 +149,19 @@ def test_tool_calling_goes_through_the_budget(server: SimServer) -> None:
 
 
 def test_completions_llm_goes_through_the_budget(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = ZPOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", budget=budget,
                    zp_settings=SETTINGS, max_tokens=16)
     text = llm.invoke("Once upon a time", extra_body={"sim_output_tokens": 8})
     assert text and granted(budget) == 1 and budget.status_sync().used == 0
+
+
+def test_an_elastic_budget_admits_the_same_calls(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400, policy="elastic")
+    llm = chat(server, budget)
+    assert llm.invoke("hello", extra_body={"sim_output_tokens": 8}).content
+    assert "".join(c.content for c in llm.stream("hello", extra_body={"sim_output_tokens": 8}))
+    assert granted(budget) == 2 and budget.status_sync().used == 0
 
 
 # -------------------------------------------------------------------------------------- admission
@@ -161,7 +169,7 @@ def test_completions_llm_goes_through_the_budget(server: SimServer) -> None:
 
 async def test_two_concurrent_calls_with_room_for_one_never_run_together(server: SimServer) -> None:
     before = set(records(server))
-    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     llm = chat(server, budget)
     first = asyncio.create_task(llm.ainvoke("one", extra_body=LONG))
     second = asyncio.create_task(llm.ainvoke("two", extra_body=LONG))
@@ -183,7 +191,7 @@ async def test_without_zp_the_same_two_calls_run_together(server: SimServer) -> 
 
 def test_sync_calls_from_two_threads_take_turns(server: SimServer) -> None:
     before = set(records(server))
-    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     llm = chat(server, budget)
     threads = [threading.Thread(target=llm.invoke, args=(p,), kwargs={"extra_body": LONG}) for p in ("a", "b")]
     for t in threads:
@@ -195,7 +203,7 @@ def test_sync_calls_from_two_threads_take_turns(server: SimServer) -> None:
 
 
 async def test_zp_priority_is_the_waiting_calls_class(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     blocker = await budget.acquire(ONE_CALL_LIMIT)
     call = asyncio.create_task(chat(server, budget, zp_priority=3).ainvoke("hi", extra_body={"sim_output_tokens": 4}))
     await wait_until(lambda: waiters(budget) == {3: 1}, "the call waiting in priority class 3")
@@ -205,7 +213,7 @@ async def test_zp_priority_is_the_waiting_calls_class(server: SimServer) -> None
 
 
 async def test_cancelling_an_in_flight_call_releases_its_lease(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget)
     call = asyncio.create_task(llm.ainvoke("hello", extra_body={"sim_output_tokens": 2000}, max_tokens=2000))
     await wait_until(lambda: budget.status_sync().used > 0 and budget.status_sync().leases == 1, "the lease")
@@ -217,7 +225,7 @@ async def test_cancelling_an_in_flight_call_releases_its_lease(server: SimServer
 
 
 async def test_cancelling_an_in_flight_stream_releases_its_lease(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     # langchain-openai bounds each chunk's wait with asyncio.wait_for, which on Python < 3.12 can swallow
     # a cancellation that races a chunk (the stream then runs to its end); 0 turns that bound off.
     llm = chat(server, budget, max_tokens=2000, stream_chunk_timeout=0)
@@ -237,7 +245,7 @@ async def test_cancelling_an_in_flight_stream_releases_its_lease(server: SimServ
 
 
 async def test_cancelling_a_call_waiting_for_its_lease_leaves_the_line(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT)
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     blocker = await budget.acquire(ONE_CALL_LIMIT)
     before = set(records(server))
     call = asyncio.create_task(chat(server, budget).ainvoke("hello"))
@@ -254,7 +262,7 @@ async def test_cancelling_a_call_waiting_for_its_lease_leaves_the_line(server: S
 
 
 async def test_prompt_too_long_is_a_typed_error_sync_and_async(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget)
     long_prompt = "hello world " * (2 * server.max_model_len)
     with pytest.raises(PromptTooLong) as info:
@@ -266,7 +274,7 @@ async def test_prompt_too_long_is_a_typed_error_sync_and_async(server: SimServer
 
 
 def test_a_call_larger_than_the_budget_is_refused_at_once(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=8)
+    budget = LocalBudget(limit_blocks=8, policy="strict")
     with pytest.raises(LeaseTooLarge):
         chat(server, budget, max_tokens=1000).invoke("hello")
     with pytest.raises(LeaseTooLarge):
@@ -277,7 +285,7 @@ def test_a_call_larger_than_the_budget_is_refused_at_once(server: SimServer) -> 
 
 
 def test_max_retries_defaults_to_zero_and_an_explicit_value_is_kept(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget)
     assert llm.max_retries == 0
     assert llm.root_client.max_retries == 0 and llm.root_async_client.max_retries == 0
@@ -293,7 +301,7 @@ def test_a_budget_is_required() -> None:
 
 
 def test_admit_langchain_admits_a_copy_and_leaves_the_original_alone(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     plain = ChatOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", max_tokens=16,
                        max_retries=3)
     admitted = admit_langchain(plain, budget, settings=SETTINGS)
@@ -305,19 +313,19 @@ def test_admit_langchain_admits_a_copy_and_leaves_the_original_alone(server: Sim
 
 
 def test_admitting_twice_never_takes_two_leases_per_call(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget)
     again = admit_langchain(llm, budget)
     again.invoke("hi", extra_body={"sim_output_tokens": 4})
     assert granted(budget) == 1
     with pytest.raises(ConfigurationError):
-        admit_langchain(llm, LocalBudget(limit_blocks=400))
+        admit_langchain(llm, LocalBudget(limit_blocks=400, policy="strict"))
     with pytest.raises(ConfigurationError):
         admit_langchain("not a model", budget)  # type: ignore[type-var]
 
 
 def test_a_model_rebuilt_by_configurable_fields_is_admitted_once(server: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=400)
+    budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget).configurable_fields(temperature=ConfigurableField(id="temperature"))
     reply = llm.with_config(configurable={"temperature": 0.5}).invoke("hi", extra_body={"sim_output_tokens": 4})
     assert reply.content and granted(budget) == 1
