@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 #: Storm defaults per workload (as ``zp-client storm``) and the two load levels (``--load-scale``).
-LOADS = {"agentic": (1.0, 1.5), "seed-burst": (1.0, 1.25)}
+LOADS = {"agentic": (1.0, 1.25), "seed-burst": (1.0, 1.25)}
 BASELINES = ("no-admission", "zp-strict", "zp-oracle", "zp-elastic")
 
 
@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=["agentic", "seed-burst"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[11, 12, 13])
     ap.add_argument("--loads", nargs="+", type=float, default=None,
-                    help="load scales (default: agentic 1.0 1.5, seed-burst 1.0 1.25)")
+                    help="load scales (default: 1.0 and 1.25 for both workloads)")
     ap.add_argument("--qs", nargs="*", type=float, default=[], help="extra zp-elastic runs at these q")
     ap.add_argument("--headrooms", nargs="*", type=float, default=[], help="extra zp-elastic runs at these headrooms")
     ap.add_argument("--prior-weights", nargs="*", type=float, default=[],

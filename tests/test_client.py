@@ -438,7 +438,7 @@ def test_cancelling_a_stream_reader_releases_the_lease(sim: SimServer) -> None:
 
 
 def test_cancelling_a_waiting_request_releases_nothing_and_leaks_nothing(sim: SimServer) -> None:
-    budget = LocalBudget(limit_blocks=70)
+    budget = LocalBudget(limit_blocks=70, policy="strict")  # the second request surely cannot fit
 
     async def main() -> tuple[int, int]:
         async with AsyncClient(sim.base_url, budget=budget) as client:

@@ -213,7 +213,7 @@ async def test_progress_without_waiters_does_not_run_admission(monkeypatch: pyte
 
 @pytest.mark.anyio
 async def test_strict_ignores_meta_and_progress() -> None:
-    budget = LocalBudget(75, BS)
+    budget = LocalBudget(75, BS, policy="strict")
     assert budget.policy_name == "strict"
     a = await budget.acquire(50, held=10, meta=A_META)
     with pytest.raises(AdmissionTimeout):
@@ -378,7 +378,7 @@ async def test_a_backend_without_meta_keeps_working_with_the_base_helpers() -> N
                           ticket: Any = None, held: int | None = None) -> Any:
             return await super().acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held)
 
-    b = OldBudget(10, BS)
+    b = OldBudget(10, BS, policy="strict")  # backends written before elastic were strict
     assert b.policy_name == "strict"
     async with b.lease(3, held=1) as lease:
         lease.report_progress(2, first_token=True)

@@ -162,7 +162,7 @@ async def test_oracle_uses_the_true_length_only_when_asked(server: LoopbackServe
 
 
 async def test_strict_budget_gets_no_metadata(server: LoopbackServer) -> None:
-    budget = LocalBudget(1000, 16)
+    budget = LocalBudget(1000, 16, policy="strict")
     kws: list[dict[str, Any]] = []
     real = budget.acquire
 

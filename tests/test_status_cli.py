@@ -170,7 +170,7 @@ def test_budget_status_is_read_only_and_complete(redis_url: str, redis_prefix: s
             assert s["held"] == 10 + 30
             assert s["waiters"] == {"2": {"waiters": 1, "weight": 50}}
             assert s["head_wait_s"] >= 0
-            assert s["policy"] == "strict" and s["block_size"] == 16
+            assert s["policy"] == "elastic" and s["block_size"] == 16
             assert s["recovering"] is False
 
             rc = await asyncio.to_thread(main, ["status", "--redis", redis_url, "--name", redis_prefix])

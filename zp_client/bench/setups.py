@@ -297,7 +297,7 @@ async def _rate_limited(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> 
 async def _zp_strict(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     from zp_client.budget.local import LocalBudget
 
-    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size)
+    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size, policy="strict")
     return AppCaller(await zp_client_for(ctx, stack, budget), ctx.model, app_retry=True)
 
 
@@ -308,14 +308,14 @@ async def _zp_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Call
         raise ConfigurationError("zp-redis needs --redis URL")
     # a fresh budget name per run: no earlier holders can exist, so no recovery window
     budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=ctx.limit_blocks,
-                         block_size=ctx.block_size, recovery=0.0)
+                         block_size=ctx.block_size, recovery=0.0, policy="strict")
     return AppCaller(await zp_client_for(ctx, stack, budget), ctx.model, app_retry=True)
 
 
 async def _clairvoyant(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     from zp_client.budget.local import LocalBudget
 
-    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size)
+    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size, policy="strict")
     stack.push_async_callback(budget.aclose)
     return AppCaller(openai_client(ctx, stack, max_retries=0), ctx.model, app_retry=True, budget=budget,
                      block_size=ctx.block_size)

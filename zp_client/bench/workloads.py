@@ -421,7 +421,7 @@ def _agent_preamble(rng: random.Random, tokens: int) -> str:
     return "".join(parts)
 
 
-def agentic(facts: ServerFacts, seed: int, *, conversations: int = 16, window_s: float | None = None,
+def agentic(facts: ServerFacts, seed: int, *, conversations: int = 24, window_s: float | None = None,
             preamble_tokens: int = 2000, max_tokens: int = 4096, turns_lo: int = 3, turns_hi: int = 10,
             subagent_p: float = 0.12, scale: float = 1.0) -> Workload:
     """Coding-agent conversations sharing a ~2k-token tool+system preamble (prefix-cacheable).
@@ -434,6 +434,11 @@ def agentic(facts: ServerFacts, seed: int, *, conversations: int = 16, window_s:
     prompt would not leave ``max_tokens`` within the context length (an agent would compact there).
     Conversations arrive as a Poisson process over ``window_s`` (default: 400 unloaded decode steps
     per conversation, about 3 s on the 70B profile, so a dozen or more overlap).
+
+    Sizing: 24 conversations is the default because the workload must be hard for the server (issue 8):
+    with 16, ``no-admission`` preempted a median of 1-2 times over seeds (0-11); with 24 it preempts
+    about 20 times per run and reaches KV usage 1.0, and reserving max_tokens (``zp-strict``) queues
+    requests for tens of seconds. ``scale`` multiplies it (the storm's ``--load-scale``).
     """
     rng = random.Random(seed)
     conversations = max(1, round(conversations * scale))

@@ -287,8 +287,18 @@ class ElasticPolicy:
         return self._prepare(view).peak() > view.limit
 
     def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
-        profile = self._prepare(view)
         meta = candidate.meta
+        # Sufficient, and O(1): no projection exceeds its bound by more than one block (see project), a
+        # candidate's neither while its prompt fits its bound, and shared prefixes only subtract. The Lua
+        # port's uncontended fast path is the same test.
+        if (view.bound_sum + len(view.leases) + candidate.bound + 1 <= view.limit
+                and int(meta.get("prompt_tokens", 0)) <= candidate.bound * self.block_size):
+            return True
+        profile = self._prepare(view)
+        if not any(k in meta for k in POLICY_KEYS):
+            # Reserved at its bound forever (see project): it adds its bound at every instant, the peak
+            # included, so this is peak_with's answer in O(1).
+            return profile.peak() + candidate.bound <= view.limit
         c = project(held=candidate.held, bound=candidate.bound, block_size=self.block_size, meta=meta, candidate=True)
         extra: tuple[int, int] | None = None
         key = meta.get("prefix_key")

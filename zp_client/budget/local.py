@@ -183,8 +183,9 @@ class LocalBudget(Budget):
 
     ``limit_blocks`` is in usable blocks (see the README: ``(num_gpu_blocks - 1) x headroom``).
     ``starvation_bound_s`` bounds backfill (default 2.0 s, as ``Settings.starvation_bound_s``; see
-    :mod:`zp_client.budget.ledger`). ``policy`` is ``"strict"`` (the default: preemption impossible),
-    ``"elastic"`` (admit on the projected peak; :mod:`zp_client.budget.elastic`) or a
+    :mod:`zp_client.budget.ledger`). ``policy`` is ``"elastic"`` (the default: admit on the projected peak
+    of the pool; :mod:`zp_client.budget.elastic`; a lease without metadata is reserved at its bound, as
+    strict would), ``"strict"`` (reserve every lease's bound: preemption impossible by construction) or a
     :class:`~zp_client.budget.ledger.ReservationPolicy` object (an object with a ``block_size`` must
     agree with the budget's).
 
@@ -206,7 +207,7 @@ class LocalBudget(Budget):
         block_size: int = 16,
         *,
         starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
-        policy: str | ReservationPolicy = "strict",
+        policy: str | ReservationPolicy = "elastic",
         name: str = "local",
     ) -> None:
         self.block_size = validate_blocks(block_size, "block_size")

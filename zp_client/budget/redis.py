@@ -41,7 +41,7 @@ What callers may rely on:
   value logs a warning and follows the stored one. :meth:`set_limit` / :meth:`compare_and_set_limit`
   change it.
 
-* **Elastic** (``policy="elastic"``) — ``acquire(..., meta=...)`` stores the lease's metadata in Redis
+* **Elastic** (``policy="elastic"``, the default; ``policy="strict"`` reserves every lease's bound) — ``acquire(..., meta=...)`` stores the lease's metadata in Redis
   (compactly: prompt_tokens, tokens, forecast_tokens, streaming, prefix_key, prefix_blocks,
   first_token; other keys are ignored). ``lease.report_progress(held, **fields)`` /
   ``lease.update_meta(**fields)`` travel on the batched held reports: held growth once it moved by
@@ -337,7 +337,7 @@ class RedisBudget(Budget):
         poll_interval: float = 2.0,
         waiter_ttl: float | None = None,
         starvation_bound: float = DEFAULT_STARVATION_BOUND_S,
-        policy: str = "strict",
+        policy: str = "elastic",
         recovery: float | None = None,
         on_unavailable: Literal["fail_closed", "fail_local"] = "fail_closed",
         unavailable_timeout: float = 10.0,
