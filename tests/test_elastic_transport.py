@@ -97,6 +97,32 @@ async def test_elastic_stream_sends_meta_and_progress(mod: Any, server: Loopback
     assert "x-zp-route" not in sent["headers"]
 
 
+async def test_elastic_stream_reports_every_new_block(server: LoopbackServer) -> None:
+    """The projected peak reads ``held`` as the lease's occupancy now: an elastic stream reports each block
+    it enters, so the policy never sees it more than a block behind (strict reports every 4)."""
+    budget = LocalBudget(1000, 16, policy="elastic")
+    seen: list[int] = []
+    real = budget._ledger.report_held
+
+    def spy(lease_id: str, held: int) -> bool:
+        seen.append(held)
+        return real(lease_id, held)
+
+    budget._ledger.report_held = spy  # type: ignore[method-assign]
+    body = {**CHAT, "model": "slow", "stream": True, "max_tokens": 2000}
+    async with async_client(httpx2, server, budget, forecaster=LengthForecaster(q=0.9)) as c:
+        async with c.stream("POST", "/chat/completions", json=body) as r:
+            events = 0
+            async for chunk in r.aiter_raw():  # the "slow" model: one token every 20 ms
+                events += chunk.count(b"data:")
+                if events >= 100:
+                    break
+    growth = sorted(set(seen))
+    assert len(growth) >= 5, seen  # 100 tokens: six blocks
+    assert growth == list(range(growth[0], growth[-1] + 1)), f"a block was skipped: {seen}"
+    assert (await budget.status()).used == 0
+
+
 async def test_elastic_completed_stream_teaches_the_forecaster(server: LoopbackServer) -> None:
     budget = LocalBudget(1000, 16, policy="elastic")
     body = {**CHAT, "stream": True}

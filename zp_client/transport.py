@@ -26,8 +26,9 @@ What callers may rely on:
   connection is closed BEFORE the lease is released, so the server aborts the request and frees its KV
   (a caller reading on after the watchdog fired gets the HTTP library's read error). A response that
   arrives already read releases at once.
-- While a stream advances, the lease's occupancy is reported with ``lease.report_held`` every few blocks
-  (counted from SSE ``data:`` events, about one token each). At the end, the response's ``usage`` (when
+- While a stream advances, the lease's occupancy is reported with ``lease.report_held`` every 4 blocks
+  under strict, at every new block under elastic (counted from SSE ``data:`` events, about one token
+  each). At the end, the response's ``usage`` (when
   present) calibrates the estimator.
 - For streams, ``stream_options.include_usage`` is added to the request so usage is known; when the
   caller did not ask for it, the usage-only chunk is removed from the stream the caller reads, so the
@@ -119,9 +120,13 @@ PRIORITY_HEADER = "x-zp-priority"
 DEADLINE_HEADER = "x-zp-deadline"
 ROUTE_HEADER = "x-zp-route"
 _ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
-# Growth is reported every few blocks: often enough for the elastic policy to see a stream grow,
-# rarely enough that a Redis backend is not hit per token.
+# Growth is reported every few blocks under strict (accounting only), and at every new block under
+# elastic: the projected peak reads ``held`` as the lease's occupancy now, and a stream reporting every 4
+# blocks runs up to 3 blocks ahead of what the policy sees (with 40 live streams, up to 120 blocks of the
+# pool unseen). Reports are a lock and a dict update locally; RedisBudget batches them
+# (``held_report_blocks``), so a Redis backend is still not hit per block.
 _REPORT_STEP_BLOCKS = 4
+_ELASTIC_REPORT_STEP_BLOCKS = 1
 # Non-streamed bodies are kept (up to this size) only to read their ``usage`` at the end.
 _MAX_USAGE_BODY = 4 * 1024 * 1024
 _METADATA_TIMEOUT = {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
@@ -812,7 +817,7 @@ class _Scanner:
         if (
             self.first_sent
             and generated < self.forecast
-            and tokens < (self.reported + _REPORT_STEP_BLOCKS - 1) * self.block_size + 1
+            and tokens < (self.reported + _ELASTIC_REPORT_STEP_BLOCKS - 1) * self.block_size + 1
         ):
             return  # the common case, per event: nothing to report yet
         fields: dict[str, Any] = {}
@@ -832,7 +837,7 @@ class _Scanner:
                 self.forecast = new
                 fields["forecast_tokens"] = new
         held = min(self.bound, -(-tokens // self.block_size))
-        if fields or held >= self.reported + _REPORT_STEP_BLOCKS:
+        if fields or held >= self.reported + _ELASTIC_REPORT_STEP_BLOCKS:
             self.reported = held
             try:
                 self.lease.report_progress(held, tokens=tokens, **fields)
