@@ -239,6 +239,24 @@ def test_zp_client_exports_wrap(server: LoopbackServer) -> None:
     assert isinstance(c, openai.OpenAI) and c.max_retries == 0
 
 
+def test_wrapping_an_unreferenced_client_keeps_its_connection_pool_open(server: LoopbackServer) -> None:
+    # wrap(openai.OpenAI(...)): nothing else holds the original, and openai closes its HTTP client (the
+    # pool the wrapped client sends through) when the original is collected. The wrapped client keeps it.
+    import weakref
+
+    original = openai.OpenAI(base_url=server.base_url, api_key=API_KEY)
+    alive = weakref.ref(original)
+    pool = original._client
+    c = zp_client.wrap(original, budget=make_budget())
+    del original
+    gc.collect()
+    assert alive() is not None and not pool.is_closed
+    assert c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8).choices
+    del c
+    gc.collect()
+    assert alive() is None  # no leak: it goes with the wrapped client
+
+
 # ---------------------------------------------------------------------------------------------------
 # sync client
 # ---------------------------------------------------------------------------------------------------

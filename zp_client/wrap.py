@@ -11,7 +11,9 @@ What callers may rely on:
   so proxy, TLS, connection limits and the connection pool are shared; event hooks, timeout,
   redirect settings, base URL, headers, cookies and auth of the original HTTP client are copied. The
   original client is not mutated. Closing the wrapped client does not close the shared transport;
-  close the original client when done with both.
+  close the original client when done with both. The wrapped client keeps the original alive (openai
+  closes a client's connection pool when the client is garbage-collected), so
+  ``wrap(openai.OpenAI(...), budget=...)`` is safe.
 - A refusal by zp reaches the caller as zp's own error type: :class:`~zp_client.LeaseTooLarge`,
   :class:`~zp_client.AdmissionTimeout` (and its subclass :class:`~zp_client.DeadlineExceeded`),
   :class:`~zp_client.PromptTooLong`, :class:`~zp_client.RetryBudgetExhausted`, ... — all catchable as
@@ -144,6 +146,10 @@ def wrap(
         cookies=http.cookies,
         auth=http._auth,
     )
+    # The wrapped client sends through the original's connection pool, and openai closes that pool when
+    # the original is garbage-collected (its HTTP client's __del__). ``wrap(openai.OpenAI(...))`` leaves
+    # nothing else holding the original: the transport keeps it alive as long as the wrapped client.
+    transport._zp_original_client = client
     logger.debug("wrapped %s (%s) with admission", type(client).__name__, mod.__name__)
     return client.with_options(http_client=new_http, max_retries=0)  # type: ignore[attr-defined,no-any-return]
 
