@@ -151,8 +151,12 @@ def test_resolve_url_convention() -> None:
 
 
 def test_suggest_limit_blocks() -> None:
-    assert suggest_limit_blocks(2001) == 1900
+    assert suggest_limit_blocks(2001) == 2000  # elastic (the default policy): the whole usable pool
+    assert suggest_limit_blocks(2001, policy="strict") == 1900
+    assert suggest_limit_blocks(2001, headroom=0.9, policy="strict") == 1800
     assert suggest_limit_blocks(201, headroom=1.0) == 200
+    with pytest.raises(ConfigurationError):
+        suggest_limit_blocks(100, policy="greedy")
     assert suggest_limit_blocks(1) == 0
     with pytest.raises(ConfigurationError):
         suggest_limit_blocks(100, headroom=1.5)

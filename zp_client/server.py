@@ -23,7 +23,7 @@ Example::
     info = ServerInfo(fetch=my_fetch, settings=settings)
     n = await info.max_model_len("llama-3-8b")        # GET models once, cached
     m = await info.metrics()                           # ServerMetrics
-    limit = suggest_limit_blocks(m.num_gpu_blocks)     # (N - 1) * 0.95
+    limit = suggest_limit_blocks(m.num_gpu_blocks)     # (N - 1) for elastic; policy="strict": x 0.95
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from zp_client.config import Settings
 
 __all__ = [
+    "ELASTIC_HEADROOM",
+    "STRICT_HEADROOM",
     "AsyncFetch",
     "SyncFetch",
     "ServerInfo",
@@ -80,12 +82,26 @@ def resolve_url(base_url: str, path: str) -> str:
     return f"{base}/{path}"
 
 
-def suggest_limit_blocks(num_gpu_blocks: int, headroom: float = 0.95) -> int:
+#: Share of the usable pool an ``elastic`` budget leases when every client goes through zp. Its leases
+#: already carry the prompt estimate's error bound (the estimator reserves ``dev_k`` deviations above
+#: its calibrated count) and report every block they grow, so no pool-level margin is added: on the
+#: storm's tuning seeds 1.0 gave 0 preemptions with makespan 1.02-1.05x no-admission, 0.95 1.06-1.08x.
+ELASTIC_HEADROOM = 1.0
+#: Share of the usable pool a ``strict`` budget leases (the original, conservative margin).
+STRICT_HEADROOM = 0.95
+
+
+def suggest_limit_blocks(num_gpu_blocks: int, headroom: float | None = None, *, policy: str = "elastic") -> int:
     """A budget limit for a server with ``num_gpu_blocks`` KV blocks: ``floor((N - 1) * headroom)``.
 
-    vLLM's pool includes one null block, so ``N - 1`` are usable; ``headroom`` leaves room for what
-    the budget does not see (requests from clients without zp-client, rounding).
+    vLLM's pool includes one null block, so ``N - 1`` are usable. ``headroom`` defaults to the policy's:
+    :data:`ELASTIC_HEADROOM` (1.0) for ``"elastic"``, :data:`STRICT_HEADROOM` (0.95) for ``"strict"``.
+    Lower it to leave room for what the budget does not see (requests from clients without zp-client).
     """
+    if policy not in ("elastic", "strict"):
+        raise ConfigurationError(f"policy must be 'elastic' or 'strict', got {policy!r}")
+    if headroom is None:
+        headroom = ELASTIC_HEADROOM if policy == "elastic" else STRICT_HEADROOM
     if num_gpu_blocks < 1:
         raise ConfigurationError(f"num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
     if not 0 < headroom <= 1:

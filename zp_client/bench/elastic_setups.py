@@ -3,13 +3,15 @@
 =================  ==========================================================================================
 ``zp-elastic``     ``wrap(AsyncOpenAI)`` on ``LocalBudget(limit, policy="elastic")`` with default estimation
                    and the default :class:`~zp_client.forecast.LengthForecaster` (learned online from each
-                   response's ``usage.completion_tokens``, cold start on its prior). Same limit, retry policy
+                   response's ``usage.completion_tokens``, cold start on its prior). The limit is what
+                   ``suggest_limit_blocks`` recommends for elastic (the whole usable pool,
+                   ``ELASTIC_HEADROOM``); ``zp-strict`` keeps the storm's 5% headroom. Same retry policy
                    and app-level retry as ``zp-strict``.
 ``zp-oracle``      a reference, not a product setup: ``zp-elastic`` with ``oracle=True``, so the transport
                    forecasts each request from the simulator's body field ``sim_output_tokens`` (its true
                    length). The limit a forecaster can reach.
-``zp-redis-elastic`` ``zp-redis`` with ``RedisBudget(policy="elastic")`` shared by the worker processes. Only with
-                   ``--redis URL``, and only registered when the installed RedisBudget accepts ``policy``.
+``zp-redis-elastic`` ``zp-redis`` with ``RedisBudget(policy="elastic")`` (held reported every block) shared by the worker
+                   processes, at the elastic limit. Only with ``--redis URL``.
 =================  ==========================================================================================
 
 The forecaster's quantile and prior can be overridden for measurements (``benchmarks/elastic_frontier.py``)
@@ -81,10 +83,13 @@ def _env_float(name: str) -> float | None:
 
 
 def _limit(ctx: SetupContext) -> int:
-    """The run's zp limit, rescaled when a headroom other than the storm's is configured."""
+    """The elastic setups' limit: the usable pool x :data:`~zp_client.server.ELASTIC_HEADROOM` (what
+    ``suggest_limit_blocks`` recommends for an elastic budget), or the configured headroom."""
+    from zp_client.server import ELASTIC_HEADROOM
+
     h = _overrides.get("headroom", _env_float("ZP_STORM_ELASTIC_HEADROOM"))
     if h is None:
-        return ctx.limit_blocks
+        h = ELASTIC_HEADROOM
     if not 0.0 < h <= 1.0:
         raise ConfigurationError(f"elastic headroom must be in (0, 1], got {h!r}")
     return zp_limit_blocks(ctx.num_gpu_blocks, h)

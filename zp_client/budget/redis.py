@@ -45,7 +45,7 @@ What callers may rely on:
   (compactly: prompt_tokens, tokens, forecast_tokens, streaming, prefix_key, prefix_blocks,
   first_token; other keys are ignored). ``lease.report_progress(held, **fields)`` /
   ``lease.update_meta(**fields)`` travel on the batched held reports: held growth once it moved by
-  ``held_report_blocks``, any metadata other than ``tokens`` at once; when waiters exist the report
+  ``held_report_blocks`` (default 1 block under elastic, 2 under strict), any metadata other than ``tokens`` at once; when waiters exist the report
   runs a grant pass and the admitted waiters are woken through their mailboxes. The projected-peak rule
   runs in Lua with exactly ElasticPolicy's semantics (tests/test_redis_elastic.py checks it against the
   Python ledger); a grant pass costs O(n log n) in the n live leases plus O(n) per waiter examined, and
@@ -342,7 +342,7 @@ class RedisBudget(Budget):
         on_unavailable: Literal["fail_closed", "fail_local"] = "fail_closed",
         unavailable_timeout: float = 10.0,
         local_share: float = 0.1,
-        held_report_blocks: int = 2,
+        held_report_blocks: int | None = None,
         sync_client: Any | None = None,
         on_event: Callable[[RedisBudgetEvent], None] | None = None,
         starvation_bound_s: float | None = None,
@@ -384,7 +384,7 @@ class RedisBudget(Budget):
         self._on_unavailable = on_unavailable
         self._unavailable_timeout = float(unavailable_timeout)
         self._local_share = float(local_share)
-        self._held_report_blocks = max(1, int(held_report_blocks))
+        self._held_report_cfg = None if held_report_blocks is None else max(1, int(held_report_blocks))
         # Reconnect attempts stay frequent enough that holders re-adopt well within a recovery window.
         self._backoff_cap = min(1.0, self._lease_ttl / 4)
         self._owner = secrets.token_urlsafe(12)
@@ -432,6 +432,14 @@ class RedisBudget(Budget):
     def limit(self) -> int:
         """The limit last seen in Redis (the configured one until the first call)."""
         return self._limit
+
+    @property
+    def _held_report_blocks(self) -> int:
+        """Held growth that makes a report urgent: ``held_report_blocks`` when given, else 1 block under
+        elastic (the projected peak reads held as the present) and 2 under strict (accounting only)."""
+        if self._held_report_cfg is not None:
+            return self._held_report_cfg
+        return 1 if self._policy == "elastic" else 2
 
     @property
     def policy_name(self) -> str:
