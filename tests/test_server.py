@@ -256,7 +256,7 @@ def test_metrics(server: _Server) -> None:
     assert m.num_preemptions_total == 12.0
     assert m.block_size == 16 and m.num_gpu_blocks == 2001
     assert m.cache_config["enable_prefix_caching"] == "True"
-    assert suggest_limit_blocks(m.num_gpu_blocks) == 1900
+    assert suggest_limit_blocks(m.num_gpu_blocks) == 2000 and suggest_limit_blocks(2001, policy="strict") == 1900
     assert _info(server).metrics_sync() == m
 
 
