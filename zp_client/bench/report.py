@@ -249,8 +249,15 @@ def header_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"rate-limited: InMemoryRateLimiter at {m['rate_rps']:.3f} req/s (virtual), the "
                          "no-admission run's completed requests per second")
         if m["setup"] == "zp-strict" and m.get("limit_blocks") is not None:
-            lines.append(f"zp limit: {m['limit_blocks']} blocks = floor((num_gpu_blocks - 1) x 0.95), "
-                         "num_gpu_blocks read from /metrics vllm:cache_config_info")
+            lines.append(f"zp limit: {m['limit_blocks']} blocks = floor((num_gpu_blocks - 1) x 0.95) for the strict "
+                         "setups, num_gpu_blocks read from /metrics vllm:cache_config_info")
+    if any(m["setup"] in ("zp-elastic", "zp-oracle", "zp-redis-elastic") for m in report["setups"]):
+        from zp_client.server import ELASTIC_HEADROOM, suggest_limit_blocks
+
+        n = report.get("server", {}).get("num_gpu_blocks")
+        if n:
+            lines.append(f"elastic limit: {suggest_limit_blocks(n)} blocks = floor((num_gpu_blocks - 1) x "
+                         f"{ELASTIC_HEADROOM:g}), what suggest_limit_blocks recommends for elastic")
     return lines
 
 
