@@ -64,7 +64,9 @@ def sampling(budget: LocalBudget, peaks: dict[str, int]) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace, base_url: str) -> int:
-    budget = LocalBudget(limit_blocks=args.limit_blocks)
+    # strict: the limit caps the blocks reserved at any moment (the peak printed below); the default elastic
+    # policy caps the projected peak at admission instead, which growth may later pass
+    budget = LocalBudget(limit_blocks=args.limit_blocks, policy="strict")
     raw = openai.OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"))
     client = wrap(raw, budget=budget)  # one client, safe to share between threads (like openai.OpenAI)
     try:

@@ -11,9 +11,10 @@ What callers may rely on:
   so proxy, TLS, connection limits and the connection pool are shared; event hooks, timeout,
   redirect settings, base URL, headers, cookies and auth of the original HTTP client are copied. The
   original client is not mutated. Closing the wrapped client does not close the shared transport;
-  close the original client when done with both. The wrapped client keeps the original alive (openai
-  closes a client's connection pool when the client is garbage-collected), so
-  ``wrap(openai.OpenAI(...), budget=...)`` is safe.
+  close the original client when done with both. A wrapped ``openai.OpenAI`` keeps its original alive
+  (openai's sync client closes its connection pool when garbage-collected), so
+  ``wrap(openai.OpenAI(...), budget=...)`` is safe; keep a reference to an async original you wrap if it
+  may be collected while the wrapped client is in use.
 - A refusal by zp reaches the caller as zp's own error type: :class:`~zp_client.LeaseTooLarge`,
   :class:`~zp_client.AdmissionTimeout` (and its subclass :class:`~zp_client.DeadlineExceeded`),
   :class:`~zp_client.PromptTooLong`, :class:`~zp_client.RetryBudgetExhausted`, ... — all catchable as
@@ -146,10 +147,13 @@ def wrap(
         cookies=http.cookies,
         auth=http._auth,
     )
-    # The wrapped client sends through the original's connection pool, and openai closes that pool when
-    # the original is garbage-collected (its HTTP client's __del__). ``wrap(openai.OpenAI(...))`` leaves
-    # nothing else holding the original: the transport keeps it alive as long as the wrapped client.
-    transport._zp_original_client = client
+    # The wrapped client sends through the original's connection pool, and openai's sync HTTP client
+    # closes that pool when the original is garbage-collected (its __del__), which the cycle collector
+    # may do mid-request: the transport keeps a sync original alive as long as the wrapped client. An
+    # async original is not kept: its __del__ schedules aclose() on whatever loop runs then, so keeping it
+    # would close connections of a finished loop from a later one.
+    if not is_async:
+        transport._zp_original_client = client
     logger.debug("wrapped %s (%s) with admission", type(client).__name__, mod.__name__)
     return client.with_options(http_client=new_http, max_retries=0)  # type: ignore[attr-defined,no-any-return]
 

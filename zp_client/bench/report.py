@@ -145,7 +145,7 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
         else:
             m["goodput_vs_naive"] = None
     if naive:
-        for name in ("zp-strict", "zp-redis", "clairvoyant"):
+        for name in ("zp-strict", "zp-elastic", "zp-oracle", "zp-redis", "zp-redis-elastic", "clairvoyant"):
             if name in by:
                 ratios[f"{name}_goodput_vs_naive"] = by[name]["goodput_vs_naive"]
     checks: dict[str, Any] = {}
