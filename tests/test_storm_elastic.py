@@ -49,8 +49,26 @@ def test_configure_overrides_the_forecaster_and_restores_the_default(monkeypatch
         elastic_setups._forecaster()
 
 
+# These storms run the simulator 4x faster than real time on a shared CI machine. A client stall of t ms
+# (event-loop lag under load) lets every stream decode 4t ms of virtual time past its last growth report,
+# several blocks per stream on a 300-block pool, which the whole-pool default (ELASTIC_HEADROOM 1.0)
+# has no room for: a run of this test under a loaded full suite preempted once at 1.0. Real deployments run
+# at 1x, where the same stall is a fraction of a block per stream (README, "Strict or elastic?"). The
+# tests therefore lease 95% of the pool, the margin a time-compressed client needs.
+TEST_HEADROOM = 0.95
+
+
+@pytest.fixture
+def lag_margin():
+    elastic_setups.configure(headroom=TEST_HEADROOM)
+    try:
+        yield
+    finally:
+        elastic_setups.configure()
+
+
 @pytest.mark.slow
-def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path) -> None:
+def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path, lag_margin) -> None:
     setups = ["no-admission", "zp-strict", "zp-elastic", "zp-oracle"]
     cfg = StormConfig(workload="seed-burst", seed=0, setups=setups, profile="tiny", num_gpu_blocks=None,
                       speedup=4.0, workload_overrides=dict(TINY))
@@ -78,7 +96,7 @@ def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_zp_redis_elastic_workers_share_one_elastic_budget_and_never_preempt(redis_url: str) -> None:
+def test_zp_redis_elastic_workers_share_one_elastic_budget_and_never_preempt(redis_url: str, lag_margin) -> None:
     if "zp-redis-elastic" not in SETUPS:
         pytest.fail("RedisBudget does not take policy='elastic': zp-redis-elastic is not registered")
     cfg = StormConfig(workload="seed-burst", seed=1, setups=["no-admission", "zp-redis-elastic"],
