@@ -107,7 +107,7 @@ async def _wait_for_waiters(budget: LocalBudget, n: int) -> None:
 def test_lease_released_while_sleeping_and_retry_keeps_its_place(upstream: _Upstream) -> None:
     max_tokens = 1000
     limit = 100  # a request here needs ~64 blocks (1000 output tokens + a tiny prompt): one fits, two never
-    budget = LocalBudget(limit_blocks=limit)
+    budget = LocalBudget(limit_blocks=limit, policy="strict")  # strict: the bound is what fits
     seen_while_sleeping: list[Any] = []
 
     async def main() -> None:
