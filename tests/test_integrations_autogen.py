@@ -26,6 +26,8 @@ from zp_client.integrations import MissingIntegration  # noqa: E402
 from zp_client.integrations.autogen import ZPOpenAIChatCompletionClient  # noqa: E402
 from zp_client.sim.server import SimServer  # noqa: E402
 
+from _budget_probes import granted, overlapped, wait_until, waiters  # noqa: E402
+
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 
 SETTINGS = Settings(estimator="heuristic")
@@ -62,33 +64,8 @@ def client(server: SimServer, budget: LocalBudget, **kw: Any) -> ZPOpenAIChatCom
     return c
 
 
-def granted(budget: LocalBudget) -> int:
-    return int(budget.status_sync().extra["granted"])
-
-
-def waiters(budget: LocalBudget) -> dict[int, int]:
-    return {cls: st.waiters for cls, st in budget.status_sync().waiters.items() if st.waiters}
-
-
 def records(server: SimServer) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in server.stats(requests=True)["requests"]}  # same loop: no race
-
-
-def overlapped(recs: list[dict[str, Any]]) -> bool:
-    """Did the server run these requests at the same time (virtual clock)?"""
-    assert len(recs) == 2 and all(r["status"] == "finished" for r in recs)
-    a, b = sorted(recs, key=lambda r: r["arrival_s"])
-    return b["arrival_s"] < a["finish_s"]
-
-
-async def wait_until(predicate: Any, what: str, limit_s: float = 30.0) -> None:
-    """Poll until ``predicate()`` holds (a liveness limit, not a timing assertion)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit_s
-    while not predicate():
-        if loop.time() > end:
-            raise AssertionError(f"gave up waiting for: {what}")
-        await asyncio.sleep(0.01)
 
 
 def get_weather(city: str) -> str:
