@@ -31,29 +31,18 @@ from starlette.routing import Route
 MAX_MODEL_LEN = 4096
 
 
-class LoopbackServer:
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        self.slow_streams_open = 0
-        self._flaky_seen: dict[str, int] = {}
-        app = Starlette(
-            routes=[
-                Route("/v1/models", self._models, methods=["GET"]),
-                Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                Route("/v1/completions", self._chat, methods=["POST"]),
-                Route("/health", self._health, methods=["GET"]),
-                Route("/v1/responses", self._responses, methods=["POST"]),
-                Route("/v1/files", self._files, methods=["POST"]),
-            ]
-        )
+class ThreadedApp:
+    """Serves a Starlette ``app`` with uvicorn on a free loopback port in a daemon thread (a context
+    manager); subclasses build their routes and call ``super().__init__(app)``."""
+
+    def __init__(self, app: Starlette) -> None:
         self._server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="off")
         )
         self._thread: threading.Thread | None = None
         self.port = 0
 
-    # -- lifecycle -----------------------------------------------------------------------------------
-    def __enter__(self) -> LoopbackServer:
+    def __enter__(self) -> Any:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -62,7 +51,7 @@ class LoopbackServer:
         deadline = time.monotonic() + 20
         while not self._server.started:
             if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("loopback test server did not start")
+                raise RuntimeError(f"{type(self).__name__} did not start")
             time.sleep(0.01)
         return self
 
@@ -78,6 +67,24 @@ class LoopbackServer:
     @property
     def root_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+class LoopbackServer(ThreadedApp):
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.slow_streams_open = 0
+        self._flaky_seen: dict[str, int] = {}
+        app = Starlette(
+            routes=[
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._chat, methods=["POST"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/v1/responses", self._responses, methods=["POST"]),
+                Route("/v1/files", self._files, methods=["POST"]),
+            ]
+        )
+        super().__init__(app)
 
     def llm_requests(self) -> list[dict[str, Any]]:
         return [r for r in self.requests if r["path"].endswith(("completions", "responses"))]

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +20,6 @@ from typing import Any
 import anyio
 import openai
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,10 +30,12 @@ from zp_client.retry import LocalRetryBudget, RetryPolicy
 from zp_client.sim.server import SimServer
 from zp_client.wrap import wrap
 
+from _asgi_server import ThreadedApp
+
 MAX_MODEL_LEN = 4096
 
 
-class _Upstream:
+class _Upstream(ThreadedApp):
     """A minimal OpenAI-shaped server: records arrivals; ``user`` picks the behaviour.
 
     ``flaky-*``: 503 (Retry-After 0) on its first attempt, then OK. ``down-*``: always 503. Else OK.
@@ -45,11 +44,7 @@ class _Upstream:
     def __init__(self) -> None:
         self.arrivals: list[str] = []
         self._seen: dict[str, int] = {}
-        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
-        self._server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="off")
-        )
-        self.port = 0
+        super().__init__(Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])]))
 
     async def _chat(self, request: Request) -> Response:
         body = json.loads(await request.body())
@@ -70,27 +65,6 @@ class _Upstream:
                 "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
             }
         )
-
-    def __enter__(self) -> _Upstream:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("loopback upstream did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
 
 
 @pytest.fixture

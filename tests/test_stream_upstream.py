@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -19,10 +17,9 @@ import anyio
 import httpx
 import openai
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from zp_client.budget.local import LocalBudget
@@ -32,6 +29,8 @@ from zp_client.retry import RetryPolicy, testing
 from zp_client.sim.server import SimServer
 from zp_client.transport import AsyncAdmissionTransport, _Reassembler
 from zp_client.wrap import wrap
+
+from _asgi_server import ThreadedApp
 
 pytestmark = pytest.mark.anyio
 
@@ -286,7 +285,7 @@ async def test_the_setting_is_read_from_the_environment_and_a_transport_option_o
 # ---------------------------------------------------------------------------------------------------
 
 
-class EdgeServer:
+class EdgeServer(ThreadedApp):
     """Answers every chat call with a stream chosen by ``model``:
 
     - ``error-<code>``: a role chunk, a content chunk, then vLLM's error event with that ``code``
@@ -298,30 +297,7 @@ class EdgeServer:
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
-        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
-                                                     lifespan="off"))
-        self.port = 0
-
-    def __enter__(self) -> EdgeServer:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self._server.started:
-            assert time.monotonic() < deadline and self._thread.is_alive(), "edge server did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        super().__init__(Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])]))
 
     async def _chat(self, request: Request) -> Response:
         body = json.loads(await request.body())
