@@ -150,6 +150,39 @@ async def test_streaming_chat_with_include_usage(server: SimServer) -> None:
 
 
 @pytest.mark.openai_compat
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: SimServer, path: str) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: each chunk carries prompt and completion tokens
+    so far (the role chunk 0), then the usual usage-only chunk; without include_usage it is ignored."""
+    body: dict[str, Any] = {"model": server.model, "max_tokens": 7, "stream": True, "ignore_eos": True,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if path == "/chat/completions":
+        body["messages"] = [{"role": "user", "content": "count to seven"}]
+    else:
+        body["prompt"] = "count to seven"
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        async with http.stream("POST", path, json=body) as resp:
+            events = [json.loads(line[5:]) async for line in resp.aiter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        prompt = events[-1]["usage"]["prompt_tokens"]
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 7
+        seen = []
+        for ev in events[:-1]:
+            u = ev["usage"]
+            assert u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"]
+            seen.append(u["completion_tokens"])
+        assert seen == sorted(seen) and seen[-1] == 7
+        if path == "/chat/completions":
+            assert events[0]["choices"][0]["delta"].get("role") == "assistant" and seen[0] == 0
+
+        body["stream_options"] = {"continuous_usage_stats": True}
+        async with http.stream("POST", path, json=body) as resp:
+            events = [json.loads(line[5:]) async for line in resp.aiter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        assert events and all("usage" not in ev for ev in events)
+
+
+@pytest.mark.openai_compat
 async def test_streaming_completion_ends_with_done(server: SimServer) -> None:
     async with httpx.AsyncClient(base_url=server.base_url) as http:
         async with http.stream("POST", "/completions", json={

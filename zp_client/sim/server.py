@@ -14,10 +14,10 @@ or from synchronous code (the server then runs on a background thread)::
 What callers may rely on
 ------------------------
 * Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming with
-  ``data: [DONE]``, ``stream_options.include_usage``, ``n``), ``POST /tokenize`` (completion and chat
-  forms), ``POST /detokenize``, ``GET /v1/models`` (cards carry ``max_model_len``), ``GET /health``,
-  ``GET /metrics`` (vLLM's metric names and labels), and the sim-only ``GET /sim/stats``
-  (``?requests=1`` adds per-request records) and ``GET /sim/clock``.
+  ``data: [DONE]``, ``stream_options.include_usage`` and vLLM's ``continuous_usage_stats``, ``n``),
+  ``POST /tokenize`` (completion and chat forms), ``POST /detokenize``, ``GET /v1/models`` (cards
+  carry ``max_model_len``), ``GET /health``, ``GET /metrics`` (vLLM's metric names and labels), and
+  the sim-only ``GET /sim/stats`` (``?requests=1`` adds per-request records) and ``GET /sim/clock``.
 * Prompt tokens are counted by :mod:`zp_client.sim.tokenizer` (not cl100k). A chat prompt is
   :func:`~zp_client.sim.tokenizer.render_chat` of the messages and tools, so ``/tokenize`` in chat form
   counts exactly what ``usage.prompt_tokens`` of the same chat request reports.
@@ -880,7 +880,10 @@ class _App:
             return JSONResponse(self._full_body(pending))
         opts = body.get("stream_options") or {}
         include_usage = bool(opts.get("include_usage")) if isinstance(opts, Mapping) else False
-        return StreamingResponse(self._stream(pending, include_usage), media_type="text/event-stream")
+        # vLLM's should_include_usage: continuous stats only take effect with include_usage
+        continuous = include_usage and bool(opts.get("continuous_usage_stats"))
+        return StreamingResponse(self._stream(pending, include_usage, continuous),
+                                 media_type="text/event-stream")
 
     def _full_body(self, pending: _Pending) -> dict[str, Any]:
         choices = []
@@ -903,7 +906,8 @@ class _App:
                 "created": pending.created, "model": pending.model, "choices": choices,
                 "usage": self._usage(pending)}
 
-    async def _stream(self, pending: _Pending, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, pending: _Pending, include_usage: bool,
+                      continuous: bool = False) -> AsyncIterator[bytes]:
         chat = pending.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = [0] * len(pending.choices)
@@ -911,10 +915,17 @@ class _App:
         finished_sent = [False] * len(pending.choices)
         tool_ids = [f"chatcmpl-tool-{uuid.uuid4().hex[:16]}" for _ in pending.choices]
 
-        def chunk(choice_obj: dict[str, Any]) -> bytes:
+        prompt_len = len(pending.prompt_ids)
+
+        def chunk(choice_obj: dict[str, Any], completion: int = 0) -> bytes:
             data: dict[str, Any] = {"id": pending.request_id, "object": obj, "created": pending.created,
                                     "model": pending.model, "choices": [choice_obj]}
-            if include_usage:
+            if continuous:
+                # vLLM (continuous_usage_stats): every chunk carries the usage so far, its completion
+                # tokens counted for the chunk's own choice; the role chunk has 0
+                data["usage"] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + completion,
+                                 "completion_tokens": completion}
+            elif include_usage:
                 data["usage"] = None
             return _sse(data)
 
@@ -940,18 +951,18 @@ class _App:
                         delta = {"content": tok.decode(c.token_ids[a:b])}
                     if chat:
                         out.append(chunk({"index": i, "delta": delta, "logprobs": None,
-                                          "finish_reason": None}))
+                                          "finish_reason": None}, b))
                     else:
                         out.append(chunk({"index": i, "text": delta["content"], "logprobs": None,
-                                          "finish_reason": None}))
+                                          "finish_reason": None}, b))
                 if c.finished and not finished_sent[i] and sent[i] >= c.generated:
                     finished_sent[i] = True
                     if chat:
                         out.append(chunk({"index": i, "delta": {}, "logprobs": None,
-                                          "finish_reason": c.finish_reason, "stop_reason": None}))
+                                          "finish_reason": c.finish_reason, "stop_reason": None}, sent[i]))
                     else:
                         out.append(chunk({"index": i, "text": "", "logprobs": None,
-                                          "finish_reason": c.finish_reason, "stop_reason": None}))
+                                          "finish_reason": c.finish_reason, "stop_reason": None}, sent[i]))
             return out
 
         try:
