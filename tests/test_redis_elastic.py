@@ -91,6 +91,8 @@ _meta = st.fixed_dictionaries(
 _progress = st.fixed_dictionaries(
     {},
     optional={
+        # the server's exact prompt count (vLLM's continuous usage), replacing the estimate
+        "prompt_tokens": st.integers(0, 14 * BS),
         "tokens": st.integers(0, 16 * BS),
         "first_token": st.just(True),
         "forecast_tokens": st.integers(0, 16 * BS),
@@ -337,6 +339,32 @@ async def test_growth_reports_reach_redis_without_a_flush(budgets: Any) -> None:
     assert st_.held == 7
     assert st_.used == projected_peak([(7, 40, {"prompt_tokens": 60, "forecast_tokens": 100, "tokens": 110})], 16)
     await lease.release()
+    await b.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_servers_prompt_count_at_first_token_admits_a_waiter(budgets: Any) -> None:
+    # What the transport reports with vLLM's continuous usage. bs 16, limit 30. A was admitted on an
+    # estimated prompt of 320 tokens (20 blocks) + 16 forecast tokens: 21 blocks at its end. B (prompt 160
+    # tokens, 16 more: 10 + 1 blocks at its end, the same instant) does not fit: 21 + 11 = 32 > 30. The
+    # server says A's prompt is 160 tokens: A is projected at 10 + 1 blocks, 11 + 11 = 22, and B fits.
+    b = budgets(30)
+    other = RedisBudget(b._url, b.name, 30, 16, policy="elastic", recovery=0, poll_interval=30)
+    ma = {"prompt_tokens": 320, "forecast_tokens": 16}
+    la = await b.acquire(40, held=20, meta=ma)
+    assert (await b.status()).used == 21
+    mb = {"prompt_tokens": 160, "forecast_tokens": 16}
+    waiter = asyncio.ensure_future(other.acquire(40, held=10, meta=mb))
+    await asyncio.sleep(0.3)
+    assert not waiter.done()
+    la.report_progress(10, tokens=161, prompt_tokens=160, first_token=True)
+    lb = await asyncio.wait_for(waiter, 10)  # the mailbox push after the report, not a poll
+    st_ = await b.status()
+    assert st_.used == projected_peak([(10, 40, {**ma, "prompt_tokens": 160, "tokens": 161, "first_token": True}),
+                                       (10, 40, mb)], 16) <= 30
+    await lb.release()
+    await la.release()
+    await other.aclose()
     await b.aclose()
 
 

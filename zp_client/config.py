@@ -64,6 +64,16 @@ class Settings(BaseSettings):
         "JSON answer inside the transport: proxies' idle timeouts no longer cut long generations (504), "
         "and elastic budgets see the request grow. Calls asking for logprobs/echo are sent as they are.",
     )
+    continuous_usage: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Elastic budgets: ask vLLM's stream_options.continuous_usage_stats so every chunk "
+        "carries the exact prompt and completion tokens so far. The lease then holds the exact prompt "
+        "from the first token on (not the estimate plus its error bound) and counts growth exactly when "
+        "the server packs several tokens into one chunk. 'auto': when GET models said the server is "
+        "vLLM (zp reads GET models for max_model_len; with Settings.max_model_len set it does not, so "
+        "use 'always' there). The per-chunk usage is removed from what the caller reads unless it "
+        "asked for it.",
+    )
     api_key: SecretStr | None = Field(None, description="API key for the drop-in client (never logged).")
     base_url: str | None = Field(None, description="Server base URL for the drop-in client.")
 

@@ -28,7 +28,7 @@ What callers may rely on:
   arrives already read releases at once.
 - While a stream advances, the lease's occupancy is reported with ``lease.report_held`` every 4 blocks
   under strict, at every new block under elastic (counted from SSE ``data:`` events, about one token
-  each). At the end, the response's ``usage`` (when
+  each, or read from vLLM's continuous usage, below). At the end, the response's ``usage`` (when
   present) calibrates the estimator.
 - For streams, ``stream_options.include_usage`` is added to the request so usage is known; when the
   caller did not ask for it, the usage-only chunk is removed from the stream the caller reads, so the
@@ -67,7 +67,14 @@ What callers may rely on:
   stream here (``streaming`` True, the streams' quantile); one sent as it is keeps its forecast (the
   blind quantile) until it completes. Every complete response's ``usage.completion_tokens`` (per
   choice) teaches the forecaster. The forecaster is ``forecaster=`` or, by default, one shared by every
-  transport of the same budget. ``oracle=True`` (benchmarks only, never the default) uses the simulator's body field
+  transport of the same budget.
+- Elastic streams on vLLM also ask for ``stream_options.continuous_usage_stats``
+  (``Settings.continuous_usage``: "auto" = when the server's ``GET models`` cards say ``owned_by:
+  "vllm"``; "always"; "never"): every chunk then carries the prompt and completion tokens so far. From the
+  first chunk on, the lease's ``prompt_tokens`` is the server's count (the estimate kept its error bound
+  until then) and its ``tokens`` are exact even when vLLM merges several tokens into one chunk for a slow
+  reader (counting events undercounts them: the lease would trail the server). Unless the caller asked
+  for continuous usage itself, the per-chunk ``usage`` is removed from what it reads. ``oracle=True`` (benchmarks only, never the default) uses the simulator's body field
   ``sim_output_tokens`` as the forecast: the limit a forecaster can reach. Strict budgets get none of
   this (no metadata, no extra work).
 - With a :class:`~zp_client.retry.RetryPolicy`, the transport runs the attempt loop: on a retryable
@@ -132,6 +139,13 @@ _MAX_USAGE_BODY = 4 * 1024 * 1024
 _METADATA_TIMEOUT = {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
 _SSE_SEPARATOR = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _USAGE_NULL = re.compile(rb'\s*,\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
+# vLLM's continuous usage in a chunk: a flat object, or one with one level of nested details
+# (prompt_tokens_details). Group 1 is the object; the alternatives take the comma on one side.
+_USAGE_OBJ = rb'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})'
+_USAGE_MEMBER = re.compile(rb"\s*,\s*" + _USAGE_OBJ + rb"(?=\s*[,}])|" + _USAGE_OBJ + rb"\s*,\s*")
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 
 
 def is_admitted(method: str, path: str) -> bool:
@@ -170,6 +184,10 @@ class _Plan:
     chat: bool = False
     upstream: bool = False
     """A non-streamed call sent upstream as a stream: the transport reassembles the JSON answer."""
+    continuous: bool = False
+    """zp asked vLLM for ``continuous_usage_stats``: every chunk carries the exact counts so far."""
+    strip_continuous: bool = False
+    """...and the caller did not: the per-chunk usage is removed from what it reads."""
 
     def acquire_kwargs(self) -> dict[str, Any]:
         # meta only when there is some: a backend written before it existed keeps working.
@@ -192,6 +210,8 @@ class _Parsed:
     auth_headers: dict[str, str] = field(default_factory=dict)
     route: str | None = None
     upstream: bool = False
+    chat_or_completions: bool = True
+    """``/chat/completions`` or ``/completions`` (not ``/responses``, whose events carry no such usage)."""
 
 
 _logged_default_max_tokens = False
@@ -368,6 +388,7 @@ class _Core:
             auth_headers=auth,
             route=route,
             upstream=upstream,
+            chat_or_completions=not path.endswith("/responses"),
         )
 
     def finish_plan(self, request: Any, p: _Parsed, est: Any, mml: int | None) -> _Plan:
@@ -390,12 +411,24 @@ class _Core:
         meta: dict[str, Any] | None = None
         forecast = 0
         oracle = False
+        continuous = strip_continuous = False
         if self.elastic:
             # n > 1 grows n tokens per step, which the one-token-per-step projection cannot express:
             # project it as non-streamed (its forecast end held from now), which is conservative.
             streaming = p.stream and n == 1
             forecast, oracle = self._forecast(p, route, streaming)
             meta = {"prompt_tokens": prompt * n, "forecast_tokens": forecast * n, "streaming": streaming}
+            if streaming and p.chat_or_completions and self._continuous_usage(p):
+                so = p.body.get("stream_options")
+                so = dict(so) if isinstance(so, dict) else {}
+                continuous = True
+                # The caller reads per-chunk usage only if it asked for it with include_usage (vLLM
+                # ignores continuous_usage_stats without it, and zp added include_usage if missing).
+                strip_continuous = p.strip_usage or so.get("continuous_usage_stats") is not True
+                if so.get("continuous_usage_stats") is not True:
+                    so["continuous_usage_stats"] = True
+                    p.body["stream_options"] = so
+                    content = json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode()
             key = getattr(est, "prefix_key", None)
             ptok = int(getattr(est, "prefix_tokens", 0) or 0)
             if key is not None and ptok > 0:
@@ -426,7 +459,18 @@ class _Core:
             oracle=oracle,
             chat=request.url.path.rstrip("/").endswith("/chat/completions"),
             upstream=p.upstream,
+            continuous=continuous,
+            strip_continuous=strip_continuous,
         )
+
+    def _continuous_usage(self, p: _Parsed) -> bool:
+        """Whether to ask for vLLM's ``continuous_usage_stats`` (``Settings.continuous_usage``; under
+        "auto" only for a server whose ``GET models`` said vLLM: others may refuse the unknown field)."""
+        mode = self.settings.continuous_usage
+        if mode == "auto":
+            server = self._servers.get(p.base)
+            return bool(getattr(server, "is_vllm", False))
+        return mode == "always"
 
     def _forecast(self, p: _Parsed, route: str, streaming: bool = True) -> tuple[int, bool]:
         """(forecast output tokens per choice, from the oracle?). A request whose growth is not seen
@@ -702,6 +746,15 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
+def _reforecast(fc: Any, route: str, generated: int, max_tokens: int) -> int:
+    """A stream that reached its forecast, re-forecast given its length so far at the tail quantile (a
+    forecaster without one, e.g. a custom duck-typed one, answers with its usual quantile)."""
+    try:
+        return int(fc.forecast(route, generated=generated, max_tokens=max_tokens, tail=True))
+    except TypeError:
+        return int(fc.forecast(route, generated=generated, max_tokens=max_tokens))
+
+
 class _Scanner:
     """Watches a response body go by: counts SSE events, finds ``usage``, strips the one zp added."""
 
@@ -720,6 +773,13 @@ class _Scanner:
         self.lease = lease
         self.sse = is_sse
         self.strip = plan.strip_usage and is_sse
+        # Exact counts from vLLM's continuous usage: (prompt tokens, completion tokens so far).
+        self.continuous = self.elastic and plan.continuous
+        self.strip_continuous = self.continuous and plan.strip_continuous
+        self.counts: tuple[int, int] | None = None
+        self.prompt_reported = False
+        # The bytes handed back may differ from the server's (a usage removed): no Content-Length then.
+        self.rewrites = self.strip or self.strip_continuous
         self.buf = bytearray()
         self.events = 0
         self.reported = plan.held
@@ -743,7 +803,7 @@ class _Scanner:
                 self._grow(n)
             return chunk
         self.buf += chunk
-        out = bytearray() if self.strip else None
+        out = bytearray() if self.rewrites else None
         start = 0
         for m in _SSE_SEPARATOR.finditer(self.buf):
             event = bytes(self.buf[start : m.end()])
@@ -762,7 +822,7 @@ class _Scanner:
         rest = bytes(self.buf)
         self.buf.clear()
         keep = self._event(rest)
-        return self._take(rest) if (self.strip and keep) else b""
+        return self._take(rest) if (self.rewrites and keep) else b""
 
     def _take(self, event: bytes) -> bytes:
         """The event as the caller gets it (with an added ``"usage": null`` removed)."""
@@ -774,6 +834,17 @@ class _Scanner:
         """Account one SSE event; False when it is the usage-only chunk zp asked for."""
         if b"data:" not in event:
             return True
+        if self.continuous and _EMPTY_CHOICES.search(event) is None:
+            m = _USAGE_MEMBER.search(event)
+            if m is not None:
+                obj = m.group(1) or m.group(2)
+                pt, ct = _PROMPT_TOKENS.search(obj), _COMPLETION_TOKENS.search(obj)
+                if pt is not None and ct is not None:
+                    self.counts = (int(pt.group(1)), int(ct.group(1)))
+                    if self.strip_continuous:
+                        self.pending = event[: m.start()] + event[m.end() :]
+                    self._grow(1)
+                    return True
         if b'"usage"' in event:
             data = b"".join(
                 line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")
@@ -812,12 +883,20 @@ class _Scanner:
     def _progress(self) -> None:
         """Elastic (n == 1, streamed): report first token, growth with exact tokens, re-forecasts."""
         plan = self.plan
-        generated = max(0, self.events - self.skip)
-        tokens = plan.prompt_tokens + generated
+        counts = self.counts
+        if counts is not None:
+            # vLLM's continuous usage: exact, also when one chunk carries several tokens
+            prompt, generated = counts
+            tokens = prompt + generated
+        else:
+            prompt = plan.prompt_tokens
+            generated = max(0, self.events - self.skip)
+            tokens = prompt + generated
         if (
             self.first_sent
             and generated < self.forecast
             and tokens < (self.reported + _ELASTIC_REPORT_STEP_BLOCKS - 1) * self.block_size + 1
+            and (counts is None or self.prompt_reported)
         ):
             return  # the common case, per event: nothing to report yet
         fields: dict[str, Any] = {}
@@ -825,6 +904,11 @@ class _Scanner:
             # vLLM sends a stream's first event once the prompt is prefilled: its prefix is cached now.
             self.first_sent = True
             fields["first_token"] = True
+        if counts is not None and not self.prompt_reported:
+            # The server's count replaces the estimate (and its error bound) for the rest of the lease.
+            self.prompt_reported = True
+            if prompt != plan.prompt_tokens:
+                fields["prompt_tokens"] = prompt
         if generated >= self.forecast and self.forecast < plan.max_tokens:
             # Reached its forecast and still going: ask again, given the tokens so far. At the forecast
             # end itself the policy already reads the lease as outgrown (projected to its bound), so a
@@ -832,7 +916,7 @@ class _Scanner:
             if plan.oracle or self.forecaster is None:
                 new = min(plan.max_tokens, generated + self.block_size)
             else:
-                new = int(self.forecaster.forecast(plan.route, generated=generated, max_tokens=plan.max_tokens))
+                new = _reforecast(self.forecaster, plan.route, generated, plan.max_tokens)
             if new > self.forecast:
                 self.forecast = new
                 fields["forecast_tokens"] = new
@@ -849,6 +933,10 @@ class _Scanner:
         reassembles itself): the same growth, first-token and re-forecast reports as :meth:`feed`."""
         if usage is not None:
             self.usage = usage
+            if self.continuous:
+                pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+                if isinstance(pt, int) and isinstance(ct, int):
+                    self.counts = (pt, ct)
         if events:
             self._grow(events)
 
@@ -1244,7 +1332,7 @@ def _build(mod: ModuleType) -> TransportClasses:
 
     def _response(resp: Any, stream: Any, scanner: _Scanner) -> Any:
         headers = resp.headers
-        if scanner.strip:
+        if scanner.rewrites:
             # Bytes may be removed from the body, so a declared length would be wrong.
             headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
         return mod.Response(resp.status_code, headers=headers, stream=stream, extensions=resp.extensions)
@@ -1252,7 +1340,7 @@ def _build(mod: ModuleType) -> TransportClasses:
     def _preread_response(core: _Core, plan: _Plan, resp: Any, scanner: _Scanner) -> Any:
         content = scanner.feed(resp.content) + scanner.flush()
         _observe(core, plan, scanner)
-        if not scanner.strip:
+        if not scanner.rewrites:
             return resp
         headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
         return mod.Response(resp.status_code, headers=headers, content=content, extensions=resp.extensions)
