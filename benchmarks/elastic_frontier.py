@@ -35,18 +35,19 @@ BASELINES = ("no-admission", "zp-strict", "zp-oracle", "zp-elastic")
 
 
 def _key(r: dict[str, Any]) -> tuple[Any, ...]:
-    return (r["workload"], r["load"], r["seed"], r["setup"], r.get("q"), r.get("headroom"), r.get("prior_weight"))
+    return (r["workload"], r["load"], r["seed"], r["setup"], r.get("q"), r.get("headroom"), r.get("prior_weight"),
+            r.get("q_tail"))
 
 
 def run_one(workload: str, load: float, seed: int, setup: str, q: float | None, headroom: float | None,
-            prior_weight: float | None, speedup: float | None) -> dict[str, Any]:
+            prior_weight: float | None, q_tail: float | None, speedup: float | None) -> dict[str, Any]:
     """One storm with one setup; returns its metrics row (virtual time)."""
     from zp_client.bench import cli, elastic_setups
     from zp_client.bench.report import build_report
     from zp_client.bench.runner import StormConfig, run_storm
 
     logging.basicConfig(level=logging.ERROR)
-    elastic_setups.configure(q=q, headroom=headroom, prior_weight=prior_weight)
+    elastic_setups.configure(q=q, headroom=headroom, prior_weight=prior_weight, q_tail=q_tail)
     profile, blocks, mml, default_speedup = cli._DEFAULTS[workload]
     cfg = StormConfig(workload=workload, seed=seed, setups=[setup], profile=profile, num_gpu_blocks=blocks,
                       max_model_len=mml, speedup=speedup or default_speedup, load_scale=load)
@@ -57,7 +58,7 @@ def run_one(workload: str, load: float, seed: int, setup: str, q: float | None, 
             "valid", "effective_speedup")
     row = {k: m.get(k) for k in keep}
     row.update(workload=workload, load=load, seed=seed, setup=setup, q=q, headroom=headroom, prior_weight=prior_weight,
-               wall_s=round(time.monotonic() - wall, 1))
+               q_tail=q_tail, wall_s=round(time.monotonic() - wall, 1))
     return row
 
 
@@ -82,9 +83,9 @@ def report(rows: list[dict[str, Any]]) -> str:
         rs = [r for r in rows if r["workload"] == wl and r["load"] == load]
         seeds = sorted({r["seed"] for r in rs})
 
-        def per_seed(setup: str, q: Any = None, h: Any = None, w: Any = None) -> dict[int, dict[str, Any]]:
+        def per_seed(setup: str, q: Any = None, h: Any = None, w: Any = None, t: Any = None) -> dict[int, dict[str, Any]]:
             return {r["seed"]: r for r in rs if r["setup"] == setup and r.get("q") == q and r.get("headroom") == h
-                    and r.get("prior_weight") == w}
+                    and r.get("prior_weight") == w and r.get("q_tail") == t}
 
         base = {s: per_seed(s) for s in ("no-admission", "zp-strict", "zp-oracle")}
 
@@ -93,17 +94,19 @@ def report(rows: list[dict[str, Any]]) -> str:
                          for s in seeds if s in var and s in base[ref]])
 
         out.append(f"\n### {wl}, load x{load} (seeds {' '.join(map(str, seeds))}; medians over seeds)\n")
-        out.append("| setup | q | headroom | prior weight | preempt med (max) | KV max | TTFT p50 s | TTFT p99 s | p50 / no-adm "
-                   "| p99 / oracle | makespan / no-adm | ITL p99 / strict | invalid |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        variants = sorted({(r["setup"], r.get("q"), r.get("headroom"), r.get("prior_weight")) for r in rs},
+        out.append("| setup | q | q tail | headroom | prior weight | preempt med (max) | KV max | TTFT p50 s | TTFT p99 s "
+                   "| p50 / no-adm | p99 / oracle | makespan / no-adm | ITL p99 / strict | invalid |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        variants = sorted({(r["setup"], r.get("q"), r.get("headroom"), r.get("prior_weight"), r.get("q_tail"))
+                           for r in rs},
                           key=lambda v: (BASELINES.index(v[0]) if v[0] in BASELINES else 9, v[1] or 0, v[2] or 0,
-                                         v[3] or 0))
-        for setup, q, h, w in variants:
-            var = per_seed(setup, q, h, w)
+                                         v[3] or 0, v[4] or 0))
+        for setup, q, h, w, t in variants:
+            var = per_seed(setup, q, h, w, t)
             pre = [var[s]["preemptions"] for s in seeds if s in var]
             out.append(
-                f"| {setup} | {_f(q) if q else 'default'} | {_f(h) if h else 'default'} | {_f(w, '{:g}') if w else 'default'} | "
+                f"| {setup} | {_f(q) if q else 'default'} | {_f(t) if t else 'default'} | {_f(h) if h else 'default'} | "
+                f"{_f(w, '{:g}') if w else 'default'} | "
                 f"{_f(_med(pre), '{:.0f}')} ({max(pre) if pre else '-'}) | "
                 f"{_f(_med([var[s]['kv_usage_max'] for s in var]))} | "
                 f"{_f(_med([var[s]['ttft_p50'] for s in var]))} | {_f(_med([var[s]['ttft_p99'] for s in var]))} | "
@@ -150,6 +153,8 @@ def main() -> int:
                     help="load scales (default: 1.0 and 1.25 for both workloads)")
     ap.add_argument("--qs", nargs="*", type=float, default=[], help="extra zp-elastic runs at these q")
     ap.add_argument("--headrooms", nargs="*", type=float, default=[], help="extra zp-elastic runs at these headrooms")
+    ap.add_argument("--q-tails", nargs="*", type=float, default=[],
+                    help="extra zp-elastic runs at these re-forecast (tail) quantiles")
     ap.add_argument("--prior-weights", nargs="*", type=float, default=[],
                     help="extra zp-elastic runs at these prior weights (pseudo-observations)")
     ap.add_argument("--baselines", nargs="*", default=list(BASELINES))
@@ -166,13 +171,14 @@ def main() -> int:
         for wl in args.workloads:
             for load in (args.loads or LOADS[wl]):
                 for seed in args.seeds:
-                    variants = [(s, None, None, None) for s in args.baselines]
-                    variants += [("zp-elastic", q, None, None) for q in args.qs]
-                    variants += [("zp-elastic", None, h, None) for h in args.headrooms]
-                    variants += [("zp-elastic", None, None, w) for w in args.prior_weights]
-                    for setup, q, h, w in variants:
-                        if (wl, load, seed, setup, q, h, w) not in done:
-                            tasks.append((wl, load, seed, setup, q, h, w, args.speedup))
+                    variants = [(s, None, None, None, None) for s in args.baselines]
+                    variants += [("zp-elastic", q, None, None, None) for q in args.qs]
+                    variants += [("zp-elastic", None, h, None, None) for h in args.headrooms]
+                    variants += [("zp-elastic", None, None, w, None) for w in args.prior_weights]
+                    variants += [("zp-elastic", None, None, None, t) for t in args.q_tails]
+                    for setup, q, h, w, t in variants:
+                        if (wl, load, seed, setup, q, h, w, t) not in done:
+                            tasks.append((wl, load, seed, setup, q, h, w, t, args.speedup))
         print(f"{len(tasks)} runs to do, {len(rows)} already in {path}", file=sys.stderr, flush=True)
         with ProcessPoolExecutor(max_workers=args.jobs) as pool, path.open("a") as f:
             futs = [pool.submit(run_one, *t) for t in tasks]
@@ -182,7 +188,7 @@ def main() -> int:
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 print(f"{row['workload']} x{row['load']} seed {row['seed']} {row['setup']} q={row['q']} "
-                      f"h={row['headroom']} w={row['prior_weight']}: preempt {row['preemptions']} TTFT p50 {row['ttft_p50']} "
+                      f"t={row['q_tail']} h={row['headroom']} w={row['prior_weight']}: preempt {row['preemptions']} TTFT p50 {row['ttft_p50']} "
                       f"p99 {row['ttft_p99']} makespan {row['makespan']} valid {row['valid']} "
                       f"({row['wall_s']} s)", file=sys.stderr, flush=True)
     print(report(rows))

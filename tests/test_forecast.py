@@ -100,3 +100,22 @@ def test_default_forecast_is_the_median_for_streams_and_the_blind_quantile_other
     assert LengthForecaster(q=0.5, q_blind=0.99).forecast("m", streaming=False) > blind
     with pytest.raises(ConfigurationError):
         LengthForecaster(q_blind=1.0)
+
+
+def test_a_stream_that_outlived_its_forecast_is_re_forecast_at_the_tail_quantile() -> None:
+    from zp_client.forecast import DEFAULT_Q_TAIL
+
+    fc = LengthForecaster(prior=Prior(median=300, sigma=1.0, weight=1e6), q_tail=0.9)
+    g = 400
+    tail = fc.forecast("m", generated=g, tail=True)
+    assert _close(tail, fc.quantile("m", 0.9, generated=g), 0.05)
+    assert tail > fc.forecast("m", generated=g) > g  # above the usual quantile's answer given the same tokens
+    assert fc.forecast("m", generated=g, tail=True, max_tokens=500) == 500
+    # not streamed: the blind quantile wins (nothing re-forecasts a request whose growth is not seen)
+    assert fc.forecast("m", generated=0, streaming=False, tail=True) == fc.forecast("m", streaming=False)
+    # defaults: the larger of q and DEFAULT_Q_TAIL
+    assert LengthForecaster().q_tail == max(LengthForecaster().q, DEFAULT_Q_TAIL)
+    assert LengthForecaster(q=0.95).q_tail == 0.95
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ConfigurationError):
+            LengthForecaster(q_tail=bad)

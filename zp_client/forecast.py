@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from zp_client.errors import ConfigurationError
 
-__all__ = ["BUCKET_RATIO", "DEFAULT_Q", "DEFAULT_Q_BLIND", "LengthForecaster", "LengthHistogram", "Prior"]
+__all__ = ["BUCKET_RATIO", "DEFAULT_Q", "DEFAULT_Q_BLIND", "DEFAULT_Q_TAIL", "LengthForecaster", "LengthHistogram",
+           "Prior"]
 
 BUCKET_RATIO = 1.15
 
@@ -40,6 +41,12 @@ DEFAULT_Q = 0.5
 #: Default quantile for a lease whose growth the client cannot see (non-streamed, or n > 1): nothing
 #: corrects its forecast before it completes, so it keeps the safer quantile.
 DEFAULT_Q_BLIND = 0.9
+#: Default quantile for re-forecasting a stream that reached its forecast and goes on. Such a stream is
+#: in the tail of its distribution, where output lengths are the most uncertain (with the heavy tails of
+#: LLM outputs, having outlived the median makes a long remainder likelier, not less likely), and where
+#: several leases outgrowing their medians at once is what overflows the pool. See the README, "Elastic
+#: leases", for the measurement that chose it.
+DEFAULT_Q_TAIL = 0.5
 _MAX_LEN = 1 << 20
 # Bucket edges: [0, 1), [1, 2), then geometric. Edge i is the lower bound of bucket i.
 _EDGES: list[float] = [0.0, 1.0]
@@ -180,6 +187,7 @@ class LengthForecaster:
         half_life: float | None = 2000.0,
         priors: Mapping[str, Prior] | None = None,
         q_blind: float | None = None,
+        q_tail: float | None = None,
     ) -> None:
         if not 0.0 < q < 1.0:
             raise ConfigurationError(f"forecast quantile q must be in (0, 1), got {q!r}")
@@ -187,8 +195,13 @@ class LengthForecaster:
             q_blind = max(q, DEFAULT_Q_BLIND)
         if not 0.0 < q_blind < 1.0:
             raise ConfigurationError(f"forecast quantile q_blind must be in (0, 1), got {q_blind!r}")
+        if q_tail is None:
+            q_tail = max(q, DEFAULT_Q_TAIL)
+        if not 0.0 < q_tail < 1.0:
+            raise ConfigurationError(f"forecast quantile q_tail must be in (0, 1), got {q_tail!r}")
         self.q = q
         self.q_blind = q_blind
+        self.q_tail = q_tail
         self.prior = prior if prior is not None else Prior()
         self._priors = dict(priors or {})
         self._half_life = half_life
@@ -228,10 +241,16 @@ class LengthForecaster:
         return float(2 * generated + 1) if x is None else max(x, generated + 1.0)
 
     def forecast(self, key: str, *, generated: int = 0, max_tokens: int | None = None,
-                 streaming: bool = True) -> int:
-        """Total output tokens expected at the end (the forecaster's ``q`` quantile, or ``q_blind`` when
-        ``streaming`` is False), capped at ``max_tokens``."""
-        q = self.q if streaming else getattr(self, "q_blind", self.q)
+                 streaming: bool = True, tail: bool = False) -> int:
+        """Total output tokens expected at the end, capped at ``max_tokens``: the forecaster's ``q``
+        quantile; ``q_blind`` when ``streaming`` is False; ``q_tail`` when ``tail`` (a re-forecast of a
+        stream that outlived its forecast)."""
+        if not streaming:
+            q = getattr(self, "q_blind", self.q)
+        elif tail:
+            q = getattr(self, "q_tail", self.q)
+        else:
+            q = self.q
         x = math.ceil(self.quantile(key, q, generated=generated))
         return min(x, max_tokens) if max_tokens is not None else x
 

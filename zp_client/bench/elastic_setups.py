@@ -14,9 +14,9 @@
                    processes, at the elastic limit. Only with ``--redis URL``.
 =================  ==========================================================================================
 
-The forecaster's quantile and prior can be overridden for measurements (``benchmarks/elastic_frontier.py``)
+The forecaster's quantiles and prior can be overridden for measurements (``benchmarks/elastic_frontier.py``)
 with :func:`configure`, or in worker processes through the environment (``ZP_STORM_ELASTIC_Q``,
-``ZP_STORM_ELASTIC_PRIOR_WEIGHT``, ``ZP_STORM_ELASTIC_HEADROOM``); without either, the library defaults apply — what a user gets.
+``ZP_STORM_ELASTIC_Q_TAIL``, ``ZP_STORM_ELASTIC_PRIOR_WEIGHT``, ``ZP_STORM_ELASTIC_HEADROOM``); without either, the library defaults apply — what a user gets.
 """
 
 from __future__ import annotations
@@ -40,12 +40,14 @@ ELASTIC_SETUPS: tuple[str, ...] = ("zp-elastic", "zp-oracle")
 _overrides: dict[str, float] = {}
 
 
-def configure(*, q: float | None = None, prior_weight: float | None = None, headroom: float | None = None) -> None:
+def configure(*, q: float | None = None, prior_weight: float | None = None, headroom: float | None = None,
+              q_tail: float | None = None) -> None:
     """Override the forecaster's quantile / prior weight, and the share of the pool leased (``headroom``,
     default :data:`~zp_client.bench.setups.HEADROOM`), for ``zp-elastic`` (and ``headroom`` also for
     ``zp-oracle``) built in this process and, through the environment, in worker processes started after
     this call. ``None`` restores the default."""
     for key, env, value in (("q", "ZP_STORM_ELASTIC_Q", q),
+                            ("q_tail", "ZP_STORM_ELASTIC_Q_TAIL", q_tail),
                             ("prior_weight", "ZP_STORM_ELASTIC_PRIOR_WEIGHT", prior_weight),
                             ("headroom", "ZP_STORM_ELASTIC_HEADROOM", headroom)):
         if value is None:
@@ -59,14 +61,17 @@ def configure(*, q: float | None = None, prior_weight: float | None = None, head
 def _forecaster() -> Any | None:
     """The forecaster for one setup: the library default (None: the budget's shared one) unless overridden."""
     q = _overrides.get("q", _env_float("ZP_STORM_ELASTIC_Q"))
+    q_tail = _overrides.get("q_tail", _env_float("ZP_STORM_ELASTIC_Q_TAIL"))
     w = _overrides.get("prior_weight", _env_float("ZP_STORM_ELASTIC_PRIOR_WEIGHT"))
-    if q is None and w is None:
+    if q is None and w is None and q_tail is None:
         return None
     from zp_client.forecast import LengthForecaster, Prior
 
     kwargs: dict[str, Any] = {}
     if q is not None:
         kwargs["q"] = q
+    if q_tail is not None:
+        kwargs["q_tail"] = q_tail
     if w is not None:
         kwargs["prior"] = Prior(weight=w)
     return LengthForecaster(**kwargs)

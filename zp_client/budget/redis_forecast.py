@@ -70,6 +70,7 @@ class RedisLengthForecaster(LengthForecaster):
         *,
         q: float = DEFAULT_Q,
         q_blind: float | None = None,
+        q_tail: float | None = None,
         prior: Prior | None = None,
         half_life: float | None = 2000.0,
         priors: Mapping[str, Prior] | None = None,
@@ -78,7 +79,7 @@ class RedisLengthForecaster(LengthForecaster):
         max_keys: int = 1000,
         max_pending: int = 100_000,
     ) -> None:
-        super().__init__(q=q, q_blind=q_blind, prior=prior, half_life=None, priors=priors)
+        super().__init__(q=q, q_blind=q_blind, q_tail=q_tail, prior=prior, half_life=None, priors=priors)
         if not (isinstance(sync_interval, (int, float)) and sync_interval > 0):
             raise ConfigurationError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
         if isinstance(client, str):
