@@ -1,10 +1,13 @@
 """Quick start: put a KV-block budget in front of the official openai client.
 
 A burst of concurrent chat calls goes through ``zp_client.wrap(openai.AsyncOpenAI(...), budget=...)``.
-Each call first takes a lease of the KV blocks it can ever occupy on the server; calls that do not fit
-wait in a fair line in this process instead of being preempted on the GPU. While the burst runs we
-sample the budget to show that the blocks reserved never exceed the limit, and at the end that every
-lease was returned.
+Each call first takes a lease on the budget: under the default ``elastic`` policy a call is admitted only
+while the projected peak of every live lease (each growing to its forecast end) stays within the limit;
+calls that do not fit wait in a fair line in this process instead of being preempted on the GPU. While
+the burst runs we sample the budget: the blocks the streams hold (as the server reports them) and the
+projected peak, which is checked at each admission and can move above the limit afterwards when a reply
+or a prompt turns out longer than forecast (``policy="strict"`` reserves max_tokens and never does).
+At the end: every lease returned, and the server's preemption counter.
 
 Run it against a simulator started in this process (no setup at all)::
 
@@ -50,6 +53,7 @@ async def watch(budget: Budget, peaks: dict[str, int], stop: asyncio.Event) -> N
     while not stop.is_set():
         s = await budget.status()
         peaks["used"] = max(peaks["used"], s.used)
+        peaks["held"] = max(peaks["held"], s.held)
         peaks["waiters"] = max(peaks["waiters"], sum(c.waiters for c in s.waiters.values()))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.01)
@@ -74,7 +78,7 @@ async def run(args: argparse.Namespace, base_url: str) -> int:
             )
             return reply.usage.completion_tokens if reply.usage else 0
 
-        peaks = {"used": 0, "waiters": 0}
+        peaks = {"used": 0, "held": 0, "waiters": 0}
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch(budget, peaks, stop))
         t0 = time.perf_counter()
@@ -86,7 +90,8 @@ async def run(args: argparse.Namespace, base_url: str) -> int:
         status = await budget.status()
         print(f"completed {len(tokens)}/{args.requests} requests in {elapsed:.2f} s, "
               f"{sum(tokens)} completion tokens")
-        print(f"peak reserved {peaks['used']} of {status.limit} blocks, peak waiters {peaks['waiters']}")
+        print(f"peak held {peaks['held']} blocks, peak projected {peaks['used']} (limit {status.limit}), "
+              f"peak waiters {peaks['waiters']}")
         print(f"budget after the burst: used={status.used} leases={status.leases} "
               f"waiters={sum(c.waiters for c in status.waiters.values())}")
         return 0 if len(tokens) == args.requests and status.used == 0 else 1

@@ -351,17 +351,17 @@ async def test_the_servers_prompt_count_at_first_token_admits_a_waiter(budgets: 
     b = budgets(30)
     other = RedisBudget(b._url, b.name, 30, 16, policy="elastic", recovery=0, poll_interval=30)
     ma = {"prompt_tokens": 320, "forecast_tokens": 16}
-    la = await b.acquire(40, held=20, meta=ma)
+    la = await b.acquire(24, held=20, meta=ma)
     assert (await b.status()).used == 21
     mb = {"prompt_tokens": 160, "forecast_tokens": 16}
-    waiter = asyncio.ensure_future(other.acquire(40, held=10, meta=mb))
+    waiter = asyncio.ensure_future(other.acquire(24, held=10, meta=mb))
     await asyncio.sleep(0.3)
     assert not waiter.done()
     la.report_progress(10, tokens=161, prompt_tokens=160, first_token=True)
     lb = await asyncio.wait_for(waiter, 10)  # the mailbox push after the report, not a poll
     st_ = await b.status()
-    assert st_.used == projected_peak([(10, 40, {**ma, "prompt_tokens": 160, "tokens": 161, "first_token": True}),
-                                       (10, 40, mb)], 16) <= 30
+    assert st_.used == projected_peak([(10, 24, {**ma, "prompt_tokens": 160, "tokens": 161, "first_token": True}),
+                                       (10, 24, mb)], 16) <= 30
     await lb.release()
     await la.release()
     await other.aclose()

@@ -151,7 +151,7 @@ def test_resolve_url_convention() -> None:
 
 
 def test_suggest_limit_blocks() -> None:
-    assert suggest_limit_blocks(2001) == 2000  # elastic (the default policy): the whole usable pool
+    assert suggest_limit_blocks(2001) == 1900  # elastic (the default policy) keeps 5% for forecast error
     assert suggest_limit_blocks(2001, policy="strict") == 1900
     assert suggest_limit_blocks(2001, headroom=0.9, policy="strict") == 1800
     assert suggest_limit_blocks(201, headroom=1.0) == 200
@@ -256,7 +256,7 @@ def test_metrics(server: _Server) -> None:
     assert m.num_preemptions_total == 12.0
     assert m.block_size == 16 and m.num_gpu_blocks == 2001
     assert m.cache_config["enable_prefix_caching"] == "True"
-    assert suggest_limit_blocks(m.num_gpu_blocks) == 2000 and suggest_limit_blocks(2001, policy="strict") == 1900
+    assert suggest_limit_blocks(m.num_gpu_blocks) == 1900 and suggest_limit_blocks(2001, headroom=1.0) == 2000
     assert _info(server).metrics_sync() == m
 
 

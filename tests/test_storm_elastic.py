@@ -51,10 +51,10 @@ def test_configure_overrides_the_forecaster_and_restores_the_default(monkeypatch
 
 # These storms run the simulator 4x faster than real time on a shared CI machine. A client stall of t ms
 # (event-loop lag under load) lets every stream decode 4t ms of virtual time past its last growth report,
-# several blocks per stream on a 300-block pool, which the whole-pool default (ELASTIC_HEADROOM 1.0)
-# has no room for: a run of this test under a loaded full suite preempted once at 1.0. Real deployments run
-# at 1x, where the same stall is a fraction of a block per stream (README, "Strict or elastic?"). The
-# tests therefore lease 95% of the pool, the margin a time-compressed client needs.
+# several blocks per stream on a 300-block pool: a run of this test under a loaded full suite preempted
+# once when the whole pool was leased. Real deployments run at 1x, where the same stall is a fraction of
+# a block per stream (README, "Strict or elastic?"). The tests pin 95% of the pool (today also the
+# default, ELASTIC_HEADROOM), the margin a time-compressed client needs, whatever the default becomes.
 TEST_HEADROOM = 0.95
 
 

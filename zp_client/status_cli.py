@@ -1,6 +1,6 @@
 """``zp-client status``: what a server's KV pool and a shared budget look like right now.
 
-    zp-client status --server http://127.0.0.1:8000/v1 [--headroom 1.0]
+    zp-client status --server http://127.0.0.1:8000/v1 [--headroom 0.95]
     zp-client status --redis redis://127.0.0.1:6379/0 --name NAME
     zp-client status --server URL --redis URL --name NAME --json
 
@@ -37,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", metavar="URL",
                         help="the server's base URL (http://host:8000/v1 or http://host:8000); "
                         "reads /metrics")
-    parser.add_argument("--headroom", type=float, default=1.0,
-                        help="fraction of the usable KV pool to suggest as limit_blocks (default 1.0, an "
-                             "elastic budget's; 0.95 for strict, lower when clients outside zp share the server)")
+    parser.add_argument("--headroom", type=float, default=0.95,
+                        help="fraction of the usable KV pool to suggest as limit_blocks (default 0.95, both "
+                             "policies' default; lower when clients outside zp share the server)")
     parser.add_argument("--redis", metavar="URL", help="Redis URL of a shared budget (redis://host:6379/0)")
     parser.add_argument("--name", help="the RedisBudget's name (with --redis)")
     parser.add_argument("--timeout", type=float, default=5.0,
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def server_status(url: str, headroom: float = 1.0, timeout: float = 5.0) -> dict[str, Any]:
+def server_status(url: str, headroom: float = 0.95, timeout: float = 5.0) -> dict[str, Any]:
     """Read ``url``'s ``/metrics`` and summarise its KV pool. Raises a ZPError subclass on failure."""
     import httpx
 
