@@ -272,3 +272,25 @@ async def test_openai_stream_through_the_simulator(sim: SimServer) -> None:
     assert (await budget.status()).used == 0
     await oc.close()
     await plain.close()
+
+
+@pytest.mark.parametrize("event", [
+    b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}],"usage":{"prompt_tokens":5,"total_tokens":7,"completion_tokens":2}}\n\n',
+    b'data: {"usage": {"prompt_tokens": 5, "total_tokens": 7, "completion_tokens": 2}, "id": "x", "choices": []}\n\n',
+    b'data: {"id":"x","usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":3}},"choices":[{"index":0}]}\n\n',
+    b'data: {"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\n',
+])
+def test_removing_a_chunks_usage_leaves_the_same_json_without_it(event: bytes) -> None:
+    from zp_client.transport import _usage_member
+
+    start, end, a, b = _usage_member(event)
+    doc = json.loads(event[5:])
+    assert json.loads(event[a:b]) == doc.pop("usage")
+    assert json.loads((event[:start] + event[end:])[5:]) == doc
+
+
+def test_text_that_looks_like_usage_is_not_usage() -> None:
+    from zp_client.transport import _usage_member
+
+    ev = b"data: " + json.dumps({"choices": [{"delta": {"content": '"usage": {"prompt_tokens": 1}'}}]}).encode() + b"\n\n"
+    assert _usage_member(ev) is None

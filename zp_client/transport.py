@@ -140,9 +140,9 @@ _METADATA_TIMEOUT = {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
 _SSE_SEPARATOR = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _USAGE_NULL = re.compile(rb'\s*,\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
 # vLLM's continuous usage in a chunk: a flat object, or one with one level of nested details
-# (prompt_tokens_details). Group 1 is the object; the alternatives take the comma on one side.
-_USAGE_OBJ = rb'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})'
-_USAGE_MEMBER = re.compile(rb"\s*,\s*" + _USAGE_OBJ + rb"(?=\s*[,}])|" + _USAGE_OBJ + rb"\s*,\s*")
+# (prompt_tokens_details), matched where the key is (found with rfind: vLLM writes it last).
+_USAGE_AT = re.compile(rb'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
+_JSON_WS = b" \t\r\n"
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
@@ -746,6 +746,33 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
+def _usage_member(event: bytes) -> tuple[int, int, int, int] | None:
+    """Where the ``"usage": {...}`` member of a chunk is: (start, end) of the member with one of its
+    commas, so that cutting it leaves valid JSON, and (start, end) of the object. None without one.
+    Inside a JSON string a quote is escaped, so ``"usage"`` found here is a key."""
+    i = event.rfind(b'"usage"')
+    if i < 0:
+        return None
+    m = _USAGE_AT.match(event, i)
+    if m is None:
+        return None
+    start, end = i, m.end()
+    j = start
+    while j > 0 and event[j - 1] in _JSON_WS:
+        j -= 1
+    if j > 0 and event[j - 1] == 0x2C:  # ',' before it: take that one
+        start = j - 1
+    else:  # the first member: take the comma after it, if any
+        k = end
+        while k < len(event) and event[k] in _JSON_WS:
+            k += 1
+        if k < len(event) and event[k] == 0x2C:
+            end = k + 1
+            while end < len(event) and event[end] in _JSON_WS:
+                end += 1
+    return start, end, m.start(1), m.end(1)
+
+
 def _reforecast(fc: Any, route: str, generated: int, max_tokens: int) -> int:
     """A stream that reached its forecast, re-forecast given its length so far at the tail quantile (a
     forecaster without one, e.g. a custom duck-typed one, answers with its usual quantile)."""
@@ -802,6 +829,12 @@ class _Scanner:
             if n:
                 self._grow(n)
             return chunk
+        if self.continuous and not self.buf and chunk.find(b"\n\n") == len(chunk) - 2:
+            # One whole event (vLLM writes one per chunk): every event carries usage, so skip the buffer.
+            keep = self._event(chunk)
+            if not self.rewrites:
+                return chunk
+            return self._take(chunk) if keep else b""
         self.buf += chunk
         out = bytearray() if self.rewrites else None
         start = 0
@@ -834,15 +867,15 @@ class _Scanner:
         """Account one SSE event; False when it is the usage-only chunk zp asked for."""
         if b"data:" not in event:
             return True
-        if self.continuous and _EMPTY_CHOICES.search(event) is None:
-            m = _USAGE_MEMBER.search(event)
-            if m is not None:
-                obj = m.group(1) or m.group(2)
-                pt, ct = _PROMPT_TOKENS.search(obj), _COMPLETION_TOKENS.search(obj)
+        if self.continuous and not (b"[]" in event and _EMPTY_CHOICES.search(event)):
+            found = _usage_member(event)
+            if found is not None:
+                start, end, a, b = found
+                pt, ct = _PROMPT_TOKENS.search(event, a, b), _COMPLETION_TOKENS.search(event, a, b)
                 if pt is not None and ct is not None:
                     self.counts = (int(pt.group(1)), int(ct.group(1)))
                     if self.strip_continuous:
-                        self.pending = event[: m.start()] + event[m.end() :]
+                        self.pending = event[:start] + event[end:]
                     self._grow(1)
                     return True
         if b'"usage"' in event:
