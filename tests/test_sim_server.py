@@ -13,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests._budget_probes import wait_until
 from zp_client.sim import tokenizer as tok
 from zp_client.sim.server import SimServer
 
@@ -59,16 +60,6 @@ def _client(server: SimServer) -> openai.AsyncOpenAI:
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="sim", max_retries=0)
     _open_clients.append(client)
     return client
-
-
-async def _wait_for(predicate: Any, what: str, limit_s: float = 30.0) -> None:
-    """Poll until ``predicate()`` holds (a generous liveness limit, not a timing assertion)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit_s
-    while not predicate():
-        if loop.time() > end:
-            raise AssertionError(f"gave up waiting for: {what}")
-        await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------------------------------- openai
@@ -387,7 +378,7 @@ async def test_stream_disconnect_aborts_the_request_and_frees_its_blocks() -> No
                 assert server.engine.stats.num_running == 1
                 assert server.engine.kv_usage > 0
             # leaving the block closes the connection mid-stream
-        await _wait_for(lambda: server.stats()["aborted_disconnect"] == 1, "the server to see the disconnect")
+        await wait_until(lambda: server.stats()["aborted_disconnect"] == 1, "the server to see the disconnect")
         assert server.engine.stats.num_running == 0 and server.engine.stats.num_waiting == 0
         assert server.engine.kv_usage == 0.0
         record = server.stats(requests=True)["requests"][0]
@@ -400,7 +391,7 @@ async def test_non_streamed_disconnect_aborts_the_request() -> None:
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/completions", json={"model": server.model, "prompt": "y " * 300,
                                                       "max_tokens": 3000, "ignore_eos": True})
-        await _wait_for(lambda: server.stats()["aborted_disconnect"] == 1, "the server to see the disconnect")
+        await wait_until(lambda: server.stats()["aborted_disconnect"] == 1, "the server to see the disconnect")
         assert server.engine.stats.num_running == 0 and server.engine.stats.num_waiting == 0
         assert server.engine.kv_usage == 0.0
         assert server.stats()["finished"] == 0
@@ -425,7 +416,7 @@ async def test_gateway_timeout_answers_504_and_aborts() -> None:
                 assert r1.headers["content-type"].startswith("text/html")
                 assert server.engine.stats.num_waiting == 0  # both were aborted in the engine
             # the long stream was closed by the client; a short request now gets through
-            await _wait_for(lambda: server.engine.stats.num_running == 0, "the closed stream to be aborted")
+            await wait_until(lambda: server.engine.stats.num_running == 0, "the closed stream to be aborted")
             ok = await http.post("/completions", json={"model": server.model, "prompt": "q", "max_tokens": 2})
             assert ok.status_code == 200
         st = server.stats(requests=True)
@@ -537,7 +528,7 @@ async def test_priority_field_reaches_the_engine() -> None:
                 first = json.loads((await resp.aiter_lines().__anext__())[len("data: "):])
                 record = server.engine.request_record(first["id"] + "-0")
                 assert record.priority == 7
-        await _wait_for(lambda: server.engine.stats.num_running == 0, "the closed stream to be aborted")
+        await wait_until(lambda: server.engine.stats.num_running == 0, "the closed stream to be aborted")
         assert server.stats(requests=True)["requests"][0]["priority"] == 7
 
 

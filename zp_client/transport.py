@@ -404,9 +404,6 @@ class _Core:
         bs = self.budget.block_size
         blocks = kv_blocks(prompt, p.max_tokens, block_size=bs, max_model_len=mml, n=n)
         held = min(blocks, kv_blocks(prompt, 0, block_size=bs, max_model_len=mml, n=n))
-        content = (
-            json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode() if p.changed else request.content
-        )
         route = p.route or p.model or "default"
         meta: dict[str, Any] | None = None
         forecast = 0
@@ -428,7 +425,7 @@ class _Core:
                 if so.get("continuous_usage_stats") is not True:
                     so["continuous_usage_stats"] = True
                     p.body["stream_options"] = so
-                    content = json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode()
+                    p.changed = True
             key = getattr(est, "prefix_key", None)
             ptok = int(getattr(est, "prefix_tokens", 0) or 0)
             if key is not None and ptok > 0:
@@ -440,6 +437,9 @@ class _Core:
                 if pblocks > 0:
                     meta["prefix_key"] = key
                     meta["prefix_blocks"] = pblocks
+        content = (
+            json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode() if p.changed else request.content
+        )
         return _Plan(
             content=content,
             headers=p.headers,
