@@ -578,6 +578,15 @@ class RedisBudget(Budget):
         self._closed = True
         side, self._side = self._side, None
         if side is not None:
+            # Releases finishing in the background (their caller was cancelled mid-flight): let them
+            # land, bounded, rather than leave them to die with the loop and the lease to its TTL.
+            pending = [t for t in side.background if not t.done()]
+            if pending:
+                _, late = await asyncio.wait(pending, timeout=2.0)
+                for t in late:
+                    t.cancel()
+                if late:
+                    await asyncio.wait(late, timeout=0.5)
             # one last attempt at pending releases before the tasks go
             for lid in list(side.retry_releases):
                 with contextlib.suppress(Exception):
