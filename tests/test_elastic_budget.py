@@ -330,8 +330,8 @@ _op = st.one_of(
 @given(st.lists(_op, min_size=1, max_size=40))
 def test_cached_projection_matches_a_fresh_one_and_admissions_respect_the_limit(ops: list[Any]) -> None:
     """Random ledger histories under elastic: the policy's cache (keyed on the ledger's version) always
-    agrees with a projection computed from scratch, and every grant that admits leaves it within the
-    limit."""
+    agrees with a projection computed from scratch, every grant that admits leaves it within the
+    limit, and the line holds exactly the waiters, in order."""
     pol = ElasticPolicy(BS)
     led = Ledger(60, policy=pol, starvation_bound=1.0)
     ids: list[str] = []
@@ -366,6 +366,11 @@ def test_cached_projection_matches_a_fresh_one_and_admissions_respect_the_limit(
         if led.grant(now):
             assert ElasticPolicy(BS).used(led) <= led.limit
         assert pol.used(led) == ElasticPolicy(BS).used(led)
+        # The line holds exactly the waiters, in order, whichever of them backfill admitted.
+        line = [w.id for w in led.line()]
+        assert len(line) == len(set(line)) == len(led)
+        assert all(led.waiter(i) is not None and i not in led.leases for i in line)
+        assert [(w.priority, w.key) for w in led.line()] == sorted((w.priority, w.key) for w in led.line())
 
 
 @pytest.mark.anyio

@@ -17,6 +17,7 @@
 The forecaster's quantiles and prior can be overridden for measurements (``benchmarks/elastic_frontier.py``)
 with :func:`configure`, or in worker processes through the environment (``ZP_STORM_ELASTIC_Q``,
 ``ZP_STORM_ELASTIC_Q_TAIL``, ``ZP_STORM_ELASTIC_PRIOR_WEIGHT``, ``ZP_STORM_ELASTIC_HEADROOM``); without either, the library defaults apply — what a user gets.
+``ZP_STORM_ELASTIC_STARVATION_S`` sets the local elastic setups' starvation bound (backfill), environment only.
 """
 
 from __future__ import annotations
@@ -103,7 +104,11 @@ def _limit(ctx: SetupContext) -> int:
 def _local_elastic(ctx: SetupContext) -> Any:
     from zp_client.budget.local import LocalBudget
 
-    return LocalBudget(limit_blocks=_limit(ctx), block_size=ctx.block_size, policy="elastic")
+    kw: dict[str, Any] = {}
+    bound = _env_float("ZP_STORM_ELASTIC_STARVATION_S")  # measurements only: the default is the library's
+    if bound is not None:
+        kw["starvation_bound_s"] = bound
+    return LocalBudget(limit_blocks=_limit(ctx), block_size=ctx.block_size, policy="elastic", **kw)
 
 
 async def _zp_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
