@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -432,3 +433,120 @@ async def test_local_budget_reserves_a_lease_without_metadata_at_its_bound() -> 
     await a.release()
     await c.release()
     await budget.aclose()
+
+
+# ---------------------------------------------------------------------------------------------- longest first
+# limit 20, bs 16. SHORT and LONG each start at 10 blocks (160-token prompts); SHORT ends after 16 more
+# tokens (11 blocks), LONG after 64 (14). Together, just before SHORT ends: 11 + 11 = 22 > 20, so only
+# one of them fits at a time.
+SHORT = {"prompt_tokens": 160, "forecast_tokens": 16}
+LONG = {"prompt_tokens": 160, "forecast_tokens": 64}
+
+
+def _pair(longest_first: float, starvation: float = 2.0, long_at: float = 0.5) -> Ledger:
+    led = Ledger(20, policy="elastic", block_size=BS, starvation_bound=starvation, longest_first=longest_first)
+    led.enqueue("short", 14, 10, 0, 0.0, meta=SHORT)
+    led.enqueue("long", 14, 10, 0, long_at, meta=LONG)
+    return led
+
+
+def test_longest_first_is_off_by_default_the_line_goes_first() -> None:
+    led = Ledger(20, policy="elastic", block_size=BS)
+    assert led.longest_first == 0.0
+    led.enqueue("short", 14, 10, 0, 0.0, meta=SHORT)
+    led.enqueue("long", 14, 10, 0, 0.5, meta=LONG)
+    assert led.grant(1.0) == ["short"]
+
+
+def test_young_waiters_go_longest_forecast_first() -> None:
+    led = _pair(longest_first=10.0)
+    assert [w.id for w in led.line()] == ["short", "long"]  # the line itself stays FIFO
+    assert led.grant(1.0) == ["long"]
+    led.release("long", 2.0)
+    assert led.grant(2.0) == ["short"]
+
+
+def test_a_waiter_older_than_the_window_goes_before_any_younger_one() -> None:
+    # At t=2 SHORT has waited 2 s >= the 1.5 s window, LONG 0.5 s: SHORT is tried first and fits.
+    led = _pair(longest_first=1.5, long_at=1.5)
+    assert led.grant(2.0) == ["short"]
+    assert led.waiter("long") is not None
+
+
+def test_a_starving_waiter_that_does_not_fit_still_blocks_what_is_walked_after_it() -> None:
+    led = Ledger(20, policy="elastic", block_size=BS, starvation_bound=1.0, longest_first=1.0)
+    led.enqueue("live", 8, 8, 0, 0.0, meta={"prompt_tokens": 128, "forecast_tokens": 0})
+    assert led.grant(0.0) == ["live"]
+    # BIG (13 blocks) cannot fit next to the 8 held; SMALL_LONG (4 blocks, ends at 8) could.
+    led.enqueue("big", 14, 13, 0, 0.0, meta={"prompt_tokens": 208, "forecast_tokens": 16})
+    led.enqueue("small_long", 8, 4, 0, 0.5, meta={"prompt_tokens": 64, "forecast_tokens": 64})
+    assert led.grant(0.6) == ["small_long"]  # both young: the longer first (and it fits)
+    led.release("small_long", 0.7)
+    led.enqueue("small_long2", 8, 4, 0, 1.5, meta={"prompt_tokens": 64, "forecast_tokens": 64})
+    assert led.grant(1.6) == []  # BIG has waited 1.6 s: walked first, a barrier; nothing passes it
+    led.release("live", 1.7)
+    assert led.grant(1.7) == ["big", "small_long2"]  # the starving one first, then what still fits
+
+
+def test_no_backfill_or_no_window_means_the_plain_walk() -> None:
+    assert _pair(longest_first=10.0, starvation=0.0).grant(1.0) == ["short"]
+    assert _pair(longest_first=0.0).grant(1.0) == ["short"]
+
+
+def test_walk_orders_by_forecast_keeps_line_order_among_equals_and_counts_no_forecast_as_zero() -> None:
+    led = Ledger(1000, policy="elastic", block_size=BS)
+    metas = {"a": {"prompt_tokens": 16, "forecast_tokens": 10}, "b": {"prompt_tokens": 16},
+             "c": {"prompt_tokens": 16, "forecast_tokens": 300}, "d": {"prompt_tokens": 16, "forecast_tokens": 10},
+             "e": {"prompt_tokens": 16, "forecast_tokens": 5}}
+    for i, (wid, meta) in enumerate(metas.items()):
+        led.enqueue(wid, 30, 1, 0, float(i), meta=meta)
+    cls = list(led.line())
+    # At t=5.5, a (t=0) has waited 5.5 s >= 5: first, in line order. Then c, d, e, b by forecast.
+    assert [cls[i].id for i in ElasticPolicy.walk(cls, 5.5, 2.0, 5.0)] == ["a", "c", "d", "e", "b"]
+    assert [cls[i].id for i in ElasticPolicy.walk(cls, 100.0, 2.0, 5.0)] == ["a", "b", "c", "d", "e"]
+    assert list(ElasticPolicy.walk(cls, 5.5, 2.0, 0.0)) == [0, 1, 2, 3, 4]
+
+
+def test_admissions_out_of_line_order_leave_exactly_the_rest_in_line() -> None:
+    # Forecasts grow with arrival, so the walk tries c, b, a. Only two fit (10 blocks each, 25 at most):
+    # c and b are admitted, the line keeps a and only a (removing the admitted as if they were the
+    # line's first two would drop a and keep b, admitted already).
+    led = Ledger(25, policy="elastic", block_size=BS, longest_first=10.0)
+    for i, wid in enumerate("abc"):
+        led.enqueue(wid, 12, 10, 0, 0.1 * i, meta={"prompt_tokens": 160, "forecast_tokens": 8 * (i + 1)})
+    assert led.grant(1.0) == ["c", "b"]
+    assert [w.id for w in led.line()] == ["a"] and len(led) == 1
+    led.release("c", 1.1)
+    assert led.grant(1.1) == ["a"]
+    assert list(led.line()) == [] and sorted(led.leases) == ["a", "b"]
+
+
+def test_longest_first_is_validated() -> None:
+    with pytest.raises(ConfigurationError, match="longest_first"):
+        Ledger(10, longest_first=-1.0)
+    with pytest.raises(ConfigurationError, match="longest_first"):
+        LocalBudget(10, longest_first_s=float("nan"))
+
+
+@pytest.mark.anyio
+async def test_local_budget_admits_the_longer_of_two_waiters_first_when_one_fits() -> None:
+    budget = LocalBudget(20, BS, policy="elastic", longest_first_s=60.0)
+    blocker = await budget.acquire(20)  # no metadata: reserved at its bound
+    short = asyncio.ensure_future(budget.acquire(14, held=10, meta=SHORT))
+    await asyncio.sleep(0.05)
+    long_ = asyncio.ensure_future(budget.acquire(14, held=10, meta=LONG))
+    await asyncio.sleep(0.05)
+    await blocker.release()
+    lease = await asyncio.wait_for(long_, 5)
+    await asyncio.sleep(0.05)
+    assert not short.done()
+    await lease.release()
+    await (await asyncio.wait_for(short, 5)).release()
+
+
+def test_settings_carry_the_window_to_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zp_client.config import Settings
+
+    monkeypatch.setenv("ZP_LONGEST_FIRST_S", "7.5")
+    assert LocalBudget.from_settings(10)._ledger.longest_first == 7.5
+    assert LocalBudget.from_settings(10, Settings(longest_first_s=0))._ledger.longest_first == 0.0

@@ -100,18 +100,20 @@ _progress = st.fixed_dictionaries(
 )
 
 
-def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
+def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first: float = 0.0) -> type:
     counter = itertools.count()
 
     class ElasticMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.loop = asyncio.new_event_loop()
-            self.model = Ledger(LIMIT, policy="elastic", block_size=BS, starvation_bound=starvation)
+            self.model = Ledger(LIMIT, policy="elastic", block_size=BS, starvation_bound=starvation,
+                                longest_first=longest_first)
             name = f"{names[0]}-m{next(counter)}"
             names.append(name)
             self.budget = RedisBudget(redis_url, name, LIMIT, BS, policy="elastic", recovery=0,
-                                      starvation_bound=starvation, held_report_blocks=1)
+                                      starvation_bound=starvation, held_report_blocks=1,
+                                      longest_first_s=longest_first)
             self.labels = itertools.count()
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
             self.leases: dict[str, Lease] = {}
@@ -218,13 +220,16 @@ def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
     return ElasticMachine
 
 
-@pytest.mark.parametrize("starvation", [NO_BACKFILL, FULL_BACKFILL], ids=["fifo", "backfill"])
+@pytest.mark.parametrize(("starvation", "longest_first"),
+                         [(NO_BACKFILL, 0.0), (FULL_BACKFILL, 0.0), (FULL_BACKFILL, FULL_BACKFILL)],
+                         ids=["fifo", "backfill", "backfill-longest-first"])
 def test_elastic_redis_budget_conforms_to_the_elastic_ledger(
-    starvation: float, redis_url: str, redis_prefix: str
+    starvation: float, longest_first: float, redis_url: str, redis_prefix: str
 ) -> None:
+    # The windows are either 0 or far beyond the run, so the model's clock and Redis's never disagree.
     names = [redis_prefix]
     try:
-        machine = _make_machine(redis_url, names, starvation)
+        machine = _make_machine(redis_url, names, starvation, longest_first)
         run_state_machine_as_test(machine, settings=settings(
             max_examples=30, stateful_step_count=25, deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -645,3 +650,36 @@ async def test_above_the_lease_cap_a_pass_admits_by_the_strict_rule(budgets: Any
     finally:
         r.close()
     await b.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("longest_first", [60.0, 0.0], ids=["longest-first", "off"])
+async def test_the_longer_of_two_young_waiters_goes_first_only_with_the_window(
+    budgets: Any, longest_first: float
+) -> None:
+    # The Lua walk. limit 20, bs 16: SHORT and LONG start at 10 blocks, end at 11 and 14; together they
+    # project 22 > 20, so only one fits. SHORT waits first; with the window LONG goes first.
+    b = budgets(20, starvation_bound=60.0, longest_first_s=longest_first)
+    blocker = await b.acquire(20)
+    short = asyncio.ensure_future(b.acquire(14, held=10, meta={"prompt_tokens": 160, "forecast_tokens": 16}))
+    await asyncio.sleep(0.2)
+    long_ = asyncio.ensure_future(b.acquire(14, held=10, meta={"prompt_tokens": 160, "forecast_tokens": 64}))
+    await asyncio.sleep(0.2)
+    await blocker.release()
+    first, second = (long_, short) if longest_first else (short, long_)
+    lease = await asyncio.wait_for(first, 10)
+    await asyncio.sleep(0.3)
+    assert not second.done()
+    await lease.release()
+    await (await asyncio.wait_for(second, 10)).release()
+    await b.aclose()
+
+
+def test_longest_first_is_validated_and_read_from_settings(redis_url: str) -> None:
+    from zp_client.config import Settings
+
+    with pytest.raises(ConfigurationError, match="longest_first_s"):
+        RedisBudget(redis_url, "zp-test-lpt-invalid", 10, longest_first_s=-1)
+    b = RedisBudget.from_settings(redis_url, "zp-test-lpt-settings", 10, Settings(longest_first_s=4.0))
+    assert b._longest_first == 4.0 and b._init_args()[-1] == 4000
+    b.close_sync()

@@ -29,6 +29,13 @@ class Settings(BaseSettings):
         description="How long the head of a priority class may wait before backfill stops and capacity "
         "drains to it.",
     )
+    longest_first_s: float = Field(
+        0.0,
+        ge=0,
+        description="Elastic budgets: for how long a waiter may be overtaken by one with a longer forecast "
+        "(admission tries the younger waiters longest first; 0 = off, line order). Trades tail TTFT for "
+        "makespan and median TTFT; see the README.",
+    )
     lease_ttl_s: float = Field(30.0, gt=0, description="Lease time-to-live for backends that expire leases.")
 
     # --- estimation -------------------------------------------------------------------------------

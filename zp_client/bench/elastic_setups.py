@@ -17,7 +17,8 @@
 The forecaster's quantiles and prior can be overridden for measurements (``benchmarks/elastic_frontier.py``)
 with :func:`configure`, or in worker processes through the environment (``ZP_STORM_ELASTIC_Q``,
 ``ZP_STORM_ELASTIC_Q_TAIL``, ``ZP_STORM_ELASTIC_PRIOR_WEIGHT``, ``ZP_STORM_ELASTIC_HEADROOM``); without either, the library defaults apply — what a user gets.
-``ZP_STORM_ELASTIC_STARVATION_S`` sets the local elastic setups' starvation bound (backfill), environment only.
+``ZP_STORM_ELASTIC_STARVATION_S`` and ``ZP_STORM_ELASTIC_LONGEST_FIRST_S`` set the local elastic setups'
+starvation bound (backfill) and longest-first window, environment only.
 """
 
 from __future__ import annotations
@@ -105,9 +106,12 @@ def _local_elastic(ctx: SetupContext) -> Any:
     from zp_client.budget.local import LocalBudget
 
     kw: dict[str, Any] = {}
-    bound = _env_float("ZP_STORM_ELASTIC_STARVATION_S")  # measurements only: the default is the library's
-    if bound is not None:
-        kw["starvation_bound_s"] = bound
+    # measurements only: without them the library's defaults apply
+    for env, arg in (("ZP_STORM_ELASTIC_STARVATION_S", "starvation_bound_s"),
+                     ("ZP_STORM_ELASTIC_LONGEST_FIRST_S", "longest_first_s")):
+        value = _env_float(env)
+        if value is not None:
+            kw[arg] = value
     return LocalBudget(limit_blocks=_limit(ctx), block_size=ctx.block_size, policy="elastic", **kw)
 
 

@@ -46,6 +46,7 @@ import anyio
 
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.ledger import (
+    DEFAULT_LONGEST_FIRST_S,
     DEFAULT_STARVATION_BOUND_S,
     Ledger,
     ReservationPolicy,
@@ -183,7 +184,8 @@ class LocalBudget(Budget):
 
     ``limit_blocks`` is in usable blocks (see the README: ``(num_gpu_blocks - 1) x headroom``).
     ``starvation_bound_s`` bounds backfill (default 2.0 s, as ``Settings.starvation_bound_s``; see
-    :mod:`zp_client.budget.ledger`). ``policy`` is ``"elastic"`` (the default: admit on the projected peak
+    :mod:`zp_client.budget.ledger`); ``longest_first_s`` is the elastic walk's longest-first window
+    (default 0: off, line order; ``Settings.longest_first_s``). ``policy`` is ``"elastic"`` (the default: admit on the projected peak
     of the pool; :mod:`zp_client.budget.elastic`; a lease without metadata is reserved at its bound, as
     strict would), ``"strict"`` (reserve every lease's bound: preemption impossible by construction) or a
     :class:`~zp_client.budget.ledger.ReservationPolicy` object (an object with a ``block_size`` must
@@ -208,6 +210,7 @@ class LocalBudget(Budget):
         *,
         starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
         policy: str | ReservationPolicy = "elastic",
+        longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
         name: str = "local",
     ) -> None:
         self.block_size = validate_blocks(block_size, "block_size")
@@ -223,6 +226,7 @@ class LocalBudget(Budget):
             policy=policy,
             starvation_bound=starvation_bound_s,
             block_size=self.block_size,
+            longest_first=longest_first_s,
         )
         self._lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
@@ -232,12 +236,14 @@ class LocalBudget(Budget):
 
     @classmethod
     def from_settings(cls, limit_blocks: int, settings: Settings | None = None, **kwargs: Any) -> LocalBudget:
-        """A budget using ``block_size`` and ``starvation_bound_s`` from :class:`~zp_client.Settings`."""
+        """A budget using ``block_size``, ``starvation_bound_s`` and ``longest_first_s`` from
+        :class:`~zp_client.Settings`."""
         if settings is None:
             from zp_client.config import Settings  # noqa: PLC0415
 
             settings = Settings()
         kwargs.setdefault("starvation_bound_s", settings.starvation_bound_s)
+        kwargs.setdefault("longest_first_s", settings.longest_first_s)
         return cls(limit_blocks, settings.block_size, **kwargs)
 
     @property

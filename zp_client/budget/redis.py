@@ -3,7 +3,8 @@
 The semantics are those of :class:`~zp_client.budget.ledger.Ledger` (and of
 :class:`~zp_client.budget.local.LocalBudget`): one fair line (priority class, then ticket order), the
 ``strict`` policy (sum of live bounds <= limit) or the ``elastic`` one (projected peak <= limit; see
-:mod:`zp_client.budget.elastic`), bounded backfill with the starvation bound, limit changes that never
+:mod:`zp_client.budget.elastic`; with ``longest_first_s`` its walk tries young waiters longest forecast first),
+bounded backfill with the starvation bound, limit changes that never
 revoke. The ledger's rules are ported to Lua (``budget/lua/*.lua``, one job per
 script, sharing ``common.lua``); every decision is one atomic script call, timed by Redis ``TIME``.
 
@@ -82,7 +83,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from zp_client.budget.base import Budget, BudgetStatus, ClassStatus, Lease, Ticket
-from zp_client.budget.ledger import DEFAULT_STARVATION_BOUND_S, validate_blocks
+from zp_client.budget.ledger import DEFAULT_LONGEST_FIRST_S, DEFAULT_STARVATION_BOUND_S, validate_blocks
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, LeaseTooLarge
 
 __all__ = ["RedisBudget", "RedisLease", "RedisBudgetEvent"]
@@ -346,6 +347,7 @@ class RedisBudget(Budget):
         sync_client: Any | None = None,
         on_event: Callable[[RedisBudgetEvent], None] | None = None,
         starvation_bound_s: float | None = None,
+        longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
     ) -> None:
         if starvation_bound_s is not None:  # LocalBudget's spelling
             starvation_bound = starvation_bound_s
@@ -372,6 +374,9 @@ class RedisBudget(Budget):
             raise ConfigurationError(f"local_share must be in (0, 1], got {local_share!r}")
         if not isinstance(starvation_bound, (int, float)) or not (starvation_bound >= 0):
             raise ConfigurationError(f"starvation_bound must be seconds >= 0, got {starvation_bound!r}")
+        if (not isinstance(longest_first_s, (int, float)) or isinstance(longest_first_s, bool)
+                or not (longest_first_s >= 0)):
+            raise ConfigurationError(f"longest_first_s must be seconds >= 0, got {longest_first_s!r}")
         self.name = name
         self._prefix = f"{{zp:{name}}}"
         self._keys = [f"{self._prefix}:{s}" for s in _KEY_SUFFIXES]
@@ -379,6 +384,7 @@ class RedisBudget(Budget):
         self._poll_interval = float(poll_interval)
         self._waiter_ttl = float(waiter_ttl) if waiter_ttl is not None else 3 * self._poll_interval + 1.0
         self._starvation_bound = float(starvation_bound)
+        self._longest_first = float(longest_first_s)
         self._policy = policy
         self._recovery = self._lease_ttl if recovery is None else float(recovery)
         self._on_unavailable = on_unavailable
@@ -417,13 +423,14 @@ class RedisBudget(Budget):
     def from_settings(
         cls, url_or_client: str | Any, name: str, limit_blocks: int, settings: Any = None, **kwargs: Any
     ) -> RedisBudget:
-        """A budget using ``block_size``, ``starvation_bound_s`` and ``lease_ttl_s`` from
+        """A budget using ``block_size``, ``starvation_bound_s``, ``longest_first_s`` and ``lease_ttl_s`` from
         :class:`~zp_client.Settings` (explicit keyword arguments win)."""
         if settings is None:
             from zp_client.config import Settings
 
             settings = Settings()
         kwargs.setdefault("starvation_bound", settings.starvation_bound_s)
+        kwargs.setdefault("longest_first_s", settings.longest_first_s)
         kwargs.setdefault("lease_ttl", settings.lease_ttl_s)
         return cls(url_or_client, name, limit_blocks, settings.block_size, **kwargs)
 
@@ -725,8 +732,9 @@ class RedisBudget(Budget):
 
     def _init_args(self) -> list[Any]:
         starve_ms = int(min(self._starvation_bound, 1e12) * 1000)  # inf: unbounded backfill
+        lpt_ms = int(min(self._longest_first, 1e12) * 1000)
         return [self._configured_limit, self.block_size, secrets.token_urlsafe(12),
-                int(self._recovery * 1000), self._policy, starve_ms]
+                int(self._recovery * 1000), self._policy, starve_ms, lpt_ms]
 
     def _status_from(self, r: list[Any]) -> BudgetStatus:
         if int(r[0]) == 0:

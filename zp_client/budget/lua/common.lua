@@ -3,13 +3,15 @@
 --
 -- The semantics are those of zp_client/budget/ledger.py (the reference model): one line ordered by
 -- (priority, ticket order, arrival), StrictPolicy (sum of live bounds <= limit) or ElasticPolicy
--- (projected peak <= limit; the elastic section below), bounded backfill with
+-- (projected peak <= limit; the elastic section below; its grant walks a class longest forecast first,
+-- e_walk), bounded backfill with
 -- the starvation rule (a non-fitting waiter that has waited >= the bound is a barrier), limit changes
 -- that never revoke. Time is Redis TIME only (milliseconds). Every call does bounded work: at most
 -- REAP_MAX expired leases / waiters are reaped and at most SCAN_MAX waiters examined per grant pass.
 --
 -- KEYS (all share the hash tag {zp:<name>}, so a budget lives in one Cluster slot):
---   1 meta   HASH  limit, bs, epoch, rec (recovery ends, ms), starve (ms), policy, ver (limit version),
+--   1 meta   HASH  limit, bs, epoch, rec (recovery ends, ms), starve (ms), lpt (longest-first window, ms;
+--                  absent in budgets made before it: 0, off), policy, ver (limit version),
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
 --                  nl (live leases), adm (elastic admission counter)
 --   2 leases HASH  lease id -> cjson {b=bound, h=held, p=priority, o=order, w=owner, l=ttl ms, g=granted ms,
@@ -353,6 +355,46 @@ local function reject_if_too_large(id, w, limit, boxes)
   return false
 end
 
+-- ElasticPolicy.walk over the scanned members (each priority class is contiguous in line order): per
+-- class, the waiters that have waited >= lpt first, in line order; then the younger ones by
+-- forecast_tokens from the largest (absent: 0), line order among equals. Called only with lpt > 0 and
+-- starve > 0 (else the walk is line order); it reads every scanned record, the plain walk lazily.
+local function e_walk(members, now, lpt)
+  local entries = {}
+  for _, e in ipairs(members) do
+    local raw = redis.call('HGET', K_WAIT, e.id)
+    if raw then
+      e.w = cjson.decode(raw)
+      entries[#entries + 1] = e
+    else
+      redis.call('ZREM', K_LINE, e.m)  -- defensive: a line entry without its record
+    end
+  end
+  local out, i, n = {}, 1, #entries
+  while i <= n do
+    local p, j = entries[i].w.p, i
+    while j < n and entries[j + 1].w.p == p do j = j + 1 end
+    local young = {}
+    for k = i, j do
+      local w = entries[k].w
+      if now - w.s >= lpt then
+        out[#out + 1] = entries[k]
+      else
+        local ft = w.mt and w.mt.ft
+        if type(ft) ~= 'number' then ft = 0 end
+        young[#young + 1] = {e = entries[k], ft = ft, k = k}
+      end
+    end
+    table.sort(young, function(a, b)
+      if a.ft ~= b.ft then return a.ft > b.ft end
+      return a.k < b.k
+    end)
+    for _, y in ipairs(young) do out[#out + 1] = y.e end
+    i = j + 1
+  end
+  return out
+end
+
 -- Ledger.grant: walk the line from the head, admit every waiter that fits; a non-fitting waiter that
 -- has waited >= the starvation bound is a barrier. Admitted waiters become leases with the same id and
 -- are told through their mailbox (except `self_id`, who learns it from the reply).
@@ -373,13 +415,18 @@ local function grant(now, self_id)
     elastic = items ~= nil
   end
   local bs = elastic and meta_num('bs') or 0
-  for _, m in ipairs(members) do
-    local id = string.sub(m, 14)
-    local raw = redis.call('HGET', K_WAIT, id)
-    if not raw then
-      redis.call('ZREM', K_LINE, m)  -- defensive: a line entry without its record
-    else
-      local w = cjson.decode(raw)
+  -- the walk: line order (records read lazily: a barrier ends the pass early), or longest first
+  local walk = {}
+  for i, m in ipairs(members) do walk[i] = {id = string.sub(m, 14), m = m} end
+  local lpt = is_elastic and meta_num('lpt') or 0
+  if lpt > 0 and starve > 0 then walk = e_walk(walk, now, lpt) end
+  for _, e in ipairs(walk) do
+    local id, w = e.id, e.w
+    if w == nil then
+      local raw = redis.call('HGET', K_WAIT, id)
+      if raw then w = cjson.decode(raw) else redis.call('ZREM', K_LINE, e.m) end
+    end
+    if w then
       local ok
       if reject_if_too_large(id, w, limit, boxes) then
         ok = nil  -- failed (set_limit normally did this already; kept for waiters beyond its scan)
