@@ -328,13 +328,16 @@ _op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(_op, min_size=1, max_size=40))
-def test_cached_projection_matches_a_fresh_one_and_admissions_respect_the_limit(ops: list[Any]) -> None:
+@pytest.mark.parametrize("longest_first", [0.0, 0.75], ids=["line-order", "longest-first"])
+@given(ops=st.lists(_op, min_size=1, max_size=40))
+def test_cached_projection_matches_a_fresh_one_and_admissions_respect_the_limit(
+    longest_first: float, ops: list[Any]
+) -> None:
     """Random ledger histories under elastic: the policy's cache (keyed on the ledger's version) always
     agrees with a projection computed from scratch, every grant that admits leaves it within the
     limit, and the line holds exactly the waiters, in order."""
     pol = ElasticPolicy(BS)
-    led = Ledger(60, policy=pol, starvation_bound=1.0)
+    led = Ledger(60, policy=pol, starvation_bound=1.0, longest_first=longest_first)
     ids: list[str] = []
     now = 0.0
     for op in ops:
@@ -526,6 +529,8 @@ def test_longest_first_is_validated() -> None:
         Ledger(10, longest_first=-1.0)
     with pytest.raises(ConfigurationError, match="longest_first"):
         LocalBudget(10, longest_first_s=float("nan"))
+    with pytest.raises(ConfigurationError, match="longest_first"):
+        Ledger(10, longest_first=True)  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio

@@ -265,6 +265,55 @@ async def test_aclose_finishes_a_release_cancelled_mid_flight(budgets: Any) -> N
     await other.aclose()
 
 
+async def test_aclose_is_bounded_when_redis_stops_answering(budgets: Any) -> None:
+    """A black-holed network: the background release never ends. aclose gives up after its bound
+    (the lease expires by TTL) instead of waiting, or queueing a retry, forever."""
+    b = budgets(10)
+    lease = await b.acquire(4)
+    side = b._side
+    never = asyncio.Event()
+
+    async def black_hole(*args: Any) -> Any:
+        await never.wait()
+
+    side.client.evalsha = black_hole
+    task = asyncio.create_task(lease.release())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    started = time.monotonic()
+    await asyncio.wait_for(b.aclose(), 15)
+    assert time.monotonic() - started < 10
+    assert side.closed and not side.retry_releases and all(t.done() for t in side.tasks)
+    assert not [t for t in side.background if not t.done()]
+
+
+async def test_cancelling_aclose_still_stops_the_budgets_tasks(budgets: Any) -> None:
+    b = budgets(10)
+    lease = await b.acquire(4)
+    side = b._side
+    real = side.client.evalsha
+
+    async def slow_evalsha(*args: Any) -> Any:
+        await asyncio.sleep(1.0)
+        return await real(*args)
+
+    side.client.evalsha = slow_evalsha
+    task = asyncio.create_task(lease.release())
+    await asyncio.sleep(0.05)
+    task.cancel()  # the release goes on in the background, which aclose waits for ...
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    closing = asyncio.create_task(b.aclose())
+    await asyncio.sleep(0.1)
+    closing.cancel()  # ... until aclose itself is cancelled (a caller's own shutdown timeout)
+    with contextlib.suppress(asyncio.CancelledError):
+        await closing
+    await asyncio.sleep(0.1)
+    assert side.closed and all(t.done() for t in side.tasks)
+
+
 # ------------------------------------------------------------------------------ expiry, epochs, recovery
 async def test_dead_holders_lease_expires_and_the_waiter_proceeds(budgets: Any) -> None:
     dead, alive = budgets(10, lease_ttl=1.0, poll_interval=0.2), budgets(10, lease_ttl=1.0, poll_interval=0.2)

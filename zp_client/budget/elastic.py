@@ -45,6 +45,7 @@ forecast makes the projection tighten at once (its end moves to its bound until 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -336,6 +337,9 @@ class ElasticPolicy:
         return f"ElasticPolicy(block_size={self.block_size})"
 
 
-def _forecast_of(w: WaiterRecord) -> int:
+def _forecast_of(w: WaiterRecord) -> float:
+    """The walk's key: ``forecast_tokens`` when it is a finite number, else 0 (never raises in a grant)."""
     f = w.meta.get("forecast_tokens")
-    return int(f) if isinstance(f, (int, float)) and not isinstance(f, bool) else 0
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f):
+        return 0
+    return f

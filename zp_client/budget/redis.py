@@ -305,6 +305,7 @@ class _AsyncSide:
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
         self.background: set[asyncio.Task[Any]] = set()  # strong refs to fire-and-forget releases
+        self.closing = False  # aclose has begun
         self.budget = budget
 
     def start(self) -> None:
@@ -585,25 +586,16 @@ class RedisBudget(Budget):
         self._closed = True
         side, self._side = self._side, None
         if side is not None:
-            # Releases finishing in the background (their caller was cancelled mid-flight): let them
-            # land, bounded, rather than leave them to die with the loop and the lease to its TTL.
-            pending = [t for t in side.background if not t.done()]
-            if pending:
-                _, late = await asyncio.wait(pending, timeout=2.0)
-                for t in late:
+            side.closing = True  # a release failing from here on is not queued for a retry
+            try:
+                await self._drain_releases(side)
+            finally:  # even when aclose itself is cancelled: the side's tasks must not outlive it
+                side.closed = True
+                side.waiters_changed.set()
+                side.poll_hint.set()
+                side.dirty_event.set()
+                for t in side.tasks:
                     t.cancel()
-                if late:
-                    await asyncio.wait(late, timeout=0.5)
-            # one last attempt at pending releases before the tasks go
-            for lid in list(side.retry_releases):
-                with contextlib.suppress(Exception):
-                    await self._eval(side, "release", [lid, self._owner], init=False, patient=False)
-            side.closed = True
-            side.waiters_changed.set()
-            side.poll_hint.set()
-            side.dirty_event.set()
-            for t in side.tasks:
-                t.cancel()
             if side.tasks:
                 # bounded: a task stuck inside a client call must not hang aclose
                 await asyncio.wait(side.tasks, timeout=2.0)
@@ -611,6 +603,29 @@ class RedisBudget(Budget):
                 with contextlib.suppress(Exception):
                     await side.client.aclose()
         self._stop_sync()
+
+    async def _drain_releases(self, side: _AsyncSide, budget_s: float = 2.0) -> None:
+        """Before the tasks go, within ``budget_s``: let releases finishing in the background (their
+        caller was cancelled mid-flight) land, rather than leave them to die with the loop and their
+        leases to the TTL; then one last attempt at releases that failed earlier."""
+        loop = asyncio.get_running_loop()
+        if side.loop is not loop:
+            return  # closed from another loop: its tasks cannot be awaited here
+        deadline = loop.time() + budget_s
+        pending = [t for t in side.background if not t.done()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=budget_s)
+            for t in late:
+                t.cancel()
+            if late:
+                await asyncio.wait(late, timeout=0.5)
+        for lid in list(side.retry_releases):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            with contextlib.suppress(Exception):  # TimeoutError included: the lease expires by TTL
+                await asyncio.wait_for(
+                    self._eval(side, "release", [lid, self._owner], init=False, patient=False), left)
 
     def close_sync(self) -> None:
         """Stop the sync keeper thread (for programs without an event loop)."""
@@ -677,7 +692,8 @@ class RedisBudget(Budget):
 
             share = max(1, int(self._limit * self._local_share))
             self._fallback = LocalBudget(share, self.block_size, starvation_bound_s=self._starvation_bound,
-                                         name=f"{self.name}-local-fallback", policy=self._policy)
+                                         name=f"{self.name}-local-fallback", policy=self._policy,
+                                         longest_first_s=self._longest_first)
         self.counters["fallback_local"] += 1
         if self._fallback_logged:
             return self._fallback
@@ -732,7 +748,7 @@ class RedisBudget(Budget):
 
     def _init_args(self) -> list[Any]:
         starve_ms = int(min(self._starvation_bound, 1e12) * 1000)  # inf: unbounded backfill
-        lpt_ms = int(min(self._longest_first, 1e12) * 1000)
+        lpt_ms = math.ceil(min(self._longest_first, 1e12) * 1000)  # never rounded down to "off"
         return [self._configured_limit, self.block_size, secrets.token_urlsafe(12),
                 int(self._recovery * 1000), self._policy, starve_ms, lpt_ms]
 
@@ -1104,6 +1120,8 @@ class RedisBudget(Budget):
         task.add_done_callback(done)
 
     def _retry_later(self, side: _AsyncSide, lid: str, exc: BaseException | None) -> None:
+        if side.closing:
+            return  # aclose gave up on it (bounded): the lease expires by its TTL
         log.warning("zp_client: release of %s... in Redis budget %r failed (%r); retrying in the background",
                     lid[:8], self.name, exc)
         self.counters["release_retried"] += 1

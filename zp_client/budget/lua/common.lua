@@ -3,8 +3,8 @@
 --
 -- The semantics are those of zp_client/budget/ledger.py (the reference model): one line ordered by
 -- (priority, ticket order, arrival), StrictPolicy (sum of live bounds <= limit) or ElasticPolicy
--- (projected peak <= limit; the elastic section below; its grant walks a class longest forecast first,
--- e_walk), bounded backfill with
+-- (projected peak <= limit; the elastic section below; with the budget's longest-first window, lpt, its
+-- grant walks the young waiters of a class longest forecast first, e_walk), bounded backfill with
 -- the starvation rule (a non-fitting waiter that has waited >= the bound is a barrier), limit changes
 -- that never revoke. Time is Redis TIME only (milliseconds). Every call does bounded work: at most
 -- REAP_MAX expired leases / waiters are reaped and at most SCAN_MAX waiters examined per grant pass.
@@ -358,7 +358,8 @@ end
 -- ElasticPolicy.walk over the scanned members (each priority class is contiguous in line order): per
 -- class, the waiters that have waited >= lpt first, in line order; then the younger ones by
 -- forecast_tokens from the largest (absent: 0), line order among equals. Called only with lpt > 0 and
--- starve > 0 (else the walk is line order); it reads every scanned record, the plain walk lazily.
+-- starve > 0 (else the walk is line order); it reads every scanned record, the plain walk lazily. Like
+-- every grant pass it sees the first SCAN_MAX members only (the Python ledger walks the whole class).
 local function e_walk(members, now, lpt)
   local entries = {}
   for _, e in ipairs(members) do
