@@ -105,6 +105,7 @@ __all__ = [
     "WaiterRecord",
     "make_policy",
     "validate_blocks",
+    "validate_seconds",
 ]
 
 DEFAULT_STARVATION_BOUND_S = 2.0
@@ -272,6 +273,14 @@ def validate_blocks(blocks: object, what: str = "blocks", *, minimum: int = 1) -
     return blocks
 
 
+def validate_seconds(value: object, what: str) -> float:
+    """Return ``value`` as a float if it is a number of seconds >= 0 (not a bool, not NaN; inf allowed);
+    else raise :class:`ConfigurationError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigurationError(f"{what} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 class Ledger:
     """Leases, the fair line, expiry and limit changes; see the module docstring for the rules.
 
@@ -305,10 +314,7 @@ class Ledger:
                 f"starvation_bound must be a number of seconds >= 0, got {starvation_bound!r}"
             )
         self._starvation_bound = float(starvation_bound)
-        if (not isinstance(longest_first, (int, float)) or isinstance(longest_first, bool)
-                or math.isnan(longest_first) or longest_first < 0):
-            raise ConfigurationError(f"longest_first must be a number of seconds >= 0, got {longest_first!r}")
-        self._longest_first = float(longest_first)
+        self._longest_first = validate_seconds(longest_first, "longest_first")
         self._leases: dict[str, LeaseRecord] = {}
         self._waiters: dict[str, WaiterRecord] = {}
         # One sorted list per priority class (sorted by WaiterRecord.key) and the sorted class numbers.

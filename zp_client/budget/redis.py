@@ -83,7 +83,12 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from zp_client.budget.base import Budget, BudgetStatus, ClassStatus, Lease, Ticket
-from zp_client.budget.ledger import DEFAULT_LONGEST_FIRST_S, DEFAULT_STARVATION_BOUND_S, validate_blocks
+from zp_client.budget.ledger import (
+    DEFAULT_LONGEST_FIRST_S,
+    DEFAULT_STARVATION_BOUND_S,
+    validate_blocks,
+    validate_seconds,
+)
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, LeaseTooLarge
 
 __all__ = ["RedisBudget", "RedisLease", "RedisBudgetEvent"]
@@ -375,9 +380,6 @@ class RedisBudget(Budget):
             raise ConfigurationError(f"local_share must be in (0, 1], got {local_share!r}")
         if not isinstance(starvation_bound, (int, float)) or not (starvation_bound >= 0):
             raise ConfigurationError(f"starvation_bound must be seconds >= 0, got {starvation_bound!r}")
-        if (not isinstance(longest_first_s, (int, float)) or isinstance(longest_first_s, bool)
-                or not (longest_first_s >= 0)):
-            raise ConfigurationError(f"longest_first_s must be seconds >= 0, got {longest_first_s!r}")
         self.name = name
         self._prefix = f"{{zp:{name}}}"
         self._keys = [f"{self._prefix}:{s}" for s in _KEY_SUFFIXES]
@@ -385,7 +387,7 @@ class RedisBudget(Budget):
         self._poll_interval = float(poll_interval)
         self._waiter_ttl = float(waiter_ttl) if waiter_ttl is not None else 3 * self._poll_interval + 1.0
         self._starvation_bound = float(starvation_bound)
-        self._longest_first = float(longest_first_s)
+        self._longest_first = validate_seconds(longest_first_s, "longest_first_s")
         self._policy = policy
         self._recovery = self._lease_ttl if recovery is None else float(recovery)
         self._on_unavailable = on_unavailable

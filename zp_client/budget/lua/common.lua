@@ -355,6 +355,19 @@ local function reject_if_too_large(id, w, limit, boxes)
   return false
 end
 
+-- The waiter record of a scanned line member {id, m}, read once (nil, and the member dropped, if absent).
+local function load_waiter(e)
+  if e.w == nil then
+    local raw = redis.call('HGET', K_WAIT, e.id)
+    if raw then
+      e.w = cjson.decode(raw)
+    else
+      redis.call('ZREM', K_LINE, e.m)  -- defensive: a line entry without its record
+    end
+  end
+  return e.w
+end
+
 -- ElasticPolicy.walk over the scanned members (each priority class is contiguous in line order): per
 -- class, the waiters that have waited >= lpt first, in line order; then the younger ones by
 -- forecast_tokens from the largest (absent: 0), line order among equals. Called only with lpt > 0 and
@@ -363,13 +376,7 @@ end
 local function e_walk(members, now, lpt)
   local entries = {}
   for _, e in ipairs(members) do
-    local raw = redis.call('HGET', K_WAIT, e.id)
-    if raw then
-      e.w = cjson.decode(raw)
-      entries[#entries + 1] = e
-    else
-      redis.call('ZREM', K_LINE, e.m)  -- defensive: a line entry without its record
-    end
+    if load_waiter(e) then entries[#entries + 1] = e end
   end
   local out, i, n = {}, 1, #entries
   while i <= n do
@@ -422,11 +429,7 @@ local function grant(now, self_id)
   local lpt = is_elastic and meta_num('lpt') or 0
   if lpt > 0 and starve > 0 then walk = e_walk(walk, now, lpt) end
   for _, e in ipairs(walk) do
-    local id, w = e.id, e.w
-    if w == nil then
-      local raw = redis.call('HGET', K_WAIT, id)
-      if raw then w = cjson.decode(raw) else redis.call('ZREM', K_LINE, e.m) end
-    end
+    local id, w = e.id, load_waiter(e)
     if w then
       local ok
       if reject_if_too_large(id, w, limit, boxes) then
