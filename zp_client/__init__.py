@@ -6,7 +6,7 @@ Quick start::
 
     budget = LocalBudget(limit_blocks=24_000)
     client = AsyncClient(base_url="http://localhost:8000/v1", budget=budget)
-    reply = await client.chat.completions.create(model="m", messages=[...], max_tokens=256)
+    reply = await client.chat.completions.create(model="sim-llama", messages=[...], max_tokens=256)
 
 Public names are importable from the package root; submodules load on first use, so ``import
 zp_client`` stays cheap.
@@ -45,6 +45,10 @@ _EXPORTS: dict[str, str] = {
     "Client": "zp_client.client",
     "APIStatusError": "zp_client.client",
     "wrap": "zp_client.wrap",
+    "admitted_budget": "zp_client.wrap",
+    "PRIORITY_HEADER": "zp_client.transport",
+    "DEADLINE_HEADER": "zp_client.transport",
+    "ROUTE_HEADER": "zp_client.transport",
     "AsyncAdmissionTransport": "zp_client.transport",
     "AdmissionTransport": "zp_client.transport",
     "Estimator": "zp_client.estimate",
@@ -95,5 +99,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from zp_client.forecast import LengthForecaster, Prior
     from zp_client.retry import RetryPolicy
     from zp_client.server import ServerInfo
-    from zp_client.transport import AdmissionTransport, AsyncAdmissionTransport
-    from zp_client.wrap import wrap
+    from zp_client.transport import (
+        DEADLINE_HEADER,
+        PRIORITY_HEADER,
+        ROUTE_HEADER,
+        AdmissionTransport,
+        AsyncAdmissionTransport,
+    )
+    from zp_client.wrap import admitted_budget, wrap

@@ -565,25 +565,17 @@ class RedisRetryBudget:
 
 def retry_budget_for(
     budget: Any, *, ratio: float = 0.1, floor_per_s: float = 1.0, window_s: float = 10.0
-) -> LocalRetryBudget | RedisRetryBudget:
-    """The retry budget matching a KV budget: fleet-wide for a ``RedisBudget``, per process otherwise.
+) -> RetryBudget:
+    """A new retry budget matching a KV budget: fleet-wide for a ``RedisBudget``, per process otherwise.
 
-    For a :class:`~zp_client.RedisBudget` it returns a :class:`RedisRetryBudget` with the same name
-    (so the same ``{zp:<name>}`` hash tag) on the same Redis: made from the budget's URL when it was
-    given one, else on the client(s) the caller passed to it. Anything else gets a
-    :class:`LocalRetryBudget`. Defaults: ratio 0.1, floor 1/s, window 10 s.
+    Calls the budget's public :meth:`~zp_client.Budget.new_retry_budget`; anything that is not a budget
+    gets a :class:`LocalRetryBudget`. Defaults: ratio 0.1, floor 1/s, window 10 s. Front ends share
+    :meth:`~zp_client.Budget.retry_budget` (one per KV budget) instead.
     """
-    redis_budget_module = sys.modules.get("zp_client.budget.redis")  # never imports redis itself
-    redis_budget_cls = getattr(redis_budget_module, "RedisBudget", None)
-    if redis_budget_cls is not None and isinstance(budget, redis_budget_cls):
-        url = getattr(budget, "_url", None)
-        if url is not None:
-            return RedisRetryBudget(budget.name, url=url, ratio=ratio, floor_per_s=floor_per_s, window_s=window_s)
-        # Only clients the caller gave the budget: a client the budget made itself may be closed by it.
-        async_client = getattr(budget, "_given_client", None)
-        sync_client = None if getattr(budget, "_owns_sync", False) else getattr(budget, "_sync_client", None)
-        return RedisRetryBudget(budget.name, client=sync_client, async_client=async_client, ratio=ratio,
-                                floor_per_s=floor_per_s, window_s=window_s)
+    factory = getattr(budget, "new_retry_budget", None)
+    if callable(factory):
+        rb: RetryBudget = factory(ratio=ratio, floor_per_s=floor_per_s, window_s=window_s)
+        return rb
     return LocalRetryBudget(ratio=ratio, floor_per_s=floor_per_s, window_s=window_s)
 
 

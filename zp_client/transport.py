@@ -77,10 +77,11 @@ What callers may rely on:
   for continuous usage itself, the per-chunk ``usage`` is removed from what it reads. ``oracle=True`` (benchmarks only, never the default) uses the simulator's body field
   ``sim_output_tokens`` as the forecast: the limit a forecaster can reach. Strict budgets get none of
   this (no metadata, no extra work).
-- With a :class:`~zp_client.retry.RetryPolicy`, the transport runs the attempt loop: on a retryable
-  outcome the lease is released, the policy sleeps, and the lease is re-acquired with the same ticket
-  (the request keeps its place in line). Nothing is retried once the response was handed to the caller.
-  Without a policy, one attempt.
+- The transport runs the attempt loop with its :class:`~zp_client.retry.RetryPolicy` (``retry=``; by
+  default the one built from ``Settings.retry_*`` on the budget's shared retry budget, see
+  :func:`default_retry`): on a retryable outcome the lease is released, the policy sleeps, and the lease
+  is re-acquired with the same ticket (the request keeps its place in line). Nothing is retried once the
+  response was handed to the caller. ``retry=False``: one attempt.
 - API keys and ``Authorization`` headers never appear in logs or error messages.
 """
 
@@ -244,6 +245,15 @@ def _api_base_uncached(url: Any) -> tuple[str, str]:
     return root + path, root
 
 
+def default_retry(budget: Budget, settings: Settings) -> Any:
+    """The retry policy a front end gets when it is given none: :meth:`RetryPolicy.from_settings`
+    (``Settings.retry_*``) drawing on the KV budget's own shared retry budget
+    (:meth:`Budget.retry_budget`, fleet-wide for a RedisBudget)."""
+    from zp_client.retry import RetryPolicy
+
+    return RetryPolicy.from_settings(settings, budget=budget.retry_budget(settings))
+
+
 class _Core:
     """Shared by every transport class: estimation, block math, retry loop decisions."""
 
@@ -268,7 +278,7 @@ class _Core:
 
             estimator = Estimator(self.settings)
         self.estimator = estimator
-        self.retry = retry
+        self.retry = default_retry(budget, self.settings) if retry is None else (retry or None)
         # Elastic metadata is worth its cost only when the budget's policy reads it.
         self.elastic = getattr(budget, "policy_name", "strict") == "elastic"
         self.forecaster = forecaster if forecaster is not None else (forecaster_for(budget) if self.elastic else None)

@@ -6,7 +6,10 @@ What callers may rely on:
   on openai 2.x (built on ``httpx``) and 3.x (built on ``httpx2``, or on a legacy ``httpx`` client the
   user passed). It returns a new client of the same type made with ``client.with_options(...)``: every
   call goes through an admission transport (:mod:`zp_client.transport`) and the SDK's own retries are off
-  (``max_retries=0``), so zp's retry policy (``retry=``) is the only retry loop.
+  (``max_retries=0``), so zp's retry policy is the only retry loop: ``retry=`` (a
+  :class:`~zp_client.RetryPolicy`), by default the one built from ``Settings.retry_*`` on the budget's
+  shared retry budget (429 and 503 are retried after their ``Retry-After``); ``retry=False`` turns
+  retrying off.
 - The new client sends through the ORIGINAL client's own transport (and its mounted proxy transports),
   so proxy, TLS, connection limits and the connection pool are shared; event hooks, timeout,
   redirect settings, base URL, headers, cookies and auth of the original HTTP client are copied. The
@@ -43,7 +46,7 @@ from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, ZPError
 from zp_client.transport import _module_of, transport_classes
 
-__all__ = ["wrap", "openai_compatible_error"]
+__all__ = ["wrap", "openai_compatible_error", "admitted_budget"]
 
 logger = logging.getLogger("zp_client.wrap")
 
@@ -86,13 +89,16 @@ def wrap(
     retry: Any | None = None,
     forecaster: Any | None = None,
     oracle: bool = False,
+    keep_original: bool | None = None,
     **setting_overrides: Any,
 ) -> C:
     """Return a copy of ``client`` (``openai.AsyncOpenAI`` / ``openai.OpenAI``) that admits every call.
 
     ``budget`` is the shared KV budget (LocalBudget, RedisBudget). ``settings`` (or keyword overrides of
-    its fields, e.g. ``default_max_tokens=1024``), ``estimator`` and ``retry`` (a RetryPolicy) configure
-    the admission transport. With an elastic budget, ``forecaster`` (a
+    its fields, e.g. ``default_max_tokens=1024``), ``estimator`` and ``retry`` (a RetryPolicy; default:
+    the policy from the settings on ``budget.retry_budget()``; ``False``: no retries) configure the
+    admission transport. ``keep_original``: the wrapped client keeps ``client`` alive (default: only a
+    sync one, see the module docstring; a framework that drops the original pass True). With an elastic budget, ``forecaster`` (a
     :class:`~zp_client.forecast.LengthForecaster`; default: the one shared by the budget's transports)
     forecasts output lengths, and ``oracle=True`` (benchmarks only) forecasts from the simulator's
     ``sim_output_tokens`` body field instead. See the module docstring for what is kept from the
@@ -152,10 +158,26 @@ def wrap(
     # may do mid-request: the transport keeps a sync original alive as long as the wrapped client. An
     # async original is not kept: its __del__ schedules aclose() on whatever loop runs then, so keeping it
     # would close connections of a finished loop from a later one.
-    if not is_async:
+    if keep_original or (keep_original is None and not is_async):
         transport._zp_original_client = client
     logger.debug("wrapped %s (%s) with admission", type(client).__name__, mod.__name__)
     return client.with_options(http_client=new_http, max_retries=0)  # type: ignore[attr-defined,no-any-return]
+
+
+def admitted_budget(client: Any) -> Budget | None:
+    """The budget an openai client (as returned by :func:`wrap`) is admitted on, or None."""
+    http = getattr(client, "_client", None)  # the openai SDK's HTTP client
+    transport = getattr(http, "_transport", None)
+    if transport is None:
+        return None
+    try:
+        classes = transport_classes(_module_of(http))
+    except ConfigurationError:
+        return None
+    if isinstance(transport, (classes.AsyncAdmissionTransport, classes.AdmissionTransport)):
+        budget: Budget = transport.budget
+        return budget
+    return None
 
 
 class _CallableModule(types.ModuleType):

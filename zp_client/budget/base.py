@@ -13,7 +13,13 @@ import abc
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zp_client.config import Settings
+    from zp_client.retry import RetryBudget
 
 __all__ = ["Ticket", "Lease", "Budget", "BudgetStatus", "ClassStatus"]
 
@@ -118,6 +124,10 @@ class Lease(abc.ABC):
         """Blocking form of :meth:`release`, for threads and finalizers. Idempotent."""
 
 
+_log = logging.getLogger("zp_client.budget")
+_retry_budget_lock = threading.Lock()
+
+
 class Budget(abc.ABC):
     """A KV-block budget shared by the requests of one server (one model)."""
 
@@ -180,6 +190,44 @@ class Budget(abc.ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release background resources. Live leases are not released."""
+
+    def new_retry_budget(
+        self, *, ratio: float = 0.1, floor_per_s: float = 1.0, window_s: float = 10.0
+    ) -> RetryBudget:
+        """A new retry budget matching this KV budget, with these parameters.
+
+        The default is a per-process :class:`~zp_client.retry.LocalRetryBudget`; a backend shared by
+        many processes (:class:`~zp_client.RedisBudget`) returns one shared by all of them. Front ends
+        use :meth:`retry_budget`, the one shared instance; this is for callers that want their own.
+        """
+        from zp_client.retry import LocalRetryBudget
+
+        return LocalRetryBudget(ratio=ratio, floor_per_s=floor_per_s, window_s=window_s)
+
+    def retry_budget(self, settings: Settings | None = None) -> RetryBudget:
+        """The retry budget every front end on this KV budget shares (one per KV budget).
+
+        Made on the first call from ``settings``' ``retry_budget_*`` fields (default
+        :class:`~zp_client.Settings`'s), through :meth:`new_retry_budget`; later calls return the same
+        object, whatever settings they pass (a differing request is logged at WARNING). Fleet-wide for
+        a :class:`~zp_client.RedisBudget`, per process otherwise.
+        """
+        from zp_client.config import Settings as _Settings
+
+        s = settings if settings is not None else _Settings()
+        params = (float(s.retry_budget_ratio), float(s.retry_budget_floor_per_s), float(s.retry_budget_window_s))
+        with _retry_budget_lock:
+            current: tuple[tuple[float, float, float], RetryBudget] | None = getattr(
+                self, "_zp_shared_retry_budget", None)
+            if current is None:
+                rb = self.new_retry_budget(ratio=params[0], floor_per_s=params[1], window_s=params[2])
+                current = (params, rb)
+                self._zp_shared_retry_budget = current
+            elif current[0] != params:
+                _log.warning(
+                    "retry budget of this KV budget already made with (ratio, floor_per_s, window_s) = %s; "
+                    "ignoring %s", current[0], params)
+            return current[1]
 
     @contextlib.asynccontextmanager
     async def lease(

@@ -484,6 +484,22 @@ class RedisBudget(Budget):
                 fc = self._forecaster
         return fc
 
+    def new_retry_budget(
+        self, *, ratio: float = 0.1, floor_per_s: float = 1.0, window_s: float = 10.0
+    ) -> Any:
+        """A :class:`~zp_client.retry.RedisRetryBudget` with this budget's name (so the same
+        ``{zp:<name>}`` hash tag) on the same Redis: one retry budget for the whole fleet. Made from the
+        budget's URL when it was given one, else on the client(s) the caller passed to it (a client the
+        budget made itself may be closed by it)."""
+        from zp_client.retry import RedisRetryBudget
+
+        if self._url is not None:
+            return RedisRetryBudget(self.name, url=self._url, ratio=ratio, floor_per_s=floor_per_s,
+                                    window_s=window_s)
+        sync_client = None if self._owns_sync else self._sync_client
+        return RedisRetryBudget(self.name, client=sync_client, async_client=self._given_client, ratio=ratio,
+                                floor_per_s=floor_per_s, window_s=window_s)
+
     def add_event_hook(self, hook: Callable[[RedisBudgetEvent], None]) -> None:
         """Call ``hook(event)`` for every :class:`RedisBudgetEvent` (from a background task or thread)."""
         self._hooks.append(hook)

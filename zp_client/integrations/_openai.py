@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
-from zp_client.transport import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER, transport_classes
-from zp_client.wrap import wrap
+from zp_client.transport import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER
+from zp_client.wrap import admitted_budget, wrap
 
 C = TypeVar("C")
 
@@ -53,19 +52,7 @@ class ZPOptions:
 
 def admission_budget(client: Any) -> Budget | None:
     """The budget ``client`` (an openai client) is already admitted on, or None."""
-    http = getattr(client, "_client", None)
-    transport = getattr(http, "_transport", None)
-    if transport is None:
-        return None
-    for name in ("httpx", "httpx2"):
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        classes = transport_classes(module)
-        if isinstance(transport, (classes.AsyncAdmissionTransport, classes.AdmissionTransport)):
-            budget: Budget = transport.budget
-            return budget
-    return None
+    return admitted_budget(client)
 
 
 def admit(client: C, opts: ZPOptions) -> C:
@@ -82,13 +69,11 @@ def admit(client: C, opts: ZPOptions) -> C:
         raise ConfigurationError(
             "this client is already admitted on another budget; build it again from an unwrapped client"
         )
-    new = wrap(client, opts.budget, settings=opts.settings, estimator=opts.estimator, retry=opts.retry,
-               forecaster=opts.forecaster)
     # The admitted client sends through the original's transport, and the original closes that
     # transport when it is garbage collected (openai's __del__). The frameworks drop the original as
-    # soon as we replace it, so the admission transport (shared by every copy of the admitted client)
-    # keeps it alive for as long as anything can send through it.
-    new._client._transport._zp_original_client = client  # type: ignore[attr-defined]
+    # soon as we replace it, so the admitted client keeps it alive (keep_original).
+    new = wrap(client, opts.budget, settings=opts.settings, estimator=opts.estimator, retry=opts.retry,
+               forecaster=opts.forecaster, keep_original=True)
     extra: dict[str, Any] = {}
     headers = opts.headers()
     if headers:

@@ -25,7 +25,8 @@ What callers may rely on:
   (the last three become default ``X-ZP-*`` headers; per call ``extra_create_args={"extra_headers":
   {...}}`` overrides them).
 - ``max_retries`` defaults to **0** (the openai SDK's default is 2): zp's retry policy is the only retry
-  loop. An explicit ``max_retries`` is honoured; its retries run around zp's, so attempts multiply.
+  loop (``zp_retry``, by default built from ``zp_settings`` on the budget's shared retry budget;
+  ``zp_retry=False`` turns it off). An explicit ``max_retries`` is honoured; its retries run around zp's, so attempts multiply.
 - A refusal by zp reaches the caller as zp's type (:class:`~zp_client.PromptTooLong`,
   :class:`~zp_client.LeaseTooLarge`, ...; all :class:`~zp_client.ZPError`).
 - Component config: ``dump_component()`` gives the same config an ``OpenAIChatCompletionClient`` would

@@ -19,7 +19,7 @@ What callers may rely on:
   structured output all go through the admission transport; the lease is held while the call runs
   (for a stream: until it ends or is abandoned) and released on every exit path, cancellation included.
 - ``max_retries`` defaults to **0**: zp's retry policy (``zp_retry``, else the default built from
-  ``zp_settings``) is then the only retry loop, and it respects the lease and the retry budget. An
+  ``zp_settings`` on the budget's shared retry budget; ``zp_retry=False``: none) is then the only retry loop, and it respects the lease and the retry budget. An
   explicit ``max_retries=n`` is honoured, but the SDK's retries run *around* zp's (each SDK attempt
   is a new admission with zp's retries inside), so attempts multiply. LangChain's
   ``.with_retry()`` runnable likewise sits outside zp.
