@@ -336,10 +336,42 @@ def golden_path(group: str, lib: str) -> Path:
     return GOLDEN_DIR / f"{group}_{lib}.json"
 
 
+def _line(event: Any) -> str:
+    """One event as one line of JSON, its kind first."""
+    if isinstance(event, dict) and "event" in event:
+        event = {"event": event["event"], **{k: event[k] for k in sorted(event) if k != "event"}}
+    return json.dumps(event, ensure_ascii=False)
+
+
+def _diff(old: list[str], new: list[str]) -> list[str]:
+    """A unified diff of event lines (no autojunk: a stream repeats many identical ``read`` lines)."""
+    out = ["--- golden", "+++ now"]
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for group in matcher.get_grouped_opcodes(3):
+        (_, i1, _, j1, _), (_, i2, _, j2, _) = group[0], group[-1]
+        out.append(f"@@ event {i1 + 1}-{i2} (golden) / {j1 + 1}-{j2} (now) @@")
+        for tag, a1, a2, b1, b2 in group:
+            if tag == "equal":
+                out += [" " + line for line in old[a1:a2]]
+                continue
+            out += ["-" + line for line in old[a1:a2]]
+            out += ["+" + line for line in new[b1:b2]]
+    return out
+
+
+def write(path: Path, traces: Mapping[str, list[Any]]) -> None:
+    """One event per line, so a changed behaviour reads as a few changed lines in ``git diff``."""
+    parts = []
+    for name in sorted(traces):
+        events = ",\n".join("  " + _line(e) for e in traces[name])
+        parts.append(f" {json.dumps(name)}: [\n{events}\n ]")
+    path.write_text("{\n" + ",\n".join(parts) + "\n}\n", encoding="utf-8")
+
+
 def load(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
-    data: dict[str, Any] = json.loads(path.read_text())
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     return data
 
 
@@ -350,7 +382,7 @@ def check(path: Path, name: str, events: list[dict[str, Any]]) -> None:
         GOLDEN_DIR.mkdir(exist_ok=True)
         stored = load(path)
         stored[name] = fresh
-        path.write_text(json.dumps(dict(sorted(stored.items())), indent=1, sort_keys=True) + "\n")
+        write(path, stored)
         return
     stored = load(path)
     if name not in stored:
@@ -359,7 +391,7 @@ def check(path: Path, name: str, events: list[dict[str, Any]]) -> None:
             "tests/test_golden_traces.py (on the commit whose behaviour is the reference)"
         )
     if stored[name] != fresh:
-        old = json.dumps(stored[name], indent=1, sort_keys=True).splitlines()
-        new = json.dumps(fresh, indent=1, sort_keys=True).splitlines()
-        diff = "\n".join(difflib.unified_diff(old, new, "golden", "now", lineterm="", n=4))
+        old = [_line(e) for e in stored[name]]
+        new = [_line(e) for e in fresh]
+        diff = "\n".join(_diff(old, new))
         raise AssertionError(f"trace {name!r} differs from {path.name}:\n{diff}")
