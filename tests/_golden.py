@@ -4,7 +4,7 @@ One trace per logical request: every budget call (acquire, lease reports, releas
 inner (upstream) transport saw and every close of an upstream body, and what the caller finally got, in
 the order they happened. Everything is normalised so two runs of one scenario give the same JSON: lease
 and ticket ids become ordinals, headers are filtered to the meaningful ones, timeouts become "set"/None.
-Only public entry points are used (``admission_transport_for``, ``zp_client.wrap``, ``zp_client.AsyncClient``,
+Only public entry points are used (``transport_classes``, ``zp_client.wrap``, ``zp_client.AsyncClient``,
 ``Budget`` / ``Lease``), so the traces survive a refactor of the transport's internals.
 """
 
