@@ -266,7 +266,7 @@ def run_replay(
     records = [engine.request_record(r.id) for r in reqs]
     ttft_steps = [
         rec.first_token_step - (r.arrival_step or 0)
-        for r, rec in zip(reqs, records)
+        for r, rec in zip(reqs, records, strict=True)
         if rec.first_token_step is not None and not by_time
     ]
     ttft_s = [
