@@ -405,8 +405,9 @@ class Estimator:
 
                         fn = count_bpe
                         backend = "tiktoken"
-                    except (ImportError, OSError, ValueError) as exc:  # tiktoken missing, unreadable or
-                        # corrupt file (bad hash, line or base64; tiktoken's own checks): the heuristic works
+                    except (ImportError, OSError, ValueError) as exc:
+                        # tiktoken missing, file unreadable or corrupt (hash, line, base64, tiktoken's own
+                        # checks): the heuristic still works
                         logger.warning("cannot load tiktoken encoding %s from %s (%s); using the heuristic",
                                        cfg.encoding, path, exc)
                 elif cfg.estimator == "tiktoken":
