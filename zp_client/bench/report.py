@@ -164,6 +164,7 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
                      "time_scale": cfg.time_scale, "load_scale": cfg.load_scale,
                      "gateway_timeout_s": wl.gateway_timeout_s},
         "slo": {"ttft_s": wl.slo.ttft_s, "tpot_s": wl.slo.tpot_s},
+        "elastic_tuning": cfg.elastic.as_dict() if getattr(cfg, "elastic", None) is not None else {},
         "server": {"profile": cfg.profile, "num_gpu_blocks": facts.num_gpu_blocks, "block_size": facts.block_size,
                    "max_model_len": facts.max_model_len, "speedup": cfg.speedup,
                    "unloaded_itl_s": round(facts.unloaded_itl_s, 6),

@@ -21,7 +21,16 @@ import httpx
 
 from zp_client.bench.loadgen import HarnessMonitor, RequestRecord, VirtualClock, run_sessions
 from zp_client.bench.setups import HEADROOM, SETUPS, SetupContext, open_caller, zp_limit_blocks
-from zp_client.bench.workloads import ServerFacts, Session, Turn, Workload, build_workload, make_text, count_chat_tokens
+from zp_client.bench.tuning import ElasticTuning
+from zp_client.bench.workloads import (
+    ServerFacts,
+    Session,
+    Turn,
+    Workload,
+    build_workload,
+    count_chat_tokens,
+    make_text,
+)
 
 __all__ = ["StormConfig", "SetupRun", "measure_unloaded", "run_storm"]
 
@@ -42,6 +51,9 @@ class StormConfig:
     load_scale: float | None = None
     workers: int = 3
     workload_overrides: dict[str, Any] = field(default_factory=dict)
+    elastic: ElasticTuning = field(default_factory=ElasticTuning)
+    """Overrides for the elastic setups (measurements); every setup, in every worker, gets them through
+    its :class:`~zp_client.bench.setups.SetupContext`."""
 
 
 @dataclass
@@ -88,7 +100,7 @@ async def measure_unloaded(cfg: StormConfig) -> tuple[ServerFacts, str]:
         msgs = [{"role": "user", "content": make_text(512, random.Random(cfg.seed), "unloaded probe")}]
         turn = Turn(msgs, count_chat_tokens(msgs), 64, 64)
         clock = VirtualClock(server.clock, cfg.speedup)
-        ctx = SetupContext(server.base_url, server.url, model, cfg.speedup, blocks, bs, 0)
+        ctx = SetupContext(server.base_url, server.url, model, cfg.speedup, blocks, bs, 0, elastic=cfg.elastic)
         async with open_caller("no-admission", ctx) as caller:
             recs = await run_sessions([Session("probe", 0.0, "probe", [turn])], caller, clock, t0=clock.now())
         rec = recs[0]
@@ -108,7 +120,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         limit = zp_limit_blocks(blocks, HEADROOM)
         ctx = SetupContext(server.base_url, server.url, model, cfg.speedup, blocks, bs, limit,
                            rate_rps=rate_rps, redis_url=cfg.redis_url,
-                           budget_name=f"zp-storm-{uuid.uuid4().hex[:12]}")
+                           budget_name=f"zp-storm-{uuid.uuid4().hex[:12]}", elastic=cfg.elastic)
         clock = VirtualClock(server.clock, cfg.speedup)
 
         def done(rec: RequestRecord) -> None:
