@@ -32,6 +32,7 @@ is 4 virtual seconds. The zp setups take their limit from the server's pool as r
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -199,10 +200,9 @@ class AppCaller:
 def _warm_openai(client: Any) -> None:
     """Do the openai SDK's lazy imports (resources, response models, SSE decoding) now, before the run:
     a fresh process would otherwise block its event loop for a few hundred ms on its first request."""
-    import openai.types.chat.chat_completion  # noqa: F401
-    import openai.types.chat.chat_completion_chunk  # noqa: F401
-    from openai._streaming import AsyncStream  # noqa: F401
-
+    for module in ("openai.types.chat.chat_completion", "openai.types.chat.chat_completion_chunk",
+                   "openai._streaming"):
+        importlib.import_module(module)
     _ = client.chat.completions
 
 
@@ -338,4 +338,4 @@ async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
 
 
 # The elastic setups (issue 8) register themselves; imported last because they build on this module.
-from zp_client.bench import elastic_setups as _elastic_setups  # noqa: E402,F401
+from zp_client.bench import elastic_setups as _elastic_setups  # noqa: E402,F401 - registers them, needs this module

@@ -133,7 +133,7 @@ class Budget(abc.ABC):
     async def set_limit(self, limit: int) -> None:
         """Change the limit at run time. Raising it admits waiters; lowering it never revokes a lease."""
 
-    async def aclose(self) -> None:  # noqa: B027 - optional hook
+    async def aclose(self) -> None:  # noqa: B027 - optional hook with a safe default (nothing to close)
         """Release background resources. Live leases are not released."""
 
     @contextlib.asynccontextmanager

@@ -575,7 +575,7 @@ class Ledger:
             self.cancel(wid)
         return Expired(dead_leases, dead_waiters)
 
-    def set_limit(self, limit: int, now: float) -> list[str]:  # noqa: ARG002
+    def set_limit(self, limit: int, now: float) -> list[str]:  # noqa: ARG002 - now kept for symmetry/ports
         """Change the limit. Never revokes a lease: if ``used`` now exceeds the limit, admission pauses
         until it fits again. Waiters whose ``bound`` exceeds the new limit could never be admitted: they
         are removed and their ids returned so the backend can fail them with :class:`LeaseTooLarge`.
