@@ -65,7 +65,7 @@ def _forecaster(tuning: ElasticTuning) -> Any | None:
 
 def _limit(ctx: SetupContext) -> int:
     """The elastic setups' limit: the usable pool x :data:`~zp_client.server.ELASTIC_HEADROOM` (what
-    ``suggest_limit_blocks`` recommends for an elastic budget), or the configured headroom."""
+    ``suggest_limit_blocks`` recommends for an elastic budget), or ``ctx.elastic.headroom`` when set."""
     from zp_client.server import ELASTIC_HEADROOM
 
     h = ctx.elastic.headroom  # validated by ElasticTuning
