@@ -14,6 +14,10 @@ Every time figure is virtual (the simulator's clock). Tune on seeds 1-3; evaluat
     .venv/bin/python benchmarks/elastic_frontier.py --seeds 1 2 3 --qs 0.5 0.7 0.9 --out /tmp/tune.jsonl
     .venv/bin/python benchmarks/elastic_frontier.py --seeds 11 12 13 --out /tmp/eval.jsonl --jobs 2
     .venv/bin/python benchmarks/elastic_frontier.py --out /tmp/eval.jsonl --report-only
+    .venv/bin/python benchmarks/elastic_frontier.py --workloads seed-burst --longest-first-s 15 --out /tmp/lpt.jsonl
+
+``--longest-first-s`` / ``--starvation-bound-s`` set the local elastic budgets' longest-first window and
+backfill bound for every run (use a separate ``--out`` per value: the tables do not split on them).
 """
 
 from __future__ import annotations
@@ -36,21 +40,24 @@ BASELINES = ("no-admission", "zp-strict", "zp-oracle", "zp-elastic")
 
 def _key(r: dict[str, Any]) -> tuple[Any, ...]:
     return (r["workload"], r["load"], r["seed"], r["setup"], r.get("q"), r.get("headroom"), r.get("prior_weight"),
-            r.get("q_tail"))
+            r.get("q_tail"), r.get("starvation_bound_s"), r.get("longest_first_s"))
 
 
 def run_one(workload: str, load: float, seed: int, setup: str, q: float | None, headroom: float | None,
-            prior_weight: float | None, q_tail: float | None, speedup: float | None) -> dict[str, Any]:
+            prior_weight: float | None, q_tail: float | None, speedup: float | None,
+            starvation_bound_s: float | None = None, longest_first_s: float | None = None) -> dict[str, Any]:
     """One storm with one setup; returns its metrics row (virtual time)."""
-    from zp_client.bench import cli, elastic_setups
+    from zp_client.bench import cli
     from zp_client.bench.report import build_report
     from zp_client.bench.runner import StormConfig, run_storm
+    from zp_client.bench.tuning import ElasticTuning
 
     logging.basicConfig(level=logging.ERROR)
-    elastic_setups.configure(q=q, headroom=headroom, prior_weight=prior_weight, q_tail=q_tail)
+    tuning = ElasticTuning(q=q, headroom=headroom, prior_weight=prior_weight, q_tail=q_tail,
+                           starvation_bound_s=starvation_bound_s, longest_first_s=longest_first_s)
     profile, blocks, mml, default_speedup = cli._DEFAULTS[workload]
     cfg = StormConfig(workload=workload, seed=seed, setups=[setup], profile=profile, num_gpu_blocks=blocks,
-                      max_model_len=mml, speedup=speedup or default_speedup, load_scale=load)
+                      max_model_len=mml, speedup=speedup or default_speedup, load_scale=load, elastic=tuning)
     wall = time.monotonic()
     wl, facts, runs = asyncio.run(run_storm(cfg))
     m = build_report(wl, facts, runs, cfg, "elastic_frontier")["setups"][0]
@@ -59,6 +66,10 @@ def run_one(workload: str, load: float, seed: int, setup: str, q: float | None, 
     row = {k: m.get(k) for k in keep}
     row.update(workload=workload, load=load, seed=seed, setup=setup, q=q, headroom=headroom, prior_weight=prior_weight,
                q_tail=q_tail, wall_s=round(time.monotonic() - wall, 1))
+    if starvation_bound_s is not None:
+        row["starvation_bound_s"] = starvation_bound_s
+    if longest_first_s is not None:
+        row["longest_first_s"] = longest_first_s
     return row
 
 
@@ -159,6 +170,10 @@ def main() -> int:
                     help="extra zp-elastic runs at these prior weights (pseudo-observations)")
     ap.add_argument("--baselines", nargs="*", default=list(BASELINES))
     ap.add_argument("--speedup", type=float, default=None, help="override the storm's speedup")
+    ap.add_argument("--longest-first-s", type=float, default=None,
+                    help="the local elastic budgets' longest-first window for every run (default: the library's)")
+    ap.add_argument("--starvation-bound-s", type=float, default=None,
+                    help="the local elastic budgets' backfill bound for every run (default: the library's)")
     ap.add_argument("--jobs", type=int, default=1, help="parallel processes")
     ap.add_argument("--out", default="elastic_frontier.jsonl")
     ap.add_argument("--report-only", action="store_true")
@@ -177,8 +192,10 @@ def main() -> int:
                     variants += [("zp-elastic", None, None, w, None) for w in args.prior_weights]
                     variants += [("zp-elastic", None, None, None, t) for t in args.q_tails]
                     for setup, q, h, w, t in variants:
-                        if (wl, load, seed, setup, q, h, w, t) not in done:
-                            tasks.append((wl, load, seed, setup, q, h, w, t, args.speedup))
+                        if (wl, load, seed, setup, q, h, w, t, args.starvation_bound_s,
+                                args.longest_first_s) not in done:
+                            tasks.append((wl, load, seed, setup, q, h, w, t, args.speedup, args.starvation_bound_s,
+                                          args.longest_first_s))
         print(f"{len(tasks)} runs to do, {len(rows)} already in {path}", file=sys.stderr, flush=True)
         with ProcessPoolExecutor(max_workers=args.jobs) as pool, path.open("a") as f:
             futs = [pool.submit(run_one, *t) for t in tasks]

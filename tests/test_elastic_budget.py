@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 import pytest
 
-from zp_client.budget.elastic import ElasticPolicy
-from zp_client.budget.ledger import Ledger, StrictPolicy, make_policy
+from zp_client.budget.elastic import POLICIES, ElasticPolicy, make_policy
+from zp_client.budget.ledger import Ledger, StrictPolicy
 from zp_client.budget.local import LocalBudget
 from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge
 
@@ -27,15 +27,28 @@ def test_make_policy_elastic_takes_the_block_size() -> None:
     pol = make_policy("elastic", block_size=32)
     assert isinstance(pol, ElasticPolicy) and pol.block_size == 32
     assert isinstance(make_policy("strict", block_size=32), StrictPolicy)
-    assert Ledger(10, policy="elastic", block_size=8).policy.block_size == 8  # type: ignore[attr-defined]
-    assert Ledger(10, policy="elastic").progress_sensitive
+    assert Ledger(10, policy=ElasticPolicy(8)).policy.block_size == 8  # type: ignore[attr-defined]
+    assert Ledger(10, policy=ElasticPolicy()).progress_sensitive
     assert not Ledger(10).progress_sensitive
     with pytest.raises(ConfigurationError):
         make_policy("elastic", block_size=0)
+    assert sorted(POLICIES) == ["elastic", "strict"]
+    assert make_policy(pol) is pol  # an object passes through
+
+
+def test_the_ledger_takes_a_policy_object_and_knows_no_policy_by_name() -> None:
+    with pytest.raises(ConfigurationError, match="make_policy"):
+        Ledger(10, policy="elastic")  # type: ignore[arg-type]  # a name is the budgets' job
+    with pytest.raises(ConfigurationError, match="ReservationPolicy"):
+        Ledger(10, policy=object())  # type: ignore[arg-type]  # not a policy
+    assert isinstance(Ledger(10).policy, StrictPolicy)
+    # the budgets resolve the name and pass the object in
+    assert LocalBudget(10, 8, policy="elastic")._ledger.policy.block_size == 8  # type: ignore[attr-defined]
+    assert isinstance(LocalBudget(10, 8, policy="strict")._ledger.policy, StrictPolicy)
 
 
 def test_version_bumps_on_every_mutation() -> None:
-    led = Ledger(100, policy="elastic")
+    led = Ledger(100, policy=ElasticPolicy())
     seen = [led.version]
 
     def bumped() -> None:
@@ -74,7 +87,7 @@ def test_version_bumps_on_every_mutation() -> None:
 
 
 def test_update_meta_merges_into_the_lease() -> None:
-    led = Ledger(100, policy="elastic")
+    led = Ledger(100, policy=ElasticPolicy())
     led.enqueue("a", 10, 2, 0, 0.0, meta={"prompt_tokens": 32, "forecast_tokens": 10})
     assert led.grant(0.0) == ["a"]
     assert led.update_meta("a", first_token=True, forecast_tokens=40)
@@ -83,7 +96,7 @@ def test_update_meta_merges_into_the_lease() -> None:
 
 def test_cached_projection_follows_meta_updates() -> None:
     # The policy caches its profile on (ledger, version): a re-forecast must tighten admission at once.
-    led = Ledger(40, policy="elastic")
+    led = Ledger(40, policy=ElasticPolicy())
     led.enqueue("a", 40, 20, 0, 0.0, meta={"prompt_tokens": 320, "forecast_tokens": 16})
     assert led.grant(0.0) == ["a"]
     assert led.used == 21
@@ -97,7 +110,7 @@ def test_cached_projection_follows_meta_updates() -> None:
 
 
 def test_elastic_keeps_the_lease_too_large_rule() -> None:
-    led = Ledger(50, policy="elastic")
+    led = Ledger(50, policy=ElasticPolicy())
     with pytest.raises(LeaseTooLarge):
         led.enqueue("a", 51, 1, 0, 0.0, meta={"prompt_tokens": 16, "forecast_tokens": 1})
 
@@ -415,7 +428,7 @@ def test_a_lease_without_metadata_is_projected_at_its_bound_forever() -> None:
     assert projected_peak([(1, 10, {}), (1, 12, B_LATE)], BS) == 22
     # with one field the lease is projected (here to its bound from its prompt: it ends at t = 144)
     assert projected_peak([(1, 10, {"prompt_tokens": 16}), (1, 12, B_LATE)], BS) == 20
-    led = Ledger(20, policy="elastic")
+    led = Ledger(20, policy=ElasticPolicy())
     led.enqueue("a", 10, 1, 0, 0.0)
     assert led.grant(0.0) == ["a"]
     led.enqueue("b", 12, 1, 0, 0.0, meta=dict(B_LATE))
@@ -447,14 +460,14 @@ LONG = {"prompt_tokens": 160, "forecast_tokens": 64}
 
 
 def _pair(longest_first: float, starvation: float = 2.0, long_at: float = 0.5) -> Ledger:
-    led = Ledger(20, policy="elastic", block_size=BS, starvation_bound=starvation, longest_first=longest_first)
+    led = Ledger(20, policy=ElasticPolicy(BS), starvation_bound=starvation, longest_first=longest_first)
     led.enqueue("short", 14, 10, 0, 0.0, meta=SHORT)
     led.enqueue("long", 14, 10, 0, long_at, meta=LONG)
     return led
 
 
 def test_longest_first_is_off_by_default_the_line_goes_first() -> None:
-    led = Ledger(20, policy="elastic", block_size=BS)
+    led = Ledger(20, policy=ElasticPolicy(BS))
     assert led.longest_first == 0.0
     led.enqueue("short", 14, 10, 0, 0.0, meta=SHORT)
     led.enqueue("long", 14, 10, 0, 0.5, meta=LONG)
@@ -477,7 +490,7 @@ def test_a_waiter_older_than_the_window_goes_before_any_younger_one() -> None:
 
 
 def test_a_starving_waiter_that_does_not_fit_still_blocks_what_is_walked_after_it() -> None:
-    led = Ledger(20, policy="elastic", block_size=BS, starvation_bound=1.0, longest_first=1.0)
+    led = Ledger(20, policy=ElasticPolicy(BS), starvation_bound=1.0, longest_first=1.0)
     led.enqueue("live", 8, 8, 0, 0.0, meta={"prompt_tokens": 128, "forecast_tokens": 0})
     assert led.grant(0.0) == ["live"]
     # BIG (13 blocks) cannot fit next to the 8 held; SMALL_LONG (4 blocks, ends at 8) could.
@@ -497,7 +510,7 @@ def test_no_backfill_or_no_window_means_the_plain_walk() -> None:
 
 
 def test_walk_orders_by_forecast_keeps_line_order_among_equals_and_counts_no_forecast_as_zero() -> None:
-    led = Ledger(1000, policy="elastic", block_size=BS)
+    led = Ledger(1000, policy=ElasticPolicy(BS))
     metas = {"a": {"prompt_tokens": 16, "forecast_tokens": 10}, "b": {"prompt_tokens": 16},
              "c": {"prompt_tokens": 16, "forecast_tokens": 300}, "d": {"prompt_tokens": 16, "forecast_tokens": 10},
              "e": {"prompt_tokens": 16, "forecast_tokens": 5}}
@@ -514,7 +527,7 @@ def test_admissions_out_of_line_order_leave_exactly_the_rest_in_line() -> None:
     # Forecasts grow with arrival, so the walk tries c, b, a. Only two fit (10 blocks each, 25 at most):
     # c and b are admitted, the line keeps a and only a (removing the admitted as if they were the
     # line's first two would drop a and keep b, admitted already).
-    led = Ledger(25, policy="elastic", block_size=BS, longest_first=10.0)
+    led = Ledger(25, policy=ElasticPolicy(BS), longest_first=10.0)
     for i, wid in enumerate("abc"):
         led.enqueue(wid, 12, 10, 0, 0.1 * i, meta={"prompt_tokens": 160, "forecast_tokens": 8 * (i + 1)})
     assert led.grant(1.0) == ["c", "b"]

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from zp_client.budget.base import Ticket
-from zp_client.budget.ledger import Ledger, StrictPolicy, make_policy
+from zp_client.budget.elastic import make_policy
+from zp_client.budget.ledger import Ledger, StrictPolicy
 from zp_client.errors import ConfigurationError, LeaseTooLarge
 
 # ----------------------------------------------------------------------------- example-based rules

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
 from zp_client.budget.base import Lease
-from zp_client.budget.elastic import projected_peak
+from zp_client.budget.elastic import ElasticPolicy, projected_peak
 from zp_client.budget.ledger import Ledger
 from zp_client.budget.redis import RedisBudget
 from zp_client.errors import ConfigurationError
@@ -107,7 +107,7 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
         def __init__(self) -> None:
             super().__init__()
             self.loop = asyncio.new_event_loop()
-            self.model = Ledger(LIMIT, policy="elastic", block_size=BS, starvation_bound=starvation,
+            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS), starvation_bound=starvation,
                                 longest_first=longest_first)
             name = f"{names[0]}-m{next(counter)}"
             names.append(name)

@@ -11,7 +11,8 @@ import pytest
 from zp_client.bench import elastic_setups
 from zp_client.bench.report import build_report, write_report
 from zp_client.bench.runner import StormConfig, run_storm
-from zp_client.bench.setups import SETUPS, parse_setups
+from zp_client.bench.setups import SETUPS, SetupContext, parse_setups, zp_limit_blocks
+from zp_client.bench.tuning import ElasticTuning
 from zp_client.errors import ConfigurationError
 
 # As tests/test_storm.py's tiny seed-burst: six streams hold ~75% of the "tiny" profile's pool, three
@@ -33,20 +34,56 @@ def test_elastic_setups_are_registered_after_zp_strict_and_run_by_default() -> N
             parse_setups("zp-redis-elastic", None)
 
 
-def test_configure_overrides_the_forecaster_and_restores_the_default(monkeypatch) -> None:
-    monkeypatch.delenv("ZP_STORM_ELASTIC_Q", raising=False)
-    monkeypatch.delenv("ZP_STORM_ELASTIC_PRIOR_WEIGHT", raising=False)
-    assert elastic_setups._forecaster() is None  # the budget's shared default forecaster
+def test_the_tuning_overrides_the_forecaster_and_unset_fields_keep_the_default() -> None:
+    assert elastic_setups._forecaster(ElasticTuning()) is None  # the budget's shared default forecaster
+    fc = elastic_setups._forecaster(ElasticTuning(q=0.7, prior_weight=5.0))
+    assert fc.q == 0.7 and fc.prior.weight == 5.0
+    assert elastic_setups._forecaster(ElasticTuning(q_tail=0.95)).q_tail == 0.95
+    assert elastic_setups._forecaster(ElasticTuning()) is None  # a value, no state left behind
+    with pytest.raises(ConfigurationError, match="ElasticTuning.q "):
+        ElasticTuning(q="nope")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="longest_first_s"):
+        ElasticTuning(longest_first_s=float("nan"))
+    with pytest.raises(ConfigurationError, match="headroom"):
+        ElasticTuning(headroom=1.5)
+
+
+def _probe_in_a_spawned_worker(ctx: SetupContext) -> dict:
+    """What the elastic setups build in a fresh process (spawned, as the storm's workers are) from ``ctx``."""
+    import multiprocessing
+
+    import _storm_tuning_probe
+
+    mpc = multiprocessing.get_context("spawn")
+    out = mpc.Queue()
+    p = mpc.Process(target=_storm_tuning_probe.probe, args=(ctx, out))
+    p.start()
     try:
-        elastic_setups.configure(q=0.7, prior_weight=5.0)
-        fc = elastic_setups._forecaster()
-        assert fc.q == 0.7 and fc.prior.weight == 5.0
+        return out.get(timeout=120)
     finally:
-        elastic_setups.configure()
-    assert elastic_setups._forecaster() is None
+        p.join(timeout=30)
+        assert p.exitcode == 0
+
+
+def test_a_worker_process_builds_the_elastic_setups_from_its_context_not_the_environment(monkeypatch) -> None:
+    from zp_client.budget.local import LocalBudget
+    from zp_client.server import ELASTIC_HEADROOM
+
+    # the variables the benchmark once read: a worker must not look at them
+    monkeypatch.setenv("ZP_STORM_ELASTIC_HEADROOM", "0.5")
     monkeypatch.setenv("ZP_STORM_ELASTIC_Q", "nope")
-    with pytest.raises(ConfigurationError, match="ZP_STORM_ELASTIC_Q"):
-        elastic_setups._forecaster()
+    monkeypatch.setenv("ZP_STORM_ELASTIC_LONGEST_FIRST_S", "99")
+    urls = ("http://127.0.0.1:1/v1", "http://127.0.0.1:1")
+    tuning = ElasticTuning(q=0.6, headroom=0.8, starvation_bound_s=3.5, longest_first_s=15)
+    got = _probe_in_a_spawned_worker(SetupContext(*urls, "m", 4.0, 1001, 16, 950, elastic=tuning))
+    assert got == {"limit": zp_limit_blocks(1001, 0.8), "starvation_bound_s": 3.5, "longest_first_s": 15.0,
+                   "q": 0.6}
+    # unset: the library's defaults
+    default = LocalBudget(10)
+    got = _probe_in_a_spawned_worker(SetupContext(*urls, "m", 4.0, 1001, 16, 950))
+    assert got == {"limit": zp_limit_blocks(1001, ELASTIC_HEADROOM),
+                   "starvation_bound_s": default._ledger.starvation_bound,
+                   "longest_first_s": default._ledger.longest_first, "q": None}
 
 
 # These storms run on a 300-block pool, where the default reserve (5%, ELASTIC_HEADROOM) is 15 blocks:
@@ -60,25 +97,20 @@ def test_configure_overrides_the_forecaster_and_restores_the_default(monkeypatch
 TEST_HEADROOM = 0.85
 
 
-@pytest.fixture
-def lag_margin():
-    elastic_setups.configure(headroom=TEST_HEADROOM)
-    try:
-        yield
-    finally:
-        elastic_setups.configure()
+LAG_MARGIN = ElasticTuning(headroom=TEST_HEADROOM)
 
 
 @pytest.mark.slow
-def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path, lag_margin) -> None:
+def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path) -> None:
     setups = ["no-admission", "zp-strict", "zp-elastic", "zp-oracle"]
     cfg = StormConfig(workload="seed-burst", seed=0, setups=setups, profile="tiny", num_gpu_blocks=None,
-                      speedup=4.0, workload_overrides=dict(TINY))
+                      speedup=4.0, workload_overrides=dict(TINY), elastic=LAG_MARGIN)
     wl, facts, runs = asyncio.run(run_storm(cfg))
     report = build_report(wl, facts, runs, cfg, "pytest")
     jp, _ = write_report(report, tmp_path)
     data = json.loads(jp.read_text())
     assert [m["setup"] for m in data["setups"]] == setups
+    assert data["elastic_tuning"] == {"headroom": TEST_HEADROOM}
     by = {m["setup"]: m for m in data["setups"]}
     for name in ("zp-elastic", "zp-oracle"):
         m = by[name]
@@ -98,14 +130,15 @@ def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path, lag_margin) -> No
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_zp_redis_elastic_workers_share_one_elastic_budget_and_never_preempt(redis_url: str, lag_margin) -> None:
+def test_zp_redis_elastic_workers_share_one_elastic_budget_and_never_preempt(redis_url: str) -> None:
     if "zp-redis-elastic" not in SETUPS:
         pytest.fail("RedisBudget does not take policy='elastic': zp-redis-elastic is not registered")
     cfg = StormConfig(workload="seed-burst", seed=1, setups=["no-admission", "zp-redis-elastic"],
                       redis_url=redis_url, profile="tiny", num_gpu_blocks=None, speedup=4.0, workers=2,
-                      workload_overrides=dict(TINY))
+                      workload_overrides=dict(TINY), elastic=LAG_MARGIN)
     wl, facts, runs = asyncio.run(run_storm(cfg))
     report = build_report(wl, facts, runs, cfg, "pytest")
+    assert report["elastic_tuning"] == {"headroom": TEST_HEADROOM}
     by = {m["setup"]: m for m in report["setups"]}
     m = by["zp-redis-elastic"]
     ids = [r["id"] for r in report["requests"]["zp-redis-elastic"]]

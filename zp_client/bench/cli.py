@@ -16,6 +16,7 @@ import logging
 import shlex
 import sys
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from zp_client.errors import ZPError
@@ -49,12 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=None,
                         help="trace replays: virtual arrival = trace offset x this; agentic: window x this")
     parser.add_argument("--load-scale", type=float, default=None,
-                        help="trace replays: keep/replicate requests x this; seed-burst/agentic: sessions x this")
+                        help="trace replays: keep/replicate requests x this; "
+                             "seed-burst/agentic: sessions x this")
     parser.add_argument("--profile", default=None, help="simulator profile (see zp_client.sim.profiles)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profile's pool size")
     parser.add_argument("--max-model-len", type=int, default=None, help="override the context length")
     parser.add_argument("--workers", type=int, default=3, help="zp-redis worker processes (default 3)")
-    parser.add_argument("--max-requests", type=int, default=None, help="trace replays: requests in the window")
+    parser.add_argument("--max-requests", type=int, default=None,
+                        help="trace replays: requests in the window")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -71,8 +74,9 @@ class _Progress:
         self.progress.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)  # type: ignore[arg-type]
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.progress.__exit__(exc_type, exc, tb)
 
     def start(self, name: str) -> None:
         self.progress.start_task(self.tasks[name])

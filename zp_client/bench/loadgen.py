@@ -12,6 +12,7 @@ time (:class:`HarnessMonitor`), so a run whose harness could not keep up is flag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -98,7 +99,7 @@ class RequestRecord:
 
     def itls(self) -> list[float]:
         tt = self.token_times
-        return [b - a for a, b in zip(tt, tt[1:])]
+        return [b - a for a, b in zip(tt, tt[1:], strict=False)]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -205,7 +206,7 @@ async def run_sessions(
                 rec.ok = True
             except Exception as exc:  # an error surfaced to the app: the conversation stops here
                 rec.error = _describe(exc)
-                log.debug("request %s failed: %r", rec.id, exc)
+                log.debug("request %s failed", rec.id, exc_info=True)
             rec.t_end = clock.now()
             _relativise(rec, t0)
             if on_done:
@@ -248,6 +249,7 @@ class HarnessMonitor:
         self.lags: list[float] = []
         self._wall0 = self._cpu0 = 0.0
         self.wall_s = self.cpu_s = 0.0
+        self._stopped: tuple[float, float] | None = None
         self._task: asyncio.Task[None] | None = None
         self.workers: list[dict[str, float]] = []
         """Self-measurements of worker processes (zp-redis), each like :meth:`summary`."""
@@ -265,7 +267,7 @@ class HarnessMonitor:
             self._stopped = (time.perf_counter() - self._wall0, t.user + t.system - self._cpu0)
 
     async def __aenter__(self) -> HarnessMonitor:
-        self._stopped: tuple[float, float] | None = None
+        self._stopped = None
         self.mark()
         self._task = asyncio.get_running_loop().create_task(self._sample())
         return self
@@ -273,10 +275,8 @@ class HarnessMonitor:
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):  # the sampler we just cancelled
                 await self._task
-            except asyncio.CancelledError:
-                pass
         self.stop()
         assert self._stopped is not None
         self.wall_s, self.cpu_s = self._stopped

@@ -29,6 +29,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from zp_client.bench.loadgen import RequestRecord
 from zp_client.bench.runner import SetupRun
 from zp_client.bench.workloads import ServerFacts, Workload
 
@@ -55,6 +56,10 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
+def _e2e(r: RequestRecord) -> float | None:
+    return None if r.t_end is None or r.t_submit is None else r.t_end - r.t_submit
+
+
 def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: float) -> dict[str, Any]:
     recs = run.records
     sent = [r for r in recs if r.sent]
@@ -64,7 +69,7 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
     ends = [r.t_end for r in sent if r.t_end is not None]
     makespan = max(ends) if ends else 0.0
     good = [r for r in ok if wl.slo.met(r.ttft, r.tpot, streamed=r.stream, out_tokens=r.out_tokens,
-                                        e2e=None if r.t_end is None or r.t_submit is None else r.t_end - r.t_submit)]
+                                        e2e=_e2e(r))]
     st = run.server_stats
     eng = st.get("engine", {})
     reqs = st.get("requests", 0)
@@ -102,7 +107,8 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "ttft_p99": _r(_q(ttfts, 0.99)),
         "itl_p50": _r(_q(itls, 0.5), 5),
         "itl_p99": _r(itl_p99, 5),
-        "itl_p99_vs_unloaded": _r(itl_p99 / facts.unloaded_itl_s if itl_p99 and facts.unloaded_itl_s else None, 2),
+        "itl_p99_vs_unloaded": _r(itl_p99 / facts.unloaded_itl_s
+                                  if itl_p99 and facts.unloaded_itl_s else None, 2),
         "goodput_rps": _r(len(good) / makespan if makespan else 0.0),
         "goodput_tps": _r(sum(r.out_tokens for r in good) / makespan if makespan else 0.0, 1),
         "good": len(good),
@@ -134,7 +140,8 @@ def _thin(timeline: list[tuple[float, float, int, int, int]], t0: float, n: int 
     return [[round(t - t0, 4), round(kv, 4), p, run, wait] for (t, kv, p, run, wait) in timeline[::step]]
 
 
-def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: Any, command: str) -> dict[str, Any]:
+def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: Any,
+                 command: str) -> dict[str, Any]:
     metrics = [compute_metrics(r, wl, facts, cfg.speedup) for r in runs]
     by = {m["setup"]: m for m in metrics}
     ratios: dict[str, Any] = {}
@@ -154,8 +161,8 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
         checks = {
             "zp_zero_preemptions": all(m["preemptions"] == 0 for m in zp) if zp else None,
             "naive_preempts": (naive["preemptions"] > 0) if naive else None,
-            "zp_goodput_at_least_naive": all((m["goodput_rps"] or 0) >= (naive["goodput_rps"] or 0) for m in zp)
-            if (zp and naive) else None,
+            "zp_goodput_at_least_naive": (all((m["goodput_rps"] or 0) >= (naive["goodput_rps"] or 0)
+                                              for m in zp) if (zp and naive) else None),
         }
     return {
         "command": command,
@@ -164,7 +171,9 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
                      "time_scale": cfg.time_scale, "load_scale": cfg.load_scale,
                      "gateway_timeout_s": wl.gateway_timeout_s},
         "slo": {"ttft_s": wl.slo.ttft_s, "tpot_s": wl.slo.tpot_s},
-        "server": {"profile": cfg.profile, "num_gpu_blocks": facts.num_gpu_blocks, "block_size": facts.block_size,
+        "elastic_tuning": cfg.elastic.as_dict() if getattr(cfg, "elastic", None) is not None else {},
+        "server": {"profile": cfg.profile, "num_gpu_blocks": facts.num_gpu_blocks,
+                   "block_size": facts.block_size,
                    "max_model_len": facts.max_model_len, "speedup": cfg.speedup,
                    "unloaded_itl_s": round(facts.unloaded_itl_s, 6),
                    "unloaded_ttft_s": round(facts.unloaded_ttft_s, 6)},
@@ -173,7 +182,8 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
         "ratios": ratios,
         "checks": checks,
         "timelines": {r.name: _thin(r.timeline, r.t0) for r in runs},
-        "ttfts": {r.name: sorted(round(x.ttft, 4) for x in r.records if x.ok and x.ttft is not None) for r in runs},
+        "ttfts": {r.name: sorted(round(x.ttft, 4) for x in r.records if x.ok and x.ttft is not None)
+                  for r in runs},
         "requests": {r.name: [x.to_json() for x in r.records] for r in runs},
     }
 
@@ -241,21 +251,26 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         f"time_scale {_eff(w, 'time_scale')}, load_scale {_eff(w, 'load_scale', 'scale')}; "
         + (f"gateway timeout {w['gateway_timeout_s']} s (all setups but no-admission)"
            if w["gateway_timeout_s"] is not None else "no gateway timeout")
-        + f"; SLO: TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s'] * 1000:.1f} ms (virtual; a non-streamed "
-        "call must end within TTFT + output x TPOT)",
+        + f"; SLO: TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s'] * 1000:.1f} ms "
+        "(virtual; a non-streamed call must end within TTFT + output x TPOT)",
     ]
     for m in report["setups"]:
         if m["setup"] == "rate-limited" and m.get("rate_rps") is not None:
             lines.append(f"rate-limited: InMemoryRateLimiter at {m['rate_rps']:.3f} req/s (virtual), the "
                          "no-admission run's completed requests per second")
         if m["setup"] == "zp-strict" and m.get("limit_blocks") is not None:
-            lines.append(f"zp limit: {m['limit_blocks']} blocks = floor((num_gpu_blocks - 1) x 0.95) for the strict "
-                         "setups, num_gpu_blocks read from /metrics vllm:cache_config_info")
+            lines.append(f"zp limit: {m['limit_blocks']} blocks = floor((num_gpu_blocks - 1) x 0.95) for the "
+                         "strict setups, num_gpu_blocks read from /metrics vllm:cache_config_info")
     if any(m["setup"] in ("zp-elastic", "zp-oracle", "zp-redis-elastic") for m in report["setups"]):
         from zp_client.server import ELASTIC_HEADROOM, suggest_limit_blocks
 
         n = report.get("server", {}).get("num_gpu_blocks")
-        if n:
+        tuned = report.get("elastic_tuning", {}).get("headroom")
+        if n and tuned is not None:
+            lines.append(f"elastic limit: {suggest_limit_blocks(n, tuned)} blocks = "
+                         f"floor((num_gpu_blocks - 1) x {tuned:g}), the run's tuned headroom "
+                         f"(default {ELASTIC_HEADROOM:g})")
+        elif n:
             lines.append(f"elastic limit: {suggest_limit_blocks(n)} blocks = floor((num_gpu_blocks - 1) x "
                          f"{ELASTIC_HEADROOM:g}), what suggest_limit_blocks recommends for elastic")
     return lines
@@ -288,9 +303,10 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
         console.print(f"check {k}: {'PASS' if v else ('n/a' if v is None else 'FAIL')}", highlight=False)
     for m in report["setups"]:
         h = m["harness"]
-        console.print(f"harness {m['setup']}: effective speedup {m['effective_speedup']}x, event-loop lag p99 "
-                      f"{h['loop_lag_p99_ms']} ms / max {h['loop_lag_max_ms']} ms (wall), CPU {h['cpu_frac']:.0%} "
-                      f"of a core, simulator max lag {m['sim_max_lag_s']} virtual s", highlight=False)
+        console.print(f"harness {m['setup']}: effective speedup {m['effective_speedup']}x, event-loop lag "
+                      f"p99 {h['loop_lag_p99_ms']} ms / max {h['loop_lag_max_ms']} ms (wall), "
+                      f"CPU {h['cpu_frac']:.0%} of a core, simulator max lag {m['sim_max_lag_s']} virtual s",
+                      highlight=False)
     for m in report["setups"]:
         if not m["valid"]:
             console.print(f"[bold red]{m['setup']}: harness saturated, numbers not valid:[/] "
@@ -324,7 +340,8 @@ def write_png(report: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     w = report["workload"]
-    fig.suptitle(f"zp-client storm: {w['name']} (seed {w['seed']})" + ("" if report["valid"] else "  [SATURATED]"))
+    fig.suptitle(f"zp-client storm: {w['name']} (seed {w['seed']})"
+                 + ("" if report["valid"] else "  [SATURATED]"))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import queue
 import time
 import uuid
 from collections.abc import Callable
@@ -21,7 +22,16 @@ import httpx
 
 from zp_client.bench.loadgen import HarnessMonitor, RequestRecord, VirtualClock, run_sessions
 from zp_client.bench.setups import HEADROOM, SETUPS, SetupContext, open_caller, zp_limit_blocks
-from zp_client.bench.workloads import ServerFacts, Session, Turn, Workload, build_workload, make_text, count_chat_tokens
+from zp_client.bench.tuning import ElasticTuning
+from zp_client.bench.workloads import (
+    ServerFacts,
+    Session,
+    Turn,
+    Workload,
+    build_workload,
+    count_chat_tokens,
+    make_text,
+)
 
 __all__ = ["StormConfig", "SetupRun", "measure_unloaded", "run_storm"]
 
@@ -42,6 +52,9 @@ class StormConfig:
     load_scale: float | None = None
     workers: int = 3
     workload_overrides: dict[str, Any] = field(default_factory=dict)
+    elastic: ElasticTuning = field(default_factory=ElasticTuning)
+    """Overrides for the elastic setups (measurements); every setup, in every worker, gets them through
+    its :class:`~zp_client.bench.setups.SetupContext`."""
 
 
 @dataclass
@@ -88,7 +101,8 @@ async def measure_unloaded(cfg: StormConfig) -> tuple[ServerFacts, str]:
         msgs = [{"role": "user", "content": make_text(512, random.Random(cfg.seed), "unloaded probe")}]
         turn = Turn(msgs, count_chat_tokens(msgs), 64, 64)
         clock = VirtualClock(server.clock, cfg.speedup)
-        ctx = SetupContext(server.base_url, server.url, model, cfg.speedup, blocks, bs, 0)
+        ctx = SetupContext(server.base_url, server.url, model, cfg.speedup, blocks, bs, 0,
+                           elastic=cfg.elastic)
         async with open_caller("no-admission", ctx) as caller:
             recs = await run_sessions([Session("probe", 0.0, "probe", [turn])], caller, clock, t0=clock.now())
         rec = recs[0]
@@ -108,7 +122,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         limit = zp_limit_blocks(blocks, HEADROOM)
         ctx = SetupContext(server.base_url, server.url, model, cfg.speedup, blocks, bs, limit,
                            rate_rps=rate_rps, redis_url=cfg.redis_url,
-                           budget_name=f"zp-storm-{uuid.uuid4().hex[:12]}")
+                           budget_name=f"zp-storm-{uuid.uuid4().hex[:12]}", elastic=cfg.elastic)
         clock = VirtualClock(server.clock, cfg.speedup)
 
         def done(rec: RequestRecord) -> None:
@@ -139,13 +153,14 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
 async def _delete_budget_keys(url: str, budget_name: str) -> None:
     """Remove the keys of this run's budget (its name holds a random id, so nothing else matches)."""
     import redis.asyncio as aredis
+    from redis.exceptions import RedisError
 
     client = aredis.Redis.from_url(url)
     try:
         keys = [k async for k in client.scan_iter(match=f"*{budget_name}*", count=500)]
         if keys:
             await client.unlink(*keys)
-    except Exception as exc:  # cleanup must not fail a finished run
+    except (RedisError, OSError) as exc:  # cleanup must not fail a finished run
         log.warning("could not delete the storm's Redis keys for %s: %r", budget_name, exc)
     finally:
         await client.aclose()
@@ -165,6 +180,8 @@ class _HttpClock:
         self._w = time.perf_counter()
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
+        self.refresh_errors = 0
+        """Polls that failed (the clock extrapolates from the last good one meanwhile)."""
 
     async def start(self) -> None:
         self._http = httpx.AsyncClient(base_url=self.root_url, timeout=10)
@@ -185,8 +202,9 @@ class _HttpClock:
             await asyncio.sleep(0.05)
             try:
                 await self._refresh()
-            except httpx.HTTPError:
-                pass
+            except httpx.HTTPError as exc:
+                self.refresh_errors += 1
+                log.debug("the simulator clock poll failed (%d so far): %r", self.refresh_errors, exc)
 
     def now(self) -> float:
         t = self._v + (time.perf_counter() - self._w) * self.speedup
@@ -223,11 +241,12 @@ def _worker_main(name: str, factory_module: str, ctx: SetupContext, sessions: li
     try:
         asyncio.run(main())
     except BaseException as exc:  # report, never hang the parent
+        log.exception("storm worker for %s failed", name)
         out_q.put(("error", repr(exc)))
 
 
-async def _run_workers(cfg: StormConfig, name: str, ctx: SetupContext, sessions: list[Session], clock: VirtualClock,
-                       done: Callable[[RequestRecord], None], mon: HarnessMonitor
+async def _run_workers(cfg: StormConfig, name: str, ctx: SetupContext, sessions: list[Session],
+                       clock: VirtualClock, done: Callable[[RequestRecord], None], mon: HarnessMonitor
                        ) -> tuple[list[RequestRecord], float]:
     mpc = mp.get_context("spawn")
     n = max(1, cfg.workers if cfg.workers else SETUPS[name].workers)
@@ -251,11 +270,12 @@ async def _run_workers(cfg: StormConfig, name: str, ctx: SetupContext, sessions:
         while finished < n:
             try:
                 kind, payload = out_q.get_nowait()
-            except Exception:
+            except queue.Empty:
                 if any(not p.is_alive() for p in procs) and out_q.empty():
                     await asyncio.sleep(0.2)
                     if out_q.empty() and any(p.exitcode not in (None, 0) for p in procs):
-                        raise RuntimeError(f"a {name} worker died: exit codes {[p.exitcode for p in procs]}")
+                        codes = [p.exitcode for p in procs]
+                        raise RuntimeError(f"a {name} worker died: exit codes {codes}") from None
                 await asyncio.sleep(0.01)
                 continue
             if kind == "ready":

@@ -32,13 +32,15 @@ is 4 virtual seconds. The zp setups take their limit from the server's pool as r
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zp_client.bench.loadgen import Caller, RequestRecord, VirtualClock, stream_chat
+from zp_client.bench.tuning import ElasticTuning
 from zp_client.bench.workloads import Turn
 from zp_client.errors import ConfigurationError
 
@@ -67,7 +69,8 @@ log = logging.getLogger("zp_client.bench.setups")
 HEADROOM = 0.95
 
 #: The app-level retry of every setup but ``no-admission`` (LangChain's base retry decorator's shape).
-APP_RETRY = {"attempts": 3, "wait_exponential": {"multiplier": 1, "min": 4, "max": 10}, "on": "openai.APIError"}
+APP_RETRY: dict[str, Any] = {"attempts": 3, "wait_exponential": {"multiplier": 1, "min": 4, "max": 10},
+                             "on": "openai.APIError"}
 
 
 @dataclass(frozen=True)
@@ -84,9 +87,12 @@ SETUPS: dict[str, SetupSpec] = {
     s.name: s
     for s in (
         SetupSpec("no-admission", False, description="openai AsyncOpenAI, max_retries=0, no gateway timeout"),
-        SetupSpec("naive", True, description="openai defaults (2 retries) + app retry (3 attempts, exp. backoff 4-10 s)"),
-        SetupSpec("rate-limited", True, description="naive + LangChain InMemoryRateLimiter at the sustainable rate"),
-        SetupSpec("zp-strict", True, description="wrap(AsyncOpenAI) + LocalBudget (strict), default estimation"),
+        SetupSpec("naive", True,
+                  description="openai defaults (2 retries) + app retry (3 attempts, exp. backoff 4-10 s)"),
+        SetupSpec("rate-limited", True,
+                  description="naive + LangChain InMemoryRateLimiter at the sustainable rate"),
+        SetupSpec("zp-strict", True,
+                  description="wrap(AsyncOpenAI) + LocalBudget (strict), default estimation"),
         SetupSpec("zp-redis", True, needs_redis=True, workers=3,
                   description="wrap(AsyncOpenAI) + RedisBudget shared by 3 worker processes"),
         SetupSpec("clairvoyant", True, description="lease of prompt + TRUE output per attempt (reference)"),
@@ -105,11 +111,12 @@ def parse_setups(text: str | None, redis_url: str | None) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in SETUPS]
         if unknown:
-            raise ConfigurationError(f"unknown setup(s) {', '.join(unknown)}; choose from: {', '.join(SETUPS)}")
+            raise ConfigurationError(f"unknown setup(s) {', '.join(unknown)}; "
+                                     f"choose from: {', '.join(SETUPS)}")
     needs = [n for n in names if SETUPS[n].needs_redis]
     if needs and not redis_url:
-        raise ConfigurationError(f"setup {', '.join(needs)} needs --redis URL (make demo never touches a Redis "
-                                 "it was not given)")
+        raise ConfigurationError(f"setup {', '.join(needs)} needs --redis URL (make demo never touches a "
+                                 "Redis it was not given)")
     names = ["no-admission", *[n for n in names if n != "no-admission"]]
     return [n for n in SETUPS if n in names]
 
@@ -130,6 +137,8 @@ class SetupContext:
     """Sustainable request rate (virtual requests per second), for ``rate-limited``."""
     redis_url: str | None = None
     budget_name: str = "zp-storm"
+    elastic: ElasticTuning = field(default_factory=ElasticTuning)
+    """The elastic setups' measurement overrides (default: none, the library's defaults)."""
 
 
 def zp_limit_blocks(num_gpu_blocks: int, headroom: float = HEADROOM) -> int:
@@ -139,31 +148,6 @@ def zp_limit_blocks(num_gpu_blocks: int, headroom: float = HEADROOM) -> int:
     except ImportError:  # the server helper is not there yet: same rule, written out
         return int((num_gpu_blocks - 1) * headroom)
     return int(suggest_limit_blocks(num_gpu_blocks, headroom))
-
-
-def _openai_class(speedup: float) -> type:
-    """``openai.AsyncOpenAI`` whose retry backoff is measured in virtual seconds."""
-    import openai
-
-    class VirtualTimeAsyncOpenAI(openai.AsyncOpenAI):
-        def _calculate_retry_timeout(self, *args: Any, **kwargs: Any) -> float:
-            return float(super()._calculate_retry_timeout(*args, **kwargs)) / speedup
-
-    return VirtualTimeAsyncOpenAI
-
-
-def _zp_retry_policy(speedup: float) -> Any:
-    """zp's default retry policy with its sleeps measured in virtual seconds."""
-    from zp_client.retry import RetryPolicy
-
-    class VirtualTimeRetryPolicy(RetryPolicy):
-        async def sleep(self, seconds: float) -> None:
-            await super().sleep(seconds / speedup)
-
-        def sleep_sync(self, seconds: float) -> None:
-            super().sleep_sync(seconds / speedup)
-
-    return VirtualTimeRetryPolicy()
 
 
 class AppCaller:
@@ -216,10 +200,9 @@ class AppCaller:
 def _warm_openai(client: Any) -> None:
     """Do the openai SDK's lazy imports (resources, response models, SSE decoding) now, before the run:
     a fresh process would otherwise block its event loop for a few hundred ms on its first request."""
-    import openai.types.chat.chat_completion  # noqa: F401
-    import openai.types.chat.chat_completion_chunk  # noqa: F401
-    from openai._streaming import AsyncStream  # noqa: F401
-
+    for module in ("openai.types.chat.chat_completion", "openai.types.chat.chat_completion_chunk",
+                   "openai._streaming"):
+        importlib.import_module(module)
     _ = client.chat.completions
 
 
@@ -252,14 +235,19 @@ def register_setup(spec: SetupSpec, factory: SetupFactory, *, after: str | None 
 
 def openai_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **kwargs: Any) -> Any:
     """An ``openai.AsyncOpenAI`` for the run's server whose retry backoff runs in virtual time."""
-    client = _openai_class(ctx.speedup)(base_url=ctx.base_url, api_key="sk-storm-bench", **kwargs)
+    from zp_client.bench.virtual_time import VirtualTimeAsyncOpenAI
+
+    client = VirtualTimeAsyncOpenAI(speedup=ctx.speedup, base_url=ctx.base_url, api_key="sk-storm-bench",
+                                    **kwargs)
     stack.push_async_callback(client.close)
     return client
 
 
-async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, budget: Any, **wrap_options: Any) -> Any:
+async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, budget: Any,
+                        **wrap_options: Any) -> Any:
     """``wrap(AsyncOpenAI)`` on ``budget`` with zp's default estimator (warmed up before the run) and
     default retry policy (sleeping in virtual time); closes client and budget with ``stack``."""
+    from zp_client.bench.virtual_time import VirtualTimeRetryPolicy
     from zp_client.config import Settings
     from zp_client.estimate import Estimator
     from zp_client.wrap import wrap
@@ -270,8 +258,8 @@ async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, bud
     # first request of the run
     estimator = wrap_options.pop("estimator", None) or Estimator(Settings())
     estimator.count_text("warm up the tokenizer")
-    client = wrap(raw, budget=budget, retry=wrap_options.pop("retry", None) or _zp_retry_policy(ctx.speedup),
-                  estimator=estimator, **wrap_options)
+    retry = wrap_options.pop("retry", None) or VirtualTimeRetryPolicy(ctx.speedup)
+    client = wrap(raw, budget=budget, retry=retry, estimator=estimator, **wrap_options)
     stack.push_async_callback(client.close)
     return client
 
@@ -342,10 +330,12 @@ async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
     factory = _FACTORIES.get(name)
     if factory is None:
         raise ConfigurationError(f"unknown setup {name!r}; choose from: {', '.join(SETUPS)}")
-    _warm_openai(_openai_class(ctx.speedup)(base_url=ctx.base_url, api_key="sk-storm-bench"))
+    from zp_client.bench.virtual_time import VirtualTimeAsyncOpenAI
+
+    _warm_openai(VirtualTimeAsyncOpenAI(speedup=ctx.speedup, base_url=ctx.base_url, api_key="sk-storm-bench"))
     async with contextlib.AsyncExitStack() as stack:
         yield await factory(ctx, stack)
 
 
 # The elastic setups (issue 8) register themselves; imported last because they build on this module.
-from zp_client.bench import elastic_setups as _elastic_setups  # noqa: E402,F401
+from zp_client.bench import elastic_setups as _elastic_setups  # noqa: E402,F401 - registers them, needs this module

@@ -184,13 +184,14 @@ class Workload:
 # Short common words: one token each under the simulator's tokenizer (words of <= 6 letters), so
 # text length in tokens is easy to steer. A leading tag keeps every prompt unique from its first block,
 # which keeps the prefix cache from hitting between requests that should not share anything.
-_WORDS = (
+_WORD_TEXT = (
     "the of and to in is it for on with as was at by be this are or from an but not have had his they "
     "you were her she all there can one been would if will more when which their said so what about out "
     "up them into some time could than other then its two first may only new over also any after our "
     "most way made where very well back just much good did how each first file code test call read "
     "write value error line list name type data path user tool task step plan fix run check build"
-).split()
+)
+_WORDS = _WORD_TEXT.split()
 
 
 def _token_counter() -> Callable[[str], int]:
@@ -386,8 +387,9 @@ def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 24, burst: int =
     slo = interactive_slo(facts)
     return Workload(
         "seed-burst",
-        f"{streams} decode streams x {rounds} requests (prompt {stream_prompt}, output <= {stream_out} tokens) "
-        f"holding ~{hold:.0%} of the pool, then {burst} agent prompts of ~{burst_prompt} tokens "
+        f"{streams} decode streams x {rounds} requests (prompt {stream_prompt}, "
+        f"output <= {stream_out} tokens) holding ~{hold:.0%} of the pool, "
+        f"then {burst} agent prompts of ~{burst_prompt} tokens "
         f"(KV {burst_blocks / free_blocks:.1f}x the free pool) at t={burst_at:.2f}s",
         sessions, slo, gateway,
         {"streams": streams, "burst": burst, "stream_prompt": stream_prompt, "stream_out": stream_out,
@@ -414,14 +416,20 @@ def _agent_preamble(rng: random.Random, tokens: int) -> str:
              "code. Think step by step, call one tool at a time, and report when the task is done.\n"]
     per_tool = max(40, (tokens - 60) // len(_TOOL_NAMES))
     for name in _TOOL_NAMES:
+        params = {"type": "object",
+                  "properties": {"path": {"type": "string"}, "args": {"type": "string"}}}
         schema = {"type": "function", "function": {"name": name, "description": make_text(per_tool - 30, rng),
-                                                   "parameters": {"type": "object", "properties": {
-                                                       "path": {"type": "string"}, "args": {"type": "string"}}}}}
+                                                   "parameters": params}}
         parts.append(json.dumps(schema) + "\n")
     return "".join(parts)
 
 
-def agentic(facts: ServerFacts, seed: int, *, conversations: int = 24, window_s: float | None = None,
+_AGENTIC_CONVERSATIONS = 24
+"""``agentic``'s default number of conversations (see its docstring for why 24)."""
+
+
+def agentic(facts: ServerFacts, seed: int, *, conversations: int = _AGENTIC_CONVERSATIONS,
+            window_s: float | None = None,
             preamble_tokens: int = 2000, max_tokens: int = 4096, turns_lo: int = 3, turns_hi: int = 10,
             subagent_p: float = 0.12, scale: float = 1.0) -> Workload:
     """Coding-agent conversations sharing a ~2k-token tool+system preamble (prefix-cacheable).
@@ -468,7 +476,8 @@ def agentic(facts: ServerFacts, seed: int, *, conversations: int = 24, window_s:
                 for s in range(n_sub):
                     counter[0] += 1
                     sid = f"{cid}.sub{s}"
-                    turn.children.append(Session(sid, 0.0, "subagent", conversation(sid, rng.randint(2, 3), 1)))
+                    sub = conversation(sid, rng.randint(2, 3), 1)
+                    turn.children.append(Session(sid, 0.0, "subagent", sub))
             turns.append(turn)
             msgs = msgs + [{"role": "assistant", "content": make_text(out, rng)},
                            {"role": "user", "content": make_text(
@@ -479,9 +488,11 @@ def agentic(facts: ServerFacts, seed: int, *, conversations: int = 24, window_s:
     t = 0.0
     for c in range(conversations):
         cid = f"conv-{c}"
-        sessions.append(Session(cid, round(t, 4), "agent", conversation(cid, rng.randint(turns_lo, turns_hi), 0)))
+        conv_turns = conversation(cid, rng.randint(turns_lo, turns_hi), 0)
+        sessions.append(Session(cid, round(t, 4), "agent", conv_turns))
         t += rng.expovariate(conversations / window) if window > 0 else 0.0
-    slo = SLO(ttft_s=round(max(5.0, 200 * facts.unloaded_itl_s), 2), tpot_s=round(5 * facts.unloaded_itl_s, 4))
+    slo = SLO(ttft_s=round(max(5.0, 200 * facts.unloaded_itl_s), 2),
+              tpot_s=round(5 * facts.unloaded_itl_s, 4))
     return Workload(
         "agentic",
         f"{conversations} coding-agent conversations over {window:.1f}s sharing a {preamble_tokens}-token "
@@ -559,7 +570,8 @@ def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float 
     ``max_tokens' = min(max(max_tokens, true output), max_model_len / 4)``, the true output is capped
     to it, and the prompt to ``max_model_len - max_tokens' - 16`` (the count of capped prompts is
     reported as ``prompts_capped_to_context``). The window starts at trace offset ``start_s`` and holds
-    the first ``max_requests`` requests after load scaling. Mooncake's shared 512-token prefix blocks (``hash_ids``) become shared prompt text.
+    the first ``max_requests`` requests after load scaling. Mooncake's shared 512-token prefix blocks
+    (``hash_ids``) become shared prompt text.
     """
     rel, reader = _TRACES[name]
     path = find_shared_dir() / rel
@@ -593,7 +605,8 @@ def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float 
             parts = []
             for h in r.hash_ids[: max(0, prompt // chunk_tokens)]:
                 if h not in chunk_text:
-                    chunk_text[h] = make_text(chunk_tokens - 2, random.Random(h * 7919 + seed), f"b{h}") + "\n"
+                    rng_h = random.Random(h * 7919 + seed)
+                    chunk_text[h] = make_text(chunk_tokens - 2, rng_h, f"b{h}") + "\n"
                 parts.append(chunk_text[h])
             used = len(parts) * chunk_tokens
             parts.append(make_text(max(1, prompt - used - 8), rng, f"req {i}"))
@@ -601,9 +614,11 @@ def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float 
         else:
             content = make_text(prompt - 8, rng, f"req {i}")
         msgs = [{"role": "user", "content": content}]
-        sessions.append(Session(f"req-{i}", round(t, 6), "trace", [Turn(msgs, count_chat_tokens(msgs), bound, out)]))
+        turn = Turn(msgs, count_chat_tokens(msgs), bound, out)
+        sessions.append(Session(f"req-{i}", round(t, 6), "trace", [turn]))
     span = picked[-1][0]
-    slo = SLO(ttft_s=round(max(5.0, 200 * facts.unloaded_itl_s), 2), tpot_s=round(5 * facts.unloaded_itl_s, 4))
+    slo = SLO(ttft_s=round(max(5.0, 200 * facts.unloaded_itl_s), 2),
+              tpot_s=round(5 * facts.unloaded_itl_s, 4))
     return Workload(
         name,
         f"{len(sessions)} requests of {rel} from offset {start_s:.0f}s, time_scale {time_scale}, "
@@ -632,7 +647,7 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
         if load_scale is not None:
             overrides.setdefault("scale", load_scale)
         if time_scale is not None and "window_s" not in overrides:
-            n = overrides.get("conversations", agentic.__kwdefaults__["conversations"])  # type: ignore[index]
+            n = int(overrides.get("conversations", _AGENTIC_CONVERSATIONS))
             overrides["window_s"] = round(n * (load_scale or 1.0)) * 400 * facts.unloaded_itl_s * time_scale
         return agentic(facts, seed, **overrides)
     if name in _TRACES:

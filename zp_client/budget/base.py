@@ -11,64 +11,19 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, field
 import logging
 import threading
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
+
+# The plain value types live in a module of their own so the ledger can use them without this one.
+from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 
 if TYPE_CHECKING:
     from zp_client.config import Settings
     from zp_client.retry import RetryBudget
 
 __all__ = ["Ticket", "Lease", "Budget", "BudgetStatus", "ClassStatus"]
-
-
-@dataclass(frozen=True, order=True)
-class Ticket:
-    """A place in a budget's line: priority class (lower = more urgent), then arrival order.
-
-    A retried request passes its first attempt's ticket back to :meth:`Budget.acquire` so it keeps
-    its place: it goes after every earlier arrival of its class and before every later one.
-    ``order`` is only comparable within one budget.
-    """
-
-    priority: int
-    order: int
-
-
-@dataclass(frozen=True)
-class ClassStatus:
-    """Waiters of one priority class."""
-
-    waiters: int
-    weight: int
-
-
-@dataclass(frozen=True)
-class BudgetStatus:
-    """A read-only snapshot of a budget."""
-
-    limit: int
-    """Usable blocks the budget may hand out."""
-    used: int
-    """Blocks the reservation policy counts as taken (under ``strict``: the sum of live bounds; under
-    ``elastic``: the projected peak of the live leases, which may exceed ``limit`` between admissions
-    when leases outgrow their forecasts)."""
-    free: int
-    """``max(0, limit - used)``."""
-    held: int
-    """Blocks the live leases report they occupy now (prompt plus tokens generated so far)."""
-    leases: int
-    """Live leases."""
-    waiters: dict[int, ClassStatus] = field(default_factory=dict)
-    """Waiters and their weight per priority class."""
-    head_wait_s: float = 0.0
-    """How long the head of the line has waited, in seconds."""
-    policy: str = "strict"
-    block_size: int = 16
-    extra: dict[str, object] = field(default_factory=dict)
-    """Backend-specific facts (Redis epoch, recovery state, ...)."""
 
 
 class Lease(abc.ABC):
@@ -188,7 +143,7 @@ class Budget(abc.ABC):
     async def set_limit(self, limit: int) -> None:
         """Change the limit at run time. Raising it admits waiters; lowering it never revokes a lease."""
 
-    async def aclose(self) -> None:  # noqa: B027 - optional hook
+    async def aclose(self) -> None:  # noqa: B027 - optional hook with a safe default (nothing to close)
         """Release background resources. Live leases are not released."""
 
     def new_retry_budget(
@@ -215,7 +170,8 @@ class Budget(abc.ABC):
         from zp_client.config import Settings as _Settings
 
         s = settings if settings is not None else _Settings()
-        params = (float(s.retry_budget_ratio), float(s.retry_budget_floor_per_s), float(s.retry_budget_window_s))
+        params = (float(s.retry_budget_ratio), float(s.retry_budget_floor_per_s),
+                  float(s.retry_budget_window_s))
         with _retry_budget_lock:
             current: tuple[tuple[float, float, float], RetryBudget] | None = getattr(
                 self, "_zp_shared_retry_budget", None)
@@ -243,7 +199,8 @@ class Budget(abc.ABC):
         """``async with budget.lease(blocks) as lease:`` waits, holds, and releases on every exit path."""
         # meta is passed only when given, so a backend written before it existed keeps working.
         extra = {"meta": meta} if meta is not None else {}
-        lease = await self.acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held, **extra)
+        lease = await self.acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                   **extra)
         try:
             yield lease
         finally:
@@ -262,7 +219,8 @@ class Budget(abc.ABC):
     ) -> Iterator[Lease]:
         """``with budget.lease_sync(blocks) as lease:``, the blocking form for threads."""
         extra = {"meta": meta} if meta is not None else {}
-        lease = self.acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held, **extra)
+        lease = self.acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                  **extra)
         try:
             yield lease
         finally:

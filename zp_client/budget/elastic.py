@@ -46,13 +46,24 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zp_client.budget.ledger import LedgerView, WaiterRecord
+from zp_client.budget.ledger import LedgerView, ReservationPolicy, StrictPolicy, WaiterRecord, validate_blocks
+from zp_client.errors import ConfigurationError
 
-__all__ = ["FOREVER", "POLICY_KEYS", "ElasticPolicy", "Projection", "project", "projected_peak", "brute_force_peak"]
+__all__ = [
+    "FOREVER",
+    "POLICIES",
+    "POLICY_KEYS",
+    "ElasticPolicy",
+    "Projection",
+    "brute_force_peak",
+    "make_policy",
+    "project",
+    "projected_peak",
+]
 
 
 #: The metadata fields the policy reads; a lease with none of them is projected at its bound, forever.
@@ -118,7 +129,8 @@ def project(
 class _Profile:
     """The pool's projected occupancy at every lease end, prepared for O(log n) candidate checks."""
 
-    __slots__ = ("bs", "ends", "values", "pre_max", "suf_max", "suf_blocks", "suf_growers", "sparse", "groups")
+    __slots__ = ("bs", "ends", "values", "pre_max", "suf_max", "suf_blocks", "suf_growers", "sparse",
+                 "groups")
 
     def __init__(self, terms: list[Projection], block_size: int, groups: dict[str, tuple[int, int]]) -> None:
         self.bs = bs = block_size
@@ -155,17 +167,19 @@ class _Profile:
         """max over lo <= i < hi of values[i] + ceil(ends[i]/bs) (sparse table, built on first use)."""
         if lo >= hi:
             return float("-inf")
-        if self.sparse is None:
-            base = [v + _ceil_div(e, self.bs) for v, e in zip(self.values, self.ends)]
-            table = [base]
+        sparse = self.sparse
+        if sparse is None:
+            base: list[float] = [v + _ceil_div(e, self.bs)
+                                 for v, e in zip(self.values, self.ends, strict=True)]
+            sparse = [base]
             width = 1
             while 2 * width <= len(base):
-                prev = table[-1]
-                table.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
+                prev = sparse[-1]
+                sparse.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
                 width *= 2
-            self.sparse = table
+            self.sparse = sparse
         k = (hi - lo).bit_length() - 1
-        row = self.sparse[k]
+        row = sparse[k]
         return max(row[lo], row[hi - (1 << k)])
 
     def peak_with(self, c: Projection, extra_prefix: tuple[int, int] | None = None) -> int:
@@ -177,14 +191,12 @@ class _Profile:
         # Instants where the candidate is alive: ends <= rc, i.e. indices [0, hi).
         hi = bisect.bisect_right(self.ends, rc)
         best: float = self.suf_max[hi]  # after the candidate ends: unchanged
-        if grow_c:
-            alive_best = self.pre_max[hi] + c.blocks
-        else:
-            alive_best = self.suf_max_before(hi) + c.blocks
+        alive_best = (self.pre_max[hi] if grow_c else self.suf_max_before(hi)) + c.blocks
         best = max(best, alive_best)
         # The candidate's own end instant (everything with remaining >= rc is alive, plus the candidate).
         k = bisect.bisect_left(self.ends, rc)
-        at_end = self.suf_blocks[k] + self.suf_growers[k] * _ceil_div(rc, bs) + c.blocks + grow_c * _ceil_div(rc, bs)
+        at_end = (self.suf_blocks[k] + self.suf_growers[k] * _ceil_div(rc, bs) + c.blocks
+                  + grow_c * _ceil_div(rc, bs))
         if extra_prefix is not None:
             pblocks, from_end = extra_prefix
             at_end += pblocks
@@ -245,7 +257,8 @@ def brute_force_peak(terms: Iterable[Projection], block_size: int) -> int:
     horizon = max((p.remaining for p in terms if p.remaining < FOREVER), default=0)
     best = 0
     for t in range(horizon + 1):
-        total = sum(p.blocks + (_ceil_div(t, block_size) if p.grows else 0) for p in terms if p.remaining >= t)
+        total = sum(p.blocks + (_ceil_div(t, block_size) if p.grows else 0)
+                    for p in terms if p.remaining >= t)
         best = max(best, total)
     return best
 
@@ -300,7 +313,8 @@ class ElasticPolicy:
             # Reserved at its bound forever (see project): it adds its bound at every instant, the peak
             # included, so this is peak_with's answer in O(1).
             return profile.peak() + candidate.bound <= view.limit
-        c = project(held=candidate.held, bound=candidate.bound, block_size=self.block_size, meta=meta, candidate=True)
+        c = project(held=candidate.held, bound=candidate.bound, block_size=self.block_size, meta=meta,
+                    candidate=True)
         extra: tuple[int, int] | None = None
         key = meta.get("prefix_key")
         group = profile.groups.get(key) if key is not None else None
@@ -343,3 +357,40 @@ def _forecast_of(w: WaiterRecord) -> float:
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f):
         return 0
     return f
+
+
+def _strict(block_size: int) -> ReservationPolicy:
+    return StrictPolicy()  # counts bounds only: the block size does not matter
+
+
+def _elastic(block_size: int) -> ReservationPolicy:
+    return ElasticPolicy(validate_blocks(block_size, "block_size"))
+
+
+#: The reservation policies a budget accepts by name: name -> factory taking the budget's block size.
+POLICIES: dict[str, Callable[[int], ReservationPolicy]] = {"elastic": _elastic, "strict": _strict}
+
+
+def make_policy(policy: str | ReservationPolicy, *, block_size: int = 16) -> ReservationPolicy:
+    """Return the policy object for a name of :data:`POLICIES`, or pass a policy object through.
+
+    ``"strict"`` is :class:`~zp_client.budget.ledger.StrictPolicy`; ``"elastic"`` is :class:`ElasticPolicy`,
+    which projects growth token by token and so takes the budget's ``block_size`` (``strict`` ignores it).
+    The budgets call this with their ``policy=`` argument and hand the object to their
+    :class:`~zp_client.budget.ledger.Ledger`::
+
+        Ledger(100, policy=make_policy("elastic", block_size=16))
+    """
+    if isinstance(policy, str):
+        factory = POLICIES.get(policy)
+        if factory is None:
+            raise ConfigurationError(
+                f"unknown reservation policy {policy!r}; available: {', '.join(sorted(POLICIES))} "
+                "(or pass a ReservationPolicy object)"
+            )
+        return factory(block_size)
+    if not isinstance(policy, ReservationPolicy):
+        raise ConfigurationError(
+            f"policy must be a name or a ReservationPolicy (with name, used() and fits()), got {policy!r}"
+        )
+    return policy

@@ -25,7 +25,9 @@ Vocabulary
   same seam; waiters and leases carry a free-form ``meta`` mapping (``prompt_tokens``,
   ``forecast_tokens``, ``prefix_key``... see :mod:`zp_client.budget.elastic`) for such policies,
   updated as a stream advances with :meth:`Ledger.update_meta`. The ``bound > limit`` refusal
-  (:class:`~zp_client.LeaseTooLarge`) holds under every policy.
+  (:class:`~zp_client.LeaseTooLarge`) holds under every policy. The ledger takes the policy *object*
+  (default :class:`StrictPolicy`) and knows no policy by name: the budgets resolve ``"strict"`` /
+  ``"elastic"`` with :func:`zp_client.budget.elastic.make_policy`.
 
 Admission rule (what :meth:`Ledger.grant` does)
 -----------------------------------------------
@@ -90,7 +92,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from zp_client.budget.base import BudgetStatus, ClassStatus, Ticket
+from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 from zp_client.errors import ConfigurationError, LeaseTooLarge
 
 __all__ = [
@@ -103,7 +105,6 @@ __all__ = [
     "ReservationPolicy",
     "StrictPolicy",
     "WaiterRecord",
-    "make_policy",
     "validate_blocks",
     "validate_seconds",
 ]
@@ -236,30 +237,16 @@ class StrictPolicy:
         return "StrictPolicy()"
 
 
-_POLICY_NAMES = ("elastic", "strict")
-
-
-def make_policy(policy: str | ReservationPolicy, *, block_size: int = 16) -> ReservationPolicy:
-    """Return a policy object for a name or pass a policy object through.
-
-    Names: ``"strict"`` (:class:`StrictPolicy`) and ``"elastic"``
-    (:class:`~zp_client.budget.elastic.ElasticPolicy`, which projects growth token by token and so needs
-    the budget's ``block_size``; ignored by ``strict``).
-    """
+def _check_policy(policy: object) -> ReservationPolicy:
+    """``policy`` if it is a :class:`ReservationPolicy` object; else raise :class:`ConfigurationError`."""
     if isinstance(policy, str):
-        if policy == "strict":
-            return StrictPolicy()
-        if policy == "elastic":
-            from zp_client.budget.elastic import ElasticPolicy  # noqa: PLC0415 - elastic imports this module
-
-            return ElasticPolicy(validate_blocks(block_size, "block_size"))
         raise ConfigurationError(
-            f"unknown reservation policy {policy!r}; available: {', '.join(_POLICY_NAMES)} "
-            "(or pass a ReservationPolicy object)"
+            f"the Ledger takes a policy object, got the name {policy!r}; resolve a name with "
+            "zp_client.budget.elastic.make_policy (LocalBudget and RedisBudget take names)"
         )
     if not isinstance(policy, ReservationPolicy):
         raise ConfigurationError(
-            f"policy must be a name or a ReservationPolicy (with name, used() and fits()), got {policy!r}"
+            f"policy must be a ReservationPolicy (with name, used() and fits()), got {policy!r}"
         )
     return policy
 
@@ -293,6 +280,8 @@ class Ledger:
         led.release("a", now=1.0)
         assert led.grant(now=1.0) == ["b"]
 
+    ``policy`` is a :class:`ReservationPolicy` object (default: a new :class:`StrictPolicy`).
+
     Not thread-safe: a backend serialises calls (a lock locally, a Lua script in Redis).
     """
 
@@ -300,16 +289,16 @@ class Ledger:
         self,
         limit: int,
         *,
-        policy: str | ReservationPolicy = "strict",
+        policy: ReservationPolicy | None = None,
         starvation_bound: float = DEFAULT_STARVATION_BOUND_S,
-        block_size: int = 16,
         longest_first: float = DEFAULT_LONGEST_FIRST_S,
     ) -> None:
         self._limit = validate_blocks(limit, "limit", minimum=0)
-        self._policy = make_policy(policy, block_size=block_size)
+        self._policy = _check_policy(StrictPolicy() if policy is None else policy)
         self._progress_sensitive = bool(getattr(self._policy, "progress_sensitive", False))
         self._version = 0
-        if not isinstance(starvation_bound, (int, float)) or math.isnan(starvation_bound) or starvation_bound < 0:
+        if (not isinstance(starvation_bound, (int, float)) or math.isnan(starvation_bound)
+                or starvation_bound < 0):
             raise ConfigurationError(
                 f"starvation_bound must be a number of seconds >= 0, got {starvation_bound!r}"
             )
@@ -576,15 +565,17 @@ class Ledger:
 
     def expire(self, now: float) -> Expired:
         """Remove leases and waiters whose expiry is ``<= now``. Call :meth:`grant` next if non-empty."""
-        dead_leases = [lid for lid, rec in self._leases.items() if rec.expires_at is not None and rec.expires_at <= now]
+        dead_leases = [lid for lid, rec in self._leases.items()
+                       if rec.expires_at is not None and rec.expires_at <= now]
         for lid in dead_leases:
             self.release(lid, now)
-        dead_waiters = [wid for wid, w in self._waiters.items() if w.expires_at is not None and w.expires_at <= now]
+        dead_waiters = [wid for wid, w in self._waiters.items()
+                        if w.expires_at is not None and w.expires_at <= now]
         for wid in dead_waiters:
             self.cancel(wid)
         return Expired(dead_leases, dead_waiters)
 
-    def set_limit(self, limit: int, now: float) -> list[str]:  # noqa: ARG002
+    def set_limit(self, limit: int, now: float) -> list[str]:  # noqa: ARG002 - now kept for symmetry/ports
         """Change the limit. Never revokes a lease: if ``used`` now exceeds the limit, admission pauses
         until it fits again. Waiters whose ``bound`` exceeds the new limit could never be admitted: they
         are removed and their ids returned so the backend can fail them with :class:`LeaseTooLarge`.

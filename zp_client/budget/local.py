@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
+from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import (
     DEFAULT_LONGEST_FIRST_S,
     DEFAULT_STARVATION_BOUND_S,
@@ -223,9 +224,8 @@ class LocalBudget(Budget):
             )
         self._ledger = Ledger(
             validate_blocks(limit_blocks, "limit_blocks"),
-            policy=policy,
+            policy=make_policy(policy, block_size=self.block_size),
             starvation_bound=starvation_bound_s,
-            block_size=self.block_size,
             longest_first=longest_first_s,
         )
         self._lock = threading.Lock()
