@@ -11,8 +11,10 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import openai
 import pytest
 from _budget_probes import granted, overlapped, wait_until, waiters
+from _retry_upstream import RetryUpstream
 from autogen_core import CancellationToken
 from autogen_core.models import CreateResult, UserMessage
 from autogen_core.tools import FunctionTool
@@ -21,6 +23,7 @@ from autogen_ext.models.openai import OpenAIChatCompletionClient
 from autogen_zp import ZPOpenAIChatCompletionClient
 from zp_client import LocalBudget, Settings
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
+from zp_client.retry import testing
 from zp_client.sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
@@ -232,3 +235,34 @@ def test_missing_autogen_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     assert isinstance(info.value, ConfigurationError) and isinstance(info.value, ImportError)
     assert "pip install 'zp-client[autogen]'" in str(info.value)
     assert "pip install -e integrations/autogen" in str(info.value)
+
+
+# -------------------------------------------------------------------------------------------- retries
+
+
+@pytest.fixture
+async def flaky() -> AsyncIterator[RetryUpstream]:
+    with RetryUpstream() as s:
+        yield s
+        while _open:  # close every model client on the test's own event loop
+            await _open.pop().close()
+
+
+def flaky_client(flaky: RetryUpstream, **kw: Any) -> ZPOpenAIChatCompletionClient:
+    c = ZPOpenAIChatCompletionClient(model="m", base_url=flaky.base_url, api_key="sk-test", max_tokens=8,
+                                     model_info=MODEL_INFO, budget=LocalBudget(limit_blocks=1_000),
+                                     zp_settings=Settings(max_model_len=4096), **kw)
+    _open.append(c)
+    return c
+
+
+async def test_zp_retries_a_503_by_default(flaky: RetryUpstream) -> None:
+    with testing():
+        result = await flaky_client(flaky).create(HI, extra_create_args={"user": "503-a"})
+    assert result.content == "ok" and flaky.users() == ["503-a#1", "503-a#2"]
+
+
+async def test_zp_retry_false_sends_one_attempt(flaky: RetryUpstream) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        await flaky_client(flaky, zp_retry=False).create(HI, extra_create_args={"user": "503-off"})
+    assert info.value.status_code == 503 and flaky.users() == ["503-off#1"]

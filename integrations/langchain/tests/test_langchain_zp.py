@@ -13,8 +13,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
 from _budget_probes import granted, overlapped, wait_until, waiters
+from _retry_upstream import RetryUpstream
 from langchain_core.runnables import ConfigurableField
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -23,6 +25,7 @@ from pydantic import ValidationError
 from langchain_zp import ZPChatOpenAI, ZPOpenAI, admit_langchain
 from zp_client import LocalBudget, Settings
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
+from zp_client.retry import testing
 from zp_client.sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
@@ -314,3 +317,34 @@ def test_missing_langchain_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     assert isinstance(info.value, ConfigurationError) and isinstance(info.value, ImportError)
     assert "pip install 'zp-client[langchain]'" in str(info.value)
     assert "pip install -e integrations/langchain" in str(info.value)
+
+
+# -------------------------------------------------------------------------------------------- retries
+
+
+@pytest.fixture
+def flaky() -> Iterator[RetryUpstream]:
+    with RetryUpstream() as s:
+        yield s
+
+
+def flaky_chat(flaky: RetryUpstream, **kw: Any) -> ZPChatOpenAI:
+    return ZPChatOpenAI(model="m", base_url=flaky.base_url, api_key="sk-test", max_tokens=8,
+                        budget=LocalBudget(limit_blocks=1_000), zp_settings=Settings(max_model_len=4096),
+                        **kw)
+
+
+def test_zp_retries_a_503_by_default_sync_and_async(flaky: RetryUpstream) -> None:
+    llm = flaky_chat(flaky)
+    with testing():
+        assert llm.invoke("hi", user="503-sync").content == "ok"
+        assert asyncio.run(llm.ainvoke("hi", user="503-async")).content == "ok"
+    assert flaky.users() == ["503-sync#1", "503-sync#2", "503-async#1", "503-async#2"]
+    assert llm.root_client.max_retries == 0  # the retry was zp's, not the SDK's
+
+
+def test_zp_retry_false_sends_one_attempt(flaky: RetryUpstream) -> None:
+    llm = flaky_chat(flaky, zp_retry=False)
+    with pytest.raises(openai.APIStatusError) as info:
+        llm.invoke("hi", user="503-off")
+    assert info.value.status_code == 503 and flaky.users() == ["503-off#1"]
