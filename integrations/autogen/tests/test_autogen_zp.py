@@ -9,10 +9,17 @@ import asyncio
 import importlib
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+
+# the zp-client clone's test helpers (tests/_budget_probes.py, tests/_retry_upstream.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+pytest.importorskip("autogen_ext.models.openai")
+pytest.importorskip("autogen_zp", reason="not installed: pip install -e integrations/autogen")
+
 from _budget_probes import granted, overlapped, wait_until, waiters
 from _retry_upstream import RetryUpstream
 from autogen_core import CancellationToken

@@ -11,10 +11,17 @@ import importlib
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+
+# the zp-client clone's test helpers (tests/_budget_probes.py, tests/_retry_upstream.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+pytest.importorskip("langchain_openai")
+pytest.importorskip("langchain_zp", reason="not installed: pip install -e integrations/langchain")
+
 from _budget_probes import granted, overlapped, wait_until, waiters
 from _retry_upstream import RetryUpstream
 from langchain_core.runnables import ConfigurableField
