@@ -8,7 +8,7 @@ openai's private layout (openai has no public accessor for either). See docs/int
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
@@ -91,7 +91,8 @@ class AdmissionOptions:
             # admission, each with zp's own retries inside), so attempts multiply
             extra["max_retries"] = self.max_retries
         if extra:
-            new = new.with_options(**extra)  # type: ignore[attr-defined]  # C is an openai client (wrap checked)
+            # wrap() accepted ``client``, so it is an openai client, which has with_options
+            new = cast(C, cast(Any, new).with_options(**extra))
         return new
 
 
