@@ -5,6 +5,11 @@ OA2    ?= .venv-openai2
 PY      = $(VENV)/bin/python
 PY2     = $(OA2)/bin/python
 PYTEST_ARGS ?=
+# The agent-framework integrations: separate distributions in this repository (langchain-zp, autogen-zp),
+# installed editable into both environments; their tests are in pyproject.toml's testpaths.
+INTEGRATIONS = integrations/langchain integrations/autogen
+INTEGRATION_PROJECTS = $(addsuffix /pyproject.toml,$(INTEGRATIONS))
+EDITABLE_INTEGRATIONS = $(addprefix -e ,$(INTEGRATIONS))
 
 # What `make lint` and `make typecheck` check; integration paths are skipped until they exist. mypy
 # gets the integration packages, not their tests folders (two `tests`/`conftest` modules would clash).
@@ -14,17 +19,17 @@ TYPECHECK_PATHS ?= zp_client $(wildcard integrations/*/*_zp integrations/*/src/*
 .PHONY: test test-main test-openai2 lint typecheck demo bench clean
 
 # The main environment: openai 3.x (built on httpx2) and every extra.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]" $(EDITABLE_INTEGRATIONS)
 	touch $@
 
 # A second, small environment: openai 2.x (built on httpx), for the tests marked openai_compat.
-$(OA2)/.installed: pyproject.toml
+$(OA2)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
 	$(PYTHON) -m venv $(OA2)
 	$(PY2) -m pip install -q --upgrade pip
-	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
+	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" $(EDITABLE_INTEGRATIONS) "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
 	touch $@
 
 test: test-main test-openai2

@@ -2,7 +2,7 @@
 
 Several small tool-calling agents run at once. Each is a plain LangChain loop: the model (bound to a
 ``get_weather`` tool) asks for the tool, the tool answers, the model replies in text. The model is
-``zp_client.integrations.langchain.ZPChatOpenAI``, a ``ChatOpenAI`` whose every call first takes a lease
+``langchain_zp.ZPChatOpenAI``, a ``ChatOpenAI`` whose every call first takes a lease
 on the budget, so when the agents' calls do not all fit they wait their turn in this process instead
 of being preempted on the server. LangChain's ``max_retries`` is 0: zp's retry policy is the only one.
 
@@ -14,7 +14,7 @@ or against a running server (``zp-client sim --port 8000 --profile tiny`` or a r
 
     python examples/langchain_agent.py --base-url http://127.0.0.1:8000/v1 --limit-blocks 60
 
-Needs ``pip install 'zp-client[langchain]'``.
+Needs ``pip install -e . -e integrations/langchain`` (from the zp-client clone).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import time
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.tools import tool
 
+from langchain_zp import ZPChatOpenAI
 from zp_client import LocalBudget
 from zp_client.budget.base import Budget
-from zp_client.integrations.langchain import ZPChatOpenAI
 
 DEFAULT_BASE_URL = os.environ.get("ZP_BASE_URL", "http://127.0.0.1:8000/v1")
 CITIES = ["Paris", "Lagos", "Lima", "Osaka", "Oslo", "Perth", "Quito", "Sofia"]

@@ -59,6 +59,7 @@ def test_drop_in_client_streams_and_abandoned_stream_releases() -> None:
 
 def test_langchain_agent_tool_loops_complete_and_return_every_block() -> None:
     pytest.importorskip("langchain_openai")
+    pytest.importorskip("langchain_zp", reason="not installed: pip install -e integrations/langchain")
     out = run_example("langchain_agent.py", "--sim", "--agents", "6", "--speedup", "10")
     assert "completed 6/6 agents" in out
     peak = re.search(r"peak reserved (\d+) of (\d+) blocks, peak waiters (\d+)", out)

@@ -7,74 +7,25 @@ the module is ``openai_compat``).
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import openai
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from _retry_upstream import RETRY_AFTER_MS, RetryUpstream
 
 from zp_client import AsyncClient, Client, LocalBudget, RetryBudgetExhausted, Settings, wrap
 from zp_client.retry import LocalRetryBudget, RedisRetryBudget, testing
 
-from _asgi_server import ThreadedApp
-
 pytestmark = pytest.mark.openai_compat
 
 MAX_MODEL_LEN = 4096
-RETRY_AFTER_MS = 300
-
-
-def _error(status: int, headers: dict[str, str] | None = None) -> Response:
-    return JSONResponse({"error": {"message": f"status {status}", "type": "x", "param": None, "code": status}},
-                        status_code=status, headers=headers)
-
-
-class _Upstream(ThreadedApp):
-    """``user`` picks the behaviour of a request's FIRST attempt; later attempts succeed.
-
-    ``429-*``: 429 with ``retry-after-ms: 300``; ``503-*``: 503 (no Retry-After); ``400-*``: 400;
-    ``500-*``: 500; anything else: OK. Records each arrival with its time.
-    """
-
-    def __init__(self) -> None:
-        self.arrivals: list[tuple[str, float]] = []
-        self._seen: dict[str, int] = {}
-        super().__init__(Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])]))
-
-    def users(self) -> list[str]:
-        return [u for u, _ in self.arrivals]
-
-    async def _chat(self, request: Request) -> Response:
-        body = json.loads(await request.body())
-        user = str(body.get("user", ""))
-        self._seen[user] = n = self._seen.get(user, 0) + 1
-        self.arrivals.append((f"{user}#{n}", time.monotonic()))
-        kind = user.split("-")[0]
-        if n == 1 and kind == "429":
-            return _error(429, {"retry-after-ms": str(RETRY_AFTER_MS)})
-        if n == 1 and kind == "503":
-            return _error(503)
-        if kind == "400":
-            return _error(400)
-        if kind == "500":
-            return _error(500)
-        return JSONResponse({
-            "id": "x", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
-        })
 
 
 @pytest.fixture
-def upstream() -> Iterator[_Upstream]:
-    with _Upstream() as server:
+def upstream() -> Iterator[RetryUpstream]:
+    with RetryUpstream() as server:
         yield server
 
 
@@ -83,7 +34,7 @@ def _ask(user: str) -> dict[str, Any]:
 
 
 def test_wrapped_async_client_retries_429_after_retry_after_and_releases_the_lease_meanwhile(
-        upstream: _Upstream) -> None:
+        upstream: RetryUpstream) -> None:
     budget = LocalBudget(limit_blocks=1_000)
     seen_while_backing_off: list[Any] = []
 
@@ -114,7 +65,7 @@ def test_wrapped_async_client_retries_429_after_retry_after_and_releases_the_lea
 
 
 @pytest.mark.parametrize("flavour", ["async", "sync"])
-def test_wrapped_client_retries_503_but_not_400_or_500(upstream: _Upstream, flavour: str) -> None:
+def test_wrapped_client_retries_503_but_not_400_or_500(upstream: RetryUpstream, flavour: str) -> None:
     budget = LocalBudget(limit_blocks=1_000)
     if flavour == "sync":
         zp_sync = wrap(openai.OpenAI(base_url=upstream.base_url, api_key="x"), budget, max_model_len=MAX_MODEL_LEN)
@@ -139,7 +90,7 @@ def test_wrapped_client_retries_503_but_not_400_or_500(upstream: _Upstream, flav
     assert anyio.run(budget.status).leases == 0
 
 
-def test_retry_false_opts_out(upstream: _Upstream) -> None:
+def test_retry_false_opts_out(upstream: RetryUpstream) -> None:
     zp = wrap(openai.OpenAI(base_url=upstream.base_url, api_key="x"), LocalBudget(limit_blocks=1_000),
               retry=False, max_model_len=MAX_MODEL_LEN)
     with pytest.raises(openai.APIStatusError) as info:
@@ -148,7 +99,7 @@ def test_retry_false_opts_out(upstream: _Upstream) -> None:
     assert upstream.users() == ["503-a#1"]
 
 
-def test_drop_in_clients_retry_by_default(upstream: _Upstream) -> None:
+def test_drop_in_clients_retry_by_default(upstream: RetryUpstream) -> None:
     budget = LocalBudget(limit_blocks=1_000)
     settings = Settings(max_model_len=MAX_MODEL_LEN)
 
@@ -163,7 +114,7 @@ def test_drop_in_clients_retry_by_default(upstream: _Upstream) -> None:
     assert upstream.users() == ["503-async#1", "503-async#2", "503-sync#1", "503-sync#2"]
 
 
-def test_one_retry_budget_per_kv_budget_shared_by_every_front_end(upstream: _Upstream) -> None:
+def test_one_retry_budget_per_kv_budget_shared_by_every_front_end(upstream: RetryUpstream) -> None:
     budget = LocalBudget(limit_blocks=1_000)
     # ratio 0 and floor 0.1/s over 10 s: every front end on this KV budget together may retry once.
     settings = Settings(retry_budget_ratio=0.0, retry_budget_floor_per_s=0.1, retry_budget_window_s=10.0,
@@ -183,7 +134,7 @@ def test_one_retry_budget_per_kv_budget_shared_by_every_front_end(upstream: _Ups
 
 @pytest.mark.redis
 def test_two_wrapped_clients_on_one_redis_budget_draw_from_one_redis_retry_budget(
-        upstream: _Upstream, redis_url: str, redis_prefix: str) -> None:
+        upstream: RetryUpstream, redis_url: str, redis_prefix: str) -> None:
     from zp_client import RedisBudget
 
     # ratio 0 and floor 0.1/s over 10 s: the whole fleet may retry once in the window.

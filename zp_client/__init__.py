@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "BudgetUnavailable": "zp_client.errors",
     "LeaseLost": "zp_client.errors",
     "RetryBudgetExhausted": "zp_client.errors",
+    "MissingIntegration": "zp_client.errors",
     # configuration
     "Settings": "zp_client.config",
     # budgets
@@ -49,6 +50,10 @@ _EXPORTS: dict[str, str] = {
     "PRIORITY_HEADER": "zp_client.transport",
     "DEADLINE_HEADER": "zp_client.transport",
     "ROUTE_HEADER": "zp_client.transport",
+    # what the agent-framework integrations (langchain_zp, autogen_zp) build on
+    "AdmissionOptions": "zp_client._integration",
+    "openai_http_client": "zp_client._integration",
+    "openai_client_of": "zp_client._integration",
     "AsyncAdmissionTransport": "zp_client.transport",
     "AdmissionTransport": "zp_client.transport",
     "Estimator": "zp_client.estimate",
@@ -60,7 +65,47 @@ _EXPORTS: dict[str, str] = {
     "Prior": "zp_client.forecast",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+# A literal, so type checkers see the re-exports (test_package_exports checks it matches _EXPORTS).
+__all__ = [
+    "AdmissionError",
+    "AdmissionOptions",
+    "AdmissionTimeout",
+    "AdmissionTransport",
+    "admitted_budget",
+    "APIStatusError",
+    "AsyncAdmissionTransport",
+    "AsyncClient",
+    "Budget",
+    "BudgetStatus",
+    "BudgetUnavailable",
+    "Client",
+    "ConfigurationError",
+    "DEADLINE_HEADER",
+    "DeadlineExceeded",
+    "ElasticPolicy",
+    "Estimator",
+    "Lease",
+    "LeaseLost",
+    "LeaseTooLarge",
+    "LengthForecaster",
+    "LocalBudget",
+    "MissingIntegration",
+    "openai_client_of",
+    "openai_http_client",
+    "Prior",
+    "PRIORITY_HEADER",
+    "PromptTooLong",
+    "RedisBudget",
+    "RetryBudgetExhausted",
+    "RetryPolicy",
+    "ROUTE_HEADER",
+    "ServerInfo",
+    "Settings",
+    "Ticket",
+    "wrap",
+    "ZPError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -77,7 +122,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from zp_client._integration import AdmissionOptions, openai_client_of, openai_http_client
     from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
+    from zp_client.budget.elastic import ElasticPolicy
     from zp_client.budget.local import LocalBudget
     from zp_client.budget.redis import RedisBudget
     from zp_client.client import APIStatusError, AsyncClient, Client
@@ -90,11 +137,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         DeadlineExceeded,
         LeaseLost,
         LeaseTooLarge,
+        MissingIntegration,
         PromptTooLong,
         RetryBudgetExhausted,
         ZPError,
     )
-    from zp_client.budget.elastic import ElasticPolicy
     from zp_client.estimate import Estimator
     from zp_client.forecast import LengthForecaster, Prior
     from zp_client.retry import RetryPolicy

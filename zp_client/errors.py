@@ -17,6 +17,7 @@ __all__ = [
     "BudgetUnavailable",
     "LeaseLost",
     "RetryBudgetExhausted",
+    "MissingIntegration",
 ]
 
 
@@ -92,3 +93,8 @@ class ServerInfoError(ZPError):
         msg = (f"the server's {what} answered HTTP {status}" if status
                else f"the server's {what} did not answer")
         super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class MissingIntegration(ConfigurationError, ImportError):
+    """An agent-framework integration, or the framework it needs, is not installed; the message says what
+    to install."""

@@ -9,24 +9,29 @@ import asyncio
 import importlib
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
+# the zp-client clone's test helpers (tests/_budget_probes.py, tests/_retry_upstream.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 pytest.importorskip("autogen_ext.models.openai")
+pytest.importorskip("autogen_zp", reason="not installed: pip install -e integrations/autogen")
 
-from autogen_core import CancellationToken  # noqa: E402
-from autogen_core.models import CreateResult, UserMessage  # noqa: E402
-from autogen_core.tools import FunctionTool  # noqa: E402
-from autogen_ext.models.openai import OpenAIChatCompletionClient  # noqa: E402
+from _budget_probes import granted, overlapped, wait_until, waiters
+from _retry_upstream import RetryUpstream
+from autogen_core import CancellationToken
+from autogen_core.models import CreateResult, UserMessage
+from autogen_core.tools import FunctionTool
+from autogen_ext.models.openai import OpenAIChatCompletionClient
 
-from zp_client import LocalBudget, Settings  # noqa: E402
-from zp_client.errors import ConfigurationError, LeaseTooLarge, PromptTooLong, ZPError  # noqa: E402
-from zp_client.integrations import MissingIntegration  # noqa: E402
-from zp_client.integrations.autogen import ZPOpenAIChatCompletionClient  # noqa: E402
-from zp_client.sim.server import SimServer  # noqa: E402
-
-from _budget_probes import granted, overlapped, wait_until, waiters  # noqa: E402
+from autogen_zp import ZPOpenAIChatCompletionClient
+from zp_client import LocalBudget, Settings
+from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
+from zp_client.retry import testing
+from zp_client.sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 
@@ -87,7 +92,8 @@ async def test_create_stream_holds_its_lease_until_the_end(server: SimServer) ->
     budget = LocalBudget(limit_blocks=400, policy="strict")
     used_while_streaming = []
     final = None
-    async for item in client(server, budget).create_stream(HI, extra_create_args={"extra_body": {"sim_output_tokens": 20}}):
+    twenty = {"extra_body": {"sim_output_tokens": 20}}
+    async for item in client(server, budget).create_stream(HI, extra_create_args=twenty):
         if isinstance(item, CreateResult):
             final = item
         else:
@@ -222,16 +228,48 @@ async def test_component_round_trip(server: SimServer) -> None:
 
 async def test_a_budget_is_required(server: SimServer) -> None:
     with pytest.raises(TypeError):
-        ZPOpenAIChatCompletionClient(model="m", base_url=server.base_url, model_info=MODEL_INFO)  # type: ignore[call-arg]
+        ZPOpenAIChatCompletionClient(model="m", base_url=server.base_url, model_info=MODEL_INFO)  # type: ignore[call-arg]  # no budget: the point
     with pytest.raises(ConfigurationError):
         ZPOpenAIChatCompletionClient(model="m", base_url=server.base_url, api_key="x", model_info=MODEL_INFO,
-                                     budget="not a budget")  # type: ignore[arg-type]
+                                     budget="not a budget")  # type: ignore[arg-type]  # the point of the test
 
 
 def test_missing_autogen_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "autogen_ext.models.openai", None)
-    monkeypatch.delitem(sys.modules, "zp_client.integrations.autogen")
+    monkeypatch.delitem(sys.modules, "autogen_zp")
     with pytest.raises(MissingIntegration) as info:
-        importlib.import_module("zp_client.integrations.autogen")
+        importlib.import_module("autogen_zp")
     assert isinstance(info.value, ConfigurationError) and isinstance(info.value, ImportError)
     assert "pip install 'zp-client[autogen]'" in str(info.value)
+    assert "pip install -e integrations/autogen" in str(info.value)
+
+
+# -------------------------------------------------------------------------------------------- retries
+
+
+@pytest.fixture
+async def flaky() -> AsyncIterator[RetryUpstream]:
+    with RetryUpstream() as s:
+        yield s
+        while _open:  # close every model client on the test's own event loop
+            await _open.pop().close()
+
+
+def flaky_client(flaky: RetryUpstream, **kw: Any) -> ZPOpenAIChatCompletionClient:
+    c = ZPOpenAIChatCompletionClient(model="m", base_url=flaky.base_url, api_key="sk-test", max_tokens=8,
+                                     model_info=MODEL_INFO, budget=LocalBudget(limit_blocks=1_000),
+                                     zp_settings=Settings(max_model_len=4096), **kw)
+    _open.append(c)
+    return c
+
+
+async def test_zp_retries_a_503_by_default(flaky: RetryUpstream) -> None:
+    with testing():
+        result = await flaky_client(flaky).create(HI, extra_create_args={"user": "503-a"})
+    assert result.content == "ok" and flaky.users() == ["503-a#1", "503-a#2"]
+
+
+async def test_zp_retry_false_sends_one_attempt(flaky: RetryUpstream) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        await flaky_client(flaky, zp_retry=False).create(HI, extra_create_args={"user": "503-off"})
+    assert info.value.status_code == 503 and flaky.users() == ["503-off#1"]

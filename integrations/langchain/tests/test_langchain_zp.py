@@ -11,24 +11,29 @@ import importlib
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
+# the zp-client clone's test helpers (tests/_budget_probes.py, tests/_retry_upstream.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 pytest.importorskip("langchain_openai")
+pytest.importorskip("langchain_zp", reason="not installed: pip install -e integrations/langchain")
 
-from langchain_core.runnables import ConfigurableField  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
-from langchain_openai import ChatOpenAI  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
+from _budget_probes import granted, overlapped, wait_until, waiters
+from _retry_upstream import RetryUpstream
+from langchain_core.runnables import ConfigurableField
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import ValidationError
 
-from zp_client import LocalBudget, Settings  # noqa: E402
-from zp_client.errors import ConfigurationError, LeaseTooLarge, PromptTooLong, ZPError  # noqa: E402
-from zp_client.integrations import MissingIntegration  # noqa: E402
-from zp_client.integrations.langchain import ZPChatOpenAI, ZPOpenAI, admit_langchain  # noqa: E402
-from zp_client.sim.server import SimServer  # noqa: E402
-
-from _budget_probes import granted, overlapped, wait_until, waiters  # noqa: E402
+from langchain_zp import ZPChatOpenAI, ZPOpenAI, admit_langchain
+from zp_client import LocalBudget, Settings
+from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
+from zp_client.retry import testing
+from zp_client.sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 
@@ -102,7 +107,7 @@ async def test_ainvoke_and_astream_go_through_the_budget(server: SimServer) -> N
     reply = await llm.ainvoke("hello", extra_body={"sim_output_tokens": 8})
     assert reply.content
     seen = []
-    async for chunk in llm.astream("hello", extra_body={"sim_output_tokens": 20}):
+    async for _ in llm.astream("hello", extra_body={"sim_output_tokens": 20}):
         seen.append((await budget.status()).used)
     assert seen and seen[0] > 0
     assert (await budget.status()).used == 0 and granted(budget) == 2
@@ -170,7 +175,8 @@ def test_sync_calls_from_two_threads_take_turns(server: SimServer) -> None:
     before = set(records(server))
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     llm = chat(server, budget)
-    threads = [threading.Thread(target=llm.invoke, args=(p,), kwargs={"extra_body": LONG}) for p in ("a", "b")]
+    threads = [threading.Thread(target=llm.invoke, args=(p,), kwargs={"extra_body": LONG})
+               for p in ("a", "b")]
     for t in threads:
         t.start()
     for t in threads:
@@ -182,7 +188,8 @@ def test_sync_calls_from_two_threads_take_turns(server: SimServer) -> None:
 async def test_zp_priority_is_the_waiting_calls_class(server: SimServer) -> None:
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     blocker = await budget.acquire(ONE_CALL_LIMIT)
-    call = asyncio.create_task(chat(server, budget, zp_priority=3).ainvoke("hi", extra_body={"sim_output_tokens": 4}))
+    llm = chat(server, budget, zp_priority=3)
+    call = asyncio.create_task(llm.ainvoke("hi", extra_body={"sim_output_tokens": 4}))
     await wait_until(lambda: waiters(budget) == {3: 1}, "the call waiting in priority class 3")
     await blocker.release()
     assert (await call).content
@@ -272,7 +279,7 @@ def test_max_retries_defaults_to_zero_and_an_explicit_value_is_kept(server: SimS
 
 def test_a_budget_is_required() -> None:
     with pytest.raises(ValidationError):
-        ZPChatOpenAI(model="m", base_url="http://127.0.0.1:9/v1", api_key="x")  # type: ignore[call-arg]
+        ZPChatOpenAI(model="m", base_url="http://127.0.0.1:9/v1", api_key="x")  # type: ignore[call-arg]  # no budget: the point of the test
     with pytest.raises(ValidationError):
         ZPChatOpenAI(model="m", base_url="http://127.0.0.1:9/v1", api_key="x", budget="not a budget")
 
@@ -298,20 +305,53 @@ def test_admitting_twice_never_takes_two_leases_per_call(server: SimServer) -> N
     with pytest.raises(ConfigurationError):
         admit_langchain(llm, LocalBudget(limit_blocks=400, policy="strict"))
     with pytest.raises(ConfigurationError):
-        admit_langchain("not a model", budget)  # type: ignore[type-var]
+        admit_langchain("not a model", budget)  # type: ignore[type-var]  # not a model: the point of the test
 
 
 def test_a_model_rebuilt_by_configurable_fields_is_admitted_once(server: SimServer) -> None:
     budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = chat(server, budget).configurable_fields(temperature=ConfigurableField(id="temperature"))
-    reply = llm.with_config(configurable={"temperature": 0.5}).invoke("hi", extra_body={"sim_output_tokens": 4})
+    configured = llm.with_config(configurable={"temperature": 0.5})
+    reply = configured.invoke("hi", extra_body={"sim_output_tokens": 4})
     assert reply.content and granted(budget) == 1
 
 
 def test_missing_langchain_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "langchain_openai", None)  # what an uninstalled package looks like
-    monkeypatch.delitem(sys.modules, "zp_client.integrations.langchain")
+    monkeypatch.delitem(sys.modules, "langchain_zp")
     with pytest.raises(MissingIntegration) as info:
-        importlib.import_module("zp_client.integrations.langchain")
+        importlib.import_module("langchain_zp")
     assert isinstance(info.value, ConfigurationError) and isinstance(info.value, ImportError)
     assert "pip install 'zp-client[langchain]'" in str(info.value)
+    assert "pip install -e integrations/langchain" in str(info.value)
+
+
+# -------------------------------------------------------------------------------------------- retries
+
+
+@pytest.fixture
+def flaky() -> Iterator[RetryUpstream]:
+    with RetryUpstream() as s:
+        yield s
+
+
+def flaky_chat(flaky: RetryUpstream, **kw: Any) -> ZPChatOpenAI:
+    return ZPChatOpenAI(model="m", base_url=flaky.base_url, api_key="sk-test", max_tokens=8,
+                        budget=LocalBudget(limit_blocks=1_000), zp_settings=Settings(max_model_len=4096),
+                        **kw)
+
+
+def test_zp_retries_a_503_by_default_sync_and_async(flaky: RetryUpstream) -> None:
+    llm = flaky_chat(flaky)
+    with testing():
+        assert llm.invoke("hi", user="503-sync").content == "ok"
+        assert asyncio.run(llm.ainvoke("hi", user="503-async")).content == "ok"
+    assert flaky.users() == ["503-sync#1", "503-sync#2", "503-async#1", "503-async#2"]
+    assert llm.root_client.max_retries == 0  # the retry was zp's, not the SDK's
+
+
+def test_zp_retry_false_sends_one_attempt(flaky: RetryUpstream) -> None:
+    llm = flaky_chat(flaky, zp_retry=False)
+    with pytest.raises(openai.APIStatusError) as info:
+        llm.invoke("hi", user="503-off")
+    assert info.value.status_code == 503 and flaky.users() == ["503-off#1"]

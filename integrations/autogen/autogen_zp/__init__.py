@@ -1,0 +1,149 @@
+"""autogen-zp: AutoGen's OpenAI model client, admission-gated: every ``create`` / ``create_stream`` takes a
+lease on a zp budget first.
+
+::
+
+    from zp_client import LocalBudget
+    from autogen_zp import ZPOpenAIChatCompletionClient
+
+    budget = LocalBudget(limit_blocks=24_000)
+    model_client = ZPOpenAIChatCompletionClient(
+        model="m", base_url="http://localhost:8000/v1", api_key="x", budget=budget,
+        model_info={"vision": False, "function_calling": True, "json_output": True,
+                    "family": "unknown", "structured_output": True},
+    )
+    agent = AssistantAgent("assistant", model_client=model_client)
+
+:class:`ZPOpenAIChatCompletionClient` is an ``OpenAIChatCompletionClient`` that builds its ``AsyncOpenAI``
+the same way, then passes it through :func:`zp_client.wrap`. ``max_retries`` defaults to 0: zp's retry
+policy is the only retry loop. Install from the zp-client clone: ``pip install -e . -e
+integrations/autogen``. What callers may rely on: docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from zp_client import AdmissionOptions, Budget, Settings, openai_http_client
+from zp_client.errors import MissingIntegration
+
+try:
+    from autogen_core import ComponentModel
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+    from autogen_ext.models.openai.config import OpenAIClientConfigurationConfigModel
+except ImportError as _exc:  # the missing-framework test hides it from sys.modules
+    raise MissingIntegration(
+        f"autogen_zp needs autogen-ext[openai] ({_exc.name or _exc} could not be imported): "
+        "pip install 'zp-client[autogen]', or install autogen-zp again (pip install -e integrations/autogen)"
+    ) from _exc
+
+__all__ = ["ZPOpenAIChatCompletionClient"]
+
+# The HTTP responses opened while create_stream starts its request (AutoGen sends it from a task it
+# creates then, which copies this context).
+_opened: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("zp_autogen_opened", default=None)
+
+
+async def _remember_response(response: Any) -> None:
+    opened = _opened.get()
+    if opened is not None:
+        opened.append(response)
+
+
+class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
+    """``OpenAIChatCompletionClient`` whose every call is admitted on ``budget``.
+
+    zp options are keywords beside the configuration: ``budget`` (required: a LocalBudget or
+    RedisBudget), ``zp_settings``, ``zp_retry`` (a :class:`~zp_client.RetryPolicy`; default: built from
+    ``zp_settings`` on the budget's shared retry budget; ``False``: no retries), ``zp_estimator``,
+    ``zp_forecaster``, and ``zp_priority`` / ``zp_deadline`` / ``zp_route`` (default ``X-ZP-*`` headers;
+    per call ``extra_create_args={"extra_headers": {...}}`` overrides them). ``max_retries`` defaults to 0.
+    Load a dumped component admitted with :meth:`from_component`.
+    """
+
+    def __init__(
+        self,
+        *,
+        budget: Budget,
+        zp_settings: Settings | None = None,
+        zp_retry: Any | None = None,
+        zp_estimator: Any | None = None,
+        zp_forecaster: Any | None = None,
+        zp_priority: int | None = None,
+        zp_deadline: float | None = None,
+        zp_route: str | None = None,
+        **config: Any,
+    ) -> None:
+        opts = AdmissionOptions(budget=budget, settings=zp_settings, estimator=zp_estimator, retry=zp_retry,
+                                forecaster=zp_forecaster, priority=zp_priority, deadline=zp_deadline,
+                                route=zp_route, max_retries=config.get("max_retries") or 0)
+        super().__init__(**config)
+        self._zp_options = opts
+        self._zp_original = self._client
+        self._client = opts.admit(self._client)
+        self._watch_responses()
+
+    def _watch_responses(self) -> None:
+        http = openai_http_client(self._client)  # the admitted client's own httpx / httpx2 client
+        hooks = http.event_hooks
+        if _remember_response not in hooks["response"]:
+            hooks["response"] = [*hooks["response"], _remember_response]
+            http.event_hooks = hooks
+
+    async def create_stream(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        """``OpenAIChatCompletionClient.create_stream``, whose response is closed when the stream ends.
+
+        AutoGen cancels a stream (``CancellationToken.cancel()``) by cancelling the pending read only, and
+        the token keeps that read, and so the open response, alive: the lease would be held until the
+        token is dropped or the idle-stream timeout. Closing the response here releases it at once.
+        """
+        inner = super().create_stream(*args, **kwargs)
+        opened: list[Any] = []
+        try:
+            marker = _opened.set(opened)
+            try:
+                first = await inner.__anext__()  # sends the request
+            except StopAsyncIteration:
+                return
+            finally:
+                _opened.reset(marker)
+            yield first
+            async for item in inner:
+                yield item
+        finally:
+            await inner.aclose()
+            for response in opened:
+                await response.aclose()
+
+    @classmethod
+    def from_component(
+        cls, component: ComponentModel | dict[str, Any], *, budget: Budget, **zp_options: Any
+    ) -> ZPOpenAIChatCompletionClient:
+        """An admitted client from an ``OpenAIChatCompletionClient`` component (``dump_component()``).
+
+        ``zp_options`` are the constructor's ``zp_*`` keywords.
+        """
+        model = (component if isinstance(component, ComponentModel)
+                 else ComponentModel.model_validate(component))
+        config = OpenAIClientConfigurationConfigModel.model_validate(model.config)
+        kwargs = config.model_dump(exclude_none=True)
+        if config.api_key is not None:
+            kwargs["api_key"] = config.api_key.get_secret_value()
+        return cls(budget=budget, **zp_options, **kwargs)
+
+    async def close(self) -> None:
+        await self._client.close()
+        await self._zp_original.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_zp_original"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # rebuilds _client from the raw config
+        self._zp_original = self._client
+        self._client = self._zp_options.admit(self._client)
+        self._watch_responses()

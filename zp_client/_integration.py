@@ -1,0 +1,138 @@
+"""What the agent-framework integrations (``langchain_zp``, ``autogen_zp``) build on.
+
+:class:`AdmissionOptions` admits one framework-built openai client once, with per-model zp options;
+:func:`openai_http_client` and :func:`openai_client_of` are the one place the integrations reach
+openai's private layout (openai has no public accessor for either). See docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from zp_client.budget.base import Budget
+from zp_client.config import Settings
+from zp_client.errors import ConfigurationError
+from zp_client.transport import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER
+from zp_client.wrap import admitted_budget, wrap
+
+__all__ = ["AdmissionOptions", "openai_client_of", "openai_http_client"]
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class AdmissionOptions:
+    """zp's options for every call of one framework model: what :func:`~zp_client.wrap` takes, plus the
+    default ``X-ZP-*`` headers and the SDK's ``max_retries``.
+
+    ``retry``: a :class:`~zp_client.RetryPolicy`; None (default) builds one from ``settings`` on the
+    budget's shared retry budget; False turns retrying off. ``max_retries`` (default 0) are the openai
+    SDK's own retries, which run around zp's. Invalid values raise :class:`~zp_client.ConfigurationError`.
+    """
+
+    budget: Budget
+    settings: Settings | None = None
+    estimator: Any | None = None
+    retry: Any | None = None
+    forecaster: Any | None = None
+    priority: int | None = None
+    deadline: float | None = None
+    route: str | None = None
+    max_retries: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, Budget):
+            raise ConfigurationError(
+                "budget must be a zp_client Budget (LocalBudget, RedisBudget), "
+                f"got {type(self.budget).__name__}"
+            )
+        if self.deadline is not None and not self.deadline > 0:
+            raise ConfigurationError(f"deadline must be a positive number of seconds, got {self.deadline!r}")
+        if self.max_retries < 0:
+            raise ConfigurationError(f"max_retries must be >= 0, got {self.max_retries}")
+
+    def headers(self) -> dict[str, str]:
+        """The per-call zp headers, as a model's default headers (a call's ``extra_headers`` win)."""
+        out: dict[str, str] = {}
+        if self.priority is not None:
+            out[PRIORITY_HEADER] = str(int(self.priority))
+        if self.deadline is not None:
+            out[DEADLINE_HEADER] = repr(float(self.deadline))
+        if self.route is not None:
+            out[ROUTE_HEADER] = self.route
+        return out
+
+    def admit(self, client: C) -> C:
+        """``client`` (``openai.OpenAI`` / ``AsyncOpenAI``) admission-gated on ``budget``, with these options.
+
+        A client already admitted on the same budget is returned as it is (a framework that rebuilds a
+        model from its fields must not stack two admissions, i.e. two leases per call); one admitted on
+        another budget is a :class:`~zp_client.ConfigurationError`.
+        """
+        current = admitted_budget(client)
+        if current is not None:
+            if current is self.budget:
+                return client
+            raise ConfigurationError(
+                "this client is already admitted on another budget; build it again from an unwrapped client"
+            )
+        # The admitted client sends through the original's transport, and the original closes that
+        # transport when it is garbage collected (openai's __del__). The frameworks drop the original as
+        # soon as we replace it, so the admitted client keeps it alive (keep_original).
+        new = wrap(client, self.budget, settings=self.settings, estimator=self.estimator, retry=self.retry,
+                   forecaster=self.forecaster, keep_original=True)
+        extra: dict[str, Any] = {}
+        headers = self.headers()
+        if headers:
+            extra["default_headers"] = headers
+        if self.max_retries:
+            # asked for explicitly: the SDK's retries then run around zp's (each SDK attempt is a new
+            # admission, each with zp's own retries inside), so attempts multiply
+            extra["max_retries"] = self.max_retries
+        if extra:
+            # wrap() accepted ``client``, so it is an openai client, which has with_options
+            new = cast(C, cast(Any, new).with_options(**extra))
+        return new
+
+
+def _openai_clients() -> tuple[type, ...]:
+    try:
+        import openai
+    except ImportError:  # pragma: no cover - openai is an optional dependency
+        raise ConfigurationError("this needs the openai package: pip install 'zp-client[openai]'") from None
+    return (openai.OpenAI, openai.AsyncOpenAI)
+
+
+def openai_http_client(client: Any) -> Any:
+    """The ``httpx`` / ``httpx2`` client an ``openai.OpenAI`` / ``AsyncOpenAI`` sends through.
+
+    For what the SDK's public API cannot reach (e.g. adding an event hook to an admitted client). openai
+    keeps it in a private attribute; if a release moves it, this raises
+    :class:`~zp_client.ConfigurationError` rather than returning something else.
+    """
+    if not isinstance(client, _openai_clients()):
+        raise ConfigurationError(
+            f"expected an openai.OpenAI or openai.AsyncOpenAI client, got {type(client).__name__}"
+        )
+    http = getattr(client, "_client", None)
+    if not (hasattr(http, "send") and hasattr(http, "event_hooks")):
+        raise ConfigurationError(
+            f"{type(client).__name__} keeps no httpx client where openai used to (._client); this openai "
+            "release is not supported by zp_client.openai_http_client"
+        )
+    return http
+
+
+def openai_client_of(resource: Any) -> Any:
+    """The openai client an API resource (``client.completions``, ``client.chat.completions``, ...) calls.
+
+    For frameworks that keep only the resource (langchain-openai's ``OpenAI`` LLM does). Raises
+    :class:`~zp_client.ConfigurationError` for anything else, or if an openai release moved it.
+    """
+    client = getattr(resource, "_client", None)
+    if not isinstance(client, _openai_clients()):
+        raise ConfigurationError(
+            f"{type(resource).__name__} is not an openai API resource (such as client.completions)"
+        )
+    return client
