@@ -44,8 +44,8 @@ _EXPORTS: dict[str, str] = {
     "AsyncClient": "zp_client.client",
     "Client": "zp_client.client",
     "APIStatusError": "zp_client.client",
-    "wrap": "zp_client.wrap",
-    "admitted_budget": "zp_client.wrap",
+    "wrap": "zp_client._wrap",
+    "admitted_budget": "zp_client._wrap",
     "PRIORITY_HEADER": "zp_client.transport",
     "DEADLINE_HEADER": "zp_client.transport",
     "ROUTE_HEADER": "zp_client.transport",
@@ -106,4 +106,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         AdmissionTransport,
         AsyncAdmissionTransport,
     )
-    from zp_client.wrap import admitted_budget, wrap
+    from zp_client._wrap import admitted_budget, wrap

@@ -43,6 +43,7 @@ import httpx
 from httpx_sse import EventSource, SSEError
 from pydantic import BaseModel, SecretStr
 
+from zp_client._private import http_transport
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, ZPError
 from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
@@ -388,7 +389,7 @@ class AsyncClient:
         self._url, self._key = _resolve(base_url, api_key, self.settings)
         kwargs = _client_kwargs(self._url, self._key, timeout)
         if http_client is not None:
-            inner = http_client._transport  # httpx has no public accessor; every wrapper library uses this
+            inner = http_transport(http_client)
             kwargs["headers"] = {**dict(http_client.headers), **kwargs["headers"]}
             kwargs["event_hooks"] = http_client.event_hooks
             kwargs["follow_redirects"] = http_client.follow_redirects
@@ -593,7 +594,7 @@ class Client:
         self._url, self._key = _resolve(base_url, api_key, self.settings)
         kwargs = _client_kwargs(self._url, self._key, timeout)
         if http_client is not None:
-            inner = http_client._transport
+            inner = http_transport(http_client)
             kwargs["headers"] = {**dict(http_client.headers), **kwargs["headers"]}
             kwargs["event_hooks"] = http_client.event_hooks
             kwargs["follow_redirects"] = http_client.follow_redirects

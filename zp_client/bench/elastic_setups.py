@@ -7,7 +7,7 @@
                    ``suggest_limit_blocks`` recommends for elastic (the whole usable pool,
                    ``ELASTIC_HEADROOM``); ``zp-strict`` keeps the storm's 5% headroom. Same retry policy
                    and app-level retry as ``zp-strict``.
-``zp-oracle``      a reference, not a product setup: ``zp-elastic`` with ``oracle=True``, so the transport
+``zp-oracle``      a reference, not a product setup: ``zp-elastic`` with a SimOracleForecaster, so the transport
                    forecasts each request from the simulator's body field ``sim_output_tokens`` (its true
                    length). The limit a forecaster can reach.
 ``zp-redis-elastic`` ``zp-redis`` with ``RedisBudget(policy="elastic")`` (held reported every block) shared by the worker
@@ -30,8 +30,10 @@ import os
 from typing import Any
 
 from zp_client.bench.loadgen import Caller
+from zp_client.bench.oracle import SimOracleForecaster
 from zp_client.bench.setups import AppCaller, SetupContext, SetupSpec, register_setup, zp_client_for, zp_limit_blocks
 from zp_client.errors import ConfigurationError
+from zp_client.transport import forecaster_for
 
 __all__ = ["ELASTIC_SETUPS", "configure", "redis_elastic_available"]
 
@@ -121,7 +123,9 @@ async def _zp_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Ca
 
 
 async def _zp_oracle(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
-    client = await zp_client_for(ctx, stack, _local_elastic(ctx), oracle=True)
+    budget = _local_elastic(ctx)
+    oracle = SimOracleForecaster(forecaster_for(budget))
+    client = await zp_client_for(ctx, stack, budget, forecaster=oracle)
     return AppCaller(client, ctx.model, app_retry=True)
 
 

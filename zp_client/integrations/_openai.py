@@ -9,7 +9,7 @@ from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
 from zp_client.transport import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER
-from zp_client.wrap import admitted_budget, wrap
+from zp_client import admitted_budget, wrap
 
 C = TypeVar("C")
 

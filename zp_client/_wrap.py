@@ -29,22 +29,22 @@ What callers may rely on:
 - Per call, ``extra_headers={"X-ZP-Priority": "1", "X-ZP-Deadline": "30", "X-ZP-Route": "planner"}`` set
   queue priority, the deadline and the route whose output lengths the forecaster learns (an elastic
   budget's); all are stripped before sending.
-- ``from zp_client import wrap`` works in any import order: once the submodule ``zp_client.wrap`` is
-  imported Python binds that name on the package to the module, so the module itself is callable and
-  forwards to :func:`wrap`.
+
+The one private attribute of each library this needs is read in :mod:`zp_client._private`. See
+docs/integrations.md.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-import types
 from typing import Any, TypeVar
 
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, ZPError
-from zp_client.transport import _module_of, transport_classes
+from zp_client._httplib import module_of
+from zp_client._private import http_mounts, http_transport, sdk_http_client
+from zp_client.transport import transport_classes
 
 __all__ = ["wrap", "openai_compatible_error", "admitted_budget"]
 
@@ -88,7 +88,6 @@ def wrap(
     estimator: Any | None = None,
     retry: Any | None = None,
     forecaster: Any | None = None,
-    oracle: bool = False,
     keep_original: bool | None = None,
     **setting_overrides: Any,
 ) -> C:
@@ -100,9 +99,8 @@ def wrap(
     admission transport. ``keep_original``: the wrapped client keeps ``client`` alive (default: only a
     sync one, see the module docstring; a framework that drops the original pass True). With an elastic budget, ``forecaster`` (a
     :class:`~zp_client.forecast.LengthForecaster`; default: the one shared by the budget's transports)
-    forecasts output lengths, and ``oracle=True`` (benchmarks only) forecasts from the simulator's
-    ``sim_output_tokens`` body field instead. See the module docstring for what is kept from the
-    original client.
+    forecasts output lengths (one with a ``forecast_request`` hook may forecast from the request body,
+    see docs/elastic.md). See the module docstring for what is kept from the original client.
     """
     try:
         import openai
@@ -120,22 +118,21 @@ def wrap(
         except Exception as exc:
             raise ConfigurationError(f"invalid zp option for wrap(): {exc}") from None
     is_async = isinstance(client, openai.AsyncOpenAI)
-    http = client._client  # the SDK's httpx / httpx2 client
-    mod = _module_of(http)
+    http = sdk_http_client(client)
+    mod = module_of(http)
     classes = transport_classes(mod)
     cls = classes.AsyncAdmissionTransport if is_async else classes.AdmissionTransport
 
-    transport = cls(http._transport, budget=budget, settings=settings, estimator=estimator, retry=retry,
-                    close_inner=False, forecaster=forecaster, oracle=oracle)
-    core = transport._core
-    core.convert_error = openai_compatible_error
+    transport = cls(http_transport(http), budget=budget, settings=settings, estimator=estimator, retry=retry,
+                    close_inner=False, forecaster=forecaster)
+    transport.core.convert_error = openai_compatible_error
     mounts: dict[str, Any] = {}
-    for pattern, inner in http._mounts.items():
+    for pattern, inner in http_mounts(http).items():
         if inner is None:
             mounts[pattern.pattern] = None
             continue
         t = cls(inner, budget=budget, settings=settings, estimator=estimator, retry=retry, close_inner=False)
-        t._core = core  # one estimator, one metadata cache, one error conversion for all routes
+        t.share_core(transport)  # one estimator, one metadata cache, one error conversion for all routes
         mounts[pattern.pattern] = t
 
     client_cls = mod.AsyncClient if is_async else mod.Client
@@ -151,7 +148,7 @@ def wrap(
         base_url=http.base_url,
         headers=http.headers,
         cookies=http.cookies,
-        auth=http._auth,
+        auth=http.auth,
     )
     # The wrapped client sends through the original's connection pool, and openai's sync HTTP client
     # closes that pool when the original is garbage-collected (its __del__), which the cycle collector
@@ -159,34 +156,26 @@ def wrap(
     # async original is not kept: its __del__ schedules aclose() on whatever loop runs then, so keeping it
     # would close connections of a finished loop from a later one.
     if keep_original or (keep_original is None and not is_async):
-        transport._zp_original_client = client
+        transport.keep_alive(client)
     logger.debug("wrapped %s (%s) with admission", type(client).__name__, mod.__name__)
     return client.with_options(http_client=new_http, max_retries=0)  # type: ignore[attr-defined,no-any-return]
 
 
 def admitted_budget(client: Any) -> Budget | None:
     """The budget an openai client (as returned by :func:`wrap`) is admitted on, or None."""
-    http = getattr(client, "_client", None)  # the openai SDK's HTTP client
-    transport = getattr(http, "_transport", None)
-    if transport is None:
-        return None
     try:
-        classes = transport_classes(_module_of(http))
+        import openai
+    except ImportError:  # pragma: no cover - openai is an optional dependency
+        return None
+    if not isinstance(client, (openai.AsyncOpenAI, openai.OpenAI)):
+        return None
+    http = sdk_http_client(client)
+    try:
+        classes = transport_classes(module_of(http))
     except ConfigurationError:
         return None
+    transport = http_transport(http)
     if isinstance(transport, (classes.AsyncAdmissionTransport, classes.AdmissionTransport)):
         budget: Budget = transport.budget
         return budget
     return None
-
-
-class _CallableModule(types.ModuleType):
-    """Importing ``zp_client.wrap`` (the module) makes Python set ``zp_client.wrap`` to the module,
-    shadowing the lazily exported function of the same name. Making the module callable keeps
-    ``from zp_client import wrap; wrap(client, budget=...)`` working in every import order."""
-
-    def __call__(self, client: Any, budget: Budget, **options: Any) -> Any:
-        return wrap(client, budget, **options)
-
-
-sys.modules[__name__].__class__ = _CallableModule

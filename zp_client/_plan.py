@@ -1,0 +1,105 @@
+"""The request plan: what the admission core decided for one admitted request (blocks, priority,
+deadline, lease metadata, the body and headers to send). Plain data; see docs/admission.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "is_admitted", "Plan", "Parsed", "api_base"]
+
+PRIORITY_HEADER = "x-zp-priority"
+DEADLINE_HEADER = "x-zp-deadline"
+ROUTE_HEADER = "x-zp-route"
+ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
+
+
+def is_admitted(method: str, path: str) -> bool:
+    """True when a request is an LLM call the transport takes a lease for."""
+    return method.upper() == "POST" and path.rstrip("/").endswith(ADMITTED_SUFFIXES)
+
+
+
+
+@dataclass
+class Plan:
+    """What the core decided for one admitted request."""
+
+    content: bytes
+    headers: list[tuple[bytes, bytes]]
+    blocks: int
+    held: int
+    priority: int
+    deadline: float | None  # monotonic time
+    strip_usage: bool
+    stream: bool
+    prompt_tokens: int
+    n: int
+    estimate: Any
+    meta: dict[str, Any] | None = None
+    """Lease metadata for an elastic budget (None under strict)."""
+    route: str = "default"
+    """The forecaster's key."""
+    max_tokens: int = 0
+    forecast: int = 0
+    """Forecast output tokens per choice (elastic only)."""
+    forecast_known: bool = False
+    """The forecast came from the request itself (``forecast_request``): outliving it re-forecasts one
+    block at a time instead of asking the forecaster's tail quantile."""
+    chat: bool = False
+    upstream: bool = False
+    """A non-streamed call sent upstream as a stream: the transport reassembles the JSON answer."""
+    continuous: bool = False
+    """zp asked vLLM for ``continuous_usage_stats``: every chunk carries the exact counts so far."""
+    strip_continuous: bool = False
+    """...and the caller did not: the per-chunk usage is removed from what it reads."""
+
+    def acquire_kwargs(self) -> dict[str, Any]:
+        # meta only when there is some: a backend written before it existed keeps working.
+        return {"meta": dict(self.meta)} if self.meta is not None else {}
+
+
+@dataclass
+class Parsed:
+    body: dict[str, Any]
+    changed: bool
+    headers: list[tuple[bytes, bytes]]
+    priority: int
+    deadline: float | None
+    stream: bool
+    strip_usage: bool
+    max_tokens: int
+    model: str | None
+    base: str
+    root: str
+    auth_headers: dict[str, str] = field(default_factory=dict)
+    route: str | None = None
+    upstream: bool = False
+    chat_or_completions: bool = True
+    """``/chat/completions`` or ``/completions`` (not ``/responses``, whose events carry no such usage)."""
+
+
+def api_base(url: Any) -> tuple[str, str]:
+    """(API base, server root) of an admitted request's URL: ``http://h:p/v1``, ``http://h:p``."""
+    key = (url.scheme, url.host, url.port, url.path)
+    hit = _bases.get(key)
+    if hit is None:
+        if len(_bases) > 1024:
+            _bases.clear()
+        hit = _bases[key] = _api_base_uncached(url)
+    return hit
+
+
+_bases: dict[tuple[Any, ...], tuple[str, str]] = {}
+
+
+def _api_base_uncached(url: Any) -> tuple[str, str]:
+    path = url.path.rstrip("/")
+    for suffix in ADMITTED_SUFFIXES:
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+            break
+    port = f":{url.port}" if url.port else ""
+    root = f"{url.scheme}://{url.host}{port}"
+    return root + path, root
