@@ -6,7 +6,12 @@ PY      = $(VENV)/bin/python
 PY2     = $(OA2)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test test-main test-openai2 demo bench clean
+# What `make lint` and `make typecheck` check; integration paths are skipped until they exist. mypy
+# gets the integration packages, not their tests folders (two `tests`/`conftest` modules would clash).
+LINT_PATHS      ?= zp_client $(wildcard integrations)
+TYPECHECK_PATHS ?= zp_client $(wildcard integrations/*/*_zp integrations/*/src/*_zp)
+
+.PHONY: test test-main test-openai2 lint typecheck demo bench clean
 
 # The main environment: openai 3.x (built on httpx2) and every extra.
 $(VENV)/.installed: pyproject.toml
@@ -30,6 +35,13 @@ test-main: $(VENV)/.installed
 test-openai2: $(OA2)/.installed
 	$(PY2) -m pytest -m openai_compat $(PYTEST_ARGS)
 
+# Gates (rules in pyproject.toml: [tool.ruff.lint], [tool.mypy]).
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+
+typecheck: $(VENV)/.installed
+	$(VENV)/bin/mypy $(TYPECHECK_PATHS)
+
 # The main job: the storm benchmark on the simulator, with and without zp-client.
 demo: $(VENV)/.installed
 	$(VENV)/bin/zp-client storm --workload seed-burst --out storm-report
@@ -38,4 +50,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_budget.py
 
 clean:
-	rm -rf $(VENV) $(OA2) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) $(OA2) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

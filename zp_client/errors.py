@@ -89,5 +89,6 @@ class ServerInfoError(ZPError):
 
     def __init__(self, what: str, status: int, detail: str = "") -> None:
         self.status = status
-        msg = f"the server's {what} answered HTTP {status}" if status else f"the server's {what} did not answer"
+        msg = (f"the server's {what} answered HTTP {status}" if status
+               else f"the server's {what} did not answer")
         super().__init__(f"{msg}: {detail}" if detail else msg)

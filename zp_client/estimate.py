@@ -45,6 +45,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from zp_client.errors import ConfigurationError, ServerInfoError
+
 if TYPE_CHECKING:  # pragma: no cover
     from zp_client.config import Settings
     from zp_client.server import ServerInfo
@@ -77,15 +79,15 @@ class PromptEstimate:
     """Prompts in a batched completions request (``n`` already includes them); 1 otherwise."""
 
 
-def kv_blocks(prompt_tokens: int, max_tokens: int, *, block_size: int, max_model_len: int | None, n: int = 1) -> int:
+def kv_blocks(
+    prompt_tokens: int, max_tokens: int, *, block_size: int, max_model_len: int | None, n: int = 1
+) -> int:
     """The most KV blocks a request can ever occupy on the server.
 
     ``ceil(min(prompt_tokens + max_tokens, max_model_len) / block_size) * n``. vLLM never gives the last
     sampled token KV, so this is a safe bound (at most one block more than the true peak).
     """
     if block_size < 1:
-        from zp_client.errors import ConfigurationError
-
         raise ConfigurationError(f"block_size must be >= 1, got {block_size}")
     total = max(0, prompt_tokens) + max(0, max_tokens)
     if max_model_len is not None:
@@ -136,8 +138,8 @@ _PUBLIC_ENCODINGS: dict[str, tuple[str, str]] = {
     ),
 }
 _CL100K_PAT = (
-    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|"""
-    r"""\s+(?!\S)|\s"""
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 _O200K_PAT = "|".join(
     [
@@ -151,7 +153,9 @@ _O200K_PAT = "|".join(
     ]
 )
 _R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-_PATTERNS = {"cl100k_base": _CL100K_PAT, "o200k_base": _O200K_PAT, "p50k_base": _R50K_PAT, "r50k_base": _R50K_PAT}
+_PATTERNS = {
+    "cl100k_base": _CL100K_PAT, "o200k_base": _O200K_PAT, "p50k_base": _R50K_PAT, "r50k_base": _R50K_PAT,
+}
 
 
 def _tiktoken_cache_dir() -> str | None:
@@ -226,7 +230,8 @@ def _load_encoding(encoding: str, path: str) -> Any:
 # two, CJK characters are about one token each, other non-ASCII letters about a third of a token.
 # Measured against cl100k in benchmarks/estimate_error.py; calibration corrects what remains.
 _H_PIECES = re.compile(
-    r"[^\t\n\r\x0b\x0cA-Za-z0-9\u0080-\uffff]?[A-Za-z]+"      # a word, with one leading space or punctuation mark
+    # a word, with one leading space or punctuation mark
+    r"[^\t\n\r\x0b\x0cA-Za-z0-9\u0080-\uffff]?[A-Za-z]+"
     r"|[0-9]{1,3}"                                # digits in groups of three
     r"| ?[^\sA-Za-z0-9\u0080-\uffff]+"           # a run of punctuation
     r"|\s+"                                       # whitespace (a lone space before digits counts too)
@@ -394,9 +399,15 @@ class Estimator:
                         enc = _load_encoding(cfg.encoding, path)
                         self._encoding = enc
                         encode = enc.encode_ordinary
-                        fn = lambda text: len(encode(text))  # noqa: E731
+
+                        def count_bpe(text: str) -> int:
+                            return len(encode(text))
+
+                        fn = count_bpe
                         backend = "tiktoken"
-                    except Exception as exc:  # corrupt file, tiktoken missing: the heuristic still works
+                    except (ImportError, OSError, ValueError) as exc:
+                        # tiktoken missing, file unreadable or corrupt (hash, line, base64, tiktoken's own
+                        # checks): the heuristic still works
                         logger.warning("cannot load tiktoken encoding %s from %s (%s); using the heuristic",
                                        cfg.encoding, path, exc)
                 elif cfg.estimator == "tiktoken":
@@ -504,7 +515,8 @@ class Estimator:
             for call in calls if isinstance(calls, list) else [calls]:
                 fn = call.get("function") if isinstance(call, Mapping) else None
                 if isinstance(fn, Mapping):
-                    t += _PER_TOOL_CALL + self._count_any(fn.get("name")) + self._count_any(fn.get("arguments"))
+                    t += (_PER_TOOL_CALL + self._count_any(fn.get("name"))
+                          + self._count_any(fn.get("arguments")))
                 else:
                     t += _PER_TOOL_CALL + self._count_any(call)
         fc = m.get("function_call")
@@ -598,7 +610,9 @@ class Estimator:
         return _BOS + self._count_any(prompt), 1, False
 
     # ----------------------------------------------------------------------------------------------
-    async def estimate_async(self, path: str, body: Mapping[str, Any], server: ServerInfo | None) -> PromptEstimate:
+    async def estimate_async(
+        self, path: str, body: Mapping[str, Any], server: ServerInfo | None
+    ) -> PromptEstimate:
         """Like :meth:`estimate`; in ``server`` mode (opt-in) the count comes from the server's
         ``/tokenize`` (cached per request content) and the estimate is ``exact``. When the server cannot
         answer, the offline estimate is returned (logged once per failure kind)."""
@@ -611,13 +625,15 @@ class Estimator:
         if cached is None:
             try:
                 cached = await server.tokenize(path, body)
-            except Exception as exc:
+            except (ServerInfoError, ConfigurationError) as exc:  # no answer, or no fetch for this face
                 logger.warning("server /tokenize failed (%s); using the offline estimate", exc)
                 return est
             self._server_put(key, cached)
         return _replace_tokens(est, cached)
 
-    def estimate_sync_server(self, path: str, body: Mapping[str, Any], server: ServerInfo | None) -> PromptEstimate:
+    def estimate_sync_server(
+        self, path: str, body: Mapping[str, Any], server: ServerInfo | None
+    ) -> PromptEstimate:
         """Synchronous counterpart of :meth:`estimate_async`."""
         est = self.estimate(path, body)
         if server is None or self.backend != "server" or est.exact:
@@ -628,7 +644,7 @@ class Estimator:
         if cached is None:
             try:
                 cached = server.tokenize_sync(path, body)
-            except Exception as exc:
+            except (ServerInfoError, ConfigurationError) as exc:  # no answer, or no fetch for this face
                 logger.warning("server /tokenize failed (%s); using the offline estimate", exc)
                 return est
             self._server_put(key, cached)

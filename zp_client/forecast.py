@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 from zp_client.errors import ConfigurationError
 
-__all__ = ["BUCKET_RATIO", "DEFAULT_Q", "DEFAULT_Q_BLIND", "DEFAULT_Q_TAIL", "LengthForecaster", "LengthHistogram",
-           "Prior"]
+__all__ = [
+    "BUCKET_RATIO", "DEFAULT_Q", "DEFAULT_Q_BLIND", "DEFAULT_Q_TAIL", "LengthForecaster", "LengthHistogram",
+    "Prior",
+]
 
 BUCKET_RATIO = 1.15
 
@@ -161,7 +163,7 @@ def _inverse_within(lo: float, hi: float, f: float) -> float:
     f = min(1.0, max(0.0, f))
     if lo <= 0:
         return lo + f * (hi - lo)
-    return lo * (hi / lo) ** f
+    return lo * float((hi / lo) ** f)  # positive base: a real power (typeshed says Any)
 
 
 class LengthForecaster:

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from zp_client.errors import ConfigurationError, ServerInfoError
 
@@ -60,6 +60,7 @@ logger = logging.getLogger("zp_client.server")
 AsyncFetch = Callable[[str, str, Any], Awaitable[tuple[int, bytes]]]
 """(method, path, json_body or None) -> (status, body). See the module docstring for ``path``."""
 SyncFetch = Callable[[str, str, Any], tuple[int, bytes]]
+_F = TypeVar("_F", AsyncFetch, SyncFetch)
 
 # After a failed GET models, ask again no sooner than this: a down server must not be asked on
 # every request.
@@ -93,7 +94,9 @@ ELASTIC_HEADROOM = 0.95
 STRICT_HEADROOM = 0.95
 
 
-def suggest_limit_blocks(num_gpu_blocks: int, headroom: float | None = None, *, policy: str = "elastic") -> int:
+def suggest_limit_blocks(
+    num_gpu_blocks: int, headroom: float | None = None, *, policy: str = "elastic"
+) -> int:
     """A budget limit for a server with ``num_gpu_blocks`` KV blocks: ``floor((N - 1) * headroom)``.
 
     vLLM's pool includes one null block, so ``N - 1`` are usable. ``headroom`` defaults to the policy's:
@@ -202,6 +205,23 @@ def _token_count(prompt: Any) -> int | None:
     return None
 
 
+async def _ask(fetch: AsyncFetch, what: str, method: str, path: str, payload: Any) -> tuple[int, bytes]:
+    """One fetch. By the fetch convention a raise means no response arrived: that becomes a
+    :class:`~zp_client.errors.ServerInfoError` with status 0, the original error as its cause."""
+    try:
+        return await fetch(method, path, payload)
+    except Exception as exc:
+        raise ServerInfoError(what, 0, str(exc)) from exc
+
+
+def _ask_sync(fetch: SyncFetch, what: str, method: str, path: str, payload: Any) -> tuple[int, bytes]:
+    """Synchronous counterpart of :func:`_ask`."""
+    try:
+        return fetch(method, path, payload)
+    except Exception as exc:
+        raise ServerInfoError(what, 0, str(exc)) from exc
+
+
 def _error_detail(body: bytes) -> str:
     try:
         doc = json.loads(body)
@@ -255,7 +275,8 @@ class ServerInfo:
         ``timeout`` bounds each call when no client is given.
         """
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-            raise ConfigurationError(f"base_url must be an http(s) URL such as http://host:8000/v1, got {base_url!r}")
+            raise ConfigurationError(
+                f"base_url must be an http(s) URL such as http://host:8000/v1, got {base_url!r}")
         hdrs = {"accept": "application/json", **dict(headers or {})}
 
         def kwargs(payload: Any) -> dict[str, Any]:
@@ -331,7 +352,8 @@ class ServerInfo:
             for card in cards:
                 if isinstance(card, dict) and isinstance(card.get("id"), str):
                     v = card.get("max_model_len")
-                    models[card["id"]] = int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+                    models[card["id"]] = (
+                        int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
                     # vLLM's cards say owned_by "vllm" (OpenAI's name the organisation)
                     vllm = vllm or card.get("owned_by") == "vllm"
         except (ValueError, AttributeError) as exc:
@@ -363,10 +385,10 @@ class ServerInfo:
                 if self._should_fetch_models():
                     fetch = self._need(self._fetch, "fetch")
                     try:
-                        status, body = await fetch("GET", "models", None)
-                    except Exception as exc:
+                        status, body = await _ask(fetch, "GET models", "GET", "models", None)
+                    except ServerInfoError as exc:
                         self._models_failed_at = time.monotonic()
-                        logger.warning("GET models failed (%s); max_model_len unknown for now", exc)
+                        logger.warning("GET models failed (%s); max_model_len unknown for now", exc.__cause__)
                         return None
                     self._store_models(status, body)
         return self._lookup(model)
@@ -381,10 +403,10 @@ class ServerInfo:
                 if self._should_fetch_models():
                     fetch = self._need(self._fetch_sync, "fetch_sync")
                     try:
-                        status, body = fetch("GET", "models", None)
-                    except Exception as exc:
+                        status, body = _ask_sync(fetch, "GET models", "GET", "models", None)
+                    except ServerInfoError as exc:
                         self._models_failed_at = time.monotonic()
-                        logger.warning("GET models failed (%s); max_model_len unknown for now", exc)
+                        logger.warning("GET models failed (%s); max_model_len unknown for now", exc.__cause__)
                         return None
                     self._store_models(status, body)
         return self._lookup(model)
@@ -408,10 +430,7 @@ class ServerInfo:
         fetch = self._need(self._fetch, "fetch")
         best = _token_count(body.get("prompt")) or 0
         for req in tokenize_request(path, body):
-            try:
-                status, raw = await fetch("POST", "/tokenize", req)
-            except Exception as exc:
-                raise ServerInfoError("POST /tokenize", 0, str(exc)) from exc
+            status, raw = await _ask(fetch, "POST /tokenize", "POST", "/tokenize", req)
             best = max(best, self._read_count(status, raw))
         return best
 
@@ -420,10 +439,7 @@ class ServerInfo:
         fetch = self._need(self._fetch_sync, "fetch_sync")
         best = _token_count(body.get("prompt")) or 0
         for req in tokenize_request(path, body):
-            try:
-                status, raw = fetch("POST", "/tokenize", req)
-            except Exception as exc:
-                raise ServerInfoError("POST /tokenize", 0, str(exc)) from exc
+            status, raw = _ask_sync(fetch, "POST /tokenize", "POST", "/tokenize", req)
             best = max(best, self._read_count(status, raw))
         return best
 
@@ -431,10 +447,7 @@ class ServerInfo:
     async def metrics(self) -> ServerMetrics:
         """``GET /metrics`` (server root), parsed. Not cached: each call asks the server."""
         fetch = self._need(self._fetch, "fetch")
-        try:
-            status, raw = await fetch("GET", "/metrics", None)
-        except Exception as exc:
-            raise ServerInfoError("GET /metrics", 0, str(exc)) from exc
+        status, raw = await _ask(fetch, "GET /metrics", "GET", "/metrics", None)
         if status != 200:
             raise ServerInfoError("GET /metrics", status, _error_detail(raw))
         return parse_metrics(raw.decode("utf-8", "replace"))
@@ -442,16 +455,13 @@ class ServerInfo:
     def metrics_sync(self) -> ServerMetrics:
         """Synchronous counterpart of :meth:`metrics`."""
         fetch = self._need(self._fetch_sync, "fetch_sync")
-        try:
-            status, raw = fetch("GET", "/metrics", None)
-        except Exception as exc:
-            raise ServerInfoError("GET /metrics", 0, str(exc)) from exc
+        status, raw = _ask_sync(fetch, "GET /metrics", "GET", "/metrics", None)
         if status != 200:
             raise ServerInfoError("GET /metrics", status, _error_detail(raw))
         return parse_metrics(raw.decode("utf-8", "replace"))
 
     @staticmethod
-    def _need(fn: Any, name: str) -> Any:
+    def _need(fn: _F | None, name: str) -> _F:
         if fn is None:
             raise ConfigurationError(
                 f"ServerInfo was built without {name!r}; pass {name}=... to use this method")

@@ -169,5 +169,5 @@ class ModelList(_Base):
     object: str = "list"
     data: list[Model] = Field(default_factory=list)
 
-    def __iter__(self) -> Any:  # type: ignore[override]  # iterate models, like openai's page objects
+    def __iter__(self) -> Any:  # iterate models, like openai's page objects (Any: BaseModel yields pairs)
         return iter(self.data)

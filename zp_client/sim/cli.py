@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 
@@ -99,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
                   + (" (LAGGING: could not keep up with the speedup)" if st["lagging"] else ""),
                   file=sys.stderr)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a foreground server stops
         asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
     return 0

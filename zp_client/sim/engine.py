@@ -37,7 +37,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from zp_client.sim.profiles import StepProfile
 
@@ -92,7 +92,7 @@ class EngineConfig:
     profile: StepProfile | None = None
 
     @classmethod
-    def from_profile(cls, profile: StepProfile, **overrides: object) -> EngineConfig:
+    def from_profile(cls, profile: StepProfile, **overrides: Any) -> EngineConfig:
         """Config with the profile's pool and limits; keyword ``overrides`` replace any field."""
         base = cls(
             num_gpu_blocks=profile.num_gpu_blocks,
@@ -102,7 +102,7 @@ class EngineConfig:
             max_model_len=profile.max_model_len,
             profile=profile,
         )
-        return replace(base, **overrides)  # type: ignore[arg-type]
+        return replace(base, **overrides)
 
     def validate(self) -> None:
         """Raise ``ValueError`` with a fix-it message for impossible settings."""

@@ -63,8 +63,9 @@ def _int_field(rec: Mapping[str, Any], key: str, where: str, *, minimum: int) ->
     return value
 
 
-def parse_workload(records: Iterable[Mapping[str, Any]]) -> list[ReplayRequest]:
-    """Validate workload records (dicts as in REPLAY.md); raise :class:`ReplayError` on bad input."""
+def parse_workload(records: Iterable[object]) -> list[ReplayRequest]:
+    """Validate workload records (dicts as in REPLAY.md); raise :class:`ReplayError` on bad input
+    (anything that is not a mapping included)."""
     out: list[ReplayRequest] = []
     seen: set[str] = set()
     modes: set[str] = set()
@@ -177,10 +178,8 @@ def run_replay(
         reqs = load_workload(path_or_records)
     else:
         items = list(path_or_records)
-        if items and all(isinstance(r, ReplayRequest) for r in items):
-            reqs = list(items)  # type: ignore[arg-type]
-        else:
-            reqs = parse_workload(items)  # type: ignore[arg-type]
+        given = [r for r in items if isinstance(r, ReplayRequest)]
+        reqs = given if items and len(given) == len(items) else parse_workload(items)
     for r in reqs:
         if r.prompt_tokens > config.max_model_len:
             raise ReplayError(
@@ -266,7 +265,7 @@ def run_replay(
     records = [engine.request_record(r.id) for r in reqs]
     ttft_steps = [
         rec.first_token_step - (r.arrival_step or 0)
-        for r, rec in zip(reqs, records)
+        for r, rec in zip(reqs, records, strict=True)
         if rec.first_token_step is not None and not by_time
     ]
     ttft_s = [

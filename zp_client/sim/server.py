@@ -353,9 +353,9 @@ class _Sim:
 
     def _sample(self, out: Any) -> None:
         st = self.engine.stats
-        if self.timeline and self.timeline_interval_s > 0:
-            if out.end_time - self.timeline[-1][0] < self.timeline_interval_s:
-                return
+        if (self.timeline and self.timeline_interval_s > 0
+                and out.end_time - self.timeline[-1][0] < self.timeline_interval_s):
+            return
         self.timeline.append((float(out.end_time), float(out.kv_usage), int(st.preemptions_total),
                               int(out.num_running), int(out.num_waiting)))
 
@@ -413,7 +413,7 @@ class _Sim:
     def _engine_record(self, eid: str) -> Any:
         try:
             return self.engine.request_record(eid)
-        except Exception:  # the engine may drop records of aborted requests
+        except KeyError:  # the engine drops records of aborted (forgotten) requests
             return None
 
     @staticmethod
@@ -668,7 +668,7 @@ def _pick_tool(body: Mapping[str, Any], messages: Sequence[Any]) -> Mapping[str,
     if not tools:
         return None
     choice = body.get("tool_choice", "auto")
-    fns = [t.get("function", t) for t in tools if isinstance(t, Mapping)]
+    fns: list[Mapping[str, Any]] = [t.get("function", t) for t in tools if isinstance(t, Mapping)]
     if not fns:
         return None
     if choice == "none":
@@ -1209,7 +1209,7 @@ class SimServer:
             self._stopped = asyncio.Event()
             try:
                 await self.start()
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread, which re-raises it
                 failure.append(exc)
                 ready.set()
                 return
