@@ -65,6 +65,8 @@ class ModelLen:
 class NewRetryState:
     """Start the retry policy's state for this request -> RetryState."""
 
+    policy: Any
+
 
 @dataclass(frozen=True)
 class Acquire:
@@ -121,6 +123,7 @@ class Release:
 class Decide:
     """Ask the retry policy about a failed attempt -> RetryDecision."""
 
+    policy: Any
     state: Any
     status: int | None
     headers: Mapping[str, str] | None
@@ -136,6 +139,7 @@ class Decide:
 class Sleep:
     """Sleep before the next attempt (the retry policy's sleep) -> None."""
 
+    policy: Any
     seconds: float
 
 
@@ -469,6 +473,7 @@ class Core:
         whose growth is not seen (``streaming`` False) is forecast at the forecaster's ``q_blind``:
         nothing corrects it later."""
         fc = self.forecaster
+        assert fc is not None  # an elastic core always has one (__init__)
         hook = getattr(fc, "forecast_request", None)
         if hook is not None:
             known = hook(route, p.body, max_tokens=p.max_tokens, streaming=streaming)
@@ -547,7 +552,8 @@ class Core:
             est = self.estimator.estimate(request.url.path, p.body)
         mml = yield from self._max_model_len(p, inner)
         plan = self.finish_plan(request, p, est, mml)
-        state = (yield NewRetryState()) if self.retry is not None else None
+        retry = self.retry
+        state = (yield NewRetryState(retry)) if retry is not None else None
         ticket: Ticket | None = None
         attempt = 0
         while True:
@@ -567,13 +573,13 @@ class Core:
                 yield Release(holder)
                 if state is None:
                     raise
-                d = yield Decide(state, None, None, exc, self.remaining(plan))
+                d = yield Decide(retry, state, None, None, exc, self.remaining(plan))
                 if not d.retry:
                     if d.error is not None and d.error is not exc:
                         raise d.error from exc
                     raise
                 logger.info("attempt %d failed (%s): retrying in %.3f s", attempt + 1, d.reason, d.delay_s)
-                yield Sleep(d.delay_s)
+                yield Sleep(retry, d.delay_s)
                 attempt += 1
                 continue
             except BaseException:
@@ -581,7 +587,7 @@ class Core:
                 raise
             try:
                 if state is not None and resp.status_code >= 400:
-                    d = yield Decide(state, resp.status_code, resp.headers, None, self.remaining(plan))
+                    d = yield Decide(retry, state, resp.status_code, resp.headers, None, self.remaining(plan))
                     if d.retry or d.error is not None:
                         yield Close(resp, shield=False)
                         yield Release(holder)
@@ -591,7 +597,7 @@ class Core:
                             "attempt %d got HTTP %d (%s): retrying in %.3f s",
                             attempt + 1, resp.status_code, d.reason, d.delay_s,
                         )
-                        yield Sleep(d.delay_s)
+                        yield Sleep(retry, d.delay_s)
                         attempt += 1
                         continue
                 if assembled:  # consumed, observed and released already

@@ -131,12 +131,12 @@ class AsyncDriver(_Driver):
         if isinstance(action, Release):
             return await action.holder.release()
         if isinstance(action, Decide):
-            decide = getattr(core.retry, "decide_async", None)
+            decide = getattr(action.policy, "decide_async", None)
             if decide is not None:
                 return await decide(action.state, **action.kwargs())
-            return core.retry.decide(action.state, **action.kwargs())
+            return action.policy.decide(action.state, **action.kwargs())
         if isinstance(action, Sleep):
-            return await core.retry.sleep(action.seconds)
+            return await action.policy.sleep(action.seconds)
         if isinstance(action, Close):
             if action.shield:
                 with anyio.CancelScope(shield=True):
@@ -148,8 +148,8 @@ class AsyncDriver(_Driver):
             return None
         if isinstance(action, NewRetryState):
             # RedisRetryBudget records the request over the network: not on the event loop's thread.
-            new = getattr(core.retry, "new_request_async", None)
-            return await new() if new is not None else core.retry.new_request()
+            new = getattr(action.policy, "new_request_async", None)
+            return await new() if new is not None else action.policy.new_request()
         if isinstance(action, Estimate):
             return await core.estimator.estimate_async(action.path, action.body, action.server)
         if isinstance(action, ModelLen):
@@ -200,9 +200,9 @@ class SyncDriver(_Driver):
         if isinstance(action, Release):
             return action.holder.release_sync()
         if isinstance(action, Decide):
-            return core.retry.decide(action.state, **action.kwargs())
+            return action.policy.decide(action.state, **action.kwargs())
         if isinstance(action, Sleep):
-            return core.retry.sleep_sync(action.seconds)
+            return action.policy.sleep_sync(action.seconds)
         if isinstance(action, Close):
             return action.response.close()
         if isinstance(action, ReadAll):
@@ -210,7 +210,7 @@ class SyncDriver(_Driver):
                 action.sink(chunk)
             return None
         if isinstance(action, NewRetryState):
-            return core.retry.new_request()
+            return action.policy.new_request()
         if isinstance(action, Estimate):
             return core.estimator.estimate_sync_server(action.path, action.body, action.server)
         if isinstance(action, ModelLen):

@@ -145,8 +145,9 @@ class HttpLib:
     def request(self, original: Any, plan: Plan) -> Any:
         """A fresh request per attempt (the caller's object is never mutated, so it can be re-sent)."""
         headers = [*plan.headers, (b"Content-Length", str(len(plan.content)).encode())]
-        return self.module.Request(original.method, original.url, headers=headers,
-                                   stream=self.module.ByteStream(plan.content), extensions=original.extensions)
+        stream = self.module.ByteStream(plan.content)
+        return self.module.Request(original.method, original.url, headers=headers, stream=stream,
+                                   extensions=original.extensions)
 
     @staticmethod
     def is_event_stream(resp: Any) -> bool:
@@ -173,7 +174,8 @@ class HttpLib:
         if scanner.rewrites:
             # Bytes may be removed from the body, so a declared length would be wrong.
             headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
-        return self.module.Response(resp.status_code, headers=headers, stream=stream, extensions=resp.extensions)
+        return self.module.Response(resp.status_code, headers=headers, stream=stream,
+                                    extensions=resp.extensions)
 
     def reassembled_response(self, resp: Any, status: int, payload: dict[str, Any]) -> Any:
         """A consumed stream's answer as the JSON response a non-streamed call gets."""
@@ -181,7 +183,8 @@ class HttpLib:
         headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in REASSEMBLY_DROPPED_HEADERS]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
         # The reason phrase was the stream's (an error answer has its own); the connection is gone.
-        extensions = {k: v for k, v in resp.extensions.items() if k not in ("reason_phrase", "network_stream")}
+        dropped = ("reason_phrase", "network_stream")
+        extensions = {k: v for k, v in resp.extensions.items() if k not in dropped}
         return self.module.Response(status, headers=headers, content=content, extensions=extensions)
 
     def server_info(self, inner: Any, base: str, root: str, auth: dict[str, str], settings: Settings) -> Any:

@@ -30,7 +30,8 @@ class Holder:
     __slots__ = ("lease", "done", "loop", "resp", "last_activity", "waiting", "idle_timeout", "clock",
                  "__weakref__")
 
-    def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.lease = lease
         self.done = False
         self.clock = clock

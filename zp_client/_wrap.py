@@ -37,13 +37,13 @@ docs/integrations.md.
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from zp_client._httplib import module_of
+from zp_client._private import http_mounts, http_transport, sdk_http_client
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, ZPError
-from zp_client._httplib import module_of
-from zp_client._private import http_mounts, http_transport, sdk_http_client
 from zp_client.transport import transport_classes
 
 __all__ = ["wrap", "openai_compatible_error", "admitted_budget"]
@@ -72,7 +72,7 @@ def openai_compatible_error(err: ZPError) -> ZPError:
                                                                  "__doc__": cls.__doc__})
         compat.__qualname__ = cls.__qualname__
         _compat_classes[cls] = compat
-    new = compat.__new__(compat, *err.args)  # the built-in base (e.g. OSError) must make it
+    new: ZPError = compat.__new__(compat, *err.args)  # the built-in base (e.g. OSError) must make it
     new.__dict__.update(err.__dict__)
     new.__cause__ = err.__cause__
     new.__context__ = err.__context__
@@ -97,10 +97,11 @@ def wrap(
     its fields, e.g. ``default_max_tokens=1024``), ``estimator`` and ``retry`` (a RetryPolicy; default:
     the policy from the settings on ``budget.retry_budget()``; ``False``: no retries) configure the
     admission transport. ``keep_original``: the wrapped client keeps ``client`` alive (default: only a
-    sync one, see the module docstring; a framework that drops the original pass True). With an elastic budget, ``forecaster`` (a
-    :class:`~zp_client.forecast.LengthForecaster`; default: the one shared by the budget's transports)
-    forecasts output lengths (one with a ``forecast_request`` hook may forecast from the request body,
-    see docs/elastic.md). See the module docstring for what is kept from the original client.
+    sync one, see the module docstring; a framework that drops the original pass True). With an elastic
+    budget, ``forecaster`` (a :class:`~zp_client.forecast.LengthForecaster`; default: the one shared by
+    the budget's transports) forecasts output lengths (one with a ``forecast_request`` hook may forecast
+    from the request body, see docs/elastic.md). See the module docstring for what is kept from the
+    original client.
     """
     try:
         import openai
@@ -115,7 +116,7 @@ def wrap(
         base = settings.model_dump() if settings is not None else {}
         try:
             settings = Settings(**{**base, **setting_overrides})
-        except Exception as exc:
+        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise ConfigurationError(f"invalid zp option for wrap(): {exc}") from None
     is_async = isinstance(client, openai.AsyncOpenAI)
     http = sdk_http_client(client)
@@ -158,7 +159,8 @@ def wrap(
     if keep_original or (keep_original is None and not is_async):
         transport.keep_alive(client)
     logger.debug("wrapped %s (%s) with admission", type(client).__name__, mod.__name__)
-    return client.with_options(http_client=new_http, max_retries=0)  # type: ignore[attr-defined,no-any-return]
+    # with_options returns the client's own type (C): mypy sees only the two openai classes.
+    return cast(C, client.with_options(http_client=new_http, max_retries=0))
 
 
 def admitted_budget(client: Any) -> Budget | None:
