@@ -203,7 +203,7 @@ def _check(row: Row, rec: Recorder, policy: TablePolicy, upstream: Upstream, out
     assert len(upstream.requests) == row.attempts
     assert len(rec.tickets) == row.attempts and len(set(rec.tickets)) == 1  # one ticket: keeps its place
     assert len(policy.slept) == len(row.sleeps)
-    for slept, expected in zip(policy.slept, row.sleeps):
+    for slept, expected in zip(policy.slept, row.sleeps, strict=True):
         if expected is None:
             assert 0 <= slept <= BACKOFF_MAX
         else:
@@ -213,7 +213,8 @@ def _check(row: Row, rec: Recorder, policy: TablePolicy, upstream: Upstream, out
     else:
         assert isinstance(outcome, row.outcome), outcome
     # the caller reads exactly what the server sent last (a stream: up to where it broke)
-    assert delivered == (row.delivered if row.stream else upstream.last_body if isinstance(outcome, int) else b"")
+    expected = row.delivered if row.stream else upstream.last_body if isinstance(outcome, int) else b""
+    assert delivered == expected
     assert rec.budget.status_sync().used == 0  # every lease released, whatever happened
 
 
@@ -264,7 +265,7 @@ def test_core_without_io(row: Row) -> None:
         outcome = response.status_code
         for chunk in response.iter_bytes():
             delivered += chunk
-    except (Exception, Cancelled) as exc:
+    except (Exception, Cancelled) as exc:  # noqa: BLE001 - the outcome the row asserts on
         outcome = exc
     _check(row, rec, policy, upstream, outcome, delivered)
 
@@ -290,7 +291,7 @@ def _sync_run(mod: ModuleType, row: Row) -> None:
                 outcome = response.status_code
                 for chunk in response.iter_bytes():
                     delivered += chunk
-        except (Exception, Cancelled) as exc:
+        except (Exception, Cancelled) as exc:  # noqa: BLE001 - the outcome the row asserts on
             outcome = exc
     _check(row, rec, policy, upstream, outcome, delivered)
 
@@ -311,7 +312,7 @@ async def _async_run(mod: ModuleType, row: Row) -> None:
                 outcome = response.status_code
                 async for chunk in response.aiter_bytes():
                     delivered += chunk
-        except (Exception, asyncio.CancelledError) as exc:
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - the outcome the row asserts on
             outcome = Cancelled() if isinstance(exc, asyncio.CancelledError) else exc
     _check(row, rec, policy, upstream, outcome, delivered)
 
