@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import weakref
 from collections.abc import Callable, Generator, Mapping
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from zp_client._clock import SYSTEM_CLOCK, Clock
-from zp_client._plan import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER, Parsed, Plan, api_base
+from zp_client._plan import Parsed, Plan, api_base, read_headers
 from zp_client._release import Holder, watchdog
 from zp_client._sse import BadEvent, Reassembler, Scanner, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
@@ -284,39 +283,9 @@ class Core:
             return None
         if not isinstance(body, dict):
             return None
-        priority: int | None = None
-        deadline_s: float | None = self.settings.deadline_s
-        headers: list[tuple[bytes, bytes]] = []
-        auth: dict[str, str] = {}
-        route: str | None = None
-        for k, v in request.headers.raw:
-            lk = k.lower()
-            if lk == ROUTE_HEADER.encode():
-                route = v.decode("utf-8", "replace").strip() or None
-                continue
-            if lk == PRIORITY_HEADER.encode():
-                try:
-                    priority = int(v.decode().strip())
-                except ValueError:
-                    raise ConfigurationError(
-                        f"header X-ZP-Priority must be an integer (lower = earlier), got {v.decode()!r}"
-                    ) from None
-                continue
-            if lk == DEADLINE_HEADER.encode():
-                try:
-                    deadline_s = float(v.decode().strip())
-                except ValueError:
-                    deadline_s = -1.0
-                if not (deadline_s > 0 and math.isfinite(deadline_s)):
-                    raise ConfigurationError(
-                        f"header X-ZP-Deadline must be a positive number of seconds, got {v.decode()!r}"
-                    )
-                continue
-            if lk in (b"content-length", b"transfer-encoding"):
-                continue  # recomputed for the body actually sent
-            if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
-                auth[k.decode("latin-1")] = v.decode("latin-1")
-            headers.append((k, v))
+        opts = read_headers(request.headers.raw)
+        headers, auth, route, priority = opts.headers, opts.auth, opts.route, opts.priority
+        deadline_s = opts.deadline_s if opts.deadline_s is not None else self.settings.deadline_s
         if priority is None:
             bp = body.get("priority")
             priority = bp if isinstance(bp, int) and not isinstance(bp, bool) else 0

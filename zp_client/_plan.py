@@ -4,10 +4,14 @@ deadline, lease metadata, the body and headers to send). Plain data; see docs/ad
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "is_admitted", "Plan", "Parsed", "api_base"]
+from zp_client.errors import ConfigurationError
+
+__all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "is_admitted", "Plan", "Parsed", "Options",
+           "read_headers", "api_base"]
 
 PRIORITY_HEADER = "x-zp-priority"
 DEADLINE_HEADER = "x-zp-deadline"
@@ -18,8 +22,6 @@ ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
 def is_admitted(method: str, path: str) -> bool:
     """True when a request is an LLM call the transport takes a lease for."""
     return method.upper() == "POST" and path.rstrip("/").endswith(ADMITTED_SUFFIXES)
-
-
 
 
 @dataclass
@@ -103,3 +105,51 @@ def _api_base_uncached(url: Any) -> tuple[str, str]:
     port = f":{url.port}" if url.port else ""
     root = f"{url.scheme}://{url.host}{port}"
     return root + path, root
+
+
+@dataclass
+class Options:
+    """The per-call options read from a request's headers, and the headers to send on."""
+
+    headers: list[tuple[bytes, bytes]]
+    """Without zp's own headers and the body lengths (recomputed for the body sent)."""
+    auth: dict[str, str]
+    """The credentials among them (for server metadata calls)."""
+    priority: int | None = None
+    deadline_s: float | None = None
+    route: str | None = None
+
+
+def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
+    """Read ``X-ZP-Priority`` / ``X-ZP-Deadline`` / ``X-ZP-Route`` (stripped) from raw headers; a bad
+    value raises :class:`~zp_client.ConfigurationError`."""
+    opts = Options(headers=[], auth={})
+    for k, v in raw:
+        lk = k.lower()
+        if lk == _ROUTE:
+            opts.route = v.decode("utf-8", "replace").strip() or None
+        elif lk == _PRIORITY:
+            try:
+                opts.priority = int(v.decode().strip())
+            except ValueError:
+                raise ConfigurationError(
+                    f"header X-ZP-Priority must be an integer (lower = earlier), got {v.decode()!r}"
+                ) from None
+        elif lk == _DEADLINE:
+            try:
+                deadline_s = float(v.decode().strip())
+            except ValueError:
+                deadline_s = -1.0
+            if not (deadline_s > 0 and math.isfinite(deadline_s)):
+                raise ConfigurationError(
+                    f"header X-ZP-Deadline must be a positive number of seconds, got {v.decode()!r}"
+                )
+            opts.deadline_s = deadline_s
+        elif lk not in (b"content-length", b"transfer-encoding"):  # those are recomputed for the body sent
+            if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
+                opts.auth[k.decode("latin-1")] = v.decode("latin-1")
+            opts.headers.append((k, v))
+    return opts
+
+
+_ROUTE, _PRIORITY, _DEADLINE = ROUTE_HEADER.encode(), PRIORITY_HEADER.encode(), DEADLINE_HEADER.encode()
