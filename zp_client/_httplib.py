@@ -43,21 +43,6 @@ class _Body:
         self._completed = False
         weakref.finalize(self, finalize, holder).atexit = False
 
-    def _chunk(self, chunk: bytes) -> bytes:
-        """A chunk arrived: what the caller reads of it (the caller is not idle while it waits)."""
-        holder = self._holder
-        holder.waiting = False
-        holder.last_activity = holder.clock.monotonic()
-        out = self._scanner.feed(chunk)
-        if not out:
-            holder.waiting = True
-        return out
-
-    def _delivered(self) -> None:
-        holder = self._holder
-        holder.last_activity = holder.clock.monotonic()
-        holder.waiting = True
-
     def _end(self) -> bytes:
         """The body ended: the rest to hand over; learn from its usage."""
         tail = self._scanner.flush()
@@ -68,13 +53,17 @@ class _Body:
 
 class AsyncBody(_Body):
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        chunk_out, delivered = self._chunk, self._delivered
+        # Per chunk, inline (this is the hot path): the caller is not idle while it waits for the server.
+        holder, feed, mono = self._holder, self._scanner.feed, self._holder.clock.monotonic
         try:
-            self._holder.waiting = True
+            holder.waiting = True
             async for chunk in self._resp.stream:
-                if out := chunk_out(chunk):
+                holder.waiting = False
+                holder.last_activity = mono()
+                if out := feed(chunk):
                     yield out
-                    delivered()
+                    holder.last_activity = mono()
+                holder.waiting = True
             if tail := self._end():
                 yield tail
         finally:
@@ -100,13 +89,16 @@ class AsyncBody(_Body):
 
 class SyncBody(_Body):
     def __iter__(self) -> Iterator[bytes]:
-        chunk_out, delivered = self._chunk, self._delivered
+        holder, feed, mono = self._holder, self._scanner.feed, self._holder.clock.monotonic  # as __aiter__
         try:
-            self._holder.waiting = True
+            holder.waiting = True
             for chunk in self._resp.stream:
-                if out := chunk_out(chunk):
+                holder.waiting = False
+                holder.last_activity = mono()
+                if out := feed(chunk):
                     yield out
-                    delivered()
+                    holder.last_activity = mono()
+                holder.waiting = True
             if tail := self._end():
                 yield tail
         finally:
