@@ -57,10 +57,6 @@ class Plan:
     strip_continuous: bool = False
     """...and the caller did not: the per-chunk usage is removed from what it reads."""
 
-    def acquire_kwargs(self) -> dict[str, Any]:
-        # meta only when there is some: a backend written before it existed keeps working.
-        return {"meta": dict(self.meta)} if self.meta is not None else {}
-
 
 @dataclass
 class Parsed:
