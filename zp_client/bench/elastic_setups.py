@@ -30,10 +30,8 @@ import os
 from typing import Any
 
 from zp_client.bench.loadgen import Caller
-from zp_client.bench.oracle import SimOracleForecaster
 from zp_client.bench.setups import AppCaller, SetupContext, SetupSpec, register_setup, zp_client_for, zp_limit_blocks
 from zp_client.errors import ConfigurationError
-from zp_client.transport import forecaster_for
 
 __all__ = ["ELASTIC_SETUPS", "configure", "redis_elastic_available"]
 
@@ -123,6 +121,9 @@ async def _zp_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Ca
 
 
 async def _zp_oracle(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    from zp_client.bench.oracle import SimOracleForecaster
+    from zp_client.transport import forecaster_for
+
     budget = _local_elastic(ctx)
     oracle = SimOracleForecaster(forecaster_for(budget))
     client = await zp_client_for(ctx, stack, budget, forecaster=oracle)

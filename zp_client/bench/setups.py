@@ -260,9 +260,9 @@ def openai_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **kwargs:
 async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, budget: Any, **wrap_options: Any) -> Any:
     """``wrap(AsyncOpenAI)`` on ``budget`` with zp's default estimator (warmed up before the run) and
     default retry policy (sleeping in virtual time); closes client and budget with ``stack``."""
-    from zp_client import wrap
     from zp_client.config import Settings
     from zp_client.estimate import Estimator
+    from zp_client import wrap
 
     stack.push_async_callback(budget.aclose)
     raw = openai_client(ctx, stack)
