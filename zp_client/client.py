@@ -35,13 +35,13 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import anyio
 import httpx
-from httpx_sse import EventSource, SSEError
+from httpx_sse import EventSource, ServerSentEvent, SSEError
 from pydantic import BaseModel, SecretStr
 
 from zp_client._private import http_transport
@@ -277,7 +277,8 @@ class Stream(Generic[T]):
     def __init__(self, response: httpx.Response, cls: type[T]) -> None:
         self.response = response
         self._cls = cls
-        self._events = EventSource(response).iter_sse()
+        # iter_sse is a generator function (typed as returning an Iterator): it has close()
+        self._events = cast("Generator[ServerSentEvent, None, None]", EventSource(response).iter_sse())
         self._closed = False
 
     def __iter__(self) -> Iterator[T]:
@@ -299,7 +300,7 @@ class Stream(Generic[T]):
         if not self._closed:
             self._closed = True
             try:
-                self._events.close()  # type: ignore[attr-defined]
+                self._events.close()
             finally:
                 self.response.close()
 
