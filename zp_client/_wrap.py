@@ -1,37 +1,8 @@
 """``wrap(openai_client, budget=...)``: the official openai SDK, admission-gated.
 
-What callers may rely on:
-
-- ``wrap`` accepts ``openai.AsyncOpenAI`` or ``openai.OpenAI`` (and subclasses such as ``AzureOpenAI``),
-  on openai 2.x (built on ``httpx``) and 3.x (built on ``httpx2``, or on a legacy ``httpx`` client the
-  user passed). It returns a new client of the same type made with ``client.with_options(...)``: every
-  call goes through an admission transport (:mod:`zp_client.transport`) and the SDK's own retries are off
-  (``max_retries=0``), so zp's retry policy is the only retry loop: ``retry=`` (a
-  :class:`~zp_client.RetryPolicy`), by default the one built from ``Settings.retry_*`` on the budget's
-  shared retry budget (429 and 503 are retried after their ``Retry-After``); ``retry=False`` turns
-  retrying off.
-- The new client sends through the ORIGINAL client's own transport (and its mounted proxy transports),
-  so proxy, TLS, connection limits and the connection pool are shared; event hooks, timeout,
-  redirect settings, base URL, headers, cookies and auth of the original HTTP client are copied. The
-  original client is not mutated. Closing the wrapped client does not close the shared transport;
-  close the original client when done with both. A wrapped ``openai.OpenAI`` keeps its original alive
-  (openai's sync client closes its connection pool when garbage-collected), so
-  ``wrap(openai.OpenAI(...), budget=...)`` is safe; keep a reference to an async original you wrap if it
-  may be collected while the wrapped client is in use.
-- A refusal by zp reaches the caller as zp's own error type: :class:`~zp_client.LeaseTooLarge`,
-  :class:`~zp_client.AdmissionTimeout` (and its subclass :class:`~zp_client.DeadlineExceeded`),
-  :class:`~zp_client.PromptTooLong`, :class:`~zp_client.RetryBudgetExhausted`, ... — all catchable as
-  :class:`~zp_client.ZPError`. openai wraps any exception raised inside its transport into a generic
-  ``APIConnectionError("Connection error.")`` *unless* it is an ``openai.OpenAIError``; so the wrapped
-  client raises a subclass of BOTH the zp error class and ``openai.OpenAIError`` (same name, same
-  message, same attributes). ``except zp_client.LeaseTooLarge`` and ``except openai.OpenAIError`` both
-  work; the behaviour is identical on openai 2.x and 3.x.
-- Per call, ``extra_headers={"X-ZP-Priority": "1", "X-ZP-Deadline": "30", "X-ZP-Route": "planner"}`` set
-  queue priority, the deadline and the route whose output lengths the forecaster learns (an elastic
-  budget's); all are stripped before sending.
-
-The one private attribute of each library this needs is read in :mod:`zp_client._private`. See
-docs/integrations.md.
+Returns a copy of an ``openai.AsyncOpenAI`` / ``openai.OpenAI`` client whose every call is admitted
+by the budget; it shares the original's transport, retries with zp's policy, and raises zp's refusals
+as openai-compatible errors. What callers may rely on: docs/wrap.md.
 """
 
 from __future__ import annotations
