@@ -334,3 +334,40 @@ def test_sync_transport(mod: ModuleType, row: Row) -> None:
 @pytest.mark.parametrize("row", TABLE, ids=lambda r: r.name)
 def test_async_transport(mod: ModuleType, row: Row) -> None:
     anyio.run(_async_run, mod, _outcome_for(mod, row))
+
+
+# --------------------------------------------------------------------------------------------------
+# the idle-stream watchdog reads the injected clock too
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_idle_watchdog_measures_idleness_on_the_core_clock() -> None:
+    import threading
+    import time
+
+    clock, rec = FakeClock(), Recorder()
+    more = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield SSE_CHUNK
+        more.wait(10)  # the server would send more; the caller never asks
+
+    def handler(request: Any) -> Any:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+    settings = Settings(estimator="heuristic", max_model_len=4096, idle_stream_timeout_s=0.2)
+    transport = transport_classes(httpx).AdmissionTransport(httpx.MockTransport(handler), budget=rec.budget,
+                                                            settings=settings, retry=False, clock=clock)
+    with httpx.Client(transport=transport) as client, client.stream(
+        "POST", URL, content=json.dumps({**BODY, "stream": True})
+    ) as response:
+        chunks = response.iter_raw()
+        assert next(chunks) == SSE_CHUNK
+        time.sleep(0.5)  # real time passes, the core's clock does not: not idle
+        assert rec.budget.status_sync().used > 0
+        clock.now += 1.0  # now it is
+        deadline = time.monotonic() + 5
+        while rec.budget.status_sync().used > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rec.budget.status_sync().used == 0
+        more.set()
