@@ -2,7 +2,7 @@
 
 Run:  .venv/bin/python benchmarks/bench_continuous_usage.py [--chunks 2000] [--rounds 7]
 
-An elastic stream's chunks go through the transport's scanner (``zp_client.transport._Scanner``), the code
+An elastic stream's chunks go through the transport's scanner (``zp_client._sse.Scanner``), the code
 every streamed byte passes, with a real ``LocalBudget(policy="elastic")`` lease receiving the progress
 reports (one per new block). Three variants of the same vLLM-shaped stream (role chunk, one token per
 content chunk, finish chunk), measured interleaved round by round:
@@ -27,8 +27,9 @@ import statistics
 import time
 from typing import Any
 
+from zp_client._plan import Plan as _Plan
+from zp_client._sse import Scanner as _Scanner
 from zp_client.budget.local import LocalBudget
-from zp_client.transport import _Plan, _Scanner
 
 PROMPT = 3000
 

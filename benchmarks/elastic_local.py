@@ -5,7 +5,7 @@ zp queue included), makespan and peak KV usage, side by side on the same workloa
 
 Setups: ``none`` (the bare SDK), ``strict`` (LocalBudget, prompt + max_tokens reserved), ``elastic``
 (projected peak, forecaster learned online from usage, cold start on the default prior) and ``oracle``
-(elastic fed each request's true length: the limit a forecaster can reach).
+(elastic fed each request's true length by a ``SimOracleForecaster``: the limit a forecaster can reach).
 
 Workload: ``--conversations`` agent conversations arriving over ``--window`` virtual seconds, sharing a
 ~``--preamble``-token system prompt; each turn's prompt grows by the previous answer and a tool result;
@@ -29,12 +29,13 @@ from typing import Any
 
 import openai
 
+from zp_client import wrap
+from zp_client.bench.oracle import SimOracleForecaster
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.forecast import LengthForecaster, Prior
 from zp_client.server import suggest_limit_blocks
 from zp_client.sim.server import SimServer
-from zp_client.wrap import wrap
 
 WORDS = ("alpha beta gamma delta tool file read write patch test run shell diff search code path value "
          "error trace module class function return import result output input state index").split()
@@ -85,7 +86,7 @@ async def run_setup(setup: str, seed: int, args: argparse.Namespace) -> dict[str
             budget = LocalBudget(limit, 16, policy="strict" if setup == "strict" else "elastic")
             fc = LengthForecaster(q=args.q, prior=Prior(weight=args.prior_weight)) if setup != "strict" else None
             client = wrap(base, budget=budget, settings=Settings(estimator=args.estimator, deadline_s=None),
-                          oracle=setup == "oracle", forecaster=fc)
+                          forecaster=SimOracleForecaster(fc) if setup == "oracle" else fc)
         ttfts: list[float] = []
         errors = 0
         t0 = server.clock()

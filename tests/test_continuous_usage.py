@@ -281,7 +281,7 @@ async def test_openai_stream_through_the_simulator(sim: SimServer) -> None:
     b'data: {"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\n',
 ])
 def test_removing_a_chunks_usage_leaves_the_same_json_without_it(event: bytes) -> None:
-    from zp_client.transport import _usage_member
+    from zp_client._sse import usage_member as _usage_member
 
     start, end, a, b = _usage_member(event)
     doc = json.loads(event[5:])
@@ -290,7 +290,7 @@ def test_removing_a_chunks_usage_leaves_the_same_json_without_it(event: bytes) -
 
 
 def test_text_that_looks_like_usage_is_not_usage() -> None:
-    from zp_client.transport import _usage_member
+    from zp_client._sse import usage_member as _usage_member
 
     ev = b"data: " + json.dumps({"choices": [{"delta": {"content": '"usage": {"prompt_tokens": 1}'}}]}).encode() + b"\n\n"
     assert _usage_member(ev) is None

@@ -157,7 +157,7 @@ def test_wrapped_openai_forecasts_streams_at_q_and_non_streamed_calls_at_q_blind
     from zp_client.budget.local import LocalBudget
     from zp_client.forecast import LengthForecaster, Prior
     from zp_client.sim.server import SimServer
-    from zp_client.wrap import wrap
+    from zp_client import wrap
 
     async def main() -> list[dict]:
         async with SimServer(profile="tiny", speedup=50.0, seed=0) as server:

@@ -27,8 +27,9 @@ from zp_client.config import Settings
 from zp_client.forecast import LengthForecaster
 from zp_client.retry import RetryPolicy, testing
 from zp_client.sim.server import SimServer
-from zp_client.transport import AsyncAdmissionTransport, _Reassembler
-from zp_client.wrap import wrap
+from zp_client._sse import Reassembler as _Reassembler
+from zp_client.transport import AsyncAdmissionTransport
+from zp_client import wrap
 
 from _asgi_server import ThreadedApp
 

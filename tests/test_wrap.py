@@ -21,7 +21,7 @@ import zp_client
 from tests._asgi_server import MAX_MODEL_LEN, LoopbackServer
 from zp_client.config import Settings
 from zp_client.errors import AdmissionTimeout, LeaseTooLarge, PromptTooLong, ZPError
-from zp_client.wrap import wrap
+from zp_client import wrap
 
 from zp_client.budget.local import LocalBudget as _Budget
 
@@ -209,7 +209,7 @@ async def test_wrap_keeps_original_untouched_and_shares_transport(server: Loopba
     async def hook(request: Any) -> None:
         calls.append(request.url.path)
 
-    from zp_client.transport import _module_of
+    from zp_client._httplib import module_of as _module_of
 
     mod = _module_of(openai.AsyncOpenAI(api_key="x")._client)  # httpx2 on openai 3.x, httpx on 2.x
     transport = mod.AsyncHTTPTransport()
@@ -234,7 +234,10 @@ async def test_wrap_keeps_original_untouched_and_shares_transport(server: Loopba
 
 
 def test_zp_client_exports_wrap(server: LoopbackServer) -> None:
-    # whichever of `zp_client.wrap` (function) / the submodule Python left there, it wraps
+    # no submodule shadows the function: zp_client.wrap is the function itself
+    import zp_client._wrap
+
+    assert zp_client.wrap is zp_client._wrap.wrap and callable(zp_client.wrap)
     c = zp_client.wrap(openai.OpenAI(base_url=server.base_url, api_key=API_KEY), budget=make_budget())
     assert isinstance(c, openai.OpenAI) and c.max_retries == 0
 
@@ -360,6 +363,7 @@ def test_wrap_rejects_other_objects() -> None:
 
 
 async def test_async_elastic_route_oracle_and_learning(server: LoopbackServer) -> None:
+    from zp_client.bench.oracle import SimOracleForecaster
     from zp_client.forecast import LengthForecaster
 
     b = _Budget(limit_blocks=1000, block_size=16, policy="elastic")
@@ -373,7 +377,7 @@ async def test_async_elastic_route_oracle_and_learning(server: LoopbackServer) -
     b.acquire = spy  # type: ignore[method-assign]
     fc = LengthForecaster()
     # stream_upstream off: the second call is about a non-streamed request's (blind) metadata.
-    c = awrapped(server, b, forecaster=fc, oracle=True, stream_upstream=False)
+    c = awrapped(server, b, forecaster=SimOracleForecaster(fc), stream_upstream=False)
     stream = await c.chat.completions.create(
         model="ok", messages=MSGS, max_tokens=500, stream=True,
         extra_headers={"X-ZP-Route": "coder"}, extra_body={"sim_output_tokens": 9},

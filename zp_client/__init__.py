@@ -45,8 +45,8 @@ _EXPORTS: dict[str, str] = {
     "AsyncClient": "zp_client.client",
     "Client": "zp_client.client",
     "APIStatusError": "zp_client.client",
-    "wrap": "zp_client.wrap",
-    "admitted_budget": "zp_client.wrap",
+    "wrap": "zp_client._wrap",
+    "admitted_budget": "zp_client._wrap",
     "PRIORITY_HEADER": "zp_client.transport",
     "DEADLINE_HEADER": "zp_client.transport",
     "ROUTE_HEADER": "zp_client.transport",
@@ -123,6 +123,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from zp_client._integration import AdmissionOptions, openai_client_of, openai_http_client
+    from zp_client._wrap import admitted_budget, wrap
     from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
     from zp_client.budget.elastic import ElasticPolicy
     from zp_client.budget.local import LocalBudget
@@ -153,4 +154,3 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         AdmissionTransport,
         AsyncAdmissionTransport,
     )
-    from zp_client.wrap import admitted_budget, wrap

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from zp_client._private import resource_client, sdk_http_client
+from zp_client._wrap import admitted_budget, wrap
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
 from zp_client.transport import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER
-from zp_client.wrap import admitted_budget, wrap
 
 __all__ = ["AdmissionOptions", "openai_client_of", "openai_http_client"]
 
@@ -115,7 +116,7 @@ def openai_http_client(client: Any) -> Any:
         raise ConfigurationError(
             f"expected an openai.OpenAI or openai.AsyncOpenAI client, got {type(client).__name__}"
         )
-    http = getattr(client, "_client", None)
+    http = sdk_http_client(client)
     if not (hasattr(http, "send") and hasattr(http, "event_hooks")):
         raise ConfigurationError(
             f"{type(client).__name__} keeps no httpx client where openai used to (._client); this openai "
@@ -130,7 +131,7 @@ def openai_client_of(resource: Any) -> Any:
     For frameworks that keep only the resource (langchain-openai's ``OpenAI`` LLM does). Raises
     :class:`~zp_client.ConfigurationError` for anything else, or if an openai release moved it.
     """
-    client = getattr(resource, "_client", None)
+    client = resource_client(resource)
     if not isinstance(client, _openai_clients()):
         raise ConfigurationError(
             f"{type(resource).__name__} is not an openai API resource (such as client.completions)"

@@ -31,18 +31,20 @@ stripped by the transport), ``extra_body`` (merged into the JSON body, e.g. vLLM
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import anyio
 import httpx
-from httpx_sse import EventSource, SSEError
+from httpx_sse import EventSource, ServerSentEvent, SSEError
 from pydantic import BaseModel, SecretStr
 
+from zp_client._private import http_transport
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, ZPError
 from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
@@ -189,6 +191,24 @@ def _connection_error(exc: httpx.TransportError) -> APIConnectionError:
     return APIConnectionError(f"connection error ({type(exc).__name__}: {exc})")
 
 
+@contextlib.contextmanager
+def _transport_errors() -> Iterator[None]:
+    """No response (or a broken one): :class:`APIConnectionError` / :class:`APITimeoutError`."""
+    try:
+        yield
+    except httpx.TransportError as exc:
+        raise _connection_error(exc) from exc
+
+
+@contextlib.contextmanager
+def _stream_errors() -> Iterator[None]:
+    with _transport_errors():
+        try:
+            yield
+        except SSEError as exc:
+            raise APIError(f"the response is not an event stream: {exc}") from exc
+
+
 # --------------------------------------------------------------------------------------------------
 # streams
 
@@ -224,16 +244,12 @@ class AsyncStream(Generic[T]):
 
     async def _iterate(self) -> AsyncIterator[T]:
         try:
-            async for sse in self._events:
-                if sse.data == "[DONE]":
-                    break
-                if not sse.data:
-                    continue
-                yield _chunk_or_error(sse.data, self._cls, self.response)
-        except httpx.TransportError as exc:
-            raise _connection_error(exc) from exc
-        except SSEError as exc:
-            raise APIError(f"the response is not an event stream: {exc}") from exc
+            with _stream_errors():
+                async for sse in self._events:
+                    if sse.data == "[DONE]":
+                        break
+                    if sse.data:
+                        yield _chunk_or_error(sse.data, self._cls, self.response)
         finally:
             await self.aclose()
 
@@ -261,7 +277,8 @@ class Stream(Generic[T]):
     def __init__(self, response: httpx.Response, cls: type[T]) -> None:
         self.response = response
         self._cls = cls
-        self._events = EventSource(response).iter_sse()
+        # iter_sse is a generator function (typed as returning an Iterator): it has close()
+        self._events = cast("Generator[ServerSentEvent, None, None]", EventSource(response).iter_sse())
         self._closed = False
 
     def __iter__(self) -> Iterator[T]:
@@ -269,16 +286,12 @@ class Stream(Generic[T]):
 
     def _iterate(self) -> Iterator[T]:
         try:
-            for sse in self._events:
-                if sse.data == "[DONE]":
-                    break
-                if not sse.data:
-                    continue
-                yield _chunk_or_error(sse.data, self._cls, self.response)
-        except httpx.TransportError as exc:
-            raise _connection_error(exc) from exc
-        except SSEError as exc:
-            raise APIError(f"the response is not an event stream: {exc}") from exc
+            with _stream_errors():
+                for sse in self._events:
+                    if sse.data == "[DONE]":
+                        break
+                    if sse.data:
+                        yield _chunk_or_error(sse.data, self._cls, self.response)
         finally:
             self.close()
 
@@ -287,7 +300,7 @@ class Stream(Generic[T]):
         if not self._closed:
             self._closed = True
             try:
-                self._events.close()  # type: ignore[attr-defined]
+                self._events.close()
             finally:
                 self.response.close()
 
@@ -325,6 +338,61 @@ def _body(params: Mapping[str, Any], extra_body: Mapping[str, Any] | None) -> di
     return body
 
 
+def _chat_body(
+    *,
+    model: str,
+    messages: Sequence[Mapping[str, Any]],
+    stream: bool,
+    max_tokens: int | None = _NOT_GIVEN,
+    max_completion_tokens: int | None = _NOT_GIVEN,
+    temperature: float | None = _NOT_GIVEN,
+    top_p: float | None = _NOT_GIVEN,
+    n: int | None = _NOT_GIVEN,
+    stop: str | Sequence[str] | None = _NOT_GIVEN,
+    seed: int | None = _NOT_GIVEN,
+    tools: Sequence[Mapping[str, Any]] | None = _NOT_GIVEN,
+    tool_choice: Any = _NOT_GIVEN,
+    response_format: Mapping[str, Any] | None = _NOT_GIVEN,
+    stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
+    extra_body: Mapping[str, Any] | None = None,
+    **params: Any,
+) -> dict[str, Any]:
+    """The JSON body of ``chat.completions.create`` (both clients): the named OpenAI parameters in this
+    order, then the others, then ``extra_body`` merged in."""
+    body = _body(dict(model=model, messages=list(messages), max_tokens=max_tokens,
+                      max_completion_tokens=max_completion_tokens, temperature=temperature, top_p=top_p,
+                      n=n, stop=stop, seed=seed, tools=tools, tool_choice=tool_choice,
+                      response_format=response_format, stream_options=stream_options, **params),
+                 extra_body)
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _completion_body(
+    *,
+    model: str,
+    prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+    stream: bool,
+    max_tokens: int | None = _NOT_GIVEN,
+    temperature: float | None = _NOT_GIVEN,
+    top_p: float | None = _NOT_GIVEN,
+    n: int | None = _NOT_GIVEN,
+    stop: str | Sequence[str] | None = _NOT_GIVEN,
+    seed: int | None = _NOT_GIVEN,
+    stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
+    extra_body: Mapping[str, Any] | None = None,
+    **params: Any,
+) -> dict[str, Any]:
+    """The JSON body of ``completions.create`` (both clients), as :func:`_chat_body`."""
+    body = _body(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                      top_p=top_p, n=n, stop=stop, seed=seed, stream_options=stream_options, **params),
+                 extra_body)
+    if stream:
+        body["stream"] = True
+    return body
+
+
 def _headers(stream: bool, extra_headers: Mapping[str, str] | None) -> dict[str, str]:
     headers = {"Accept": "text/event-stream"} if stream else {}
     if extra_headers:
@@ -336,6 +404,12 @@ def _timeout(timeout: float | httpx.Timeout | None) -> Any:
     return httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
 
 
+def _post_request(http: httpx.AsyncClient | httpx.Client, path: str, body: dict[str, Any], stream: bool,
+                  extra_headers: Mapping[str, str] | None, timeout: Any) -> httpx.Request:
+    return http.build_request("POST", path, json=body, headers=_headers(stream, extra_headers),
+                              timeout=_timeout(timeout))
+
+
 def _parse(response: httpx.Response, cls: type[T]) -> T:
     try:
         return cls.model_validate_json(response.content)
@@ -344,11 +418,34 @@ def _parse(response: httpx.Response, cls: type[T]) -> T:
                        body=response.content[:2000].decode("utf-8", "replace")) from exc
 
 
-def _client_kwargs(url: str, key: SecretStr | None, timeout: float | httpx.Timeout) -> dict[str, Any]:
+def _client_kwargs(url: str, key: SecretStr | None, timeout: float | httpx.Timeout,
+                   http_client: httpx.AsyncClient | httpx.Client | None) -> dict[str, Any]:
     headers = {"User-Agent": "zp-client"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key.get_secret_value()}"
-    return {"base_url": url, "headers": headers, "timeout": timeout}
+    kwargs: dict[str, Any] = {"base_url": url, "headers": headers, "timeout": timeout}
+    if http_client is not None:  # keep what the caller's client was given
+        kwargs["headers"] = {**dict(http_client.headers), **headers}
+        kwargs["event_hooks"] = http_client.event_hooks
+        kwargs["follow_redirects"] = http_client.follow_redirects
+    return kwargs
+
+
+def _admitted(cls: type[Any], default_inner: Callable[[], Any],
+              http_client: httpx.AsyncClient | httpx.Client | None, budget: Budget, settings: Settings,
+              options: dict[str, Any]) -> Any:
+    """The admission transport of a client: over ``http_client``'s transport (the caller owns and closes
+    it; one already admitting is used as it is) or a new one of ``default_inner``."""
+    if http_client is None:
+        return cls(default_inner(), budget=budget, settings=settings, close_inner=True, **options)
+    inner = http_transport(http_client)
+    if isinstance(inner, cls):
+        return inner
+    return cls(inner, budget=budget, settings=settings, close_inner=False, **options)
+
+
+def _not_found(url: str) -> httpx.Response:
+    return httpx.Response(404, request=httpx.Request("GET", url))
 
 
 def _repr(kind: str, url: str, key: SecretStr | None) -> str:
@@ -356,10 +453,48 @@ def _repr(kind: str, url: str, key: SecretStr | None) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# the clients' shared construction
+
+H = TypeVar("H", httpx.AsyncClient, httpx.Client)
+
+
+class _ClientBase(Generic[H]):
+    """What both clients share: where to send, the key, the admission transport."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        budget: Budget,
+        settings: Settings | None = None,
+        timeout: float | httpx.Timeout = 600,
+        http_client: H | None = None,
+        **transport_options: Any,
+    ) -> None:
+        self.settings = settings or Settings()
+        self.budget = budget
+        self._url, self._key = _resolve(base_url, api_key, self.settings)
+        kwargs = _client_kwargs(self._url, self._key, timeout, http_client)
+        kwargs["transport"] = self._transport(http_client, transport_options)
+        self._setup(kwargs)
+
+    def _transport(self, http_client: H | None, options: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _setup(self, kwargs: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @property
+    def base_url(self) -> str:
+        return self._url
+
+
+# --------------------------------------------------------------------------------------------------
 # async client
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase[httpx.AsyncClient]):
     """OpenAI-compatible async client whose every LLM call is admitted by ``budget``.
 
     ``base_url`` / ``api_key`` fall back to ``Settings.base_url`` / ``api_key`` (``ZP_BASE_URL``,
@@ -370,74 +505,39 @@ class AsyncClient:
     ``retry=``...).
     """
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        *,
-        budget: Budget,
-        settings: Settings | None = None,
-        timeout: float | httpx.Timeout = 600,
-        http_client: httpx.AsyncClient | None = None,
-        **transport_options: Any,
-    ) -> None:
+    def _transport(self, http_client: httpx.AsyncClient | None, options: dict[str, Any]) -> Any:
         from zp_client.transport import AsyncAdmissionTransport
 
-        self.settings = settings or Settings()
-        self.budget = budget
-        self._url, self._key = _resolve(base_url, api_key, self.settings)
-        kwargs = _client_kwargs(self._url, self._key, timeout)
-        if http_client is not None:
-            inner = http_client._transport  # httpx has no public accessor; every wrapper library uses this
-            kwargs["headers"] = {**dict(http_client.headers), **kwargs["headers"]}
-            kwargs["event_hooks"] = http_client.event_hooks
-            kwargs["follow_redirects"] = http_client.follow_redirects
-            close_inner = False  # the caller owns http_client and closes it
-        else:
-            inner = httpx.AsyncHTTPTransport()
-            close_inner = True
-        if isinstance(inner, AsyncAdmissionTransport):
-            transport = inner
-        else:
-            transport = AsyncAdmissionTransport(inner, budget=budget, settings=self.settings,
-                                                close_inner=close_inner, **transport_options)
-        self._http = httpx.AsyncClient(transport=transport, **kwargs)
+        return _admitted(AsyncAdmissionTransport, httpx.AsyncHTTPTransport, http_client, self.budget,
+                         self.settings, options)
+
+    def _setup(self, kwargs: dict[str, Any]) -> None:
+        self._http = httpx.AsyncClient(**kwargs)
         self.chat = _AsyncChat(self)
         self.completions = _AsyncCompletions(self)
         self.models = _AsyncModels(self)
 
-    @property
-    def base_url(self) -> str:
-        return self._url
-
     def __repr__(self) -> str:
         return _repr("AsyncClient", self._url, self._key)
 
-    async def _post(self, path: str, body: dict[str, Any], cls: type[T], stream: bool,
-                    extra_headers: Mapping[str, str] | None, timeout: Any) -> T | AsyncStream[T]:
-        request = self._http.build_request("POST", path, json=body, headers=_headers(stream, extra_headers),
-                                           timeout=_timeout(timeout))
-        try:
+    async def _post(self, path: str, body: dict[str, Any], stream: bool,
+                    extra_headers: Mapping[str, str] | None, timeout: Any) -> httpx.Response:
+        """The response of an admitted POST (an error status raises; a stream's body is not read yet)."""
+        request = _post_request(self._http, path, body, stream, extra_headers, timeout)
+        with _transport_errors():
             response = await self._http.send(request, stream=stream)
-        except httpx.TransportError as exc:
-            raise _connection_error(exc) from exc
-        if response.status_code >= 400:
-            try:
-                await response.aread()
-            except httpx.TransportError as exc:
-                raise _connection_error(exc) from exc
-            finally:
-                await response.aclose()
-            raise _status_error(response)
-        if stream:
-            return AsyncStream(response, cls)
-        return _parse(response, cls)
+            if response.status_code >= 400:
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                raise _status_error(response)
+        return response
 
     async def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None, timeout: Any) -> T:
-        try:
-            response = await self._http.get(path, headers=dict(extra_headers or {}), timeout=_timeout(timeout))
-        except httpx.TransportError as exc:
-            raise _connection_error(exc) from exc
+        with _transport_errors():
+            headers = dict(extra_headers or {})
+            response = await self._http.get(path, headers=headers, timeout=_timeout(timeout))
         if response.status_code >= 400:
             raise _status_error(response)
         return _parse(response, cls)
@@ -474,34 +574,17 @@ class _AsyncChatCompletions:
         model: str,
         messages: Sequence[Mapping[str, Any]],
         stream: bool = False,
-        max_tokens: int | None = _NOT_GIVEN,
-        max_completion_tokens: int | None = _NOT_GIVEN,
-        temperature: float | None = _NOT_GIVEN,
-        top_p: float | None = _NOT_GIVEN,
-        n: int | None = _NOT_GIVEN,
-        stop: str | Sequence[str] | None = _NOT_GIVEN,
-        seed: int | None = _NOT_GIVEN,
-        tools: Sequence[Mapping[str, Any]] | None = _NOT_GIVEN,
-        tool_choice: Any = _NOT_GIVEN,
-        response_format: Mapping[str, Any] | None = _NOT_GIVEN,
-        stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
         extra_headers: Mapping[str, str] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
         timeout: float | httpx.Timeout | None = None,
         **params: Any,
     ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
         """``POST chat/completions``. Returns a :class:`~zp_client.types.ChatCompletion`, or with
         ``stream=True`` an :class:`AsyncStream` of :class:`~zp_client.types.ChatCompletionChunk`.
-        Other OpenAI/vLLM parameters pass through ``**params``; parameters left unset are not sent."""
-        body = _body(dict(model=model, messages=list(messages), max_tokens=max_tokens,
-                          max_completion_tokens=max_completion_tokens, temperature=temperature, top_p=top_p,
-                          n=n, stop=stop, seed=seed, tools=tools, tool_choice=tool_choice,
-                          response_format=response_format, stream_options=stream_options, **params),
-                     extra_body)
-        if stream:
-            body["stream"] = True
-        return await self._client._post("chat/completions", body, ChatCompletionChunk if stream else ChatCompletion,
-                                        stream, extra_headers, timeout)
+        ``params``: the OpenAI parameters of :func:`_chat_body` (``max_tokens``, ``tools``...),
+        ``extra_body``, and any other vLLM parameter; parameters left unset are not sent."""
+        body = _chat_body(model=model, messages=messages, stream=stream, **params)
+        response = await self._client._post("chat/completions", body, stream, extra_headers, timeout)
+        return AsyncStream(response, ChatCompletionChunk) if stream else _parse(response, ChatCompletion)
 
 
 class _AsyncChat:
@@ -514,7 +597,8 @@ class _AsyncCompletions:
         self._client = client
 
     @overload
-    async def create(self, *, model: str, prompt: Any, stream: Literal[False] = ..., **kwargs: Any) -> Completion: ...
+    async def create(self, *, model: str, prompt: Any, stream: Literal[False] = ...,
+                     **kwargs: Any) -> Completion: ...
 
     @overload
     async def create(self, *, model: str, prompt: Any, stream: Literal[True],
@@ -526,26 +610,15 @@ class _AsyncCompletions:
         model: str,
         prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         stream: bool = False,
-        max_tokens: int | None = _NOT_GIVEN,
-        temperature: float | None = _NOT_GIVEN,
-        top_p: float | None = _NOT_GIVEN,
-        n: int | None = _NOT_GIVEN,
-        stop: str | Sequence[str] | None = _NOT_GIVEN,
-        seed: int | None = _NOT_GIVEN,
-        stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
         extra_headers: Mapping[str, str] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
         timeout: float | httpx.Timeout | None = None,
         **params: Any,
     ) -> Completion | AsyncStream[Completion]:
         """``POST completions``. Returns a :class:`~zp_client.types.Completion`, or with ``stream=True`` an
         :class:`AsyncStream` of them."""
-        body = _body(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                          top_p=top_p, n=n, stop=stop, seed=seed, stream_options=stream_options, **params),
-                     extra_body)
-        if stream:
-            body["stream"] = True
-        return await self._client._post("completions", body, Completion, stream, extra_headers, timeout)
+        body = _completion_body(model=model, prompt=prompt, stream=stream, **params)
+        response = await self._client._post("completions", body, stream, extra_headers, timeout)
+        return AsyncStream(response, Completion) if stream else _parse(response, Completion)
 
 
 class _AsyncModels:
@@ -564,7 +637,7 @@ class _AsyncModels:
             if card.id == model:
                 return card
         raise NotFoundError(f"model {model!r} is not served here",
-                            response=httpx.Response(404, request=httpx.Request("GET", self._client._url + "models")),
+                            response=_not_found(self._client._url + "models"),
                             body=None)
 
 
@@ -572,77 +645,40 @@ class _AsyncModels:
 # sync client
 
 
-class Client:
+class Client(_ClientBase[httpx.Client]):
     """The blocking counterpart of :class:`AsyncClient` (same arguments, same methods, same errors)."""
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        *,
-        budget: Budget,
-        settings: Settings | None = None,
-        timeout: float | httpx.Timeout = 600,
-        http_client: httpx.Client | None = None,
-        **transport_options: Any,
-    ) -> None:
+    def _transport(self, http_client: httpx.Client | None, options: dict[str, Any]) -> Any:
         from zp_client.transport import AdmissionTransport
 
-        self.settings = settings or Settings()
-        self.budget = budget
-        self._url, self._key = _resolve(base_url, api_key, self.settings)
-        kwargs = _client_kwargs(self._url, self._key, timeout)
-        if http_client is not None:
-            inner = http_client._transport
-            kwargs["headers"] = {**dict(http_client.headers), **kwargs["headers"]}
-            kwargs["event_hooks"] = http_client.event_hooks
-            kwargs["follow_redirects"] = http_client.follow_redirects
-            close_inner = False
-        else:
-            inner = httpx.HTTPTransport()
-            close_inner = True
-        if isinstance(inner, AdmissionTransport):
-            transport = inner
-        else:
-            transport = AdmissionTransport(inner, budget=budget, settings=self.settings,
-                                           close_inner=close_inner, **transport_options)
-        self._http = httpx.Client(transport=transport, **kwargs)
+        return _admitted(AdmissionTransport, httpx.HTTPTransport, http_client, self.budget, self.settings,
+                         options)
+
+    def _setup(self, kwargs: dict[str, Any]) -> None:
+        self._http = httpx.Client(**kwargs)
         self.chat = _Chat(self)
         self.completions = _Completions(self)
         self.models = _Models(self)
 
-    @property
-    def base_url(self) -> str:
-        return self._url
-
     def __repr__(self) -> str:
         return _repr("Client", self._url, self._key)
 
-    def _post(self, path: str, body: dict[str, Any], cls: type[T], stream: bool,
-              extra_headers: Mapping[str, str] | None, timeout: Any) -> T | Stream[T]:
-        request = self._http.build_request("POST", path, json=body, headers=_headers(stream, extra_headers),
-                                           timeout=_timeout(timeout))
-        try:
+    def _post(self, path: str, body: dict[str, Any], stream: bool, extra_headers: Mapping[str, str] | None,
+              timeout: Any) -> httpx.Response:
+        request = _post_request(self._http, path, body, stream, extra_headers, timeout)
+        with _transport_errors():
             response = self._http.send(request, stream=stream)
-        except httpx.TransportError as exc:
-            raise _connection_error(exc) from exc
-        if response.status_code >= 400:
-            try:
-                response.read()
-            except httpx.TransportError as exc:
-                raise _connection_error(exc) from exc
-            finally:
-                response.close()
-            raise _status_error(response)
-        if stream:
-            return Stream(response, cls)
-        return _parse(response, cls)
+            if response.status_code >= 400:
+                try:
+                    response.read()
+                finally:
+                    response.close()
+                raise _status_error(response)
+        return response
 
     def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None, timeout: Any) -> T:
-        try:
+        with _transport_errors():
             response = self._http.get(path, headers=dict(extra_headers or {}), timeout=_timeout(timeout))
-        except httpx.TransportError as exc:
-            raise _connection_error(exc) from exc
         if response.status_code >= 400:
             raise _status_error(response)
         return _parse(response, cls)
@@ -677,32 +713,14 @@ class _ChatCompletions:
         model: str,
         messages: Sequence[Mapping[str, Any]],
         stream: bool = False,
-        max_tokens: int | None = _NOT_GIVEN,
-        max_completion_tokens: int | None = _NOT_GIVEN,
-        temperature: float | None = _NOT_GIVEN,
-        top_p: float | None = _NOT_GIVEN,
-        n: int | None = _NOT_GIVEN,
-        stop: str | Sequence[str] | None = _NOT_GIVEN,
-        seed: int | None = _NOT_GIVEN,
-        tools: Sequence[Mapping[str, Any]] | None = _NOT_GIVEN,
-        tool_choice: Any = _NOT_GIVEN,
-        response_format: Mapping[str, Any] | None = _NOT_GIVEN,
-        stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
         extra_headers: Mapping[str, str] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
         timeout: float | httpx.Timeout | None = None,
         **params: Any,
     ) -> ChatCompletion | Stream[ChatCompletionChunk]:
         """See :meth:`AsyncClient.chat.completions.create <_AsyncChatCompletions.create>`."""
-        body = _body(dict(model=model, messages=list(messages), max_tokens=max_tokens,
-                          max_completion_tokens=max_completion_tokens, temperature=temperature, top_p=top_p,
-                          n=n, stop=stop, seed=seed, tools=tools, tool_choice=tool_choice,
-                          response_format=response_format, stream_options=stream_options, **params),
-                     extra_body)
-        if stream:
-            body["stream"] = True
-        return self._client._post("chat/completions", body, ChatCompletionChunk if stream else ChatCompletion,
-                                  stream, extra_headers, timeout)
+        body = _chat_body(model=model, messages=messages, stream=stream, **params)
+        response = self._client._post("chat/completions", body, stream, extra_headers, timeout)
+        return Stream(response, ChatCompletionChunk) if stream else _parse(response, ChatCompletion)
 
 
 class _Chat:
@@ -715,10 +733,12 @@ class _Completions:
         self._client = client
 
     @overload
-    def create(self, *, model: str, prompt: Any, stream: Literal[False] = ..., **kwargs: Any) -> Completion: ...
+    def create(self, *, model: str, prompt: Any, stream: Literal[False] = ...,
+               **kwargs: Any) -> Completion: ...
 
     @overload
-    def create(self, *, model: str, prompt: Any, stream: Literal[True], **kwargs: Any) -> Stream[Completion]: ...
+    def create(self, *, model: str, prompt: Any, stream: Literal[True],
+               **kwargs: Any) -> Stream[Completion]: ...
 
     def create(
         self,
@@ -726,25 +746,14 @@ class _Completions:
         model: str,
         prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         stream: bool = False,
-        max_tokens: int | None = _NOT_GIVEN,
-        temperature: float | None = _NOT_GIVEN,
-        top_p: float | None = _NOT_GIVEN,
-        n: int | None = _NOT_GIVEN,
-        stop: str | Sequence[str] | None = _NOT_GIVEN,
-        seed: int | None = _NOT_GIVEN,
-        stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
         extra_headers: Mapping[str, str] | None = None,
-        extra_body: Mapping[str, Any] | None = None,
         timeout: float | httpx.Timeout | None = None,
         **params: Any,
     ) -> Completion | Stream[Completion]:
         """See :meth:`AsyncClient.completions.create <_AsyncCompletions.create>`."""
-        body = _body(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                          top_p=top_p, n=n, stop=stop, seed=seed, stream_options=stream_options, **params),
-                     extra_body)
-        if stream:
-            body["stream"] = True
-        return self._client._post("completions", body, Completion, stream, extra_headers, timeout)
+        body = _completion_body(model=model, prompt=prompt, stream=stream, **params)
+        response = self._client._post("completions", body, stream, extra_headers, timeout)
+        return Stream(response, Completion) if stream else _parse(response, Completion)
 
 
 class _Models:
@@ -763,5 +772,5 @@ class _Models:
             if card.id == model:
                 return card
         raise NotFoundError(f"model {model!r} is not served here",
-                            response=httpx.Response(404, request=httpx.Request("GET", self._client._url + "models")),
+                            response=_not_found(self._client._url + "models"),
                             body=None)

@@ -7,9 +7,9 @@
                    ``suggest_limit_blocks`` recommends for elastic (the whole usable pool,
                    ``ELASTIC_HEADROOM``); ``zp-strict`` keeps the storm's 5% headroom. Same retry policy
                    and app-level retry as ``zp-strict``.
-``zp-oracle``      a reference, not a product setup: ``zp-elastic`` with ``oracle=True``, so the transport
-                   forecasts each request from the simulator's body field ``sim_output_tokens`` (its true
-                   length). The limit a forecaster can reach.
+``zp-oracle``      a reference, not a product setup: ``zp-elastic`` with a SimOracleForecaster, so the
+                   transport forecasts each request from the simulator's body field
+                   ``sim_output_tokens`` (its true length). The limit a forecaster can reach.
 ``zp-redis-elastic`` ``zp-redis`` with ``RedisBudget(policy="elastic")`` (held reported every block) shared
                    by the worker processes, at the elastic limit. Only with ``--redis URL``.
 =================  ==========================================================================================
@@ -90,7 +90,12 @@ async def _zp_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Ca
 
 
 async def _zp_oracle(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
-    client = await zp_client_for(ctx, stack, _local_elastic(ctx), oracle=True)
+    from zp_client.bench.oracle import SimOracleForecaster
+    from zp_client.transport import forecaster_for
+
+    budget = _local_elastic(ctx)
+    oracle = SimOracleForecaster(forecaster_for(budget))
+    client = await zp_client_for(ctx, stack, budget, forecaster=oracle)
     return AppCaller(client, ctx.model, app_retry=True)
 
 

@@ -247,10 +247,10 @@ async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, bud
                         **wrap_options: Any) -> Any:
     """``wrap(AsyncOpenAI)`` on ``budget`` with zp's default estimator (warmed up before the run) and
     default retry policy (sleeping in virtual time); closes client and budget with ``stack``."""
+    from zp_client import wrap
     from zp_client.bench.virtual_time import VirtualTimeRetryPolicy
     from zp_client.config import Settings
     from zp_client.estimate import Estimator
-    from zp_client.wrap import wrap
 
     stack.push_async_callback(budget.aclose)
     raw = openai_client(ctx, stack)

@@ -77,9 +77,8 @@ from typing import Any, Literal
 
 import redis as redis_sync
 import redis.asyncio as redis_async
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import AuthenticationError, AuthorizationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from zp_client.budget.base import Budget, BudgetStatus, ClassStatus, Lease, Ticket

@@ -1,50 +1,21 @@
 """``wrap(openai_client, budget=...)``: the official openai SDK, admission-gated.
 
-What callers may rely on:
-
-- ``wrap`` accepts ``openai.AsyncOpenAI`` or ``openai.OpenAI`` (and subclasses such as ``AzureOpenAI``),
-  on openai 2.x (built on ``httpx``) and 3.x (built on ``httpx2``, or on a legacy ``httpx`` client the
-  user passed). It returns a new client of the same type made with ``client.with_options(...)``: every
-  call goes through an admission transport (:mod:`zp_client.transport`) and the SDK's own retries are off
-  (``max_retries=0``), so zp's retry policy is the only retry loop: ``retry=`` (a
-  :class:`~zp_client.RetryPolicy`), by default the one built from ``Settings.retry_*`` on the budget's
-  shared retry budget (429 and 503 are retried after their ``Retry-After``); ``retry=False`` turns
-  retrying off.
-- The new client sends through the ORIGINAL client's own transport (and its mounted proxy transports),
-  so proxy, TLS, connection limits and the connection pool are shared; event hooks, timeout,
-  redirect settings, base URL, headers, cookies and auth of the original HTTP client are copied. The
-  original client is not mutated. Closing the wrapped client does not close the shared transport;
-  close the original client when done with both. A wrapped ``openai.OpenAI`` keeps its original alive
-  (openai's sync client closes its connection pool when garbage-collected), so
-  ``wrap(openai.OpenAI(...), budget=...)`` is safe; keep a reference to an async original you wrap if it
-  may be collected while the wrapped client is in use.
-- A refusal by zp reaches the caller as zp's own error type: :class:`~zp_client.LeaseTooLarge`,
-  :class:`~zp_client.AdmissionTimeout` (and its subclass :class:`~zp_client.DeadlineExceeded`),
-  :class:`~zp_client.PromptTooLong`, :class:`~zp_client.RetryBudgetExhausted`, ... — all catchable as
-  :class:`~zp_client.ZPError`. openai wraps any exception raised inside its transport into a generic
-  ``APIConnectionError("Connection error.")`` *unless* it is an ``openai.OpenAIError``; so the wrapped
-  client raises a subclass of BOTH the zp error class and ``openai.OpenAIError`` (same name, same
-  message, same attributes). ``except zp_client.LeaseTooLarge`` and ``except openai.OpenAIError`` both
-  work; the behaviour is identical on openai 2.x and 3.x.
-- Per call, ``extra_headers={"X-ZP-Priority": "1", "X-ZP-Deadline": "30", "X-ZP-Route": "planner"}`` set
-  queue priority, the deadline and the route whose output lengths the forecaster learns (an elastic
-  budget's); all are stripped before sending.
-- ``from zp_client import wrap`` works in any import order: once the submodule ``zp_client.wrap`` is
-  imported Python binds that name on the package to the module, so the module itself is callable and
-  forwards to :func:`wrap`.
+Returns a copy of an ``openai.AsyncOpenAI`` / ``openai.OpenAI`` client whose every call is admitted
+by the budget; it shares the original's transport, retries with zp's policy, and raises zp's refusals
+as openai-compatible errors. What callers may rely on: docs/wrap.md.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-import types
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+from zp_client._httplib import module_of
+from zp_client._private import http_mounts, http_transport, sdk_http_client
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, ZPError
-from zp_client.transport import _module_of, transport_classes
+from zp_client.transport import transport_classes
 
 __all__ = ["wrap", "openai_compatible_error", "admitted_budget"]
 
@@ -72,7 +43,7 @@ def openai_compatible_error(err: ZPError) -> ZPError:
                                                                  "__doc__": cls.__doc__})
         compat.__qualname__ = cls.__qualname__
         _compat_classes[cls] = compat
-    new = compat.__new__(compat, *err.args)  # the built-in base (e.g. OSError) must make it
+    new: ZPError = compat.__new__(compat, *err.args)  # the built-in base (e.g. OSError) must make it
     new.__dict__.update(err.__dict__)
     new.__cause__ = err.__cause__
     new.__context__ = err.__context__
@@ -88,7 +59,6 @@ def wrap(
     estimator: Any | None = None,
     retry: Any | None = None,
     forecaster: Any | None = None,
-    oracle: bool = False,
     keep_original: bool | None = None,
     **setting_overrides: Any,
 ) -> C:
@@ -98,10 +68,10 @@ def wrap(
     its fields, e.g. ``default_max_tokens=1024``), ``estimator`` and ``retry`` (a RetryPolicy; default:
     the policy from the settings on ``budget.retry_budget()``; ``False``: no retries) configure the
     admission transport. ``keep_original``: the wrapped client keeps ``client`` alive (default: only a
-    sync one, see the module docstring; a framework that drops the original pass True). With an elastic budget, ``forecaster`` (a
-    :class:`~zp_client.forecast.LengthForecaster`; default: the one shared by the budget's transports)
-    forecasts output lengths, and ``oracle=True`` (benchmarks only) forecasts from the simulator's
-    ``sim_output_tokens`` body field instead. See the module docstring for what is kept from the
+    sync one, see the module docstring; a framework that drops the original pass True). With an elastic
+    budget, ``forecaster`` (a :class:`~zp_client.forecast.LengthForecaster`; default: the one shared by
+    the budget's transports) forecasts output lengths (one with a ``forecast_request`` hook may forecast
+    from the request body, see docs/elastic.md). See the module docstring for what is kept from the
     original client.
     """
     try:
@@ -117,25 +87,24 @@ def wrap(
         base = settings.model_dump() if settings is not None else {}
         try:
             settings = Settings(**{**base, **setting_overrides})
-        except Exception as exc:
+        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise ConfigurationError(f"invalid zp option for wrap(): {exc}") from None
     is_async = isinstance(client, openai.AsyncOpenAI)
-    http = client._client  # the SDK's httpx / httpx2 client
-    mod = _module_of(http)
+    http = sdk_http_client(client)
+    mod = module_of(http)
     classes = transport_classes(mod)
     cls = classes.AsyncAdmissionTransport if is_async else classes.AdmissionTransport
 
-    transport = cls(http._transport, budget=budget, settings=settings, estimator=estimator, retry=retry,
-                    close_inner=False, forecaster=forecaster, oracle=oracle)
-    core = transport._core
-    core.convert_error = openai_compatible_error
+    transport = cls(http_transport(http), budget=budget, settings=settings, estimator=estimator, retry=retry,
+                    close_inner=False, forecaster=forecaster)
+    transport.core.convert_error = openai_compatible_error
     mounts: dict[str, Any] = {}
-    for pattern, inner in http._mounts.items():
+    for pattern, inner in http_mounts(http).items():
         if inner is None:
             mounts[pattern.pattern] = None
             continue
         t = cls(inner, budget=budget, settings=settings, estimator=estimator, retry=retry, close_inner=False)
-        t._core = core  # one estimator, one metadata cache, one error conversion for all routes
+        t.share_core(transport)  # one estimator, one metadata cache, one error conversion for all routes
         mounts[pattern.pattern] = t
 
     client_cls = mod.AsyncClient if is_async else mod.Client
@@ -151,7 +120,7 @@ def wrap(
         base_url=http.base_url,
         headers=http.headers,
         cookies=http.cookies,
-        auth=http._auth,
+        auth=http.auth,
     )
     # The wrapped client sends through the original's connection pool, and openai's sync HTTP client
     # closes that pool when the original is garbage-collected (its __del__), which the cycle collector
@@ -159,34 +128,27 @@ def wrap(
     # async original is not kept: its __del__ schedules aclose() on whatever loop runs then, so keeping it
     # would close connections of a finished loop from a later one.
     if keep_original or (keep_original is None and not is_async):
-        transport._zp_original_client = client
+        transport.keep_alive(client)
     logger.debug("wrapped %s (%s) with admission", type(client).__name__, mod.__name__)
-    return client.with_options(http_client=new_http, max_retries=0)  # type: ignore[attr-defined,no-any-return]
+    # with_options returns the client's own type (C): mypy sees only the two openai classes.
+    return cast(C, client.with_options(http_client=new_http, max_retries=0))
 
 
 def admitted_budget(client: Any) -> Budget | None:
     """The budget an openai client (as returned by :func:`wrap`) is admitted on, or None."""
-    http = getattr(client, "_client", None)  # the openai SDK's HTTP client
-    transport = getattr(http, "_transport", None)
-    if transport is None:
-        return None
     try:
-        classes = transport_classes(_module_of(http))
+        import openai
+    except ImportError:  # pragma: no cover - openai is an optional dependency
+        return None
+    if not isinstance(client, (openai.AsyncOpenAI, openai.OpenAI)):
+        return None
+    http = sdk_http_client(client)
+    try:
+        classes = transport_classes(module_of(http))
     except ConfigurationError:
         return None
+    transport = http_transport(http)
     if isinstance(transport, (classes.AsyncAdmissionTransport, classes.AdmissionTransport)):
         budget: Budget = transport.budget
         return budget
     return None
-
-
-class _CallableModule(types.ModuleType):
-    """Importing ``zp_client.wrap`` (the module) makes Python set ``zp_client.wrap`` to the module,
-    shadowing the lazily exported function of the same name. Making the module callable keeps
-    ``from zp_client import wrap; wrap(client, budget=...)`` working in every import order."""
-
-    def __call__(self, client: Any, budget: Budget, **options: Any) -> Any:
-        return wrap(client, budget, **options)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,54 @@
+"""The private attributes of openai and httpx/httpx2 that zp reads, one function each
+(zp_client/_private.py). These tests fail loudly when a release of either library renames one."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from zp_client._httplib import module_of
+from zp_client._private import http_mounts, http_transport, sdk_http_client
+from zp_client.errors import ConfigurationError
+
+try:
+    import httpx2
+except ImportError:  # openai 2.x environments have no httpx2
+    httpx2 = None
+
+LIBS: list[ModuleType] = [httpx] + ([httpx2] if httpx2 is not None else [])
+
+
+@pytest.mark.openai_compat
+@pytest.mark.parametrize("cls", [openai.AsyncOpenAI, openai.OpenAI])
+def test_sdk_http_client_is_the_client_given_as_http_client(cls: Any) -> None:
+    own = cls(base_url="http://127.0.0.1:9/v1", api_key="k")
+    http = sdk_http_client(own)
+    mod = module_of(http)  # openai subclasses the library's client
+    is_async = cls is openai.AsyncOpenAI
+    assert isinstance(http, mod.AsyncClient if is_async else mod.Client)
+    given = mod.AsyncClient() if is_async else mod.Client()
+    other = cls(base_url="http://127.0.0.1:9/v1", api_key="k", http_client=given)
+    assert sdk_http_client(other) is given
+
+
+@pytest.mark.openai_compat
+@pytest.mark.parametrize("mod", LIBS, ids=lambda m: m.__name__)
+def test_http_transport_and_mounts(mod: ModuleType) -> None:
+    main, mounted = mod.HTTPTransport(), mod.HTTPTransport()
+    with mod.Client(transport=main, mounts={"http://proxied.test": mounted, "http://off.test": None}) as http:
+        assert http_transport(http) is main
+        mounts = {pattern.pattern: t for pattern, t in http_mounts(http).items()}
+        assert mounts == {"http://proxied.test": mounted, "http://off.test": None}
+
+
+def test_a_renamed_attribute_raises_a_configuration_error() -> None:
+    class Renamed:
+        pass
+
+    for fn, attr in ((sdk_http_client, "_client"), (http_transport, "_transport"), (http_mounts, "_mounts")):
+        with pytest.raises(ConfigurationError, match=attr):
+            fn(Renamed())

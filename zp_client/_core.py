@@ -1,0 +1,671 @@
+"""The admission core, sans I/O: the request plan, the attempt loop and learning from usage.
+
+:meth:`Core.admit` returns a :class:`Machine`, the attempt loop of one request as a state machine: it
+yields actions (:class:`Acquire`, :class:`Send`, :class:`Decide`, :class:`Sleep`, :class:`Release`...)
+and takes their results, the way ``h11`` or :mod:`zp_client.budget.ledger` keep decisions apart from
+I/O. The transports (:mod:`zp_client._drivers`) perform the actions, async or blocking; the loop exists
+only here. Time comes from an injectable :class:`~zp_client._clock.Clock`. See docs/admission.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from zp_client._clock import SYSTEM_CLOCK, Clock
+from zp_client._plan import Parsed, Plan, api_base, read_headers
+from zp_client._release import Holder, watchdog
+from zp_client._sse import BadEvent, Reassembler, Scanner, reassembly_faithful
+from zp_client.budget.base import Budget, Lease, Ticket
+from zp_client.config import Settings
+from zp_client.errors import ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
+
+if TYPE_CHECKING:
+    from zp_client._httplib import HttpLib
+    from zp_client.retry import RetryPolicy
+
+__all__ = ["Core", "Machine", "Done", "RequestForecaster", "default_retry", "forecaster_for"]
+
+logger = logging.getLogger("zp_client.transport")
+
+_logged_default_max_tokens = False
+_logged_compressed = False
+_logged_no_max_model_len: set[str] = set()
+
+
+# --------------------------------------------------------------------------------------------------
+# Actions: what the attempt loop asks its driver to do. The comment says what the driver sends back.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Estimate the prompt with the server's tokenizer (``Settings.estimator == "server"``) -> estimate."""
+
+    path: str
+    body: dict[str, Any]
+    server: Any
+
+
+@dataclass(frozen=True)
+class ModelLen:
+    """Read the model's context length from the server -> int or None."""
+
+    server: Any
+    model: str | None
+
+
+@dataclass(frozen=True)
+class NewRetryState:
+    """Start the retry policy's state for this request -> RetryState."""
+
+    policy: Any
+
+
+@dataclass(frozen=True)
+class Acquire:
+    """Take a lease from the budget -> Lease."""
+
+    blocks: int
+    priority: int
+    timeout: float | None
+    ticket: Ticket | None
+    held: int
+    meta: dict[str, Any] | None
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``Budget.acquire``; ``meta`` only when there is some (a backend written
+        before it existed keeps working)."""
+        kw: dict[str, Any] = {"priority": self.priority, "timeout": self.timeout, "ticket": self.ticket,
+                              "held": self.held}
+        if self.meta is not None:
+            kw["meta"] = dict(self.meta)
+        return kw
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send the request through the inner transport -> its response (headers read, body not)."""
+
+    request: Any
+
+
+@dataclass(frozen=True)
+class ReadAll:
+    """Read the response body to its end, passing each chunk to ``sink`` -> None."""
+
+    response: Any
+    sink: Callable[[bytes], None]
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the response (``shield``: even while the caller is being cancelled) -> None."""
+
+    response: Any
+    shield: bool
+
+
+@dataclass(frozen=True)
+class Release:
+    """Release the holder's lease (once; shielded from cancellation) -> None."""
+
+    holder: Holder
+
+
+@dataclass(frozen=True)
+class Decide:
+    """Ask the retry policy about a failed attempt -> RetryDecision."""
+
+    policy: Any
+    state: Any
+    status: int | None
+    headers: Mapping[str, str] | None
+    error: BaseException | None
+    remaining_s: float | None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"status": self.status, "headers": self.headers, "error": self.error, "delivered": False,
+                "remaining_s": self.remaining_s}
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Sleep before the next attempt (the retry policy's sleep) -> None."""
+
+    policy: Any
+    seconds: float
+
+
+Action = Estimate | ModelLen | NewRetryState | Acquire | Send | ReadAll | Close | Release | Decide | Sleep
+Steps = Generator[Action, Any, Any]
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request is over: ``response`` goes to the caller."""
+
+    response: Any
+
+
+class Machine:
+    """One request's attempt loop. A driver calls :meth:`start`, performs each action it gets and hands
+    back the result (:meth:`send`) or the exception it raised (:meth:`throw`) until it gets
+    :class:`Done`; an exception the loop does not handle propagates out of ``send``/``throw``."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, steps: Steps) -> None:
+        self._steps = steps
+
+    def start(self) -> Action | Done:
+        return self.send(None)
+
+    def send(self, result: Any) -> Action | Done:
+        try:
+            return self._steps.send(result)
+        except StopIteration as stop:
+            return Done(stop.value)
+
+    def throw(self, error: BaseException) -> Action | Done:
+        try:
+            return self._steps.throw(error)
+        except StopIteration as stop:
+            return Done(stop.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forecasting hook and shared defaults
+# --------------------------------------------------------------------------------------------------
+
+
+class RequestForecaster(Protocol):
+    """What the core asks of an elastic budget's forecaster (a :class:`~zp_client.forecast.LengthForecaster`
+    has all of it). Optionally, ``forecast_request(route, body, *, max_tokens, streaming) -> int | None``
+    forecasts from the request itself (the parsed JSON body): an int is taken as known (capped at
+    ``max_tokens``), None falls back to :meth:`forecast`. The benchmark's oracle uses it; see
+    docs/elastic.md."""
+
+    def forecast(self, key: str, *, generated: int = 0, max_tokens: int | None = None,
+                 streaming: bool = True) -> int: ...
+
+    def observe(self, key: str, completion_tokens: int) -> None: ...
+
+
+def default_retry(budget: Budget, settings: Settings) -> RetryPolicy:
+    """The retry policy a front end gets when it is given none: :meth:`RetryPolicy.from_settings`
+    (``Settings.retry_*``) drawing on the KV budget's own shared retry budget
+    (:meth:`Budget.retry_budget`, fleet-wide for a RedisBudget)."""
+    from zp_client.retry import RetryPolicy
+
+    return RetryPolicy.from_settings(settings, budget=budget.retry_budget(settings))
+
+
+_forecasters: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_forecasters_lock = threading.Lock()
+
+
+def forecaster_for(budget: Budget) -> Any:
+    """The :class:`~zp_client.forecast.LengthForecaster` every transport of ``budget`` shares by
+    default (made on first use with the forecaster's defaults: ``DEFAULT_Q`` for streams,
+    ``DEFAULT_Q_BLIND`` for requests whose growth is not seen), so wrapped clients of one budget learn
+    together. A budget with a ``shared_forecaster()`` method (RedisBudget) supplies it: the fleet
+    learns together."""
+    from zp_client.forecast import LengthForecaster
+
+    with _forecasters_lock:
+        fc = _forecasters.get(budget)
+        if fc is None:
+            # A budget that shares forecasts across processes (RedisBudget) provides its own.
+            shared = getattr(budget, "shared_forecaster", None)
+            fc = _forecasters[budget] = shared() if shared is not None else LengthForecaster()
+        return fc
+
+
+# --------------------------------------------------------------------------------------------------
+# The core
+# --------------------------------------------------------------------------------------------------
+
+
+class Core:
+    """Shared by the transports of one configuration: the plan, the attempt loop, learning from usage."""
+
+    def __init__(
+        self,
+        budget: Budget,
+        settings: Settings | None,
+        estimator: Any | None,
+        retry: Any | None,
+        forecaster: Any | None = None,
+        stream_upstream: bool | None = None,
+        *,
+        lib: HttpLib,
+        clock: Clock | None = None,
+    ) -> None:
+        if not isinstance(budget, Budget):
+            raise ConfigurationError(
+                f"budget must be a zp_client Budget (LocalBudget, RedisBudget), got {type(budget).__name__}"
+            )
+        self.budget = budget
+        self.settings = settings or Settings()
+        if estimator is None:
+            from zp_client.estimate import Estimator
+
+            estimator = Estimator(self.settings)
+        self.estimator = estimator
+        self.retry = default_retry(budget, self.settings) if retry is None else (retry or None)
+        # Elastic metadata is worth its cost only when the budget's policy reads it.
+        self.elastic = getattr(budget, "policy_name", "strict") == "elastic"
+        if forecaster is None and self.elastic:
+            forecaster = forecaster_for(budget)
+        self.forecaster = forecaster
+        self.lib = lib
+        self.clock: Clock = clock if clock is not None else SYSTEM_CLOCK
+        self.stream_upstream = (
+            self.settings.stream_upstream if stream_upstream is None else bool(stream_upstream)
+        )
+        self._servers: dict[str, Any] = {}
+        self._mml: dict[tuple[str, str | None], int | None] = {}
+        # wrap() sets this so zp refusals pass through the openai SDK as a catchable type.
+        self.convert_error: Callable[[ZPError], BaseException] | None = None
+
+    # -- parsing ------------------------------------------------------------------------------------
+    def parse(self, request: Any) -> Parsed | None:
+        """Read the request's JSON and per-call options; None when it cannot be admitted (not JSON)."""
+        try:
+            body = json.loads(request.content)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(body, dict):
+            return None
+        opts = read_headers(request.headers.raw)
+        headers, auth, route, priority = opts.headers, opts.auth, opts.route, opts.priority
+        deadline_s = opts.deadline_s if opts.deadline_s is not None else self.settings.deadline_s
+        if priority is None:
+            bp = body.get("priority")
+            priority = bp if isinstance(bp, int) and not isinstance(bp, bool) else 0
+
+        path = request.url.path.rstrip("/")
+        changed = False
+        responses = path.endswith("/responses")
+        keys = ("max_output_tokens",) if responses else ("max_completion_tokens", "max_tokens")
+        max_tokens = next((body[k] for k in keys if isinstance(body.get(k), int)), None)
+        if max_tokens is None:
+            max_tokens = self.settings.default_max_tokens
+            body[keys[-1]] = max_tokens
+            changed = True
+            global _logged_default_max_tokens
+            if not _logged_default_max_tokens:
+                _logged_default_max_tokens = True
+                logger.info(
+                    "request without max_tokens: sending %s=%d (Settings.default_max_tokens) so the KV "
+                    "lease is a true upper bound; set max_tokens to silence this",
+                    keys[-1],
+                    max_tokens,
+                )
+        stream = body.get("stream") is True
+        strip_usage = False
+        upstream = False
+        if (
+            not stream
+            and self.stream_upstream
+            and not path.endswith("/responses")
+            and body.get("stream") in (None, False)
+            and reassembly_faithful(body)
+        ):
+            # Streamed upstream, reassembled here: bytes flow while the answer is generated (no proxy
+            # idle timeout) and the lease sees its growth. The usage chunk is always asked for.
+            upstream = stream = True
+            body["stream"] = True
+            so = body.get("stream_options")
+            so = dict(so) if isinstance(so, dict) else {}
+            so["include_usage"] = True
+            body["stream_options"] = so
+            changed = True
+        elif stream and not path.endswith("/responses"):
+            so = body.get("stream_options")
+            if not (isinstance(so, dict) and so.get("include_usage") is True):
+                so = dict(so) if isinstance(so, dict) else {}
+                so["include_usage"] = True
+                body["stream_options"] = so
+                changed = True
+                strip_usage = True
+        base, root = api_base(request.url)
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        return Parsed(
+            body=body,
+            changed=changed,
+            headers=headers,
+            priority=priority,
+            deadline=None if deadline_s is None else self.clock.monotonic() + deadline_s,
+            stream=stream,
+            strip_usage=strip_usage,
+            max_tokens=max_tokens,
+            model=model,
+            base=base,
+            root=root,
+            auth_headers=auth,
+            route=route,
+            upstream=upstream,
+            chat_or_completions=not path.endswith("/responses"),
+        )
+
+    def finish_plan(self, request: Any, p: Parsed, est: Any, mml: int | None) -> Plan:
+        from zp_client.estimate import kv_blocks
+
+        lower = getattr(self.estimator, "lower_bound_tokens", None)
+        # Refuse only what surely does not fit: an over-estimate must never refuse a prompt that fits.
+        low = int(lower(est)) if lower is not None else int(est.tokens)
+        if mml is not None and low > mml:
+            raise PromptTooLong(low, mml)
+        prompt = int(self.estimator.reserve_tokens(est))
+        n = int(getattr(est, "n", 1) or 1)
+        bs = self.budget.block_size
+        blocks = kv_blocks(prompt, p.max_tokens, block_size=bs, max_model_len=mml, n=n)
+        held = min(blocks, kv_blocks(prompt, 0, block_size=bs, max_model_len=mml, n=n))
+        route = p.route or p.model or "default"
+        meta: dict[str, Any] | None = None
+        forecast = 0
+        known = False
+        continuous = strip_continuous = False
+        if self.elastic:
+            # n > 1 grows n tokens per step, which the one-token-per-step projection cannot express:
+            # project it as non-streamed (its forecast end held from now), which is conservative.
+            streaming = p.stream and n == 1
+            forecast, known = self._forecast(p, route, streaming)
+            meta = {"prompt_tokens": prompt * n, "forecast_tokens": forecast * n, "streaming": streaming}
+            if streaming and p.chat_or_completions and self._continuous_usage(p):
+                so = p.body.get("stream_options")
+                so = dict(so) if isinstance(so, dict) else {}
+                continuous = True
+                # The caller reads per-chunk usage only if it asked for it with include_usage (vLLM
+                # ignores continuous_usage_stats without it, and zp added include_usage if missing).
+                strip_continuous = p.strip_usage or so.get("continuous_usage_stats") is not True
+                if so.get("continuous_usage_stats") is not True:
+                    so["continuous_usage_stats"] = True
+                    p.body["stream_options"] = so
+                    p.changed = True
+            key = getattr(est, "prefix_key", None)
+            ptok = int(getattr(est, "prefix_tokens", 0) or 0)
+            if key is not None and ptok > 0:
+                # vLLM shares only full blocks; count the prefix from the estimate's lower bound so an
+                # over-estimate never claims sharing that does not happen.
+                if est.tokens > 0 and lower is not None:
+                    ptok = min(ptok, ptok * low // int(est.tokens))
+                pblocks = ptok // bs
+                if pblocks > 0:
+                    meta["prefix_key"] = key
+                    meta["prefix_blocks"] = pblocks
+        content = request.content
+        if p.changed:
+            content = json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode()
+        return Plan(
+            content=content,
+            headers=p.headers,
+            blocks=blocks,
+            held=held,
+            priority=p.priority,
+            deadline=p.deadline,
+            strip_usage=p.strip_usage,
+            stream=p.stream,
+            prompt_tokens=prompt,
+            n=n,
+            estimate=est,
+            meta=meta,
+            route=route,
+            max_tokens=p.max_tokens,
+            forecast=forecast,
+            forecast_known=known,
+            chat=request.url.path.rstrip("/").endswith("/chat/completions"),
+            upstream=p.upstream,
+            continuous=continuous,
+            strip_continuous=strip_continuous,
+        )
+
+    def _continuous_usage(self, p: Parsed) -> bool:
+        """Whether to ask for vLLM's ``continuous_usage_stats`` (``Settings.continuous_usage``; under
+        "auto" only for a server whose ``GET models`` said vLLM: others may refuse the unknown field)."""
+        mode = self.settings.continuous_usage
+        if mode == "auto":
+            server = self._servers.get(p.base)
+            return bool(getattr(server, "is_vllm", False))
+        return mode == "always"
+
+    def _forecast(self, p: Parsed, route: str, streaming: bool = True) -> tuple[int, bool]:
+        """(forecast output tokens per choice, known from the request?). The forecaster's
+        ``forecast_request`` hook answers first (see :class:`RequestForecaster`); otherwise a request
+        whose growth is not seen (``streaming`` False) is forecast at the forecaster's ``q_blind``:
+        nothing corrects it later."""
+        fc = self.forecaster
+        assert fc is not None  # an elastic core always has one (__init__)
+        hook = getattr(fc, "forecast_request", None)
+        if hook is not None:
+            known = hook(route, p.body, max_tokens=p.max_tokens, streaming=streaming)
+            if known is not None:
+                return min(int(known), p.max_tokens), True
+        if streaming or getattr(fc, "q_blind", None) is None:
+            # a forecaster without the blind quantile: its single q
+            return int(fc.forecast(route, generated=0, max_tokens=p.max_tokens)), False
+        return int(fc.forecast(route, generated=0, max_tokens=p.max_tokens, streaming=False)), False
+
+    # -- server metadata ----------------------------------------------------------------------------
+    def server_for(self, p: Parsed, inner: Any) -> Any:
+        """A ServerInfo for this request's server, fetching through the inner transport (no admission)."""
+        server = self._servers.get(p.base)
+        if server is None:
+            server = self._servers[p.base] = self.lib.server_info(inner, p.base, p.root, p.auth_headers,
+                                                                  self.settings)
+        return server
+
+    def _mml_failed(self, p: Parsed, exc: BaseException) -> None:
+        if p.base not in _logged_no_max_model_len:
+            _logged_no_max_model_len.add(p.base)
+            logger.warning(
+                "could not read max_model_len from %s/models (%s); bounds are not capped by the context "
+                "length and long prompts are not refused locally. Set Settings.max_model_len to fix.",
+                p.base,
+                type(exc).__name__,
+            )
+
+    def _max_model_len(self, p: Parsed, inner: Any) -> Steps:
+        if self.settings.max_model_len is not None:
+            return self.settings.max_model_len
+        key = (p.base, p.model)
+        if key in self._mml:
+            return self._mml[key]
+        try:
+            value = yield ModelLen(self.server_for(p, inner), p.model)
+        except Exception as exc:  # noqa: BLE001 - metadata only tightens the bound: logged, never fatal
+            self._mml_failed(p, exc)
+            value = None
+        if value is not None:  # unknown stays uncached: ServerInfo retries (no sooner than 30 s apart)
+            self._mml[key] = value
+        return value
+
+    # -- errors and deadlines -----------------------------------------------------------------------
+    def surface(self, exc: BaseException) -> BaseException:
+        """The error the caller sees for a zp error (wrap() makes it openai-compatible)."""
+        if isinstance(exc, ZPError) and self.convert_error is not None:
+            return self.convert_error(exc)
+        return exc
+
+    def remaining(self, plan: Plan) -> float | None:
+        return None if plan.deadline is None else plan.deadline - self.clock.monotonic()
+
+    def check_deadline(self, plan: Plan, attempt: int) -> float | None:
+        rem = self.remaining(plan)
+        if rem is not None and rem <= 0:
+            raise DeadlineExceeded(
+                f"the request's deadline passed before attempt {attempt + 1} could be admitted; "
+                "raise X-ZP-Deadline / Settings.deadline_s or lower the load"
+            )
+        return rem
+
+    # -- the attempt loop ---------------------------------------------------------------------------
+    def admit(self, request: Any, inner: Any, *, is_async: bool) -> Machine:
+        """The state machine of one admitted request (already read), for a driver to run."""
+        return Machine(self._admit(request, inner, is_async))
+
+    def _admit(self, request: Any, inner: Any, is_async: bool) -> Steps:
+        p = self.parse(request)
+        if p is None:  # not JSON: not admitted, sent as it is
+            return (yield Send(request))
+        if self.settings.estimator == "server":
+            est = yield Estimate(request.url.path, p.body, self.server_for(p, inner))
+        else:
+            est = self.estimator.estimate(request.url.path, p.body)
+        mml = yield from self._max_model_len(p, inner)
+        plan = self.finish_plan(request, p, est, mml)
+        retry = self.retry
+        state = (yield NewRetryState(retry)) if retry is not None else None
+        ticket: Ticket | None = None
+        attempt = 0
+        while True:
+            lease = yield Acquire(plan.blocks, plan.priority, self.check_deadline(plan, attempt), ticket,
+                                  plan.held, plan.meta)
+            ticket = lease.ticket
+            if state is not None:
+                state.ticket = ticket
+            holder = Holder(lease, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock)
+            assembled = False
+            try:
+                resp = yield Send(self.lib.request(request, plan))
+                if plan.upstream and self.lib.is_event_stream(resp):
+                    resp = yield from self._consume(plan, request, resp, holder)
+                    assembled = True
+            except Exception as exc:
+                yield Release(holder)
+                if state is None:
+                    raise
+                d = yield Decide(retry, state, None, None, exc, self.remaining(plan))
+                if not d.retry:
+                    if d.error is not None and d.error is not exc:
+                        raise d.error from exc
+                    raise
+                logger.info("attempt %d failed (%s): retrying in %.3f s", attempt + 1, d.reason, d.delay_s)
+                yield Sleep(retry, d.delay_s)
+                attempt += 1
+                continue
+            except BaseException:
+                yield Release(holder)
+                raise
+            try:
+                if state is not None and resp.status_code >= 400:
+                    d = yield Decide(retry, state, resp.status_code, resp.headers, None, self.remaining(plan))
+                    if d.retry or d.error is not None:
+                        yield Close(resp, shield=False)
+                        yield Release(holder)
+                        if not d.retry:
+                            raise d.error
+                        logger.info(
+                            "attempt %d got HTTP %d (%s): retrying in %.3f s",
+                            attempt + 1, resp.status_code, d.reason, d.delay_s,
+                        )
+                        yield Sleep(retry, d.delay_s)
+                        attempt += 1
+                        continue
+                if assembled:  # consumed, observed and released already
+                    return resp
+                return (yield from self._deliver(plan, resp, holder, is_async))
+            except BaseException:
+                yield Close(resp, shield=True)
+                yield Release(holder)
+                raise
+
+    def _deliver(self, plan: Plan, resp: Any, holder: Holder, is_async: bool) -> Steps:
+        """The response handed to the caller: its body streams through a scanner that owns the lease."""
+        scanner = self.scanner_for(plan, resp, holder.lease)
+        if self.lib.is_preread(resp):
+            yield Release(holder)
+            content = scanner.feed(resp.content) + scanner.flush()
+            self.observe(plan, scanner)
+            return self.lib.preread_response(resp, content, scanner.rewrites)
+        holder.resp = resp
+        watchdog.add(holder)
+        return self.lib.streamed_response(resp, self, plan, holder, scanner, is_async=is_async)
+
+    def _consume(self, plan: Plan, original: Any, resp: Any, holder: Holder) -> Steps:
+        """Read the upstream stream of a non-streamed call to its end, reporting its growth; the lease is
+        released once it is consumed. Any other exit (error, cancellation) closes the connection first,
+        so the server aborts the request before the blocks return."""
+        lease = holder.lease
+        scanner = Scanner(plan, self.budget.block_size, lease.bound, lease, True, self.forecaster)
+        asm = Reassembler(plan.chat)
+
+        def sink(chunk: bytes) -> None:
+            scanner.advance(asm.feed(chunk), asm.usage)
+
+        try:
+            try:
+                yield ReadAll(resp, sink)
+                scanner.advance(asm.end(), asm.usage)
+            except BadEvent as exc:
+                raise self.lib.module.DecodingError(str(exc), request=original) from None
+        except BaseException:
+            yield Close(resp, shield=True)
+            raise
+        yield Release(holder)
+        if asm.error is not None:
+            status, payload = asm.error_body()
+        elif not asm.done:
+            raise self.lib.module.RemoteProtocolError(
+                "the server ended the event stream without 'data: [DONE]': the answer is incomplete",
+                request=original,
+            )
+        else:
+            self.observe(plan, scanner)
+            status, payload = 200, asm.body()
+        return self.lib.reassembled_response(resp, status, payload)
+
+    # -- watching the body and learning from it -----------------------------------------------------
+    def scanner_for(self, plan: Plan, resp: Any, lease: Lease) -> Scanner:
+        ctype = resp.headers.get("content-type", "")
+        is_sse = plan.stream and ctype.startswith("text/event-stream")
+        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            # A compressed body cannot be scanned without decoding it (vLLM never compresses SSE; a
+            # proxy might). Growth is then not reported and an added usage chunk is not removed.
+            global _logged_compressed
+            if is_sse and not _logged_compressed:
+                _logged_compressed = True
+                logger.warning(
+                    "server compressed an event stream (%s): zp cannot report its growth or remove the "
+                    "usage chunk it asked for; turn compression off for text/event-stream",
+                    encoding,
+                )
+            scanner = Scanner(plan, self.budget.block_size, lease.bound, lease, False)
+            scanner.body = None  # nor parse usage out of compressed bytes
+            return scanner
+        return Scanner(plan, self.budget.block_size, lease.bound, lease, is_sse, self.forecaster)
+
+    def observe(self, plan: Plan, scanner: Scanner) -> None:
+        """Learn from the response's usage, once (calibration and the length forecaster)."""
+        if scanner.observed:
+            return
+        scanner.observed = True
+        try:
+            usage = scanner.final_usage()
+            if usage:
+                # chat/completions say prompt_tokens; /responses says input_tokens
+                prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+                if isinstance(prompt, int):
+                    self.estimator.observe(plan.estimate, prompt)
+                if self.forecaster is not None:
+                    out = usage.get("completion_tokens", usage.get("output_tokens"))
+                    if isinstance(out, int) and not isinstance(out, bool) and out >= 0:
+                        # Per choice: what one sequence of this route produces.
+                        self.forecaster.observe(plan.route, round(out / max(1, plan.n)))
+        except Exception:  # calibration must never break a response
+            logger.debug("usage reconciliation failed", exc_info=True)
+
+    def observe_seen(self, plan: Plan, scanner: Scanner) -> None:
+        """A stream closed before its body ended: learn only if its usage chunk already went by (SDKs
+        stop reading at ``[DONE]`` and close; the usage chunk comes before it, so the answer was
+        complete)."""
+        if scanner.sse and scanner.usage is not None:
+            self.observe(plan, scanner)

@@ -1,0 +1,222 @@
+"""The two drivers of the admission core: async and blocking. Each performs the actions of the
+attempt loop (:class:`zp_client._core.Machine`) with its I/O; neither decides anything itself.
+
+The public transport classes (:mod:`zp_client.transport`) are these drivers over one HTTP library's
+base classes. See docs/admission.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import anyio
+
+from zp_client._clock import Clock
+from zp_client._core import (
+    Acquire,
+    Action,
+    Close,
+    Core,
+    Decide,
+    Done,
+    Estimate,
+    Machine,
+    ModelLen,
+    NewRetryState,
+    ReadAll,
+    Release,
+    Send,
+    Sleep,
+)
+from zp_client._httplib import HttpLib
+from zp_client._plan import is_admitted
+from zp_client.budget.base import Budget
+from zp_client.config import Settings
+from zp_client.errors import ZPError
+
+__all__ = ["AsyncDriver", "SyncDriver"]
+
+
+class _Driver:
+    """What both drivers share: construction, the core, the properties."""
+
+    lib: ClassVar[HttpLib]
+
+    def __init__(
+        self,
+        inner: Any | None = None,
+        *,
+        budget: Budget,
+        settings: Settings | None = None,
+        estimator: Any | None = None,
+        retry: Any | None = None,
+        close_inner: bool = True,
+        forecaster: Any | None = None,
+        stream_upstream: bool | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self._inner = inner if inner is not None else self._default_inner()
+        self._core = Core(budget, settings, estimator, retry, forecaster, stream_upstream, lib=self.lib,
+                          clock=clock)
+        self._close_inner = close_inner
+        self._keep_alive: Any = None
+
+    def _default_inner(self) -> Any:
+        raise NotImplementedError
+
+    def share_core(self, other: _Driver) -> None:
+        """Use ``other``'s core (one estimator, one metadata cache, one error conversion), as
+        :func:`zp_client.wrap` does for a client's mounted transports."""
+        self._core = other._core
+
+    def keep_alive(self, obj: Any) -> None:
+        """Keep ``obj`` alive as long as this transport (wrap() keeps a sync openai original so)."""
+        self._keep_alive = obj
+
+    @property
+    def budget(self) -> Budget:
+        """The KV budget this transport admits on."""
+        return self._core.budget
+
+    @property
+    def forecaster(self) -> Any | None:
+        """The output-length forecaster (elastic budgets; None under strict unless one was given)."""
+        return self._core.forecaster
+
+    @property
+    def core(self) -> Core:
+        """The admission core (internal; wrap() sets its error conversion)."""
+        return self._core
+
+    def _surface(self, exc: ZPError) -> BaseException:
+        return self._core.surface(exc)
+
+
+class AsyncDriver(_Driver):
+    """Runs the attempt loop with async I/O (``handle_async_request``)."""
+
+    def _default_inner(self) -> Any:
+        return self.lib.module.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: Any) -> Any:
+        if not is_admitted(request.method, request.url.path):
+            return await self._inner.handle_async_request(request)
+        await request.aread()
+        machine = self._core.admit(request, self._inner, is_async=True)
+        try:
+            return await self._run(machine)
+        except ZPError as exc:
+            surfaced = self._surface(exc)
+            if surfaced is exc:
+                raise
+            raise surfaced from exc
+
+    async def _run(self, machine: Machine) -> Any:
+        step = machine.start()
+        while not isinstance(step, Done):
+            try:
+                result = await self._perform(step)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop; it re-raises what it does not handle
+                step = machine.throw(exc)
+            else:
+                step = machine.send(result)
+        return step.response
+
+    async def _perform(self, action: Action) -> Any:
+        core = self._core
+        if isinstance(action, Acquire):
+            return await core.budget.acquire(action.blocks, **action.kwargs())
+        if isinstance(action, Send):
+            return await self._inner.handle_async_request(action.request)
+        if isinstance(action, Release):
+            return await action.holder.release()
+        if isinstance(action, Decide):
+            decide = getattr(action.policy, "decide_async", None)
+            if decide is not None:
+                return await decide(action.state, **action.kwargs())
+            return action.policy.decide(action.state, **action.kwargs())
+        if isinstance(action, Sleep):
+            return await action.policy.sleep(action.seconds)
+        if isinstance(action, Close):
+            if action.shield:
+                with anyio.CancelScope(shield=True):
+                    return await action.response.aclose()
+            return await action.response.aclose()
+        if isinstance(action, ReadAll):
+            async for chunk in action.response.aiter_bytes():
+                action.sink(chunk)
+            return None
+        if isinstance(action, NewRetryState):
+            # RedisRetryBudget records the request over the network: not on the event loop's thread.
+            new = getattr(action.policy, "new_request_async", None)
+            return await new() if new is not None else action.policy.new_request()
+        if isinstance(action, Estimate):
+            return await core.estimator.estimate_async(action.path, action.body, action.server)
+        if isinstance(action, ModelLen):
+            return await action.server.max_model_len(action.model)
+        raise TypeError(f"unknown action {action!r}")
+
+    async def aclose(self) -> None:
+        if self._close_inner:
+            await self._inner.aclose()
+
+
+class SyncDriver(_Driver):
+    """Runs the attempt loop with blocking I/O (``handle_request``)."""
+
+    def _default_inner(self) -> Any:
+        return self.lib.module.HTTPTransport()
+
+    def handle_request(self, request: Any) -> Any:
+        if not is_admitted(request.method, request.url.path):
+            return self._inner.handle_request(request)
+        request.read()
+        machine = self._core.admit(request, self._inner, is_async=False)
+        try:
+            return self._run(machine)
+        except ZPError as exc:
+            surfaced = self._surface(exc)
+            if surfaced is exc:
+                raise
+            raise surfaced from exc
+
+    def _run(self, machine: Machine) -> Any:
+        step = machine.start()
+        while not isinstance(step, Done):
+            try:
+                result = self._perform(step)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop; it re-raises what it does not handle
+                step = machine.throw(exc)
+            else:
+                step = machine.send(result)
+        return step.response
+
+    def _perform(self, action: Action) -> Any:
+        core = self._core
+        if isinstance(action, Acquire):
+            return core.budget.acquire_sync(action.blocks, **action.kwargs())
+        if isinstance(action, Send):
+            return self._inner.handle_request(action.request)
+        if isinstance(action, Release):
+            return action.holder.release_sync()
+        if isinstance(action, Decide):
+            return action.policy.decide(action.state, **action.kwargs())
+        if isinstance(action, Sleep):
+            return action.policy.sleep_sync(action.seconds)
+        if isinstance(action, Close):
+            return action.response.close()
+        if isinstance(action, ReadAll):
+            for chunk in action.response.iter_bytes():
+                action.sink(chunk)
+            return None
+        if isinstance(action, NewRetryState):
+            return action.policy.new_request()
+        if isinstance(action, Estimate):
+            return core.estimator.estimate_sync_server(action.path, action.body, action.server)
+        if isinstance(action, ModelLen):
+            return action.server.max_model_len_sync(action.model)
+        raise TypeError(f"unknown action {action!r}")
+
+    def close(self) -> None:
+        if self._close_inner:
+            self._inner.close()

@@ -1,0 +1,234 @@
+"""What differs between ``httpx`` and ``httpx2`` for the transports, in one place.
+
+An :class:`HttpLib` names the module and its two response-body classes (httpx checks
+``isinstance(response.stream, AsyncByteStream)``, so each library needs its own, kept tiny over the
+shared :class:`AsyncBody` / :class:`SyncBody`); its methods build the requests and responses the core
+hands back. See docs/admission.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+
+from zp_client._release import Holder, finalize
+from zp_client._sse import REASSEMBLY_DROPPED_HEADERS, Scanner
+from zp_client.config import Settings
+from zp_client.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from zp_client._core import Core
+    from zp_client._plan import Plan
+
+__all__ = ["HttpLib", "HTTPX", "AsyncBody", "SyncBody", "module_of"]
+
+logger = logging.getLogger("zp_client.transport")
+
+_METADATA_TIMEOUT = {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
+
+
+class _Body:
+    """A response body handed to the caller: feeds its scanner, owns the lease through its holder."""
+
+    def __init__(self, core: Core, plan: Plan, resp: Any, holder: Holder, scanner: Scanner) -> None:
+        self._core, self._plan, self._resp, self._holder, self._scanner = core, plan, resp, holder, scanner
+        self._completed = False
+        weakref.finalize(self, finalize, holder).atexit = False
+
+    def _end(self) -> bytes:
+        """The body ended: the rest to hand over; learn from its usage."""
+        tail = self._scanner.flush()
+        self._completed = True
+        self._core.observe(self._plan, self._scanner)
+        return tail
+
+
+class AsyncBody(_Body):
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        # Per chunk, inline (this is the hot path): the caller is not idle while it waits for the server.
+        holder, feed, mono = self._holder, self._scanner.feed, self._holder.clock.monotonic
+        try:
+            holder.waiting = True
+            async for chunk in self._resp.stream:
+                holder.waiting = False
+                holder.last_activity = mono()
+                if out := feed(chunk):
+                    yield out
+                    holder.last_activity = mono()
+                holder.waiting = True
+            if tail := self._end():
+                yield tail
+        finally:
+            if not self._completed:
+                # Error, cancellation or an abandoned iterator: close the connection first so the
+                # server aborts the request and frees its KV before the blocks return to the budget.
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self._resp.aclose()
+                    except Exception:
+                        logger.debug("closing the inner response failed", exc_info=True)
+                self._core.observe_seen(self._plan, self._scanner)
+            await self._holder.release()
+
+    async def aclose(self) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._resp.aclose()
+        finally:
+            self._core.observe_seen(self._plan, self._scanner)
+            await self._holder.release()
+
+
+class SyncBody(_Body):
+    def __iter__(self) -> Iterator[bytes]:
+        holder, feed, mono = self._holder, self._scanner.feed, self._holder.clock.monotonic  # as __aiter__
+        try:
+            holder.waiting = True
+            for chunk in self._resp.stream:
+                holder.waiting = False
+                holder.last_activity = mono()
+                if out := feed(chunk):
+                    yield out
+                    holder.last_activity = mono()
+                holder.waiting = True
+            if tail := self._end():
+                yield tail
+        finally:
+            if not self._completed:  # see the async form: the server must see the disconnect first
+                try:
+                    self._resp.close()
+                except Exception:
+                    logger.debug("closing the inner response failed", exc_info=True)
+                self._core.observe_seen(self._plan, self._scanner)
+            self._holder.release_sync()
+
+    def close(self) -> None:
+        try:
+            self._resp.close()
+        finally:
+            self._core.observe_seen(self._plan, self._scanner)
+            self._holder.release_sync()
+
+
+class _HttpxAsyncBody(AsyncBody, httpx.AsyncByteStream):
+    """httpx's async body class over :class:`AsyncBody`."""
+
+
+class _HttpxSyncBody(SyncBody, httpx.SyncByteStream):
+    """httpx's blocking body class over :class:`SyncBody`."""
+
+
+@dataclass(frozen=True)
+class HttpLib:
+    """One HTTP library (``httpx`` or ``httpx2``) as the core and the transports use it."""
+
+    module: ModuleType
+    async_body: type[AsyncBody]
+    sync_body: type[SyncBody]
+
+    def request(self, original: Any, plan: Plan) -> Any:
+        """A fresh request per attempt (the caller's object is never mutated, so it can be re-sent)."""
+        headers = [*plan.headers, (b"Content-Length", str(len(plan.content)).encode())]
+        stream = self.module.ByteStream(plan.content)
+        return self.module.Request(original.method, original.url, headers=headers, stream=stream,
+                                   extensions=original.extensions)
+
+    @staticmethod
+    def is_event_stream(resp: Any) -> bool:
+        ctype = resp.headers.get("content-type", "")
+        return bool(resp.status_code == 200 and ctype.startswith("text/event-stream"))
+
+    @staticmethod
+    def is_preread(resp: Any) -> bool:
+        """The response arrived already read (``_content`` is where both libraries keep a read body)."""
+        return bool(getattr(resp, "is_closed", False)) or hasattr(resp, "_content")
+
+    def preread_response(self, resp: Any, content: bytes, rewritten: bool) -> Any:
+        if not rewritten:
+            return resp
+        headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
+        return self.module.Response(resp.status_code, headers=headers, content=content,
+                                    extensions=resp.extensions)
+
+    def streamed_response(self, resp: Any, core: Core, plan: Plan, holder: Holder, scanner: Scanner, *,
+                          is_async: bool) -> Any:
+        body_cls = self.async_body if is_async else self.sync_body
+        stream = body_cls(core, plan, resp, holder, scanner)
+        headers = resp.headers
+        if scanner.rewrites:
+            # Bytes may be removed from the body, so a declared length would be wrong.
+            headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
+        return self.module.Response(resp.status_code, headers=headers, stream=stream,
+                                    extensions=resp.extensions)
+
+    def reassembled_response(self, resp: Any, status: int, payload: dict[str, Any]) -> Any:
+        """A consumed stream's answer as the JSON response a non-streamed call gets."""
+        content = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in REASSEMBLY_DROPPED_HEADERS]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+        # The reason phrase was the stream's (an error answer has its own); the connection is gone.
+        dropped = ("reason_phrase", "network_stream")
+        extensions = {k: v for k, v in resp.extensions.items() if k not in dropped}
+        return self.module.Response(status, headers=headers, content=content, extensions=extensions)
+
+    def server_info(self, inner: Any, base: str, root: str, auth: dict[str, str], settings: Settings) -> Any:
+        """A :class:`~zp_client.server.ServerInfo` fetching through ``inner`` (no admission)."""
+        from zp_client.server import ServerInfo
+
+        auth = dict(auth)
+        module = self.module
+
+        def build(method: str, path: str, payload: Any) -> Any:
+            # Metadata calls bypass admission; bounded so a silent server cannot hang the first request.
+            url = root + path if path.startswith("/") else base.rstrip("/") + "/" + path
+            kw: dict[str, Any] = {"headers": {**auth, "accept": "application/json"},
+                                  "extensions": {"timeout": dict(_METADATA_TIMEOUT)}}
+            if payload is not None:
+                kw["json"] = payload
+            return module.Request(method, url, **kw)
+
+        async def fetch(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+            resp = await inner.handle_async_request(build(method, path, payload))
+            try:
+                return resp.status_code, await resp.aread()
+            finally:
+                await resp.aclose()
+
+        def fetch_sync(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+            resp = inner.handle_request(build(method, path, payload))
+            try:
+                return resp.status_code, resp.read()
+            finally:
+                resp.close()
+
+        return ServerInfo(fetch=fetch, fetch_sync=fetch_sync, settings=settings)
+
+
+HTTPX = HttpLib(httpx, _HttpxAsyncBody, _HttpxSyncBody)
+
+
+def module_of(obj: Any) -> ModuleType:
+    """``httpx`` or ``httpx2``, whichever defines the class of ``obj`` (a transport or client)."""
+    top = type(obj).__module__.split(".")[0]
+    for cls in type(obj).__mro__:
+        top = cls.__module__.split(".")[0]
+        if top in ("httpx", "httpx2"):
+            break
+    if top == "httpx2":
+        import httpx2
+
+        return httpx2
+    if top == "httpx":
+        return httpx
+    raise ConfigurationError(
+        f"cannot tell whether {type(obj).__name__} belongs to httpx or httpx2; pass an httpx or httpx2 "
+        "transport (or use transport_classes(module) directly)"
+    )

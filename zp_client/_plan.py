@@ -1,0 +1,151 @@
+"""The request plan: what the admission core decided for one admitted request (blocks, priority,
+deadline, lease metadata, the body and headers to send). Plain data; see docs/admission.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from zp_client.errors import ConfigurationError
+
+__all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "is_admitted", "Plan", "Parsed", "Options",
+           "read_headers", "api_base"]
+
+PRIORITY_HEADER = "x-zp-priority"
+DEADLINE_HEADER = "x-zp-deadline"
+ROUTE_HEADER = "x-zp-route"
+ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
+
+
+def is_admitted(method: str, path: str) -> bool:
+    """True when a request is an LLM call the transport takes a lease for."""
+    return method.upper() == "POST" and path.rstrip("/").endswith(ADMITTED_SUFFIXES)
+
+
+@dataclass
+class Plan:
+    """What the core decided for one admitted request."""
+
+    content: bytes
+    headers: list[tuple[bytes, bytes]]
+    blocks: int
+    held: int
+    priority: int
+    deadline: float | None  # monotonic time
+    strip_usage: bool
+    stream: bool
+    prompt_tokens: int
+    n: int
+    estimate: Any
+    meta: dict[str, Any] | None = None
+    """Lease metadata for an elastic budget (None under strict)."""
+    route: str = "default"
+    """The forecaster's key."""
+    max_tokens: int = 0
+    forecast: int = 0
+    """Forecast output tokens per choice (elastic only)."""
+    forecast_known: bool = False
+    """The forecast came from the request itself (``forecast_request``): outliving it re-forecasts one
+    block at a time instead of asking the forecaster's tail quantile."""
+    chat: bool = False
+    upstream: bool = False
+    """A non-streamed call sent upstream as a stream: the transport reassembles the JSON answer."""
+    continuous: bool = False
+    """zp asked vLLM for ``continuous_usage_stats``: every chunk carries the exact counts so far."""
+    strip_continuous: bool = False
+    """...and the caller did not: the per-chunk usage is removed from what it reads."""
+
+
+@dataclass
+class Parsed:
+    body: dict[str, Any]
+    changed: bool
+    headers: list[tuple[bytes, bytes]]
+    priority: int
+    deadline: float | None
+    stream: bool
+    strip_usage: bool
+    max_tokens: int
+    model: str | None
+    base: str
+    root: str
+    auth_headers: dict[str, str] = field(default_factory=dict)
+    route: str | None = None
+    upstream: bool = False
+    chat_or_completions: bool = True
+    """``/chat/completions`` or ``/completions`` (not ``/responses``, whose events carry no such usage)."""
+
+
+def api_base(url: Any) -> tuple[str, str]:
+    """(API base, server root) of an admitted request's URL: ``http://h:p/v1``, ``http://h:p``."""
+    key = (url.scheme, url.host, url.port, url.path)
+    hit = _bases.get(key)
+    if hit is None:
+        if len(_bases) > 1024:
+            _bases.clear()
+        hit = _bases[key] = _api_base_uncached(url)
+    return hit
+
+
+_bases: dict[tuple[Any, ...], tuple[str, str]] = {}
+
+
+def _api_base_uncached(url: Any) -> tuple[str, str]:
+    path = url.path.rstrip("/")
+    for suffix in ADMITTED_SUFFIXES:
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+            break
+    port = f":{url.port}" if url.port else ""
+    root = f"{url.scheme}://{url.host}{port}"
+    return root + path, root
+
+
+@dataclass
+class Options:
+    """The per-call options read from a request's headers, and the headers to send on."""
+
+    headers: list[tuple[bytes, bytes]]
+    """Without zp's own headers and the body lengths (recomputed for the body sent)."""
+    auth: dict[str, str]
+    """The credentials among them (for server metadata calls)."""
+    priority: int | None = None
+    deadline_s: float | None = None
+    route: str | None = None
+
+
+def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
+    """Read ``X-ZP-Priority`` / ``X-ZP-Deadline`` / ``X-ZP-Route`` (stripped) from raw headers; a bad
+    value raises :class:`~zp_client.ConfigurationError`."""
+    opts = Options(headers=[], auth={})
+    for k, v in raw:
+        lk = k.lower()
+        if lk == _ROUTE:
+            opts.route = v.decode("utf-8", "replace").strip() or None
+        elif lk == _PRIORITY:
+            try:
+                opts.priority = int(v.decode().strip())
+            except ValueError:
+                raise ConfigurationError(
+                    f"header X-ZP-Priority must be an integer (lower = earlier), got {v.decode()!r}"
+                ) from None
+        elif lk == _DEADLINE:
+            try:
+                deadline_s = float(v.decode().strip())
+            except ValueError:
+                deadline_s = -1.0
+            if not (deadline_s > 0 and math.isfinite(deadline_s)):
+                raise ConfigurationError(
+                    f"header X-ZP-Deadline must be a positive number of seconds, got {v.decode()!r}"
+                )
+            opts.deadline_s = deadline_s
+        elif lk not in (b"content-length", b"transfer-encoding"):  # those are recomputed for the body sent
+            if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
+                opts.auth[k.decode("latin-1")] = v.decode("latin-1")
+            opts.headers.append((k, v))
+    return opts
+
+
+_ROUTE, _PRIORITY, _DEADLINE = ROUTE_HEADER.encode(), PRIORITY_HEADER.encode(), DEADLINE_HEADER.encode()

@@ -1,0 +1,53 @@
+"""Every private attribute of another library zp reads, each owned by one function.
+
+openai and httpx/httpx2 offer no public accessor for these; if a release renames one, the function
+raises :class:`~zp_client.ConfigurationError` saying which, and tests/test_private_access.py fails.
+See docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zp_client.errors import ConfigurationError
+
+__all__ = ["sdk_http_client", "resource_client", "http_transport", "http_mounts"]
+
+
+def _missing(obj: Any, attr: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{type(obj).__module__}.{type(obj).__name__} has no {attr!r} attribute any more: this version of "
+        "the library is not supported by zp-client yet (see zp_client/_private.py)"
+    )
+
+
+def sdk_http_client(client: Any) -> Any:
+    """The httpx / httpx2 client an ``openai.OpenAI`` / ``AsyncOpenAI`` sends with (``client._client``)."""
+    try:
+        return client._client
+    except AttributeError:
+        raise _missing(client, "_client") from None
+
+
+def resource_client(resource: Any) -> Any:
+    """The openai client an SDK API resource (``client.completions``...) calls (``resource._client``),
+    or None when ``resource`` has none (the caller checks what it got)."""
+    return getattr(resource, "_client", None)
+
+
+def http_transport(http: Any) -> Any:
+    """The transport of an ``httpx`` / ``httpx2`` client (``Client._transport``)."""
+    try:
+        return http._transport
+    except AttributeError:
+        raise _missing(http, "_transport") from None
+
+
+def http_mounts(http: Any) -> dict[Any, Any]:
+    """The mounted transports of an ``httpx`` / ``httpx2`` client, ``{URLPattern: transport or None}``
+    (``Client._mounts``)."""
+    try:
+        mounts: dict[Any, Any] = http._mounts
+    except AttributeError:
+        raise _missing(http, "_mounts") from None
+    return mounts

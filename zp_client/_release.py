@@ -1,0 +1,174 @@
+"""The release rules: one :class:`Holder` per admitted response owns its lease and releases it once.
+
+A body that did not finish closes its connection BEFORE the lease is released (the server then aborts
+the request and frees its KV); an abandoned body (garbage collection) or one nobody read for
+``Settings.idle_stream_timeout_s`` (the :class:`Watchdog` thread) is released the same way.
+See docs/admission.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from typing import Any
+
+import anyio
+
+from zp_client._clock import SYSTEM_CLOCK, Clock
+from zp_client.budget.base import Lease
+
+logger = logging.getLogger("zp_client.transport")
+
+
+
+class Holder:
+    """Owns one lease while a response body is open. Never references the stream wrapper, so the
+    wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
+
+    __slots__ = ("lease", "done", "loop", "resp", "last_activity", "waiting", "idle_timeout", "clock",
+                 "__weakref__")
+
+    def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        self.lease = lease
+        self.done = False
+        self.clock = clock
+        self.resp: Any = None  # the inner response, once its body is handed to the caller
+        self.last_activity = clock.monotonic()
+        # True while the caller waits for the server's next chunk: a slow server is not an idle caller.
+        self.waiting = False
+        self.idle_timeout = idle_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        if is_async:
+            try:
+                self.loop = asyncio.get_running_loop()
+            except RuntimeError:  # trio: finalizers fall back to release_sync
+                self.loop = None
+
+    async def release(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        # Shielded: this runs on cancellation paths and must finish so no blocks leak.
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.lease.release()
+            except Exception:  # release never raises by contract; a backend bug must not mask ours
+                logger.exception("lease release failed")
+
+    def release_sync(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.lease.release_sync()
+        except Exception:
+            logger.exception("lease release failed")
+
+    def abandon(self) -> None:
+        """The caller walked away (garbage collection) or stopped reading (watchdog).
+
+        Closes the inner response first, so the server sees the disconnect, aborts the request and
+        frees its KV (releasing the lease while the server still generated would break the bound),
+        then releases the lease. Callable from any thread; never blocks an event loop.
+        """
+        if self.done:
+            return
+        resp, self.resp = self.resp, None
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            if resp is not None and loop is None:
+                try:
+                    resp.close()
+                except Exception:
+                    logger.debug("closing an abandoned response failed", exc_info=True)
+            self.release_sync()
+            return
+        self.done = True
+        coro = _abandon_async(resp, self.lease)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            task = loop.create_task(coro)
+            _pending.add(task)
+            task.add_done_callback(_pending.discard)
+        elif loop.is_running():
+            asyncio.run_coroutine_threadsafe(coro, loop)
+        else:
+            coro.close()
+            try:
+                self.lease.release_sync()
+            except Exception:
+                logger.exception("lease release failed")
+
+
+async def _abandon_async(resp: Any, lease: Lease) -> None:
+    try:
+        if resp is not None:
+            await resp.aclose()
+    except Exception:
+        logger.debug("closing an abandoned response failed", exc_info=True)
+    finally:
+        try:
+            await lease.release()
+        except Exception:
+            logger.exception("lease release failed")
+
+
+_pending: set[asyncio.Task[None]] = set()
+
+
+def finalize(holder: Holder) -> None:
+    if not holder.done:
+        logger.debug("response abandoned without close: closing it and releasing its lease")
+        holder.abandon()
+
+
+class Watchdog:
+    """One daemon thread for the process: releases leases of streams nobody has read for a while."""
+
+    def __init__(self) -> None:
+        self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._interval = 5.0
+
+    def add(self, holder: Holder) -> None:
+        with self._lock:
+            self._holders.add(holder)
+            if self._thread is None or not self._thread.is_alive():
+                self._interval = holder.idle_timeout / 4
+                self._thread = threading.Thread(target=self._run, name="zp-idle-watchdog", daemon=True)
+                self._thread.start()
+                return
+            wake = holder.idle_timeout / 4 < self._interval
+        if wake:
+            # Only a shorter timeout than any seen needs an earlier check; waking the thread on every
+            # request would cost a GIL hand-off per request.
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                holders = [h for h in self._holders if not h.done]
+                if holders:
+                    self._interval = max(0.01, min(h.idle_timeout for h in holders) / 4)
+                interval = self._interval
+            for h in holders:
+                if not h.done and not h.waiting and h.clock.monotonic() - h.last_activity > h.idle_timeout:
+                    logger.warning(
+                        "stream idle for more than %.1f s (Settings.idle_stream_timeout_s): closing it and "
+                        "releasing its lease",
+                        h.idle_timeout,
+                    )
+                    h.abandon()
+            self._wake.wait(interval)
+            self._wake.clear()
+
+
+watchdog = Watchdog()
