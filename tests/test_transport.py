@@ -387,6 +387,34 @@ async def test_preread_response_releases_at_once() -> None:
     assert await resp.aread() == body
 
 
+def test_admission_transport_for_places_a_user_defined_transport_once_openai_is_imported() -> None:
+    # openai re-exports httpx's (or httpx2's) BaseTransport and rewrites its __module__ to "openai":
+    # the library is found by isinstance, not by the class's module name.
+    import openai  # noqa: F401 - the import is the premise of this test
+
+    mods = [httpx]
+    try:
+        import httpx2
+
+        mods.append(httpx2)
+    except ImportError:
+        pass
+    for mod in mods:
+        class UserSync(mod.BaseTransport):  # type: ignore[misc,name-defined]
+            def handle_request(self, request: Any) -> Any:
+                return mod.Response(200, json={"ok": True})
+
+        class UserAsync(mod.AsyncBaseTransport):  # type: ignore[misc,name-defined]
+            async def handle_async_request(self, request: Any) -> Any:
+                return mod.Response(200, json={"ok": True})
+
+        classes = transport_classes(mod)
+        sync_t = admission_transport_for(UserSync(), budget=make_budget())
+        async_t = admission_transport_for(UserAsync(), budget=make_budget())
+        assert isinstance(sync_t, classes.AdmissionTransport)
+        assert isinstance(async_t, classes.AsyncAdmissionTransport)
+
+
 async def test_idle_stream_watchdog(server: LoopbackServer) -> None:
     b = make_budget()
     async with async_client(httpx, server, b, settings=settings(idle_stream_timeout_s=0.2)) as c:

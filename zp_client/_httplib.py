@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -216,18 +217,17 @@ HTTPX = HttpLib(httpx, _HttpxAsyncBody, _HttpxSyncBody)
 
 
 def module_of(obj: Any) -> ModuleType:
-    """``httpx`` or ``httpx2``, whichever defines the class of ``obj`` (a transport or client)."""
-    top = type(obj).__module__.split(".")[0]
-    for cls in type(obj).__mro__:
-        top = cls.__module__.split(".")[0]
-        if top in ("httpx", "httpx2"):
-            break
-    if top == "httpx2":
-        import httpx2
+    """``httpx`` or ``httpx2``, whichever ``obj`` (a transport or client) is an instance of.
 
-        return httpx2
-    if top == "httpx":
-        return httpx
+    By ``isinstance`` against each loaded library's base classes, not by ``__module__``: openai re-exports
+    ``BaseTransport`` and rewrites its ``__module__`` to ``"openai"``, so a user's transport class would
+    not be placed. ``httpx2`` is only looked up when already imported (an object of it implies that).
+    """
+    for name in ("httpx", "httpx2"):
+        mod = sys.modules.get(name)
+        if mod is not None and isinstance(
+                obj, (mod.AsyncBaseTransport, mod.BaseTransport, mod.AsyncClient, mod.Client)):
+            return mod
     raise ConfigurationError(
         f"cannot tell whether {type(obj).__name__} belongs to httpx or httpx2; pass an httpx or httpx2 "
         "transport (or use transport_classes(module) directly)"
