@@ -79,7 +79,7 @@ import redis as redis_sync
 import redis.asyncio as redis_async
 from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import MaxConnectionsError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from zp_client.budget.base import Budget, BudgetStatus, ClassStatus, Lease, Ticket
@@ -96,11 +96,18 @@ __all__ = ["RedisBudget", "RedisLease", "RedisBudgetEvent"]
 log = logging.getLogger("zp_client.budget.redis")
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# A full connection pool is back-pressure, not an outage (MaxConnectionsError subclasses ConnectionError,
+# so it is caught first): the command waits for a connection, without the outage log or its deadline.
+_POOL_FULL = MaxConnectionsError
+_POOL_FULL_BACKOFF_CAP_S = 0.05
+# The pools of the clients a budget makes itself: commands beyond them wait for a free connection.
+_POOL_SIZE = 100
 _PRIORITY_RANGE = 4096
 _SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status")
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 _RENEW_BATCH = 200
 _MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
+_SYNC_PUMP_BLOCK_S = 5.0  # the sync pump's BLPOP timeout (each sync waiter also polls every poll_interval)
 _POLICIES = ("strict", "elastic")
 # Lease metadata the elastic policy reads (zp_client.budget.elastic), stored compactly in Redis.
 _META_KEYS = {
@@ -291,6 +298,14 @@ class _Waiter:
         self.order = order
 
 
+class _SyncWaiter:
+    __slots__ = ("event", "too_large")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.too_large = False
+
+
 class _AsyncSide:
     """State bound to the event loop RedisBudget is used from (redis.asyncio clients are loop-bound)."""
 
@@ -413,6 +428,10 @@ class RedisBudget(Budget):
         self._sync_dirty: set[str] = set()
         self._sync_retry: dict[str, float] = {}
         self._sync_thread: threading.Thread | None = None
+        self._sync_waiters: dict[str, _SyncWaiter] = {}
+        self._sync_box = self._owner + ".s"  # the sync waiters' mailbox (the async side's is the owner's)
+        self._sync_pump: threading.Thread | None = None
+        self._sync_pump_wake = threading.Event()
         self._sync_wake = threading.Event()
         self._closed = False
         self._fallback: Any = None
@@ -815,7 +834,9 @@ class RedisBudget(Budget):
         if self._given_client is not None:
             client, owns = self._given_client, False
         else:
-            client, owns = redis_async.Redis.from_url(self._url), True  # type: ignore[arg-type]
+            pool = redis_async.BlockingConnectionPool.from_url(
+                self._url, max_connections=_POOL_SIZE, timeout=None)  # type: ignore[arg-type]  # _url is set without a given client
+            client, owns = redis_async.Redis.from_pool(pool), True
         self._side = _AsyncSide(self, client, owns)
         return self._side
 
@@ -847,6 +868,7 @@ class RedisBudget(Budget):
         text, sha = _scripts()[script]
         deadline = time.monotonic() + self._unavailable_timeout
         delay = 0.02
+        full_delay = 0.001
         while True:
             try:
                 try:
@@ -866,6 +888,9 @@ class RedisBudget(Budget):
                 if "NOSCRIPT" in str(exc):
                     continue
                 raise self._refused_error(exc) from exc
+            except _POOL_FULL:  # a caller's non-blocking pool: wait for a connection
+                await asyncio.sleep(full_delay)
+                full_delay = min(full_delay * 2, _POOL_FULL_BACKOFF_CAP_S)
             except _UNAVAILABLE as exc:
                 self._mark_available(False)
                 if not patient or time.monotonic() + delay > deadline:
@@ -1155,7 +1180,9 @@ class RedisBudget(Budget):
                             "acquire_sync/lease_sync need a sync Redis client: pass a URL, or "
                             "sync_client=redis.Redis(...) next to the async client"
                         )
-                    self._sync_client = redis_sync.Redis.from_url(self._url)
+                    pool = redis_sync.BlockingConnectionPool.from_url(
+                        self._url, max_connections=_POOL_SIZE, timeout=None)
+                    self._sync_client = redis_sync.Redis.from_pool(pool)
                     self._owns_sync = True
         return self._sync_client
 
@@ -1164,6 +1191,7 @@ class RedisBudget(Budget):
         text, sha = _scripts()[script]
         deadline = time.monotonic() + self._unavailable_timeout
         delay = 0.02
+        full_delay = 0.001
         while True:
             try:
                 try:
@@ -1182,6 +1210,9 @@ class RedisBudget(Budget):
                 if "NOSCRIPT" in str(exc):
                     continue
                 raise self._refused_error(exc) from exc
+            except _POOL_FULL:  # a caller's non-blocking pool: wait for a connection
+                time.sleep(full_delay)
+                full_delay = min(full_delay * 2, _POOL_FULL_BACKOFF_CAP_S)
             except _UNAVAILABLE as exc:
                 self._mark_available(False)
                 if not patient or time.monotonic() + delay > deadline:
@@ -1198,11 +1229,15 @@ class RedisBudget(Budget):
             self._learn_status(self._eval_sync("status", [], init=False))
         meta_json = self._meta_arg(meta)
         rid = secrets.token_urlsafe(18)
-        # A sync waiter blocks on its own mailbox (one connection per waiting thread).
-        mailbox = f"{self._prefix}:mb:{rid}"
-        args = [rid, bound, held, prio, order, int(self._lease_ttl * 1000), rid, self._owner,
+        # Sync waiters share one mailbox, read by one pump thread (one connection per process, not per
+        # waiting thread: a herd of threads must not hold the pool's connections in BLPOP).
+        args = [rid, bound, held, prio, order, int(self._lease_ttl * 1000), self._sync_box, self._owner,
                 int(self._waiter_ttl * 1000), meta_json]
         deadline = None if timeout is None else time.monotonic() + timeout
+        wake = _SyncWaiter()
+        with self._sync_lock:
+            self._sync_waiters[rid] = wake  # registered before the call so a mailbox grant cannot be missed
+        self._ensure_sync_pump()
         try:
             r = self._eval_sync("acquire", args, patient=self._on_unavailable == "fail_closed")
             while True:
@@ -1225,12 +1260,10 @@ class RedisBudget(Budget):
                             "without admission; raise the timeout, lower max_tokens, or add capacity"
                         )
                     wait = min(wait, left)
-                try:
-                    item = client.blpop([mailbox], timeout=max(0.01, wait))
-                except _UNAVAILABLE:
-                    item = None
-                    time.sleep(min(wait, 0.2))
-                if item is not None and _s(item[1]).startswith("!"):
+                self._sync_pump_wake.set()
+                wake.event.wait(max(0.01, wait))
+                wake.event.clear()
+                if wake.too_large:
                     raise LeaseTooLarge(bound, self._limit, "the limit was lowered while waiting")
                 # Granted or not, one idempotent acquire call answers (and heartbeats the waiter).
                 r = self._eval_sync("acquire", args)
@@ -1243,8 +1276,45 @@ class RedisBudget(Budget):
                 self._ensure_sync_thread()
             raise
         finally:
-            with contextlib.suppress(Exception):
-                client.delete(mailbox)
+            with self._sync_lock:
+                self._sync_waiters.pop(rid, None)
+
+    def _ensure_sync_pump(self) -> None:
+        with self._sync_lock:
+            if self._sync_pump is None or not self._sync_pump.is_alive():
+                self._sync_pump = threading.Thread(
+                    target=self._sync_pump_loop, name=f"zp-redis-pump-{self.name}", daemon=True
+                )
+                self._sync_pump.start()
+
+    def _sync_pump_loop(self) -> None:
+        """Thread: deliver wake-ups pushed to the sync waiters' mailbox (the sync face of :meth:`_pump`)."""
+        client = self._sync()
+        mailbox = f"{self._prefix}:mb:{self._sync_box}"
+        while not self._closed:
+            with self._sync_lock:
+                idle = not self._sync_waiters
+            if idle:
+                self._sync_pump_wake.wait(timeout=_MAILBOX_BLOCK_S)
+                self._sync_pump_wake.clear()
+                continue
+            try:
+                item = client.blpop([mailbox], timeout=_SYNC_PUMP_BLOCK_S)
+            except (*_UNAVAILABLE, ValueError) as exc:  # ValueError: the client was closed under us
+                if self._closed:
+                    return
+                # Redis away: each waiter's own acquire call retries patiently
+                log.debug("zp_client: sync mailbox BLPOP failed: %r", exc)
+                time.sleep(min(self._poll_interval, 0.2))
+                continue
+            if item is None:
+                continue
+            with self._sync_lock:
+                for rid in _s(item[1]).split(","):
+                    w = self._sync_waiters.get(rid.lstrip("!"))
+                    if w is not None:
+                        w.too_large = w.too_large or rid.startswith("!")
+                        w.event.set()
 
     def _new_sync_lease(
         self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str = ""
@@ -1337,6 +1407,15 @@ class RedisBudget(Budget):
         if fc is not None and hasattr(fc, "close"):
             fc.close()  # sends its pending observations with the sync client, before that closes
         self._sync_wake.set()
+        self._sync_pump_wake.set()
+        pump = self._sync_pump
+        if pump is not None and pump.is_alive() and self._sync_client is not None:
+            try:  # end the pump's BLPOP now rather than after its timeout
+                self._sync_client.rpush(f"{self._prefix}:mb:{self._sync_box}", "")
+                self._sync_client.pexpire(f"{self._prefix}:mb:{self._sync_box}", 60_000)
+            except _UNAVAILABLE as exc:
+                log.debug("zp_client: could not wake the sync mailbox pump: %r", exc)
+            pump.join(timeout=2)
         t = self._sync_thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2)
