@@ -24,7 +24,8 @@ import redis
 import redis.asyncio as redis_async
 from conftest import _free_port, _redis_answers, start_redis_server
 
-from zp_client.budget.redis import RedisBudget, RedisBudgetEvent, _scripts
+from zp_client.budget.redis import RedisBudget, RedisBudgetEvent
+from zp_client.budget.redis._script import scripts as _scripts
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, LeaseTooLarge
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
@@ -78,7 +79,7 @@ async def _until(pred: Any, what: str, limit_s: float = 20.0) -> None:
 def _raw(client: redis.Redis, budget: RedisBudget, script: str, *args: Any) -> Any:
     text, sha = _scripts()[script]
     client.script_load(text)
-    return client.evalsha(sha, len(budget._keys), *budget._keys, *args)
+    return client.evalsha(sha, len(budget._core.keys), *budget._core.keys, *args)
 
 
 # ---------------------------------------------------------------------------------------------- basics
@@ -160,19 +161,19 @@ def test_only_the_holder_may_release_or_renew(budgets: Any, redis_url: str) -> N
 async def test_acquire_retried_after_a_lost_reply_counts_once(budgets: Any) -> None:
     b = budgets(10)
     side = await b._get_side()
-    args = ["r" * 24, 6, 6, 0, -1, 5000, b._owner, b._owner, 5000]
-    first = await b._eval(side, "acquire", args)
-    again = await b._eval(side, "acquire", args)  # the same request id: a retry
+    args = ["r" * 24, 6, 6, 0, -1, 5000, b._core.owner, b._core.owner, 5000]
+    first = await side.eval("acquire", args)
+    again = await side.eval("acquire", args)  # the same request id: a retry
     assert first[0] == again[0] == b"G" and first[1] == again[1]
     st = await b.status()
     assert (st.used, st.leases) == (6, 1)
     # A retry of a waiting request keeps its single place in line.
-    args2 = ["s" * 24, 6, 6, 0, -1, 5000, b._owner, b._owner, 5000]
-    assert (await b._eval(side, "acquire", args2))[0] == b"W"
-    assert (await b._eval(side, "acquire", args2))[0] == b"W"
+    args2 = ["s" * 24, 6, 6, 0, -1, 5000, b._core.owner, b._core.owner, 5000]
+    assert (await side.eval("acquire", args2))[0] == b"W"
+    assert (await side.eval("acquire", args2))[0] == b"W"
     assert (await b.status()).waiters[0].waiters == 1
-    await b._eval(side, "release", ["s" * 24, b._owner])
-    await b._eval(side, "release", ["r" * 24, b._owner])
+    await side.eval("release", ["s" * 24, b._core.owner])
+    await side.eval("release", ["r" * 24, b._core.owner])
     await b.aclose()
 
 
@@ -180,8 +181,8 @@ def test_from_settings_takes_the_budget_settings(redis_url: str) -> None:
     from zp_client.config import Settings
 
     b = RedisBudget.from_settings(redis_url, "zptest-settings", 10, Settings(starvation_bound_s=0.5, lease_ttl_s=7))
-    assert (b._starvation_bound, b._lease_ttl, b.block_size) == (0.5, 7.0, 16)
-    assert RedisBudget(redis_url, "zptest-x", 10, starvation_bound_s=0.25)._starvation_bound == 0.25
+    assert (b.config.starvation_bound_s, b.config.lease_ttl_s, b.block_size) == (0.5, 7.0, 16)
+    assert RedisBudget(redis_url, "zptest-x", 10, starvation_bound_s=0.25).config.starvation_bound_s == 0.25
 
 
 async def test_status_is_read_only(budgets: Any, redis_url: str, redis_prefix: str) -> None:
@@ -337,7 +338,7 @@ async def test_dead_waiter_leaves_the_line(budgets: Any) -> None:
 
     async def reaped() -> bool:
         side = await holder._get_side()
-        await holder._eval(side, "poll", [1000])  # any script call reaps
+        await side.eval("poll", [1000])  # any script call reaps
         return await _waiting(holder, 0)
 
     await _until(reaped, "dead waiter reaped")
@@ -351,9 +352,9 @@ async def test_lease_that_expired_in_this_epoch_is_reported_lost(budgets: Any, r
     b = budgets(10, on_event=events.append)
     lease = await b.acquire(6)
     r = redis_async.Redis.from_url(redis_url)
-    await r.zadd(b._keys[2], {lease.id: 0})  # its expiry passed (a long pause)
+    await r.zadd(b._core.keys[2], {lease.id: 0})  # its expiry passed (a long pause)
     await r.aclose()
-    await b._renew_round(b._side)
+    await b._side.renew_round()
     assert lease.lost and [e.kind for e in events if e.lease_id] == ["lease_lost"]
     assert b.counters["lease_lost"] == 1
     st = await b.status()
@@ -374,7 +375,7 @@ async def test_lease_redis_lost_is_readopted_and_admission_waits_out_recovery(
     waiter = asyncio.create_task(newcomer.acquire(4))  # creates the state anew: recovery starts
     await _until(lambda: _waiting(newcomer, 1), "newcomer queued in recovery")
     assert (await newcomer.status()).extra["recovering"]
-    await b._renew_round(b._side)
+    await b._side.renew_round()
     assert [e.kind for e in events if e.lease_id] == ["readopted"] and b.counters["readopted"] == 1
     st = await b.status()
     assert (st.used, st.leases) == (6, 1)
@@ -449,7 +450,7 @@ async def test_renewal_carries_held_reports_below_the_batching_threshold(budgets
     b = budgets(40, held_report_blocks=10)
     lease = await b.acquire(30, held=5)
     lease.report_held(8)  # below the threshold: not sent on its own
-    await b._renew_round(b._side)
+    await b._side.renew_round()
     assert (await b.status()).held == 8
     await lease.release()
     await b.aclose()

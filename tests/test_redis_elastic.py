@@ -314,7 +314,7 @@ async def test_first_token_report_admits_a_waiter_of_another_process(budgets: An
     # 8 are a shared prefix. B (same prefix, 10 blocks) does not fit beside A's own copy (limit 14),
     # but fits once A's first token makes the prefix shared: the progress report alone admits B.
     a = budgets(14)
-    other = RedisBudget(a._url, a.name, 14, 16, policy="elastic", recovery=0, poll_interval=30)
+    other = RedisBudget(a._core.url, a.name, 14, 16, policy="elastic", recovery=0, poll_interval=30)
     meta = {"prompt_tokens": 160, "forecast_tokens": 0, "prefix_key": "sys", "prefix_blocks": 8}
     la = await a.acquire(10, held=10, meta=meta)
     waiter = asyncio.ensure_future(other.acquire(10, held=10, meta=meta))
@@ -354,7 +354,7 @@ async def test_the_servers_prompt_count_at_first_token_admits_a_waiter(budgets: 
     # tokens, 16 more: 10 + 1 blocks at its end, the same instant) does not fit: 21 + 11 = 32 > 30. The
     # server says A's prompt is 160 tokens: A is projected at 10 + 1 blocks, 11 + 11 = 22, and B fits.
     b = budgets(30)
-    other = RedisBudget(b._url, b.name, 30, 16, policy="elastic", recovery=0, poll_interval=30)
+    other = RedisBudget(b._core.url, b.name, 30, 16, policy="elastic", recovery=0, poll_interval=30)
     ma = {"prompt_tokens": 320, "forecast_tokens": 16}
     la = await b.acquire(24, held=20, meta=ma)
     assert (await b.status()).used == 21
@@ -385,13 +385,13 @@ async def test_meta_is_validated(budgets: Any, redis_url: str) -> None:
     await b.flush()
     assert (await b.status()).held == 2
     # The script refuses bad metadata from a caller that bypasses the client.
-    from zp_client.budget.redis import _scripts
+    from zp_client.budget.redis._script import scripts as _scripts
 
     r = redis.Redis.from_url(redis_url)
     try:
         text, _ = _scripts()["acquire"]
         with pytest.raises(redis.ResponseError, match="meta pt"):
-            r.eval(text, len(b._keys), *b._keys, "x" * 20, 5, 5, 0, -1, 1000, "mb", "o", 1000, '{"pt":-4}')
+            r.eval(text, len(b._core.keys), *b._core.keys, "x" * 20, 5, 5, 0, -1, 1000, "mb", "o", 1000, '{"pt":-4}')
     finally:
         r.close()
     await lease.release()
@@ -402,7 +402,7 @@ async def test_meta_is_validated(budgets: Any, redis_url: str) -> None:
 async def test_a_process_configured_strict_follows_a_stored_elastic_policy(budgets: Any) -> None:
     b = budgets(20)
     lease = await b.acquire(5, meta={"prompt_tokens": 10})
-    s = RedisBudget(b._url, b.name, 20, 16, policy="strict", recovery=0)
+    s = RedisBudget(b._core.url, b.name, 20, 16, policy="strict", recovery=0)
     st_ = await s.status()
     assert st_.policy == "elastic"
     l2 = await s.acquire(5, meta={"prompt_tokens": 10, "forecast_tokens": 5})
@@ -444,7 +444,7 @@ async def test_one_process_admits_on_a_forecaster_learned_by_another(budgets: An
     assert forecaster_for(b) is fc  # the transport's default for this budget
     cold = fc.forecast("agent", max_tokens=320)
     assert cold == 320
-    proc = subprocess.run([sys.executable, "-c", _LEARNER, b._url, b.name], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _LEARNER, b._core.url, b.name], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
     learned = cold
@@ -484,7 +484,7 @@ def test_forecaster_observations_reach_redis_and_local_view_includes_them(budget
     local = fc.forecast("k")  # local at once, before any sync
     fc.sync()
     assert fc.forecast("k") == local  # the fleet view (prior + the same 50) equals the local one
-    other = RedisBudget(b._url, b.name, 40, 16, policy="elastic", recovery=0)
+    other = RedisBudget(b._core.url, b.name, 40, 16, policy="elastic", recovery=0)
     fc2 = other.shared_forecaster(sync_interval=60)
     fc2.sync()
     assert fc2.forecast("k") == local
@@ -502,7 +502,7 @@ async def test_a_lease_redis_lost_is_readopted_with_its_metadata(budgets: Any, r
     want = projected_peak([(8, 40, {**meta, "tokens": 120, "first_token": True})], 16)
     assert (await b.status()).used == want
     _delete(redis_url, [b.name])  # Redis lost its state
-    await b._renew_round(b._side)
+    await b._side.renew_round()
     assert b.counters["readopted"] == 1
     st_ = await b.status()
     # Without its metadata the lease would project to its bound (40 + 1 blocks).
@@ -561,7 +561,7 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
                 await it.__anext__()
                 rec: dict[str, Any] = {}
                 for _ in range(500):  # the first-token report is sent at once, in the background
-                    (raw,) = r.hvals(b._keys[1]) or [b"{}"]
+                    (raw,) = r.hvals(b._core.keys[1]) or [b"{}"]
                     rec = _json.loads(raw)
                     if rec.get("m", {}).get("f1") == 1:
                         break
@@ -575,7 +575,7 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
                     await resp.aread()
         assert t.forecaster.observations("planner") == 3
         t.forecaster.sync()
-        other = RedisBudget(b._url, b.name, 1000, 16, policy="elastic", recovery=0)
+        other = RedisBudget(b._core.url, b.name, 1000, 16, policy="elastic", recovery=0)
         fc2 = other.shared_forecaster(sync_interval=60)
         fc2.sync()  # another process sees what this one learned: replies of 6 tokens
         assert fc2.quantile("planner", 0.5) < fc2.quantile("never-seen", 0.5)
@@ -628,7 +628,7 @@ async def test_above_the_lease_cap_a_pass_admits_by_the_strict_rule(budgets: Any
     try:
         meta = {"prompt_tokens": 16, "forecast_tokens": 16}  # each projects to 2 blocks at most
         leases = [await b.acquire(10, held=1, meta=meta)]  # creates the budget
-        r.hset(b._keys[0], "emax", 2)  # the cap (4,096 by default), lowered for the test
+        r.hset(b._core.keys[0], "emax", 2)  # the cap (4,096 by default), lowered for the test
         leases += [await b.acquire(10, held=1, meta=meta) for _ in range(2)]  # elastic passes: they fit
         assert (await b.status()).used == 30  # above the cap: used is the sum of bounds
         # Elastic would admit a fourth and a fifth (tiny projections); strict admits one more only.
@@ -639,7 +639,7 @@ async def test_above_the_lease_cap_a_pass_admits_by_the_strict_rule(budgets: Any
         assert not w5.done()
         # Every lease, admitted either way, stays in the projection mirror: none is lost to elastic.
         assert r.hlen(f"{{zp:{b.name}}}:em") == 4
-        r.hdel(b._keys[0], "emax")
+        r.hdel(b._core.keys[0], "emax")
         await l4.release()  # a pass under the cap again: the elastic rule admits the fifth
         l5 = await asyncio.wait_for(w5, 20)
         st_ = await b.status()
@@ -681,5 +681,5 @@ def test_longest_first_is_validated_and_read_from_settings(redis_url: str) -> No
     with pytest.raises(ConfigurationError, match="longest_first_s"):
         RedisBudget(redis_url, "zp-test-lpt-invalid", 10, longest_first_s=-1)
     b = RedisBudget.from_settings(redis_url, "zp-test-lpt-settings", 10, Settings(longest_first_s=4.0))
-    assert b._longest_first == 4.0 and b._init_args()[-1] == 4000
+    assert b.config.longest_first_s == 4.0 and b._core.init_args()[-1] == 4000
     b.close_sync()

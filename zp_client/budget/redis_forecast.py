@@ -19,12 +19,13 @@ pending (bounded by ``max_pending``), logged at WARNING once; forecasts keep wor
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from zp_client.errors import ConfigurationError
 from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
@@ -81,7 +82,8 @@ class RedisLengthForecaster(LengthForecaster):
     ) -> None:
         super().__init__(q=q, q_blind=q_blind, q_tail=q_tail, prior=prior, half_life=None, priors=priors)
         if not (isinstance(sync_interval, (int, float)) and sync_interval > 0):
-            raise ConfigurationError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
+            raise ConfigurationError(
+                f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
         if isinstance(client, str):
             import redis as redis_sync
 
@@ -165,7 +167,7 @@ class RedisLengthForecaster(LengthForecaster):
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
             pipe.hgetall(self._hkey(k))
-        for k, flat in zip(keys, pipe.execute()):
+        for k, flat in zip(keys, pipe.execute(), strict=False):
             if not flat:
                 continue
             counts = self._priors.get(k, self.prior).masses()
@@ -189,7 +191,7 @@ class RedisLengthForecaster(LengthForecaster):
                 if self._warned:
                     self._warned = False
                     log.warning("zp_client: fleet length forecaster %s reachable again", self._prefix)
-            except Exception as exc:
+            except (RedisError, OSError) as exc:
                 if not self._warned:
                     self._warned = True
                     log.warning("zp_client: fleet length forecaster %s cannot reach Redis (%r); forecasting "
@@ -204,8 +206,14 @@ class RedisLengthForecaster(LengthForecaster):
         self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        with contextlib.suppress(Exception), self._io_lock:
-            self._flush()
+        try:
+            with self._io_lock:
+                self._flush()
+        except (RedisError, OSError) as exc:
+            log.warning("zp_client: fleet length forecaster %s could not send its last observations: %r",
+                        self._prefix, exc)
         if self._owns:
-            with contextlib.suppress(Exception):
+            try:
                 self._client.close()
+            except (RedisError, OSError) as exc:
+                log.debug("zp_client: closing the forecaster's Redis client failed: %r", exc)
