@@ -69,7 +69,7 @@ async def bench_round_trip(url: str, iterations: int) -> dict[str, float]:
 
     from zp_client.budget.redis import RedisBudget
 
-    budget = RedisBudget(url, "bench-rt", 1000, recovery=0)
+    budget = RedisBudget(url, "bench-rt", 1000, recovery_s=0)
     side = await budget._get_side()
     client = side.client  # the same client (pool) the budget uses
     lock = client.lock("bench-rt-lock", timeout=30)
@@ -113,7 +113,7 @@ async def _worker(a: dict[str, Any]) -> dict[str, Any]:
 
     from zp_client.budget.redis import RedisBudget
 
-    budget = RedisBudget(a["url"], a["name"], 1, recovery=0, poll_interval=a["poll"], lease_ttl=30)
+    budget = RedisBudget(a["url"], a["name"], 1, recovery_s=0, poll_interval_s=a["poll"], lease_ttl_s=30)
     r = redis_async.Redis.from_url(a["url"])
     lat: list[float] = []
 
@@ -142,7 +142,7 @@ def _spawn(args: dict[str, Any]) -> subprocess.Popen[str]:
 async def _until_waiters(url: str, name: str, n: int) -> None:
     from zp_client.budget.redis import RedisBudget
 
-    b = RedisBudget(url, name, 1, recovery=0)
+    b = RedisBudget(url, name, 1, recovery_s=0)
     for _ in range(6000):
         st = await b.status()
         if sum(c.waiters for c in st.waiters.values()) >= n:
@@ -156,7 +156,7 @@ async def _until_waiters(url: str, name: str, n: int) -> None:
 async def bench_wakeups(url: str, processes: int, per_process: int) -> dict[str, float]:
     from zp_client.budget.redis import RedisBudget
 
-    holder = RedisBudget(url, "bench-wake", 1, recovery=0)
+    holder = RedisBudget(url, "bench-wake", 1, recovery_s=0)
     lease = await holder.acquire(1)  # everyone else waits behind this
     procs = [_spawn({"url": url, "name": "bench-wake", "waiters": per_process, "poll": 2.0, "hold_s": 0})
              for _ in range(processes)]
@@ -181,7 +181,7 @@ async def bench_idle(url: str, name: str, processes: int, per_process: int, seco
 
     from zp_client.budget.redis import RedisBudget
 
-    holder = RedisBudget(url, name, 1, recovery=0, lease_ttl=max(30.0, seconds * 3))
+    holder = RedisBudget(url, name, 1, recovery_s=0, lease_ttl_s=max(30.0, seconds * 3))
     lease = await holder.acquire(1)
     procs = [_spawn({"url": url, "name": name, "waiters": per_process, "poll": 2.0, "hold_s": 0})
              for _ in range(processes)]

@@ -105,7 +105,7 @@ async def main(
             lt, ln, le = await async_herd(LocalBudget(limit, policy=policy), tasks, hold)
             name = f"bench-herd-{secrets.token_hex(4)}"
             names.append(name)
-            rb = RedisBudget(url, name, limit, policy=policy, recovery=0)
+            rb = RedisBudget(url, name, limit, policy=policy, recovery_s=0)
             await (await rb.acquire(1)).release()  # creates the budget (not the herd's cost)
             rt, rn, re_ = await async_herd(rb, tasks, hold)
             await rb.aclose()
@@ -118,7 +118,7 @@ async def main(
             lb = LocalBudget(limit, policy=policy)
             slt, sln, sle = await asyncio.to_thread(sync_herd, lb, threads, hold)
             names.append(name + "-sync")
-            rbs = RedisBudget(url, name + "-sync", limit, policy=policy, recovery=0)
+            rbs = RedisBudget(url, name + "-sync", limit, policy=policy, recovery_s=0)
             rbs.acquire_sync(1).release_sync()
             srt, srn, sre = await asyncio.to_thread(sync_herd, rbs, threads, hold)
             rbs.close_sync()

@@ -97,7 +97,7 @@ async def _assert_empty(budget: RedisBudget) -> None:
 async def test_a_thousand_concurrent_acquires_are_all_admitted_without_an_outage(
     redis_url: str, keys_cleanup: str, caplog: Any
 ) -> None:
-    b = RedisBudget(redis_url, keys_cleanup, 50, recovery=0)
+    b = RedisBudget(redis_url, keys_cleanup, 50, recovery_s=0)
     with caplog.at_level(logging.DEBUG, logger="zp_client"):
         admitted, errors = await _async_herd(b, 1000)
     assert errors == []
@@ -110,7 +110,7 @@ async def test_a_thousand_concurrent_acquires_are_all_admitted_without_an_outage
 async def test_three_hundred_threads_on_acquire_sync_are_all_admitted_without_an_outage(
     redis_url: str, keys_cleanup: str, caplog: Any
 ) -> None:
-    b = RedisBudget(redis_url, keys_cleanup, 50, recovery=0)
+    b = RedisBudget(redis_url, keys_cleanup, 50, recovery_s=0)
     with caplog.at_level(logging.DEBUG, logger="zp_client"):
         admitted, errors = await asyncio.to_thread(_sync_herd, b, 300)
     assert errors == []
@@ -150,7 +150,7 @@ async def test_a_callers_exhausted_async_pool_is_back_pressure_not_an_outage(
 ) -> None:
     pool = _CountingPool.from_url(redis_url, max_connections=4)
     client = redis_async.Redis.from_pool(pool)
-    b = RedisBudget(client, keys_cleanup, 10, recovery=0)
+    b = RedisBudget(client, keys_cleanup, 10, recovery_s=0)
     with caplog.at_level(logging.DEBUG, logger="zp_client"):
         admitted, errors = await _async_herd(b, 200)
     assert errors == []
@@ -167,7 +167,7 @@ async def test_a_callers_exhausted_sync_pool_is_back_pressure_not_an_outage(
 ) -> None:
     client = redis.Redis(connection_pool=_CountingSyncPool.from_url(redis_url, max_connections=3))
     aclient = redis_async.Redis.from_url(redis_url)
-    b = RedisBudget(aclient, keys_cleanup, 10, recovery=0, sync_client=client)
+    b = RedisBudget(aclient, keys_cleanup, 10, recovery_s=0, sync_client=client)
     with caplog.at_level(logging.DEBUG, logger="zp_client"):
         admitted, errors = await asyncio.to_thread(_sync_herd, b, 60)
     assert errors == []

@@ -36,6 +36,20 @@ from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationE
 
 log = logging.getLogger("zp_client.budget.redis")
 
+# Spellings removed before 1.0 (one spelling per parameter, seconds end in _s): old name -> new name.
+_RENAMED = {
+    "lease_ttl": "lease_ttl_s", "poll_interval": "poll_interval_s", "waiter_ttl": "waiter_ttl_s",
+    "starvation_bound": "starvation_bound_s", "recovery": "recovery_s",
+    "unavailable_timeout": "unavailable_timeout_s",
+}
+
+
+def _renamed_error(kwargs: dict[str, Any]) -> TypeError:
+    """The error for keyword arguments RedisBudget() does not take, naming the new spelling if renamed."""
+    parts = [f"the removed keyword argument {k!r} (now {_RENAMED[k]!r})" if k in _RENAMED
+             else f"an unexpected keyword argument {k!r}" for k in kwargs]
+    return TypeError(f"RedisBudget() got {', '.join(parts)}")
+
 
 class RedisBudget(Budget):
     """A :class:`~zp_client.budget.base.Budget` shared through Redis by many processes on many hosts.
@@ -65,30 +79,30 @@ class RedisBudget(Budget):
         limit_blocks: int,
         block_size: int = 16,
         *,
-        lease_ttl: float = 30.0,
-        poll_interval: float = 2.0,
-        waiter_ttl: float | None = None,
-        starvation_bound: float = DEFAULT_STARVATION_BOUND_S,
         policy: str = "elastic",
-        recovery: float | None = None,
+        lease_ttl_s: float = 30.0,
+        poll_interval_s: float = 2.0,
+        waiter_ttl_s: float | None = None,
+        starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
+        longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
+        recovery_s: float | None = None,
         on_unavailable: Literal["fail_closed", "fail_local"] = "fail_closed",
-        unavailable_timeout: float = 10.0,
+        unavailable_timeout_s: float = 10.0,
         local_share: float = 0.1,
         held_report_blocks: int | None = None,
         sync_client: Any | None = None,
         on_event: Callable[[RedisBudgetEvent], None] | None = None,
-        starvation_bound_s: float | None = None,
-        longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
+        **renamed: Any,
     ) -> None:
-        if starvation_bound_s is not None:  # LocalBudget's spelling
-            starvation_bound = starvation_bound_s
+        if renamed:
+            raise _renamed_error(renamed)
         if not isinstance(name, str) or not name or any(c in name for c in "{}") or len(name) > 200:
             raise ConfigurationError(
                 "budget name must be a non-empty string of at most 200 characters without braces, "
                 f"got {name!r}"
             )
-        for what, v in (("lease_ttl", lease_ttl), ("poll_interval", poll_interval),
-                        ("unavailable_timeout", unavailable_timeout)):
+        for what, v in (("lease_ttl_s", lease_ttl_s), ("poll_interval_s", poll_interval_s),
+                        ("unavailable_timeout_s", unavailable_timeout_s)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0) or math.isinf(v):
                 raise ConfigurationError(f"{what} must be a positive number of seconds, got {v!r}")
         if policy not in POLICIES:
@@ -102,23 +116,23 @@ class RedisBudget(Budget):
             )
         if not (0 < local_share <= 1):
             raise ConfigurationError(f"local_share must be in (0, 1], got {local_share!r}")
-        if not isinstance(starvation_bound, (int, float)) or not (starvation_bound >= 0):
-            raise ConfigurationError(f"starvation_bound must be seconds >= 0, got {starvation_bound!r}")
-        poll = float(poll_interval)
+        if not isinstance(starvation_bound_s, (int, float)) or not (starvation_bound_s >= 0):
+            raise ConfigurationError(f"starvation_bound_s must be seconds >= 0, got {starvation_bound_s!r}")
+        poll = float(poll_interval_s)
         cfg = Config(
             name=name,
             # 0 is allowed for read-only handles (status); a budget created with it admits nothing.
             limit=validate_blocks(limit_blocks, "limit_blocks", minimum=0),
             block_size=validate_blocks(block_size, "block_size"),
-            lease_ttl_s=float(lease_ttl),
+            lease_ttl_s=float(lease_ttl_s),
             poll_interval_s=poll,
-            waiter_ttl_s=float(waiter_ttl) if waiter_ttl is not None else 3 * poll + 1.0,
-            starvation_bound_s=float(starvation_bound),
+            waiter_ttl_s=float(waiter_ttl_s) if waiter_ttl_s is not None else 3 * poll + 1.0,
+            starvation_bound_s=float(starvation_bound_s),
             longest_first_s=validate_seconds(longest_first_s, "longest_first_s"),
             policy=policy,
-            recovery_s=float(lease_ttl) if recovery is None else float(recovery),
+            recovery_s=float(lease_ttl_s) if recovery_s is None else float(recovery_s),
             on_unavailable=on_unavailable,
-            unavailable_timeout_s=float(unavailable_timeout),
+            unavailable_timeout_s=float(unavailable_timeout_s),
             local_share=float(local_share),
             held_report_blocks=None if held_report_blocks is None else max(1, int(held_report_blocks)),
         )
@@ -146,9 +160,9 @@ class RedisBudget(Budget):
             from zp_client.config import Settings
 
             settings = Settings()
-        kwargs.setdefault("starvation_bound", settings.starvation_bound_s)
+        kwargs.setdefault("starvation_bound_s", settings.starvation_bound_s)
         kwargs.setdefault("longest_first_s", settings.longest_first_s)
-        kwargs.setdefault("lease_ttl", settings.lease_ttl_s)
+        kwargs.setdefault("lease_ttl_s", settings.lease_ttl_s)
         return cls(url_or_client, name, limit_blocks, settings.block_size, **kwargs)
 
     # ------------------------------------------------------------------ public API
@@ -171,7 +185,7 @@ class RedisBudget(Budget):
     def shared_forecaster(self, **kwargs: Any) -> Any:
         """The :class:`~zp_client.budget.redis_forecast.RedisLengthForecaster` of this budget: output
         lengths learned by every process of the fleet (made on first call; ``kwargs`` such as ``q`` or
-        ``sync_interval`` apply then). The transport uses it by default for an elastic RedisBudget.
+        ``sync_interval_s`` apply then). The transport uses it by default for an elastic RedisBudget.
         Needs a URL or ``sync_client`` (it syncs from a daemon thread); closed with the budget."""
         with self._lock:
             if self._forecaster is not None:
