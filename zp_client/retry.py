@@ -591,8 +591,9 @@ class RetryPolicy:
             return step
         try:
             granted = self.budget.try_spend() if self.budget is not None else True
-        except Exception as exc:
-            return self._budget_failed(state, step, exc)
+        except Exception:  # any RetryBudget's failure (Redis down...): logged with its traceback
+            log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=True)
+            return self._budget_failed(step)
         return self._finish(state, step, granted)
 
     async def decide_async(
@@ -615,8 +616,9 @@ class RetryPolicy:
             else:
                 fn = getattr(self.budget, "try_spend_async", None)
                 granted = bool(await fn()) if fn is not None else self.budget.try_spend()
-        except Exception as exc:
-            return self._budget_failed(state, step, exc)
+        except Exception:  # any RetryBudget's failure (Redis down...): logged with its traceback
+            log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=True)
+            return self._budget_failed(step)
         return self._finish(state, step, granted)
 
     # -- sleeping ------------------------------------------------------------------------------------
@@ -735,10 +737,9 @@ class RetryPolicy:
                   step.delay_s)
         return RetryDecision(True, step.delay_s, step.reason)
 
-    def _budget_failed(self, state: RetryState, step: _Pending, exc: Exception) -> RetryDecision:
+    def _budget_failed(self, step: _Pending) -> RetryDecision:
         # The budget cannot be consulted (Redis down): not retrying is the safe side — a retry that no
         # budget admitted is exactly the load this module exists to prevent.
-        log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=exc)
         return self._give_up(
             dataclasses.replace(step.details, reason=f"{step.reason}; retry budget unavailable", delay_s=0.0),
             None,
