@@ -160,7 +160,7 @@ def test_only_the_holder_may_release_or_renew(budgets: Any, redis_url: str) -> N
 
 async def test_acquire_retried_after_a_lost_reply_counts_once(budgets: Any) -> None:
     b = budgets(10)
-    side = await b._get_side()
+    side = b._get_side()
     args = ["r" * 24, 6, 6, 0, -1, 5000, b._core.owner, b._core.owner, 5000]
     first = await side.eval("acquire", args)
     again = await side.eval("acquire", args)  # the same request id: a retry
@@ -353,7 +353,7 @@ async def test_dead_waiter_leaves_the_line(budgets: Any) -> None:
     ghost._side.tasks = [asyncio.create_task(asyncio.sleep(3600))]
 
     async def reaped() -> bool:
-        side = await holder._get_side()
+        side = holder._get_side()
         await side.eval("poll", [1000])  # any script call reaps
         return await _waiting(holder, 0)
 

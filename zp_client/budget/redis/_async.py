@@ -16,8 +16,10 @@ from typing import Any
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
     CALL_FAILED,
+    HANDLED,
     MAILBOX_BLOCK_S,
     RENEW_BATCH,
+    Attempts,
     Core,
     LeaseOwner,
     RedisLease,
@@ -74,13 +76,15 @@ class AsyncFace:
         """Run a script by SHA (loading it on NOSCRIPT); create the budget on an ``{'I'}`` reply. Errors
         are those of :class:`~zp_client.budget.redis._script.Attempts`."""
         core = self.core
-        tries = core.attempts(script, patient)
+        sha = core.sha(script)
+        tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
         while True:
             try:
-                if tries.load:
+                if tries is not None and tries.load:
                     await self.client.script_load(tries.text)
-                r = await self.client.evalsha(tries.sha, len(core.keys), *core.keys, *args)
-            except tries.handled as exc:
+                r = await self.client.evalsha(sha, *core.key_args, *args)
+            except HANDLED as exc:
+                tries = tries or core.attempts(script, patient)
                 await asyncio.sleep(tries.after(exc))
                 continue
             if init and core.needs_init(r):

@@ -233,7 +233,7 @@ class RedisBudget(Budget):
     ) -> Lease:
         bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
         try:
-            side = await self._get_side()
+            side = self._get_side()
             if timeout is None:
                 return await side.acquire(bound, held_v, prio, order, meta_json)
             return await asyncio.wait_for(side.acquire(bound, held_v, prio, order, meta_json), timeout)
@@ -265,7 +265,7 @@ class RedisBudget(Budget):
 
     async def status(self) -> BudgetStatus:
         """A read-only snapshot from Redis (``extra`` holds epoch, recovery, counters)."""
-        side = await self._get_side()
+        side = self._get_side()
         return self._core.status_from(await side.eval("status", [], init=False))
 
     def status_sync(self) -> BudgetStatus:
@@ -275,7 +275,7 @@ class RedisBudget(Budget):
     async def set_limit(self, limit: int) -> None:
         """Set the limit for the whole fleet. Raising it admits waiters; lowering never revokes a lease."""
         validate_blocks(limit, "limit")
-        side = await self._get_side()
+        side = self._get_side()
         r = await side.eval("set_limit", [limit, ""])
         self._core.limit = int(r[1])
 
@@ -283,14 +283,14 @@ class RedisBudget(Budget):
         """Set the limit only if it is still ``expected``; returns False (and changes nothing) otherwise."""
         validate_blocks(limit, "limit")
         validate_blocks(expected, "expected")
-        side = await self._get_side()
+        side = self._get_side()
         r = await side.eval("set_limit", [limit, expected])
         self._core.limit = int(r[1])
         return bool(int(r[0]))
 
     async def flush(self) -> None:
         """Send every lease's latest held report now (normally batched; see ``held_report_blocks``)."""
-        side = await self._get_side()
+        side = self._get_side()
         with self._sync_face.lock:
             sync_leases = list(self._sync_face.leases.values())
         await side.send_reports([*side.leases.values(), *sync_leases], changed_only=True, patient=True)
@@ -357,7 +357,7 @@ class RedisBudget(Budget):
         core.emit("fallback_local", blocks=fallback.limit)
         return fallback
 
-    async def _get_side(self) -> AsyncFace:
+    def _get_side(self) -> AsyncFace:
         side = self._side
         loop = asyncio.get_running_loop()
         if side is not None:

@@ -37,7 +37,7 @@ UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError
 # What a script call may raise once mapped (for background loops that log a failure and go on).
 CALL_FAILED = (ZPError, RedisError, OSError)
 # What a face catches around a script call and hands to Attempts.after.
-_HANDLED = (RedisError, OSError)
+HANDLED = (RedisError, OSError)
 # The pools of the clients a budget makes itself: commands beyond them wait for a free connection.
 POOL_SIZE = 100
 _POOL_FULL_BACKOFF_CAP_S = 0.05
@@ -115,6 +115,14 @@ def scripts() -> dict[str, tuple[str, str]]:
     return _SCRIPT_CACHE
 
 
+_SHAS: dict[str, bytes] = {}
+
+
+def _shas() -> dict[str, bytes]:
+    _SHAS.update({k: sha.encode() for k, (_, sha) in scripts().items()})
+    return _SHAS
+
+
 def text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -172,13 +180,12 @@ class Attempts:
     """The retry rules of one script call. A face runs the command and, when it fails, sleeps for
     :meth:`after`'s answer and tries again (loading the script first when :attr:`load` is set).
 
-    A full pool (``MaxConnectionsError`` from a caller's non-blocking pool) is back-pressure: waited out
-    with a short backoff, never reported as an outage nor bounded by ``unavailable_timeout_s``. Real
-    connection failures are retried for ``unavailable_timeout_s`` (``patient=False``: not at all), then
+    Made at a call's first failure (the fast path builds nothing). A full pool (``MaxConnectionsError``
+    from a caller's non-blocking pool) is back-pressure: waited out with a short backoff, never reported
+    as an outage nor bounded by ``unavailable_timeout_s``. Real connection failures are retried for
+    ``unavailable_timeout_s`` from the first one (``patient=False``: not at all), then
     :class:`BudgetUnavailable` is raised.
     """
-
-    handled = _HANDLED
 
     def __init__(self, core: Core, script: str, patient: bool) -> None:
         self.core = core
@@ -221,7 +228,13 @@ class Core:
         self.url = url
         self.prefix = f"{{zp:{cfg.name}}}"
         self.keys = [f"{self.prefix}:{s}" for s in _KEY_SUFFIXES]
+        # EVALSHA's numkeys and keys: the meta key alone (the scripts derive the others from its prefix).
+        # Constant arguments are encoded once (bytes skip redis-py's per-argument encoding).
+        self.key_args = (b"1", self.keys[0].encode())
         self.owner = secrets.token_urlsafe(12)
+        self._owner_b = self.owner.encode()
+        self._ttl_b = str(int(cfg.lease_ttl_s * 1000)).encode()
+        self._wttl_b = str(int(cfg.waiter_ttl_s * 1000)).encode()
         self.sync_box = self.owner + ".s"  # the sync waiters' mailbox (the async side's is the owner's)
         self.policy = cfg.policy
         self.policy_known = False  # the stored policy is read once (the creator's choice wins)
@@ -240,6 +253,10 @@ class Core:
     # ------------------------------------------------------------------ keys and arguments
     def attempts(self, script: str, patient: bool) -> Attempts:
         return Attempts(self, script, patient)
+
+    @staticmethod
+    def sha(script: str) -> bytes:
+        return _SHAS[script] if _SHAS else _shas()[script]
 
     def mailbox(self, box: str) -> str:
         return f"{self.prefix}:mb:{box}"
@@ -262,11 +279,10 @@ class Core:
     def acquire_args(
         self, rid: str, bound: int, held: int, prio: int, order: int, box: str, meta: str
     ) -> list[Any]:
-        return [rid, bound, held, prio, order, int(self.cfg.lease_ttl_s * 1000), box, self.owner,
-                int(self.cfg.waiter_ttl_s * 1000), meta]
+        return [rid, bound, held, prio, order, self._ttl_b, box, self._owner_b, self._wttl_b, meta]
 
     def release_args(self, lid: str) -> list[Any]:
-        return [lid, self.owner]
+        return [lid, self._owner_b]
 
     def poll_args(self, ids: Iterable[str]) -> list[Any]:
         return [int(self.cfg.waiter_ttl_s * 1000), *ids]

@@ -15,11 +15,13 @@ import redis as redis_sync
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
     CALL_FAILED,
+    HANDLED,
     MAILBOX_BLOCK_S,
     POOL_SIZE,
     RENEW_BATCH,
     SYNC_PUMP_BLOCK_S,
     UNAVAILABLE,
+    Attempts,
     Core,
     LeaseOwner,
     RedisLease,
@@ -77,13 +79,15 @@ class SyncFace:
     def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True) -> Any:
         """Blocking form of :meth:`AsyncFace.eval <zp_client.budget.redis._async.AsyncFace.eval>`."""
         client, core = self.get_client(), self.core
-        tries = core.attempts(script, patient)
+        sha = core.sha(script)
+        tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
         while True:
             try:
-                if tries.load:
+                if tries is not None and tries.load:
                     client.script_load(tries.text)
-                r = client.evalsha(tries.sha, len(core.keys), *core.keys, *args)
-            except tries.handled as exc:
+                r = client.evalsha(sha, *core.key_args, *args)
+            except HANDLED as exc:
+                tries = tries or core.attempts(script, patient)
                 time.sleep(tries.after(exc))
                 continue
             if init and core.needs_init(r):
