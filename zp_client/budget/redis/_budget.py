@@ -68,8 +68,14 @@ class RedisBudget(Budget):
         with budget.lease_sync(120) as lease:   # threads, no event loop needed
             ...
 
-    Semantics (safety, recovery, wake-ups, renewal, unavailability, the elastic policy in Lua, keys):
-    docs/redis.md.
+    Parameters (seconds end in ``_s``, as in LocalBudget and :class:`~zp_client.Settings`): ``policy``
+    (``"elastic"`` or ``"strict"``; the budget's creator chooses), ``lease_ttl_s`` (a lease not renewed
+    for this long is reclaimed), ``poll_interval_s`` (the bound on a lost wake-up), ``waiter_ttl_s``
+    (default ``3 * poll_interval_s + 1``), ``starvation_bound_s`` and ``longest_first_s`` (the line's
+    rules, as in LocalBudget), ``recovery_s`` (default ``lease_ttl_s``: a budget created from scratch
+    admits nothing new for this long), ``on_unavailable`` with ``unavailable_timeout_s`` and
+    ``local_share``, ``held_report_blocks``, ``sync_client``, ``on_event``. Semantics (safety, recovery,
+    wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
     """
 
     def __init__(
