@@ -34,8 +34,8 @@ async def bench(url: str, policy: str, n: int, iterations: int) -> dict[str, flo
     from zp_client.budget.redis import RedisBudget
 
     name = f"bench-el-{policy}-{n}"
-    budget = RedisBudget(url, name, 64 * n + 10_000, 16, recovery=0, policy=policy)
-    side = await budget._get_side()
+    budget = RedisBudget(url, name, 64 * n + 10_000, 16, recovery_s=0, policy=policy)
+    side = budget._get_side()
     client = side.client
     live = []
     for i in range(n):

@@ -48,11 +48,11 @@ def make_budget(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from zp_client import RedisBudget
 
     # The first process to create the budget sets its limit; later ones follow the stored limit.
-    # recovery=0: a budget created from scratch normally admits nothing for one lease TTL (30 s), in
+    # recovery_s=0: a budget created from scratch normally admits nothing for one lease TTL (30 s), in
     # case lease holders survived a Redis restart and need to re-adopt. This demo uses a fresh budget,
     # so it skips that; in production keep the default.
     # strict: the limit caps the blocks reserved fleet-wide at any moment (the peak printed below)
-    return RedisBudget(args.redis, args.name, limit_blocks=args.limit_blocks, recovery=0, policy="strict")
+    return RedisBudget(args.redis, args.name, limit_blocks=args.limit_blocks, recovery_s=0, policy="strict")
 
 
 async def worker(args: argparse.Namespace) -> int:

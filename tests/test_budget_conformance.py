@@ -222,8 +222,8 @@ def test_redis_budget_conforms_to_the_ledger(starvation: float, redis_url: str, 
     def factory(limit: int, starve: float) -> Budget:
         name = f"{redis_prefix}-{next(counter)}"
         names.append(name)
-        # recovery=0: a fresh budget would otherwise admit nothing for one lease TTL (tested elsewhere)
-        return RedisBudget(redis_url, name, limit, recovery=0, starvation_bound=starve, held_report_blocks=1)
+        # recovery_s=0: a fresh budget would otherwise admit nothing for one lease TTL (tested elsewhere)
+        return RedisBudget(redis_url, name, limit, recovery_s=0, starvation_bound_s=starve, held_report_blocks=1)
 
     def cleanup() -> None:
         r = redis.Redis.from_url(redis_url)

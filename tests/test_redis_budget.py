@@ -24,7 +24,8 @@ import redis
 import redis.asyncio as redis_async
 from conftest import _free_port, _redis_answers, start_redis_server
 
-from zp_client.budget.redis import RedisBudget, RedisBudgetEvent, _scripts
+from zp_client.budget.redis import RedisBudget, RedisBudgetEvent
+from zp_client.budget.redis._script import scripts as _scripts
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, LeaseTooLarge
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
@@ -51,7 +52,7 @@ def budgets(redis_url: str, redis_prefix: str) -> Iterator[Any]:
     made: list[RedisBudget] = []
 
     def make(limit: int = 10, **kw: Any) -> RedisBudget:
-        kw.setdefault("recovery", 0)
+        kw.setdefault("recovery_s", 0)
         b = RedisBudget(kw.pop("url", redis_url), kw.pop("name", redis_prefix), limit, **kw)
         made.append(b)
         return b
@@ -78,7 +79,7 @@ async def _until(pred: Any, what: str, limit_s: float = 20.0) -> None:
 def _raw(client: redis.Redis, budget: RedisBudget, script: str, *args: Any) -> Any:
     text, sha = _scripts()[script]
     client.script_load(text)
-    return client.evalsha(sha, len(budget._keys), *budget._keys, *args)
+    return client.evalsha(sha, len(budget._core.keys), *budget._core.keys, *args)
 
 
 # ---------------------------------------------------------------------------------------------- basics
@@ -159,20 +160,20 @@ def test_only_the_holder_may_release_or_renew(budgets: Any, redis_url: str) -> N
 
 async def test_acquire_retried_after_a_lost_reply_counts_once(budgets: Any) -> None:
     b = budgets(10)
-    side = await b._get_side()
-    args = ["r" * 24, 6, 6, 0, -1, 5000, b._owner, b._owner, 5000]
-    first = await b._eval(side, "acquire", args)
-    again = await b._eval(side, "acquire", args)  # the same request id: a retry
+    side = b._get_side()
+    args = ["r" * 24, 6, 6, 0, -1, 5000, b._core.owner, b._core.owner, 5000]
+    first = await side.eval("acquire", args)
+    again = await side.eval("acquire", args)  # the same request id: a retry
     assert first[0] == again[0] == b"G" and first[1] == again[1]
     st = await b.status()
     assert (st.used, st.leases) == (6, 1)
     # A retry of a waiting request keeps its single place in line.
-    args2 = ["s" * 24, 6, 6, 0, -1, 5000, b._owner, b._owner, 5000]
-    assert (await b._eval(side, "acquire", args2))[0] == b"W"
-    assert (await b._eval(side, "acquire", args2))[0] == b"W"
+    args2 = ["s" * 24, 6, 6, 0, -1, 5000, b._core.owner, b._core.owner, 5000]
+    assert (await side.eval("acquire", args2))[0] == b"W"
+    assert (await side.eval("acquire", args2))[0] == b"W"
     assert (await b.status()).waiters[0].waiters == 1
-    await b._eval(side, "release", ["s" * 24, b._owner])
-    await b._eval(side, "release", ["r" * 24, b._owner])
+    await side.eval("release", ["s" * 24, b._core.owner])
+    await side.eval("release", ["r" * 24, b._core.owner])
     await b.aclose()
 
 
@@ -180,8 +181,24 @@ def test_from_settings_takes_the_budget_settings(redis_url: str) -> None:
     from zp_client.config import Settings
 
     b = RedisBudget.from_settings(redis_url, "zptest-settings", 10, Settings(starvation_bound_s=0.5, lease_ttl_s=7))
-    assert (b._starvation_bound, b._lease_ttl, b.block_size) == (0.5, 7.0, 16)
-    assert RedisBudget(redis_url, "zptest-x", 10, starvation_bound_s=0.25)._starvation_bound == 0.25
+    assert (b.config.starvation_bound_s, b.config.lease_ttl_s, b.block_size) == (0.5, 7.0, 16)
+    assert RedisBudget(redis_url, "zptest-x", 10, starvation_bound_s=0.25).config.starvation_bound_s == 0.25
+
+
+@pytest.mark.parametrize("old, new", [
+    ("lease_ttl", "lease_ttl_s"), ("poll_interval", "poll_interval_s"), ("waiter_ttl", "waiter_ttl_s"),
+    ("starvation_bound", "starvation_bound_s"), ("recovery", "recovery_s"),
+    ("unavailable_timeout", "unavailable_timeout_s"),
+])
+def test_a_removed_spelling_fails_naming_the_new_one(redis_url: str, old: str, new: str) -> None:
+    with pytest.raises(TypeError, match=f"removed keyword argument '{old}' \\(now '{new}'\\)"):
+        RedisBudget(redis_url, "zptest-x", 10, **{old: 1.0})
+    assert getattr(RedisBudget(redis_url, "zptest-x", 10, **{new: 1.0}).config, new) == 1.0
+
+
+def test_an_unknown_keyword_fails() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lease_tll_s'"):
+        RedisBudget("redis://127.0.0.1:6379/0", "zptest-x", 10, lease_tll_s=1.0)
 
 
 async def test_status_is_read_only(budgets: Any, redis_url: str, redis_prefix: str) -> None:
@@ -316,7 +333,7 @@ async def test_cancelling_aclose_still_stops_the_budgets_tasks(budgets: Any) -> 
 
 # ------------------------------------------------------------------------------ expiry, epochs, recovery
 async def test_dead_holders_lease_expires_and_the_waiter_proceeds(budgets: Any) -> None:
-    dead, alive = budgets(10, lease_ttl=1.0, poll_interval=0.2), budgets(10, lease_ttl=1.0, poll_interval=0.2)
+    dead, alive = budgets(10, lease_ttl_s=1.0, poll_interval_s=0.2), budgets(10, lease_ttl_s=1.0, poll_interval_s=0.2)
     await dead.acquire(10)
     await dead.aclose()  # stops renewals without releasing: as if the process died
     lease = await asyncio.wait_for(alive.acquire(10), 20)
@@ -327,7 +344,7 @@ async def test_dead_holders_lease_expires_and_the_waiter_proceeds(budgets: Any) 
 
 async def test_dead_waiter_leaves_the_line(budgets: Any) -> None:
     holder = budgets(10)
-    ghost = budgets(10, poll_interval=0.1, waiter_ttl=0.5)
+    ghost = budgets(10, poll_interval_s=0.1, waiter_ttl_s=0.5)
     held = await holder.acquire(10)
     task = asyncio.create_task(ghost.acquire(5))
     await _until(lambda: _waiting(holder, 1), "waiter queued")
@@ -336,8 +353,8 @@ async def test_dead_waiter_leaves_the_line(budgets: Any) -> None:
     ghost._side.tasks = [asyncio.create_task(asyncio.sleep(3600))]
 
     async def reaped() -> bool:
-        side = await holder._get_side()
-        await holder._eval(side, "poll", [1000])  # any script call reaps
+        side = holder._get_side()
+        await side.eval("poll", [1000])  # any script call reaps
         return await _waiting(holder, 0)
 
     await _until(reaped, "dead waiter reaped")
@@ -351,9 +368,9 @@ async def test_lease_that_expired_in_this_epoch_is_reported_lost(budgets: Any, r
     b = budgets(10, on_event=events.append)
     lease = await b.acquire(6)
     r = redis_async.Redis.from_url(redis_url)
-    await r.zadd(b._keys[2], {lease.id: 0})  # its expiry passed (a long pause)
+    await r.zadd(b._core.keys[2], {lease.id: 0})  # its expiry passed (a long pause)
     await r.aclose()
-    await b._renew_round(b._side)
+    await b._side.renew_round()
     assert lease.lost and [e.kind for e in events if e.lease_id] == ["lease_lost"]
     assert b.counters["lease_lost"] == 1
     st = await b.status()
@@ -366,15 +383,15 @@ async def test_lease_redis_lost_is_readopted_and_admission_waits_out_recovery(
     budgets: Any, redis_url: str, redis_prefix: str
 ) -> None:
     events: list[RedisBudgetEvent] = []
-    b = budgets(10, on_event=events.append, recovery=1.0, lease_ttl=1.0, poll_interval=0.2)
+    b = budgets(10, on_event=events.append, recovery_s=1.0, lease_ttl_s=1.0, poll_interval_s=0.2)
     # The budget starts in recovery, so the first lease is granted once recovery ends.
     lease = await asyncio.wait_for(b.acquire(6), 20)
     _delete_keys(redis_url, redis_prefix)  # Redis lost its state (restart without persistence)
-    newcomer = budgets(10, recovery=1.0)
+    newcomer = budgets(10, recovery_s=1.0)
     waiter = asyncio.create_task(newcomer.acquire(4))  # creates the state anew: recovery starts
     await _until(lambda: _waiting(newcomer, 1), "newcomer queued in recovery")
     assert (await newcomer.status()).extra["recovering"]
-    await b._renew_round(b._side)
+    await b._side.renew_round()
     assert [e.kind for e in events if e.lease_id] == ["readopted"] and b.counters["readopted"] == 1
     st = await b.status()
     assert (st.used, st.leases) == (6, 1)
@@ -449,7 +466,7 @@ async def test_renewal_carries_held_reports_below_the_batching_threshold(budgets
     b = budgets(40, held_report_blocks=10)
     lease = await b.acquire(30, held=5)
     lease.report_held(8)  # below the threshold: not sent on its own
-    await b._renew_round(b._side)
+    await b._side.renew_round()
     assert (await b.status()).held == 8
     await lease.release()
     await b.aclose()
@@ -457,7 +474,7 @@ async def test_renewal_carries_held_reports_below_the_batching_threshold(budgets
 
 # ------------------------------------------------------------------------------------------ sync path
 def test_lease_sync_works_without_an_event_loop_and_shares_the_limit(budgets: Any, redis_url: str, redis_prefix: str) -> None:
-    b = budgets(10, poll_interval=0.2)
+    b = budgets(10, poll_interval_s=0.2)
     counter = redis.Redis.from_url(redis_url)
     key = f"{{zp:{redis_prefix}}}:test-count"
     peak = 0
@@ -491,7 +508,7 @@ def test_lease_sync_works_without_an_event_loop_and_shares_the_limit(budgets: An
 
 
 async def test_sync_and_async_callers_share_one_line(budgets: Any) -> None:
-    b = budgets(10, poll_interval=0.2)
+    b = budgets(10, poll_interval_s=0.2)
     held = await b.acquire(10)
     got: list[Any] = []
     t = threading.Thread(target=lambda: got.append(b.acquire_sync(6, timeout=30)))
@@ -506,7 +523,7 @@ async def test_sync_and_async_callers_share_one_line(budgets: Any) -> None:
 
 # ----------------------------------------------------------------------------------- unreachable Redis
 async def test_fail_closed_raises_budget_unavailable() -> None:
-    b = RedisBudget(f"redis://127.0.0.1:{_free_port()}/0", "zptest-nowhere", 10, unavailable_timeout=0.3)
+    b = RedisBudget(f"redis://127.0.0.1:{_free_port()}/0", "zptest-nowhere", 10, unavailable_timeout_s=0.3)
     with pytest.raises(BudgetUnavailable, match="unreachable"):
         await b.acquire(1)
     with pytest.raises(BudgetUnavailable):
@@ -539,7 +556,7 @@ def own_redis() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
 
 async def test_release_that_cannot_reach_redis_never_raises(own_redis: Any, redis_prefix: str) -> None:
     proc, port = own_redis
-    b = RedisBudget(f"redis://127.0.0.1:{port}/0", redis_prefix, 10, recovery=0, unavailable_timeout=0.5)
+    b = RedisBudget(f"redis://127.0.0.1:{port}/0", redis_prefix, 10, recovery_s=0, unavailable_timeout_s=0.5)
     async with b.lease(4):
         proc.kill()
         proc.wait(10)
@@ -553,11 +570,11 @@ async def test_auth_through_the_url() -> None:
         admin = redis.Redis(port=port)
         admin.config_set("requirepass", "s3cret")
         admin.close()
-        ok = RedisBudget(f"redis://:s3cret@127.0.0.1:{port}/0", "zptest-auth", 10, recovery=0)
+        ok = RedisBudget(f"redis://:s3cret@127.0.0.1:{port}/0", "zptest-auth", 10, recovery_s=0)
         async with ok.lease(3):
             assert (await ok.status()).used == 3
         await ok.aclose()
-        bad = RedisBudget(f"redis://:wrong@127.0.0.1:{port}/0", "zptest-auth", 10, recovery=0)
+        bad = RedisBudget(f"redis://:wrong@127.0.0.1:{port}/0", "zptest-auth", 10, recovery_s=0)
         with pytest.raises(ConfigurationError, match="password"):
             await bad.acquire(1)
         await bad.aclose()
@@ -636,8 +653,8 @@ async def test_redis_cluster(redis_cluster: list[int], redis_prefix: str) -> Non
 
     client = RedisCluster(host="127.0.0.1", port=redis_cluster[0])
     sync_client = SyncRedisCluster(host="127.0.0.1", port=redis_cluster[0])
-    a = RedisBudget(client, redis_prefix, 10, recovery=0, sync_client=sync_client, poll_interval=0.2)
-    b = RedisBudget(client, redis_prefix, 10, recovery=0, sync_client=sync_client, poll_interval=0.2)
+    a = RedisBudget(client, redis_prefix, 10, recovery_s=0, sync_client=sync_client, poll_interval_s=0.2)
+    b = RedisBudget(client, redis_prefix, 10, recovery_s=0, sync_client=sync_client, poll_interval_s=0.2)
     held = await a.acquire(8)
     waiter = asyncio.create_task(b.acquire(5))
     await _until(lambda: _waiting(b, 1), "waiter queued on the cluster")

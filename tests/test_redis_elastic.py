@@ -69,7 +69,7 @@ def budgets(redis_url: str, redis_prefix: str) -> Iterator[Any]:
     def make(limit: int, block_size: int = 16, **kw: Any) -> RedisBudget:
         name = f"{redis_prefix}-{next(counter)}"
         names.append(name)
-        kw.setdefault("recovery", 0)
+        kw.setdefault("recovery_s", 0)
         return RedisBudget(redis_url, name, limit, block_size, policy="elastic", **kw)
 
     yield make
@@ -111,8 +111,8 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
                                 longest_first=longest_first)
             name = f"{names[0]}-m{next(counter)}"
             names.append(name)
-            self.budget = RedisBudget(redis_url, name, LIMIT, BS, policy="elastic", recovery=0,
-                                      starvation_bound=starvation, held_report_blocks=1,
+            self.budget = RedisBudget(redis_url, name, LIMIT, BS, policy="elastic", recovery_s=0,
+                                      starvation_bound_s=starvation, held_report_blocks=1,
                                       longest_first_s=longest_first)
             self.labels = itertools.count()
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
@@ -314,7 +314,7 @@ async def test_first_token_report_admits_a_waiter_of_another_process(budgets: An
     # 8 are a shared prefix. B (same prefix, 10 blocks) does not fit beside A's own copy (limit 14),
     # but fits once A's first token makes the prefix shared: the progress report alone admits B.
     a = budgets(14)
-    other = RedisBudget(a._url, a.name, 14, 16, policy="elastic", recovery=0, poll_interval=30)
+    other = RedisBudget(a._core.url, a.name, 14, 16, policy="elastic", recovery_s=0, poll_interval_s=30)
     meta = {"prompt_tokens": 160, "forecast_tokens": 0, "prefix_key": "sys", "prefix_blocks": 8}
     la = await a.acquire(10, held=10, meta=meta)
     waiter = asyncio.ensure_future(other.acquire(10, held=10, meta=meta))
@@ -354,7 +354,7 @@ async def test_the_servers_prompt_count_at_first_token_admits_a_waiter(budgets: 
     # tokens, 16 more: 10 + 1 blocks at its end, the same instant) does not fit: 21 + 11 = 32 > 30. The
     # server says A's prompt is 160 tokens: A is projected at 10 + 1 blocks, 11 + 11 = 22, and B fits.
     b = budgets(30)
-    other = RedisBudget(b._url, b.name, 30, 16, policy="elastic", recovery=0, poll_interval=30)
+    other = RedisBudget(b._core.url, b.name, 30, 16, policy="elastic", recovery_s=0, poll_interval_s=30)
     ma = {"prompt_tokens": 320, "forecast_tokens": 16}
     la = await b.acquire(24, held=20, meta=ma)
     assert (await b.status()).used == 21
@@ -385,13 +385,13 @@ async def test_meta_is_validated(budgets: Any, redis_url: str) -> None:
     await b.flush()
     assert (await b.status()).held == 2
     # The script refuses bad metadata from a caller that bypasses the client.
-    from zp_client.budget.redis import _scripts
+    from zp_client.budget.redis._script import scripts as _scripts
 
     r = redis.Redis.from_url(redis_url)
     try:
         text, _ = _scripts()["acquire"]
         with pytest.raises(redis.ResponseError, match="meta pt"):
-            r.eval(text, len(b._keys), *b._keys, "x" * 20, 5, 5, 0, -1, 1000, "mb", "o", 1000, '{"pt":-4}')
+            r.eval(text, len(b._core.keys), *b._core.keys, "x" * 20, 5, 5, 0, -1, 1000, "mb", "o", 1000, '{"pt":-4}')
     finally:
         r.close()
     await lease.release()
@@ -402,7 +402,7 @@ async def test_meta_is_validated(budgets: Any, redis_url: str) -> None:
 async def test_a_process_configured_strict_follows_a_stored_elastic_policy(budgets: Any) -> None:
     b = budgets(20)
     lease = await b.acquire(5, meta={"prompt_tokens": 10})
-    s = RedisBudget(b._url, b.name, 20, 16, policy="strict", recovery=0)
+    s = RedisBudget(b._core.url, b.name, 20, 16, policy="strict", recovery_s=0)
     st_ = await s.status()
     assert st_.policy == "elastic"
     l2 = await s.acquire(5, meta={"prompt_tokens": 10, "forecast_tokens": 5})
@@ -420,8 +420,8 @@ _LEARNER = textwrap.dedent(
     from zp_client.budget.redis import RedisBudget
 
     url, name = sys.argv[1], sys.argv[2]
-    b = RedisBudget(url, name, 40, 16, policy="elastic", recovery=0)
-    fc = b.shared_forecaster(sync_interval=30)
+    b = RedisBudget(url, name, 40, 16, policy="elastic", recovery_s=0)
+    fc = b.shared_forecaster(sync_interval_s=30)
     for i in range(300):
         fc.observe("agent", 18 + i % 5)   # short replies: 18..22 tokens
     b.close_sync()                         # sends what is pending
@@ -437,14 +437,14 @@ async def test_one_process_admits_on_a_forecaster_learned_by_another(budgets: An
     # second one does not fit. Once another process has taught the fleet that replies are ~20 tokens, a
     # lease projects 10 + 2 blocks and two fit easily.
     b = budgets(40)
-    fc = b.shared_forecaster(sync_interval=0.2, q=0.9)  # the cold case below needs the 0.9 quantile
+    fc = b.shared_forecaster(sync_interval_s=0.2, q=0.9)  # the cold case below needs the 0.9 quantile
     assert fc is b.shared_forecaster()
     from zp_client.transport import forecaster_for
 
     assert forecaster_for(b) is fc  # the transport's default for this budget
     cold = fc.forecast("agent", max_tokens=320)
     assert cold == 320
-    proc = subprocess.run([sys.executable, "-c", _LEARNER, b._url, b.name], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _LEARNER, b._core.url, b.name], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
     learned = cold
@@ -479,13 +479,13 @@ async def test_one_process_admits_on_a_forecaster_learned_by_another(budgets: An
 
 def test_forecaster_observations_reach_redis_and_local_view_includes_them(budgets: Any) -> None:
     b = budgets(40)
-    fc = b.shared_forecaster(sync_interval=60)
+    fc = b.shared_forecaster(sync_interval_s=60)
     fc.observe_many("k", [100] * 50)
     local = fc.forecast("k")  # local at once, before any sync
     fc.sync()
     assert fc.forecast("k") == local  # the fleet view (prior + the same 50) equals the local one
-    other = RedisBudget(b._url, b.name, 40, 16, policy="elastic", recovery=0)
-    fc2 = other.shared_forecaster(sync_interval=60)
+    other = RedisBudget(b._core.url, b.name, 40, 16, policy="elastic", recovery_s=0)
+    fc2 = other.shared_forecaster(sync_interval_s=60)
     fc2.sync()
     assert fc2.forecast("k") == local
     other.close_sync()
@@ -494,7 +494,7 @@ def test_forecaster_observations_reach_redis_and_local_view_includes_them(budget
 
 @pytest.mark.anyio
 async def test_a_lease_redis_lost_is_readopted_with_its_metadata(budgets: Any, redis_url: str) -> None:
-    b = budgets(60, lease_ttl=30.0)
+    b = budgets(60, lease_ttl_s=30.0)
     meta = {"prompt_tokens": 100, "forecast_tokens": 30, "prefix_key": "p", "prefix_blocks": 3}
     lease = await b.acquire(40, held=7, meta=meta)
     lease.report_progress(8, tokens=120, first_token=True)
@@ -502,7 +502,7 @@ async def test_a_lease_redis_lost_is_readopted_with_its_metadata(budgets: Any, r
     want = projected_peak([(8, 40, {**meta, "tokens": 120, "first_token": True})], 16)
     assert (await b.status()).used == want
     _delete(redis_url, [b.name])  # Redis lost its state
-    await b._renew_round(b._side)
+    await b._side.renew_round()
     assert b.counters["readopted"] == 1
     st_ = await b.status()
     # Without its metadata the lease would project to its bound (40 + 1 blocks).
@@ -561,7 +561,7 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
                 await it.__anext__()
                 rec: dict[str, Any] = {}
                 for _ in range(500):  # the first-token report is sent at once, in the background
-                    (raw,) = r.hvals(b._keys[1]) or [b"{}"]
+                    (raw,) = r.hvals(b._core.keys[1]) or [b"{}"]
                     rec = _json.loads(raw)
                     if rec.get("m", {}).get("f1") == 1:
                         break
@@ -575,8 +575,8 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
                     await resp.aread()
         assert t.forecaster.observations("planner") == 3
         t.forecaster.sync()
-        other = RedisBudget(b._url, b.name, 1000, 16, policy="elastic", recovery=0)
-        fc2 = other.shared_forecaster(sync_interval=60)
+        other = RedisBudget(b._core.url, b.name, 1000, 16, policy="elastic", recovery_s=0)
+        fc2 = other.shared_forecaster(sync_interval_s=60)
         fc2.sync()  # another process sees what this one learned: replies of 6 tokens
         assert fc2.quantile("planner", 0.5) < fc2.quantile("never-seen", 0.5)
         other.close_sync()
@@ -595,10 +595,10 @@ async def test_elastic_on_redis_cluster(redis_cluster: list[int], redis_prefix: 
 
     client = RedisCluster(host="127.0.0.1", port=redis_cluster[0])
     sync_client = SyncRedisCluster(host="127.0.0.1", port=redis_cluster[0])
-    a = RedisBudget(client, redis_prefix, 14, 16, policy="elastic", recovery=0, sync_client=sync_client,
-                    poll_interval=30)
-    b = RedisBudget(client, redis_prefix, 14, 16, policy="elastic", recovery=0, sync_client=sync_client,
-                    poll_interval=30)
+    a = RedisBudget(client, redis_prefix, 14, 16, policy="elastic", recovery_s=0, sync_client=sync_client,
+                    poll_interval_s=30)
+    b = RedisBudget(client, redis_prefix, 14, 16, policy="elastic", recovery_s=0, sync_client=sync_client,
+                    poll_interval_s=30)
     meta = {"prompt_tokens": 160, "forecast_tokens": 0, "prefix_key": "sys", "prefix_blocks": 8}
     la = await a.acquire(10, held=10, meta=meta)
     waiter = asyncio.ensure_future(b.acquire(10, held=10, meta=meta))
@@ -606,10 +606,10 @@ async def test_elastic_on_redis_cluster(redis_cluster: list[int], redis_prefix: 
     assert not waiter.done()
     la.update_meta(first_token=True)
     lb = await asyncio.wait_for(waiter, 20)
-    fc = a.shared_forecaster(sync_interval=60)
+    fc = a.shared_forecaster(sync_interval_s=60)
     fc.observe_many("k", [50] * 20)
     fc.sync()
-    fc2 = b.shared_forecaster(sync_interval=60)
+    fc2 = b.shared_forecaster(sync_interval_s=60)
     fc2.sync()
     assert fc2.forecast("k") == fc.forecast("k")
     await lb.release()
@@ -628,7 +628,7 @@ async def test_above_the_lease_cap_a_pass_admits_by_the_strict_rule(budgets: Any
     try:
         meta = {"prompt_tokens": 16, "forecast_tokens": 16}  # each projects to 2 blocks at most
         leases = [await b.acquire(10, held=1, meta=meta)]  # creates the budget
-        r.hset(b._keys[0], "emax", 2)  # the cap (4,096 by default), lowered for the test
+        r.hset(b._core.keys[0], "emax", 2)  # the cap (4,096 by default), lowered for the test
         leases += [await b.acquire(10, held=1, meta=meta) for _ in range(2)]  # elastic passes: they fit
         assert (await b.status()).used == 30  # above the cap: used is the sum of bounds
         # Elastic would admit a fourth and a fifth (tiny projections); strict admits one more only.
@@ -639,7 +639,7 @@ async def test_above_the_lease_cap_a_pass_admits_by_the_strict_rule(budgets: Any
         assert not w5.done()
         # Every lease, admitted either way, stays in the projection mirror: none is lost to elastic.
         assert r.hlen(f"{{zp:{b.name}}}:em") == 4
-        r.hdel(b._keys[0], "emax")
+        r.hdel(b._core.keys[0], "emax")
         await l4.release()  # a pass under the cap again: the elastic rule admits the fifth
         l5 = await asyncio.wait_for(w5, 20)
         st_ = await b.status()
@@ -659,7 +659,7 @@ async def test_the_longer_of_two_young_waiters_goes_first_only_with_the_window(
 ) -> None:
     # The Lua walk. limit 20, bs 16: SHORT and LONG start at 10 blocks, end at 11 and 14; together they
     # project 22 > 20, so only one fits. SHORT waits first; with the window LONG goes first.
-    b = budgets(20, starvation_bound=60.0, longest_first_s=longest_first)
+    b = budgets(20, starvation_bound_s=60.0, longest_first_s=longest_first)
     blocker = await b.acquire(20)
     short = asyncio.ensure_future(b.acquire(14, held=10, meta={"prompt_tokens": 160, "forecast_tokens": 16}))
     await asyncio.sleep(0.2)
@@ -681,5 +681,5 @@ def test_longest_first_is_validated_and_read_from_settings(redis_url: str) -> No
     with pytest.raises(ConfigurationError, match="longest_first_s"):
         RedisBudget(redis_url, "zp-test-lpt-invalid", 10, longest_first_s=-1)
     b = RedisBudget.from_settings(redis_url, "zp-test-lpt-settings", 10, Settings(longest_first_s=4.0))
-    assert b._longest_first == 4.0 and b._init_args()[-1] == 4000
+    assert b.config.longest_first_s == 4.0 and b._core.init_args()[-1] == 4000
     b.close_sync()

@@ -35,8 +35,8 @@ async def _worker_load(a: dict[str, Any]) -> dict[str, Any]:
 
     from zp_client.budget.redis import RedisBudget
 
-    budget = RedisBudget(a["url"], a["name"], a["limit"], lease_ttl=a["ttl"], poll_interval=a["poll"],
-                         recovery=a["recovery"], unavailable_timeout=30)
+    budget = RedisBudget(a["url"], a["name"], a["limit"], lease_ttl_s=a["ttl"], poll_interval_s=a["poll"],
+                         recovery_s=a["recovery"], unavailable_timeout_s=30)
     counter = redis_async.Redis.from_url(a["count_url"])
     rng = random.Random(a["seed"])
     peak = 0
@@ -66,7 +66,7 @@ async def _worker_hold(a: dict[str, Any]) -> None:
 
     from zp_client.budget.redis import RedisBudget
 
-    budget = RedisBudget(a["url"], a["name"], a["limit"], lease_ttl=a["ttl"], poll_interval=a["poll"], recovery=0)
+    budget = RedisBudget(a["url"], a["name"], a["limit"], lease_ttl_s=a["ttl"], poll_interval_s=a["poll"], recovery_s=0)
     counter = redis_async.Redis.from_url(a["count_url"])
     await budget.acquire(a["limit"])
     await counter.incrby(a["count_key"], a["limit"])
@@ -166,7 +166,7 @@ def test_sigkilled_holders_blocks_return_and_waiters_proceed(redis_url: str, red
         assert holder.stdout is not None
         line = holder.stdout.readline()
         assert line.strip() == "HELD", holder.stderr.read() if holder.stderr else line
-        budget = RedisBudget(redis_url, redis_prefix, 10, lease_ttl=1.5, poll_interval=0.3, recovery=0)
+        budget = RedisBudget(redis_url, redis_prefix, 10, lease_ttl_s=1.5, poll_interval_s=0.3, recovery_s=0)
 
         async def scenario() -> tuple[float, float]:
             waiter = asyncio.create_task(budget.acquire(10))
@@ -199,7 +199,7 @@ def test_redis_restart_under_load_never_over_admits(redis_url: str, redis_prefix
     proc, port = start_redis_server()
     budget_url = f"redis://127.0.0.1:{port}/0"
     # The counter lives on the session Redis, which is not restarted.
-    args = _args(budget_url, redis_prefix, count_url=redis_url, limit=24, ttl=1.5, poll=0.3, recovery=1.5,
+    args = _args(budget_url, redis_prefix, count_url=redis_url, limit=24, ttl=1.5, poll=0.3, recovery_s=1.5,
                  tasks=30, rounds=6, max_weight=8, body_s=0.05)
     args["count_key"] = f"{redis_prefix}:test-held"
     sampler = _Sampler(redis_url, args["count_key"])

@@ -140,9 +140,9 @@ def test_two_wrapped_clients_on_one_redis_budget_draw_from_one_redis_retry_budge
     # ratio 0 and floor 0.1/s over 10 s: the whole fleet may retry once in the window.
     settings = Settings(retry_budget_ratio=0.0, retry_budget_floor_per_s=0.1, retry_budget_window_s=10.0,
                         max_model_len=MAX_MODEL_LEN)
-    # recovery=0: a budget new to this Redis admits at once (no holders of an earlier epoch to wait for)
-    budget = RedisBudget(redis_url, redis_prefix, limit_blocks=1_000, recovery=0)
-    second_process = RedisBudget(redis_url, redis_prefix, limit_blocks=1_000, recovery=0)  # another process
+    # recovery_s=0: a budget new to this Redis admits at once (no holders of an earlier epoch to wait for)
+    budget = RedisBudget(redis_url, redis_prefix, limit_blocks=1_000, recovery_s=0)
+    second_process = RedisBudget(redis_url, redis_prefix, limit_blocks=1_000, recovery_s=0)  # another process
     try:
         assert isinstance(budget.retry_budget(settings), RedisRetryBudget)
         a = wrap(openai.OpenAI(base_url=upstream.base_url, api_key="x"), budget, settings=settings)

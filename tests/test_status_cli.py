@@ -146,8 +146,8 @@ def test_budget_status_is_read_only_and_complete(redis_url: str, redis_prefix: s
     async def scenario() -> None:
         # Long poll/TTL: the budget's own background tasks write nothing during the test, so any
         # change to the keys would be the status command's.
-        budget = RedisBudget(redis_url, redis_prefix, limit_blocks=100, recovery=0, lease_ttl=300,
-                             poll_interval=60, held_report_blocks=1)
+        budget = RedisBudget(redis_url, redis_prefix, limit_blocks=100, recovery_s=0, lease_ttl_s=300,
+                             poll_interval_s=60, held_report_blocks=1)
         r = redis.Redis.from_url(redis_url)
         try:
             a = await budget.acquire(40, held=10)

@@ -62,7 +62,6 @@ once (delays are still computed and recorded).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import email.utils
@@ -73,13 +72,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from importlib import resources
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import anyio
 import tenacity
 
 from zp_client.errors import ConfigurationError, DeadlineExceeded, RetryBudgetExhausted, ZPError
+
+if TYPE_CHECKING:
+    from zp_client.budget.redis import RedisRetryBudget
 
 __all__ = [
     "RetryDecision",
@@ -274,7 +275,8 @@ class RetryBudget(Protocol):
     def try_spend(self) -> bool: ...
 
 
-def _validate_budget_params(ratio: float, floor_per_s: float, window_s: float, buckets: int) -> None:
+def validate_retry_budget_params(ratio: float, floor_per_s: float, window_s: float, buckets: int) -> None:
+    """Raise :class:`~zp_client.ConfigurationError` unless the retry budget parameters are usable."""
     if not (ratio >= 0 and math.isfinite(ratio)):
         raise ConfigurationError(f"retry budget ratio must be a finite number >= 0, got {ratio!r}")
     if not (floor_per_s >= 0 and math.isfinite(floor_per_s)):
@@ -303,7 +305,7 @@ class LocalRetryBudget:
         buckets: int = 10,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        _validate_budget_params(ratio, floor_per_s, window_s, buckets)
+        validate_retry_budget_params(ratio, floor_per_s, window_s, buckets)
         self.ratio = float(ratio)
         self.floor_per_s = float(floor_per_s)
         self.window_s = float(window_s)
@@ -349,218 +351,14 @@ class LocalRetryBudget:
             return (sum(c[0] for c in self._counts.values()), sum(c[1] for c in self._counts.values()))
 
 
-def _load_lua(name: str) -> str:
-    return resources.files("zp_client.budget").joinpath("lua", name).read_text(encoding="utf-8")
+def __getattr__(name: str) -> Any:
+    # RedisRetryBudget lives beside the Redis budget; re-exported lazily so importing this module never
+    # imports redis.
+    if name == "RedisRetryBudget":
+        from zp_client.budget.redis import RedisRetryBudget
 
-
-class RedisRetryBudget:
-    """The fleet-wide retry budget: every process using the same ``name`` shares one window in Redis.
-
-    Same rule and defaults as :class:`LocalRetryBudget` (ratio 0.1, floor 1/s, window 10 s, 10
-    buckets), counted by ``budget/lua/retry_budget.lua`` with Redis ``TIME``, in one hash
-    ``{<prefix>:<name>}:retry_budget`` — the same hash tag as the RedisBudget of that name, so it works
-    on Redis Cluster. Idle budgets expire one window after their last use.
-
-    Clients: pass ``url=`` (a sync and an async client are made lazily), or ``client=`` (a
-    ``redis.Redis``) and/or ``async_client=`` (a ``redis.asyncio.Redis``). Without an async client the
-    async methods run the sync ones in a worker thread; without a sync client the sync methods raise
-    :class:`~zp_client.ConfigurationError`.
-
-    Deposits are batched: ``record_request()`` counts locally and writes to Redis at most every
-    ``flush_interval_s`` seconds (and with every ``try_spend``), so a request costs no round trip.
-    Undeposited requests only make the budget stricter, never looser. ``flush_interval_s=0`` writes
-    through. If Redis fails, ``try_spend`` raises the redis error (the policy then does not retry) and
-    deposits stay pending for the next flush.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        *,
-        url: str | None = None,
-        client: Any = None,
-        async_client: Any = None,
-        ratio: float = 0.1,
-        floor_per_s: float = 1.0,
-        window_s: float = 10.0,
-        buckets: int = 10,
-        prefix: str = "zp",
-        flush_interval_s: float = 1.0,
-    ) -> None:
-        _validate_budget_params(ratio, floor_per_s, window_s, buckets)
-        if not name or "{" in name or "}" in name:
-            raise ConfigurationError(f"retry budget name must be non-empty and contain no braces, got {name!r}")
-        if url is None and client is None and async_client is None:
-            raise ConfigurationError("RedisRetryBudget needs url=, client= (redis.Redis) or async_client=")
-        if flush_interval_s < 0:
-            raise ConfigurationError(f"flush_interval_s must be >= 0, got {flush_interval_s!r}")
-        self.name = name
-        self.ratio = float(ratio)
-        self.floor_per_s = float(floor_per_s)
-        self.window_s = float(window_s)
-        self.key = f"{{{prefix}:{name}}}:retry_budget"
-        self._window_ms = max(1, int(round(self.window_s * 1000)))
-        self._bucket_ms = max(1, self._window_ms // buckets)
-        self._url = url
-        self._client = client
-        self._async_client = async_client
-        self._owns_async = False
-        self._owns_sync = False
-        self._script: Any = None
-        self._async_script: Any = None
-        self._async_loop: asyncio.AbstractEventLoop | None = None
-        self._init_lock = threading.Lock()
-        self._flush_interval_s = float(flush_interval_s)
-        self._pending = 0
-        self._last_flush = -math.inf
-        self._lock = threading.Lock()
-
-    # -- clients -------------------------------------------------------------------------------------
-
-    def _sync_script(self) -> Any:
-        with self._init_lock:
-            return self._sync_script_locked()
-
-    def _sync_script_locked(self) -> Any:
-        if self._script is None:
-            if self._client is None:
-                if self._url is None:
-                    raise ConfigurationError(
-                        "this RedisRetryBudget has only an async client; use the *_async methods "
-                        "(RetryPolicy.new_request_async / decide_async) or pass url= or client="
-                    )
-                import redis
-
-                self._client = redis.Redis.from_url(self._url)
-                self._owns_sync = True
-            self._script = self._client.register_script(_load_lua("retry_budget.lua"))
-        return self._script
-
-    def _aio_script(self) -> Any:
-        loop = asyncio.get_running_loop()
-        if self._owns_async and self._async_loop is not loop:
-            # redis.asyncio connections belong to the loop that made them; a client made on another
-            # (finished) loop cannot be reused, so this budget makes a fresh one for this loop.
-            self._async_client = None
-            self._async_script = None
-            self._owns_async = False
-        if self._async_script is None:
-            if self._async_client is None:
-                if self._url is None:
-                    return None
-                import redis.asyncio
-
-                self._async_client = redis.asyncio.Redis.from_url(self._url)
-                self._owns_async = True
-                self._async_loop = loop
-            self._async_script = self._async_client.register_script(_load_lua("retry_budget.lua"))
-        return self._async_script
-
-    def _args(self, deposits: int, spend: bool) -> list[Any]:
-        return [deposits, 1 if spend else 0, repr(self.ratio), repr(self.floor_per_s), self._window_ms,
-                self._bucket_ms]
-
-    def _take_pending(self, force: bool) -> int:
-        with self._lock:
-            now = time.monotonic()
-            if not force and self._pending and now - self._last_flush < self._flush_interval_s:
-                return 0
-            taken, self._pending = self._pending, 0
-            if taken or force:
-                self._last_flush = now
-            return taken
-
-    def _return_pending(self, n: int) -> None:
-        with self._lock:
-            self._pending += n
-
-    # -- sync ----------------------------------------------------------------------------------------
-
-    def record_request(self) -> None:
-        """Count one logical request; written to Redis with the next flush (see the class docstring)."""
-        with self._lock:
-            self._pending += 1
-        deposits = self._take_pending(force=False)
-        if deposits:
-            self._call_sync(deposits, spend=False, swallow=True)
-
-    def try_spend(self) -> bool:
-        """Ask the fleet-wide window for one retry (one round trip, pending deposits included)."""
-        return bool(self._call_sync(self._take_pending(force=True), spend=True, swallow=False)[0])
-
-    def flush(self) -> None:
-        """Write pending deposits now."""
-        deposits = self._take_pending(force=True)
-        if deposits:
-            self._call_sync(deposits, spend=False, swallow=False)
-
-    def snapshot(self) -> tuple[int, int, float]:
-        """``(requests, retries, allowance)`` in the fleet's current window (flushes pending deposits)."""
-        r = self._call_sync(self._take_pending(force=True), spend=False, swallow=False)
-        return int(r[1]), int(r[2]), float(r[3])
-
-    def _call_sync(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
-        try:
-            return list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
-        except ConfigurationError:
-            self._return_pending(deposits)
-            raise
-        except Exception:
-            self._return_pending(deposits)
-            if not swallow:
-                raise
-            log.warning("retry budget %r: could not write deposits to Redis; will retry", self.name,
-                        exc_info=True)
-            return [0, 0, 0, "0"]
-
-    # -- async ---------------------------------------------------------------------------------------
-
-    async def record_request_async(self) -> None:
-        with self._lock:
-            self._pending += 1
-        deposits = self._take_pending(force=False)
-        if deposits:
-            await self._call_async(deposits, spend=False, swallow=True)
-
-    async def try_spend_async(self) -> bool:
-        return bool((await self._call_async(self._take_pending(force=True), spend=True, swallow=False))[0])
-
-    async def flush_async(self) -> None:
-        deposits = self._take_pending(force=True)
-        if deposits:
-            await self._call_async(deposits, spend=False, swallow=False)
-
-    async def snapshot_async(self) -> tuple[int, int, float]:
-        r = await self._call_async(self._take_pending(force=True), spend=False, swallow=False)
-        return int(r[1]), int(r[2]), float(r[3])
-
-    async def _call_async(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
-        try:
-            script = self._aio_script()
-            if script is None:
-                # Only a sync client: keep the event loop free by running it in a worker thread.
-                return await anyio.to_thread.run_sync(
-                    lambda: list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
-                )
-            result = await script(keys=[self.key], args=self._args(deposits, spend))
-            return [x.decode() if isinstance(x, bytes) else x for x in result]
-        except Exception:
-            self._return_pending(deposits)
-            if not swallow:
-                raise
-            log.warning("retry budget %r: could not write deposits to Redis; will retry", self.name,
-                        exc_info=True)
-            return [0, 0, 0, "0"]
-
-    async def aclose(self) -> None:
-        """Close the clients this budget created itself (not the ones passed in)."""
-        if self._owns_async and self._async_client is not None:
-            await self._async_client.aclose()
-        self.close()
-
-    def close(self) -> None:
-        if self._owns_sync and self._client is not None:
-            self._client.close()
+        return RedisRetryBudget
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def retry_budget_for(
@@ -793,8 +591,9 @@ class RetryPolicy:
             return step
         try:
             granted = self.budget.try_spend() if self.budget is not None else True
-        except Exception as exc:
-            return self._budget_failed(state, step, exc)
+        except Exception:  # any RetryBudget's failure (Redis down...): logged with its traceback
+            log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=True)
+            return self._budget_failed(step)
         return self._finish(state, step, granted)
 
     async def decide_async(
@@ -817,8 +616,9 @@ class RetryPolicy:
             else:
                 fn = getattr(self.budget, "try_spend_async", None)
                 granted = bool(await fn()) if fn is not None else self.budget.try_spend()
-        except Exception as exc:
-            return self._budget_failed(state, step, exc)
+        except Exception:  # any RetryBudget's failure (Redis down...): logged with its traceback
+            log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=True)
+            return self._budget_failed(step)
         return self._finish(state, step, granted)
 
     # -- sleeping ------------------------------------------------------------------------------------
@@ -937,10 +737,9 @@ class RetryPolicy:
                   step.delay_s)
         return RetryDecision(True, step.delay_s, step.reason)
 
-    def _budget_failed(self, state: RetryState, step: _Pending, exc: Exception) -> RetryDecision:
+    def _budget_failed(self, step: _Pending) -> RetryDecision:
         # The budget cannot be consulted (Redis down): not retrying is the safe side — a retry that no
         # budget admitted is exactly the load this module exists to prevent.
-        log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=exc)
         return self._give_up(
             dataclasses.replace(step.details, reason=f"{step.reason}; retry budget unavailable", delay_s=0.0),
             None,

@@ -85,7 +85,7 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
     from zp_client.budget.redis import RedisBudget
 
     # limit_blocks is only what a *creating* call would store; status never creates, so 0 is inert.
-    budget = RedisBudget(redis_url, name, limit_blocks=0, unavailable_timeout=timeout)
+    budget = RedisBudget(redis_url, name, limit_blocks=0, unavailable_timeout_s=timeout)
     try:
         s = budget.status_sync()
     finally:

@@ -117,7 +117,7 @@ async def _zp_redis_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack)
     if not ctx.redis_url:
         raise ConfigurationError("zp-redis-elastic needs --redis URL")
     budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=_limit(ctx),
-                         block_size=ctx.block_size, recovery=0.0, policy="elastic")
+                         block_size=ctx.block_size, recovery_s=0.0, policy="elastic")
     client = await zp_client_for(ctx, stack, budget, forecaster=_forecaster(ctx.elastic))
     return AppCaller(client, ctx.model, app_retry=True)
 

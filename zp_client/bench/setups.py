@@ -296,7 +296,7 @@ async def _zp_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Call
         raise ConfigurationError("zp-redis needs --redis URL")
     # a fresh budget name per run: no earlier holders can exist, so no recovery window
     budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=ctx.limit_blocks,
-                         block_size=ctx.block_size, recovery=0.0, policy="strict")
+                         block_size=ctx.block_size, recovery_s=0.0, policy="strict")
     return AppCaller(await zp_client_for(ctx, stack, budget), ctx.model, app_retry=True)
 
 

@@ -5,13 +5,13 @@ responses; the elastic policy admits better when every process forecasts from wh
 :class:`RedisLengthForecaster` keeps the local forecaster's API (``observe``, ``forecast``, ``quantile``)
 and, in a daemon thread:
 
-* sends observations in batches (every ``sync_interval`` seconds, or at once when ``batch`` are pending):
+* sends observations in batches (every ``sync_interval_s`` seconds, or at once when ``batch`` are pending):
   one script call per key adds the bucket counts (``HINCRBYFLOAT``) to ``{zp:<name>}:fc:<key>`` and
   records the key in ``{zp:<name>}:fckeys`` — all under the budget's hash tag (one Cluster slot);
 * then reads the fleet's counts of every key (at most ``max_keys``; one pipelined round trip) and makes
   them the local distribution (prior + fleet counts, through ``merge_counts``).
 
-So an observation reaches every process within about two ``sync_interval``; :meth:`sync` does both steps
+So an observation reaches every process within about two ``sync_interval_s``; :meth:`sync` does both steps
 now. Decay is fleet-wide: when a key's total passes ``2 * half_life`` observations the script halves its
 counts (the local histograms do not decay on their own). Redis unreachable: observations stay local and
 pending (bounded by ``max_pending``), logged at WARNING once; forecasts keep working from the last view.
@@ -19,12 +19,13 @@ pending (bounded by ``max_pending``), logged at WARNING once; forecasts keep wor
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from zp_client.errors import ConfigurationError
 from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
@@ -74,14 +75,15 @@ class RedisLengthForecaster(LengthForecaster):
         prior: Prior | None = None,
         half_life: float | None = 2000.0,
         priors: Mapping[str, Prior] | None = None,
-        sync_interval: float = 5.0,
+        sync_interval_s: float = 5.0,
         batch: int = 64,
         max_keys: int = 1000,
         max_pending: int = 100_000,
     ) -> None:
         super().__init__(q=q, q_blind=q_blind, q_tail=q_tail, prior=prior, half_life=None, priors=priors)
-        if not (isinstance(sync_interval, (int, float)) and sync_interval > 0):
-            raise ConfigurationError(f"sync_interval must be a positive number of seconds, got {sync_interval!r}")
+        if not (isinstance(sync_interval_s, (int, float)) and sync_interval_s > 0):
+            raise ConfigurationError(
+                f"sync_interval_s must be a positive number of seconds, got {sync_interval_s!r}")
         if isinstance(client, str):
             import redis as redis_sync
 
@@ -92,7 +94,7 @@ class RedisLengthForecaster(LengthForecaster):
         self._prefix = f"{{zp:{name}}}"
         self._keys_key = f"{self._prefix}:fckeys"
         self._halve_at = 2.0 * half_life if half_life else 0.0
-        self._interval = float(sync_interval)
+        self._interval = float(sync_interval_s)
         self._batch = max(1, int(batch))
         self._max_keys = int(max_keys)
         self._max_pending = int(max_pending)
@@ -165,7 +167,7 @@ class RedisLengthForecaster(LengthForecaster):
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
             pipe.hgetall(self._hkey(k))
-        for k, flat in zip(keys, pipe.execute()):
+        for k, flat in zip(keys, pipe.execute(), strict=False):
             if not flat:
                 continue
             counts = self._priors.get(k, self.prior).masses()
@@ -189,7 +191,7 @@ class RedisLengthForecaster(LengthForecaster):
                 if self._warned:
                     self._warned = False
                     log.warning("zp_client: fleet length forecaster %s reachable again", self._prefix)
-            except Exception as exc:
+            except (RedisError, OSError) as exc:
                 if not self._warned:
                     self._warned = True
                     log.warning("zp_client: fleet length forecaster %s cannot reach Redis (%r); forecasting "
@@ -204,8 +206,14 @@ class RedisLengthForecaster(LengthForecaster):
         self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        with contextlib.suppress(Exception), self._io_lock:
-            self._flush()
+        try:
+            with self._io_lock:
+                self._flush()
+        except (RedisError, OSError) as exc:
+            log.warning("zp_client: fleet length forecaster %s could not send its last observations: %r",
+                        self._prefix, exc)
         if self._owns:
-            with contextlib.suppress(Exception):
+            try:
                 self._client.close()
+            except (RedisError, OSError) as exc:
+                log.debug("zp_client: closing the forecaster's Redis client failed: %r", exc)

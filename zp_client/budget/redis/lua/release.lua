@@ -11,7 +11,7 @@ if raw then
   if cjson.decode(raw).w ~= owner then
     error({err = 'ERR zp: lease ' .. id .. ' is not held by this caller; not released'})
   end
-  drop_lease(id)
+  drop_lease(id, raw)
   done = 1
 else
   local wraw = redis.call('HGET', K_WAIT, id)

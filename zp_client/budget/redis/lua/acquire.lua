@@ -31,7 +31,7 @@ else
   order = int_arg(ARGV[5], 'ticket order', -1, 1099511627775)
   local ttl = int_arg(ARGV[6], 'lease_ttl_ms', 1, 1e9)
   local wttl = int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9)
-  local mm = redis.call('HMGET', K_META, 'limit', 'bsum', 'rec', 'policy')
+  local mm = redis.call('HMGET', K_META, 'limit', 'bsum', 'rec', 'policy', 'nl', 'bs')
   local limit = tonumber(mm[1])
   if bound > limit then return {'X', limit} end
   local wmeta = nil
@@ -47,8 +47,8 @@ else
     if wmeta == nil then
       fast = tonumber(mm[2]) + bound <= limit
     else
-      fast = tonumber(mm[2]) + meta_num('nl') + bound + 1 <= limit
-        and (wmeta.pt == nil or wmeta.pt <= bound * meta_num('bs'))
+      fast = tonumber(mm[2]) + (tonumber(mm[5]) or 0) + bound + 1 <= limit
+        and (wmeta.pt == nil or wmeta.pt <= bound * (tonumber(mm[6]) or 0))
     end
   end
   if fast then

@@ -9,7 +9,9 @@
 -- that never revoke. Time is Redis TIME only (milliseconds). Every call does bounded work: at most
 -- REAP_MAX expired leases / waiters are reaped and at most SCAN_MAX waiters examined per grant pass.
 --
--- KEYS (all share the hash tag {zp:<name>}, so a budget lives in one Cluster slot):
+-- KEYS: the meta key only (callers may pass all seven; the rest are read from the prefix, like the mailboxes
+-- and the elastic mirror: fewer arguments per call). All share the hash tag {zp:<name>}, so a budget
+-- lives in one Cluster slot and the declared key routes every call there:
 --   1 meta   HASH  limit, bs, epoch, rec (recovery ends, ms), starve (ms), lpt (longest-first window, ms;
 --                  absent in budgets made before it: 0, off), policy, ver (limit version),
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
@@ -25,9 +27,10 @@
 -- Mailboxes ({zp:<name>}:mb:<x>) are lists in the same slot; a grant RPUSHes the lease id to the
 -- waiter's mailbox so the waiting process wakes without polling.
 
-local K_META, K_LEASES, K_LEXP, K_LINE, K_WAIT, K_WEXP, K_CLS =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local K_META = KEYS[1]
 local PREFIX = string.sub(K_META, 1, -6)  -- strip ":meta"
+local K_LEASES, K_LEXP, K_LINE, K_WAIT, K_WEXP, K_CLS =
+  PREFIX .. ':leases', PREFIX .. ':lexp', PREFIX .. ':line', PREFIX .. ':wait', PREFIX .. ':wexp', PREFIX .. ':cls'
 local REAP_MAX = 32
 local SCAN_MAX = 64
 local PRIO_SPAN = 1099511627776  -- 2^40: ticket orders below this; priorities within +-4096 keep scores exact
@@ -74,8 +77,8 @@ local function drop_waiter(id, w)
   class_add(w.p, -1, 0 - w.b)
 end
 
-local function drop_lease(id)
-  local raw = redis.call('HGET', K_LEASES, id)
+local function drop_lease(id, raw)  -- raw: the lease's record when the caller read it already
+  raw = raw or redis.call('HGET', K_LEASES, id)
   if not raw then return nil end
   local l = cjson.decode(raw)
   redis.call('HDEL', K_LEASES, id)
@@ -407,6 +410,7 @@ end
 -- has waited >= the starvation bound is a barrier. Admitted waiters become leases with the same id and
 -- are told through their mailbox (except `self_id`, who learns it from the reply).
 local function grant(now, self_id)
+  if redis.call('ZCARD', K_LINE) == 0 then return 0 end  -- nobody waits: one call, not a pass
   if now < meta_num('rec') then return 0 end  -- recovery: live holders re-adopt first
   local limit, bsum = meta_num('limit'), meta_num('bsum')
   local starve = meta_num('starve')

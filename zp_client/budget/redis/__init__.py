@@ -1,0 +1,13 @@
+"""RedisBudget: one KV-block budget shared through Redis by many processes on many hosts, and the
+fleet-wide retry budget beside it. Semantics, keys and failure modes: docs/redis.md.
+
+Layout (the way redis-py splits ``redis/lock.py`` and ``redis/asyncio/lock.py``): ``_script.py`` is the
+script layer written once (keys, Lua, arguments, replies, error mapping, the lease), ``_async.py`` and
+``_sync.py`` are the thin faces that do the I/O, ``_budget.py`` is the public class.
+"""
+
+from zp_client.budget.redis._budget import RedisBudget
+from zp_client.budget.redis._retry import RedisRetryBudget
+from zp_client.budget.redis._script import RedisBudgetEvent, RedisLease
+
+__all__ = ["RedisBudget", "RedisLease", "RedisBudgetEvent", "RedisRetryBudget"]

@@ -1,0 +1,354 @@
+"""The asyncio face of RedisBudget: runs the script layer's commands on a ``redis.asyncio`` client bound to
+one event loop, with one mailbox pump, one poller, one lease keeper and one held-report flusher per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import secrets
+import threading
+import time
+from typing import Any
+
+from zp_client.budget.base import Ticket
+from zp_client.budget.redis._script import (
+    CALL_FAILED,
+    HANDLED,
+    MAILBOX_BLOCK_S,
+    RENEW_BATCH,
+    Attempts,
+    Core,
+    LeaseOwner,
+    RedisLease,
+    text,
+)
+from zp_client.errors import LeaseTooLarge
+
+log = logging.getLogger("zp_client.budget.redis")
+
+
+class _Waiter:
+    __slots__ = ("id", "fut", "order")
+
+    def __init__(self, rid: str, fut: asyncio.Future[str], order: int) -> None:
+        self.id = rid
+        self.fut = fut
+        self.order = order
+
+
+class AsyncFace:
+    """State bound to the event loop a RedisBudget is used from (redis.asyncio clients are loop-bound)."""
+
+    def __init__(self, owner: LeaseOwner, core: Core, client: Any, owns_client: bool) -> None:
+        self.owner = owner
+        self.core = core
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.get_ident()
+        self.client = client
+        self.owns_client = owns_client
+        self.waiters: dict[str, _Waiter] = {}
+        self.leases: dict[str, RedisLease] = {}
+        self.dirty: set[str] = set()
+        self.retry_releases: dict[str, float] = {}  # lease id -> give up at (monotonic)
+        self.poll_at = math.inf  # an earlier poll wanted (recovery ends), monotonic seconds
+        self.waiters_changed = asyncio.Event()
+        self.poll_hint = asyncio.Event()
+        self.dirty_event = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.closed = False
+        self.background: set[asyncio.Task[Any]] = set()  # strong refs to fire-and-forget releases
+        self.closing = False  # aclose has begun
+
+    def start(self) -> None:
+        if not self.tasks:
+            self.tasks = [
+                self.loop.create_task(self._pump(), name="zp-redis-pump"),
+                self.loop.create_task(self._poller(), name="zp-redis-poller"),
+                self.loop.create_task(self._keeper(), name="zp-redis-keeper"),
+                self.loop.create_task(self._held_flusher(), name="zp-redis-held"),
+            ]
+
+    # ------------------------------------------------------------------ one script call
+    async def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True) -> Any:
+        """Run a script by SHA (loading it on NOSCRIPT); create the budget on an ``{'I'}`` reply. Errors
+        are those of :class:`~zp_client.budget.redis._script.Attempts`."""
+        core = self.core
+        sha = core.sha(script)
+        tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
+        while True:
+            try:
+                if tries is not None and tries.load:
+                    await self.client.script_load(tries.text)
+                r = await self.client.evalsha(sha, *core.key_args, *args)
+            except HANDLED as exc:
+                tries = tries or core.attempts(script, patient)
+                await asyncio.sleep(tries.after(exc))
+                continue
+            if init and core.needs_init(r):
+                core.after_init(await self.eval("init", core.init_args(), init=False, patient=patient))
+                continue
+            core.mark_available(True)
+            return r
+
+    # ------------------------------------------------------------------ acquire
+    async def acquire(self, bound: int, held: int, prio: int, order: int, meta_json: str) -> RedisLease:
+        core = self.core
+        if not core.policy_known:
+            core.learn_status(await self.eval("status", [], init=False))
+        rid = secrets.token_urlsafe(18)
+        fut: asyncio.Future[str] = self.loop.create_future()
+        w = _Waiter(rid, fut, order)
+        self.waiters[rid] = w  # registered before the call so a mailbox grant cannot be missed
+        args = core.acquire_args(rid, bound, held, prio, order, core.owner, meta_json)
+        try:
+            while True:
+                # fail_local degrades at once instead of waiting out unavailable_timeout_s
+                r = core.acquire_reply(await self.eval(
+                    "acquire", args, patient=core.cfg.on_unavailable == "fail_closed"), bound)
+                if r.granted:
+                    return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json)
+                args[4] = w.order = r.ticket.order  # a re-enqueue (after 'N') keeps the place in line
+                if r.recovery_left_s > 0:  # recovery ends: look again then rather than a poll interval later
+                    self.poll_at = min(self.poll_at, time.monotonic() + r.recovery_left_s + 0.005)
+                    self.poll_hint.set()
+                self.start()
+                self.waiters_changed.set()
+                res = await fut
+                if res == "G":
+                    return self._new_lease(rid, bound, held, r.ticket, core.epoch or r.epoch, meta_json)
+                if res == "X":
+                    raise LeaseTooLarge(bound, core.limit, "the limit was lowered while waiting")
+                # 'N': Redis forgot the waiter (state lost, or reaped): enqueue again, same ticket
+                fut = self.loop.create_future()
+                w.fut = fut
+        except BaseException:
+            self.waiters.pop(rid, None)
+            # Leave no trace: remove the waiter, or release a grant that raced the cancellation.
+            await self.release_id(rid)
+            raise
+        finally:
+            self.waiters.pop(rid, None)
+
+    def _new_lease(
+        self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str
+    ) -> RedisLease:
+        lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=False, meta=meta_json)
+        self.leases[rid] = lease
+        self.start()
+        return lease
+
+    async def _pump(self) -> None:
+        """Deliver wake-ups pushed to this process's mailbox (one blocked connection per process).
+
+        The BLPOP timeout is long: the bounded poll is a separate task (:meth:`_poller`), so an idle
+        waiter costs one poll per ``poll_interval_s`` plus one BLPOP per ``MAILBOX_BLOCK_S``.
+        """
+        mailbox = self.core.mailbox(self.core.owner)
+        while not self.closed:
+            if not self.waiters:
+                self.waiters_changed.clear()
+                await self.waiters_changed.wait()
+                continue
+            try:
+                item = await self.client.blpop([mailbox], timeout=MAILBOX_BLOCK_S)
+            except CALL_FAILED as exc:  # Redis away: the poller retries patiently; try again shortly
+                log.debug("zp_client: mailbox BLPOP failed: %r", exc)
+                await asyncio.sleep(min(self.core.cfg.poll_interval_s, 0.2))
+                continue
+            if item is not None:
+                self._deliver(text(item[1]))
+
+    async def _poller(self) -> None:
+        """The bounded-poll fallback: every ``poll_interval_s`` while this process has waiters, one script
+        call heartbeats all of them, reaps, runs a grant pass and reports each waiter's state, so a lost
+        wake-up costs at most one interval. Polls early when recovery is about to end."""
+        interval = self.core.cfg.poll_interval_s
+        deadline = time.monotonic() + interval
+        while not self.closed:
+            if not self.waiters:
+                self.waiters_changed.clear()
+                await self.waiters_changed.wait()
+                deadline = time.monotonic() + interval
+                continue
+            delay = min(deadline, self.poll_at) - time.monotonic()
+            if delay > 0:
+                self.poll_hint.clear()
+                with contextlib.suppress(asyncio.TimeoutError):  # the time came: poll
+                    await asyncio.wait_for(self.poll_hint.wait(), delay)
+                continue  # recompute: the time came, or an earlier poll was asked for
+            self.poll_at = math.inf
+            deadline = time.monotonic() + interval
+            ids = list(self.waiters)
+            if not ids:
+                continue
+            try:
+                r = await self.eval("poll", self.core.poll_args(ids))
+            except CALL_FAILED as exc:
+                log.warning("zp_client: poll of Redis budget %r failed: %r", self.core.name, exc)
+                continue
+            rec_left = int(r[0]) / 1000
+            for rid, st in zip(ids, r[1:], strict=False):
+                self._resolve(rid, text(st))
+            if rec_left > 0:  # recovery ends: look again then rather than a full interval later
+                self.poll_at = min(self.poll_at, time.monotonic() + rec_left + 0.005)
+
+    def _deliver(self, msg: str) -> None:
+        for rid in msg.split(","):
+            if rid.startswith("!"):
+                self._resolve(rid[1:], "X")
+            else:
+                self._resolve(rid, "G")
+
+    def _resolve(self, rid: str, state: str) -> None:
+        w = self.waiters.get(rid)
+        if w is None or w.fut.done() or state == "W":
+            return
+        w.fut.set_result(state)
+
+    # ------------------------------------------------------------------ leases: renew, report, release
+    async def _keeper(self) -> None:
+        """Renew this loop's leases every TTL/3; retry releases that could not reach Redis."""
+        period = self.core.cfg.lease_ttl_s / 3
+        while not self.closed:
+            await asyncio.sleep(period)
+            for lid, give_up in list(self.retry_releases.items()):
+                if time.monotonic() > give_up:
+                    self.retry_releases.pop(lid, None)  # it has expired by TTL anyway
+                    continue
+                try:
+                    await self.eval("release", self.core.release_args(lid), init=False, patient=False)
+                    self.retry_releases.pop(lid, None)
+                except CALL_FAILED as exc:
+                    log.debug("zp_client: retried release of %s... failed again: %r", lid[:8], exc)
+            await self.renew_round()
+
+    async def renew_round(self) -> None:
+        """Renew every live lease of this loop (in batches of ``RENEW_BATCH``)."""
+        leases = [le for le in self.leases.values() if not le.released and not le.lost]
+        for i in range(0, len(leases), RENEW_BATCH):
+            batch = leases[i : i + RENEW_BATCH]
+            try:
+                r = await self.eval("renew", self.core.renew_args(batch))
+            except CALL_FAILED as exc:
+                log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
+                continue
+            self.core.after_renew(batch, r, self.leases)
+
+    def lease_dirty(self, lease: RedisLease) -> None:
+        if threading.get_ident() == self.thread:
+            self._mark_dirty(lease.id)
+        else:
+            self.loop.call_soon_threadsafe(self._mark_dirty, lease.id)
+
+    def _mark_dirty(self, lid: str) -> None:
+        self.dirty.add(lid)
+        self.dirty_event.set()
+
+    async def _held_flusher(self) -> None:
+        """Send held reports in batches: one script call carries every lease that grew meanwhile."""
+        while not self.closed:
+            await self.dirty_event.wait()
+            self.dirty_event.clear()
+            ids, self.dirty = self.dirty, set()
+            await self.send_reports([le for lid in ids if (le := self.leases.get(lid)) is not None],
+                                    changed_only=False, patient=False)
+
+    async def send_reports(self, leases: list[RedisLease], *, changed_only: bool, patient: bool) -> None:
+        """One held.lua call for ``leases``; a failure is logged unless ``patient`` (then it raises)."""
+        args, sent = self.core.take_reports(leases, changed_only=changed_only)
+        if not sent:
+            return
+        try:
+            await self.eval("held", args, init=False, patient=patient)
+        except CALL_FAILED as exc:
+            self.core.reports_failed(sent, None if patient else exc)
+            if patient:
+                raise
+            return
+        except BaseException:
+            self.core.reports_failed(sent, None)
+            raise
+        self.core.reports_sent(sent)
+
+    async def release(self, lease: RedisLease) -> None:
+        self.leases.pop(lease.id, None)
+        self.dirty.discard(lease.id)
+        if not lease.lost:
+            await self.release_id(lease.id)
+
+    async def release_id(self, lid: str) -> None:
+        """Release a lease / cancel a waiter in Redis. Never raises except the caller's own
+        cancellation; a cancelled or failed release is finished by a background task / retried until
+        the lease would have expired anyway (release is idempotent, so a repeat is harmless)."""
+        try:
+            await self.eval("release", self.core.release_args(lid), init=False, patient=False)
+        except asyncio.CancelledError:
+            self._release_in_background(lid)
+            raise
+        except CALL_FAILED as exc:
+            self._retry_later(lid, exc)
+
+    def _release_in_background(self, lid: str) -> None:
+        def done(t: asyncio.Task[Any]) -> None:
+            if t.cancelled() or t.exception() is not None:
+                self._retry_later(lid, None if t.cancelled() else t.exception())
+
+        call = self.eval("release", self.core.release_args(lid), init=False, patient=False)
+        task = self.loop.create_task(call)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        task.add_done_callback(done)
+
+    def _retry_later(self, lid: str, exc: BaseException | None) -> None:
+        if self.closing:
+            return  # aclose gave up on it (bounded): the lease expires by its TTL
+        self.retry_releases[lid] = self.core.release_failed(lid, exc)
+
+    # ------------------------------------------------------------------ closing
+    async def aclose(self) -> None:
+        self.closing = True  # a release failing from here on is not queued for a retry
+        try:
+            await self._drain_releases()
+        finally:  # even when aclose itself is cancelled: the tasks must not outlive it
+            self.closed = True
+            self.waiters_changed.set()
+            self.poll_hint.set()
+            self.dirty_event.set()
+            for t in self.tasks:
+                t.cancel()
+        if self.tasks:
+            # bounded: a task stuck inside a client call must not hang aclose
+            await asyncio.wait(self.tasks, timeout=2.0)
+        if self.owns_client:
+            try:
+                await self.client.aclose()
+            except CALL_FAILED as exc:
+                log.debug("zp_client: closing the Redis client of budget %r failed: %r", self.core.name, exc)
+
+    async def _drain_releases(self, budget_s: float = 2.0) -> None:
+        """Before the tasks go, within ``budget_s``: let releases finishing in the background (their
+        caller was cancelled mid-flight) land, rather than leave them to die with the loop and their
+        leases to the TTL; then one last attempt at releases that failed earlier."""
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:
+            return  # closed from another loop: its tasks cannot be awaited here
+        deadline = loop.time() + budget_s
+        pending = [t for t in self.background if not t.done()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=budget_s)
+            for t in late:
+                t.cancel()
+            if late:
+                await asyncio.wait(late, timeout=0.5)
+        for lid in list(self.retry_releases):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(
+                    self.eval("release", self.core.release_args(lid), init=False, patient=False), left)
+            except (*CALL_FAILED, asyncio.TimeoutError) as exc:  # the lease expires by its TTL
+                log.debug("zp_client: last release attempt of %s... failed: %r", lid[:8], exc)

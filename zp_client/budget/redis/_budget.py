@@ -1,0 +1,413 @@
+"""RedisBudget: the public class. It validates, keeps the script layer (``_script.Core``) and hands each
+call to its asyncio face (one per event loop) or its blocking face. See docs/redis.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import redis.asyncio as redis_async
+
+from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
+from zp_client.budget.ledger import (
+    DEFAULT_LONGEST_FIRST_S,
+    DEFAULT_STARVATION_BOUND_S,
+    validate_blocks,
+    validate_seconds,
+)
+from zp_client.budget.redis._async import AsyncFace
+from zp_client.budget.redis._retry import RedisRetryBudget
+from zp_client.budget.redis._script import (
+    POLICIES,
+    POOL_SIZE,
+    PRIORITY_RANGE,
+    Config,
+    Core,
+    RedisBudgetEvent,
+    RedisLease,
+)
+from zp_client.budget.redis._sync import SyncFace
+from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError
+
+log = logging.getLogger("zp_client.budget.redis")
+
+# Spellings removed before 1.0 (one spelling per parameter, seconds end in _s): old name -> new name.
+_RENAMED = {
+    "lease_ttl": "lease_ttl_s", "poll_interval": "poll_interval_s", "waiter_ttl": "waiter_ttl_s",
+    "starvation_bound": "starvation_bound_s", "recovery": "recovery_s",
+    "unavailable_timeout": "unavailable_timeout_s",
+}
+
+
+def _renamed_error(kwargs: dict[str, Any]) -> TypeError:
+    """The error for keyword arguments RedisBudget() does not take, naming the new spelling if renamed."""
+    parts = [f"the removed keyword argument {k!r} (now {_RENAMED[k]!r})" if k in _RENAMED
+             else f"an unexpected keyword argument {k!r}" for k in kwargs]
+    return TypeError(f"RedisBudget() got {', '.join(parts)}")
+
+
+class RedisBudget(Budget):
+    """A :class:`~zp_client.budget.base.Budget` shared through Redis by many processes on many hosts.
+
+    ``url_or_client`` is a ``redis://`` / ``rediss://`` URL (AUTH and TLS go in the URL, e.g.
+    ``rediss://:password@host:6380/0``) or a ``redis.asyncio`` client (``Redis`` or
+    ``cluster.RedisCluster``). ``sync_client`` (a ``redis.Redis`` / ``redis.cluster.RedisCluster``) is
+    needed for :meth:`acquire_sync` only when a client object rather than a URL was given. The clients a
+    budget makes from a URL use a blocking pool of 100 connections: commands beyond it wait for one.
+
+    Example::
+
+        budget = RedisBudget("redis://localhost:6379/0", "llama-70b", limit_blocks=20_000)
+        async with budget.lease(120, priority=0, timeout=30) as lease:
+            ...                      # send the request; lease.report_held(n) as the stream grows
+        with budget.lease_sync(120) as lease:   # threads, no event loop needed
+            ...
+
+    Parameters (seconds end in ``_s``, as in LocalBudget and :class:`~zp_client.Settings`): ``policy``
+    (``"elastic"`` or ``"strict"``; the budget's creator chooses), ``lease_ttl_s`` (a lease not renewed
+    for this long is reclaimed), ``poll_interval_s`` (the bound on a lost wake-up), ``waiter_ttl_s``
+    (default ``3 * poll_interval_s + 1``), ``starvation_bound_s`` and ``longest_first_s`` (the line's
+    rules, as in LocalBudget), ``recovery_s`` (default ``lease_ttl_s``: a budget created from scratch
+    admits nothing new for this long), ``on_unavailable`` with ``unavailable_timeout_s`` and
+    ``local_share``, ``held_report_blocks``, ``sync_client``, ``on_event``. Semantics (safety, recovery,
+    wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
+    """
+
+    def __init__(
+        self,
+        url_or_client: str | Any,
+        name: str,
+        limit_blocks: int,
+        block_size: int = 16,
+        *,
+        policy: str = "elastic",
+        lease_ttl_s: float = 30.0,
+        poll_interval_s: float = 2.0,
+        waiter_ttl_s: float | None = None,
+        starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
+        longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
+        recovery_s: float | None = None,
+        on_unavailable: Literal["fail_closed", "fail_local"] = "fail_closed",
+        unavailable_timeout_s: float = 10.0,
+        local_share: float = 0.1,
+        held_report_blocks: int | None = None,
+        sync_client: Any | None = None,
+        on_event: Callable[[RedisBudgetEvent], None] | None = None,
+        **renamed: Any,
+    ) -> None:
+        if renamed:
+            raise _renamed_error(renamed)
+        if not isinstance(name, str) or not name or any(c in name for c in "{}") or len(name) > 200:
+            raise ConfigurationError(
+                "budget name must be a non-empty string of at most 200 characters without braces, "
+                f"got {name!r}"
+            )
+        for what, v in (("lease_ttl_s", lease_ttl_s), ("poll_interval_s", poll_interval_s),
+                        ("unavailable_timeout_s", unavailable_timeout_s)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v > 0) or math.isinf(v):
+                raise ConfigurationError(f"{what} must be a positive number of seconds, got {v!r}")
+        if policy not in POLICIES:
+            raise ConfigurationError(
+                "RedisBudget policy must be 'strict' or 'elastic' (see zp_client.budget.elastic), "
+                f"got {policy!r}"
+            )
+        if on_unavailable not in ("fail_closed", "fail_local"):
+            raise ConfigurationError(
+                f"on_unavailable must be 'fail_closed' or 'fail_local', got {on_unavailable!r}"
+            )
+        if not (0 < local_share <= 1):
+            raise ConfigurationError(f"local_share must be in (0, 1], got {local_share!r}")
+        if not isinstance(starvation_bound_s, (int, float)) or not (starvation_bound_s >= 0):
+            raise ConfigurationError(f"starvation_bound_s must be seconds >= 0, got {starvation_bound_s!r}")
+        poll = float(poll_interval_s)
+        cfg = Config(
+            name=name,
+            # 0 is allowed for read-only handles (status); a budget created with it admits nothing.
+            limit=validate_blocks(limit_blocks, "limit_blocks", minimum=0),
+            block_size=validate_blocks(block_size, "block_size"),
+            lease_ttl_s=float(lease_ttl_s),
+            poll_interval_s=poll,
+            waiter_ttl_s=float(waiter_ttl_s) if waiter_ttl_s is not None else 3 * poll + 1.0,
+            starvation_bound_s=float(starvation_bound_s),
+            longest_first_s=validate_seconds(longest_first_s, "longest_first_s"),
+            policy=policy,
+            recovery_s=float(lease_ttl_s) if recovery_s is None else float(recovery_s),
+            on_unavailable=on_unavailable,
+            unavailable_timeout_s=float(unavailable_timeout_s),
+            local_share=float(local_share),
+            held_report_blocks=None if held_report_blocks is None else max(1, int(held_report_blocks)),
+        )
+        self.name = name
+        self.block_size = cfg.block_size
+        self._core = Core(cfg, url_or_client if isinstance(url_or_client, str) else None)
+        if on_event is not None:
+            self._core.hooks.append(on_event)
+        self.counters = self._core.counters
+        self._given_client = None if isinstance(url_or_client, str) else url_or_client
+        self._side: AsyncFace | None = None
+        self._sync_face = SyncFace(self, self._core, sync_client)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._fallback: Budget | None = None
+        self._forecaster: Any = None
+
+    @classmethod
+    def from_settings(
+        cls, url_or_client: str | Any, name: str, limit_blocks: int, settings: Any = None, **kwargs: Any
+    ) -> RedisBudget:
+        """A budget using ``block_size``, ``starvation_bound_s``, ``longest_first_s`` and ``lease_ttl_s`` from
+        :class:`~zp_client.Settings` (explicit keyword arguments win)."""
+        if settings is None:
+            from zp_client.config import Settings
+
+            settings = Settings()
+        kwargs.setdefault("starvation_bound_s", settings.starvation_bound_s)
+        kwargs.setdefault("longest_first_s", settings.longest_first_s)
+        kwargs.setdefault("lease_ttl_s", settings.lease_ttl_s)
+        return cls(url_or_client, name, limit_blocks, settings.block_size, **kwargs)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def limit(self) -> int:
+        """The limit last seen in Redis (the configured one until the first call)."""
+        return self._core.limit
+
+    @property
+    def policy_name(self) -> str:
+        """``"strict"`` or ``"elastic"`` (the stored policy once Redis was reached: the budget's creator
+        chose it). Under ``strict`` the ``meta`` given to :meth:`acquire` is accepted and ignored."""
+        return self._core.policy
+
+    @property
+    def config(self) -> Config:
+        """The validated settings this budget was made with."""
+        return self._core.cfg
+
+    def shared_forecaster(self, **kwargs: Any) -> Any:
+        """The :class:`~zp_client.budget.redis_forecast.RedisLengthForecaster` of this budget: output
+        lengths learned by every process of the fleet (made on first call; ``kwargs`` such as ``q`` or
+        ``sync_interval_s`` apply then). The transport uses it by default for an elastic RedisBudget.
+        Needs a URL or ``sync_client`` (it syncs from a daemon thread); closed with the budget."""
+        with self._lock:
+            if self._forecaster is not None:
+                return self._forecaster
+        try:
+            client = self._sync_face.get_client()
+        except ConfigurationError as exc:
+            from zp_client.forecast import LengthForecaster
+
+            log.warning("zp_client: Redis budget %r forecasts from this process only: %s", self.name, exc)
+            kwargs = {k: v for k, v in kwargs.items() if k in ("q", "prior", "half_life", "priors")}
+            with self._lock:
+                if self._forecaster is None:
+                    self._forecaster = LengthForecaster(**kwargs)
+                return self._forecaster
+        from zp_client.budget.redis_forecast import RedisLengthForecaster
+
+        with self._lock:
+            if self._forecaster is None:
+                self._forecaster = RedisLengthForecaster(client, self.name, **kwargs)
+            return self._forecaster
+
+    def new_retry_budget(
+        self, *, ratio: float = 0.1, floor_per_s: float = 1.0, window_s: float = 10.0
+    ) -> RedisRetryBudget:
+        """A :class:`~zp_client.budget.redis.RedisRetryBudget` with this budget's name (so the same
+        ``{zp:<name>}`` hash tag) on the same Redis: one retry budget for the whole fleet. Made from the
+        budget's URL when it was given one, else on the client(s) the caller passed to it (a client the
+        budget made itself may be closed by it)."""
+        if self._core.url is not None:
+            return RedisRetryBudget(self.name, url=self._core.url, ratio=ratio, floor_per_s=floor_per_s,
+                                    window_s=window_s)
+        face = self._sync_face
+        sync_client = None if face.owns_client else face.client
+        return RedisRetryBudget(self.name, client=sync_client, async_client=self._given_client, ratio=ratio,
+                                floor_per_s=floor_per_s, window_s=window_s)
+
+    def add_event_hook(self, hook: Callable[[RedisBudgetEvent], None]) -> None:
+        """Call ``hook(event)`` for every :class:`RedisBudgetEvent` (from a background task or thread)."""
+        self._core.hooks.append(hook)
+
+    async def acquire(
+        self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
+        held: int | None = None, meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
+        try:
+            side = self._get_side()
+            if timeout is None:
+                return await side.acquire(bound, held_v, prio, order, meta_json)
+            return await asyncio.wait_for(side.acquire(bound, held_v, prio, order, meta_json), timeout)
+        except asyncio.TimeoutError as exc:
+            if isinstance(exc, AdmissionTimeout):
+                raise
+            raise AdmissionTimeout(
+                f"waited {timeout:.3g} s for {bound} KV blocks in Redis budget {self.name!r} without "
+                "admission; raise the timeout, lower max_tokens, or add capacity"
+            ) from None
+        except BudgetUnavailable:
+            if self._core.cfg.on_unavailable != "fail_local":
+                raise
+            return await self._local().acquire(bound, priority=prio, timeout=timeout, ticket=ticket,
+                                               held=held_v, meta=meta)
+
+    def acquire_sync(
+        self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
+        held: int | None = None, meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
+        try:
+            return self._sync_face.acquire(bound, held_v, prio, order, timeout, meta_json)
+        except BudgetUnavailable:
+            if self._core.cfg.on_unavailable != "fail_local":
+                raise
+            return self._local().acquire_sync(bound, priority=prio, timeout=timeout, ticket=ticket,
+                                              held=held_v, meta=meta)
+
+    async def status(self) -> BudgetStatus:
+        """A read-only snapshot from Redis (``extra`` holds epoch, recovery, counters)."""
+        side = self._get_side()
+        return self._core.status_from(await side.eval("status", [], init=False))
+
+    def status_sync(self) -> BudgetStatus:
+        """Blocking form of :meth:`status`."""
+        return self._core.status_from(self._sync_face.eval("status", [], init=False))
+
+    async def set_limit(self, limit: int) -> None:
+        """Set the limit for the whole fleet. Raising it admits waiters; lowering never revokes a lease."""
+        validate_blocks(limit, "limit")
+        side = self._get_side()
+        r = await side.eval("set_limit", [limit, ""])
+        self._core.limit = int(r[1])
+
+    async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
+        """Set the limit only if it is still ``expected``; returns False (and changes nothing) otherwise."""
+        validate_blocks(limit, "limit")
+        validate_blocks(expected, "expected")
+        side = self._get_side()
+        r = await side.eval("set_limit", [limit, expected])
+        self._core.limit = int(r[1])
+        return bool(int(r[0]))
+
+    async def flush(self) -> None:
+        """Send every lease's latest held report now (normally batched; see ``held_report_blocks``)."""
+        side = self._get_side()
+        with self._sync_face.lock:
+            sync_leases = list(self._sync_face.leases.values())
+        await side.send_reports([*side.leases.values(), *sync_leases], changed_only=True, patient=True)
+
+    async def aclose(self) -> None:
+        """Stop background tasks and threads; live leases are not released (they expire by TTL)."""
+        self._closed = True
+        side, self._side = self._side, None
+        if side is not None:
+            await side.aclose()
+        self._stop_sync()
+
+    def close_sync(self) -> None:
+        """Stop the sync keeper thread (for programs without an event loop)."""
+        self._closed = True
+        self._stop_sync()
+
+    # ------------------------------------------------------------------ internals
+    def _validate(
+        self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
+        meta: Mapping[str, Any] | None,
+    ) -> tuple[int, int, int, int, str]:
+        """(bound, held, priority, ticket order, meta JSON); bad arguments fail here, before any I/O."""
+        if self._closed:
+            raise ConfigurationError(f"RedisBudget {self.name!r} is closed")
+        bound = validate_blocks(blocks, "blocks")
+        held_v = bound if held is None else validate_blocks(held, "held", minimum=0)
+        if held_v > bound:
+            raise ConfigurationError(f"held ({held_v}) must not exceed the lease's blocks ({bound})")
+        order = -1
+        if ticket is not None:
+            if not isinstance(ticket, Ticket):
+                raise ConfigurationError(f"ticket must be a zp_client.Ticket, got {ticket!r}")
+            priority, order = ticket.priority, ticket.order
+            if isinstance(order, bool) or not isinstance(order, int) or order < 0:
+                raise ConfigurationError(f"ticket order must be an int >= 0, got {order!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigurationError(f"priority must be an int (lower = more urgent), got {priority!r}")
+        if not -PRIORITY_RANGE <= priority <= PRIORITY_RANGE:
+            raise ConfigurationError(
+                f"RedisBudget priorities must lie in [-{PRIORITY_RANGE}, {PRIORITY_RANGE}], got {priority}"
+            )
+        return bound, held_v, priority, order, self._core.meta_arg(meta)
+
+    def _local(self) -> Budget:
+        core, cfg = self._core, self._core.cfg
+        fallback = self._fallback
+        if fallback is None:
+            from zp_client.budget.local import LocalBudget  # imported late: local.py is the sibling backend
+
+            share = max(1, int(core.limit * cfg.local_share))
+            fallback = self._fallback = LocalBudget(
+                share, self.block_size, starvation_bound_s=cfg.starvation_bound_s,
+                name=f"{self.name}-local-fallback", policy=core.policy, longest_first_s=cfg.longest_first_s)
+        core.counters["fallback_local"] += 1
+        if core.fallback_logged:
+            return fallback
+        core.fallback_logged = True
+        log.error(
+            "zp_client: Redis budget %r unreachable; admitting through a per-process LocalBudget of %d "
+            "blocks (local_share=%.3g of %d). The fleet-wide limit is NOT enforced until Redis is back.",
+            self.name, fallback.limit, cfg.local_share, core.limit,
+        )
+        core.emit("fallback_local", blocks=fallback.limit)
+        return fallback
+
+    def _get_side(self) -> AsyncFace:
+        side = self._side
+        loop = asyncio.get_running_loop()
+        if side is not None:
+            if side.loop is loop:
+                return side
+            if side.loop.is_closed():
+                self._side = None
+            else:
+                raise ConfigurationError(
+                    f"RedisBudget {self.name!r} is already used from another event loop; create one "
+                    "RedisBudget per event loop (redis.asyncio clients are bound to their loop)"
+                )
+        if self._given_client is not None:
+            self._side = AsyncFace(self, self._core, self._given_client, owns_client=False)
+        else:
+            url = self._core.url
+            if url is None:  # unreachable: a budget is given a URL or a client
+                raise ConfigurationError(f"RedisBudget {self.name!r} has neither a URL nor a client")
+            pool = redis_async.BlockingConnectionPool.from_url(url, max_connections=POOL_SIZE, timeout=None)
+            self._side = AsyncFace(self, self._core, redis_async.Redis.from_pool(pool), owns_client=True)
+        return self._side
+
+    # LeaseOwner: what a RedisLease calls back
+    def _lease_dirty(self, lease: RedisLease) -> None:
+        if lease.sync:
+            self._sync_face.lease_dirty(lease)
+        elif self._side is not None:
+            self._side.lease_dirty(lease)
+
+    async def _release_lease(self, lease: RedisLease) -> None:
+        side = self._side
+        if lease.sync or side is None or side.loop is not asyncio.get_running_loop():
+            await asyncio.to_thread(self._release_lease_sync, lease)
+            return
+        await side.release(lease)
+
+    def _release_lease_sync(self, lease: RedisLease) -> None:
+        if not lease.sync and self._side is not None:
+            self._side.leases.pop(lease.id, None)
+        self._sync_face.release(lease)
+
+    def _stop_sync(self) -> None:
+        with self._lock:
+            fc, self._forecaster = self._forecaster, None
+        if fc is not None and hasattr(fc, "close"):
+            fc.close()  # sends its pending observations with the sync client, before that closes
+        self._sync_face.close()

@@ -1,0 +1,302 @@
+"""The blocking face of RedisBudget: runs the script layer's commands on a ``redis.Redis`` client from any
+thread, with one mailbox pump thread and one keeper thread (renewals, held reports, retried releases).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from typing import Any
+
+import redis as redis_sync
+
+from zp_client.budget.base import Ticket
+from zp_client.budget.redis._script import (
+    CALL_FAILED,
+    HANDLED,
+    MAILBOX_BLOCK_S,
+    POOL_SIZE,
+    RENEW_BATCH,
+    SYNC_PUMP_BLOCK_S,
+    UNAVAILABLE,
+    Attempts,
+    Core,
+    LeaseOwner,
+    RedisLease,
+    text,
+)
+from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge
+
+log = logging.getLogger("zp_client.budget.redis")
+
+
+class _SyncWaiter:
+    __slots__ = ("event", "too_large")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.too_large = False
+
+
+class SyncFace:
+    """The blocking face: thread-safe; its client is made on first use from the budget's URL unless the
+    caller passed one."""
+
+    def __init__(self, owner: LeaseOwner, core: Core, client: Any | None) -> None:
+        self.owner = owner
+        self.core = core
+        self.client = client
+        self.owns_client = False
+        self.lock = threading.Lock()
+        self.leases: dict[str, RedisLease] = {}
+        self.dirty: set[str] = set()
+        self.retry: dict[str, float] = {}  # lease id -> give up at (monotonic)
+        self.waiters: dict[str, _SyncWaiter] = {}
+        self.keeper: threading.Thread | None = None
+        self.keeper_wake = threading.Event()
+        self.pump: threading.Thread | None = None
+        self.pump_wake = threading.Event()
+        self.closed = False
+
+    def get_client(self) -> Any:
+        if self.client is None:
+            with self.lock:
+                if self.client is None:
+                    if self.core.url is None:
+                        raise ConfigurationError(
+                            "acquire_sync/lease_sync need a sync Redis client: pass a URL, or "
+                            "sync_client=redis.Redis(...) next to the async client"
+                        )
+                    pool = redis_sync.BlockingConnectionPool.from_url(
+                        self.core.url, max_connections=POOL_SIZE, timeout=None)
+                    self.client = redis_sync.Redis.from_pool(pool)
+                    self.owns_client = True
+        return self.client
+
+    # ------------------------------------------------------------------ one script call
+    def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True) -> Any:
+        """Blocking form of :meth:`AsyncFace.eval <zp_client.budget.redis._async.AsyncFace.eval>`."""
+        client, core = self.get_client(), self.core
+        sha = core.sha(script)
+        tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
+        while True:
+            try:
+                if tries is not None and tries.load:
+                    client.script_load(tries.text)
+                r = client.evalsha(sha, *core.key_args, *args)
+            except HANDLED as exc:
+                tries = tries or core.attempts(script, patient)
+                time.sleep(tries.after(exc))
+                continue
+            if init and core.needs_init(r):
+                core.after_init(self.eval("init", core.init_args(), init=False, patient=patient))
+                continue
+            core.mark_available(True)
+            return r
+
+    # ------------------------------------------------------------------ acquire
+    def acquire(
+        self, bound: int, held: int, prio: int, order: int, timeout: float | None, meta_json: str
+    ) -> RedisLease:
+        core = self.core
+        self.get_client()
+        if not core.policy_known:
+            core.learn_status(self.eval("status", [], init=False))
+        rid = secrets.token_urlsafe(18)
+        # Sync waiters share one mailbox, read by one pump thread (one connection per process, not per
+        # waiting thread: a herd of threads must not hold the pool's connections in BLPOP).
+        args = core.acquire_args(rid, bound, held, prio, order, core.sync_box, meta_json)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wake = _SyncWaiter()
+        with self.lock:
+            self.waiters[rid] = wake  # registered before the call so a mailbox grant cannot be missed
+        self._ensure_pump()
+        try:
+            patient = core.cfg.on_unavailable == "fail_closed"  # fail_local degrades at once
+            r = core.acquire_reply(self.eval("acquire", args, patient=patient), bound)
+            while not r.granted:
+                args[4] = r.ticket.order
+                poll = core.cfg.poll_interval_s
+                wait = poll if r.recovery_left_s <= 0 else min(poll, r.recovery_left_s + 0.005)
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise AdmissionTimeout(
+                            f"waited {timeout:.3g} s for {bound} KV blocks in Redis budget {core.name!r} "
+                            "without admission; raise the timeout, lower max_tokens, or add capacity"
+                        )
+                    wait = min(wait, left)
+                wake.event.wait(max(0.01, wait))
+                wake.event.clear()
+                if wake.too_large:
+                    raise LeaseTooLarge(bound, core.limit, "the limit was lowered while waiting")
+                # Granted or not, one idempotent acquire call answers (and heartbeats the waiter).
+                r = core.acquire_reply(self.eval("acquire", args), bound)
+            return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json)
+        except BaseException:
+            try:
+                self.eval("release", core.release_args(rid), init=False, patient=False)
+            except CALL_FAILED as exc:
+                self._retry_later(rid, exc)
+            raise
+        finally:
+            with self.lock:
+                self.waiters.pop(rid, None)
+
+    def _new_lease(
+        self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str
+    ) -> RedisLease:
+        lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=True, meta=meta_json)
+        with self.lock:
+            self.leases[rid] = lease
+        self._ensure_keeper()
+        return lease
+
+    def _ensure_pump(self) -> None:
+        with self.lock:
+            if self.pump is None or not self.pump.is_alive():
+                self.pump = threading.Thread(
+                    target=self._pump_loop, name=f"zp-redis-pump-{self.core.name}", daemon=True
+                )
+                self.pump.start()
+        self.pump_wake.set()
+
+    def _pump_loop(self) -> None:
+        """Thread: deliver wake-ups pushed to the sync waiters' mailbox (the sync form of the async pump)."""
+        client = self.get_client()
+        mailbox = self.core.mailbox(self.core.sync_box)
+        while not self.closed:
+            with self.lock:
+                idle = not self.waiters
+            if idle:
+                self.pump_wake.wait(timeout=MAILBOX_BLOCK_S)
+                self.pump_wake.clear()
+                continue
+            try:
+                item = client.blpop([mailbox], timeout=SYNC_PUMP_BLOCK_S)
+            except (*UNAVAILABLE, ValueError) as exc:  # ValueError: the client was closed under us
+                if self.closed:
+                    return
+                # Redis away: each waiter's own acquire call retries patiently
+                log.debug("zp_client: sync mailbox BLPOP failed: %r", exc)
+                time.sleep(min(self.core.cfg.poll_interval_s, 0.2))
+                continue
+            if item is None:
+                continue
+            with self.lock:
+                for rid in text(item[1]).split(","):
+                    w = self.waiters.get(rid.lstrip("!"))
+                    if w is not None:
+                        w.too_large = w.too_large or rid.startswith("!")
+                        w.event.set()
+
+    # ------------------------------------------------------------------ leases: renew, report, release
+    def lease_dirty(self, lease: RedisLease) -> None:
+        with self.lock:
+            self.dirty.add(lease.id)
+        self.keeper_wake.set()
+
+    def release(self, lease: RedisLease) -> None:
+        with self.lock:
+            self.leases.pop(lease.id, None)
+            self.dirty.discard(lease.id)
+        if lease.lost:
+            return
+        try:
+            self.eval("release", self.core.release_args(lease.id), init=False, patient=False)
+        except CALL_FAILED as exc:
+            self._retry_later(lease.id, exc)
+
+    def _retry_later(self, lid: str, exc: BaseException) -> None:
+        give_up = self.core.release_failed(lid, exc)
+        with self.lock:
+            self.retry[lid] = give_up
+        self._ensure_keeper()
+
+    def _ensure_keeper(self) -> None:
+        with self.lock:
+            if self.keeper is None or not self.keeper.is_alive():
+                self.keeper = threading.Thread(
+                    target=self._keeper_loop, name=f"zp-redis-keeper-{self.core.name}", daemon=True
+                )
+                self.keeper.start()
+
+    def _keeper_loop(self) -> None:
+        """Thread: renew sync leases every TTL/3, flush their held reports, retry failed releases."""
+        period = self.core.cfg.lease_ttl_s / 3
+        next_renew = time.monotonic() + period
+        while not self.closed:
+            self.keeper_wake.wait(timeout=max(0.0, next_renew - time.monotonic()))
+            self.keeper_wake.clear()
+            if self.closed:
+                return
+            with self.lock:
+                dirty, self.dirty = self.dirty, set()
+                reports = [le for lid in dirty if (le := self.leases.get(lid)) is not None]
+                retry = list(self.retry.items())
+            self.send_reports(reports)
+            if time.monotonic() < next_renew:
+                continue
+            next_renew = time.monotonic() + period
+            for lid, give_up in retry:
+                try:
+                    if time.monotonic() <= give_up:
+                        self.eval("release", self.core.release_args(lid), init=False, patient=False)
+                    with self.lock:
+                        self.retry.pop(lid, None)
+                except CALL_FAILED as exc:
+                    log.debug("zp_client: retried release of %s... failed again: %r", lid[:8], exc)
+            self._renew_round()
+
+    def send_reports(self, leases: list[RedisLease]) -> None:
+        """One held.lua call for ``leases``; a failure is logged (the next renewal carries held)."""
+        with self.lock:
+            args, sent = self.core.take_reports(leases, changed_only=False)
+        if not sent:
+            return
+        try:
+            self.eval("held", args, init=False, patient=False)
+        except CALL_FAILED as exc:
+            self.core.reports_failed(sent, exc)
+            return
+        self.core.reports_sent(sent)
+
+    def _renew_round(self) -> None:
+        with self.lock:
+            leases = [le for le in self.leases.values() if not le.released and not le.lost]
+        for i in range(0, len(leases), RENEW_BATCH):
+            batch = leases[i : i + RENEW_BATCH]
+            try:
+                r = self.eval("renew", self.core.renew_args(batch), patient=False)
+            except CALL_FAILED as exc:
+                log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
+                continue
+            with self.lock:
+                self.core.after_renew(batch, r, self.leases)
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        self.closed = True
+        self.keeper_wake.set()
+        self.pump_wake.set()
+        pump = self.pump
+        if pump is not None and pump.is_alive() and self.client is not None:
+            mailbox = self.core.mailbox(self.core.sync_box)
+            try:  # end the pump's BLPOP now rather than after its timeout
+                self.client.rpush(mailbox, "")
+                self.client.pexpire(mailbox, 60_000)
+            except CALL_FAILED as exc:
+                log.debug("zp_client: could not wake the sync mailbox pump: %r", exc)
+            pump.join(timeout=2)
+        t = self.keeper
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2)
+        if self.owns_client and self.client is not None:
+            try:
+                self.client.close()
+            except CALL_FAILED as exc:
+                log.debug("zp_client: closing the Redis client of budget %r failed: %r", self.core.name, exc)
+            self.client = None
+            self.owns_client = False
