@@ -14,7 +14,7 @@ def probe(ctx: SetupContext, out: Any) -> None:
     fc = elastic_setups._forecaster(ctx.elastic)
     out.put({
         "limit": budget.limit,
-        "starvation_bound_s": budget._ledger.starvation_bound,
-        "longest_first_s": budget._ledger.longest_first,
+        "starvation_bound_s": budget._ledger.starvation_bound_s,
+        "longest_first_s": budget._ledger.longest_first_s,
         "q": None if fc is None else fc.q,
     })

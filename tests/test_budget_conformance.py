@@ -47,7 +47,7 @@ def _make_machine(factory: BudgetFactory, starvation: float, cleanup: Callable[[
         def __init__(self) -> None:
             super().__init__()
             self.loop = asyncio.new_event_loop()
-            self.model = Ledger(LIMIT, starvation_bound=starvation)
+            self.model = Ledger(LIMIT, starvation_bound_s=starvation)
             self.budget = factory(LIMIT, starvation)
             self.labels = itertools.count()
             self.tasks: dict[str, asyncio.Task[Lease]] = {}

@@ -341,16 +341,16 @@ _op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@pytest.mark.parametrize("longest_first", [0.0, 0.75], ids=["line-order", "longest-first"])
+@pytest.mark.parametrize("longest_first_s", [0.0, 0.75], ids=["line-order", "longest-first"])
 @given(ops=st.lists(_op, min_size=1, max_size=40))
 def test_cached_projection_matches_a_fresh_one_and_admissions_respect_the_limit(
-    longest_first: float, ops: list[Any]
+    longest_first_s: float, ops: list[Any]
 ) -> None:
     """Random ledger histories under elastic: the policy's cache (keyed on the ledger's version) always
     agrees with a projection computed from scratch, every grant that admits leaves it within the
     limit, and the line holds exactly the waiters, in order."""
     pol = ElasticPolicy(BS)
-    led = Ledger(60, policy=pol, starvation_bound=1.0, longest_first=longest_first)
+    led = Ledger(60, policy=pol, starvation_bound_s=1.0, longest_first_s=longest_first_s)
     ids: list[str] = []
     now = 0.0
     for op in ops:
@@ -459,8 +459,8 @@ SHORT = {"prompt_tokens": 160, "forecast_tokens": 16}
 LONG = {"prompt_tokens": 160, "forecast_tokens": 64}
 
 
-def _pair(longest_first: float, starvation: float = 2.0, long_at: float = 0.5) -> Ledger:
-    led = Ledger(20, policy=ElasticPolicy(BS), starvation_bound=starvation, longest_first=longest_first)
+def _pair(longest_first_s: float, starvation: float = 2.0, long_at: float = 0.5) -> Ledger:
+    led = Ledger(20, policy=ElasticPolicy(BS), starvation_bound_s=starvation, longest_first_s=longest_first_s)
     led.enqueue("short", 14, 10, 0, 0.0, meta=SHORT)
     led.enqueue("long", 14, 10, 0, long_at, meta=LONG)
     return led
@@ -468,14 +468,14 @@ def _pair(longest_first: float, starvation: float = 2.0, long_at: float = 0.5) -
 
 def test_longest_first_is_off_by_default_the_line_goes_first() -> None:
     led = Ledger(20, policy=ElasticPolicy(BS))
-    assert led.longest_first == 0.0
+    assert led.longest_first_s == 0.0
     led.enqueue("short", 14, 10, 0, 0.0, meta=SHORT)
     led.enqueue("long", 14, 10, 0, 0.5, meta=LONG)
     assert led.grant(1.0) == ["short"]
 
 
 def test_young_waiters_go_longest_forecast_first() -> None:
-    led = _pair(longest_first=10.0)
+    led = _pair(longest_first_s=10.0)
     assert [w.id for w in led.line()] == ["short", "long"]  # the line itself stays FIFO
     assert led.grant(1.0) == ["long"]
     led.release("long", 2.0)
@@ -484,13 +484,13 @@ def test_young_waiters_go_longest_forecast_first() -> None:
 
 def test_a_waiter_older_than_the_window_goes_before_any_younger_one() -> None:
     # At t=2 SHORT has waited 2 s >= the 1.5 s window, LONG 0.5 s: SHORT is tried first and fits.
-    led = _pair(longest_first=1.5, long_at=1.5)
+    led = _pair(longest_first_s=1.5, long_at=1.5)
     assert led.grant(2.0) == ["short"]
     assert led.waiter("long") is not None
 
 
 def test_a_starving_waiter_that_does_not_fit_still_blocks_what_is_walked_after_it() -> None:
-    led = Ledger(20, policy=ElasticPolicy(BS), starvation_bound=1.0, longest_first=1.0)
+    led = Ledger(20, policy=ElasticPolicy(BS), starvation_bound_s=1.0, longest_first_s=1.0)
     led.enqueue("live", 8, 8, 0, 0.0, meta={"prompt_tokens": 128, "forecast_tokens": 0})
     assert led.grant(0.0) == ["live"]
     # BIG (13 blocks) cannot fit next to the 8 held; SMALL_LONG (4 blocks, ends at 8) could.
@@ -505,8 +505,8 @@ def test_a_starving_waiter_that_does_not_fit_still_blocks_what_is_walked_after_i
 
 
 def test_no_backfill_or_no_window_means_the_plain_walk() -> None:
-    assert _pair(longest_first=10.0, starvation=0.0).grant(1.0) == ["short"]
-    assert _pair(longest_first=0.0).grant(1.0) == ["short"]
+    assert _pair(longest_first_s=10.0, starvation=0.0).grant(1.0) == ["short"]
+    assert _pair(longest_first_s=0.0).grant(1.0) == ["short"]
 
 
 def test_walk_orders_by_forecast_keeps_line_order_among_equals_and_counts_no_forecast_as_zero() -> None:
@@ -527,7 +527,7 @@ def test_admissions_out_of_line_order_leave_exactly_the_rest_in_line() -> None:
     # Forecasts grow with arrival, so the walk tries c, b, a. Only two fit (10 blocks each, 25 at most):
     # c and b are admitted, the line keeps a and only a (removing the admitted as if they were the
     # line's first two would drop a and keep b, admitted already).
-    led = Ledger(25, policy=ElasticPolicy(BS), longest_first=10.0)
+    led = Ledger(25, policy=ElasticPolicy(BS), longest_first_s=10.0)
     for i, wid in enumerate("abc"):
         led.enqueue(wid, 12, 10, 0, 0.1 * i, meta={"prompt_tokens": 160, "forecast_tokens": 8 * (i + 1)})
     assert led.grant(1.0) == ["c", "b"]
@@ -538,12 +538,12 @@ def test_admissions_out_of_line_order_leave_exactly_the_rest_in_line() -> None:
 
 
 def test_longest_first_is_validated() -> None:
-    with pytest.raises(ConfigurationError, match="longest_first"):
-        Ledger(10, longest_first=-1.0)
-    with pytest.raises(ConfigurationError, match="longest_first"):
+    with pytest.raises(ConfigurationError, match="longest_first_s"):
+        Ledger(10, longest_first_s=-1.0)
+    with pytest.raises(ConfigurationError, match="longest_first_s"):
         LocalBudget(10, longest_first_s=float("nan"))
-    with pytest.raises(ConfigurationError, match="longest_first"):
-        Ledger(10, longest_first=True)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="longest_first_s"):
+        Ledger(10, longest_first_s=True)  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio
@@ -566,5 +566,5 @@ def test_settings_carry_the_window_to_the_budget(monkeypatch: pytest.MonkeyPatch
     from zp_client.config import Settings
 
     monkeypatch.setenv("ZP_LONGEST_FIRST_S", "7.5")
-    assert LocalBudget.from_settings(10)._ledger.longest_first == 7.5
-    assert LocalBudget.from_settings(10, Settings(longest_first_s=0))._ledger.longest_first == 0.0
+    assert LocalBudget.from_settings(10)._ledger.longest_first_s == 7.5
+    assert LocalBudget.from_settings(10, Settings(longest_first_s=0))._ledger.longest_first_s == 0.0

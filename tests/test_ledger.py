@@ -42,7 +42,7 @@ def test_more_urgent_class_goes_first() -> None:
 
 
 def test_small_waiter_backfills_behind_young_head() -> None:
-    led = Ledger(10, starvation_bound=2.0)
+    led = Ledger(10, starvation_bound_s=2.0)
     led.enqueue("hold", 6, None, 0, now=0.0)
     led.grant(0.0)
     led.enqueue("big", 8, None, 0, now=0.0)
@@ -66,7 +66,7 @@ def test_one_grant_can_admit_several_from_the_middle_of_the_line() -> None:
 
 
 def test_starving_head_blocks_backfill_until_admitted() -> None:
-    led = Ledger(10, starvation_bound=2.0)
+    led = Ledger(10, starvation_bound_s=2.0)
     led.enqueue("hold", 6, None, 0, now=0.0)
     led.grant(0.0)
     led.enqueue("big", 8, None, 0, now=0.0)
@@ -77,7 +77,7 @@ def test_starving_head_blocks_backfill_until_admitted() -> None:
 
 
 def test_lower_class_cannot_overtake_starving_higher_class_head() -> None:
-    led = Ledger(10, starvation_bound=1.0)
+    led = Ledger(10, starvation_bound_s=1.0)
     led.enqueue("hold", 6, None, 0, now=0.0)
     led.grant(0.0)
     led.enqueue("urgent-big", 8, None, 0, now=0.0)
@@ -89,7 +89,7 @@ def test_lower_class_cannot_overtake_starving_higher_class_head() -> None:
 
 
 def test_zero_starvation_bound_means_pure_fifo() -> None:
-    led = Ledger(10, starvation_bound=0)
+    led = Ledger(10, starvation_bound_s=0)
     led.enqueue("hold", 6, None, 0, now=0.0)
     led.grant(0.0)
     led.enqueue("big", 8, None, 0, now=0.0)
@@ -147,7 +147,7 @@ def test_bad_held_priority_and_duplicate_ids_are_configuration_errors() -> None:
     with pytest.raises(ConfigurationError):
         Ledger(-1)
     with pytest.raises(ConfigurationError):
-        Ledger(5, starvation_bound=-1)
+        Ledger(5, starvation_bound_s=-1)
 
 
 def test_lowering_limit_pauses_without_revoking_and_raising_admits() -> None:
@@ -254,7 +254,7 @@ class LedgerMachine(RuleBasedStateMachine):
         bound=st.sampled_from([0.0, 0.5, 2.0, 1e9]),
     )
     def setup(self, limit: int, bound: float) -> None:
-        self.led = Ledger(limit, starvation_bound=bound)
+        self.led = Ledger(limit, starvation_bound_s=bound)
         self.bound = bound
         self.limit = limit
         self.now = 0.0
@@ -481,7 +481,7 @@ def test_model_check_detects_a_broken_grant() -> None:
 
     m = LedgerMachine()
     m.setup(limit=10, bound=0.0)  # no backfill allowed at all
-    m.led = Greedy(10, starvation_bound=0.0)
+    m.led = Greedy(10, starvation_bound_s=0.0)
     _enq(m, 6)
     _enq(m, 8)
     with pytest.raises(AssertionError, match="overtook"):

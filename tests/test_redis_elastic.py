@@ -100,20 +100,20 @@ _progress = st.fixed_dictionaries(
 )
 
 
-def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first: float = 0.0) -> type:
+def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first_s: float = 0.0) -> type:
     counter = itertools.count()
 
     class ElasticMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.loop = asyncio.new_event_loop()
-            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS), starvation_bound=starvation,
-                                longest_first=longest_first)
+            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS), starvation_bound_s=starvation,
+                                longest_first_s=longest_first_s)
             name = f"{names[0]}-m{next(counter)}"
             names.append(name)
             self.budget = RedisBudget(redis_url, name, LIMIT, BS, policy="elastic", recovery_s=0,
                                       starvation_bound_s=starvation, held_report_blocks=1,
-                                      longest_first_s=longest_first)
+                                      longest_first_s=longest_first_s)
             self.labels = itertools.count()
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
             self.leases: dict[str, Lease] = {}
@@ -220,16 +220,16 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
     return ElasticMachine
 
 
-@pytest.mark.parametrize(("starvation", "longest_first"),
+@pytest.mark.parametrize(("starvation", "longest_first_s"),
                          [(NO_BACKFILL, 0.0), (FULL_BACKFILL, 0.0), (FULL_BACKFILL, FULL_BACKFILL)],
                          ids=["fifo", "backfill", "backfill-longest-first"])
 def test_elastic_redis_budget_conforms_to_the_elastic_ledger(
-    starvation: float, longest_first: float, redis_url: str, redis_prefix: str
+    starvation: float, longest_first_s: float, redis_url: str, redis_prefix: str
 ) -> None:
     # The windows are either 0 or far beyond the run, so the model's clock and Redis's never disagree.
     names = [redis_prefix]
     try:
-        machine = _make_machine(redis_url, names, starvation, longest_first)
+        machine = _make_machine(redis_url, names, starvation, longest_first_s)
         run_state_machine_as_test(machine, settings=settings(
             max_examples=30, stateful_step_count=25, deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -653,20 +653,20 @@ async def test_above_the_lease_cap_a_pass_admits_by_the_strict_rule(budgets: Any
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("longest_first", [60.0, 0.0], ids=["longest-first", "off"])
+@pytest.mark.parametrize("longest_first_s", [60.0, 0.0], ids=["longest-first", "off"])
 async def test_the_longer_of_two_young_waiters_goes_first_only_with_the_window(
-    budgets: Any, longest_first: float
+    budgets: Any, longest_first_s: float
 ) -> None:
     # The Lua walk. limit 20, bs 16: SHORT and LONG start at 10 blocks, end at 11 and 14; together they
     # project 22 > 20, so only one fits. SHORT waits first; with the window LONG goes first.
-    b = budgets(20, starvation_bound_s=60.0, longest_first_s=longest_first)
+    b = budgets(20, starvation_bound_s=60.0, longest_first_s=longest_first_s)
     blocker = await b.acquire(20)
     short = asyncio.ensure_future(b.acquire(14, held=10, meta={"prompt_tokens": 160, "forecast_tokens": 16}))
     await asyncio.sleep(0.2)
     long_ = asyncio.ensure_future(b.acquire(14, held=10, meta={"prompt_tokens": 160, "forecast_tokens": 64}))
     await asyncio.sleep(0.2)
     await blocker.release()
-    first, second = (long_, short) if longest_first else (short, long_)
+    first, second = (long_, short) if longest_first_s else (short, long_)
     lease = await asyncio.wait_for(first, 10)
     await asyncio.sleep(0.3)
     assert not second.done()

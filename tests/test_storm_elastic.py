@@ -82,8 +82,8 @@ def test_a_worker_process_builds_the_elastic_setups_from_its_context_not_the_env
     default = LocalBudget(10)
     got = _probe_in_a_spawned_worker(SetupContext(*urls, "m", 4.0, 1001, 16, 950))
     assert got == {"limit": zp_limit_blocks(1001, ELASTIC_HEADROOM),
-                   "starvation_bound_s": default._ledger.starvation_bound,
-                   "longest_first_s": default._ledger.longest_first, "q": None}
+                   "starvation_bound_s": default._ledger.starvation_bound_s,
+                   "longest_first_s": default._ledger.longest_first_s, "q": None}
 
 
 # These storms run on a 300-block pool, where the default reserve (5%, ELASTIC_HEADROOM) is 15 blocks:

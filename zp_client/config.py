@@ -99,7 +99,8 @@ class Settings(BaseSettings):
         "requests (vLLM directly, or a gateway that closes its upstream connection on timeout).",
     )
     retry_min_attempt_s: float = Field(
-        0.5, ge=0, description="Least time an attempt needs; a retry that cannot fit it in the deadline fails."
+        0.5, ge=0,
+        description="Least time an attempt needs; a retry that cannot fit it in the deadline fails.",
     )
     retry_budget_ratio: float = Field(0.1, ge=0, description="Retry budget: retries earned per request.")
     retry_budget_floor_per_s: float = Field(

@@ -280,7 +280,8 @@ def validate_retry_budget_params(ratio: float, floor_per_s: float, window_s: flo
     if not (ratio >= 0 and math.isfinite(ratio)):
         raise ConfigurationError(f"retry budget ratio must be a finite number >= 0, got {ratio!r}")
     if not (floor_per_s >= 0 and math.isfinite(floor_per_s)):
-        raise ConfigurationError(f"retry budget floor_per_s must be a finite number >= 0, got {floor_per_s!r}")
+        raise ConfigurationError(
+            f"retry budget floor_per_s must be a finite number >= 0, got {floor_per_s!r}")
     if not (window_s > 0 and math.isfinite(window_s)):
         raise ConfigurationError(f"retry budget window_s must be a finite number > 0, got {window_s!r}")
     if buckets < 1:
@@ -491,10 +492,12 @@ class RetryPolicy:
         if not isinstance(max_attempts, int) or max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
         if not (backoff_initial_s > 0 and math.isfinite(backoff_initial_s)):
-            raise ConfigurationError(f"backoff_initial_s must be a finite number > 0, got {backoff_initial_s!r}")
+            raise ConfigurationError(
+                f"backoff_initial_s must be a finite number > 0, got {backoff_initial_s!r}")
         if not (backoff_max_s >= backoff_initial_s and math.isfinite(backoff_max_s)):
             raise ConfigurationError(
-                f"backoff_max_s must be finite and >= backoff_initial_s ({backoff_initial_s}), got {backoff_max_s!r}"
+                f"backoff_max_s must be finite and >= backoff_initial_s ({backoff_initial_s}), "
+                f"got {backoff_max_s!r}"
             )
         if not retry_after_cap_s >= 0:
             raise ConfigurationError(f"retry_after_cap_s must be >= 0, got {retry_after_cap_s!r}")
@@ -509,13 +512,15 @@ class RetryPolicy:
         self.retry_after_cap_s = float(retry_after_cap_s)
         self.retry_statuses = statuses
         self.retry_on_504 = bool(retry_on_504)
-        self.retry_read_timeouts = self.retry_on_504 if retry_read_timeouts is None else bool(retry_read_timeouts)
+        self.retry_read_timeouts = (
+            self.retry_on_504 if retry_read_timeouts is None else bool(retry_read_timeouts))
         self.budget: RetryBudget | None = LocalRetryBudget() if budget is _DEFAULT_BUDGET else budget
         self.on_retry: list[Hook] = list(on_retry)
         self.on_give_up: list[Hook] = list(on_give_up)
         self.min_attempt_s = float(min_attempt_s)
         # tenacity's "Full Jitter": uniform(0, min(max, multiplier * 2 ** (attempt_number - 1))).
-        self._wait = tenacity.wait_random_exponential(multiplier=self.backoff_initial_s, max=self.backoff_max_s)
+        self._wait = tenacity.wait_random_exponential(multiplier=self.backoff_initial_s,
+                                                      max=self.backoff_max_s)
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> RetryPolicy:
@@ -652,7 +657,8 @@ class RetryPolicy:
             if kind == "read":
                 if self.retry_read_timeouts:
                     return True, f"read error ({type(error).__name__}), upstream aborts"
-                return False, f"read error ({type(error).__name__}) not retried: the upstream may still be running it"
+                return False, (f"read error ({type(error).__name__}) not retried: "
+                               "the upstream may still be running it")
             return False, f"error {type(error).__name__} not retryable"
         if status is None:
             return False, "no status and no error"
@@ -700,7 +706,8 @@ class RetryPolicy:
         if retry_after is not None:
             if retry_after > self.retry_after_cap_s:
                 return self._give_up(
-                    details(f"{reason}; retry-after {retry_after:g} s exceeds cap {self.retry_after_cap_s:g} s"),
+                    details(f"{reason}; retry-after {retry_after:g} s exceeds cap "
+                            f"{self.retry_after_cap_s:g} s"),
                     None,
                 )
             delay, reason = retry_after, f"{reason}, retry-after {retry_after:g} s"
@@ -726,7 +733,8 @@ class RetryPolicy:
             )
             err.__cause__ = step.details.error
             return self._give_up(
-                dataclasses.replace(step.details, reason=f"{step.reason}; retry budget exhausted", delay_s=0.0),
+                dataclasses.replace(step.details, reason=f"{step.reason}; retry budget exhausted",
+                                    delay_s=0.0),
                 err,
             )
         state.retries += 1

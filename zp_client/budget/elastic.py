@@ -327,23 +327,23 @@ class ElasticPolicy:
         return profile.peak_with(c, extra) <= view.limit
 
     @staticmethod
-    def walk(waiters: Sequence[WaiterRecord], now: float, starvation_bound: float,
-             longest_first: float) -> Sequence[int]:
+    def walk(waiters: Sequence[WaiterRecord], now: float, starvation_bound_s: float,
+             longest_first_s: float) -> Sequence[int]:
         """The order in which a grant tries one priority class's waiters: **longest forecast first**.
 
-        Waiters that have waited at least ``longest_first`` seconds come first, in line order; then the
+        Waiters that have waited at least ``longest_first_s`` seconds come first, in line order; then the
         younger ones by ``forecast_tokens``, largest first (a waiter without one counts 0), line order
         among equals. Admitting the longest requests first is the classic rule for the makespan of a
         batch (LPT): short requests backfill the end of a busy period instead of a long one starting last
         and running alone. The ledger's barrier rule applies in this order, so a waiter is overtaken by a
-        longer one only while it is younger than ``longest_first``. ``longest_first`` or
-        ``starvation_bound`` 0: line order (the ledger's pure FIFO stays pure)."""
-        if longest_first <= 0 or starvation_bound <= 0 or len(waiters) < 2:
+        longer one only while it is younger than ``longest_first_s``. ``longest_first_s`` or
+        ``starvation_bound_s`` 0: line order (the ledger's pure FIFO stays pure)."""
+        if longest_first_s <= 0 or starvation_bound_s <= 0 or len(waiters) < 2:
             return range(len(waiters))
         old: list[int] = []
         young: list[int] = []
         for i, w in enumerate(waiters):
-            (old if now - w.since >= longest_first else young).append(i)
+            (old if now - w.since >= longest_first_s else young).append(i)
         young.sort(key=lambda i: -_forecast_of(waiters[i]))
         return old + young if old else young
 

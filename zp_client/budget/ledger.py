@@ -35,8 +35,8 @@ Admission rule (what :meth:`Ledger.grant` does)
 policy, with *bounded backfill*:
 
 * a waiter that does not fit may be overtaken by a later (necessarily smaller, under ``strict``) waiter
-  only while it has waited less than ``starvation_bound`` seconds;
-* a waiter that does not fit and has waited ``>= starvation_bound`` is a **barrier**: nothing behind it
+  only while it has waited less than ``starvation_bound_s`` seconds;
+* a waiter that does not fit and has waited ``>= starvation_bound_s`` is a **barrier**: nothing behind it
   in the line is admitted until it is, so capacity drains to it. In particular, once the head has waited
   longer than the bound, nothing else is admitted until the head is.
 
@@ -45,20 +45,20 @@ of a less urgent class may overtake a more urgent waiter that does not fit only 
 younger than the bound; it can never overtake a starving one. A less urgent waiter, however long it has
 waited, never blocks more urgent ones (they are ahead of it in the line): priority is strict.
 
-With ``longest_first > 0`` (default 0: off) the ``elastic`` walk tries a class's waiters in another order
-(the policy's ``walk``): those that have waited at least ``longest_first`` seconds first, in line order,
+With ``longest_first_s > 0`` (default 0: off) the ``elastic`` walk tries a class's waiters in another order
+(the policy's ``walk``): those that have waited at least ``longest_first_s`` seconds first, in line order,
 then the younger ones **longest forecast first** (``meta["forecast_tokens"]``; LPT, the classic makespan
 rule: short requests fill the end of a busy period instead of a long one starting last and running
 alone). The barrier rule applies in walk order: a waiter that does not fit and has waited
-``starvation_bound`` stops the pass, so nothing walked after it (shorter forecasts, even earlier
-arrivals) is admitted, while *longer* waiters younger than ``longest_first``, walked before it, still
+``starvation_bound_s`` stops the pass, so nothing walked after it (shorter forecasts, even earlier
+arrivals) is admitted, while *longer* waiters younger than ``longest_first_s``, walked before it, still
 may be. So with the window on, the guarantee above reads: a waiter can be overtaken by a longer one
-while it is younger than ``longest_first``, and by a fitting one while it does not fit and is younger
-than ``starvation_bound`` (the head-starving rule holds with ``max(starvation_bound, longest_first)``).
-``longest_first=0`` or ``starvation_bound=0`` gives the plain walk. The line itself (``line()``,
+while it is younger than ``longest_first_s``, and by a fitting one while it does not fit and is younger
+than ``starvation_bound_s`` (the head-starving rule holds with ``max(starvation_bound_s, longest_first_s)``).
+``longest_first_s=0`` or ``starvation_bound_s=0`` gives the plain walk. The line itself (``line()``,
 tickets, ``status``) stays FIFO.
 
-``starvation_bound`` defaults to 2.0 s (``Settings.starvation_bound_s``): long enough that small requests
+``starvation_bound_s`` defaults to 2.0 s (``Settings.starvation_bound_s``): long enough that small requests
 keep the pool busy while a large one waits for a few releases (decode steps of a busy server free blocks
 every few hundred milliseconds), short enough that a large request's extra wait stays well under typical
 client and proxy timeouts (30-60 s). ``0`` means no backfill at all (pure FIFO);
@@ -196,7 +196,7 @@ class ReservationPolicy(Protocol):
     no free block). :meth:`Ledger.grant` then stops walking the line early; it is only a shortcut and
     must agree with ``fits``.
 
-    Optional: ``walk(waiters, now, starvation_bound, longest_first) -> Iterable[int]``, the order in which
+    Optional: ``walk(waiters, now, starvation_bound_s, longest_first_s) -> Iterable[int]``, the order in which
     :meth:`Ledger.grant` tries one priority class's waiters (distinct indices in ``range(len(waiters))``,
     each at most once; default: line order); see :meth:`~zp_client.budget.elastic.ElasticPolicy.walk`.
 
@@ -290,20 +290,20 @@ class Ledger:
         limit: int,
         *,
         policy: ReservationPolicy | None = None,
-        starvation_bound: float = DEFAULT_STARVATION_BOUND_S,
-        longest_first: float = DEFAULT_LONGEST_FIRST_S,
+        starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
+        longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
     ) -> None:
         self._limit = validate_blocks(limit, "limit", minimum=0)
         self._policy = _check_policy(StrictPolicy() if policy is None else policy)
         self._progress_sensitive = bool(getattr(self._policy, "progress_sensitive", False))
         self._version = 0
-        if (not isinstance(starvation_bound, (int, float)) or math.isnan(starvation_bound)
-                or starvation_bound < 0):
+        if (not isinstance(starvation_bound_s, (int, float)) or math.isnan(starvation_bound_s)
+                or starvation_bound_s < 0):
             raise ConfigurationError(
-                f"starvation_bound must be a number of seconds >= 0, got {starvation_bound!r}"
+                f"starvation_bound_s must be a number of seconds >= 0, got {starvation_bound_s!r}"
             )
-        self._starvation_bound = float(starvation_bound)
-        self._longest_first = validate_seconds(longest_first, "longest_first")
+        self._starvation_bound = float(starvation_bound_s)
+        self._longest_first = validate_seconds(longest_first_s, "longest_first_s")
         self._leases: dict[str, LeaseRecord] = {}
         self._waiters: dict[str, WaiterRecord] = {}
         # One sorted list per priority class (sorted by WaiterRecord.key) and the sorted class numbers.
@@ -324,11 +324,11 @@ class Ledger:
         return self._policy
 
     @property
-    def starvation_bound(self) -> float:
+    def starvation_bound_s(self) -> float:
         return self._starvation_bound
 
     @property
-    def longest_first(self) -> float:
+    def longest_first_s(self) -> float:
         return self._longest_first
 
     @property

@@ -145,7 +145,8 @@ class _Waiter:
 def _check_timeout(timeout: float | None) -> float | None:
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout)
+            or timeout < 0):
         raise ConfigurationError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
     return float(timeout)
 
@@ -180,17 +181,22 @@ def _async_waker(event: anyio.Event) -> Callable[[], None]:
     return wake_trio
 
 
+def _async_parking() -> tuple[Callable[[], None], anyio.Event]:
+    event = anyio.Event()
+    return _async_waker(event), event
+
+
 class LocalBudget(Budget):
     """An in-process KV-block budget shared by the tasks and threads of one process.
 
-    ``limit_blocks`` is in usable blocks (see the README: ``(num_gpu_blocks - 1) x headroom``).
+    ``limit_blocks`` is in usable blocks (``(num_gpu_blocks - 1) x headroom``, see docs/admission.md).
     ``starvation_bound_s`` bounds backfill (default 2.0 s, as ``Settings.starvation_bound_s``; see
     :mod:`zp_client.budget.ledger`); ``longest_first_s`` is the elastic walk's longest-first window
-    (default 0: off, line order; ``Settings.longest_first_s``). ``policy`` is ``"elastic"`` (the default: admit on the projected peak
-    of the pool; :mod:`zp_client.budget.elastic`; a lease without metadata is reserved at its bound, as
-    strict would), ``"strict"`` (reserve every lease's bound: preemption impossible by construction) or a
-    :class:`~zp_client.budget.ledger.ReservationPolicy` object (an object with a ``block_size`` must
-    agree with the budget's).
+    (default 0: off, line order; ``Settings.longest_first_s``). ``policy`` is ``"elastic"`` (the
+    default: admit on the projected peak of the pool; :mod:`zp_client.budget.elastic`; a lease without
+    metadata is reserved at its bound, as strict would), ``"strict"`` (reserve every lease's bound:
+    preemption impossible by construction) or a :class:`~zp_client.budget.ledger.ReservationPolicy`
+    object (an object with a ``block_size`` must agree with the budget's).
 
     Under ``elastic``, ``acquire(..., meta=...)`` carries what the policy projects from
     (``prompt_tokens``, ``forecast_tokens``, ``streaming``, ``prefix_key``, ``prefix_blocks``), and
@@ -225,8 +231,8 @@ class LocalBudget(Budget):
         self._ledger = Ledger(
             validate_blocks(limit_blocks, "limit_blocks"),
             policy=make_policy(policy, block_size=self.block_size),
-            starvation_bound=starvation_bound_s,
-            longest_first=longest_first_s,
+            starvation_bound_s=starvation_bound_s,
+            longest_first_s=longest_first_s,
         )
         self._lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
@@ -265,7 +271,9 @@ class LocalBudget(Budget):
         mine, to_wake = self._hand_out(self._ledger.grant(now), own=wid)
         return wid, mine, to_wake
 
-    def _hand_out(self, granted: list[str], own: str | None = None) -> tuple[_LocalLease | None, list[_Waiter]]:
+    def _hand_out(
+        self, granted: list[str], own: str | None = None
+    ) -> tuple[_LocalLease | None, list[_Waiter]]:
         """Turn ledger grants into leases assigned to their waiters (caller holds the lock)."""
         mine = None
         to_wake: list[_Waiter] = []
@@ -305,10 +313,7 @@ class LocalBudget(Budget):
         to_wake: list[_Waiter] = []
         with self._lock:
             led = self._ledger
-            if held is not None:
-                live = led.report_held(lease_id, held)
-            else:
-                live = lease_id in led.leases
+            live = led.report_held(lease_id, held) if held is not None else lease_id in led.leases
             if fields and live:
                 led.update_meta(lease_id, **fields)
             # Only a policy that reads progress can admit on it, and only if somebody waits.
@@ -337,6 +342,26 @@ class LocalBudget(Budget):
         with self._lock:
             self._wakeups += 1
 
+    def _queue(
+        self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
+        meta: Mapping[str, Any] | None, parking: Callable[[], tuple[Callable[[], None], Any]],
+    ) -> tuple[Lease | None, Any]:
+        """Enter the line (what ``acquire`` and ``acquire_sync`` share): ``(lease, None)`` when granted at
+        once, else ``(None, waiter)`` with the waiter parked on ``parking()``'s ``(wake, event)``."""
+        waiter = None
+        with self._lock:
+            wid, mine, to_wake = self._enter(blocks, priority, ticket, held, meta)
+            if mine is None:
+                wake, event = parking()
+                waiter = _Waiter(wid, blocks, wake, event)
+                self._waiters[wid] = waiter
+        self._wake(to_wake)
+        return mine, waiter
+
+    def _sync_parking(self) -> tuple[Callable[[], None], threading.Event]:
+        event = self._new_sync_event()
+        return event.set, event
+
     async def acquire(
         self,
         blocks: int,
@@ -348,13 +373,7 @@ class LocalBudget(Budget):
         meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         timeout = _check_timeout(timeout)
-        with self._lock:
-            wid, mine, to_wake = self._enter(blocks, priority, ticket, held, meta)
-            if mine is None:
-                event = anyio.Event()
-                waiter = _Waiter(wid, blocks, _async_waker(event), event)
-                self._waiters[wid] = waiter
-        self._wake(to_wake)
+        mine, waiter = self._queue(blocks, priority, ticket, held, meta, _async_parking)
         if mine is not None:
             return mine
         try:
@@ -380,13 +399,7 @@ class LocalBudget(Budget):
         meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         timeout = _check_timeout(timeout)
-        with self._lock:
-            wid, mine, to_wake = self._enter(blocks, priority, ticket, held, meta)
-            if mine is None:
-                event = self._new_sync_event()
-                waiter = _Waiter(wid, blocks, event.set, event)
-                self._waiters[wid] = waiter
-        self._wake(to_wake)
+        mine, waiter = self._queue(blocks, priority, ticket, held, meta, self._sync_parking)
         if mine is not None:
             return mine
         try:
@@ -449,7 +462,8 @@ class LocalBudget(Budget):
                 waiter.error = LeaseTooLarge(waiter.bound, limit, "the limit was lowered while it waited")
                 failed.append(waiter)
             _, to_wake = self._hand_out(self._ledger.grant(now))
-        logger.info("budget %s: limit set to %d blocks (%d waiters rejected)", self.name, limit, len(rejected))
+        logger.info("budget %s: limit set to %d blocks (%d waiters rejected)", self.name, limit,
+                    len(rejected))
         self._wake(failed + to_wake)
 
     async def aclose(self) -> None:
