@@ -32,7 +32,8 @@ $(OA2)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
 	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" $(EDITABLE_INTEGRATIONS) "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
 	touch $@
 
-test: test-main test-openai2
+# The gates run first: a lint or type finding fails `make test` before the suite starts.
+test: lint typecheck test-main test-openai2
 
 test-main: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
