@@ -92,7 +92,7 @@ def test_a_worker_process_builds_the_elastic_setups_from_its_context_not_the_env
 # several. With the server's exact counts (continuous usage) nothing else covers it, and at 0.95 one of
 # five fresh-clone CI runs preempted once. They also run the simulator 4x faster than real time on a
 # shared CI machine: a client stall of t ms lets every stream decode 4t ms past its last report. So the
-# tests lease 85% (45 blocks, about three streams' forecast error); the README says a small pool needs
+# tests lease 85% (45 blocks, about three streams' forecast error); docs/elastic.md says a small pool needs
 # a larger reserve than the default fraction ("Strict or elastic?").
 TEST_HEADROOM = 0.85
 

@@ -1,32 +1,12 @@
 """The drop-in client: ``AsyncClient`` and ``Client``, OpenAI-shaped, admitted by the budget.
 
 Every LLM call goes through :class:`~zp_client.transport.AsyncAdmissionTransport` (sync:
-:class:`~zp_client.transport.AdmissionTransport`), the one hook every front end shares; this module adds
-no admission logic of its own. It speaks the OpenAI HTTP API and returns the pydantic models of
-:mod:`zp_client.types`.
-
-Example::
-
-    from zp_client import AsyncClient, LocalBudget
+:class:`~zp_client.transport.AdmissionTransport`); this module adds no admission logic of its own::
 
     async with AsyncClient(base_url="http://localhost:8000/v1", budget=LocalBudget(limit_blocks=24_000)) as c:
-        reply = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=64)
-        print(reply.choices[0].message.content)
-        async with await c.chat.completions.create(model="m", messages=..., stream=True) as stream:
-            async for chunk in stream:
-                print(chunk.choices[0].delta.content or "", end="")
+        reply = await c.chat.completions.create(model="m", messages=[...], max_tokens=64)
 
-Errors: an HTTP error status raises :class:`APIStatusError` (or the subclass for the status:
-:class:`BadRequestError`, :class:`RateLimitError`, :class:`InternalServerError`...) carrying
-``status_code``, the server's ``message`` and the decoded ``body``; no response at all raises
-:class:`APIConnectionError` (:class:`APITimeoutError` on timeouts); a refusal by zp itself
-(:class:`~zp_client.errors.AdmissionError` and subclasses) reaches the caller unchanged. The API key never
-appears in reprs, logs or error messages.
-
-Per-call options: ``extra_headers`` (e.g. ``{"X-ZP-Priority": "0", "X-ZP-Deadline": "30"}``, read and
-stripped by the transport), ``extra_body`` (merged into the JSON body, e.g. vLLM's ``priority``) and
-``timeout``.
+Errors and per-call options: see docs/wrap.md#the-drop-in-client.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class Settings(BaseSettings):
         ge=0,
         description="Elastic budgets: for how long a waiter may be overtaken by one with a longer forecast "
         "(admission tries the younger waiters longest first; 0 = off, line order). Trades tail TTFT for "
-        "makespan and median TTFT; see the README.",
+        "makespan and median TTFT; see docs/elastic.md#longest-first.",
     )
     lease_ttl_s: float = Field(30.0, gt=0, description="Lease time-to-live for backends that expire leases.")
 

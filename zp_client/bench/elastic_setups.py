@@ -1,23 +1,9 @@
-"""The elastic storm setups (issue 8), registered into :mod:`zp_client.bench.setups` on import.
+"""The elastic storm setups (``zp-elastic``, ``zp-oracle``, ``zp-redis-elastic``), registered into
+:mod:`zp_client.bench.setups` on import.
 
-=================  ==========================================================================================
-``zp-elastic``     ``wrap(AsyncOpenAI)`` on ``LocalBudget(limit, policy="elastic")`` with default estimation
-                   and the default :class:`~zp_client.forecast.LengthForecaster` (learned online from each
-                   response's ``usage.completion_tokens``, cold start on its prior). The limit is what
-                   ``suggest_limit_blocks`` recommends for elastic (the whole usable pool,
-                   ``ELASTIC_HEADROOM``); ``zp-strict`` keeps the storm's 5% headroom. Same retry policy
-                   and app-level retry as ``zp-strict``.
-``zp-oracle``      a reference, not a product setup: ``zp-elastic`` with a SimOracleForecaster, so the
-                   transport forecasts each request from the simulator's body field
-                   ``sim_output_tokens`` (its true length). The limit a forecaster can reach.
-``zp-redis-elastic`` ``zp-redis`` with ``RedisBudget(policy="elastic")`` (held reported every block) shared
-                   by the worker processes, at the elastic limit. Only with ``--redis URL``.
-=================  ==========================================================================================
-
-Measurements (``benchmarks/elastic_frontier.py``) override the forecaster, the headroom and the local
-budgets' starvation bound / longest-first window with an :class:`~zp_client.bench.tuning.ElasticTuning`
-in :class:`~zp_client.bench.runner.StormConfig`; it reaches each setup, in every worker process, as
-``SetupContext.elastic``. Unset, the library defaults apply: what a user gets.
+Measurements override the forecaster, headroom and budget knobs with an
+:class:`~zp_client.bench.tuning.ElasticTuning` (``SetupContext.elastic``); unset, the library defaults
+apply. See docs/benchmark.md#setups.
 """
 
 from __future__ import annotations

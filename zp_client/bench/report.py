@@ -1,25 +1,7 @@
 """Storm metrics, the terminal table, ``report.json`` and the PNG.
 
-Every time figure is virtual seconds (the simulator's clock). Per setup:
-
-* ``preemptions``, ``recomputed_tokens``: the server's counters (``/sim/stats``; ``/metrics``'
-  ``vllm:num_preemptions_total`` is kept beside as a cross-check);
-* ``kv_usage_max`` and the KV usage timeline (one sample per engine step, thinned for the JSON);
-* ``ttft_p50/p99``: client-observed, from the app's submit (client queue wait, retries and backoff
-  included) to the first content chunk of the attempt that succeeded; over successful requests;
-* ``itl_p50/p99``: gaps between content chunks of successful requests as the client saw them;
-  ``itl_p99_vs_unloaded`` divides by the unloaded ITL of a single-request run;
-* ``goodput_rps`` / ``goodput_tps``: requests / output tokens of requests that succeeded within the
-  workload's SLO (printed), per virtual second of makespan;
-* ``amplification``: HTTP requests that reached the server / logical requests the app sent;
-* ``errors``: logical requests that failed to the app; ``unsent``: turns never sent because their
-  conversation stopped after an error;
-* ``makespan``: from the run's start to the end of its last logical request.
-
-A run is ``valid`` only if the harness kept up: the simulator's effective speed (virtual makespan over
-wall time) stayed within ``SPEEDUP_KEPT`` of the nominal speedup and the process used less than
-``CPU_SATURATED`` of one core. The event-loop lag (p50/p99/max) and the simulator's largest lag behind
-its schedule are reported beside every run.
+Every time figure is virtual seconds (the simulator's clock). A run is ``valid`` only if the harness kept
+up (``SPEEDUP_KEPT``, ``CPU_SATURATED``). What each metric measures: see docs/benchmark.md#metrics.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """The client setups the storm compares. Each replays the same workload against a fresh server.
 
-=================  ==========================================================================================
-``no-admission``   the real ``openai.AsyncOpenAI`` with ``max_retries=0``, no app-level retry, and no gateway
-                   timeout in front of the server: what the server does with all the load. The denominator.
-``naive``          ``openai.AsyncOpenAI`` with its defaults (``max_retries=2``: exponential backoff 0.5 s x
-                   2^n, capped at 8 s, minus up to 25% jitter, on 408/409/429/5xx and connection errors)
-                   inside an app-level retry shaped like an agent framework's (LangChain's
-                   ``create_base_retry_decorator``): tenacity ``stop_after_attempt(3)``,
-                   ``wait_exponential(multiplier=1, min=4, max=10)`` on any ``openai.APIError``. Up to
-                   3 x 3 = 9 attempts per logical request. Behind the workload's gateway timeout.
-``rate-limited``   ``naive`` plus LangChain's ``InMemoryRateLimiter`` acquired before every app-level attempt
-                   (as ``BaseChatModel`` does), at the server's sustainable request rate: the completed
-                   requests per virtual second of the ``no-admission`` run. ``max_bucket_size=1``.
-``zp-strict``      ``zp_client.wrap(AsyncOpenAI(...), budget=LocalBudget(limit))`` with default estimation
-                   (the harness passes no token counts) and zp's default retry policy (its only retry loop),
-                   inside the same app-level retry as ``naive``.
-``zp-redis``       as ``zp-strict`` but with a ``RedisBudget`` shared by several worker processes, each
-                   replaying a share of the sessions. Only with ``--redis URL``.
-``clairvoyant``    a reference, not a product setup: ``AsyncOpenAI(max_retries=0)`` whose every attempt
-                   first takes a ``LocalBudget`` lease of ceil((prompt + TRUE output) / block) blocks, the
-                   harness counting both exactly; same app-level retry. Shows what reserving ``max_tokens``
-                   costs against knowing each request's length.
-=================  ==========================================================================================
-
-Every client-side sleep (openai's backoff, tenacity's waits, zp's retry backoff, the rate limiter) is
-scaled to virtual time: the simulator runs ``speedup`` times faster than the wall clock, so a 4 s wait
-is 4 virtual seconds. The zp setups take their limit from the server's pool as read from ``/metrics``
-(``vllm:cache_config_info``): ``(num_gpu_blocks - 1) x headroom`` with ``HEADROOM`` below.
+``no-admission``, ``naive``, ``rate-limited``, ``zp-strict``, ``zp-redis`` and ``clairvoyant`` are
+registered here (the elastic ones in :mod:`zp_client.bench.elastic_setups`). What each setup is, how the
+zp limit is read from the server, and the scaling of client-side sleeps to virtual time: see
+docs/benchmark.md#setups.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Storm workloads: the request sequences every client setup replays against a fresh simulated server.
 
-A workload is a list of :class:`Session` objects. A session is a chain of :class:`Turn` calls that run
-one after another (closed loop: the next turn is sent only after the previous one ended, plus a think
-time); a turn may spawn child sessions (parallel sub-agents) that all finish before the next turn.
-Open-loop arrivals are sessions of one turn. Every prompt is real text whose length is measured with
-the simulator's own tokenizer (:mod:`zp_client.sim.tokenizer`), so the harness knows each request's
-true prompt length (the clairvoyant setup reserves it) while the zp setups estimate it themselves.
-
-Workloads are built from :class:`ServerFacts` (pool size, context length, unloaded inter-token latency)
-read from a fresh server before any setup runs, so every setup replays the identical sequence.
-
-Every builder is deterministic in ``seed``. All times are virtual seconds (the simulator's clock).
+A workload is a list of :class:`Session` chains of :class:`Turn` calls, built from :class:`ServerFacts`
+read from a fresh server; every builder is deterministic in ``seed``, all times virtual seconds. See
+docs/benchmark.md#workloads.
 """
 
 from __future__ import annotations
@@ -661,8 +653,8 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
     raise ConfigurationError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
 
 
-# Defaults chosen so a replay of a few hundred requests loads a small simulated pool (see the README's
-# storm table for the exact values printed with each result).
+# Defaults chosen so a replay of a few hundred requests loads a small simulated pool (see the storm tables in
+# docs/benchmark.md for the exact values printed with each result).
 _TRACE_DEFAULTS: dict[str, dict[str, Any]] = {
     "azure-code": {"time_scale": 0.1, "load_scale": 1.0, "max_requests": 200, "length_scale": 1.0},
     "azure-conv": {"time_scale": 0.25, "load_scale": 1.0, "max_requests": 200, "length_scale": 1.0},

@@ -1,45 +1,9 @@
 """The ``elastic`` reservation policy: admit on the projected peak of the pool, not on max_tokens.
 
-Reserving every request's ``prompt + max_tokens`` (``strict``) makes preemption impossible but, on agent
-workloads whose max_tokens is 4096 while true outputs are a few hundred tokens, leaves most of the pool
-idle and multiplies time-to-first-token. ``elastic`` admits a waiter only while the **projected peak** of
-the pool stays within the limit:
-
-* every live lease holds ``held`` blocks now and grows by one token per engine step until its forecast
-  end, then frees everything at once (vLLM frees a finished request's blocks immediately);
-* so the pool's total only rises between two lease ends and only falls at an end: its maximum over the
-  future is reached just before some lease ends (or now). Evaluating the total at those instants is exact
-  and cheap;
-* a shared prefix (system prompt, tool schemas) is counted once among the live leases with the same
-  ``prefix_key`` — as vLLM's ref counting does — but only once some live lease with that key has produced
-  its first token: before that the prefix may not be in the cache yet and a concurrent request would
-  allocate its own copy.
-
-Units. The projection runs in *steps* (one output token per live request per step) and *blocks*. A lease
-whose occupancy is ``held`` blocks holds at most ``held * block_size`` tokens, so after ``t`` more steps it
-holds at most ``held + ceil(t / block_size)`` blocks; this is exact for the conservative reading of
-``held`` and makes the sum over leases linear, hence the O(log n) evaluation per candidate below.
-
-Lease metadata read by the policy (``LeaseRecord.meta`` / ``WaiterRecord.meta``; all optional):
-
-``prompt_tokens``  tokens at admission (default: ``held * block_size``).
-``forecast_tokens`` forecast number of output tokens at the end (default: the whole bound: then the lease
-                   is projected exactly as ``strict`` would count it at its end).
-``streaming``      False when the client cannot see growth (non-streamed): the lease is projected at its
-                   forecast end from now until ``forecast_tokens`` steps have passed (default True).
-``prefix_key``     key of the shared prefix, ``prefix_blocks`` its full-block count.
-``first_token``    True once the lease has produced its first token.
-``tokens``         tokens the lease holds now (prompt + generated), reported together with ``held`` when
-                   the reporter knows it; tightens the reading of ``held`` (default: the fewest tokens
-                   ``held`` blocks can hold, ``(held - 1) * block_size + 1``).
-
-A lease with none of these fields (the budget used directly, ``acquire(blocks, held=...)``) is reserved
-at its bound for as long as it lives, as ``strict`` counts it: the policy never projects a lease that
-reports nothing.
-
-Safety. Under ``elastic`` the admission rule holds at every admission: the projected peak including the
-new lease is within the limit. Growth after admission is recorded, never blocked; a lease that outgrows its
-forecast makes the projection tighten at once (its end moves to its bound until the caller re-forecasts).
+A waiter is admitted only while the projected peak of the live leases (each growing one token per step
+until its forecast end, shared prefixes counted once) plus its own stays within the limit. A lease that
+reports no metadata is counted at its bound, as ``strict`` does. The projection, its units and the lease
+metadata it reads: see docs/elastic.md#the-projection-exactly.
 """
 
 from __future__ import annotations

@@ -1,87 +1,9 @@
 """The admission ledger: a sans-I/O state machine that *is* the definition of admission.
 
-The ledger never reads a clock and never does I/O. Every method that depends on time takes ``now`` (any
-monotonic clock in seconds, e.g. :func:`time.monotonic` locally or Redis ``TIME`` in the Lua port).
-Backends (:mod:`zp_client.budget.local`, the Redis Lua scripts) drive it and make no admission decision
-of their own; the Redis backend's conformance test uses this class as its model.
-
-Vocabulary
-----------
-* **lease** — blocks held by one request: ``bound`` (the most it may ever occupy: prompt + max_tokens,
-  in blocks) and ``held`` (what it occupies now, ``0 <= held <= bound``, reported as its stream
-  advances; growth is recorded, never blocked, because the server generates regardless).
-* **waiter** — a request waiting in line for a lease. A waiter that is granted becomes a lease **with the
-  same id**, so a backend can hand the grant to whoever is waiting under that id.
-* **line** — all waiters ordered by ``(priority, ticket.order, arrival)``: a lower priority number is more
-  urgent (like vLLM's ``priority``), FIFO within a class. The **head** is the first waiter of the line.
-* **ticket** — :class:`~zp_client.budget.base.Ticket` ``(priority, order)``. ``order`` comes from a
-  counter owned by the ledger. A waiter enqueued with an earlier ticket (a retried request) takes that
-  place in line: after every earlier arrival of the class, before every later one. The ticket's
-  priority wins over the ``priority`` argument, because the ticket *is* the place in line.
-* **policy** — a :class:`ReservationPolicy` decides whether a candidate fits next to the live leases.
-  :class:`StrictPolicy` admits while the sum of live bounds stays within the limit, so the server can
-  never be forced to preempt. :class:`~zp_client.budget.elastic.ElasticPolicy` (``"elastic"``:
-  projected peak of ``held`` plus forecast growth, shared prefixes counted once) plugs in through the
-  same seam; waiters and leases carry a free-form ``meta`` mapping (``prompt_tokens``,
-  ``forecast_tokens``, ``prefix_key``... see :mod:`zp_client.budget.elastic`) for such policies,
-  updated as a stream advances with :meth:`Ledger.update_meta`. The ``bound > limit`` refusal
-  (:class:`~zp_client.LeaseTooLarge`) holds under every policy. The ledger takes the policy *object*
-  (default :class:`StrictPolicy`) and knows no policy by name: the budgets resolve ``"strict"`` /
-  ``"elastic"`` with :func:`zp_client.budget.elastic.make_policy`.
-
-Admission rule (what :meth:`Ledger.grant` does)
------------------------------------------------
-``grant(now)`` walks the line from the head and admits, in line order, every waiter that fits under the
-policy, with *bounded backfill*:
-
-* a waiter that does not fit may be overtaken by a later (necessarily smaller, under ``strict``) waiter
-  only while it has waited less than ``starvation_bound_s`` seconds;
-* a waiter that does not fit and has waited ``>= starvation_bound_s`` is a **barrier**: nothing behind it
-  in the line is admitted until it is, so capacity drains to it. In particular, once the head has waited
-  longer than the bound, nothing else is admitted until the head is.
-
-Backfill across classes follows the same rule because the line is one order over all classes: a waiter
-of a less urgent class may overtake a more urgent waiter that does not fit only while that waiter is
-younger than the bound; it can never overtake a starving one. A less urgent waiter, however long it has
-waited, never blocks more urgent ones (they are ahead of it in the line): priority is strict.
-
-With ``longest_first_s > 0`` (default 0: off) the ``elastic`` walk tries a class's waiters in another order
-(the policy's ``walk``): those that have waited at least ``longest_first_s`` seconds first, in line order,
-then the younger ones **longest forecast first** (``meta["forecast_tokens"]``; LPT, the classic makespan
-rule: short requests fill the end of a busy period instead of a long one starting last and running
-alone). The barrier rule applies in walk order: a waiter that does not fit and has waited
-``starvation_bound_s`` stops the pass, so nothing walked after it (shorter forecasts, even earlier
-arrivals) is admitted, while *longer* waiters younger than ``longest_first_s``, walked before it, still
-may be. So with the window on, the guarantee above reads: a waiter can be overtaken by a longer one
-while it is younger than ``longest_first_s``, and by a fitting one while it does not fit and is younger
-than ``starvation_bound_s`` (the head-starving rule holds with ``max(starvation_bound_s, longest_first_s)``).
-``longest_first_s=0`` or ``starvation_bound_s=0`` gives the plain walk. The line itself (``line()``,
-tickets, ``status``) stays FIFO.
-
-``starvation_bound_s`` defaults to 2.0 s (``Settings.starvation_bound_s``): long enough that small requests
-keep the pool busy while a large one waits for a few releases (decode steps of a busy server free blocks
-every few hundred milliseconds), short enough that a large request's extra wait stays well under typical
-client and proxy timeouts (30-60 s). ``0`` means no backfill at all (pure FIFO);
-``float('inf')`` means unbounded backfill.
-
-Guarantees callers may rely on (checked by ``tests/test_ledger.py``)
---------------------------------------------------------------------
-* Under ``strict``, a grant never takes ``used`` (sum of live bounds) above the limit: after any grant
-  that admits someone, ``used <= limit``. Lowering the limit never revokes a lease; while ``used`` exceeds
-  the new limit nothing is admitted (admission pauses) until enough is released.
-* Under ``elastic``, right after any grant that admits someone, the projected peak of the live leases
-  (``used``) is within the limit. Between admissions it may exceed it: growth and metadata updates are
-  recorded, never refused, and admission pauses while the projection is above the limit.
-* ``0 <= held <= bound`` for every lease.
-* A request whose ``bound`` exceeds the limit is refused at enqueue (:class:`~zp_client.LeaseTooLarge`);
-  waiters left larger than a lowered limit are removed by :meth:`Ledger.set_limit` and returned so the
-  backend can fail them with the same error (they could never be admitted).
-* ``grant`` is maximal: afterwards no waiter that fits remains unless a barrier stands ahead of it.
-* Release, cancel and expire are idempotent; unknown ids are ignored.
-
-After any mutation that frees capacity or removes a waiter (``release``, ``cancel``, ``expire``,
-``set_limit``) the backend calls ``grant(now)``; ``enqueue`` is also followed by ``grant`` so a waiter that
-fits is admitted at once.
+It never reads a clock and never does I/O: every time-dependent method takes ``now``. The backends
+(:mod:`zp_client.budget.local`, the Redis Lua scripts) drive it and decide nothing of their own; the Redis
+conformance suite uses it as the model. Vocabulary, the admission rule and the guarantees: see
+docs/admission.md#the-ledger and docs/admission.md#the-fair-line.
 """
 
 from __future__ import annotations
@@ -110,11 +32,12 @@ __all__ = [
 ]
 
 DEFAULT_STARVATION_BOUND_S = 2.0
-"""Default backfill bound; see the module docstring for why 2 s."""
+"""Default backfill bound; see docs/admission.md#the-fair-line for why 2 s."""
 
 DEFAULT_LONGEST_FIRST_S = 0.0
-"""Default longest-first window of the elastic walk: off (module docstring; the README has the measurement:
-15 s cut seed-burst's makespan and TTFT p50 but made agentic's TTFT p99 1.4-3.9x longer)."""
+"""Default longest-first window of the elastic walk: off (docs/admission.md#the-fair-line; measured in
+docs/elastic.md#longest-first: 15 s cut seed-burst's makespan and TTFT p50 but made agentic's TTFT p99
+1.4-3.9x longer)."""
 
 
 @dataclass(slots=True)
@@ -269,7 +192,7 @@ def validate_seconds(value: object, what: str) -> float:
 
 
 class Ledger:
-    """Leases, the fair line, expiry and limit changes; see the module docstring for the rules.
+    """Leases, the fair line, expiry and limit changes; see docs/admission.md#the-ledger for the rules.
 
     Example::
 

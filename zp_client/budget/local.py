@@ -1,34 +1,13 @@
 """The in-process budget: the embedded default, no server needed.
 
-:class:`LocalBudget` is a thin, thread-safe shell around :class:`~zp_client.budget.ledger.Ledger`: every
-admission decision is a ledger call made under one :class:`threading.Lock`, with ``time.monotonic()`` as
-``now``. The shell only parks callers and hands them what the ledger granted.
-
-What callers may rely on:
-
-* One limit and one line for everybody: async tasks (``acquire`` / ``lease``) and threads
-  (``acquire_sync`` / ``lease_sync``) of one budget share them. The sync API needs no event loop.
-* Waiters wake on events, never on sleep loops. A release (or limit raise) wakes exactly the waiters it
-  admits: the grant is assigned to the waiter *before* it is woken, so a woken waiter never goes back to
-  sleep. Wake-ups cross threads: a thread's release wakes an asyncio task (``call_soon_threadsafe``), a
-  task's release wakes a thread (``threading.Event``).
-* Cancellation or timeout while waiting removes the waiter (which can let others in, e.g. if it was a
-  starving head). If the grant won the race, the lease is released, never leaked; on a timeout that lost
-  the race to a grant, the caller simply gets the lease.
-* Release is idempotent and never raises. ``report_held`` records growth, never blocks.
-* Errors: :class:`~zp_client.ConfigurationError` for a weight that is not a positive int (or a bad
-  timeout), :class:`~zp_client.LeaseTooLarge` at once when ``blocks`` exceeds the limit (and for waiters
-  left larger than a lowered limit), :class:`~zp_client.AdmissionTimeout` after ``timeout`` seconds.
-
-Example::
+:class:`LocalBudget` is a thin, thread-safe shell around :class:`~zp_client.budget.ledger.Ledger`; async
+tasks and threads share one limit and one line::
 
     budget = LocalBudget(limit_blocks=2_000)
-    async with budget.lease(40, priority=0, timeout=30) as lease:
-        ...                                  # send the request; lease.report_held(n) as it streams
-    with budget.lease_sync(40) as lease:     # from a thread, no event loop needed
-        ...
+    async with budget.lease(40, priority=0, timeout=30) as lease: ...
+    with budget.lease_sync(40) as lease: ...         # from a thread, no event loop needed
 
-Leases here never expire (they die with the process); the Redis backend adds TTLs.
+What callers may rely on: see docs/admission.md#localbudget.
 """
 
 from __future__ import annotations
@@ -189,7 +168,8 @@ def _async_parking() -> tuple[Callable[[], None], anyio.Event]:
 class LocalBudget(Budget):
     """An in-process KV-block budget shared by the tasks and threads of one process.
 
-    ``limit_blocks`` is in usable blocks (``(num_gpu_blocks - 1) x headroom``, see docs/admission.md).
+    ``limit_blocks`` is in usable blocks: ``(num_gpu_blocks - 1) x headroom``, see
+    docs/admission.md#choosing-limit_blocks.
     ``starvation_bound_s`` bounds backfill (default 2.0 s, as ``Settings.starvation_bound_s``; see
     :mod:`zp_client.budget.ledger`); ``longest_first_s`` is the elastic walk's longest-first window
     (default 0: off, line order; ``Settings.longest_first_s``). ``policy`` is ``"elastic"`` (the

@@ -1,20 +1,9 @@
 """A :class:`~zp_client.forecast.LengthForecaster` shared by the fleet through Redis.
 
-Every process of a :class:`~zp_client.budget.redis.RedisBudget` learns output lengths from its own
-responses; the elastic policy admits better when every process forecasts from what the whole fleet saw.
 :class:`RedisLengthForecaster` keeps the local forecaster's API (``observe``, ``forecast``, ``quantile``)
-and, in a daemon thread:
-
-* sends observations in batches (every ``sync_interval_s`` seconds, or at once when ``batch`` are pending):
-  one script call per key adds the bucket counts (``HINCRBYFLOAT``) to ``{zp:<name>}:fc:<key>`` and
-  records the key in ``{zp:<name>}:fckeys`` — all under the budget's hash tag (one Cluster slot);
-* then reads the fleet's counts of every key (at most ``max_keys``; one pipelined round trip) and makes
-  them the local distribution (prior + fleet counts, through ``merge_counts``).
-
-So an observation reaches every process within about two ``sync_interval_s``; :meth:`sync` does both steps
-now. Decay is fleet-wide: when a key's total passes ``2 * half_life`` observations the script halves its
-counts (the local histograms do not decay on their own). Redis unreachable: observations stay local and
-pending (bounded by ``max_pending``), logged at WARNING once; forecasts keep working from the last view.
+and, in a daemon thread, sends its observations in batches and reads back the fleet's counts, so every
+process forecasts from what the whole fleet saw. Keys, sync timing, decay and Redis outages: see
+docs/redis.md#the-shared-forecaster.
 """
 
 from __future__ import annotations
@@ -57,7 +46,7 @@ return 1
 
 
 class RedisLengthForecaster(LengthForecaster):
-    """Per-key length distributions learned by the whole fleet; see the module docstring.
+    """Per-key length distributions learned by the whole fleet; see docs/redis.md#the-shared-forecaster.
 
     ``client`` is a sync ``redis.Redis`` (or ``RedisCluster``) or a URL; ``name`` the budget's name (its
     hash tag ``{zp:<name>}``). Thread-safe. Call :meth:`close` to send what is pending and stop the

@@ -1,32 +1,8 @@
 """A step-driven engine faithful to vLLM's V1 scheduler and KV cache manager, in virtual time.
 
-What it reproduces (shared/VLLM_FACTS.md, the lines marked SIM; names below follow vLLM's
-``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py`` and ``sched/scheduler.py``):
-
-* a block pool of ``num_gpu_blocks`` blocks whose block 0 is the null block (N - 1 usable);
-  free blocks sit in a doubly linked queue: allocation pops the front, and a popped block that
-  still carries a prefix hash is evicted from the prefix cache at that moment; freed blocks with
-  a hash go to the back (LRU), freed blocks without one to the front; a request's blocks are
-  freed tail first;
-* prefix caching over full blocks with chained hashes ``H(parent, block tokens)`` (output tokens
-  are hashed once their block is full); the longest cached prefix is used, capped at
-  ``num_tokens - 1``; a hit takes the block out of the free queue and bumps its ref count;
-  cached blocks with ref count 0 count as free;
-* continuous batching: one token budget per step (``max_num_batched_tokens``), at most
-  ``max_num_seqs`` running, chunked prefill, running requests served first in order;
-* preemption by recompute: the victim is the last running request (FCFS) or the one with the
-  largest ``(priority, arrival_time)`` (priority policy); its blocks are freed, its computed
-  tokens reset to 0, it goes back to the FRONT of the waiting queue; repeat until the allocation
-  fits or the victim is the requester itself; no admission in a step that preempted; admission
-  stops at the first waiting request that does not fit; the full-sequence admission check
-  (``reserve_full_isl``) and the watermark are toggles;
-* abort frees the blocks at once.
-
-Step semantics (shared/REPLAY.md): a step is one scheduling iteration that scheduled at least one
-token; it produces one output token for every request whose prefill completes in it (a partial
-prefill chunk produces none); its duration comes from the profile's step-time model.
-
-The engine is single-threaded and deterministic: the same calls give the same results.
+Single-threaded and deterministic: the same calls give the same results. What it reproduces (block pool,
+prefix cache, continuous batching, preemption) and its step semantics: see docs/simulator.md#the-engine
+(and shared/VLLM_FACTS.md, shared/REPLAY.md).
 """
 
 from __future__ import annotations

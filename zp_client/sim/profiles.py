@@ -1,22 +1,9 @@
 """GPU profiles for the simulated engine: pool size, scheduler limits and step-time constants.
 
-A step's duration follows the DistServe / Vidur form (see shared/VLLM_FACTS.md, "Step time")::
-
-    t_step = c0 + c1 * prefill_tokens + c2 * prefill_sq_sum
-              + c3 * decode_context_tokens + c4 * decode_batch
-
-* ``prefill_tokens``: tokens scheduled this step for requests still catching up their prompt
-  (compute-bound GEMMs grow linearly with tokens);
-* ``prefill_sq_sum``: sum over those requests of ``chunk * (context_before + chunk)``
-  (``chunk ** 2`` for an unchunked prefill): the quadratic attention term. It counts the query-key
-  pairs of the chunk's attention, the causal triangle counted in full (about twice the pairs
-  really computed), which ``c2`` accounts for;
-* ``decode_context_tokens``: sum of the context lengths of the decoding requests (the KV bytes a
-  decode step must read: decode is bandwidth-bound);
-* ``decode_batch``: number of decoding requests (per-sequence sampling / bookkeeping cost).
-
-Every profile says in ``source`` where each constant comes from. Callers may rely on
-``PROFILES`` holding at least ``"tiny"``, ``"fidelity"`` and ``"llama3-70b-fp8-8xh100"``.
+Step time follows the DistServe / Vidur form ``c0 + c1 * prefill_tokens + c2 * prefill_sq_sum +
+c3 * decode_context_tokens + c4 * decode_batch``; every profile says in ``source`` where each constant
+comes from. ``PROFILES`` holds at least ``"tiny"``, ``"fidelity"`` and ``"llama3-70b-fp8-8xh100"``.
+See docs/simulator.md#step-time (and shared/VLLM_FACTS.md, "Step time").
 """
 
 from __future__ import annotations

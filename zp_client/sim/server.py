@@ -1,60 +1,10 @@
 """The simulated vLLM server: an OpenAI-compatible HTTP API in front of the step-driven engine.
 
-Use it from tests and examples::
-
     async with SimServer(profile="tiny", num_gpu_blocks=200, speedup=10) as server:
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="x")
-        ...
 
-or from synchronous code (the server then runs on a background thread)::
-
-    with SimServer(profile="tiny") as server:
-        openai.OpenAI(base_url=server.base_url, api_key="x")...
-
-What callers may rely on
-------------------------
-* Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming with
-  ``data: [DONE]``, ``stream_options.include_usage`` and vLLM's ``continuous_usage_stats``, ``n``),
-  ``POST /tokenize`` (completion and chat forms), ``POST /detokenize``, ``GET /v1/models`` (cards
-  carry ``max_model_len``), ``GET /health``, ``GET /metrics`` (vLLM's metric names and labels), and
-  the sim-only ``GET /sim/stats`` (``?requests=1`` adds per-request records) and ``GET /sim/clock``.
-* Prompt tokens are counted by :mod:`zp_client.sim.tokenizer` (not cl100k). A chat prompt is
-  :func:`~zp_client.sim.tokenizer.render_chat` of the messages and tools, so ``/tokenize`` in chat form
-  counts exactly what ``usage.prompt_tokens`` of the same chat request reports.
-* Errors have vLLM's shape ``{"error": {"message", "type", "param", "code"}}``. A prompt of at least
-  ``max_model_len`` tokens is a 400 ("This model's maximum context length is N tokens. However, your
-  prompt contains M input tokens..."). A too-large ``max_tokens`` is clamped to
-  ``max_model_len - prompt`` (not an error, as in current vLLM). An unknown ``model`` is a 404.
-* Output length (per choice): the sim-only body field ``sim_output_tokens`` is the true length; the
-  client's ``max_tokens`` / ``max_completion_tokens`` stays the upper bound (output stops at the smaller);
-  ``ignore_eos: true`` yields exactly the (clamped) bound. With neither, the length is drawn from the
-  default distribution: log-normal with median ``DEFAULT_OUTPUT_MEDIAN`` (220) tokens and sigma
-  ``DEFAULT_OUTPUT_SIGMA`` (0.9), at least 1, seeded by the body's ``seed`` when given, otherwise by the
-  server's ``seed`` and the request's arrival order. ``finish_reason`` is ``"length"`` when the bound was
-  reached, ``"stop"`` (or ``"tool_calls"``) otherwise.
-* Tool calls: when a chat request carries ``tools`` and ``tool_choice`` is ``"required"``, names a
-  function, or is ``"auto"``/absent while the last message is from the user (not a tool result), the
-  answer is one tool call (to the named function, else the first tool) whose ``arguments`` are JSON
-  built from the function's parameter schema (required properties, typed values). Without an explicit
-  length the output length is the token count of that call. ``tool_choice: "none"`` never calls.
-* ``priority`` (int) goes to the engine (used by the ``priority`` policy).
-* A client disconnect (streamed or not, before or after the first token) aborts the request in the
-  engine, which frees its blocks at once.
-* Gateway emulation (``gateway_timeout_s``, virtual seconds): a request that has not sent its first byte
-  by then gets a 504 with an nginx-like HTML body and is aborted in the engine. Streamed responses send
-  their headers together with the first chunk (the first token), so a queued stream can time out too.
-* Time: a background loop runs ``engine.step()``; each step's virtual duration is slept as
-  duration / speedup of real time (sleeping until the step's real deadline, so compute time is
-  absorbed). When idle, virtual time follows real time x speedup. When the engine cannot keep up, it
-  runs steps back to back, ``/sim/stats`` reports ``lag_s`` / ``max_lag_s`` / ``mean_lag_s`` (virtual
-  seconds behind the real-time schedule) and ``lagging: true`` once the lag exceeded ``LAG_WARN_S``
-  (0.25 virtual s), and a warning is logged once. Requests arriving while the engine lags are stamped
-  with the engine's clock, so the lag is also the largest distortion of arrival times. Clients running
-  in the same process (the openai SDK building requests, parsing SSE) share the event loop and count
-  towards the lag; at high speed-ups keep them light or in another process.
-* ``steps_per_real_s`` in ``/sim/stats`` is engine steps per real second of busy time.
-* ``server.timeline`` holds ``(virtual_t, kv_usage, preemptions_total, running, waiting)`` samples, one
-  per step (or per ``timeline_interval_s`` of virtual time when set).
+``with SimServer(...)`` runs it on a background thread for synchronous code. Endpoints, errors, output
+lengths, tool calls, gateway emulation and virtual time: see docs/simulator.md#the-http-server.
 """
 
 from __future__ import annotations

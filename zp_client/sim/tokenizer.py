@@ -1,32 +1,9 @@
 """The simulator's own tokenizer: deterministic, prefix-stable, fast, and deliberately *not* cl100k.
 
-A real server counts prompt tokens with the model's tokenizer, which differs from any estimate a client
-makes (zp-client's default estimator is tiktoken's cl100k_base). Llama 3's tokenizer extends cl100k, so
-per text the two agree closely but not exactly. This module reproduces that relationship without a
-vocabulary file and without tiktoken (so the judge shares nothing with the client it judges):
-
-* Text is pre-split into pieces with a regex shaped like cl100k's pre-tokenizer (words with their
-  leading space or punctuation, runs of up to 3 digits, punctuation runs, whitespace runs).
-* Each piece maps to a fixed number of token ids that depends only on the piece: short words are one
-  token, longer or rarer-looking words take more, with a per-piece jitter drawn from a stable hash
-  (``hashlib.blake2b``, never Python's salted ``hash()``). The ids themselves come from the same hash.
-* Llama-3 special tokens (``<|begin_of_text|>``, ``<|start_header_id|>``...) are single ids.
-
-What callers may rely on:
-
-* ``encode(text)`` is a pure function of ``text`` (same ids in every process, every run).
-* Prefix stability: ``encode(a + b)`` starts with ``encode(a)`` whenever ``a`` ends at a piece boundary
-  (for example at a special token, a newline, or before a space-led word). Chat prompts are rendered so
-  each message ends with ``<|eot_id|>``, so two conversations sharing messages share a token prefix, and
-  the server's prefix cache hits over HTTP.
-* The token count of a text divided by its cl100k_base count ("ratio") varies per text, as Llama 3's
-  does. Measured on 49 texts of >= 200 cl100k tokens (package READMEs, Python source, docstrings,
-  JSON tool schemas): min 0.85, median 0.99, max 1.15; prose and Markdown mostly 0.85-1.07, code and
-  JSON 1.0-1.15. ``tests/test_sim_tokenizer.py`` checks every text of its corpus against
-  ``RATIO_RANGE`` = (0.80, 1.25) and the corpus median against ``RATIO_MEDIAN_RANGE``.
-* ``render_chat(messages, tools=..., add_generation_prompt=...)`` is the single chat template used both
-  by ``/tokenize`` (chat form) and by ``/v1/chat/completions``; the counts therefore agree exactly.
-* Speed: a 16k-token prompt encodes in a few milliseconds (piece results are memoised).
+It counts like a Llama-3-style tokenizer (close to cl100k per text, not equal) without a vocabulary file
+and without tiktoken, so the judge shares nothing with the client it judges. ``render_chat`` is the one
+chat template behind both ``/tokenize`` and ``/v1/chat/completions``. How it works, what callers may
+rely on and its measured ratio to cl100k: see docs/simulator.md#the-tokenizer.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """autogen-zp: AutoGen's OpenAI model client, admission-gated: every ``create`` / ``create_stream`` takes a
 lease on a zp budget first.
 
-::
-
-    from zp_client import LocalBudget
-    from autogen_zp import ZPOpenAIChatCompletionClient
-
-    budget = LocalBudget(limit_blocks=24_000)
-    model_client = ZPOpenAIChatCompletionClient(
-        model="m", base_url="http://localhost:8000/v1", api_key="x", budget=budget,
-        model_info={"vision": False, "function_calling": True, "json_output": True,
-                    "family": "unknown", "structured_output": True},
-    )
-    agent = AssistantAgent("assistant", model_client=model_client)
-
-:class:`ZPOpenAIChatCompletionClient` is an ``OpenAIChatCompletionClient`` that builds its ``AsyncOpenAI``
-the same way, then passes it through :func:`zp_client.wrap`. ``max_retries`` defaults to 0: zp's retry
-policy is the only retry loop. Install from the zp-client clone: ``pip install -e . -e
-integrations/autogen``. What callers may rely on: docs/integrations.md.
+:class:`ZPOpenAIChatCompletionClient` is an ``OpenAIChatCompletionClient`` whose ``AsyncOpenAI`` goes
+through :func:`zp_client.wrap` (``budget=`` is the one extra argument; ``max_retries`` defaults to 0).
+Install: ``pip install -e . -e integrations/autogen``. Example and what callers may rely on:
+docs/integrations.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """langchain-zp: LangChain's OpenAI models, admission-gated: every call takes a lease on a zp budget first.
 
-::
+    llm = ZPChatOpenAI(model="m", base_url="http://localhost:8000/v1", api_key="x", budget=budget)
 
-    from zp_client import LocalBudget
-    from langchain_zp import ZPChatOpenAI
-
-    budget = LocalBudget(limit_blocks=24_000)
-    llm = ZPChatOpenAI(model="m", base_url="http://localhost:8000/v1", api_key="x", budget=budget,
-                       max_tokens=512, zp_priority=1)
-    llm.invoke("hi"); await llm.ainvoke("hi"); llm.stream(...); llm.bind_tools([...]).batch([...])
-
-:class:`ZPChatOpenAI` (a ``ChatOpenAI``) and :class:`ZPOpenAI` (the completions ``OpenAI`` LLM) build
-their openai clients as their base classes do, then pass each through :func:`zp_client.wrap`;
-:func:`admit_langchain` gives an admitted copy of an existing model. ``max_retries`` defaults to 0: zp's
-retry policy is the only retry loop. Install from the zp-client clone: ``pip install -e . -e
+:class:`ZPChatOpenAI`, :class:`ZPOpenAI` and :func:`admit_langchain` pass their openai clients through
+:func:`zp_client.wrap`; ``max_retries`` defaults to 0. Install: ``pip install -e . -e
 integrations/langchain``. What callers may rely on: docs/integrations.md.
 """
 
