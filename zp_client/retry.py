@@ -492,7 +492,7 @@ class RetryPolicy:
     def backoff(self, retry_number: int) -> float:
         """A full-jitter delay before retry ``retry_number`` (0-based): uniform in
         ``[0, min(backoff_max_s, backoff_initial_s * 2**retry_number)]``."""
-        call_state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+        call_state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]  # tenacity types retry_object as required; wait strategies never read it
         call_state.attempt_number = retry_number + 1
         return float(self._wait(call_state))
 

@@ -225,7 +225,7 @@ class LocalBudget(Budget):
         """A budget using ``block_size``, ``starvation_bound_s`` and ``longest_first_s`` from
         :class:`~zp_client.Settings`."""
         if settings is None:
-            from zp_client.config import Settings  # noqa: PLC0415
+            from zp_client.config import Settings  # noqa: PLC0415 - pydantic-settings loads only when a caller asks for Settings
 
             settings = Settings()
         kwargs.setdefault("starvation_bound_s", settings.starvation_bound_s)
