@@ -179,3 +179,48 @@ async def test_a_callers_exhausted_sync_pool_is_back_pressure_not_an_outage(
     await b.aclose()
     client.close()
     await aclient.aclose()
+
+
+async def test_a_herd_of_default_retries_on_a_redis_budget_is_retried_not_refused(
+    redis_url: str, keys_cleanup: str, caplog: Any
+) -> None:
+    """Every front end retries by default on the KV budget's fleet-wide retry budget: a herd of 400
+    requests each answered 503 once must all be retried (the retry budget's own Redis pool is
+    back-pressure too), none refused for an "unavailable" retry budget."""
+    import httpx
+
+    from zp_client import AsyncAdmissionTransport, Settings
+    from zp_client.retry import testing
+
+    seen: dict[str, int] = {}
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        user = request.headers["x-user"]
+        seen[user] = seen.get(user, 0) + 1
+        if seen[user] == 1:
+            return httpx.Response(503, json={"error": {"message": "busy"}})
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "ok"}}],
+                                         "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+
+    # ratio 1: every request earns a retry, so only a broken retry budget can refuse one
+    settings = Settings(retry_budget_ratio=1.0, max_model_len=1024, stream_upstream=False)
+    # room for all 400 at once: their 400 retry decisions then reach Redis together
+    budget = RedisBudget(redis_url, keys_cleanup, limit_blocks=1_000, recovery_s=0, policy="strict")
+    transport = AsyncAdmissionTransport(httpx.MockTransport(upstream), budget=budget, settings=settings)
+    caplog.set_level(logging.INFO)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://up/v1") as client:
+            async def one(i: int) -> int:
+                r = await client.post("/chat/completions", headers={"x-user": str(i)},
+                                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                            "max_tokens": 8})
+                return r.status_code
+
+            with testing():
+                codes = await asyncio.gather(*(one(i) for i in range(400)))
+    finally:
+        await budget.aclose()
+    assert codes == [200] * 400
+    assert all(n == 2 for n in seen.values()) and len(seen) == 400
+    assert not [r for r in caplog.records if "retry budget" in r.getMessage()]
+    assert _outage_records(caplog) == []

@@ -308,11 +308,23 @@ class RedisBudget(Budget):
         if side is not None:
             await side.aclose()
         self._stop_sync()
+        shared = self._shared_retry_budget()
+        if shared is not None:
+            await shared.aclose()
 
     def close_sync(self) -> None:
         """Stop the sync keeper thread (for programs without an event loop)."""
         self._closed = True
         self._stop_sync()
+        shared = self._shared_retry_budget()
+        if shared is not None:
+            shared.close()
+
+    def _shared_retry_budget(self) -> RedisRetryBudget | None:
+        """The retry budget :meth:`retry_budget` handed out, if any (it is closed with this budget)."""
+        made = getattr(self, "_zp_shared_retry_budget", None)
+        rb = made[1] if made is not None else None
+        return rb if isinstance(rb, RedisRetryBudget) else None
 
     # ------------------------------------------------------------------ internals
     def _validate(

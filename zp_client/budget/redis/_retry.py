@@ -15,11 +15,15 @@ from typing import Any
 import anyio
 import redis
 import redis.asyncio
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, RedisError
 
-from zp_client.budget.redis._script import load_lua
+from zp_client.budget.redis._script import POOL_SIZE, load_lua
 from zp_client.errors import ConfigurationError
 from zp_client.retry import validate_retry_budget_params
+
+# A full pool (only a caller's non-blocking one: the budget's own pools block) is back-pressure: waited
+# out for up to ~10 s in growing steps before it counts as a failure like any other Redis error.
+_POOL_FULL_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05) + (0.1,) * 99
 
 log = logging.getLogger("zp_client.retry")
 
@@ -101,7 +105,10 @@ class RedisRetryBudget:
                         "this RedisRetryBudget has only an async client; use the *_async methods "
                         "(RetryPolicy.new_request_async / decide_async) or pass url= or client="
                     )
-                self._client = redis.Redis.from_url(self._url)
+                # Blocking pool: a herd of retries waits for a connection (back-pressure, not an outage).
+                pool = redis.BlockingConnectionPool.from_url(self._url, max_connections=POOL_SIZE,
+                                                             timeout=None)
+                self._client = redis.Redis.from_pool(pool)
                 self._owns_sync = True
             self._script = self._client.register_script(load_lua("retry_budget.lua"))
         return self._script
@@ -110,7 +117,11 @@ class RedisRetryBudget:
         loop = asyncio.get_running_loop()
         if self._owns_async and self._async_loop is not loop:
             # redis.asyncio connections belong to the loop that made them; a client made on another
-            # (finished) loop cannot be reused, so this budget makes a fresh one for this loop.
+            # (finished) loop cannot be reused, so this budget makes a fresh one for this loop. The old
+            # one's sockets are dropped without awaiting on a loop that may be gone.
+            old = self._async_client
+            if old is not None:
+                old.connection_pool.reset()
             self._async_client = None
             self._async_script = None
             self._owns_async = False
@@ -118,7 +129,9 @@ class RedisRetryBudget:
             if self._async_client is None:
                 if self._url is None:
                     return None
-                self._async_client = redis.asyncio.Redis.from_url(self._url)
+                pool = redis.asyncio.BlockingConnectionPool.from_url(
+                    self._url, max_connections=POOL_SIZE, timeout=None)
+                self._async_client = redis.asyncio.Redis.from_pool(pool)
                 self._owns_async = True
                 self._async_loop = loop
             self._async_script = self._async_client.register_script(load_lua("retry_budget.lua"))
@@ -169,6 +182,11 @@ class RedisRetryBudget:
 
     def _call_sync(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
         try:
+            for wait_s in _POOL_FULL_BACKOFF_S:
+                try:
+                    return list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
+                except MaxConnectionsError:  # a caller's full non-blocking pool: wait for a connection
+                    time.sleep(wait_s)
             return list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
         except (RedisError, OSError):
             self._return_pending(deposits)
@@ -208,7 +226,14 @@ class RedisRetryBudget:
                 return await anyio.to_thread.run_sync(
                     lambda: list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
                 )
-            result = await script(keys=[self.key], args=self._args(deposits, spend))
+            for wait_s in _POOL_FULL_BACKOFF_S:
+                try:
+                    result = await script(keys=[self.key], args=self._args(deposits, spend))
+                    break
+                except MaxConnectionsError:  # a caller's full non-blocking pool: wait for a connection
+                    await anyio.sleep(wait_s)
+            else:
+                result = await script(keys=[self.key], args=self._args(deposits, spend))
             return [x.decode() if isinstance(x, bytes) else x for x in result]
         except (RedisError, OSError):
             self._return_pending(deposits)
@@ -226,11 +251,17 @@ class RedisRetryBudget:
         return [0, 0, 0, "0"]
 
     async def aclose(self) -> None:
-        """Close the clients this budget created itself (not the ones passed in)."""
+        """Write pending deposits, then close the clients this budget created itself (not the ones
+        passed in). A failed final write is logged, not raised."""
+        try:
+            await self.flush_async()
+        except (RedisError, OSError) as exc:
+            log.warning("retry budget %r: pending deposits not written at close: %r", self.name, exc)
         if self._owns_async and self._async_client is not None:
             await self._async_client.aclose()
         self.close()
 
     def close(self) -> None:
+        """Close the sync client this budget created itself (not one passed in)."""
         if self._owns_sync and self._client is not None:
             self._client.close()
