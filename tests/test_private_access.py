@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from zp_client._httplib import module_of
-from zp_client._private import http_mounts, http_transport, sdk_http_client
+from zp_client._private import has_read_body, http_mounts, http_transport, sdk_http_client
 from zp_client.errors import ConfigurationError
 
 try:
@@ -52,3 +52,13 @@ def test_a_renamed_attribute_raises_a_configuration_error() -> None:
     for fn, attr in ((sdk_http_client, "_client"), (http_transport, "_transport"), (http_mounts, "_mounts")):
         with pytest.raises(ConfigurationError, match=attr):
             fn(Renamed())
+
+
+@pytest.mark.openai_compat
+@pytest.mark.parametrize("mod", LIBS, ids=lambda m: m.__name__)
+def test_has_read_body_tells_a_read_response_from_a_stream(mod: ModuleType) -> None:
+    assert has_read_body(mod.Response(200, content=b"abc"))  # built with its body
+    streamed = mod.Response(200, stream=mod.ByteStream(b"abc"))
+    assert not has_read_body(streamed)
+    streamed.read()
+    assert has_read_body(streamed)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
+from zp_client._private import has_read_body
 from zp_client._release import Holder, finalize
 from zp_client._sse import REASSEMBLY_DROPPED_HEADERS, Scanner
 from zp_client.config import Settings
@@ -149,8 +150,8 @@ class HttpLib:
 
     @staticmethod
     def is_preread(resp: Any) -> bool:
-        """The response arrived already read (``_content`` is where both libraries keep a read body)."""
-        return bool(getattr(resp, "is_closed", False)) or hasattr(resp, "_content")
+        """The response arrived already read (closed, or holding its body: see ``_private.read_body``)."""
+        return bool(getattr(resp, "is_closed", False)) or has_read_body(resp)
 
     def preread_response(self, resp: Any, content: bytes, rewritten: bool) -> Any:
         if not rewritten:

@@ -11,7 +11,7 @@ from typing import Any
 
 from zp_client.errors import ConfigurationError
 
-__all__ = ["sdk_http_client", "resource_client", "http_transport", "http_mounts"]
+__all__ = ["sdk_http_client", "resource_client", "http_transport", "http_mounts", "has_read_body"]
 
 
 def _missing(obj: Any, attr: str) -> ConfigurationError:
@@ -51,3 +51,9 @@ def http_mounts(http: Any) -> dict[Any, Any]:
     except AttributeError:
         raise _missing(http, "_mounts") from None
     return mounts
+
+
+def has_read_body(resp: Any) -> bool:
+    """Whether an ``httpx`` / ``httpx2`` response already holds its whole body (``Response._content``,
+    set by ``read()`` or by a response built with ``content=``; httpx has no public flag for it)."""
+    return hasattr(resp, "_content")

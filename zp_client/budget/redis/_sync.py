@@ -183,6 +183,13 @@ class SyncFace:
                 log.debug("zp_client: sync mailbox BLPOP failed: %r", exc)
                 time.sleep(min(self.core.cfg.poll_interval_s, 0.2))
                 continue
+            except CALL_FAILED as exc:  # e.g. NOPERM: the thread lives on; waiters fall back to polling
+                if self.closed:
+                    return
+                log.warning("zp_client: sync mailbox BLPOP of Redis budget %r failed: %r",
+                            self.core.name, exc)
+                time.sleep(self.core.cfg.poll_interval_s)
+                continue
             if item is None:
                 continue
             with self.lock:
