@@ -7,6 +7,7 @@ the module is ``openai_compat``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -158,3 +159,57 @@ def test_two_wrapped_clients_on_one_redis_budget_draw_from_one_redis_retry_budge
     finally:
         budget.close_sync()
         second_process.close_sync()
+
+
+class _FakeClock:
+    """Virtual time: sleeping advances it at once."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def sleep_sync(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+def test_the_default_policy_sleeps_on_the_transports_clock(flavour: str) -> None:
+    import httpx
+
+    from zp_client import AdmissionTransport, AsyncAdmissionTransport
+
+    seen: list[int] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(1)
+        if len(seen) == 1:
+            return httpx.Response(429, headers={"retry-after": "7"}, json={"error": {"message": "busy"}})
+        return httpx.Response(200, json={"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+
+    clock = _FakeClock()
+    settings = Settings(max_model_len=MAX_MODEL_LEN, stream_upstream=False)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    started = time.monotonic()
+    if flavour == "sync":
+        t = AdmissionTransport(httpx.MockTransport(upstream), budget=LocalBudget(limit_blocks=100),
+                               settings=settings, clock=clock)
+        with httpx.Client(transport=t, base_url="http://up/v1") as c:
+            assert c.post("/chat/completions", json=body).status_code == 200
+    else:
+        async def main() -> None:
+            t = AsyncAdmissionTransport(httpx.MockTransport(upstream), budget=LocalBudget(limit_blocks=100),
+                                        settings=settings, clock=clock)
+            async with httpx.AsyncClient(transport=t, base_url="http://up/v1") as c:
+                assert (await c.post("/chat/completions", json=body)).status_code == 200
+        anyio.run(main)
+    assert clock.slept == [7.0] and clock.now == 1007.0  # the server's Retry-After, in virtual time
+    assert time.monotonic() - started < 5.0  # not 7 real seconds
+    assert len(seen) == 2

@@ -197,13 +197,13 @@ class RequestForecaster(Protocol):
     def observe(self, key: str, completion_tokens: int) -> None: ...
 
 
-def default_retry(budget: Budget, settings: Settings) -> RetryPolicy:
+def default_retry(budget: Budget, settings: Settings, clock: Clock | None = None) -> RetryPolicy:
     """The retry policy a front end gets when it is given none: :meth:`RetryPolicy.from_settings`
     (``Settings.retry_*``) drawing on the KV budget's own shared retry budget
-    (:meth:`Budget.retry_budget`, fleet-wide for a RedisBudget)."""
+    (:meth:`Budget.retry_budget`, fleet-wide for a RedisBudget), sleeping on ``clock`` (the core's)."""
     from zp_client.retry import RetryPolicy
 
-    return RetryPolicy.from_settings(settings, budget=budget.retry_budget(settings))
+    return RetryPolicy.from_settings(settings, budget=budget.retry_budget(settings), clock=clock)
 
 
 _forecasters: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -258,7 +258,6 @@ class Core:
 
             estimator = Estimator(self.settings)
         self.estimator = estimator
-        self.retry = default_retry(budget, self.settings) if retry is None else (retry or None)
         # Elastic metadata is worth its cost only when the budget's policy reads it.
         self.elastic = getattr(budget, "policy_name", "strict") == "elastic"
         if forecaster is None and self.elastic:
@@ -266,6 +265,7 @@ class Core:
         self.forecaster = forecaster
         self.lib = lib
         self.clock: Clock = clock if clock is not None else SYSTEM_CLOCK
+        self.retry = default_retry(budget, self.settings, self.clock) if retry is None else (retry or None)
         self.stream_upstream = (
             self.settings.stream_upstream if stream_upstream is None else bool(stream_upstream)
         )

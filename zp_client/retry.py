@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import anyio
 import tenacity
 
+from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import ConfigurationError, DeadlineExceeded, RetryBudgetExhausted, ZPError
 
 if TYPE_CHECKING:
@@ -352,7 +353,7 @@ class RetryState:
     budget ticket so a retry keeps its place in line."""
 
     started_at: float = field(default_factory=time.monotonic)
-    """``time.monotonic()`` when the logical request began."""
+    """When the logical request began, on the policy's clock (:func:`time.monotonic` by default)."""
     attempts: int = 0
     """Attempts decided on so far (incremented by each :meth:`RetryPolicy.decide`)."""
     retries: int = 0
@@ -361,10 +362,12 @@ class RetryState:
     """Sum of the delays of the granted retries."""
     last_reason: str = ""
     ticket: Any = None
+    now: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    """The clock ``started_at`` and :attr:`elapsed_s` read (the policy's ``clock.monotonic``)."""
 
     @property
     def elapsed_s(self) -> float:
-        return time.monotonic() - self.started_at
+        return self.now() - self.started_at
 
 
 @dataclass(frozen=True)
@@ -434,6 +437,7 @@ class RetryPolicy:
         on_retry: Iterable[Hook] = (),
         on_give_up: Iterable[Hook] = (),
         min_attempt_s: float = 0.5,
+        clock: Clock | None = None,
     ) -> None:
         if not isinstance(max_attempts, int) or max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
@@ -464,6 +468,7 @@ class RetryPolicy:
         self.on_retry: list[Hook] = list(on_retry)
         self.on_give_up: list[Hook] = list(on_give_up)
         self.min_attempt_s = float(min_attempt_s)
+        self.clock: Clock = clock if clock is not None else SYSTEM_CLOCK
         # tenacity's "Full Jitter": uniform(0, min(max, multiplier * 2 ** (attempt_number - 1))).
         self._wait = tenacity.wait_random_exponential(multiplier=self.backoff_initial_s,
                                                       max=self.backoff_max_s)
@@ -505,7 +510,11 @@ class RetryPolicy:
                 self.budget.record_request()
             except Exception:
                 log.warning("retry budget: could not record a request", exc_info=True)
-        return RetryState()
+        return self._new_state()
+
+    def _new_state(self) -> RetryState:
+        now = self.clock.monotonic
+        return RetryState(started_at=now(), now=now)
 
     async def new_request_async(self) -> RetryState:
         """:meth:`new_request` for async transports (no blocking network I/O on the event loop)."""
@@ -518,7 +527,7 @@ class RetryPolicy:
                     self.budget.record_request()
             except Exception:
                 log.warning("retry budget: could not record a request", exc_info=True)
-        return RetryState()
+        return self._new_state()
 
     def decide(
         self,
@@ -580,14 +589,14 @@ class RetryPolicy:
             _record_skipped_sleep(seconds)
             await anyio.sleep(0)
             return
-        await anyio.sleep(max(0.0, seconds))
+        await self.clock.sleep(max(0.0, seconds))
 
     def sleep_sync(self, seconds: float) -> None:
         """Blocking form of :meth:`sleep`."""
         if is_testing():
             _record_skipped_sleep(seconds)
             return
-        time.sleep(max(0.0, seconds))
+        self.clock.sleep_sync(max(0.0, seconds))
 
     # -- internals -----------------------------------------------------------------------------------
 
