@@ -199,7 +199,7 @@ def test_redis_restart_under_load_never_over_admits(redis_url: str, redis_prefix
     proc, port = start_redis_server()
     budget_url = f"redis://127.0.0.1:{port}/0"
     # The counter lives on the session Redis, which is not restarted.
-    args = _args(budget_url, redis_prefix, count_url=redis_url, limit=24, ttl=1.5, poll=0.3, recovery_s=1.5,
+    args = _args(budget_url, redis_prefix, count_url=redis_url, limit=24, ttl=1.5, poll=0.3, recovery=1.5,
                  tasks=30, rounds=6, max_weight=8, body_s=0.05)
     args["count_key"] = f"{redis_prefix}:test-held"
     sampler = _Sampler(redis_url, args["count_key"])
