@@ -224,3 +224,22 @@ async def test_a_herd_of_default_retries_on_a_redis_budget_is_retried_not_refuse
     assert all(n == 2 for n in seen.values()) and len(seen) == 400
     assert not [r for r in caplog.records if "retry budget" in r.getMessage()]
     assert _outage_records(caplog) == []
+
+
+def test_the_outage_deadline_starts_at_the_first_connection_failure_not_at_a_full_pool() -> None:
+    """A long wait on a caller's full pool is back-pressure: it must not use up ``unavailable_timeout_s``,
+    so a connection error after it is still retried (for the whole timeout) instead of raising at once."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from zp_client.budget.redis._script import Attempts
+    from zp_client.errors import BudgetUnavailable
+
+    budget = RedisBudget("redis://127.0.0.1:1/0", "zptest-deadline", 10, unavailable_timeout_s=0.2)
+    attempts = Attempts(budget._core, "acquire", patient=True)
+    for _ in range(3):
+        assert attempts.after(MaxConnectionsError("pool full")) >= 0
+    time.sleep(0.3)  # longer than unavailable_timeout_s, all of it waiting for a connection
+    assert attempts.after(RedisConnectionError("refused")) > 0  # retried, not BudgetUnavailable
+    time.sleep(0.3)
+    with pytest.raises(BudgetUnavailable):
+        attempts.after(RedisConnectionError("refused"))

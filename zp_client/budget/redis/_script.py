@@ -192,7 +192,7 @@ class Attempts:
         self.text, self.sha = scripts()[script]
         self.patient = patient
         self.load = False
-        self._deadline = time.monotonic() + core.cfg.unavailable_timeout_s
+        self._deadline: float | None = None  # set at the first real connection failure, not a full pool
         self._delay = 0.02
         self._full_delay = 0.001
 
@@ -211,7 +211,10 @@ class Attempts:
             return delay
         if isinstance(exc, UNAVAILABLE):
             core.mark_available(False)
-            if not self.patient or time.monotonic() + self._delay > self._deadline:
+            now = time.monotonic()
+            if self._deadline is None:
+                self._deadline = now + core.cfg.unavailable_timeout_s
+            if not self.patient or now + self._delay > self._deadline:
                 raise core.unavailable_error(exc) from exc
             delay, self._delay = self._delay, min(self._delay * 2, core.backoff_cap_s)
             return delay
