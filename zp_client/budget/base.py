@@ -185,6 +185,14 @@ class Budget(abc.ABC):
                     "ignoring %s", current[0], params)
             return current[1]
 
+    def _shared_retry_budget(self) -> RetryBudget | None:
+        """The retry budget :meth:`retry_budget` made, or None before its first call (for a backend's
+        close, which closes what it handed out)."""
+        with _retry_budget_lock:
+            made: tuple[tuple[float, float, float], RetryBudget] | None = getattr(
+                self, "_zp_shared_retry_budget", None)
+        return None if made is None else made[1]
+
     @contextlib.asynccontextmanager
     async def lease(
         self,

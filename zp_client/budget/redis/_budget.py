@@ -309,7 +309,7 @@ class RedisBudget(Budget):
             await side.aclose()
         self._stop_sync()
         shared = self._shared_retry_budget()
-        if shared is not None:
+        if isinstance(shared, RedisRetryBudget):
             await shared.aclose()
 
     def close_sync(self) -> None:
@@ -317,14 +317,8 @@ class RedisBudget(Budget):
         self._closed = True
         self._stop_sync()
         shared = self._shared_retry_budget()
-        if shared is not None:
+        if isinstance(shared, RedisRetryBudget):
             shared.close()
-
-    def _shared_retry_budget(self) -> RedisRetryBudget | None:
-        """The retry budget :meth:`retry_budget` handed out, if any (it is closed with this budget)."""
-        made = getattr(self, "_zp_shared_retry_budget", None)
-        rb = made[1] if made is not None else None
-        return rb if isinstance(rb, RedisRetryBudget) else None
 
     # ------------------------------------------------------------------ internals
     def _validate(
