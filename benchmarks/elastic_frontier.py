@@ -59,7 +59,7 @@ def run_one(workload: str, load: float, seed: int, setup: str, q: float | None, 
     cfg = StormConfig(workload=workload, seed=seed, setups=[setup], profile=profile, num_gpu_blocks=blocks,
                       max_model_len=mml, speedup=speedup or default_speedup, load_scale=load, elastic=tuning)
     wall = time.monotonic()
-    wl, facts, runs = asyncio.run(run_storm(cfg))
+    wl, facts, runs = run_storm(cfg)
     m = build_report(wl, facts, runs, cfg, "elastic_frontier")["setups"][0]
     keep = ("preemptions", "kv_usage_max", "ttft_p50", "ttft_p99", "itl_p99", "makespan", "errors", "ok", "sent",
             "valid", "effective_speedup")

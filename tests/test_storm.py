@@ -178,7 +178,7 @@ def test_slo_for_non_streamed_calls_allows_the_streamed_equivalent_duration() ->
 def test_tiny_storm_end_to_end_preempts_without_admission_and_never_with_zp(tmp_path) -> None:
     cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "naive", "zp-strict"],
                       profile="tiny", num_gpu_blocks=None, speedup=4.0, workload_overrides=dict(TINY))
-    wl, facts, runs = asyncio.run(run_storm(cfg))
+    wl, facts, runs = run_storm(cfg)
     report = build_report(wl, facts, runs, cfg, "pytest")
     jp, pp = write_report(report, tmp_path)
     assert pp.stat().st_size > 10_000  # a real PNG with three panels
@@ -212,8 +212,8 @@ def test_tiny_storm_end_to_end_preempts_without_admission_and_never_with_zp(tmp_
 @pytest.mark.redis
 def test_zp_redis_workers_share_one_budget_and_never_preempt(redis_url: str) -> None:
     cfg = StormConfig(workload="seed-burst", seed=1, setups=["no-admission", "zp-redis"], redis_url=redis_url,
-                      profile="tiny", num_gpu_blocks=None, speedup=4.0, workers=2, workload_overrides=dict(TINY))
-    wl, facts, runs = asyncio.run(run_storm(cfg))
+                      profile="tiny", num_gpu_blocks=None, speedup=4.0, workers=2, clock="real", workload_overrides=dict(TINY))
+    wl, facts, runs = run_storm(cfg)
     report = build_report(wl, facts, runs, cfg, "pytest")
     by = {m["setup"]: m for m in report["setups"]}
     zr = by["zp-redis"]
@@ -264,8 +264,8 @@ def test_a_failing_worker_process_fails_the_run_with_a_clear_error(restore_setup
 
     importlib.reload(importlib.import_module("_storm_crash_setups"))  # registers its setups again
     cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", setup], profile="tiny",
-                      num_gpu_blocks=None, speedup=4.0, workers=2, workload_overrides=dict(TINY))
+                      num_gpu_blocks=None, speedup=4.0, workers=2, clock="real", workload_overrides=dict(TINY))
     with pytest.raises(RuntimeError, match=message):
-        asyncio.run(run_storm(cfg))
+        run_storm(cfg)
     # no worker is left behind
     assert multiprocessing.active_children() == []

@@ -105,7 +105,7 @@ def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path) -> None:
     setups = ["no-admission", "zp-strict", "zp-elastic", "zp-oracle"]
     cfg = StormConfig(workload="seed-burst", seed=0, setups=setups, profile="tiny", num_gpu_blocks=None,
                       speedup=4.0, workload_overrides=dict(TINY), elastic=LAG_MARGIN)
-    wl, facts, runs = asyncio.run(run_storm(cfg))
+    wl, facts, runs = run_storm(cfg)
     report = build_report(wl, facts, runs, cfg, "pytest")
     jp, _ = write_report(report, tmp_path)
     data = json.loads(jp.read_text())
@@ -135,8 +135,8 @@ def test_zp_redis_elastic_workers_share_one_elastic_budget_and_never_preempt(red
         pytest.fail("RedisBudget does not take policy='elastic': zp-redis-elastic is not registered")
     cfg = StormConfig(workload="seed-burst", seed=1, setups=["no-admission", "zp-redis-elastic"],
                       redis_url=redis_url, profile="tiny", num_gpu_blocks=None, speedup=4.0, workers=2,
-                      workload_overrides=dict(TINY), elastic=LAG_MARGIN)
-    wl, facts, runs = asyncio.run(run_storm(cfg))
+                      workload_overrides=dict(TINY), elastic=LAG_MARGIN, clock="real")
+    wl, facts, runs = run_storm(cfg)
     report = build_report(wl, facts, runs, cfg, "pytest")
     assert report["elastic_tuning"] == {"headroom": TEST_HEADROOM}
     by = {m["setup"]: m for m in report["setups"]}

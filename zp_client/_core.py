@@ -264,7 +264,8 @@ class Core:
             forecaster = forecaster_for(budget)
         self.forecaster = forecaster
         self.lib = lib
-        self.clock: Clock = clock if clock is not None else SYSTEM_CLOCK
+        # the budget's clock unless told otherwise: one ``LocalBudget(clock=...)`` moves the whole client
+        self.clock: Clock = clock if clock is not None else getattr(budget, "clock", SYSTEM_CLOCK)
         self.retry = default_retry(budget, self.settings, self.clock) if retry is None else (retry or None)
         self.stream_upstream = (
             self.settings.stream_upstream if stream_upstream is None else bool(stream_upstream)

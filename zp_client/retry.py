@@ -15,7 +15,6 @@ import logging
 import math
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import anyio
 import tenacity
 
-from zp_client._clock import SYSTEM_CLOCK, Clock
+from zp_client._clock import SYSTEM_CLOCK, Clock, wall_time
 from zp_client.errors import ConfigurationError, DeadlineExceeded, RetryBudgetExhausted, ZPError
 
 if TYPE_CHECKING:
@@ -152,7 +151,7 @@ def parse_retry_after(headers: Mapping[str, str] | None, *, now: float | None = 
         import datetime as _dt
 
         when = when.replace(tzinfo=_dt.timezone.utc)
-    current = time.time() if now is None else now
+    current = wall_time() if now is None else now
     return max(0.0, when.timestamp() - current)
 
 
@@ -251,7 +250,7 @@ class LocalRetryBudget:
         window_s: float = 10.0,
         *,
         buckets: int = 10,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = SYSTEM_CLOCK.monotonic,
     ) -> None:
         validate_retry_budget_params(ratio, floor_per_s, window_s, buckets)
         self.ratio = float(ratio)
@@ -352,7 +351,7 @@ class RetryState:
     for the read-only counters and ``ticket``, a free slot where the transport keeps the first attempt's
     budget ticket so a retry keeps its place in line."""
 
-    started_at: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=SYSTEM_CLOCK.monotonic)
     """When the logical request began, on the policy's clock (:func:`time.monotonic` by default)."""
     attempts: int = 0
     """Attempts decided on so far (incremented by each :meth:`RetryPolicy.decide`)."""
@@ -362,7 +361,7 @@ class RetryState:
     """Sum of the delays of the granted retries."""
     last_reason: str = ""
     ticket: Any = None
-    now: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+    now: Callable[[], float] = field(default=SYSTEM_CLOCK.monotonic, repr=False, compare=False)
     """The clock ``started_at`` and :attr:`elapsed_s` read (the policy's ``clock.monotonic``)."""
 
     @property
@@ -464,11 +463,12 @@ class RetryPolicy:
         self.retry_on_504 = bool(retry_on_504)
         self.retry_read_timeouts = (
             self.retry_on_504 if retry_read_timeouts is None else bool(retry_read_timeouts))
-        self.budget: RetryBudget | None = LocalRetryBudget() if budget is _DEFAULT_BUDGET else budget
+        self.clock: Clock = clock if clock is not None else SYSTEM_CLOCK
+        self.budget: RetryBudget | None = (
+            LocalRetryBudget(clock=self.clock.monotonic) if budget is _DEFAULT_BUDGET else budget)
         self.on_retry: list[Hook] = list(on_retry)
         self.on_give_up: list[Hook] = list(on_give_up)
         self.min_attempt_s = float(min_attempt_s)
-        self.clock: Clock = clock if clock is not None else SYSTEM_CLOCK
         # tenacity's "Full Jitter": uniform(0, min(max, multiplier * 2 ** (attempt_number - 1))).
         self._wait = tenacity.wait_random_exponential(multiplier=self.backoff_initial_s,
                                                       max=self.backoff_max_s)
@@ -476,6 +476,7 @@ class RetryPolicy:
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> RetryPolicy:
         """A policy from :class:`~zp_client.Settings` (``ZP_RETRY_*``); keyword arguments win."""
+        clock: Clock = overrides.get("clock") or SYSTEM_CLOCK
         kwargs: dict[str, Any] = {
             "max_attempts": settings.retry_max_attempts,
             "backoff_initial_s": settings.retry_backoff_initial_s,
@@ -487,6 +488,7 @@ class RetryPolicy:
                 ratio=settings.retry_budget_ratio,
                 floor_per_s=settings.retry_budget_floor_per_s,
                 window_s=settings.retry_budget_window_s,
+                clock=clock.monotonic,
             ),
         }
         kwargs.update(overrides)

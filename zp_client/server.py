@@ -12,11 +12,11 @@ import json
 import logging
 import math
 import threading
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from zp_client._clock import SYSTEM_CLOCK
 from zp_client.errors import ConfigurationError, ServerInfoError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("zp_client.server")
+_now = SYSTEM_CLOCK.monotonic  # the failed-GET-models back-off is real time
 
 AsyncFetch = Callable[[str, str, Any], Awaitable[tuple[int, bytes]]]
 """(method, path, json_body or None) -> (status, body). ``path``: docs/admission.md#reading-the-server."""
@@ -316,11 +317,11 @@ class ServerInfo:
     def _should_fetch_models(self) -> bool:
         if self._models is not None:
             return False
-        return self._models_failed_at is None or time.monotonic() - self._models_failed_at >= _MODELS_RETRY_S
+        return self._models_failed_at is None or _now() - self._models_failed_at >= _MODELS_RETRY_S
 
     def _store_models(self, status: int, body: bytes) -> None:
         if status != 200:
-            self._models_failed_at = time.monotonic()
+            self._models_failed_at = _now()
             logger.warning("GET models answered HTTP %s; max_model_len unknown for now (%s)", status,
                            _error_detail(body))
             return
@@ -337,7 +338,7 @@ class ServerInfo:
                     # vLLM's cards say owned_by "vllm" (OpenAI's name the organisation)
                     vllm = vllm or card.get("owned_by") == "vllm"
         except (ValueError, AttributeError) as exc:
-            self._models_failed_at = time.monotonic()
+            self._models_failed_at = _now()
             logger.warning("GET models returned an unreadable body (%s); max_model_len unknown for now", exc)
             return
         self._models = models
@@ -367,7 +368,7 @@ class ServerInfo:
                     try:
                         status, body = await _ask(fetch, "GET models", "GET", "models", None)
                     except ServerInfoError as exc:
-                        self._models_failed_at = time.monotonic()
+                        self._models_failed_at = _now()
                         logger.warning("GET models failed (%s); max_model_len unknown for now", exc.__cause__)
                         return None
                     self._store_models(status, body)
@@ -385,7 +386,7 @@ class ServerInfo:
                     try:
                         status, body = _ask_sync(fetch, "GET models", "GET", "models", None)
                     except ServerInfoError as exc:
-                        self._models_failed_at = time.monotonic()
+                        self._models_failed_at = _now()
                         logger.warning("GET models failed (%s); max_model_len unknown for now", exc.__cause__)
                         return None
                     self._store_models(status, body)

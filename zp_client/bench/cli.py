@@ -11,7 +11,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import shlex
 import sys
@@ -130,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return p
 
     try:
-        wl, facts, runs = asyncio.run(run_storm(cfg, factory))
+        wl, facts, runs = run_storm(cfg, factory)
     except ZPError as exc:
         print(f"zp-client storm: {exc}", file=sys.stderr)
         return 2

@@ -67,7 +67,8 @@ def _local_elastic(ctx: SetupContext) -> Any:
         kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
     if ctx.elastic.longest_first_s is not None:
         kw["longest_first_s"] = ctx.elastic.longest_first_s
-    return LocalBudget(limit_blocks=_limit(ctx), block_size=ctx.block_size, policy="elastic", **kw)
+    return LocalBudget(limit_blocks=_limit(ctx), block_size=ctx.block_size, policy="elastic",
+                       clock=ctx.budget_clock(), **kw)
 
 
 async def _zp_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:

@@ -16,18 +16,19 @@ import contextlib
 import logging
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
 
+from zp_client._clock import real_monotonic
 from zp_client.bench.workloads import Session, Turn
 
 __all__ = [
     "Caller",
     "HarnessMonitor",
+    "LoopTimeClock",
     "RequestRecord",
     "VirtualClock",
     "run_sessions",
@@ -61,6 +62,31 @@ class VirtualClock:
     async def sleep(self, dt: float) -> None:
         if dt > 0:
             await self.sleep_until(self.now() + dt)
+
+
+class LoopTimeClock(VirtualClock):
+    """The running event loop's clock as a :class:`VirtualClock`: on the storm's virtual-time loop, the
+    virtual time every client and the simulator share; a sleep ends at its deadline exactly."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        super().__init__(loop.time, 1.0)
+        self._loop = loop
+
+    async def sleep_until(self, t: float) -> None:
+        if t <= self._loop.time():
+            return
+        fut = self._loop.create_future()
+        handle = self._loop.call_at(t, _resolve, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 @dataclass
@@ -105,15 +131,12 @@ class RequestRecord:
         return {
             "id": self.id, "session": self.session, "kind": self.kind,
             "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens, "true_out": self.true_out,
-            "t_submit": _r(self.t_submit), "t_first": _r(self.t_first), "t_end": _r(self.t_end),
-            "ttft": _r(self.ttft), "tpot": _r(self.tpot), "out_tokens": self.out_tokens,
+            # full precision: two runs of one seed on the virtual clock give equal floats
+            "t_submit": self.t_submit, "t_first": self.t_first, "t_end": self.t_end,
+            "ttft": self.ttft, "tpot": self.tpot, "out_tokens": self.out_tokens,
             "attempts": self.attempts, "ok": self.ok, "error": self.error, "sent": self.sent,
             "stream": self.stream,
         }
-
-
-def _r(x: float | None, nd: int = 5) -> float | None:
-    return None if x is None else round(x, nd)
 
 
 class Caller(Protocol):
@@ -244,8 +267,10 @@ class HarnessMonitor:
     system of this process (all its threads, the in-process simulator included) over the wall time.
     """
 
-    def __init__(self, interval_s: float = 0.01) -> None:
+    def __init__(self, interval_s: float = 0.01, *, sample_lag: bool = True) -> None:
         self.interval_s = interval_s
+        self.sample_lag = sample_lag
+        """False on a virtual-time loop: a nap there wakes exactly on time whatever the CPU does."""
         self.lags: list[float] = []
         self._wall0 = self._cpu0 = 0.0
         self.wall_s = self.cpu_s = 0.0
@@ -256,7 +281,7 @@ class HarnessMonitor:
 
     def mark(self) -> None:
         """Start measuring wall and CPU time from now (the run's t0, after setup work)."""
-        self._wall0 = time.perf_counter()
+        self._wall0 = real_monotonic()
         t = os.times()
         self._cpu0 = t.user + t.system
 
@@ -264,12 +289,13 @@ class HarnessMonitor:
         """Stop the wall and CPU clocks (the run's last request ended; teardown is not measured)."""
         if self._stopped is None:
             t = os.times()
-            self._stopped = (time.perf_counter() - self._wall0, t.user + t.system - self._cpu0)
+            self._stopped = (real_monotonic() - self._wall0, t.user + t.system - self._cpu0)
 
     async def __aenter__(self) -> HarnessMonitor:
         self._stopped = None
         self.mark()
-        self._task = asyncio.get_running_loop().create_task(self._sample())
+        if self.sample_lag:
+            self._task = asyncio.get_running_loop().create_task(self._sample())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -283,9 +309,9 @@ class HarnessMonitor:
 
     async def _sample(self) -> None:
         while True:
-            t = time.perf_counter()
+            t = real_monotonic()
             await asyncio.sleep(self.interval_s)
-            self.lags.append(max(0.0, time.perf_counter() - t - self.interval_s))
+            self.lags.append(max(0.0, real_monotonic() - t - self.interval_s))
 
     def summary(self) -> dict[str, Any]:
         lags = sorted(self.lags) or [0.0]

@@ -2,25 +2,34 @@
 
 Each setup runs against a FRESH :class:`~zp_client.sim.server.SimServer` with the same configuration
 (only the gateway timeout differs: ``no-admission`` runs without one, see :mod:`.setups`), in the same
-process and event loop as the load generator. ``zp-redis`` replays its sessions from worker processes
-that read the virtual clock over HTTP (``GET /sim/clock``).
+process and event loop as the load generator.
+
+``clock="virtual"`` (the default): every setup, and the unloaded probe, runs on its own fresh
+:class:`~zp_client.bench.vloop.VirtualTimeLoop` starting at 0, the clients reaching the simulator's app
+through :mod:`~zp_client.bench.memory`, the global ``random`` seeded from the storm's seed and the
+setup's name: a setup's records depend only on the seed, the workload and the setup (not on the other
+setups run, nor on the machine). ``clock="real"``: the simulator serves loopback HTTP in real time x
+``speedup``, as a deployment would; ``zp-redis`` replays its sessions from worker processes that read
+the virtual clock over HTTP (``GET /sim/clock``); only this mode can run them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import queue
-import time
+import random
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-from zp_client.bench.loadgen import HarnessMonitor, RequestRecord, VirtualClock, run_sessions
+from zp_client._clock import real_monotonic
+from zp_client.bench.loadgen import HarnessMonitor, LoopTimeClock, RequestRecord, VirtualClock, run_sessions
 from zp_client.bench.setups import HEADROOM, SETUPS, SetupContext, open_caller, zp_limit_blocks
 from zp_client.bench.tuning import ElasticTuning
 from zp_client.bench.workloads import (
@@ -32,8 +41,14 @@ from zp_client.bench.workloads import (
     count_chat_tokens,
     make_text,
 )
+from zp_client.errors import ConfigurationError
 
-__all__ = ["StormConfig", "SetupRun", "measure_unloaded", "run_storm"]
+__all__ = ["CLOCKS", "StormConfig", "SetupRun", "measure_unloaded", "run_storm"]
+
+#: The storm's clocks: ``virtual`` (default; deterministic, as fast as the CPU allows) and ``real``.
+CLOCKS = ("virtual", "real")
+
+T = TypeVar("T")
 
 log = logging.getLogger("zp_client.bench.runner")
 
@@ -55,6 +70,21 @@ class StormConfig:
     elastic: ElasticTuning = field(default_factory=ElasticTuning)
     """Overrides for the elastic setups (measurements); every setup, in every worker, gets them through
     its :class:`~zp_client.bench.setups.SetupContext`."""
+    clock: str = "virtual"
+    """``"virtual"`` or ``"real"`` (see the module docstring); ``speedup`` applies to ``real`` only."""
+
+    def __post_init__(self) -> None:
+        if self.clock not in CLOCKS:
+            raise ConfigurationError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
+
+    @property
+    def virtual(self) -> bool:
+        return self.clock == "virtual"
+
+    @property
+    def effective_speedup(self) -> float:
+        """Virtual seconds per loop second: 1 on the virtual clock (the loop's time IS virtual)."""
+        return 1.0 if self.virtual else self.speedup
 
 
 @dataclass
@@ -73,18 +103,40 @@ class SetupRun:
     metrics_preemptions: float | None = None
 
 
-def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None) -> Any:
+@contextlib.asynccontextmanager
+async def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None) -> AsyncIterator[Any]:
+    """A fresh simulator: in memory on the virtual clock, on loopback HTTP on the real one."""
     from zp_client.sim.server import SimServer
 
-    return SimServer(cfg.profile, num_gpu_blocks=cfg.num_gpu_blocks, speedup=cfg.speedup,
-                     gateway_timeout_s=gateway_timeout_s, seed=cfg.seed, max_model_len=cfg.max_model_len)
+    server = SimServer(cfg.profile, num_gpu_blocks=cfg.num_gpu_blocks, speedup=cfg.effective_speedup,
+                       gateway_timeout_s=gateway_timeout_s, seed=cfg.seed, max_model_len=cfg.max_model_len)
+    if cfg.virtual:
+        async with server.in_memory():
+            yield server
+    else:
+        async with server:
+            yield server
 
 
-async def _pool_facts(root_url: str) -> tuple[int, int, int, str]:
+def _http(server: Any, cfg: StormConfig) -> httpx.AsyncClient:
+    """An httpx client for the harness's own calls to ``server`` (/metrics, /v1/models)."""
+    transport = None
+    if cfg.virtual:
+        from zp_client.bench.memory import MemoryTransport
+
+        transport = MemoryTransport(server.app)
+    return httpx.AsyncClient(base_url=server.url, timeout=30, transport=transport)
+
+
+def _clock_for(server: Any, cfg: StormConfig) -> VirtualClock:
+    return LoopTimeClock() if cfg.virtual else VirtualClock(server.clock, cfg.speedup)
+
+
+async def _pool_facts(server: Any, cfg: StormConfig) -> tuple[int, int, int, str]:
     """(num_gpu_blocks, block_size, max_model_len, model) as a client learns them: /metrics, /v1/models."""
     from zp_client.server import parse_metrics
 
-    async with httpx.AsyncClient(base_url=root_url, timeout=30) as http:
+    async with _http(server, cfg) as http:
         m = parse_metrics((await http.get("/metrics")).text)
         models = (await http.get("/v1/models")).json()["data"]
     if m.num_gpu_blocks is None or m.block_size is None:
@@ -95,14 +147,12 @@ async def _pool_facts(root_url: str) -> tuple[int, int, int, str]:
 async def measure_unloaded(cfg: StormConfig) -> tuple[ServerFacts, str]:
     """A short single-request run on a fresh server: the unloaded TTFT and inter-token latency."""
     async with _sim_server(cfg, None) as server:
-        blocks, bs, mml, model = await _pool_facts(server.url)
-        import random
-
+        blocks, bs, mml, model = await _pool_facts(server, cfg)
         msgs = [{"role": "user", "content": make_text(512, random.Random(cfg.seed), "unloaded probe")}]
         turn = Turn(msgs, count_chat_tokens(msgs), 64, 64)
-        clock = VirtualClock(server.clock, cfg.speedup)
-        ctx = SetupContext(server.base_url, server.url, model, cfg.speedup, blocks, bs, 0,
-                           elastic=cfg.elastic)
+        clock = _clock_for(server, cfg)
+        ctx = SetupContext(server.base_url, server.url, model, cfg.effective_speedup, blocks, bs, 0,
+                           elastic=cfg.elastic, clock=cfg.clock, app=server.app)
         async with open_caller("no-admission", ctx) as caller:
             recs = await run_sessions([Session("probe", 0.0, "probe", [turn])], caller, clock, t0=clock.now())
         rec = recs[0]
@@ -116,19 +166,25 @@ async def measure_unloaded(cfg: StormConfig) -> tuple[ServerFacts, str]:
 async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_rps: float | None,
                    progress: Callable[[str, int], None]) -> SetupRun:
     spec = SETUPS[name]
+    if spec.workers > 1 and cfg.virtual:
+        raise ConfigurationError(f"setup {name} runs worker processes, which cannot share a virtual "
+                                 "clock: run it with --clock real")
+    # seeded per setup: openai's retry jitter and zp's full-jitter backoff draw from the global RNG
+    random.seed(f"zp-storm:{cfg.seed}:{name}")
     gateway = wl.gateway_timeout_s if spec.gateway else None
     async with _sim_server(cfg, gateway) as server:
-        blocks, bs, _, _ = await _pool_facts(server.url)
+        blocks, bs, _, _ = await _pool_facts(server, cfg)
         limit = zp_limit_blocks(blocks, HEADROOM)
-        ctx = SetupContext(server.base_url, server.url, model, cfg.speedup, blocks, bs, limit,
+        ctx = SetupContext(server.base_url, server.url, model, cfg.effective_speedup, blocks, bs, limit,
                            rate_rps=rate_rps, redis_url=cfg.redis_url,
-                           budget_name=f"zp-storm-{uuid.uuid4().hex[:12]}", elastic=cfg.elastic)
-        clock = VirtualClock(server.clock, cfg.speedup)
+                           budget_name=f"zp-storm-{uuid.uuid4().hex[:12]}", elastic=cfg.elastic,
+                           clock=cfg.clock, app=server.app)
+        clock = _clock_for(server, cfg)
 
         def done(rec: RequestRecord) -> None:
             progress(name, 1)
 
-        async with HarnessMonitor() as mon:
+        async with HarnessMonitor(sample_lag=not cfg.virtual) as mon:
             if spec.workers > 1:
                 records, t0 = await _run_workers(cfg, name, ctx, wl.sessions, clock, done, mon)
             else:
@@ -140,11 +196,12 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         if cfg.redis_url and SETUPS[name].needs_redis:
             await _delete_budget_keys(cfg.redis_url, ctx.budget_name)
         stats = server.stats(requests=True)
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        async with _http(server, cfg) as http:
             from zp_client.server import parse_metrics
 
             mp_total = parse_metrics((await http.get("/metrics")).text).num_preemptions_total
-        return SetupRun(name, records, stats, list(server.timeline), t0, mon.summary(), gateway,
+        harness = {**mon.summary(), "clock": cfg.clock}
+        return SetupRun(name, records, stats, list(server.timeline), t0, harness, gateway,
                         limit_blocks=limit if name.startswith("zp") or name == "clairvoyant" else None,
                         rate_rps=rate_rps if name == "rate-limited" else None,
                         metrics_preemptions=mp_total)
@@ -177,7 +234,7 @@ class _HttpClock:
         self.root_url = root_url
         self.speedup = speedup
         self._v = 0.0
-        self._w = time.perf_counter()
+        self._w = real_monotonic()
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
         self.refresh_errors = 0
@@ -195,7 +252,7 @@ class _HttpClock:
 
     async def _refresh(self) -> None:
         r = (await self._http.get("/sim/clock")).json()
-        self._v, self._w = float(r["clock_s"]), time.perf_counter()
+        self._v, self._w = float(r["clock_s"]), real_monotonic()
 
     async def _poll(self) -> None:
         while True:
@@ -207,7 +264,7 @@ class _HttpClock:
                 log.debug("the simulator clock poll failed (%d so far): %r", self.refresh_errors, exc)
 
     def now(self) -> float:
-        t = self._v + (time.perf_counter() - self._w) * self.speedup
+        t = self._v + (real_monotonic() - self._w) * self.speedup
         self._last = max(self._last, t)
         return self._last
 
@@ -317,10 +374,20 @@ def sustainable_rate(run: SetupRun) -> float:
     return len(ok) / makespan if makespan > 0 else 0.0
 
 
-async def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any] | None = None
-                    ) -> tuple[Workload, ServerFacts, list[SetupRun]]:
-    """Measure the unloaded server, build the workload, run every setup in ``cfg.setups`` in order."""
-    facts, model = await measure_unloaded(cfg)
+def _run(cfg: StormConfig, main: Coroutine[Any, Any, T]) -> T:
+    """Run one step of the storm on a fresh loop: a virtual-time one (from 0) or a normal one."""
+    if cfg.virtual:
+        from zp_client.bench.vloop import run_virtual
+
+        return run_virtual(main)
+    return asyncio.run(main)
+
+
+def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any] | None = None
+              ) -> tuple[Workload, ServerFacts, list[SetupRun]]:
+    """Measure the unloaded server, build the workload, run every setup in ``cfg.setups`` in order,
+    each on a fresh event loop (see the module docstring)."""
+    facts, model = _run(cfg, measure_unloaded(cfg))
     wl = build_workload(cfg.workload, facts, cfg.seed, time_scale=cfg.time_scale, load_scale=cfg.load_scale,
                         **cfg.workload_overrides)
     total = wl.num_requests
@@ -330,7 +397,7 @@ async def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int
     for name in cfg.setups:
         if prog is not None:
             prog.start(name)
-        run = await _run_one(cfg, name, wl, model, rate, prog.advance if prog else (lambda n, k: None))
+        run = _run(cfg, _run_one(cfg, name, wl, model, rate, prog.advance if prog else (lambda n, k: None)))
         if name == "no-admission":
             rate = sustainable_rate(run)
         runs.append(run)

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import logging
 import math
+import time as _time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,37 @@ class SetupContext:
     budget_name: str = "zp-storm"
     elastic: ElasticTuning = field(default_factory=ElasticTuning)
     """The elastic setups' measurement overrides (default: none, the library's defaults)."""
+    clock: str = "real"
+    """``"virtual"``: the run is on a :class:`~zp_client.bench.vloop.VirtualTimeLoop` and clients reach
+    the simulator's ``app`` in memory; ``"real"``: over loopback HTTP, sleeps scaled by ``speedup``."""
+    app: Any = field(default=None, repr=False, compare=False)
+    """The simulator's ASGI app (virtual clock only; never pickled to a worker: workers are real-time)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "app": None}
+
+    @property
+    def virtual(self) -> bool:
+        return self.clock == "virtual"
+
+    def http_client(self) -> Any:
+        """The ``http_client`` an openai client of this run gets: openai's default client over the
+        in-memory transport (virtual clock), or None (openai's own, over loopback TCP)."""
+        if not self.virtual:
+            return None
+        import openai
+
+        from zp_client.bench.memory import memory_transport
+
+        return openai.DefaultAsyncHttpxClient(transport=memory_transport(self.app))
+
+    def budget_clock(self) -> Any:
+        """The clock zp's budgets get: the running loop's (virtual time) or None (the system clock)."""
+        if not self.virtual:
+            return None
+        from zp_client._clock import LoopClock
+
+        return LoopClock()
 
 
 def zp_limit_blocks(num_gpu_blocks: int, headroom: float = HEADROOM) -> int:
@@ -214,6 +246,9 @@ def openai_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **kwargs:
     """An ``openai.AsyncOpenAI`` for the run's server whose retry backoff runs in virtual time."""
     from zp_client.bench.virtual_time import VirtualTimeAsyncOpenAI
 
+    http_client = ctx.http_client()
+    if http_client is not None:
+        kwargs.setdefault("http_client", http_client)
     client = VirtualTimeAsyncOpenAI(speedup=ctx.speedup, base_url=ctx.base_url, api_key="sk-storm-bench",
                                     **kwargs)
     stack.push_async_callback(client.close)
@@ -223,7 +258,8 @@ def openai_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **kwargs:
 async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, budget: Any,
                         **wrap_options: Any) -> Any:
     """``wrap(AsyncOpenAI)`` on ``budget`` with zp's default estimator (warmed up before the run) and
-    default retry policy (sleeping in virtual time); closes client and budget with ``stack``."""
+    default retry policy (sleeping in virtual time: on the budget's clock under the virtual clock, scaled
+    by ``speedup`` under the real one); closes client and budget with ``stack``."""
     from zp_client import wrap
     from zp_client.bench.virtual_time import VirtualTimeRetryPolicy
     from zp_client.config import Settings
@@ -235,7 +271,10 @@ async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, bud
     # first request of the run
     estimator = wrap_options.pop("estimator", None) or Estimator(Settings())
     estimator.count_text("warm up the tokenizer")
-    retry = wrap_options.pop("retry", None) or VirtualTimeRetryPolicy(ctx.speedup)
+    retry = wrap_options.pop("retry", None)
+    if retry is None and not ctx.virtual:
+        retry = VirtualTimeRetryPolicy.from_settings(Settings(), budget=budget.retry_budget(),
+                                                     speedup=ctx.speedup)
     client = wrap(raw, budget=budget, retry=retry, estimator=estimator, **wrap_options)
     stack.push_async_callback(client.close)
     return client
@@ -254,15 +293,42 @@ async def _rate_limited(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> 
 
     if not ctx.rate_rps:
         raise ConfigurationError("rate-limited needs the sustainable rate measured by no-admission")
+    if ctx.virtual:
+        _rate_limiter_on_loop_time(stack)
     limiter = InMemoryRateLimiter(requests_per_second=ctx.rate_rps * ctx.speedup,
                                   check_every_n_seconds=max(0.002, 0.05 / ctx.speedup), max_bucket_size=1)
     return AppCaller(openai_client(ctx, stack), ctx.model, app_retry=True, limiter=limiter)
 
 
+class _LoopTime:
+    """The ``time`` module as LangChain's rate limiter sees it on a virtual-time run: its ``monotonic``
+    is the event loop's clock; everything else is the real module's."""
+
+    def __init__(self, loop: Any) -> None:
+        self.monotonic = loop.time
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_time, name)
+
+
+def _rate_limiter_on_loop_time(stack: contextlib.AsyncExitStack) -> None:
+    """Point ``langchain_core.rate_limiters``' clock at the running loop's for this run (its token
+    bucket reads ``time.monotonic()``, its waits are ``asyncio.sleep``); restored when ``stack`` closes.
+    LangChain's own code runs unchanged."""
+    import asyncio
+
+    import langchain_core.rate_limiters as rl
+
+    original = getattr(rl, "time")  # noqa: B009 - the module's own import of time, not an export
+    setattr(rl, "time", _LoopTime(asyncio.get_running_loop()))  # noqa: B010 - a stand-in, on purpose
+    stack.callback(setattr, rl, "time", original)
+
+
 async def _zp_strict(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     from zp_client.budget.local import LocalBudget
 
-    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size, policy="strict")
+    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size, policy="strict",
+                         clock=ctx.budget_clock())
     return AppCaller(await zp_client_for(ctx, stack, budget), ctx.model, app_retry=True)
 
 
@@ -280,7 +346,8 @@ async def _zp_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Call
 async def _clairvoyant(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     from zp_client.budget.local import LocalBudget
 
-    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size, policy="strict")
+    budget = LocalBudget(limit_blocks=ctx.limit_blocks, block_size=ctx.block_size, policy="strict",
+                         clock=ctx.budget_clock())
     stack.push_async_callback(budget.aclose)
     return AppCaller(openai_client(ctx, stack, max_retries=0), ctx.model, app_retry=True, budget=budget,
                      block_size=ctx.block_size)

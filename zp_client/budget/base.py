@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 # The plain value types live in a module of their own so the ledger can use them without this one.
+from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 
 if TYPE_CHECKING:
@@ -88,6 +89,10 @@ class Budget(abc.ABC):
 
     block_size: int
 
+    clock: Clock = SYSTEM_CLOCK
+    """The clock this budget reads; transports, retry policies and retry budgets built on it default to
+    it (see :mod:`zp_client._clock`). :class:`~zp_client.LocalBudget` takes ``clock=``."""
+
     @property
     @abc.abstractmethod
     def limit(self) -> int:
@@ -157,7 +162,8 @@ class Budget(abc.ABC):
         """
         from zp_client.retry import LocalRetryBudget
 
-        return LocalRetryBudget(ratio=ratio, floor_per_s=floor_per_s, window_s=window_s)
+        return LocalRetryBudget(ratio=ratio, floor_per_s=floor_per_s, window_s=window_s,
+                                clock=self.clock.monotonic)
 
     def retry_budget(self, settings: Settings | None = None) -> RetryBudget:
         """The retry budget every front end on this KV budget shares (one per KV budget).

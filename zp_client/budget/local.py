@@ -17,12 +17,12 @@ import itertools
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import (
@@ -41,7 +41,6 @@ __all__ = ["LocalBudget"]
 
 logger = logging.getLogger("zp_client.budget.local")
 
-_monotonic = time.monotonic
 
 
 class _LocalLease(Lease):
@@ -176,7 +175,10 @@ class LocalBudget(Budget):
     default: admit on the projected peak of the pool; :mod:`zp_client.budget.elastic`; a lease without
     metadata is reserved at its bound, as strict would), ``"strict"`` (reserve every lease's bound:
     preemption impossible by construction) or a :class:`~zp_client.budget.ledger.ReservationPolicy`
-    object (an object with a ``block_size`` must agree with the budget's).
+    object (an object with a ``block_size`` must agree with the budget's). ``clock`` (default
+    :data:`~zp_client._clock.SYSTEM_CLOCK`) is what the budget reads for line order and backfill, and
+    what every transport, default retry policy and retry budget built on the budget reads too (the
+    storm passes a :class:`~zp_client._clock.LoopClock` on its virtual-time loop).
 
     Under ``elastic``, ``acquire(..., meta=...)`` carries what the policy projects from
     (``prompt_tokens``, ``forecast_tokens``, ``streaming``, ``prefix_key``, ``prefix_blocks``), and
@@ -199,7 +201,9 @@ class LocalBudget(Budget):
         policy: str | ReservationPolicy = "elastic",
         longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
         name: str = "local",
+        clock: Clock | None = None,
     ) -> None:
+        self.clock = clock if clock is not None else SYSTEM_CLOCK
         self.block_size = validate_blocks(block_size, "block_size")
         self.name = name
         pbs = getattr(policy, "block_size", None)
@@ -245,7 +249,7 @@ class LocalBudget(Budget):
                meta: Mapping[str, Any] | None = None,
                ) -> tuple[str, _LocalLease | None, list[_Waiter]]:
         """Enqueue and grant (caller holds the lock). Returns (id, own lease if admitted, others to wake)."""
-        now = _monotonic()
+        now = self.clock.monotonic()
         wid = f"L{next(self._ids)}"
         self._ledger.enqueue(wid, blocks, held, priority, now, ticket, meta=meta)
         mine, to_wake = self._hand_out(self._ledger.grant(now), own=wid)
@@ -281,7 +285,7 @@ class LocalBudget(Budget):
                     w.lease.release_sync()
 
     def _release(self, lease_id: str) -> None:
-        now = _monotonic()
+        now = self.clock.monotonic()
         with self._lock:
             if not self._ledger.release(lease_id, now):
                 return
@@ -298,7 +302,7 @@ class LocalBudget(Budget):
                 led.update_meta(lease_id, **fields)
             # Only a policy that reads progress can admit on it, and only if somebody waits.
             if live and led.progress_sensitive and len(led):
-                _, to_wake = self._hand_out(led.grant(_monotonic()))
+                _, to_wake = self._hand_out(led.grant(self.clock.monotonic()))
         if to_wake:
             self._wake(to_wake)
 
@@ -307,7 +311,7 @@ class LocalBudget(Budget):
 
         Returns its lease if the grant already happened (the caller decides: keep it or release it).
         """
-        now = _monotonic()
+        now = self.clock.monotonic()
         with self._lock:
             if waiter.lease is not None or waiter.error is not None:
                 return waiter.lease
@@ -418,7 +422,7 @@ class LocalBudget(Budget):
         ``granted`` (leases granted so far), besides the ledger's facts.
         """
         with self._lock:
-            s = self._ledger.status(_monotonic(), block_size=self.block_size)
+            s = self._ledger.status(self.clock.monotonic(), block_size=self.block_size)
             s.extra.update({"wakeups": self._wakeups, "granted": self._granted_total, "name": self.name})
         return s
 
@@ -433,7 +437,7 @@ class LocalBudget(Budget):
         :class:`~zp_client.LeaseTooLarge`.
         """
         limit = validate_blocks(limit, "limit_blocks")
-        now = _monotonic()
+        now = self.clock.monotonic()
         with self._lock:
             rejected = self._ledger.set_limit(limit, now)
             failed: list[_Waiter] = []

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from zp_client._clock import SYSTEM_CLOCK
 from zp_client.errors import ConfigurationError
 from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
 
@@ -185,7 +185,7 @@ class RedisLengthForecaster(LengthForecaster):
                     self._warned = True
                     log.warning("zp_client: fleet length forecaster %s cannot reach Redis (%r); forecasting "
                                 "from this process's observations until it is back", self._prefix, exc)
-                time.sleep(min(self._interval, 1.0))
+                SYSTEM_CLOCK.sleep_sync(min(self._interval, 1.0))
 
     def close(self) -> None:
         """Send what is pending (best effort) and stop the thread. Idempotent."""

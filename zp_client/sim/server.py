@@ -114,6 +114,24 @@ class _Record:
     finish: float | None = None
     status: str = "running"  # running | finished | aborted | gateway_timeout
     preemptions: int = 0
+    token_times: list[float] = field(default_factory=list, repr=False)
+    """The virtual time of every engine step that produced tokens for it (not in the JSON)."""
+
+
+async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
+    """Sleep until ``loop.time() >= when``, scheduled at ``when`` itself (``asyncio.sleep(when - now)``
+    would land an ulp off it, and on a virtual-time loop chunks would not arrive at their emission time)."""
+    fut = loop.create_future()
+    handle = loop.call_at(when, _resolve, fut)
+    try:
+        await fut
+    finally:
+        handle.cancel()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _new_future() -> asyncio.Future[None]:
@@ -205,7 +223,11 @@ class _Sim:
         self.records: dict[str, _Record] = {}
         self._pending: dict[str, tuple[_Pending, int]] = {}  # engine id -> (pending, choice index)
         self._arrivals = 0
-        self._real0 = time.monotonic()
+        # The event loop's clock: monotonic time under a normal loop, virtual time under the storm's
+        # virtual-time loop (which then runs with speedup 1). Bound in start(); wall-clock
+        # self-measurement (compute time, busy time) always uses perf_counter.
+        self._time: Any = time.monotonic
+        self._real0 = self._time()
         self._virt0 = 0.0
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -225,7 +247,7 @@ class _Sim:
 
     # -- clock ---------------------------------------------------------------------------------
     def _mapped(self, real: float | None = None) -> float:
-        return self._virt0 + ((time.monotonic() if real is None else real) - self._real0) * self.speedup
+        return self._virt0 + ((self._time() if real is None else real) - self._real0) * self.speedup
 
     def clock(self) -> float:
         """Virtual seconds now: the engine's clock while busy, real time x speedup while idle."""
@@ -235,8 +257,12 @@ class _Sim:
 
     # -- engine loop ---------------------------------------------------------------------------
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._time = loop.time
+        self._real0 = loop.time()
         self._wake = asyncio.Event()
-        self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="zp-sim-engine")
+        self._loop_task = loop.create_task(self._run_loop(), name="zp-sim-engine")
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -246,20 +272,21 @@ class _Sim:
 
     async def _run_loop(self) -> None:
         assert self._wake is not None
-        last_yield = time.monotonic()
+        loop = asyncio.get_running_loop()
+        last_yield = time.perf_counter()
         try:
             while True:
                 if not self.engine.has_unfinished():
                     if self._busy_since is not None:
-                        self.busy_wall_s += time.monotonic() - self._busy_since
+                        self.busy_wall_s += time.perf_counter() - self._busy_since
                         self._busy_since = None
                     self._wake.clear()
                     await self._wake.wait()
-                    self._busy_since = time.monotonic()
+                    self._busy_since = time.perf_counter()
                     continue
-                t0 = time.monotonic()
+                t0 = time.perf_counter()
                 out = self.engine.step()
-                t1 = time.monotonic()
+                t1 = time.perf_counter()
                 self.real_steps += 1
                 self.real_busy_s += t1 - t0
                 self._sample(out)
@@ -271,7 +298,7 @@ class _Sim:
                         await asyncio.wait_for(self._wake.wait(), 0.05)
                     continue
                 deadline = self._real0 + (out.end_time - self._virt0) / self.speedup
-                now = time.monotonic()
+                now = self._time()
                 self.lag_s = max(0.0, (now - deadline) * self.speedup)
                 self._lag_sum += self.lag_s
                 if self.lag_s > self.max_lag_s:
@@ -284,13 +311,13 @@ class _Sim:
                                        "virtual s behind its real-time schedule (lower --speedup)",
                                        self.speedup, self.lag_s)
                 if deadline > now:
-                    await asyncio.sleep(deadline - now)
-                    last_yield = time.monotonic()
-                elif now - last_yield > _MAX_UNYIELDED_S:
+                    await _sleep_until(loop, deadline)  # at the step's end exactly: no float drift
+                    last_yield = time.perf_counter()
+                elif time.perf_counter() - last_yield > _MAX_UNYIELDED_S:
                     # behind schedule: run steps back to back, yielding to the HTTP side only every
                     # few ms (a yield costs a poll syscall, which would otherwise dominate)
                     await asyncio.sleep(0)
-                    last_yield = time.monotonic()
+                    last_yield = time.perf_counter()
                 self._deliver(out)
         except asyncio.CancelledError:
             raise
@@ -334,6 +361,7 @@ class _Sim:
             if last is not None:
                 self._itl.observe(t - last)
             pending.last_token_t[idx] = t
+            pending.record.token_times.append(t)
             choice.generated += n
             pending.notify(first=True)
         for eid in out.finished:
@@ -437,7 +465,7 @@ class _Sim:
         engine_stats = {n: getattr(st, n, None) for n in names}
         busy = self.busy_wall_s
         if self._busy_since is not None:
-            busy += time.monotonic() - self._busy_since
+            busy += time.perf_counter() - self._busy_since
         out: dict[str, Any] = {
             "model": self.model,
             "profile": self.profile.name,
@@ -749,7 +777,7 @@ class _App:
             return "ready"
         disc = asyncio.ensure_future(self._watch_disconnect(request))
         try:
-            timeout = None if until is None else max(0.0, until - time.monotonic())
+            timeout = None if until is None else max(0.0, until - self.sim._time())
             done, _ = await asyncio.wait({target, disc}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if target in done:
                 return "ready"
@@ -769,7 +797,7 @@ class _App:
 
     def _deadline(self) -> float | None:
         g = self.sim.gateway_timeout_s
-        return None if g is None else time.monotonic() + g / self.sim.speedup
+        return None if g is None else self.sim._time() + g / self.sim.speedup
 
     # -- completions -----------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -1136,6 +1164,18 @@ class SimServer:
                 await self._serve_task
             self._serve_task = None
         await self._sim.stop()
+
+    @contextlib.asynccontextmanager
+    async def in_memory(self) -> AsyncIterator[SimServer]:
+        """Run the engine on the current event loop without a socket: callers reach :attr:`app` as an
+        ASGI app in memory (the storm's virtual-time runs do, through a streaming in-memory transport).
+        :attr:`url` becomes ``http://sim.memory:80``, a name only such a transport resolves."""
+        self._host, self._port = "sim.memory", 80
+        self._sim.start()
+        try:
+            yield self
+        finally:
+            await self._sim.stop()
 
     async def __aenter__(self) -> SimServer:
         await self.start()

@@ -10,9 +10,9 @@ import logging
 import math
 import secrets
 import threading
-import time
 from typing import Any
 
+from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
     CALL_FAILED,
@@ -112,7 +112,7 @@ class AsyncFace:
                     return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json)
                 args[4] = w.order = r.ticket.order  # a re-enqueue (after 'N') keeps the place in line
                 if r.recovery_left_s > 0:  # recovery ends: look again then rather than a poll interval later
-                    self.poll_at = min(self.poll_at, time.monotonic() + r.recovery_left_s + 0.005)
+                    self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + r.recovery_left_s + 0.005)
                     self.poll_hint.set()
                 self.start()
                 self.waiters_changed.set()
@@ -166,21 +166,21 @@ class AsyncFace:
         call heartbeats all of them, reaps, runs a grant pass and reports each waiter's state, so a lost
         wake-up costs at most one interval. Polls early when recovery is about to end."""
         interval = self.core.cfg.poll_interval_s
-        deadline = time.monotonic() + interval
+        deadline = SYSTEM_CLOCK.monotonic() + interval
         while not self.closed:
             if not self.waiters:
                 self.waiters_changed.clear()
                 await self.waiters_changed.wait()
-                deadline = time.monotonic() + interval
+                deadline = SYSTEM_CLOCK.monotonic() + interval
                 continue
-            delay = min(deadline, self.poll_at) - time.monotonic()
+            delay = min(deadline, self.poll_at) - SYSTEM_CLOCK.monotonic()
             if delay > 0:
                 self.poll_hint.clear()
                 with contextlib.suppress(asyncio.TimeoutError):  # the time came: poll
                     await asyncio.wait_for(self.poll_hint.wait(), delay)
                 continue  # recompute: the time came, or an earlier poll was asked for
             self.poll_at = math.inf
-            deadline = time.monotonic() + interval
+            deadline = SYSTEM_CLOCK.monotonic() + interval
             ids = list(self.waiters)
             if not ids:
                 continue
@@ -193,7 +193,7 @@ class AsyncFace:
             for rid, st in zip(ids, r[1:], strict=False):
                 self._resolve(rid, text(st))
             if rec_left > 0:  # recovery ends: look again then rather than a full interval later
-                self.poll_at = min(self.poll_at, time.monotonic() + rec_left + 0.005)
+                self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + rec_left + 0.005)
 
     def _deliver(self, msg: str) -> None:
         for rid in msg.split(","):
@@ -215,7 +215,7 @@ class AsyncFace:
         while not self.closed:
             await asyncio.sleep(period)
             for lid, give_up in list(self.retry_releases.items()):
-                if time.monotonic() > give_up:
+                if SYSTEM_CLOCK.monotonic() > give_up:
                     self.retry_releases.pop(lid, None)  # it has expired by TTL anyway
                     continue
                 try:

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import math
 import threading
-import time
 from typing import Any
 
 import anyio
@@ -17,6 +16,7 @@ import redis
 import redis.asyncio
 from redis.exceptions import MaxConnectionsError, RedisError
 
+from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.redis._script import POOL_SIZE, load_lua
 from zp_client.errors import ConfigurationError
 from zp_client.retry import validate_retry_budget_params
@@ -143,7 +143,7 @@ class RedisRetryBudget:
 
     def _take_pending(self, force: bool) -> int:
         with self._lock:
-            now = time.monotonic()
+            now = SYSTEM_CLOCK.monotonic()
             if not force and self._pending and now - self._last_flush < self._flush_interval_s:
                 return 0
             taken, self._pending = self._pending, 0
@@ -186,7 +186,7 @@ class RedisRetryBudget:
                 try:
                     return list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
                 except MaxConnectionsError:  # a caller's full non-blocking pool: wait for a connection
-                    time.sleep(wait_s)
+                    SYSTEM_CLOCK.sleep_sync(wait_s)
             return list(self._sync_script()(keys=[self.key], args=self._args(deposits, spend)))
         except (RedisError, OSError):
             self._return_pending(deposits)

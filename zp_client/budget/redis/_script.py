@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import secrets
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -27,6 +26,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.errors import BudgetUnavailable, ConfigurationError, LeaseTooLarge, ZPError
 
@@ -211,7 +211,7 @@ class Attempts:
             return delay
         if isinstance(exc, UNAVAILABLE):
             core.mark_available(False)
-            now = time.monotonic()
+            now = SYSTEM_CLOCK.monotonic()
             if self._deadline is None:
                 self._deadline = now + core.cfg.unavailable_timeout_s
             if not self.patient or now + self._delay > self._deadline:
@@ -459,7 +459,7 @@ class Core:
         log.warning("zp_client: release of %s... in Redis budget %r failed (%r); retrying in the background",
                     lid[:8], self.name, exc)
         self.counters["release_retried"] += 1
-        return time.monotonic() + self.cfg.lease_ttl_s
+        return SYSTEM_CLOCK.monotonic() + self.cfg.lease_ttl_s
 
     def mark_available(self, ok: bool) -> None:
         if ok and self.was_unavailable:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-import time
 from typing import Any
 
 import redis as redis_sync
 
+from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
     CALL_FAILED,
@@ -88,7 +88,7 @@ class SyncFace:
                 r = client.evalsha(sha, *core.key_args, *args)
             except HANDLED as exc:
                 tries = tries or core.attempts(script, patient)
-                time.sleep(tries.after(exc))
+                SYSTEM_CLOCK.sleep_sync(tries.after(exc))
                 continue
             if init and core.needs_init(r):
                 core.after_init(self.eval("init", core.init_args(), init=False, patient=patient))
@@ -108,7 +108,7 @@ class SyncFace:
         # Sync waiters share one mailbox, read by one pump thread (one connection per process, not per
         # waiting thread: a herd of threads must not hold the pool's connections in BLPOP).
         args = core.acquire_args(rid, bound, held, prio, order, core.sync_box, meta_json)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else SYSTEM_CLOCK.monotonic() + timeout
         wake = _SyncWaiter()
         with self.lock:
             self.waiters[rid] = wake  # registered before the call so a mailbox grant cannot be missed
@@ -121,7 +121,7 @@ class SyncFace:
                 poll = core.cfg.poll_interval_s
                 wait = poll if r.recovery_left_s <= 0 else min(poll, r.recovery_left_s + 0.005)
                 if deadline is not None:
-                    left = deadline - time.monotonic()
+                    left = deadline - SYSTEM_CLOCK.monotonic()
                     if left <= 0:
                         raise AdmissionTimeout(
                             f"waited {timeout:.3g} s for {bound} KV blocks in Redis budget {core.name!r} "
@@ -181,14 +181,14 @@ class SyncFace:
                     return
                 # Redis away: each waiter's own acquire call retries patiently
                 log.debug("zp_client: sync mailbox BLPOP failed: %r", exc)
-                time.sleep(min(self.core.cfg.poll_interval_s, 0.2))
+                SYSTEM_CLOCK.sleep_sync(min(self.core.cfg.poll_interval_s, 0.2))
                 continue
             except CALL_FAILED as exc:  # e.g. NOPERM: the thread lives on; waiters fall back to polling
                 if self.closed:
                     return
                 log.warning("zp_client: sync mailbox BLPOP of Redis budget %r failed: %r",
                             self.core.name, exc)
-                time.sleep(self.core.cfg.poll_interval_s)
+                SYSTEM_CLOCK.sleep_sync(self.core.cfg.poll_interval_s)
                 continue
             if item is None:
                 continue
@@ -233,9 +233,9 @@ class SyncFace:
     def _keeper_loop(self) -> None:
         """Thread: renew sync leases every TTL/3, flush their held reports, retry failed releases."""
         period = self.core.cfg.lease_ttl_s / 3
-        next_renew = time.monotonic() + period
+        next_renew = SYSTEM_CLOCK.monotonic() + period
         while not self.closed:
-            self.keeper_wake.wait(timeout=max(0.0, next_renew - time.monotonic()))
+            self.keeper_wake.wait(timeout=max(0.0, next_renew - SYSTEM_CLOCK.monotonic()))
             self.keeper_wake.clear()
             if self.closed:
                 return
@@ -244,12 +244,12 @@ class SyncFace:
                 reports = [le for lid in dirty if (le := self.leases.get(lid)) is not None]
                 retry = list(self.retry.items())
             self.send_reports(reports)
-            if time.monotonic() < next_renew:
+            if SYSTEM_CLOCK.monotonic() < next_renew:
                 continue
-            next_renew = time.monotonic() + period
+            next_renew = SYSTEM_CLOCK.monotonic() + period
             for lid, give_up in retry:
                 try:
-                    if time.monotonic() <= give_up:
+                    if SYSTEM_CLOCK.monotonic() <= give_up:
                         self.eval("release", self.core.release_args(lid), init=False, patient=False)
                     with self.lock:
                         self.retry.pop(lid, None)

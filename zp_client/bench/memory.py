@@ -1,0 +1,223 @@
+"""An in-memory, streaming ASGI transport for httpx and httpx2: client and simulator in one event loop.
+
+httpx's own ``ASGITransport`` (and httpx2's) collects the whole response before returning it, so a
+streamed completion would reach the client at once, when it ends. :class:`MemoryTransport` hands each
+``http.response.body`` message to the caller as the app sends it, so on the storm's virtual-time loop
+(:mod:`zp_client.bench.vloop`) a chunk arrives at the virtual time the simulator emitted it. No socket
+and no thread is involved: the loop's clock never has to wait for the outside world.
+
+What a socket would give is kept: the request's ``timeout`` extension is honoured (``read`` bounds the
+wait for the response head and for each body chunk, raising the library's ``ReadTimeout``, so
+openai's default timeout and its retries behave as over TCP); closing a response early, or cancelling
+the caller, is an ``http.disconnect`` for the app (the simulator aborts the request and frees its
+blocks); an app that fails before its response head answers 500, and one that fails mid-body ends the
+body with ``RemoteProtocolError``, as a dropped connection would.
+
+:func:`memory_transport` picks the class for the HTTP library a client is built on (openai 2.x: httpx,
+openai 3.x: httpx2; :func:`openai_http_module` tells which).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from types import ModuleType
+from typing import Any
+
+import httpx
+
+__all__ = ["MemoryTransport", "memory_transport", "openai_http_module"]
+
+log = logging.getLogger("zp_client.bench.memory")
+
+ASGIApp = Callable[..., Any]
+
+_APP_DONE = {"type": "zp.app.done"}
+
+
+class _Exchange:
+    """One request/response between a caller and the app, running as a task on the caller's loop."""
+
+    def __init__(self, app: ASGIApp, scope: dict[str, Any], body: bytes) -> None:
+        self._body: bytes | None = body
+        self._disconnected = asyncio.Event()
+        self.messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.error: BaseException | None = None
+        self.task = asyncio.get_running_loop().create_task(self._run(app, scope))
+
+    async def _run(self, app: ASGIApp, scope: dict[str, Any]) -> None:
+        try:
+            await app(scope, self._receive, self._send)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the caller as a 500 or a truncated body
+            log.exception("the ASGI app failed")
+            self.error = exc
+        finally:
+            self.messages.put_nowait(_APP_DONE)
+
+    async def _receive(self) -> dict[str, Any]:
+        if self._body is not None:
+            body, self._body = self._body, None
+            return {"type": "http.request", "body": body, "more_body": False}
+        # After the body, receive() returns only when the client goes away (as uvicorn's does).
+        await self._disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if not self._disconnected.is_set():
+            self.messages.put_nowait(message)
+
+    def disconnect(self) -> None:
+        self._disconnected.set()
+
+    async def next(self, timeout: float | None, on_timeout: Callable[[], BaseException]) -> dict[str, Any]:
+        try:
+            if timeout is None:
+                return await self.messages.get()
+            return await asyncio.wait_for(self.messages.get(), timeout)
+        except asyncio.TimeoutError:  # TimeoutError's alias from Python 3.11
+            self.disconnect()
+            raise on_timeout() from None
+        except BaseException:
+            self.disconnect()  # the caller was cancelled: the app sees the client leave
+            raise
+
+
+class _Body:
+    """The response body: yields the app's body messages as they are sent."""
+
+    def __init__(self, lib: ModuleType, exchange: _Exchange, request: Any,
+                 read_timeout: float | None) -> None:
+        self._lib, self._ex, self._request, self._timeout = lib, exchange, request, read_timeout
+        self._ended = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while not self._ended:
+            msg = await self._ex.next(self._timeout, self._read_timeout)
+            if msg is _APP_DONE:  # the app ended before its last body message: a truncated body
+                self._ended = True
+                raise self._lib.RemoteProtocolError(
+                    "peer closed connection without sending complete message body", request=self._request)
+            if msg.get("type") != "http.response.body":
+                continue
+            if chunk := msg.get("body", b""):
+                yield bytes(chunk)
+            if not msg.get("more_body", False):
+                self._ended = True
+
+    def _read_timeout(self) -> BaseException:
+        exc: BaseException = self._lib.ReadTimeout("timed out reading the response body",
+                                                    request=self._request)
+        return exc
+
+    async def aclose(self) -> None:
+        self._ended = True
+        self._ex.disconnect()
+
+
+class _HttpxBody(_Body, httpx.AsyncByteStream):
+    """httpx's body class over :class:`_Body`."""
+
+
+class _TransportBase:
+    """The shared logic of :class:`MemoryTransport` and its httpx2 counterpart."""
+
+    _lib: ModuleType
+    _body_cls: type[_Body]
+
+    def __init__(self, app: ASGIApp, *, client: tuple[str, int] = ("127.0.0.1", 50000)) -> None:
+        self.app = app
+        self.client = client
+        self.requests = 0
+        """Requests handled so far."""
+        self._open: set[_Exchange] = set()
+
+    def _scope(self, request: Any) -> dict[str, Any]:
+        url = request.url
+        port = url.port or (443 if url.scheme == "https" else 80)
+        return {
+            "type": "http",
+            # 2.3: Starlette's StreamingResponse then listens for http.disconnect while it streams
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": request.method,
+            "scheme": url.scheme,
+            "path": url.path,
+            "raw_path": url.raw_path.split(b"?")[0],
+            "root_path": "",
+            "query_string": url.query,
+            "headers": [(k.lower(), v) for k, v in request.headers.raw],
+            "client": self.client,
+            "server": (url.host, port),
+            "extensions": {},
+        }
+
+    async def handle_async_request(self, request: Any) -> Any:
+        lib = self._lib
+        body = await request.aread()
+        timeouts = request.extensions.get("timeout") or {}
+        read_timeout = timeouts.get("read")
+        self.requests += 1
+        ex = _Exchange(self.app, self._scope(request), body)
+        self._open.add(ex)
+        ex.task.add_done_callback(lambda _t: self._open.discard(ex))
+
+        def head_timeout() -> BaseException:
+            exc: BaseException = lib.ReadTimeout("timed out waiting for the response head", request=request)
+            return exc
+
+        while True:
+            msg = await ex.next(read_timeout, head_timeout)
+            if msg is _APP_DONE:  # the app ended (or failed) before sending its head
+                detail = repr(ex.error) if ex.error is not None else "no response"
+                return lib.Response(500, content=f"Internal Server Error ({detail})".encode(),
+                                    request=request)
+            if msg.get("type") == "http.response.start":
+                break
+        headers = [(bytes(k), bytes(v)) for k, v in msg.get("headers", [])]
+        stream = self._body_cls(lib, ex, request, read_timeout)
+        return lib.Response(int(msg["status"]), headers=headers, stream=stream,
+                            extensions={"http_version": b"HTTP/1.1"}, request=request)
+
+    async def aclose(self) -> None:
+        for ex in list(self._open):
+            ex.disconnect()
+        for ex in list(self._open):
+            with contextlib.suppress(BaseException):
+                await ex.task
+
+
+class MemoryTransport(_TransportBase, httpx.AsyncBaseTransport):
+    """An ``httpx.AsyncBaseTransport`` that calls an ASGI ``app`` in this event loop, streaming."""
+
+    _lib = httpx
+    _body_cls = _HttpxBody
+
+
+def openai_http_module() -> ModuleType:
+    """The HTTP library the installed openai SDK is built on: ``httpx`` (2.x) or ``httpx2`` (3.x)."""
+    import openai
+
+    for name in ("httpx", "httpx2"):
+        try:
+            mod = __import__(name)
+        except ImportError:
+            continue
+        if issubclass(openai.DefaultAsyncHttpxClient, mod.AsyncClient):
+            return mod
+    raise RuntimeError("cannot tell which HTTP library openai's DefaultAsyncHttpxClient is built on")
+
+
+def memory_transport(app: ASGIApp, module: ModuleType | None = None) -> Any:
+    """A streaming in-memory transport to ``app`` for ``module`` (httpx or httpx2; default: openai's)."""
+    mod = module if module is not None else openai_http_module()
+    if mod is httpx:
+        return MemoryTransport(app)
+    if mod.__name__ == "httpx2":
+        from zp_client.bench._memory2 import Memory2Transport
+
+        return Memory2Transport(app)
+    raise ValueError(f"no in-memory transport for {mod.__name__}")
