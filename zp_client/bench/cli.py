@@ -5,7 +5,12 @@ Example::
     zp-client storm --workload seed-burst --out storm-report
     zp-client storm --workload agentic --setups no-admission,zp-strict,clairvoyant --seed 3
     zp-client storm --workload azure-conv --time-scale 0.2 --load-scale 1.0
-    zp-client storm --workload seed-burst --redis redis://127.0.0.1:6379/0     # adds zp-redis
+    zp-client storm --workload seed-burst --sweep 0.5,1,2,4     # the overload curve
+    zp-client storm --workload seed-burst --redis redis://127.0.0.1:6379/0     # adds zp-redis (real clock)
+
+Runs are on a virtual clock by default (deterministic, as fast as the CPU allows); ``--clock real``
+serves the simulator on loopback HTTP in real time x ``--speedup`` (the only mode for the multi-process
+Redis setups).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from zp_client.errors import ZPError
+from zp_client.errors import ConfigurationError, ZPError
 
 __all__ = ["add_arguments", "run"]
 
@@ -45,7 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--setups", default=None,
                         help=f"comma-separated subset of: {','.join(SETUPS)} (no-admission always runs)")
-    parser.add_argument("--speedup", type=float, default=None, help="virtual seconds per wall second")
+    parser.add_argument("--clock", choices=("virtual", "real"), default=None,
+                        help="virtual (default; deterministic, as fast as the CPU allows) or real "
+                             "(loopback HTTP in real time x --speedup; the default with --redis)")
+    parser.add_argument("--speedup", type=float, default=None,
+                        help="--clock real: virtual seconds per wall second")
+    parser.add_argument("--sweep", default=None, metavar="X,Y,...",
+                        help="the overload curve: run at each offered load (x scales the arrival rate, "
+                             "keeps request sizes; on top of --load-scale) and plot them")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="trace replays: virtual arrival = trace offset x this; agentic: window x this")
     parser.add_argument("--load-scale", type=float, default=None,
@@ -103,9 +115,11 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("zp_client.sim.server").setLevel(logging.ERROR)
     try:
         setups = parse_setups(args.setups, args.redis)
+        loads = _parse_sweep(args.sweep)
     except ZPError as exc:
         print(f"zp-client storm: {exc}", file=sys.stderr)
         return 2
+    clock = args.clock or ("real" if args.redis else "virtual")
     profile, blocks, mml, speedup = _DEFAULTS[args.workload]
     overrides: dict[str, Any] = {}
     if args.max_requests is not None:
@@ -116,10 +130,12 @@ def run(args: argparse.Namespace) -> int:
         num_gpu_blocks=args.num_gpu_blocks if args.num_gpu_blocks is not None else blocks,
         max_model_len=args.max_model_len if args.max_model_len is not None else mml,
         speedup=args.speedup or speedup, redis_url=args.redis, time_scale=args.time_scale,
-        load_scale=args.load_scale, workers=args.workers, workload_overrides=overrides,
+        load_scale=args.load_scale, workers=args.workers, workload_overrides=overrides, clock=clock,
     )
     command = "zp-client storm " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 \
         and sys.argv[1] == "storm" else "zp-client storm (programmatic)"
+    if loads:
+        return _sweep(cfg, loads, args, console, command)
     holder: dict[str, _Progress] = {}
 
     def factory(names: list[str], total: int) -> _Progress:
@@ -143,5 +159,65 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"wrote {jp} and {pp}", highlight=False)
     if not report["valid"]:
         console.print("[bold red]the harness was saturated: do not quote these numbers[/]")
+        return 3
+    return 0
+
+
+def _parse_sweep(text: str | None) -> list[float]:
+    if not text:
+        return []
+    try:
+        loads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigurationError(f"--sweep takes comma-separated positive numbers, got {text!r}") from None
+    if not loads or any(not x > 0 for x in loads):
+        raise ConfigurationError(f"--sweep takes comma-separated positive numbers, got {text!r}")
+    return sorted(set(loads))
+
+
+def _sweep(cfg: Any, loads: list[float], args: argparse.Namespace, console: Any, command: str) -> int:
+    """One storm per offered load (each written to ``OUT/load-X``), then the curve and its figure."""
+    import dataclasses
+
+    from zp_client.bench.report import (
+        build_report,
+        build_sweep_report,
+        print_sweep_table,
+        write_report,
+        write_sweep_report,
+    )
+    from zp_client.bench.runner import run_storm
+
+    out = Path(args.out)
+    base = cfg.load_scale if cfg.load_scale is not None else 1.0
+    reports = []
+    for x in loads:
+        point = dataclasses.replace(cfg, load_scale=base * x)
+        console.print(f"[bold]offered load {x:g}x[/] (--load-scale {base * x:g})", highlight=False)
+        holder: dict[str, _Progress] = {}
+
+        def factory(names: list[str], total: int, holder: dict[str, _Progress] = holder) -> _Progress:
+            p = _Progress(console, names, total, not args.quiet)
+            p.__enter__()
+            holder["p"] = p
+            return p
+
+        try:
+            wl, facts, runs = run_storm(point, factory)
+        except ZPError as exc:
+            print(f"zp-client storm: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            if "p" in holder:
+                holder["p"].__exit__(None, None, None)
+        report = build_report(wl, facts, runs, point, f"{command} (load {x:g}x)")
+        write_report(report, out / f"load-{x:g}")
+        reports.append(report)
+    sweep = build_sweep_report(loads, reports)
+    print_sweep_table(sweep, console)
+    jp, pp = write_sweep_report(sweep, out)
+    console.print(f"wrote {jp} and {pp} (one report per load in {out}/load-X)", highlight=False)
+    if not all(r["valid"] for r in reports):
+        console.print("[bold red]the harness was saturated at some load: do not quote those numbers[/]")
         return 3
     return 0
