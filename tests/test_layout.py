@@ -60,3 +60,33 @@ def test_every_module_is_a_plain_module_and_no_submodule_shadows_a_public_name()
         if info.name.count(".") == 1:
             assert leaf not in zp_client.__all__, f"submodule {info.name} shadows zp_client.{leaf}"
     assert callable(zp_client.wrap) and zp_client.wrap.__module__ == "zp_client._wrap"
+
+
+# The library reads time only through zp_client._clock (one injectable clock). The simulator is the
+# judge and shares no code with the library: it reads its own event loop's clock (and wall time for
+# the ``created`` fields of its responses), so it is exempt.
+_CLOCK_MODULE = "_clock.py"
+_TIME_READS = {"monotonic", "time", "perf_counter", "monotonic_ns", "time_ns", "perf_counter_ns"}
+
+
+def _time_reads(path: pathlib.Path) -> list[str]:
+    rel = path.relative_to(ROOT.parent).as_posix()
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in _TIME_READS and isinstance(node.value, ast.Name)
+                and node.value.id == "time"):
+            found.append(f"{rel}:{node.lineno} time.{node.attr}")
+        if isinstance(node, ast.ImportFrom) and node.module == "time":
+            found += [f"{rel}:{node.lineno} from time import {a.name}" for a in node.names if a.name in _TIME_READS]
+    return found
+
+
+def test_time_is_read_only_in_the_clock_module() -> None:
+    paths = [p for top in (ROOT, *INTEGRATIONS) for p in sorted(top.rglob("*.py"))
+             if p.name != _CLOCK_MODULE or p.parent != ROOT]
+    paths = [p for p in paths if "sim" not in p.relative_to(ROOT.parent).parts]
+    offences = [o for p in paths for o in _time_reads(p)]
+    assert offences == []
+    # the rule is not vacuous: the clock module itself reads them
+    assert _time_reads(ROOT / _CLOCK_MODULE)
