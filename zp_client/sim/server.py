@@ -223,6 +223,7 @@ class _Sim:
         self.records: dict[str, _Record] = {}
         self._pending: dict[str, tuple[_Pending, int]] = {}  # engine id -> (pending, choice index)
         self._arrivals = 0
+        self._requests_seen = 0  # numbers the server's own request ids (deterministic, unlike uuid4)
         # The event loop's clock: monotonic time under a normal loop, virtual time under the storm's
         # virtual-time loop (which then runs with speedup 1). Bound in start(); wall-clock
         # self-measurement (compute time, busy time) always uses perf_counter.
@@ -421,7 +422,7 @@ class _Sim:
                 self.engine.advance_idle(t)
         arrival = float(self.engine.now)
         pending.record.arrival = arrival
-        self.records[pending.request_id] = pending.record
+        self.records[pending.record.engine_ids[0]] = pending.record  # unique even when X-Request-Id repeats
         for choice in pending.choices:
             try:
                 self.engine.add_request(choice.engine_id, pending.prompt_ids, choice.target,
@@ -449,6 +450,15 @@ class _Sim:
                 self.counts["aborted_disconnect"] += 1
             assert self._wake is not None
             self._wake.set()
+
+    def next_request_id(self, header: str | None) -> str:
+        """The request's id: the client's ``X-Request-Id`` as vLLM takes it (retries may repeat one), or
+        one derived from the seed and a counter, so that virtual-time runs repeat exactly."""
+        self._requests_seen += 1
+        if header:
+            return header
+        digest = hashlib.blake2b(f"{self.seed}:{self._requests_seen}".encode(), digest_size=16).hexdigest()
+        return digest
 
     def next_rng(self, body_seed: Any) -> random.Random:
         self._arrivals += 1
@@ -698,7 +708,7 @@ class _App:
             )
 
     def _build(self, body: dict[str, Any], kind: str, prompt_ids: list[int],
-               tool: Mapping[str, Any] | None) -> _Pending:
+               tool: Mapping[str, Any] | None, header_id: str | None = None) -> _Pending:
         sim = self.sim
         n_prompt = len(prompt_ids)
         self._check_len(n_prompt)
@@ -718,7 +728,8 @@ class _App:
                              param="sim_output_tokens")
         priority = _int_field(body, "priority") or 0
         rng = sim.next_rng(body.get("seed"))
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{sim.next_request_id(header_id)}"
+        serial = sim._requests_seen
         choices: list[_Choice] = []
         for i in range(n):
             call: tuple[str, str] | None = None
@@ -742,7 +753,7 @@ class _App:
             key = f"{len(prompt_ids)}:{prompt_ids[-8:]}:{i}:{body.get('seed')}".encode()
             base = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
             ids = [(base + 2_654_435_761 * k) % tok.VOCAB_SIZE for k in range(1, target + 1)]
-            choices.append(_Choice(index=i, engine_id=f"{request_id}-{i}", target=target, bound=bound,
+            choices.append(_Choice(index=i, engine_id=f"{request_id}-{i}#{serial}", target=target, bound=bound,
                                    token_ids=ids, tool_call=call))
         record = _Record(request_id=request_id, engine_ids=[c.engine_id for c in choices], kind=kind,
                          prompt_tokens=n_prompt, max_tokens=bound,
@@ -813,7 +824,7 @@ class _App:
             except (ValueError, AttributeError, TypeError) as exc:
                 raise _HTTPError(400, f"invalid 'messages': {exc}", param="messages") from None
             tool = _pick_tool(body, messages)
-            pending = self._build(body, "chat", tok.encode(text), tool)
+            pending = self._build(body, "chat", tok.encode(text), tool, request.headers.get("x-request-id"))
         except _HTTPError as exc:
             self.sim.counts["errors_4xx"] += 1
             return exc.response()
@@ -834,7 +845,7 @@ class _App:
                 raise _HTTPError(400, "'prompt' must be a string or a list of token ids (the simulator "
                                       "serves one prompt per request; send a batch as separate requests)",
                                  param="prompt")
-            pending = self._build(body, "completion", ids, None)
+            pending = self._build(body, "completion", ids, None, request.headers.get("x-request-id"))
         except _HTTPError as exc:
             self.sim.counts["errors_4xx"] += 1
             return exc.response()
