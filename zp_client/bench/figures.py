@@ -9,6 +9,7 @@ redrawn from a saved run. matplotlib is imported lazily with the Agg backend (th
 from __future__ import annotations
 
 import math
+import textwrap
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,19 +181,51 @@ def _ttft_ecdf(ax: Any, report: dict[str, Any], setups: list[dict[str, Any]]) ->
     ax.legend(fontsize=7.5, loc="lower right", framealpha=0.9)
 
 
+_TITLE_PT, _BODY_PT, _NOTE_PT = 12.5, 9.5, 7.5
+
+
+def _wrap(lines: list[str], width_in: float, pt: float, bold: bool = False) -> list[str]:
+    """``lines`` wrapped to fit ``width_in`` inches at ``pt`` points (a conservative average glyph width)."""
+    chars = max(40, int(width_in * 72 / (pt * (0.58 if bold else 0.54))))
+    return [w for line in lines for w in (textwrap.wrap(line, chars, subsequent_indent="   ") or [""])]
+
+
+def _header(verdict: list[str], fallback: str, width_in: float) -> tuple[list[str], list[str], float]:
+    """The wrapped title and body lines, and the inches they take at the top of a figure."""
+    title = _wrap(verdict[:1] or [fallback], width_in - 0.4, _TITLE_PT, bold=True)
+    body = _wrap(verdict[1:], width_in - 0.4, _BODY_PT)
+    height = 0.15 + len(title) * _TITLE_PT * 1.3 / 72 + 0.08 + len(body) * _BODY_PT * 1.3 / 72 + 0.1
+    return title, body, height
+
+
+def _draw_header(fig: Any, title: list[str], body: list[str], note: str, width_in: float) -> None:
+    h = fig.get_figheight()
+    fig.suptitle("\n".join(title), fontsize=_TITLE_PT, fontweight="bold", x=0.2 / width_in, y=1 - 0.12 / h,
+                 ha="left", va="top")
+    y = 1 - (0.15 + len(title) * _TITLE_PT * 1.3 / 72 + 0.08) / h
+    if body:
+        fig.text(0.2 / width_in, y, "\n".join(body), fontsize=_BODY_PT, va="top", ha="left")
+    fig.text(0.2 / width_in, 0.08 / h, "\n".join(_wrap([note], width_in - 0.4, _NOTE_PT)), fontsize=_NOTE_PT,
+             va="bottom", ha="left", color="0.25")
+
+
 def storm_figure(report: dict[str, Any], verdict: list[str] | None = None) -> Any:
     """One storm run as a matplotlib ``Figure``: goodput and share within SLO per setup (bars),
     preemptions over time (one lane per setup), TTFT ECDFs (log axis); ``verdict`` (default
-    ``report["verdict"]``) is the title, its first line the suptitle."""
+    ``report["verdict"]``) is the title: its first line the (bold) suptitle, the others below it."""
     setups = report["setups"]
     verdict = verdict if verdict is not None else list(report.get("verdict", []))
     by = {m["setup"]: m for m in setups}
     base = by.get("no-admission")
     base_g = base.get("goodput_rps") if base else None
+    w, slo = report["workload"], report.get("slo", {})
 
-    fig = _new_figure((14, 10.5))
-    gs = fig.add_gridspec(2, 2, height_ratios=[1, 1.15], hspace=0.32, wspace=0.42,
-                          left=0.1, right=0.97, top=0.86, bottom=0.1)
+    width, plots_in, foot_in = 14.0, 9.0, 1.05
+    title, body, head_in = _header(verdict, f"zp-client storm: {w['name']} (seed {w['seed']})", width)
+    height = head_in + 0.35 + plots_in + foot_in
+    fig = _new_figure((width, height))
+    gs = fig.add_gridspec(2, 2, height_ratios=[1, 1.15], hspace=0.32, wspace=0.42, left=0.1, right=0.97,
+                          top=1 - (head_in + 0.35) / height, bottom=foot_in / height)
     ax_g, ax_s = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1])
     ax_p, ax_t = fig.add_subplot(gs[1, 0]), fig.add_subplot(gs[1, 1])
 
@@ -222,23 +255,18 @@ def storm_figure(report: dict[str, Any], verdict: list[str] | None = None) -> An
     _preemption_lanes(ax_p, report, setups)
     _ttft_ecdf(ax_t, report, setups)
 
-    w, slo = report["workload"], report.get("slo", {})
-    head = verdict[0] if verdict else f"zp-client storm: {w['name']} (seed {w['seed']})"
-    fig.suptitle(head, fontsize=12.5, fontweight="bold", x=0.02, y=0.985, ha="left")
-    if len(verdict) > 1:
-        fig.text(0.02, 0.945, "\n".join(verdict[1:]), fontsize=9.5, va="top", ha="left")
     note = ("goodput = logical requests that succeeded within the SLO "
             f"(TTFT <= {slo.get('ttft_s', '?')} s and time per output token <= "
             f"{(slo.get('tpot_s') or 0) * 1000:.0f} ms; a non-streamed call within TTFT + output x TPOT) "
             "per virtual second of the run's makespan. All times are virtual seconds of the simulator's "
             "clock; preemptions are the simulated vLLM server's own count.")
-    fig.text(0.02, 0.012, note, fontsize=7.5, va="bottom", ha="left", wrap=True, color="0.25")
+    _draw_header(fig, title, body, note, width)
     return fig
 
 
 def _dodge(loads: list[float], i: int, n: int, log: bool) -> list[float]:
     """Horizontal offsets so that setups with equal values stay visible side by side."""
-    k = (i - (n - 1) / 2) * 0.025
+    k = (i - (n - 1) / 2) * 0.02
     return [x * (1 + k) if log else x + k * (max(loads) - min(loads) or 1.0) for x in loads]
 
 
@@ -251,17 +279,28 @@ def sweep_figure(sweep: dict[str, Any]) -> Any:
     """A sweep as a matplotlib ``Figure``: goodput, share within SLO, amplification and preemptions
     against offered load, one line per setup (styles as in ``storm.png``; points dodged sideways so
     equal values stay visible), log-x when the loads span more than 4x; the verdict is the title."""
+    from matplotlib.ticker import FuncFormatter
+
     loads: list[float] = list(sweep["loads"])
     names: list[str] = list(sweep["setups"])
     data: dict[str, dict[str, list[Any]]] = sweep["metrics"]
     log = bool(loads) and min(loads) > 0 and max(loads) / min(loads) > 4
-    panels = [("goodput_rps", "goodput (requests within the SLO per virtual s)", None),
-              ("slo_attainment", "share of requests within the SLO", "pct"),
-              ("amplification", "amplification (HTTP requests at the server / logical request)", None),
-              ("preemptions", "server preemptions", None)]
-    fig = _new_figure((13, 9.5))
+    panels = [("goodput_rps", "goodput (requests within the SLO per virtual s)"),
+              ("slo_attainment", "share of requests within the SLO"),
+              ("amplification", "amplification (HTTP requests at the server / logical request)"),
+              ("preemptions", "server preemptions")]
+    w = sweep.get("workload", {})
+    width, plots_in, legend_in, foot_in = 13.0, 8.2, 0.45, 1.0
+    title, body, head_in = _header(list(sweep.get("verdict", [])),
+                                   f"zp-client storm sweep: {w.get('name', '?')}", width)
+    height = head_in + legend_in + 0.3 + plots_in + foot_in
+    fig = _new_figure((width, height))
     axes = fig.subplots(2, 2)
-    for ax, (key, title, fmt) in zip(axes.flat, panels, strict=True):
+    fig.subplots_adjust(left=0.07, right=0.98, top=1 - (head_in + legend_in + 0.3) / height,
+                        bottom=foot_in / height, hspace=0.38, wspace=0.2)
+    handles = []
+    for ax, (key, ptitle) in zip(axes.flat, panels, strict=True):
+        top = 0.0
         for i, name in enumerate(names):
             st = setup_style(name)
             ys = data.get(name, {}).get(key, [])
@@ -269,35 +308,33 @@ def sweep_figure(sweep: dict[str, Any]) -> Any:
             pts = [(x, y) for x, y in zip(xs, ys, strict=False) if y is not None]
             if not pts:
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=st.color, ls=st.linestyle,
-                    marker=st.marker, ms=7, lw=1.6, label=name, markeredgecolor="black", markeredgewidth=0.5)
+            top = max(top, *(p[1] for p in pts))
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], color=st.color, ls=st.linestyle,
+                              marker=st.marker, ms=7, lw=1.6, label=name, markeredgecolor="black",
+                              markeredgewidth=0.5, clip_on=False)
+            if ax is axes.flat[0]:
+                handles.append(line)
         if log:
             ax.set_xscale("log", base=2)
         ax.set_xticks(loads, [f"{x:g}x" for x in loads])
-        ax.minorticks_off() if log else None
-        ax.set_title(title, fontsize=10, loc="left")
+        ax.minorticks_off()
+        ax.set_title(ptitle, fontsize=10, loc="left")
         ax.set_xlabel("offered load (x the workload's arrival rate)", fontsize=8.5)
         ax.grid(alpha=0.3)
-        if fmt == "pct":
-            ax.set_ylim(0, 1.05)
-            from matplotlib.ticker import FuncFormatter
-
+        if key == "slo_attainment":
+            ax.set_ylim(-0.03, 1.05)
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0%}"))
+        elif key == "amplification":
+            ax.set_ylim(0.98, max(1.2, top * 1.05))
         else:
-            ax.set_ylim(bottom=0 if key != "amplification" else None)
-    axes.flat[0].legend(fontsize=8, framealpha=0.9)
-    verdict = list(sweep.get("verdict", []))
-    w = sweep.get("workload", {})
-    head = verdict[0] if verdict else f"zp-client storm sweep: {w.get('name', '?')}"
-    fig.suptitle(head, fontsize=12.5, fontweight="bold", x=0.02, y=0.985, ha="left")
-    body = verdict[1:]
-    if body:
-        fig.text(0.02, 0.947, "\n".join(body), fontsize=9, va="top", ha="left")
-    top = 0.9 - 0.022 * max(0, len(body) - 1)
-    fig.text(0.02, 0.008, "Points of equal value are dodged sideways so that none hides another; ticks mark "
-             "the true loads. Times are virtual seconds of the simulator's clock.", fontsize=7.5,
-             color="0.25")
-    fig.subplots_adjust(left=0.07, right=0.98, top=min(0.88, top), bottom=0.08, hspace=0.35, wspace=0.2)
+            ax.set_ylim(-0.04 * (top or 1.0), (top or 1.0) * 1.08)
+    if handles:
+        fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 9), fontsize=9, frameon=False,
+                   bbox_to_anchor=(0.5, 1 - (head_in + 0.02) / height), handlelength=3.2)
+    note = ("Points of equal value are dodged sideways so that none hides another; ticks mark the true "
+            "loads. Goodput = logical requests that succeeded within the SLO per virtual second of makespan. "
+            "Times are virtual seconds of the simulator's clock.")
+    _draw_header(fig, title, body, note, width)
     return fig
 
 

@@ -241,11 +241,15 @@ def focus_setup(names: list[str]) -> str | None:
 
 
 def _ratio(a: float | None, b: float | None) -> str:
-    """``a / b`` as ``0.97x``; with 3 decimals where 2 would round a ratio other than 1 to ``1.00x``."""
+    """``a / b`` as ``0.97x``, with up to 5 decimals where 2 would round a ratio other than 1 to 1."""
     if a is None or not b:
         return "n/a"
     r = a / b
-    return f"{r:.3f}x" if f"{r:.2f}" == "1.00" and r != 1 else f"{r:.2f}x"
+    for nd in (2, 3, 4):
+        text = f"{r:.{nd}f}"
+        if r == 1 or float(text) != 1:
+            return text + "x"
+    return f"{r:.5f}x"
 
 
 #: What each check asserts, in words (the figure's title and the verdict use them).
