@@ -123,7 +123,7 @@ def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path) -> None:
         assert len(data["timelines"][name]) > 10
         assert name in data["ttfts"] and name in data["requests"]
     assert by["no-admission"]["preemptions"] > 0
-    assert data["checks"]["zp_zero_preemptions"] is True
+    assert {c["name"]: c["passed"] for c in data["checks"]}["zp_zero_preemptions"] is True
     # elastic admits on the projected peak, so it may use more of the pool than strict ever does
     assert by["zp-elastic"]["kv_usage_max"] >= by["zp-strict"]["kv_usage_max"]
 

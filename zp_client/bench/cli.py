@@ -102,7 +102,7 @@ class _Progress:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from zp_client.bench.report import build_report, markdown_table, print_table, write_report
+    from zp_client.bench.report import build_report, markdown_table, print_checks, print_table, write_report
     from zp_client.bench.runner import StormConfig, run_storm
     from zp_client.bench.setups import parse_setups
 
@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
             holder["p"].__exit__(None, None, None)
     report = build_report(wl, facts, runs, cfg, command)
     print_table(report, console)
+    print_checks(report, console)
     jp, pp = write_report(report, Path(args.out))
     (Path(args.out) / "table.md").write_text(markdown_table(report) + "\n")
     console.print(f"wrote {jp} and {pp}", highlight=False)

@@ -15,7 +15,27 @@ from zp_client.bench.loadgen import RequestRecord
 from zp_client.bench.runner import SetupRun
 from zp_client.bench.workloads import ServerFacts, Workload
 
-__all__ = ["CPU_SATURATED", "compute_metrics", "build_report", "print_table", "write_png", "write_report"]
+__all__ = [
+    "COLLAPSE_DROP",
+    "CPU_SATURATED",
+    "build_report",
+    "build_sweep_report",
+    "checks_by_name",
+    "collapse_point",
+    "compute_metrics",
+    "focus_setup",
+    "print_checks",
+    "print_sweep_table",
+    "print_table",
+    "seed_burst_checks",
+    "storm_verdict",
+    "sweep_markdown_table",
+    "sweep_verdict",
+    "write_png",
+    "write_report",
+    "write_sweep_png",
+    "write_sweep_report",
+]
 
 #: Process CPU time over wall time above which the harness (single event loop) counts as saturated.
 CPU_SATURATED = 0.95
@@ -125,6 +145,173 @@ def _thin(timeline: list[tuple[float, float, int, int, int]], t0: float, n: int 
     return [[round(t - t0, 4), round(kv, 4), p, run, wait] for (t, kv, p, run, wait) in timeline[::step]]
 
 
+#: The benchmark's own setups whose names the checks and verdicts mention as references.
+_REFERENCES = ("no-admission", "naive")
+
+
+def _num(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` with 3 decimals, or 4 where 3 would print two different numbers alike."""
+    sa, sb = f"{a:.3f}", f"{b:.3f}"
+    return (sa, sb) if sa != sb or a == b else (f"{a:.4f}", f"{b:.4f}")
+
+
+def _refs(metrics: list[dict[str, Any]], key: str, fmt: str = "{}") -> str:
+    """`` (no-admission 3, naive 4)``: the reference setups' ``key`` in brackets, if any ran."""
+    by = {m["setup"]: m for m in metrics}
+    parts = [f"{n} {fmt.format(by[n][key])}" for n in _REFERENCES if n in by and by[n].get(key) is not None]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _check(name: str, passed: bool | None, detail: str) -> dict[str, Any]:
+    return {"name": name, "passed": passed, "detail": detail}
+
+
+def seed_burst_checks(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The seed-burst demo's checks, each ``{"name", "passed", "detail"}``.
+
+    ``passed`` is True, False, or None when the run lacks a setup the check needs; ``detail`` is one line
+    with the numbers the verdict rests on (and, for a failure, which setup missed by how much and why).
+
+    - ``zp_zero_preemptions``: every ``zp-*`` setup ran with 0 server preemptions.
+    - ``naive_preempts``: ``naive`` preempted at least once (the load overflows the pool without
+      admission, so the first check is not vacuous).
+    - ``zp_goodput_at_least_naive``: every ``zp-*`` setup's goodput (good requests per virtual second,
+      as rounded in the report) is >= ``naive``'s.
+    """
+    by = {m["setup"]: m for m in metrics}
+    zp = [m for m in metrics if m["setup"].startswith("zp-")]
+    naive = by.get("naive")
+    out: list[dict[str, Any]] = []
+
+    if not zp:
+        out.append(_check("zp_zero_preemptions", None, "no zp-* setup in this run"))
+    else:
+        bad = [m for m in zp if m["preemptions"] != 0]
+        zeros = ", ".join(f"{m['setup']} 0" for m in zp if m["preemptions"] == 0)
+        if bad:
+            detail = "; ".join(f"{m['setup']} preempted {m['preemptions']} times ({m['recomputed_tokens']} "
+                               "tokens recomputed)" for m in bad)
+            detail += (f"; {zeros}" if zeros else "") + _refs(metrics, "preemptions")
+        else:
+            detail = f"{zeros} preemptions" + _refs(metrics, "preemptions")
+        out.append(_check("zp_zero_preemptions", not bad, detail))
+
+    if naive is None:
+        out.append(_check("naive_preempts", None, "no naive setup in this run"))
+    elif naive["preemptions"] > 0:
+        out.append(_check("naive_preempts", True, f"naive preempted {naive['preemptions']} times "
+                          f"({naive['recomputed_tokens']} tokens recomputed): without admission this load "
+                          "overflows the KV pool"))
+    else:
+        out.append(_check("naive_preempts", False, "naive preempted 0 times: this run's load did not "
+                          "overflow the KV pool without admission, so 0 preemptions elsewhere show nothing"
+                          + _refs([m for m in metrics if m["setup"] != "naive"], "preemptions")))
+
+    if not (zp and naive):
+        out.append(_check("zp_goodput_at_least_naive", None,
+                          "needs naive and a zp-* setup; this run has "
+                          + ("no naive" if naive is None else "no zp-* setup")))
+    else:
+        ng = naive["goodput_rps"] or 0
+        short, held = [], []  # the failures first
+        for m in zp:
+            g = m["goodput_rps"] or 0
+            a, b = _num(g, ng)
+            ratio = _ratio(g, ng)
+            if g >= ng:
+                held.append(f"{m['setup']} {a} >= {b} ({ratio})")
+            else:
+                short.append(f"{m['setup']} {a} < {b} ({ratio}: {m['good']} vs {naive['good']} in SLO, "
+                             f"makespan {m['makespan']:.1f} vs {naive['makespan']:.1f} s)")
+        out.append(_check("zp_goodput_at_least_naive", not short,
+                          "good req/s vs naive's: " + "; ".join(short + held)))
+    return out
+
+
+def checks_by_name(report: dict[str, Any]) -> dict[str, bool | None]:
+    """``{check name: passed}`` of a report (True, False, or None where the check could not apply)."""
+    return {c["name"]: c["passed"] for c in report.get("checks", [])}
+
+
+def _status(passed: bool | None) -> str:
+    return "PASS" if passed else ("n/a" if passed is None else "FAIL")
+
+
+def focus_setup(names: list[str]) -> str | None:
+    """The setup a verdict speaks for: ``zp-elastic`` (the library's default) if it ran, else the first
+    ``zp-*`` setup, else None."""
+    if "zp-elastic" in names:
+        return "zp-elastic"
+    return next((n for n in names if n.startswith("zp-")), None)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` as ``0.97x``, with up to 5 decimals where 2 would round a ratio other than 1 to 1."""
+    if a is None or not b:
+        return "n/a"
+    r = a / b
+    for nd in (2, 3, 4):
+        text = f"{r:.{nd}f}"
+        if r == 1 or float(text) != 1:
+            return text + "x"
+    return f"{r:.5f}x"
+
+
+#: What each check asserts, in words (the figure's title and the verdict use them).
+CHECK_TITLES = {
+    "zp_zero_preemptions": "every zp setup 0 preemptions",
+    "naive_preempts": "naive preempts",
+    "zp_goodput_at_least_naive": "every zp setup's goodput >= naive's",
+}
+
+
+def storm_verdict(report: dict[str, Any]) -> list[str]:
+    """The run's verdict, computed from its checks and metrics (the figure's title, printed last).
+
+    Line 1: workload and every check in words with PASS/FAIL/n/a. Line 2: the focus setup
+    (:func:`focus_setup`) against no-admission and naive: preemptions, goodput ratios, share within SLO.
+    Line 3: every other setup's goodput relative to no-admission's (and naive's). Measurements only.
+    """
+    w = report["workload"]
+    checks = report.get("checks", [])
+    head = f"storm {w['name']} (seed {w['seed']}): "
+    if checks:
+        head += ";  ".join(f"{CHECK_TITLES.get(c['name'], c['name'])}: {_status(c['passed'])}"
+                           for c in checks)
+    else:
+        head += "no checks are defined for this workload (only seed-burst has them)"
+    if not report.get("valid", True):
+        head += "  [SATURATED: not valid]"
+    lines = [head]
+    setups = report["setups"]
+    by = {m["setup"]: m for m in setups}
+    base, naive = by.get("no-admission"), by.get("naive")
+    focus = focus_setup([m["setup"] for m in setups])
+    if focus is not None:
+        f = by[focus]
+        refs = [r for r in (base, naive) if r is not None]
+        pre = ", ".join(f"{r['setup']} {r['preemptions']}" for r in refs)
+        gp = ", ".join(f"{_ratio(f['goodput_rps'], r['goodput_rps'])} {r['setup']}'s" for r in refs)
+        slo = ", ".join(f"{r['setup']} {_pct(r['slo_attainment'])}" for r in refs)
+        lines.append(f"{focus}: {f['preemptions']} preemptions" + (f" ({pre})" if pre else "")
+                     + f"; goodput {f['goodput_rps']:.3f} good req/s" + (f" = {gp}" if gp else "")
+                     + f"; {_pct(f['slo_attainment'])} of requests within SLO" + (f" ({slo})" if slo else ""))
+    if base is not None and base.get("goodput_rps"):
+        others = [m for m in setups if m["setup"] not in ("no-admission", focus)]
+        vs_naive = naive is not None and bool(naive.get("goodput_rps"))
+        if others:
+            lines.append("goodput vs no-admission's" + (" (naive's)" if vs_naive else "") + ": " + ", ".join(
+                f"{m['setup']} {_ratio(m['goodput_rps'], base['goodput_rps'])}"
+                + (f" ({_ratio(m['goodput_rps'], naive['goodput_rps'])})"
+                   if vs_naive and naive is not None and m is not naive else "")
+                for m in others))
+    return lines
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: Any,
                  command: str) -> dict[str, Any]:
     metrics = [compute_metrics(r, wl, facts, cfg.speedup) for r in runs]
@@ -140,16 +327,8 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
         for name in ("zp-strict", "zp-elastic", "zp-oracle", "zp-redis", "zp-redis-elastic", "clairvoyant"):
             if name in by:
                 ratios[f"{name}_goodput_vs_naive"] = by[name]["goodput_vs_naive"]
-    checks: dict[str, Any] = {}
-    if wl.name == "seed-burst":
-        zp = [m for m in metrics if m["setup"].startswith("zp-")]
-        checks = {
-            "zp_zero_preemptions": all(m["preemptions"] == 0 for m in zp) if zp else None,
-            "naive_preempts": (naive["preemptions"] > 0) if naive else None,
-            "zp_goodput_at_least_naive": (all((m["goodput_rps"] or 0) >= (naive["goodput_rps"] or 0)
-                                              for m in zp) if (zp and naive) else None),
-        }
-    return {
+    checks = seed_burst_checks(metrics) if wl.name == "seed-burst" else []
+    report = {
         "command": command,
         "workload": {"name": wl.name, "description": wl.description, "params": wl.params,
                      "summary": wl.summary(), "seed": cfg.seed,
@@ -171,6 +350,8 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
                   for r in runs},
         "requests": {r.name: [x.to_json() for x in r.records] for r in runs},
     }
+    report["verdict"] = storm_verdict(report)
+    return report
 
 
 _COLUMNS = [
@@ -226,6 +407,12 @@ def _eff(w: dict[str, Any], key: str, alt: str | None = None) -> str:
     return "n/a" if v is None else f"{v} (default)"
 
 
+#: The headline: what the demo measures, printed with every run.
+MEASURES = ("measured: goodput = logical requests that succeeded within the SLO (TTFT <= {ttft:g} s, "
+            "TPOT <= {tpot:.1f} ms) per virtual second of makespan; in SLO = those / requests sent; "
+            "preemptions = the server's count; ampl = HTTP requests reaching the server / logical requests")
+
+
 def header_lines(report: dict[str, Any]) -> list[str]:
     w, s, slo = report["workload"], report["server"], report["slo"]
     lines = [
@@ -239,6 +426,7 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         + f"; SLO: TTFT <= {slo['ttft_s']} s and TPOT <= {slo['tpot_s'] * 1000:.1f} ms "
         "(virtual; a non-streamed call must end within TTFT + output x TPOT)",
     ]
+    lines.append(MEASURES.format(ttft=slo["ttft_s"], tpot=slo["tpot_s"] * 1000))
     for m in report["setups"]:
         if m["setup"] == "rate-limited" and m.get("rate_rps") is not None:
             lines.append(f"rate-limited: InMemoryRateLimiter at {m['rate_rps']:.3f} req/s (virtual), the "
@@ -284,8 +472,6 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
     console.print(table)
     for k, v in report["ratios"].items():
         console.print(f"{k}: {v if v is not None else '-'}x", highlight=False)
-    for k, v in report["checks"].items():
-        console.print(f"check {k}: {'PASS' if v else ('n/a' if v is None else 'FAIL')}", highlight=False)
     for m in report["setups"]:
         h = m["harness"]
         console.print(f"harness {m['setup']}: effective speedup {m['effective_speedup']}x, event-loop lag "
@@ -298,38 +484,30 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
                           + "; ".join(m["saturation"]))
 
 
+def print_checks(report: dict[str, Any], console: Any = None) -> None:
+    """Print every check as one line, ``check NAME: PASS|FAIL|n/a - detail`` with its numbers, then the
+    verdict (:func:`storm_verdict`)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = console or Console()
+    checks = report.get("checks", [])
+    if not checks:
+        console.print(f"checks: none defined for workload {report['workload']['name']} (only seed-burst has "
+                      "them)", highlight=False, soft_wrap=True)
+    style = {True: "bold green", False: "bold red", None: "yellow"}
+    for c in checks:
+        console.print(Text.assemble(f"check {c['name']}: ", (_status(c["passed"]), style[c["passed"]]),
+                                    f" - {c['detail']}"), soft_wrap=True)
+    for i, line in enumerate(report.get("verdict") or storm_verdict(report)):
+        console.print(Text.assemble(("verdict: " if i == 0 else "         ", "bold"), line), soft_wrap=True)
+
+
 def write_png(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    """Draw ``storm.png`` (see :func:`zp_client.bench.figures.write_storm_png`), titled by the verdict."""
+    from zp_client.bench.figures import write_storm_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, 1, figsize=(11, 11))
-    ax_kv, ax_pre, ax_cdf = axes
-    for name, tl in report["timelines"].items():
-        if not tl:
-            continue
-        ts = [p[0] for p in tl]
-        ax_kv.plot(ts, [p[1] for p in tl], label=name, lw=1)
-        ax_pre.step(ts, [p[2] for p in tl], where="post", label=name, lw=1)
-    for name, ttfts in report["ttfts"].items():
-        if ttfts:
-            n = len(ttfts)
-            ax_cdf.step(ttfts, [(i + 1) / n for i in range(n)], where="post", label=name, lw=1)
-    ax_kv.set(title="KV cache usage (server)", xlabel="virtual s", ylabel="usage", ylim=(0, 1.05))
-    ax_pre.set(title="preemptions (cumulative, server)", xlabel="virtual s", ylabel="preemptions")
-    ax_cdf.set(title="TTFT CDF (client-observed, queue wait included)", xlabel="TTFT, virtual s (log)",
-               ylabel="fraction of requests")
-    ax_cdf.set_xscale("symlog", linthresh=0.1)
-    for ax in axes:
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    w = report["workload"]
-    fig.suptitle(f"zp-client storm: {w['name']} (seed {w['seed']})"
-                 + ("" if report["valid"] else "  [SATURATED]"))
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    write_storm_png(report, path, report.get("verdict") or storm_verdict(report))
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
@@ -338,4 +516,231 @@ def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     jp.write_text(json.dumps(report, indent=1))
     pp = out_dir / "storm.png"
     write_png(report, pp)
+    return jp, pp
+
+
+# --- the sweep over offered load (``zp-client storm --sweep 0.5,1,2,4``) ---
+
+#: A setup's goodput *collapses* at the first load where it is more than this fraction below the best
+#: goodput the same setup reached at any lower load (goodput, unlike throughput, falls when retries
+#: and thrashing push requests out of the SLO; a plateau is not a collapse).
+COLLAPSE_DROP = 0.20
+COLLAPSE_RULE = (f"collapse = the first offered load whose goodput is more than {COLLAPSE_DROP:.0%} below "
+                 "the best goodput of the same setup at a lower load")
+
+#: Per setup and load, the metrics a sweep keeps (keys of :func:`compute_metrics`), plus the ratios
+#: ``goodput_vs_no_admission`` and ``goodput_vs_naive`` it computes.
+SWEEP_METRICS = ("goodput_rps", "goodput_tps", "slo_attainment", "amplification", "preemptions",
+                 "gateway_504", "ttft_p50", "ttft_p99", "makespan", "errors", "sent", "good", "valid")
+
+
+def collapse_point(loads: list[float], goodputs: list[float | None]) -> dict[str, Any]:
+    """Where one setup's goodput collapses by :data:`COLLAPSE_DROP` (``loads`` ascending).
+
+    Returns ``collapse_load`` (None if it never does), ``goodput_at_collapse``, ``best_before`` /
+    ``best_before_load`` (the best goodput below that load), ``drop`` (fraction below it), and the
+    sweep's ``peak_goodput`` / ``peak_load``. Loads where the setup did not run (None) are skipped.
+    """
+    pts = [(x, g) for x, g in zip(loads, goodputs, strict=True) if g is not None]
+    out: dict[str, Any] = {"collapse_load": None, "goodput_at_collapse": None, "best_before": None,
+                           "best_before_load": None, "drop": None, "peak_goodput": None, "peak_load": None}
+    if pts:
+        peak = max(pts, key=lambda p: p[1])
+        out["peak_load"], out["peak_goodput"] = peak
+    best: tuple[float, float] | None = None
+    for x, g in pts:
+        if best is not None and g < (1 - COLLAPSE_DROP) * best[1]:
+            out.update(collapse_load=x, goodput_at_collapse=g, best_before=best[1], best_before_load=best[0],
+                       drop=_r(1 - g / best[1], 3))
+            break
+        if best is None or g > best[1]:
+            best = (x, g)
+    return out
+
+
+def build_sweep_report(loads: list[float], reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One sweep from one :func:`build_report` per offered load (``loads[i]`` x the arrival rate).
+
+    ``metrics[setup][key]`` is a list aligned with ``loads`` (sorted ascending), None where the setup did
+    not run at that load; keys: :data:`SWEEP_METRICS` plus ``goodput_vs_no_admission`` and
+    ``goodput_vs_naive``. ``collapse[setup]`` is :func:`collapse_point`; ``checks`` holds every load's
+    checks with their load; ``verdict`` is :func:`sweep_verdict`.
+    """
+    if not loads or len(loads) != len(reports):
+        raise ValueError(f"a sweep needs one report per load: {len(loads)} loads, {len(reports)} reports")
+    if len(set(loads)) != len(loads) or any(not x > 0 for x in loads):
+        raise ValueError(f"sweep loads must be distinct and > 0, got {loads}")
+    pairs = sorted(zip(loads, reports, strict=True), key=lambda p: p[0])
+    xs = [float(x) for x, _ in pairs]
+    names: list[str] = []
+    for _, rep in pairs:
+        names += [m["setup"] for m in rep["setups"] if m["setup"] not in names]
+    metrics: dict[str, dict[str, list[Any]]] = {n: {k: [] for k in SWEEP_METRICS} for n in names}
+    for _, rep in pairs:
+        by = {m["setup"]: m for m in rep["setups"]}
+        base, naive = by.get("no-admission"), by.get("naive")
+        for n in names:
+            m = by.get(n)
+            for k in SWEEP_METRICS:
+                metrics[n][k].append(m.get(k) if m else None)
+            for key, ref in (("goodput_vs_no_admission", base), ("goodput_vs_naive", naive)):
+                v = (_r(m["goodput_rps"] / ref["goodput_rps"], 3)
+                     if m and ref and ref.get("goodput_rps") and m.get("goodput_rps") is not None else None)
+                metrics[n].setdefault(key, []).append(v)
+    first = pairs[0][1]
+    w = first["workload"]
+    sweep: dict[str, Any] = {
+        "loads": xs,
+        "workload": {"name": w["name"], "seed": w["seed"], "descriptions": [r["workload"]["description"]
+                                                                            for _, r in pairs]},
+        "slo": first.get("slo", {}),
+        "server": first.get("server", {}),
+        "commands": [r.get("command") for _, r in pairs],
+        "setups": names,
+        "metrics": metrics,
+        "collapse_rule": COLLAPSE_RULE,
+        "collapse": {n: collapse_point(xs, metrics[n]["goodput_rps"]) for n in names},
+        "checks": [{"load": x, **c} for x, r in pairs for c in r.get("checks", [])],
+        "valid_per_load": [bool(r.get("valid", True)) for _, r in pairs],
+    }
+    sweep["valid"] = all(sweep["valid_per_load"])
+    sweep["verdict"] = sweep_verdict(sweep)
+    return sweep
+
+
+def _load(x: float) -> str:
+    return f"{x:g}x"
+
+
+def sweep_verdict(sweep: dict[str, Any]) -> list[str]:
+    """The sweep's verdict, computed from its numbers: where naive's goodput collapses (by
+    :data:`COLLAPSE_RULE`) or that it does not; the focus setup's goodput relative to no-admission's
+    and naive's at every load, and its preemptions; which other setups collapse."""
+    xs, w = sweep["loads"], sweep["workload"]
+    met, col = sweep["metrics"], sweep["collapse"]
+    head = f"zp-client storm sweep {w['name']} (seed {w['seed']}), offered load {', '.join(map(_load, xs))}: "
+    if "naive" in col:
+        c = col["naive"]
+        if c["collapse_load"] is not None:
+            head += (f"naive's goodput collapses at {_load(c['collapse_load'])} "
+                     f"({c['goodput_at_collapse']:.3f} good req/s, {c['drop']:.0%} below its "
+                     f"{c['best_before']:.3f} at "
+                     f"{_load(c['best_before_load'])})")
+        else:
+            head += f"naive's goodput does not collapse up to {_load(xs[-1])}"
+    else:
+        head += "no naive setup in this sweep"
+    if not sweep.get("valid", True):
+        bad = [_load(x) for x, v in zip(xs, sweep["valid_per_load"], strict=True) if not v]
+        head += f"  [SATURATED at {', '.join(bad)}: not valid]"
+    lines = [head]
+    focus = focus_setup(sweep["setups"])
+    if focus is not None:
+        f = met[focus]
+        for key, ref in (("goodput_vs_no_admission", "no-admission"), ("goodput_vs_naive", "naive")):
+            if ref in met:
+                vals = zip(xs, f[key], strict=True)
+                lines.append(f"{focus} goodput x {ref}'s: " + ", ".join(
+                    f"{_load(x)} {'n/a' if v is None else f'{v:.2f}x'}" for x, v in vals))
+        lines.append("preemptions per load (" + " / ".join(map(_load, xs)) + "): " + "; ".join(
+            f"{n} " + "/".join("-" if v is None else str(v) for v in met[n]["preemptions"])
+            for n in [focus, *[r for r in _REFERENCES if r in met]]))
+    others = [n for n in sweep["setups"] if n != "naive"]
+    if others:
+        lines.append(COLLAPSE_RULE + ": " + ", ".join(
+            f"{n} " + ("none" if col[n]["collapse_load"] is None
+                       else f"at {_load(col[n]['collapse_load'])} (-{col[n]['drop']:.0%})") for n in others))
+    return lines
+
+
+_SWEEP_COLUMNS = [
+    ("good req/s", "goodput_rps", "{:.3f}"),
+    ("x no-adm", "goodput_vs_no_admission", "{:.2f}x"),
+    ("x naive", "goodput_vs_naive", "{:.2f}x"),
+    ("in SLO", "slo_attainment", "pct"),
+    ("ampl", "amplification", "{:.2f}"),
+    ("preempt", "preemptions", None),
+    ("504s", "gateway_504", None),
+    ("TTFT p50", "ttft_p50", "{:.2f}"),
+    ("TTFT p99", "ttft_p99", "{:.2f}"),
+    ("makespan s", "makespan", "{:.1f}"),
+]
+
+
+def sweep_rows(sweep: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The sweep table: one row per (setup, load), setups in run order, loads ascending."""
+    head = ["setup", "load"] + [c[0] for c in _SWEEP_COLUMNS]
+    rows = []
+    for n in sweep["setups"]:
+        m = sweep["metrics"][n]
+        for i, x in enumerate(sweep["loads"]):
+            if m["goodput_rps"][i] is None and m["sent"][i] is None:
+                continue
+            label = n + ("" if m["valid"][i] in (True, None) else " (SATURATED)")
+            rows.append([label, _load(x)] + [_fmt(m[k][i], f) for _, k, f in _SWEEP_COLUMNS])
+    return head, rows
+
+
+def sweep_markdown_table(sweep: dict[str, Any]) -> str:
+    """The sweep table as GitHub markdown."""
+    head, rows = sweep_rows(sweep)
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def print_sweep_table(sweep: dict[str, Any], console: Any = None) -> None:
+    """Print the sweep: what it measures, one table (a section per setup, a row per load), the verdict,
+    and per load how many checks held (the failed ones with their detail)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console()
+    slo = sweep.get("slo", {})
+    if slo:
+        console.print(MEASURES.format(ttft=slo["ttft_s"], tpot=slo["tpot_s"] * 1000), highlight=False,
+                      soft_wrap=True)
+    console.print("offered load = the workload's arrival rate x load (request sizes unchanged)",
+                  highlight=False)
+    head, rows = sweep_rows(sweep)
+    table = Table(title=f"storm sweep: {sweep['workload']['name']}")
+    for h in head:
+        table.add_column(h, justify="left" if h in ("setup", "load") else "right", no_wrap=h == "setup")
+    prev = None
+    for r in rows:
+        name = r[0].split(" ")[0]
+        if prev is not None and name != prev:
+            table.add_section()
+        table.add_row(*r)
+        prev = name
+    console.print(table)
+    for i, line in enumerate(sweep["verdict"]):
+        console.print(Text.assemble(("verdict: " if i == 0 else "         ", "bold"), line), soft_wrap=True)
+    for x in sweep["loads"]:
+        cs = [c for c in sweep["checks"] if c["load"] == x]
+        if not cs:
+            continue
+        held = sum(1 for c in cs if c["passed"])
+        console.print(f"load {_load(x)}: {held} of {len(cs)} checks hold", highlight=False)
+        for c in cs:
+            if not c["passed"]:
+                console.print(f"  check {c['name']}: {_status(c['passed'])} - {c['detail']}", highlight=False,
+                              soft_wrap=True)
+
+
+def write_sweep_png(sweep: dict[str, Any], path: Path) -> None:
+    """Draw ``sweep.png`` (see :func:`zp_client.bench.figures.write_sweep_png`)."""
+    from zp_client.bench.figures import write_sweep_png as draw
+
+    draw(sweep, path)
+
+
+def write_sweep_report(sweep: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    """Write ``sweep.json`` and ``sweep.png`` to ``out_dir``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jp = out_dir / "sweep.json"
+    jp.write_text(json.dumps(sweep, indent=1))
+    pp = out_dir / "sweep.png"
+    write_sweep_png(sweep, pp)
     return jp, pp
