@@ -339,6 +339,7 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
         "server": {"profile": cfg.profile, "num_gpu_blocks": facts.num_gpu_blocks,
                    "block_size": facts.block_size,
                    "max_model_len": facts.max_model_len, "speedup": cfg.speedup,
+                   "clock": getattr(cfg, "clock", "real"),
                    "unloaded_itl_s": round(facts.unloaded_itl_s, 6),
                    "unloaded_ttft_s": round(facts.unloaded_ttft_s, 6)},
         "valid": all(m["valid"] for m in metrics),
@@ -418,7 +419,10 @@ def header_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         f"workload {w['name']} (seed {w['seed']}): {w['description']}",
         f"server: profile {s['profile']}, {s['num_gpu_blocks']} blocks x {s['block_size']} tokens, "
-        f"max_model_len {s['max_model_len']}, speedup {s['speedup']}; unloaded ITL "
+        f"max_model_len {s['max_model_len']}, "
+        + ("virtual clock (deterministic)" if s.get("clock") == "virtual" else
+           f"real clock, speedup {s['speedup']}")
+        + "; unloaded ITL "
         f"{s['unloaded_itl_s'] * 1000:.1f} ms, TTFT {s['unloaded_ttft_s'] * 1000:.0f} ms (virtual)",
         f"time_scale {_eff(w, 'time_scale')}, load_scale {_eff(w, 'load_scale', 'scale')}; "
         + (f"gateway timeout {w['gateway_timeout_s']} s (all setups but no-admission)"
@@ -474,6 +478,11 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
         console.print(f"{k}: {v if v is not None else '-'}x", highlight=False)
     for m in report["setups"]:
         h = m["harness"]
+        if h.get("clock") == "virtual":
+            console.print(f"harness {m['setup']}: virtual clock, {h['wall_s']:.1f} s wall for "
+                          f"{m['makespan']:.1f} virtual s ({m['effective_speedup']}x), "
+                          f"CPU {h['cpu_frac']:.0%} of a core", highlight=False)
+            continue
         console.print(f"harness {m['setup']}: effective speedup {m['effective_speedup']}x, event-loop lag "
                       f"p99 {h['loop_lag_p99_ms']} ms / max {h['loop_lag_max_ms']} ms (wall), "
                       f"CPU {h['cpu_frac']:.0%} of a core, simulator max lag {m['sim_max_lag_s']} virtual s",

@@ -729,7 +729,10 @@ class _App:
         priority = _int_field(body, "priority") or 0
         rng = sim.next_rng(body.get("seed"))
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{sim.next_request_id(header_id)}"
-        serial = sim._requests_seen
+        # engine ids are "<request id>-<choice>"; a repeated X-Request-Id (a retry) gets a serial number
+        engine_base = request_id
+        if f"{request_id}-0" in sim.records:
+            engine_base = f"{request_id}#{sim._requests_seen}"
         choices: list[_Choice] = []
         for i in range(n):
             call: tuple[str, str] | None = None
@@ -753,8 +756,8 @@ class _App:
             key = f"{len(prompt_ids)}:{prompt_ids[-8:]}:{i}:{body.get('seed')}".encode()
             base = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
             ids = [(base + 2_654_435_761 * k) % tok.VOCAB_SIZE for k in range(1, target + 1)]
-            choices.append(_Choice(index=i, engine_id=f"{request_id}-{i}#{serial}", target=target, bound=bound,
-                                   token_ids=ids, tool_call=call))
+            choices.append(_Choice(index=i, engine_id=f"{engine_base}-{i}", target=target,
+                                   bound=bound, token_ids=ids, tool_call=call))
         record = _Record(request_id=request_id, engine_ids=[c.engine_id for c in choices], kind=kind,
                          prompt_tokens=n_prompt, max_tokens=bound,
                          output_tokens=sum(c.target for c in choices),
