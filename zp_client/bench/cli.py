@@ -7,6 +7,7 @@ Example::
     zp-client storm --workload azure-conv --time-scale 0.2 --load-scale 1.0
     zp-client storm --workload seed-burst --sweep 0.5,1,2,4     # the overload curve
     zp-client storm --workload seed-burst --redis redis://127.0.0.1:6379/0     # adds zp-redis (real clock)
+    zp-client storm --trace my-traffic.jsonl --load-scale 2                    # your own requests
 
 Runs are on a virtual clock by default (deterministic, as fast as the CPU allows); ``--clock real``
 serves the simulator on loopback HTTP in real time x ``--speedup`` (the only mode for the multi-process
@@ -37,6 +38,7 @@ _DEFAULTS: dict[str, tuple[str, int | None, int | None, float]] = {
     "azure-code": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),
     "azure-conv": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),
     "mooncake": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),
+    "trace": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),  # --trace FILE; max_model_len: see _trace_options
 }
 
 
@@ -70,6 +72,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-requests", type=int, default=None,
                         help="trace replays: requests in the window")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    # --trace FILE: a team's own requests through every setup (docs/benchmark.md#your-own-traffic)
+    from zp_client.bench.tracefile import TRACE_FORMATS
+
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="replay your own requests instead of --workload: JSONL (arrival_s, "
+                             "prompt_tokens, max_tokens, ...), or an Azure CSV / Mooncake JSONL trace")
+    parser.add_argument("--trace-format", default="auto", choices=TRACE_FORMATS,
+                        help="format of --trace (default: auto, from the extension and the first record)")
+
+
+def _trace_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--trace FILE``: validate the whole file now (a bad line fails in one line before any server starts),
+    select the workload ``trace`` and, unless ``--max-model-len`` is given, a context that holds the file's
+    longest request (never below the profile's; the simulator caps it to its pool). Returns the workload
+    overrides."""
+    from zp_client.bench.tracefile import read_trace, trace_context_len
+    from zp_client.bench.workloads import TRACE_WORKLOAD
+    from zp_client.errors import ConfigurationError
+    from zp_client.sim.profiles import get_profile
+
+    if args.workload != "seed-burst":  # the default: --trace replaces it
+        raise ConfigurationError(f"give --workload or --trace, not both (got --workload {args.workload})")
+    trace = read_trace(args.trace, args.trace_format)
+    args.workload = TRACE_WORKLOAD
+    if args.max_model_len is None:
+        try:
+            profile = get_profile(args.profile or _DEFAULTS[TRACE_WORKLOAD][0])
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+        args.max_model_len = trace_context_len(trace, floor=profile.max_model_len,
+                                               block_size=profile.block_size)
+    return {"path": str(trace.path), "trace_format": trace.format}
 
 
 class _Progress:
@@ -120,8 +154,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"zp-client storm: {exc}", file=sys.stderr)
         return 2
     clock = args.clock or ("real" if args.redis else "virtual")
+    trace_overrides: dict[str, Any] = {}
+    if getattr(args, "trace", None) is not None:  # --trace FILE (sets args.workload, args.max_model_len)
+        try:
+            trace_overrides = _trace_options(args)
+        except ZPError as exc:
+            print(f"zp-client storm: {exc}", file=sys.stderr)
+            return 2
     profile, blocks, mml, speedup = _DEFAULTS[args.workload]
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(trace_overrides)
     if args.max_requests is not None:
         overrides["max_requests"] = args.max_requests
     cfg = StormConfig(

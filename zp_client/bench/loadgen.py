@@ -160,7 +160,10 @@ async def stream_chat(client: Any, model: str, turn: Turn, rec: RequestRecord, c
     usage_tokens: int | None = None
     body = {"sim_output_tokens": turn.true_out, **extra.pop("extra_body", {})}
     # the server's request id (vLLM takes X-Request-Id): its records join the client's by it
-    extra["extra_headers"] = {"X-Request-Id": rec.id, **extra.get("extra_headers", {})}
+    headers = {"X-Request-Id": rec.id}
+    if turn.priority is not None:  # zp's transport reads (and strips) it; other setups' servers ignore it
+        headers["X-ZP-Priority"] = str(turn.priority)
+    extra["extra_headers"] = {**headers, **extra.get("extra_headers", {})}
     if not turn.stream:
         resp = await client.chat.completions.create(
             model=model, messages=turn.messages, max_tokens=turn.max_tokens, extra_body=body, **extra)

@@ -7,14 +7,13 @@ docs/benchmark.md#workloads.
 
 from __future__ import annotations
 
-import csv
+import functools
 import json
 import math
 import os
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ __all__ = [
     "SLO_TTFT_S",
     "ServerFacts",
     "SimConfig",
+    "TRACE_WORKLOAD",
     "Session",
     "Turn",
     "Workload",
@@ -40,6 +40,7 @@ __all__ = [
     "loaded_step_s",
     "make_text",
     "seed_burst",
+    "trace_replay",
 ]
 
 Message = dict[str, str]
@@ -67,6 +68,9 @@ class Turn:
     stream: bool = True
     """Streamed (SSE) or not. A non-streamed call's first byte is its whole response, so a gateway
     timeout applies to its full duration, as for agent frameworks' usual non-streamed tool calls."""
+    priority: int | None = None
+    """The request's priority (lower = more urgent, as zp's ``X-ZP-Priority`` header and vLLM's
+    ``priority`` field), from a trace file's ``priority``; None: the caller's default."""
 
 
 @dataclass
@@ -498,100 +502,137 @@ def agentic(facts: ServerFacts, seed: int, *, conversations: int = _AGENTIC_CONV
 # --------------------------------------------------------------------------------------- trace replays
 
 
-@dataclass(frozen=True)
-class _TraceRow:
-    t: float  # seconds from the trace's start
-    prompt: int
-    out: int
-    hash_ids: tuple[int, ...] = ()
-
-
-def _read_azure(path: Path) -> list[_TraceRow]:
-    rows: list[_TraceRow] = []
-    t0: datetime | None = None
-    with path.open(newline="") as f:
-        for rec in csv.DictReader(f):
-            ts = rec["TIMESTAMP"]
-            # 7 fractional digits: trim to the 6 that datetime parses
-            head, _, frac = ts.partition(".")
-            when = datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}")
-            t0 = t0 or when
-            rows.append(_TraceRow((when - t0).total_seconds(), int(rec["ContextTokens"]),
-                                  int(rec["GeneratedTokens"])))
-    return rows
-
-
-def _read_mooncake(path: Path) -> list[_TraceRow]:
-    raw = [json.loads(line) for line in path.open() if line.strip()]
-    # Timestamps sit on a ~3 s grid (most gaps are 0): spread the requests of one grid step evenly
-    # over the step that ends at the next distinct timestamp, keeping their order.
-    out: list[_TraceRow] = []
-    i = 0
-    while i < len(raw):
-        j = i
-        while j < len(raw) and raw[j]["timestamp"] == raw[i]["timestamp"]:
-            j += 1
-        start = raw[i]["timestamp"] / 1000
-        end = raw[j]["timestamp"] / 1000 if j < len(raw) else start + 3.0
-        step = (end - start) / (j - i)
-        for k in range(i, j):
-            r = raw[k]
-            out.append(_TraceRow(start + (k - i) * step, int(r["input_length"]), int(r["output_length"]),
-                                 tuple(r.get("hash_ids", ()))))
-        i = j
-    return out
-
-
 _TRACES = {
-    "azure-code": ("traces/azure2023/AzureLLMInferenceTrace_code.csv", _read_azure),
-    "azure-conv": ("traces/azure2023/AzureLLMInferenceTrace_conv.csv", _read_azure),
-    "mooncake": ("traces/mooncake/conversation_trace.jsonl", _read_mooncake),
+    "azure-code": ("traces/azure2023/AzureLLMInferenceTrace_code.csv", "azure"),
+    "azure-conv": ("traces/azure2023/AzureLLMInferenceTrace_conv.csv", "azure"),
+    "mooncake": ("traces/mooncake/conversation_trace.jsonl", "mooncake"),
 }
 
+#: The workload name of a trace file of one's own (``zp-client storm --trace FILE``); its report names the
+#: file (``trace:<file name>``).
+TRACE_WORKLOAD = "trace"
 
-def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float = 1.0,
-                 load_scale: float = 1.0, max_requests: int = 200, start_s: float = 0.0,
-                 max_tokens: int = 1024, length_scale: float = 1.0) -> Workload:
-    """Replay a window of a public trace.
+
+@functools.cache
+def _one_token_words() -> tuple[str, ...]:
+    """The words of ``_WORDS`` that cost exactly one token with or without a leading space."""
+    count = _token_counter()
+    return tuple(w for w in _WORDS if count(w) == 1 and count(" " + w) == 1)
+
+
+@functools.cache
+def _chat_overhead() -> tuple[int, int]:
+    """Tokens the simulator's chat template puts before and after a single user message's content."""
+    from zp_client.sim.tokenizer import encode, render_chat
+
+    a = encode(render_chat([{"role": "user", "content": "the"}]))
+    b = encode(render_chat([{"role": "user", "content": "of"}]))
+    head = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    return head, len(a) - head - 1
+
+
+def _unique_word(i: int) -> str:
+    """A letters-only word that no other request index gives (its first token differs from any other's)."""
+    letters = "qzxjkv"
+    word = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, len(letters))
+        word = letters[r] + word
+    return "zq" + word
+
+
+def _exact_words(n_tokens: int, rng: random.Random, head: str) -> str:
+    """``head`` followed by one-token words, ``n_tokens`` simulator tokens in all (``head`` alone when it is
+    longer)."""
+    words = _one_token_words()
+    rest = max(0, n_tokens - _token_counter()(head))
+    return " ".join([head, *(rng.choice(words) for _ in range(rest))])
+
+
+def _prefixed_content(words: list[str], prefix_len: int, prompt: int, rng: random.Random, i: int) -> str:
+    """A user message of ``prompt`` chat tokens whose first ``prefix_len`` are ``words``' (shared by every
+    request of the same prefix id), the rest unique to request ``i``."""
+    head, tail = _chat_overhead()
+    content = max(1, prompt - head - tail)
+    k = min(max(0, prefix_len - head), content)
+    shared = " ".join(words[:k])
+    if content - k <= 0:
+        return shared
+    unique = _exact_words(content - k, rng, _unique_word(i))
+    return f"{shared} {unique}" if shared else unique
+
+
+def trace_replay(source: str | Path, facts: ServerFacts, seed: int, *, trace_format: str = "auto",
+                 time_scale: float = 1.0, load_scale: float = 1.0, max_requests: int | None = 200,
+                 start_s: float = 0.0, max_tokens: int = 1024, length_scale: float = 1.0) -> Workload:
+    """Replay a window of a trace: a public one by name (``azure-code``, ``azure-conv``, ``mooncake``,
+    read from the shared folder) or a trace file of one's own (a path; ``trace_format`` as in
+    :func:`zp_client.bench.tracefile.read_trace`). Both take the same path from here on.
 
     ``time_scale`` multiplies the trace's clock (0.1 runs ten times faster: virtual arrival = trace
     offset x time_scale). ``load_scale`` thins (< 1: each request kept with that probability) or
     replicates (> 1: each request sent floor(y) or ceil(y) times, copies 1 ms apart) the requests.
     ``length_scale`` multiplies prompt lengths (to fit long-context traces to a small simulated pool;
-    output lengths are kept). Lengths are then capped to the context: the client's bound is
-    ``max_tokens' = min(max(max_tokens, true output), max_model_len / 4)``, the true output is capped
-    to it, and the prompt to ``max_model_len - max_tokens' - 16`` (the count of capped prompts is
-    reported as ``prompts_capped_to_context``). The window starts at trace offset ``start_s`` and holds
-    the first ``max_requests`` requests after load scaling. Mooncake's shared 512-token prefix blocks
-    (``hash_ids``) become shared prompt text.
+    output lengths are kept). Lengths are then capped to the context. A request without a client bound
+    (Azure, Mooncake) gets ``max_tokens' = min(max(max_tokens, true output), max_model_len / 4)``, its
+    true output capped to it, and its prompt capped to ``max_model_len - max_tokens' - 16``. A request
+    with its own ``max_tokens`` (a replay file) keeps it and its prompt unless the two do not fit: then
+    the bound is capped to ``max_model_len / 4`` and the prompt as above. The count of changed requests is
+    reported as ``prompts_capped_to_context``. The window starts at trace offset ``start_s`` and holds
+    the first ``max_requests`` requests (all when None) after load scaling. Mooncake's shared 512-token
+    prefix blocks (``hash_ids``) become shared prompt text; so do a replay file's ``prefix_id`` /
+    ``prefix_len``: requests of one prefix id share their first ``prefix_len`` chat tokens exactly (the
+    template's header included), and every other token is unique to the request. A replay file in
+    ``arrival_step`` counts each engine step as one unloaded decode step (``facts.unloaded_itl_s``).
     """
-    rel, reader = _TRACES[name]
-    path = find_shared_dir() / rel
-    rows = [r for r in reader(path) if r.t >= start_s]
+    from zp_client.bench.tracefile import read_trace
+
+    if time_scale < 0 or load_scale <= 0 or length_scale <= 0:
+        raise ConfigurationError(f"trace replay: time_scale must be >= 0 (got {time_scale}), load_scale > 0 "
+                                 f"(got {load_scale}) and length_scale > 0 (got {length_scale})")
+    if isinstance(source, str) and source in _TRACES:
+        rel, fmt = _TRACES[source]
+        name, label = source, rel
+        trace = read_trace(find_shared_dir() / rel, fmt)
+    else:
+        trace = read_trace(Path(source), trace_format)
+        name, label = f"{TRACE_WORKLOAD}:{trace.path.name}", str(trace.path)
+    unit_s = facts.unloaded_itl_s if trace.time_unit == "step" else 1.0
+    rows = [(r.t * unit_s, r) for r in trace.rows if r.t * unit_s >= start_s]
     rng = random.Random(seed)
-    picked: list[tuple[float, _TraceRow]] = []
-    for r in rows:
+    picked: list[tuple[float, int, Any]] = []
+    for t_row, r in rows:
         copies = int(load_scale) + (1 if rng.random() < load_scale - int(load_scale) else 0)
         for c in range(copies):
-            picked.append(((r.t - start_s) * time_scale + c * 0.001, r))
-        if len(picked) >= max_requests:
+            picked.append(((t_row - start_s) * time_scale + c * 0.001, c, r))
+        if max_requests is not None and len(picked) >= max_requests:
             break
-    picked = picked[:max_requests]
+    if max_requests is not None:
+        picked = picked[:max_requests]
     if not picked:
         raise ConfigurationError(f"{name}: no requests in the window (load_scale {load_scale} too small?)")
     bound_cap = facts.max_model_len // 4
     chunk_text: dict[int, str] = {}
     chunk_tokens = max(16, int(512 * length_scale))
+    prefix_words: dict[str, tuple[random.Random, list[str]]] = {}
     sessions: list[Session] = []
     capped = 0
-    for i, (t, r) in enumerate(picked):
+    for i, (t, copy, r) in enumerate(picked):
         out = max(1, r.out)
-        bound = min(max(max_tokens, out), bound_cap)
-        out = min(out, bound)
         prompt = max(16, int(r.prompt * length_scale))
-        limit = facts.max_model_len - bound - 16
-        if prompt > limit:
-            prompt, capped = limit, capped + 1
+        if r.max_tokens is None:
+            bound = min(max(max_tokens, out), bound_cap)
+            out = min(out, bound)
+            limit = facts.max_model_len - bound - 16
+            if prompt > limit:
+                prompt, capped = limit, capped + 1
+        else:
+            bound = r.max_tokens
+            if prompt + bound + 16 > facts.max_model_len:
+                bound = min(bound, bound_cap)
+                out = min(out, bound)
+                prompt, capped = min(prompt, facts.max_model_len - bound - 16), capped + 1
         if r.hash_ids:
             # shared prefix blocks become identical text; the remainder is unique to the request
             parts = []
@@ -603,25 +644,46 @@ def trace_replay(name: str, facts: ServerFacts, seed: int, *, time_scale: float 
             used = len(parts) * chunk_tokens
             parts.append(make_text(max(1, prompt - used - 8), rng, f"req {i}"))
             content = "".join(parts)
+        elif r.prefix_id is not None and r.prefix_len > 0:
+            # one word stream per prefix id: a shorter prefix of the same id is a prefix of a longer one
+            plen = min(prompt, max(1, int(r.prefix_len * length_scale)))
+            rng_p, words = prefix_words.setdefault(r.prefix_id, (random.Random(f"{seed}:{r.prefix_id}"), []))
+            vocab = _one_token_words()
+            words.extend(rng_p.choice(vocab) for _ in range(plen - len(words)))
+            content = _prefixed_content(words, plen, prompt, rng, i)
         else:
             content = make_text(prompt - 8, rng, f"req {i}")
         msgs = [{"role": "user", "content": content}]
-        turn = Turn(msgs, count_chat_tokens(msgs), bound, out)
-        sessions.append(Session(f"req-{i}", round(t, 6), "trace", [turn]))
+        turn = Turn(msgs, count_chat_tokens(msgs), bound, out, stream=r.stream, priority=r.priority)
+        sid = f"req-{i}" if r.id is None else (r.id if copy == 0 else f"{r.id}+{copy}")
+        sessions.append(Session(sid, round(t, 6), "trace", [turn]))
     span = picked[-1][0]
     slo = SLO(ttft_s=round(max(5.0, 200 * facts.unloaded_itl_s), 2),
               tpot_s=round(5 * facts.unloaded_itl_s, 4))
-    return Workload(
-        name,
-        f"{len(sessions)} requests of {rel} from offset {start_s:.0f}s, time_scale {time_scale}, "
-        f"load_scale {load_scale}, length_scale {length_scale} ({span:.1f}s virtual)",
-        sessions, slo, None,
-        {"trace": rel, "time_scale": time_scale, "load_scale": load_scale, "length_scale": length_scale,
-         "start_s": start_s, "max_requests": max_requests, "max_tokens": max_tokens,
-         "prompts_capped_to_context": capped,
-         "cap_rule": "bound = min(max(max_tokens, true_out), max_model_len/4); "
-                     "prompt = min(prompt, max_model_len - bound - 16)"},
-    )
+    params: dict[str, Any] = {
+        "trace": label, "time_scale": time_scale, "load_scale": load_scale, "length_scale": length_scale,
+        "start_s": start_s, "max_requests": max_requests, "max_tokens": max_tokens,
+        "prompts_capped_to_context": capped,
+        "cap_rule": "bound = min(max(max_tokens, true_out), max_model_len/4); "
+                    "prompt = min(prompt, max_model_len - bound - 16)"}
+    if name in _TRACES:
+        description = (f"{len(sessions)} requests of {rel} from offset {start_s:.0f}s, "
+                       f"time_scale {time_scale}, load_scale {load_scale}, length_scale {length_scale} "
+                       f"({span:.1f}s virtual)")
+    else:
+        params.update(format=trace.format, lines=len(trace.rows), time_unit=trace.time_unit,
+                      prefix_ids=len({r.prefix_id for r in trace.rows if r.prefix_id is not None}))
+        if trace.format == "replay":
+            del params["max_tokens"]  # every line has its own
+            params["cap_rule"] = ("the file's max_tokens and prompt, unless prompt + max_tokens + 16 > "
+                                  "max_model_len: then bound = min(max_tokens, max_model_len/4), "
+                                  "prompt = min(prompt, max_model_len - bound - 16)")
+        if trace.time_unit == "step":
+            params["step_s"] = unit_s
+        description = (f"{len(sessions)} requests of {label} ({trace.format} format, "
+                       f"{len(trace.rows)} lines), time_scale {time_scale}, load_scale {load_scale}, "
+                       f"length_scale {length_scale} ({span:.1f}s virtual)")
+    return Workload(name, description, sessions, slo, None, params)
 
 
 WORKLOADS: tuple[str, ...] = ("seed-burst", "agentic", "azure-code", "azure-conv", "mooncake")
@@ -629,7 +691,8 @@ WORKLOADS: tuple[str, ...] = ("seed-burst", "agentic", "azure-code", "azure-conv
 
 def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: float | None = None,
                    load_scale: float | None = None, **overrides: Any) -> Workload:
-    """Build workload ``name`` for a server described by ``facts``. Unknown names raise
+    """Build workload ``name`` for a server described by ``facts``: one of :data:`WORKLOADS`, or
+    :data:`TRACE_WORKLOAD` with ``path=`` a trace file (see :func:`trace_replay`). Unknown names raise
     :class:`~zp_client.errors.ConfigurationError` listing the known ones."""
     if name == "seed-burst":
         if load_scale is not None:
@@ -650,6 +713,17 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
         if load_scale is not None:
             kw["load_scale"] = load_scale
         return trace_replay(name, facts, seed, **kw)
+    if name == TRACE_WORKLOAD:
+        # a trace file of one's own: overrides carry its ``path`` (and ``trace_format``, ``max_requests``...)
+        kw = {"time_scale": 1.0, "load_scale": 1.0, "max_requests": None, **overrides}
+        if "path" not in kw:
+            raise ConfigurationError("workload 'trace' needs the trace file: pass path= "
+                                     "(zp-client storm --trace FILE)")
+        if time_scale is not None:
+            kw["time_scale"] = time_scale
+        if load_scale is not None:
+            kw["load_scale"] = load_scale
+        return trace_replay(Path(kw.pop("path")), facts, seed, **kw)
     raise ConfigurationError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
 
 
