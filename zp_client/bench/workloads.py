@@ -336,18 +336,21 @@ def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 24, burst: int =
     * **SLO.** :func:`interactive_slo`, the same fixed rule as every other workload: TTFT <= 5 s, TPOT
       <= 5x the unloaded ITL; a non-streamed call must end within 5 s + output x TPOT.
 
-    ``scale`` multiplies ``streams`` and ``burst``.
+    ``scale`` (``--load-scale``, the x of ``--sweep``) is the offered load: it multiplies ``streams`` and
+    ``burst`` and keeps every request's size (the prompts sized for ``streams`` at scale 1), so at scale x
+    the streams alone hold ``hold`` x x of the pool (above 1 they overflow it without any burst).
     """
     rng = random.Random(seed)
+    base_streams = streams
     streams = max(1, round(streams * scale))
     burst = max(1, round(burst * scale))
     bs = facts.block_size
     burst_prompt = min(burst_prompt, facts.max_model_len - burst_max_tokens - 64)
-    per_stream = hold * facts.usable_blocks * bs / streams
+    per_stream = hold * facts.usable_blocks * bs / base_streams
     stream_prompt = int(per_stream - stream_out / 2) - 8  # minus the chat template's tokens
     if stream_prompt < 64 or stream_prompt + stream_out > facts.max_model_len:
         raise ConfigurationError(
-            f"seed-burst: {streams} streams cannot hold {hold:.0%} of a {facts.usable_blocks}-block pool "
+            f"seed-burst: {base_streams} streams cannot hold {hold:.0%} of a {facts.usable_blocks}-block pool "
             f"with {stream_out}-token outputs within max_model_len {facts.max_model_len}; "
             "change the number of streams or the pool size"
         )
