@@ -353,9 +353,8 @@ def test_storm_replays_a_trace_file_through_every_setup(tmp_path: Path) -> None:
     p = _write(tmp_path, "tiny.jsonl", TINY_TRACE)
     out = tmp_path / "out"
     rc = main(["storm", "--trace", str(p), "--setups", "no-admission,zp-strict", "--quiet", "--out", str(out),
-               "--profile", "tiny", "--num-gpu-blocks", "128", "--speedup", "4"])
-    # 3: the harness judged the shared machine too busy for the numbers to be quoted; the records stand
-    assert rc in (0, 3)
+               "--profile", "tiny", "--num-gpu-blocks", "128"])
+    assert rc == 0  # the virtual clock: a run cannot saturate the harness
     data = json.loads((out / "report.json").read_text())
     assert data["workload"]["name"] == "trace:tiny.jsonl" and str(p) in data["workload"]["description"]
     assert [m["setup"] for m in data["setups"]] == ["no-admission", "zp-strict"]

@@ -379,3 +379,49 @@ def test_two_runs_of_one_seed_give_identical_records_even_with_another_hash_seed
 def test_another_seed_gives_another_run() -> None:
     a, b = _tiny_storm(0), _tiny_storm(1)
     assert json.dumps(a) != json.dumps(b)
+
+
+# ------------------------------------------------------------------------------------ the CLI
+
+
+def test_sweep_loads_are_parsed_and_bad_ones_named() -> None:
+    from zp_client.bench.cli import _parse_sweep
+
+    assert _parse_sweep("2,0.5,1,1") == [0.5, 1.0, 2.0]
+    assert _parse_sweep(None) == []
+    for bad in ("a,b", "0,1", "-1", ","):
+        with pytest.raises(ConfigurationError, match="--sweep"):
+            _parse_sweep(bad)
+
+
+def test_worker_setups_need_the_real_clock() -> None:
+    cfg = StormConfig(workload="seed-burst", setups=["no-admission", "zp-redis"], profile="tiny",
+                      num_gpu_blocks=None, redis_url="redis://127.0.0.1:1/0", workload_overrides=dict(TINY))
+    with pytest.raises(ConfigurationError, match="--clock real"):
+        run_storm(cfg)
+    with pytest.raises(ConfigurationError, match="clock must be one of"):
+        StormConfig(clock="wall")
+
+
+def test_storm_cli_runs_a_sweep_on_the_virtual_clock(tmp_path: Path) -> None:
+    pytest.importorskip("rich")
+    from zp_client.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": 0.05 * i, "prompt_tokens": 300 + 40 * i,
+                                         "max_tokens": 256, "output_tokens": 60 + 10 * i}) + "\n"
+                             for i in range(12)))
+    out = tmp_path / "sweep"
+    rc = main(["storm", "--trace", str(trace), "--profile", "tiny", "--num-gpu-blocks", "128",
+               "--setups", "no-admission,zp-elastic", "--sweep", "1,2", "--quiet", "--out", str(out)])
+    assert rc == 0  # a virtual run cannot saturate the harness
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["loads"] == [1.0, 2.0]
+    assert (out / "sweep.png").stat().st_size > 10_000
+    sizes = {}
+    for x in ("1", "2"):
+        report = json.loads((out / f"load-{x}" / "report.json").read_text())
+        assert report["server"]["clock"] == "virtual"
+        assert [m["setup"] for m in report["setups"]] == ["no-admission", "zp-elastic"]
+        sizes[x] = len(report["requests"]["no-admission"])
+    assert sizes == {"1": 12, "2": 24}  # twice the offered load: every request twice
