@@ -191,7 +191,9 @@ class Upstream:
 
 
 def _settings() -> Settings:
-    return Settings(estimator="heuristic", max_model_len=4096, stream_upstream=False)
+    # pool_check off: each row scripts every upstream request of the attempt loop, and the pool check's one
+    # GET /metrics is not part of it (tests/test_pool_check.py covers that read).
+    return Settings(estimator="heuristic", max_model_len=4096, stream_upstream=False, pool_check=False)
 
 
 def _headers(row: Row) -> dict[str, str]:

@@ -63,10 +63,16 @@ SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 120}
 
 @pytest.fixture(autouse=True)
 def _no_zp_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Settings read ZP_* variables: the traces must not depend on the caller's environment."""
+    """Settings read ZP_* variables: the traces must not depend on the caller's environment.
+
+    The pool check (``Settings.pool_check``: one ``GET /metrics`` per budget and server before the first
+    admitted request) came after the reference was recorded and would add that request to every trace; it
+    is switched off here through its public opt-out, ``ZP_POOL_CHECK`` (every Settings of these scenarios
+    reads it), and traced on its own in tests/test_pool_check.py."""
     for name in list(os.environ):
         if name.startswith("ZP_") and not name.startswith(("ZP_GOLDEN_", "ZP_TEST_")):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("ZP_POOL_CHECK", "false")
 
 
 def no_retry() -> RetryPolicy:

@@ -29,13 +29,17 @@ if TYPE_CHECKING:
     from zp_client._httplib import HttpLib
     from zp_client.retry import RetryPolicy
 
-__all__ = ["Core", "Machine", "Done", "RequestForecaster", "default_retry", "forecaster_for"]
+__all__ = ["Core", "Machine", "Done", "RequestForecaster", "check_pool", "default_retry", "forecaster_for"]
 
 logger = logging.getLogger("zp_client.transport")
 
 _logged_default_max_tokens = False
 _logged_compressed = False
 _logged_no_max_model_len: set[str] = set()
+# The servers (roots) whose pool each budget was checked against, so a budget whose limit is larger than
+# a server's KV pool warns once however many transports share it (see Core._pool_probe).
+_pool_checked: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_pool_checked_lock = threading.Lock()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,6 +62,13 @@ class ModelLen:
 
     server: Any
     model: str | None
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """Read the server's ``GET /metrics`` (its KV pool, ``vllm:cache_config_info``) -> ServerMetrics."""
+
+    server: Any
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,8 @@ class Sleep:
     seconds: float
 
 
-Action = Estimate | ModelLen | NewRetryState | Acquire | Send | ReadAll | Close | Release | Decide | Sleep
+Action = (Estimate | ModelLen | PoolSize | NewRetryState | Acquire | Send | ReadAll | Close | Release | Decide
+          | Sleep)
 Steps = Generator[Action, Any, Any]
 
 
@@ -227,6 +239,35 @@ def forecaster_for(budget: Budget) -> Any:
         return fc
 
 
+def check_pool(budget: Budget, root: str, metrics: Any) -> bool:
+    """Warn (``logging``, logger ``zp_client.transport``) when ``budget``'s limit is larger than the KV pool
+    ``metrics`` (a :class:`~zp_client.server.ServerMetrics`) describes; True when it warned. The pool has
+    ``num_gpu_blocks - 1`` usable blocks (vLLM's null block); with different block sizes the comparison is
+    in tokens. A pool the metrics do not state is logged at debug level."""
+    n = getattr(metrics, "num_gpu_blocks", None)
+    if not isinstance(n, int) or n < 1:
+        logger.debug("pool check: %s/metrics has no vllm:cache_config_info num_gpu_blocks", root)
+        return False
+    usable = n - 1
+    server_bs = getattr(metrics, "block_size", None) or budget.block_size
+    limit, bs = budget.limit, budget.block_size
+    if limit * bs <= usable * server_bs:
+        return False
+    from zp_client.server import suggest_limit_blocks
+
+    policy = "elastic" if getattr(budget, "policy_name", "strict") == "elastic" else "strict"
+    suggested = suggest_limit_blocks(n, policy=policy) * server_bs // bs  # in the budget's blocks
+    logger.warning(
+        "budget limit_blocks=%d (blocks of %d tokens) is larger than the KV pool of the server at %s: %d "
+        "usable blocks (num_gpu_blocks=%d minus vLLM's null block) of %d tokens, so it cannot keep the "
+        "server from preempting; size it from the pool: limit_blocks=%d (suggest_limit_blocks(%d), or "
+        "zp-client status --server URL). Settings.pool_check=False (ZP_POOL_CHECK=false) turns this "
+        "check off.",
+        limit, bs, root, usable, n, server_bs, suggested, n,
+    )
+    return True
+
+
 # --------------------------------------------------------------------------------------------------
 # The core
 # --------------------------------------------------------------------------------------------------
@@ -272,6 +313,7 @@ class Core:
         )
         self._servers: dict[str, Any] = {}
         self._mml: dict[tuple[str, str | None], int | None] = {}
+        self._pool_roots: set[str] = set()  # Core._claim_pool_check's fallback registry
         # wrap() sets this so zp refusals pass through the openai SDK as a catchable type.
         self.convert_error: Callable[[ZPError], BaseException] | None = None
 
@@ -488,6 +530,33 @@ class Core:
             self._mml[key] = value
         return value
 
+    def _claim_pool_check(self, p: Parsed) -> bool:
+        """True for the one request that reads this server's pool for this budget (``Settings.pool_check``);
+        claimed before the read, so concurrent first requests do not wait on it nor read it again."""
+        if not self.settings.pool_check:
+            return False
+        with _pool_checked_lock:
+            try:
+                roots = _pool_checked.setdefault(self.budget, set())
+            except TypeError:  # a budget that cannot be a weak key (unhashable): once per core instead
+                roots = self._pool_roots
+            if p.root in roots:
+                return False
+            roots.add(p.root)
+            return True
+
+    def _pool_probe(self, p: Parsed, inner: Any) -> Steps:
+        """Read the server's KV pool once per budget and server and warn when the limit exceeds it. A
+        server that cannot answer (no /metrics, not vLLM, no answer within the short read: every such case
+        is a ServerInfoError) is logged at debug level and otherwise ignored: the check never fails a
+        request and is not retried."""
+        try:
+            metrics = yield PoolSize(self.server_for(p, inner))
+        except ZPError as exc:
+            logger.debug("pool check: could not read %s/metrics (%s: %s)", p.root, type(exc).__name__, exc)
+            return
+        check_pool(self.budget, p.root, metrics)
+
     # -- errors and deadlines -----------------------------------------------------------------------
     def surface(self, exc: BaseException) -> BaseException:
         """The error the caller sees for a zp error (wrap() makes it openai-compatible)."""
@@ -521,6 +590,8 @@ class Core:
         else:
             est = self.estimator.estimate(request.url.path, p.body)
         mml = yield from self._max_model_len(p, inner)
+        if self._claim_pool_check(p):
+            yield from self._pool_probe(p, inner)
         plan = self.finish_plan(request, p, est, mml)
         retry = self.retry
         state = (yield NewRetryState(retry)) if retry is not None else None

@@ -23,6 +23,7 @@ from zp_client._core import (
     Machine,
     ModelLen,
     NewRetryState,
+    PoolSize,
     ReadAll,
     Release,
     Send,
@@ -154,6 +155,8 @@ class AsyncDriver(_Driver):
             return await core.estimator.estimate_async(action.path, action.body, action.server)
         if isinstance(action, ModelLen):
             return await action.server.max_model_len(action.model)
+        if isinstance(action, PoolSize):
+            return await action.server.metrics()
         raise TypeError(f"unknown action {action!r}")
 
     async def aclose(self) -> None:
@@ -215,6 +218,8 @@ class SyncDriver(_Driver):
             return core.estimator.estimate_sync_server(action.path, action.body, action.server)
         if isinstance(action, ModelLen):
             return action.server.max_model_len_sync(action.model)
+        if isinstance(action, PoolSize):
+            return action.server.metrics_sync()
         raise TypeError(f"unknown action {action!r}")
 
     def close(self) -> None:

@@ -35,6 +35,8 @@ __all__ = ["HttpLib", "HTTPX", "AsyncBody", "SyncBody", "module_of"]
 logger = logging.getLogger("zp_client.transport")
 
 _METADATA_TIMEOUT = {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
+# GET /metrics is read only for the pool check (Core._pool_probe): one short read, never a long wait.
+_METRICS_TIMEOUT = {"connect": 2.0, "read": 2.0, "write": 2.0, "pool": 2.0}
 
 
 class _Body:
@@ -191,8 +193,11 @@ class HttpLib:
         def build(method: str, path: str, payload: Any) -> Any:
             # Metadata calls bypass admission; bounded so a silent server cannot hang the first request.
             url = root + path if path.startswith("/") else base.rstrip("/") + "/" + path
-            kw: dict[str, Any] = {"headers": {**auth, "accept": "application/json"},
-                                  "extensions": {"timeout": dict(_METADATA_TIMEOUT)}}
+            metrics = path == "/metrics"
+            kw: dict[str, Any] = {
+                "headers": {**auth, "accept": "text/plain" if metrics else "application/json"},
+                "extensions": {"timeout": dict(_METRICS_TIMEOUT if metrics else _METADATA_TIMEOUT)},
+            }
             if payload is not None:
                 kw["json"] = payload
             return module.Request(method, url, **kw)

@@ -81,6 +81,13 @@ class Settings(BaseSettings):
         "use 'always' there). The per-chunk usage is removed from what the caller reads unless it "
         "asked for it.",
     )
+    pool_check: bool = Field(
+        True,
+        description="Read the server's GET /metrics once per budget and server (lazily, on the first "
+        "admitted request; one short read) and log a warning when the budget's limit is larger than the "
+        "server's KV pool (num_gpu_blocks - 1 usable blocks): such a budget cannot prevent preemption. A "
+        "server without vLLM's /metrics is left alone (debug log). False (ZP_POOL_CHECK=false): no read.",
+    )
     api_key: SecretStr | None = Field(None, description="API key for the drop-in client (never logged).")
     base_url: str | None = Field(None, description="Server base URL for the drop-in client.")
 
