@@ -96,5 +96,5 @@ class ServerInfoError(ZPError):
 
 
 class MissingIntegration(ConfigurationError, ImportError):
-    """An agent-framework integration, or the framework it needs, is not installed; the message says what
-    to install."""
+    """An optional part is not installed: an agent-framework integration or the framework it needs, or an
+    extra's packages (``RedisBudget`` without ``zp-client[redis]``); the message says what to install."""

@@ -6,6 +6,16 @@ script layer written once (keys, Lua, arguments, replies, error mapping, the lea
 ``_sync.py`` are the thin faces that do the I/O, ``_budget.py`` is the public class.
 """
 
+try:
+    import redis as _redis  # noqa: F401 - the 'redis' extra: without it, one line saying so
+except ModuleNotFoundError as _exc:
+    from zp_client.errors import MissingIntegration
+
+    raise MissingIntegration(
+        f"RedisBudget needs the 'redis' extra (no module named {(_exc.name or 'redis').split('.')[0]!r}): "
+        "pip install 'zp-client[redis]' (in a clone: pip install -e '.[redis]')"
+    ) from _exc
+
 from zp_client.budget.redis._budget import RedisBudget
 from zp_client.budget.redis._retry import RedisRetryBudget
 from zp_client.budget.redis._script import RedisBudgetEvent, RedisLease
