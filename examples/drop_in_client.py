@@ -5,7 +5,8 @@ call through the budget; no openai package needed. Here several chat streams run
 
 * each stream holds a lease from the moment it is admitted until the stream ends;
 * while a stream advances, its lease reports how many blocks it occupies *now* (``held``), which
-  grows from the prompt's blocks toward the reserved bound (``used`` counts the bounds);
+  grows from the prompt's blocks toward its end (``used`` is what the budget reserves: under the default
+  ``elastic`` policy the projected peak of the live leases, each growing to its forecast end);
 * one stream is abandoned after a few chunks: closing it releases its lease at once (and the server
   aborts the request, freeing its KV blocks).
 
@@ -73,7 +74,7 @@ async def run(args: argparse.Namespace, base_url: str) -> int:
         for i, (chunks, how) in enumerate(results):
             print(f"stream {i}: {how} after {chunks} chunks")
         status = await budget.status()
-        # held <= used: leases reserve their bound but report what they occupy as they stream.
+        # held <= used: the budget reserves each lease's projected end; leases report what they occupy now.
         print(f"peak reserved (used) {peak['used']} blocks, peak occupied (held) {peak['held']} blocks, "
               f"limit {status.limit}")
         finished = sum(1 for _, how in results if how == "finished")

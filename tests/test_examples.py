@@ -86,6 +86,21 @@ def test_limit_from_server_sizes_budget_from_metrics() -> None:
     assert "server pool: num_gpu_blocks=512 block_size=16 -> limit_blocks=459 (headroom 0.9)" in out
     assert ("with the budget: completed 8 requests; server preemptions during the burst: 0; "
             "budget used=0 leases=0") in out
+    assert "the server preempted nothing" in out  # what it says follows what it measured
+
+
+def test_limit_from_server_says_what_it_measured() -> None:
+    """The default burst can preempt (see the program's docstring): whatever the count, the sentence
+    after it agrees with it."""
+    out = run_example("limit_from_server.py", "--sim", "--speedup", "10")
+    count = re.search(r"with the budget: completed 16 requests; server preemptions during the burst: (\d+)",
+                      out)
+    assert count, out
+    if int(count[1]) == 0:
+        assert "the server preempted nothing" in out, out
+    else:
+        assert f"the server preempted {count[1]} time(s) all the same" in out, out
+        assert "the server preempted nothing" not in out
 
 
 @pytest.mark.redis
