@@ -350,8 +350,8 @@ def seed_burst(facts: ServerFacts, seed: int, *, streams: int = 24, burst: int =
     stream_prompt = int(per_stream - stream_out / 2) - 8  # minus the chat template's tokens
     if stream_prompt < 64 or stream_prompt + stream_out > facts.max_model_len:
         raise ConfigurationError(
-            f"seed-burst: {base_streams} streams cannot hold {hold:.0%} of a {facts.usable_blocks}-block pool "
-            f"with {stream_out}-token outputs within max_model_len {facts.max_model_len}; "
+            f"seed-burst: {base_streams} streams cannot hold {hold:.0%} of a {facts.usable_blocks}-block "
+            f"pool with {stream_out}-token outputs within max_model_len {facts.max_model_len}; "
             "change the number of streams or the pool size"
         )
     sessions: list[Session] = []
