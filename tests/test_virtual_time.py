@@ -425,3 +425,19 @@ def test_storm_cli_runs_a_sweep_on_the_virtual_clock(tmp_path: Path) -> None:
         assert [m["setup"] for m in report["setups"]] == ["no-admission", "zp-elastic"]
         sizes[x] = len(report["requests"]["no-admission"])
     assert sizes == {"1": 12, "2": 24}  # twice the offered load: every request twice
+
+
+def test_timers_due_together_run_in_the_order_they_were_scheduled() -> None:
+    """However unrelated timers shaped asyncio's heap, equal deadlines run first-scheduled first."""
+
+    async def main() -> list[int]:
+        order: list[int] = []
+        loop = asyncio.get_running_loop()
+        noise = [loop.call_at(t, lambda: None) for t in (5.0, 3.0, 9.0, 1.0, 7.0, 5.0, 2.0)]
+        for i in range(12):
+            loop.call_at(5.0, order.append, i)
+        noise[1].cancel()
+        await asyncio.sleep(6.0)
+        return order
+
+    assert run_virtual(main()) == list(range(12))

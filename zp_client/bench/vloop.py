@@ -11,6 +11,9 @@ The clock is frozen (the loop waits in real time, as a normal loop would) while 
 loop could still deliver work: a file descriptor other than the loop's own wake-up pipe is registered
 (a real socket), or a ``run_in_executor`` job is running. Client and server talk through
 :mod:`zp_client.bench.memory` (an in-memory streaming ASGI transport), so in a storm neither happens.
+Timers due at the same instant run in the order they were scheduled (asyncio's heap breaks such ties by
+its own layout, which any unrelated timer can change: a run's order must follow from the program, not
+from the heap), so sessions arriving together reach the server in the order they were started.
 A loop with nothing scheduled and nothing in flight is deadlocked; after ``deadlock_s`` real seconds
 of that it raises :class:`VirtualTimeDeadlock` instead of hanging.
 
@@ -20,6 +23,8 @@ docs/benchmark.md#virtual-time explains what this does and does not model.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import selectors
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
@@ -89,6 +94,27 @@ class _JumpingSelector(selectors.BaseSelector):
         return []
 
 
+class _FifoTimerHandle(asyncio.TimerHandle):
+    """A timer ordered by (deadline, the order it was scheduled in)."""
+
+    __slots__ = ("_seq",)
+
+    def __init__(self, when: float, callback: Callable[..., object], args: tuple[Any, ...],
+                 loop: asyncio.AbstractEventLoop, context: Any, seq: int) -> None:
+        super().__init__(when, callback, args, loop, context=context)
+        self._seq = seq
+
+    def __lt__(self, other: asyncio.TimerHandle) -> bool:
+        if isinstance(other, _FifoTimerHandle):
+            return (self.when(), self._seq) < (other.when(), other._seq)
+        return super().__lt__(other)
+
+    def __le__(self, other: asyncio.TimerHandle) -> bool:
+        if isinstance(other, _FifoTimerHandle):
+            return (self.when(), self._seq) <= (other.when(), other._seq)
+        return super().__le__(other)
+
+
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """A selector event loop whose :meth:`time` is virtual (starts at ``start``, default 0.0) and jumps
     to the next timer whenever nothing is ready. See the module docstring."""
@@ -99,6 +125,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         """``run_in_executor`` jobs not finished yet (the clock is frozen while there are any)."""
         self.jumps = 0
         """How many times the clock jumped (for tests and reports)."""
+        self._timer_seq = itertools.count()
         selector = _JumpingSelector(deadlock_s)
         super().__init__(selector)
         selector._loop = self
@@ -114,6 +141,19 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         target = when if isinstance(when, float) and when >= self._now else self._now + timeout
         self._now = max(self._now, target)
         self.jumps += 1
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any,  # type: ignore[override]  # same call, typed without TypeVarTuple
+                context: Any = None) -> asyncio.TimerHandle:
+        # BaseEventLoop.call_at with a FIFO tie-break (see the module docstring)
+        if when is None:
+            raise TypeError("when cannot be None")
+        self._check_closed()  # type: ignore[attr-defined]  # asyncio's own private check
+        timer = _FifoTimerHandle(when, callback, args, self, context, next(self._timer_seq))
+        if timer._source_traceback:  # type: ignore[attr-defined]  # debug mode's traceback, as asyncio trims it
+            del timer._source_traceback[-1]  # type: ignore[attr-defined]
+        heapq.heappush(self._scheduled, timer)  # type: ignore[attr-defined]  # the loop's timer heap
+        timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
 
     def run_in_executor(self, executor: Executor | None, func: Callable[..., T],  # type: ignore[override]  # same call, typed without TypeVarTuple
                         *args: Any) -> asyncio.Future[T]:
