@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from zp_client.bench.report import build_report, markdown_table, print_checks, print_table, write_report
-    from zp_client.bench.runner import StormConfig, run_storm
+    from zp_client.bench.runner import StormConfig
     from zp_client.bench.setups import parse_setups
 
     console = Console()
@@ -177,22 +177,10 @@ def run(args: argparse.Namespace) -> int:
         and sys.argv[1] == "storm" else "zp-client storm (programmatic)"
     if loads:
         return _sweep(cfg, loads, args, console, command)
-    holder: dict[str, _Progress] = {}
-
-    def factory(names: list[str], total: int) -> _Progress:
-        p = _Progress(console, names, total, not args.quiet)
-        p.__enter__()
-        holder["p"] = p
-        return p
-
-    try:
-        wl, facts, runs = run_storm(cfg, factory)
-    except ZPError as exc:
-        print(f"zp-client storm: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if "p" in holder:
-            holder["p"].__exit__(None, None, None)
+    result = _run_storm(cfg, console, args.quiet)
+    if isinstance(result, int):
+        return result
+    wl, facts, runs = result
     report = build_report(wl, facts, runs, cfg, command)
     print_table(report, console)
     print_checks(report, console)
@@ -203,6 +191,28 @@ def run(args: argparse.Namespace) -> int:
         console.print("[bold red]the harness was saturated: do not quote these numbers[/]")
         return 3
     return 0
+
+
+def _run_storm(cfg: Any, console: Any, quiet: bool) -> Any:
+    """``run_storm(cfg)`` under a progress bar: its result, or exit code 2 after a one-line error."""
+    from zp_client.bench.runner import run_storm
+
+    holder: dict[str, _Progress] = {}
+
+    def factory(names: list[str], total: int) -> _Progress:
+        p = _Progress(console, names, total, not quiet)
+        p.__enter__()
+        holder["p"] = p
+        return p
+
+    try:
+        return run_storm(cfg, factory)
+    except ZPError as exc:
+        print(f"zp-client storm: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if "p" in holder:
+            holder["p"].__exit__(None, None, None)
 
 
 def _parse_sweep(text: str | None) -> list[float]:
@@ -228,7 +238,6 @@ def _sweep(cfg: Any, loads: list[float], args: argparse.Namespace, console: Any,
         write_report,
         write_sweep_report,
     )
-    from zp_client.bench.runner import run_storm
 
     out = Path(args.out)
     base = cfg.load_scale if cfg.load_scale is not None else 1.0
@@ -236,22 +245,10 @@ def _sweep(cfg: Any, loads: list[float], args: argparse.Namespace, console: Any,
     for x in loads:
         point = dataclasses.replace(cfg, load_scale=base * x)
         console.print(f"[bold]offered load {x:g}x[/] (--load-scale {base * x:g})", highlight=False)
-        holder: dict[str, _Progress] = {}
-
-        def factory(names: list[str], total: int, holder: dict[str, _Progress] = holder) -> _Progress:
-            p = _Progress(console, names, total, not args.quiet)
-            p.__enter__()
-            holder["p"] = p
-            return p
-
-        try:
-            wl, facts, runs = run_storm(point, factory)
-        except ZPError as exc:
-            print(f"zp-client storm: {exc}", file=sys.stderr)
-            return 2
-        finally:
-            if "p" in holder:
-                holder["p"].__exit__(None, None, None)
+        result = _run_storm(point, console, args.quiet)
+        if isinstance(result, int):
+            return result
+        wl, facts, runs = result
         report = build_report(wl, facts, runs, point, f"{command} (load {x:g}x)")
         write_report(report, out / f"load-{x:g}")
         reports.append(report)

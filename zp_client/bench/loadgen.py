@@ -74,19 +74,10 @@ class LoopTimeClock(VirtualClock):
         self._loop = loop
 
     async def sleep_until(self, t: float) -> None:
-        if t <= self._loop.time():
-            return
-        fut = self._loop.create_future()
-        handle = self._loop.call_at(t, _resolve, fut)
-        try:
-            await fut
-        finally:
-            handle.cancel()
+        if t > self._loop.time():
+            from zp_client.sim.server import sleep_until  # the simulator's own: the same landing rule
 
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+            await sleep_until(self._loop, t)
 
 
 @dataclass

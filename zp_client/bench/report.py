@@ -453,11 +453,14 @@ def header_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def markdown_table(report: dict[str, Any]) -> str:
-    head, rows = table_rows(report)
+def _markdown(head: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    return _markdown(*table_rows(report))
 
 
 def print_table(report: dict[str, Any], console: Any = None) -> None:
@@ -692,10 +695,7 @@ def sweep_rows(sweep: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def sweep_markdown_table(sweep: dict[str, Any]) -> str:
     """The sweep table as GitHub markdown."""
-    head, rows = sweep_rows(sweep)
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+    return _markdown(*sweep_rows(sweep))
 
 
 def print_sweep_table(sweep: dict[str, Any], console: Any = None) -> None:

@@ -36,7 +36,7 @@ from . import tokenizer as tok
 from .engine import Engine, EngineConfig
 from .profiles import StepProfile, get_profile
 
-__all__ = ["DEFAULT_OUTPUT_MEDIAN", "DEFAULT_OUTPUT_SIGMA", "SimServer", "build_app"]
+__all__ = ["DEFAULT_OUTPUT_MEDIAN", "DEFAULT_OUTPUT_SIGMA", "SimServer", "build_app", "sleep_until"]
 
 logger = logging.getLogger("zp_client.sim.server")
 
@@ -118,7 +118,7 @@ class _Record:
     """The virtual time of every engine step that produced tokens for it (not in the JSON)."""
 
 
-async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
+async def sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
     """Sleep until ``loop.time() >= when``, scheduled at ``when`` itself (``asyncio.sleep(when - now)``
     would land an ulp off it, and on a virtual-time loop chunks would not arrive at their emission time)."""
     fut = loop.create_future()
@@ -312,7 +312,7 @@ class _Sim:
                                        "virtual s behind its real-time schedule (lower --speedup)",
                                        self.speedup, self.lag_s)
                 if deadline > now:
-                    await _sleep_until(loop, deadline)  # at the step's end exactly: no float drift
+                    await sleep_until(loop, deadline)  # at the step's end exactly: no float drift
                     last_yield = time.perf_counter()
                 elif time.perf_counter() - last_yield > _MAX_UNYIELDED_S:
                     # behind schedule: run steps back to back, yielding to the HTTP side only every
