@@ -369,10 +369,14 @@ def test_two_runs_of_one_seed_give_identical_records_even_with_another_hash_seed
                          capture_output=True, text=True, timeout=600, check=True)
     third = json.loads(out.stdout.strip().splitlines()[-1])
     assert json.dumps(first) == json.dumps(third)
-    # and the runs are real ones: requests completed, some preempted without admission
+    # and the runs are real ones: every request was sent and answered, and the storm overflowed the
+    # pool without admission (records of an empty or idle run would compare equal too)
     names = [name for name, _, _ in first]
     assert names == ["no-admission", "naive", "zp-elastic"]
-    assert all(rec["ok"] for _, recs, _ in first for rec in recs if rec["sent"])
+    for _, recs, engine in first:
+        assert len(recs) == 15 and all(rec["sent"] and rec["ok"] and rec["out_tokens"] > 0 for rec in recs)
+    assert first[0][2]["preemptions_total"] > 0
+    assert first[2][2]["preemptions_total"] == 0
 
 
 @pytest.mark.slow
@@ -389,7 +393,7 @@ def test_sweep_loads_are_parsed_and_bad_ones_named() -> None:
 
     assert _parse_sweep("2,0.5,1,1") == [0.5, 1.0, 2.0]
     assert _parse_sweep(None) == []
-    for bad in ("a,b", "0,1", "-1", ","):
+    for bad in ("a,b", "0,1", "-1", ",", "inf", "nan"):
         with pytest.raises(ConfigurationError, match="--sweep"):
             _parse_sweep(bad)
 
@@ -441,3 +445,104 @@ def test_timers_due_together_run_in_the_order_they_were_scheduled() -> None:
         return order
 
     assert run_virtual(main()) == list(range(12))
+
+
+def test_a_socket_freezes_the_clock_and_an_idle_one_ends_in_an_error_not_a_hang() -> None:
+    import socket
+
+    a, b = socket.socketpair()
+    loop = VirtualTimeLoop(deadlock_s=0.3)
+
+    async def main() -> float:
+        loop.add_reader(a.fileno(), lambda: a.recv(10))
+        try:
+            await asyncio.sleep(5.0)  # due in virtual time, but a socket is registered: frozen
+        finally:
+            loop.remove_reader(a.fileno())
+        return loop.time()
+
+    try:
+        t = time.perf_counter()
+        with pytest.raises(VirtualTimeDeadlock, match="frozen"):
+            loop.run_until_complete(main())
+        assert time.perf_counter() - t >= 0.3
+        assert loop.time() == 0.0
+    finally:
+        loop.close()
+        a.close()
+        b.close()
+
+
+def test_bytes_on_a_socket_are_delivered_while_frozen() -> None:
+    import socket
+
+    a, b = socket.socketpair()
+    got: list[bytes] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def readable() -> None:
+            got.append(a.recv(10))
+            loop.remove_reader(a.fileno())
+            done.set_result(None)
+
+        loop.add_reader(a.fileno(), readable)
+        threading.Timer(0.05, b.send, args=(b"hello",)).start()
+        await done
+
+    try:
+        run_virtual(main())
+    finally:
+        a.close()
+        b.close()
+    assert got == [b"hello"]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.Runner is Python 3.11+")
+def test_asyncio_runner_works_and_executor_shutdown_does_not_jump_the_clock() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, time.sleep, 0.01)
+        await asyncio.sleep(3.0)
+        return loop.time()
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        assert runner.run(main()) == 3.0
+
+
+def test_closing_the_memory_transport_cancels_an_app_that_ignores_the_disconnect() -> None:
+    from zp_client.bench.memory import MemoryTransport
+
+    stuck: list[str] = []
+
+    async def deaf_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            await asyncio.sleep(10_000)  # never looks at receive() again
+        except asyncio.CancelledError:
+            stuck.append("cancelled")
+            raise
+
+    async def main() -> None:
+        import httpx
+
+        transport = MemoryTransport(deaf_app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as http:
+            async with http.stream("GET", "/") as resp:
+                assert resp.status_code == 200
+                await transport.aclose()
+
+    run_virtual(main())
+    assert stuck == ["cancelled"]
+
+
+def test_a_missing_module_outside_the_commands_extra_keeps_its_traceback() -> None:
+    from zp_client.cli import missing_extra
+
+    assert missing_extra("storm", "bench", ModuleNotFoundError(name="notapackage")) is None
+    assert missing_extra("status", "redis", ModuleNotFoundError(name="rich")) is None
+    line = missing_extra("storm", "bench", ModuleNotFoundError(name="rich.console"))
+    assert line is not None and "[bench]" in line

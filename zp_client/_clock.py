@@ -1,8 +1,13 @@
 """The one clock the library reads: monotonic time and sleeping, injectable.
 
-Nothing else in :mod:`zp_client` calls :func:`time.monotonic` or :func:`time.time`: the admission core,
-budgets, the retry policy and retry budgets, the idle-stream watchdog and the server-facts cache ask the
-:class:`Clock` they were given, by default :data:`SYSTEM_CLOCK`. A :class:`~zp_client.LocalBudget` made
+Nothing else in :mod:`zp_client` calls :func:`time.monotonic` or :func:`time.time` (tests/test_layout.py
+checks): the admission core, local budgets, the retry policy and retry budgets, and the idle-stream
+watchdog's idle test ask the :class:`Clock` they were given, by default :data:`SYSTEM_CLOCK`. Three
+places use :data:`SYSTEM_CLOCK` itself, on purpose: :class:`~zp_client.RedisBudget` (its leases expire on
+the Redis server's clock, which no client can move), the server-facts cache's 30 s back-off after a
+failed ``GET models``, and the watchdog thread's own wake-ups (real seconds; under a virtual clock it
+can only act on a stream its caller stopped reading for ``idle_stream_timeout_s`` virtual seconds,
+which the storm never does). A :class:`~zp_client.LocalBudget` made
 with ``clock=`` hands that clock to every transport, retry policy and retry budget built on it, so one
 argument moves a whole client onto another clock; :class:`LoopClock` is the running asyncio loop's
 clock, which is virtual under the storm's virtual-time loop (see docs/benchmark.md#virtual-time).

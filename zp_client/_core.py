@@ -314,6 +314,7 @@ class Core:
         self._servers: dict[str, Any] = {}
         self._mml: dict[tuple[str, str | None], int | None] = {}
         self._pool_roots: set[str] = set()  # Core._claim_pool_check's fallback registry
+        self._pool_roots_seen: set[str] = set()  # roots this core has asked about (no lock after the first)
         # wrap() sets this so zp refusals pass through the openai SDK as a catchable type.
         self.convert_error: Callable[[ZPError], BaseException] | None = None
 
@@ -533,8 +534,9 @@ class Core:
     def _claim_pool_check(self, p: Parsed) -> bool:
         """True for the one request that reads this server's pool for this budget (``Settings.pool_check``);
         claimed before the read, so concurrent first requests do not wait on it nor read it again."""
-        if not self.settings.pool_check:
-            return False
+        if not self.settings.pool_check or p.root in self._pool_roots_seen:
+            return False  # the fast path: this core already knows the root was claimed
+        self._pool_roots_seen.add(p.root)
         with _pool_checked_lock:
             try:
                 roots = _pool_checked.setdefault(self.budget, set())

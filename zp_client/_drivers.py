@@ -29,11 +29,11 @@ from zp_client._core import (
     Send,
     Sleep,
 )
-from zp_client._httplib import HttpLib
+from zp_client._httplib import POOL_CHECK_S, HttpLib
 from zp_client._plan import is_admitted
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
-from zp_client.errors import ZPError
+from zp_client.errors import ServerInfoError, ZPError
 
 __all__ = ["AsyncDriver", "SyncDriver"]
 
@@ -156,7 +156,11 @@ class AsyncDriver(_Driver):
         if isinstance(action, ModelLen):
             return await action.server.max_model_len(action.model)
         if isinstance(action, PoolSize):
-            return await action.server.metrics()
+            # one bound for the whole read (the request's timeouts are per phase)
+            with anyio.move_on_after(POOL_CHECK_S) as scope:
+                return await action.server.metrics()
+            if scope.cancelled_caught:
+                raise ServerInfoError("/metrics", 0, f"no answer within {POOL_CHECK_S:g} s")
         raise TypeError(f"unknown action {action!r}")
 
     async def aclose(self) -> None:

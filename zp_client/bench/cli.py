@@ -222,7 +222,7 @@ def _parse_sweep(text: str | None) -> list[float]:
         loads = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigurationError(f"--sweep takes comma-separated positive numbers, got {text!r}") from None
-    if not loads or any(not x > 0 for x in loads):
+    if not loads or any(not 0 < x < float("inf") for x in loads):
         raise ConfigurationError(f"--sweep takes comma-separated positive numbers, got {text!r}")
     return sorted(set(loads))
 

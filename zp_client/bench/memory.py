@@ -20,7 +20,7 @@ openai 3.x: httpx2; :func:`openai_http_module` tells which).
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable
 from types import ModuleType
@@ -45,7 +45,9 @@ class _Exchange:
         self._disconnected = asyncio.Event()
         self.messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.error: BaseException | None = None
-        self.task = asyncio.get_running_loop().create_task(self._run(app, scope))
+        # a fresh context: the app (the server side) does not see the caller's context variables
+        loop = asyncio.get_running_loop()
+        self.task = contextvars.Context().run(loop.create_task, self._run(app, scope))
 
     async def _run(self, app: ASGIApp, scope: dict[str, Any]) -> None:
         try:
@@ -183,11 +185,18 @@ class _TransportBase:
                             extensions={"http_version": b"HTTP/1.1"}, request=request)
 
     async def aclose(self) -> None:
+        """Tell every open exchange's app the client left; cancel those that do not end within a
+        second (an app that ignores ``http.disconnect``)."""
+        tasks = [ex.task for ex in self._open]
         for ex in list(self._open):
             ex.disconnect()
-        for ex in list(self._open):
-            with contextlib.suppress(BaseException):
-                await ex.task
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=1.0)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 class MemoryTransport(_TransportBase, httpx.AsyncBaseTransport):

@@ -387,6 +387,11 @@ def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any
               ) -> tuple[Workload, ServerFacts, list[SetupRun]]:
     """Measure the unloaded server, build the workload, run every setup in ``cfg.setups`` in order,
     each on a fresh event loop (see the module docstring)."""
+    if cfg.virtual:
+        refused = [n for n in cfg.setups if n in SETUPS and (SETUPS[n].workers > 1 or SETUPS[n].needs_redis)]
+        if refused:
+            raise ConfigurationError(f"setup {', '.join(refused)} runs worker processes or Redis, which a "
+                                     "virtual clock cannot hold: run it with --clock real")
     facts, model = _run(cfg, measure_unloaded(cfg))
     wl = build_workload(cfg.workload, facts, cfg.seed, time_scale=cfg.time_scale, load_scale=cfg.load_scale,
                         **cfg.workload_overrides)

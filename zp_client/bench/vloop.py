@@ -11,6 +11,9 @@ The clock is frozen (the loop waits in real time, as a normal loop would) while 
 loop could still deliver work: a file descriptor other than the loop's own wake-up pipe is registered
 (a real socket), or a ``run_in_executor`` job is running. Client and server talk through
 :mod:`zp_client.bench.memory` (an in-memory streaming ASGI transport), so in a storm neither happens.
+Threads started otherwise (anyio's worker threads, a thread calling ``call_soon_threadsafe``) are
+not seen: the clock may jump while they work. ``asyncio.Runner(loop_factory=VirtualTimeLoop)`` works;
+:func:`run_virtual` is the storm's way in (it also runs on Python 3.10).
 Timers due at the same instant run in the order they were scheduled (asyncio's heap breaks such ties by
 its own layout, which any unrelated timer can change: a run's order must follow from the program, not
 from the heap), so sessions arriving together reach the server in the order they were started.
@@ -50,6 +53,7 @@ class _JumpingSelector(selectors.BaseSelector):
         self._loop: VirtualTimeLoop | None = None
         self._wakeup_fd: int | None = None
         self._deadlock_s = deadlock_s
+        self._frozen_s = 0.0  # real seconds waited frozen with nothing arriving
 
     # -- delegated --------------------------------------------------------------------------------
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
@@ -79,9 +83,24 @@ class _JumpingSelector(selectors.BaseSelector):
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         events = self._real.select(0)
         if events or timeout == 0 or self._loop is None:
+            self._frozen_s = 0.0
             return events
         if self._outside_work():
-            return self._real.select(timeout)  # frozen: wait in real time for the outside world
+            # frozen: wait in real time for the outside world, but not forever (an idle socket, say a
+            # keep-alive connection, would otherwise keep a due timer from ever firing)
+            wait = self._deadlock_s - self._frozen_s
+            slice_s = wait if timeout is None else min(timeout, wait)
+            events = self._real.select(max(0.0, slice_s))
+            if events:
+                self._frozen_s = 0.0
+                return events
+            self._frozen_s += max(0.0, slice_s)
+            if self._frozen_s >= self._deadlock_s:
+                raise VirtualTimeDeadlock(
+                    f"virtual-time loop: the clock has been frozen for {self._deadlock_s:g} real seconds by "
+                    "a registered socket or a running executor job, and nothing arrived; a virtual-time run "
+                    "must not use sockets (use zp_client.bench.memory) and its executor jobs must end")
+            return events
         if timeout is None:
             events = self._real.select(self._deadlock_s)
             if not events and not self._outside_work():
@@ -154,6 +173,14 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         heapq.heappush(self._scheduled, timer)  # type: ignore[attr-defined]  # the loop's timer heap
         timer._scheduled = True  # type: ignore[attr-defined]
         return timer
+
+    async def shutdown_default_executor(self, *args: Any) -> None:
+        # its joining thread is outside work too: no jump to asyncio's 300 s join timeout meanwhile
+        self.executor_jobs += 1
+        try:
+            await super().shutdown_default_executor(*args)
+        finally:
+            self.executor_jobs -= 1
 
     def run_in_executor(self, executor: Executor | None, func: Callable[..., T],  # type: ignore[override]  # same call, typed without TypeVarTuple
                         *args: Any) -> asyncio.Future[T]:
