@@ -546,3 +546,30 @@ def test_a_missing_module_outside_the_commands_extra_keeps_its_traceback() -> No
     assert missing_extra("status", "redis", ModuleNotFoundError(name="rich")) is None
     line = missing_extra("storm", "bench", ModuleNotFoundError(name="rich.console"))
     assert line is not None and "[bench]" in line
+
+
+# ------------------------------------------------------------------------------- a busy client
+
+
+def test_client_load_needs_the_real_clock_and_a_sane_fraction() -> None:
+    with pytest.raises(ConfigurationError, match="real"):
+        StormConfig(client_load=0.5)
+    with pytest.raises(ConfigurationError, match=r"\[0, 1\)"):
+        StormConfig(clock="real", client_load=1.0)
+
+
+@pytest.mark.slow
+def test_a_busy_client_storm_runs_the_simulator_in_its_own_process() -> None:
+    """--client-load on the real clock: the client's loop is blocked in 50 ms bursts, the simulator is
+    served from another process and its records, timeline and metrics come back over HTTP."""
+    cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "zp-elastic"], profile="tiny",
+                      num_gpu_blocks=None, speedup=4.0, clock="real", client_load=0.3,
+                      workload_overrides=dict(TINY))
+    _, _, runs = run_storm(cfg)
+    for run in runs:
+        assert len(run.records) == 15 and all(r.ok for r in run.records), run.name
+        assert len(run.server_stats["requests"]) >= 15  # the simulator's own records, over HTTP
+        assert len(run.timeline) > 10 and run.metrics_preemptions is not None
+        h = run.harness
+        assert h["client_load"] == 0.3 and h["client_load_bursts"] > 0
+        assert h["loop_lag_max_ms"] >= 40.0  # a 50 ms spin delays some 10 ms nap by most of it

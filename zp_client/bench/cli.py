@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(loopback HTTP in real time x --speedup; the default with --redis)")
     parser.add_argument("--speedup", type=float, default=None,
                         help="--clock real: virtual seconds per wall second")
+    parser.add_argument("--client-load", type=float, default=0.0, metavar="F",
+                        help="a busy client: block the client's event loop in 50 ms bursts for fraction F of "
+                             "real time (needs the real clock, the default with it; the simulator then runs "
+                             "in its own process)")
     parser.add_argument("--sweep", default=None, metavar="X,Y,...",
                         help="the overload curve: run at each offered load (x scales the arrival rate, "
                              "keeps request sizes; on top of --load-scale) and plot them")
@@ -153,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     except ZPError as exc:
         print(f"zp-client storm: {exc}", file=sys.stderr)
         return 2
-    clock = args.clock or ("real" if args.redis else "virtual")
+    clock = args.clock or ("real" if args.redis or args.client_load else "virtual")
     trace_overrides: dict[str, Any] = {}
     if getattr(args, "trace", None) is not None:  # --trace FILE (sets args.workload, args.max_model_len)
         try:
@@ -165,14 +169,19 @@ def run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = dict(trace_overrides)
     if args.max_requests is not None:
         overrides["max_requests"] = args.max_requests
-    cfg = StormConfig(
-        workload=args.workload, seed=args.seed, setups=setups,
-        profile=args.profile or profile,
-        num_gpu_blocks=args.num_gpu_blocks if args.num_gpu_blocks is not None else blocks,
-        max_model_len=args.max_model_len if args.max_model_len is not None else mml,
-        speedup=args.speedup or speedup, redis_url=args.redis, time_scale=args.time_scale,
-        load_scale=args.load_scale, workers=args.workers, workload_overrides=overrides, clock=clock,
-    )
+    try:
+        cfg = StormConfig(
+            workload=args.workload, seed=args.seed, setups=setups,
+            profile=args.profile or profile,
+            num_gpu_blocks=args.num_gpu_blocks if args.num_gpu_blocks is not None else blocks,
+            max_model_len=args.max_model_len if args.max_model_len is not None else mml,
+            speedup=args.speedup or speedup, redis_url=args.redis, time_scale=args.time_scale,
+            load_scale=args.load_scale, workers=args.workers, workload_overrides=overrides, clock=clock,
+            client_load=args.client_load,
+        )
+    except ZPError as exc:
+        print(f"zp-client storm: {exc}", file=sys.stderr)
+        return 2
     command = "zp-client storm " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 \
         and sys.argv[1] == "storm" else "zp-client storm (programmatic)"
     if loads:

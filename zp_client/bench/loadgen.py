@@ -27,6 +27,7 @@ from zp_client.bench.workloads import Session, Turn
 
 __all__ = [
     "Caller",
+    "ClientLoad",
     "HarnessMonitor",
     "LoopTimeClock",
     "RequestRecord",
@@ -254,6 +255,45 @@ def _relativise(rec: RequestRecord, t0: float) -> None:
     if rec.t_end is not None:
         rec.t_end -= t0
     rec.token_times = [t - t0 for t in rec.token_times]
+
+
+class ClientLoad:
+    """A deliberately busy client: blocks the event loop's thread in ``burst_s`` (50 ms) bursts at duty
+    cycle ``fraction``, spinning (so it holds the GIL, like application work: JSON, tool calls, prompt
+    building), from ``__aenter__`` to ``__aexit__``. Real time only: on a virtual clock a burst takes
+    no time at all."""
+
+    def __init__(self, fraction: float, burst_s: float = 0.05) -> None:
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"client load must be in [0, 1), got {fraction!r}")
+        self.fraction = float(fraction)
+        self.burst_s = float(burst_s)
+        self.bursts = 0
+        self.busy_s = 0.0
+        """Real seconds spent blocking (for the report)."""
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> ClientLoad:
+        if self.fraction > 0:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):  # the burner we just cancelled
+                await self._task
+
+    async def _run(self) -> None:
+        idle = self.burst_s * (1.0 - self.fraction) / self.fraction
+        while True:
+            await asyncio.sleep(idle)
+            start = real_monotonic()
+            end = start + self.burst_s
+            while real_monotonic() < end:  # spin: a sleep would let the loop's other tasks run
+                pass
+            self.bursts += 1
+            self.busy_s += real_monotonic() - start
 
 
 class HarnessMonitor:

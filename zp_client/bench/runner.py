@@ -29,7 +29,14 @@ from typing import Any, TypeVar
 import httpx
 
 from zp_client._clock import real_monotonic
-from zp_client.bench.loadgen import HarnessMonitor, LoopTimeClock, RequestRecord, VirtualClock, run_sessions
+from zp_client.bench.loadgen import (
+    ClientLoad,
+    HarnessMonitor,
+    LoopTimeClock,
+    RequestRecord,
+    VirtualClock,
+    run_sessions,
+)
 from zp_client.bench.setups import HEADROOM, SETUPS, SetupContext, open_caller, zp_limit_blocks
 from zp_client.bench.tuning import ElasticTuning
 from zp_client.bench.workloads import (
@@ -72,10 +79,24 @@ class StormConfig:
     its :class:`~zp_client.bench.setups.SetupContext`."""
     clock: str = "virtual"
     """``"virtual"`` or ``"real"`` (see the module docstring); ``speedup`` applies to ``real`` only."""
+    client_load: float = 0.0
+    """A busy client (:class:`~zp_client.bench.loadgen.ClientLoad`): the fraction of real time the
+    client's event loop is blocked in 50 ms bursts. Above 0 it needs ``clock="real"``, and the simulator
+    then runs in its own process, so that only the client is slow."""
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
             raise ConfigurationError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
+        if not 0.0 <= self.client_load < 1.0:
+            raise ConfigurationError(f"client_load must be in [0, 1), got {self.client_load!r}")
+        if self.client_load > 0 and self.virtual:
+            raise ConfigurationError("a busy client (client_load > 0) is a real-time matter: on the virtual "
+                                     "clock its work takes no time; use clock='real' (--clock real)")
+
+    @property
+    def sim_in_process(self) -> bool:
+        """Whether the simulator shares the clients' process (not with a busy client)."""
+        return self.client_load == 0
 
     @property
     def virtual(self) -> bool:
@@ -113,9 +134,85 @@ async def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None) -> Asyn
     if cfg.virtual:
         async with server.in_memory():
             yield server
-    else:
+    elif cfg.sim_in_process:
         async with server:
             yield server
+    else:
+        async with _SimProcess(server) as remote:
+            yield remote
+
+
+class _SimProcess:
+    """A :class:`~zp_client.sim.server.SimServer` served from its own (spawned) process, with the
+    handle's surface the runner uses (``url``, ``base_url``, ``app``, ``clock``, ``stats``, ``timeline``),
+    read over HTTP. ``clock`` is a :class:`_HttpClock`; ``stats`` and ``timeline`` are fetched by
+    :meth:`fetch_results` once the run is over."""
+
+    app = None
+
+    def __init__(self, server: Any) -> None:
+        self._server = server  # configured, never started here: its settings travel to the child
+        self._proc: Any = None
+        self._stop: Any = None
+        self._stats: dict[str, Any] = {}
+        self.timeline: list[tuple[float, float, int, int, int]] = []
+        self._clock: _HttpClock | None = None
+
+    async def __aenter__(self) -> _SimProcess:
+        mpc = mp.get_context("spawn")
+        ports = mpc.Queue()
+        self._stop = mpc.Event()
+        args = (self._server.config_kwargs(), ports, self._stop)
+        self._proc = mpc.Process(target=_sim_process_main, args=args, daemon=True)
+        self._proc.start()
+        loop = asyncio.get_running_loop()
+        port = await loop.run_in_executor(None, ports.get, True, 120)
+        if isinstance(port, str):
+            raise RuntimeError(f"the simulator process failed to start: {port}")
+        self.url = f"http://127.0.0.1:{port}"
+        self.base_url = self.url + "/v1"
+        self._clock = _HttpClock(self.url, self._server.speedup)
+        await self._clock.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._clock is not None:
+            await self._clock.stop()
+        if self._stop is not None:
+            self._stop.set()
+        if self._proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+            if self._proc.is_alive():
+                self._proc.terminate()
+
+    def clock(self) -> float:
+        assert self._clock is not None
+        return self._clock.now()
+
+    async def fetch_results(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as http:
+            self._stats = (await http.get("/sim/stats", params={"requests": 1, "timeline": 1})).json()
+        self.timeline = [(float(t), float(kv), int(p), int(r), int(w))
+                         for t, kv, p, r, w in self._stats.pop("timeline", [])]
+
+    def stats(self, requests: bool = False) -> dict[str, Any]:
+        return self._stats
+
+
+def _sim_process_main(kwargs: dict[str, Any], ports: Any, stop: Any) -> None:
+    """The simulator process: serve until ``stop`` is set; the port (or the failure) goes to ``ports``."""
+    from zp_client.sim.server import SimServer
+
+    async def main() -> None:
+        async with SimServer(**kwargs) as server:
+            ports.put(server.port)
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(main())
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it; never hang it
+        ports.put(repr(exc))
 
 
 def _http(server: Any, cfg: StormConfig) -> httpx.AsyncClient:
@@ -184,6 +281,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         def done(rec: RequestRecord) -> None:
             progress(name, 1)
 
+        load = ClientLoad(cfg.client_load)
         async with HarnessMonitor(sample_lag=not cfg.virtual) as mon:
             if spec.workers > 1:
                 records, t0 = await _run_workers(cfg, name, ctx, wl.sessions, clock, done, mon)
@@ -191,16 +289,22 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                 async with open_caller(name, ctx) as caller:
                     mon.mark()
                     t0 = clock.now()
-                    records = await run_sessions(wl.sessions, caller, clock, t0=t0, on_done=done)
+                    async with load:
+                        records = await run_sessions(wl.sessions, caller, clock, t0=t0, on_done=done)
                     mon.stop()
         if cfg.redis_url and SETUPS[name].needs_redis:
             await _delete_budget_keys(cfg.redis_url, ctx.budget_name)
+        if isinstance(server, _SimProcess):
+            await server.fetch_results()
         stats = server.stats(requests=True)
         async with _http(server, cfg) as http:
             from zp_client.server import parse_metrics
 
             mp_total = parse_metrics((await http.get("/metrics")).text).num_preemptions_total
         harness = {**mon.summary(), "clock": cfg.clock}
+        if cfg.client_load:
+            harness.update(client_load=cfg.client_load, client_load_bursts=load.bursts,
+                           client_load_busy_s=round(load.busy_s, 3))
         return SetupRun(name, records, stats, list(server.timeline), t0, harness, gateway,
                         limit_blocks=limit if name.startswith("zp") or name == "clairvoyant" else None,
                         rate_rps=rate_rps if name == "rate-limited" else None,

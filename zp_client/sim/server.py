@@ -1032,8 +1032,11 @@ class _App:
         return Response(generate_latest(self.sim.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def sim_stats(self, request: Request) -> Response:
-        with_requests = request.query_params.get("requests", "0") not in ("0", "", "false")
-        return JSONResponse(self.sim.stats(with_requests))
+        q = request.query_params
+        out = self.sim.stats(q.get("requests", "0") not in ("0", "", "false"))
+        if q.get("timeline", "0") not in ("0", "", "false"):  # the KV / preemption samples, one per step
+            out["timeline"] = [list(t) for t in self.sim.timeline]
+        return JSONResponse(out)
 
     async def sim_clock(self, request: Request) -> Response:
         return JSONResponse({"clock_s": self.sim.clock(), "speedup": self.sim.speedup,
@@ -1092,6 +1095,13 @@ class SimServer:
         timeline_interval_s: float = 0.0,
         log_level: str = "warning",
     ) -> None:
+        self._config: dict[str, Any] = {
+            "profile": profile, "num_gpu_blocks": num_gpu_blocks, "speedup": speedup,
+            "gateway_timeout_s": gateway_timeout_s, "policy": policy, "port": port, "host": host,
+            "model": model,
+            "seed": seed, "enable_prefix_caching": enable_prefix_caching, "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+            "timeline_interval_s": timeline_interval_s, "log_level": log_level}
         prof = get_profile(profile) if isinstance(profile, str) else profile
         self._sim = _Sim(prof, num_gpu_blocks=num_gpu_blocks, speedup=speedup,
                          gateway_timeout_s=gateway_timeout_s, policy=policy, model=model, seed=seed,
@@ -1107,6 +1117,14 @@ class SimServer:
         self._thread: threading.Thread | None = None
         self._thread_loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """The constructor's arguments, to build the same server elsewhere (another process)."""
+        return dict(self._config)
+
+    @property
+    def speedup(self) -> float:
+        return self._sim.speedup
 
     # -- facts -------------------------------------------------------------------------------------
     @property
