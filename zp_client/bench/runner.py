@@ -145,8 +145,10 @@ async def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None) -> Asyn
 class _SimProcess:
     """A :class:`~zp_client.sim.server.SimServer` served from its own (spawned) process, with the
     handle's surface the runner uses (``url``, ``base_url``, ``app``, ``clock``, ``stats``, ``timeline``),
-    read over HTTP. ``clock`` is a :class:`_HttpClock`; ``stats`` and ``timeline`` are fetched by
-    :meth:`fetch_results` once the run is over."""
+    read over HTTP. ``clock`` is the simulator's virtual clock read once over ``GET /sim/clock`` and
+    extrapolated from there at ``speedup`` on this process's real clock (re-reading it would quantize
+    client timestamps to the polls: the simulator's clock runs a step ahead while busy); ``stats`` and
+    ``timeline`` are fetched by :meth:`fetch_results` once the run is over."""
 
     app = None
 
@@ -156,7 +158,7 @@ class _SimProcess:
         self._stop: Any = None
         self._stats: dict[str, Any] = {}
         self.timeline: list[tuple[float, float, int, int, int]] = []
-        self._clock: _HttpClock | None = None
+        self._anchor = (0.0, 0.0)  # (virtual s, real s) at one reading of /sim/clock
 
     async def __aenter__(self) -> _SimProcess:
         mpc = mp.get_context("spawn")
@@ -171,13 +173,13 @@ class _SimProcess:
             raise RuntimeError(f"the simulator process failed to start: {port}")
         self.url = f"http://127.0.0.1:{port}"
         self.base_url = self.url + "/v1"
-        self._clock = _HttpClock(self.url, self._server.speedup)
-        await self._clock.start()
+        async with httpx.AsyncClient(base_url=self.url, timeout=30) as http:
+            before = real_monotonic()
+            virtual = float((await http.get("/sim/clock")).json()["clock_s"])
+            self._anchor = (virtual, (before + real_monotonic()) / 2)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._clock is not None:
-            await self._clock.stop()
         if self._stop is not None:
             self._stop.set()
         if self._proc is not None:
@@ -186,8 +188,8 @@ class _SimProcess:
                 self._proc.terminate()
 
     def clock(self) -> float:
-        assert self._clock is not None
-        return self._clock.now()
+        virtual, real = self._anchor
+        return virtual + (real_monotonic() - real) * float(self._server.speedup)
 
     async def fetch_results(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as http:
