@@ -258,8 +258,6 @@ def calibrate(
 
         try:
             m = ServerInfo(fetch_sync=fetch).metrics_sync()
-        except CalibrationError:
-            raise
         except ServerInfoError as exc:
             raise _pool_error(root, exc) from exc
         try:
@@ -290,8 +288,6 @@ async def calibrate_async(
 
         try:
             m = await ServerInfo(fetch=fetch).metrics()
-        except CalibrationError:
-            raise
         except ServerInfoError as exc:
             raise _pool_error(root, exc) from exc
         try:
