@@ -161,7 +161,8 @@ def test_a_models_endpoint_that_fails_leaves_max_model_len_unknown_not_the_limit
     assert cal.max_model_len is None and cal.max_request_blocks is None
     assert cal.models_note == "GET /v1/models answered HTTP 404"
     assert cal.limit_blocks == 950
-    assert any("max_model_len:   unknown (GET /v1/models answered HTTP 404)" in line for line in cal.explain())
+    unknown = "max_model_len:   unknown (GET /v1/models answered HTTP 404)"
+    assert any(unknown in line for line in cal.explain())
 
 
 def test_a_limit_below_one_full_context_request_is_flagged() -> None:
@@ -175,9 +176,8 @@ def test_a_limit_below_one_full_context_request_is_flagged() -> None:
 
 
 def test_a_server_without_metrics_is_a_clear_error() -> None:
-    with StandIn(None) as s:
-        with pytest.raises(CalibrationError) as info:
-            calibrate(s.base_url)
+    with StandIn(None) as s, pytest.raises(CalibrationError) as info:
+        calibrate(s.base_url)
     err = info.value
     assert isinstance(err, ServerInfoError) and err.status == 404
     assert err.url == f"{s.url}/metrics" and err.missing == "no /metrics"
@@ -189,9 +189,8 @@ def test_a_server_without_metrics_is_a_clear_error() -> None:
     (NO_POOL, "vllm:cache_config_info has no num_gpu_blocks"),
 ])
 def test_metrics_without_the_pool_is_a_clear_error(text: str, missing: str) -> None:
-    with StandIn(text) as s:
-        with pytest.raises(CalibrationError) as info:
-            LocalBudget.from_server(s.url)
+    with StandIn(text) as s, pytest.raises(CalibrationError) as info:
+        LocalBudget.from_server(s.url)
     assert info.value.missing == missing and info.value.status == 200
     assert f"{s.url}/metrics" in str(info.value) and missing in str(info.value)
 
