@@ -18,6 +18,8 @@ __all__ = [
     "LeaseLost",
     "RetryBudgetExhausted",
     "MissingIntegration",
+    "ServerInfoError",
+    "CalibrationError",
 ]
 
 
@@ -90,9 +92,31 @@ class ServerInfoError(ZPError):
 
     def __init__(self, what: str, status: int, detail: str = "") -> None:
         self.status = status
+        self.detail = detail
         msg = (f"the server's {what} answered HTTP {status}" if status
                else f"the server's {what} did not answer")
         super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class CalibrationError(ServerInfoError):
+    """The server cannot size a budget: its ``/metrics`` did not answer, or lacks what calibration reads
+    (``vllm:cache_config_info`` with ``num_gpu_blocks`` and ``block_size``).
+
+    ``url`` is the address that was asked, ``missing`` what was not there. Nothing is guessed in its
+    place: set ``limit_blocks`` by hand (docs/admission.md#choosing-limit_blocks) or point at vLLM.
+    """
+
+    def __init__(self, url: str, missing: str, status: int, detail: str = "") -> None:
+        self.url = url
+        self.missing = missing
+        ServerInfoError.__init__(self, f"GET {url}", status, detail)
+        got = f"HTTP {status}" if status else "no answer"
+        self.args = (f"cannot calibrate from {url}: {missing} ({got}{': ' + detail if detail else ''}); "
+                     "calibration needs vLLM's /metrics with vllm:cache_config_info (num_gpu_blocks, "
+                     "block_size), or set limit_blocks by hand",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class MissingIntegration(ConfigurationError, ImportError):

@@ -21,6 +21,7 @@ from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 
 if TYPE_CHECKING:
+    from zp_client.calibration import Calibration
     from zp_client.config import Settings
     from zp_client.retry import RetryBudget
 
@@ -92,6 +93,10 @@ class Budget(abc.ABC):
     clock: Clock = SYSTEM_CLOCK
     """The clock this budget reads; transports, retry policies and retry budgets built on it default to
     it (see :mod:`zp_client._clock`). :class:`~zp_client.LocalBudget` takes ``clock=``."""
+
+    calibration: Calibration | None = None
+    """How the limit was sized when the budget came from ``from_server`` (see
+    :mod:`zp_client.calibration`); None for a budget given its limit by hand. Not updated afterwards."""
 
     @property
     @abc.abstractmethod

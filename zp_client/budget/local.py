@@ -236,6 +236,33 @@ class LocalBudget(Budget):
         kwargs.setdefault("longest_first_s", settings.longest_first_s)
         return cls(limit_blocks, settings.block_size, **kwargs)
 
+    @classmethod
+    def from_server(
+        cls,
+        url: str,
+        *,
+        headroom: float | None = None,
+        policy: str = "elastic",
+        timeout_s: float = 5.0,
+        headers: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> LocalBudget:
+        """A budget sized by the server at ``url`` (``http://host:port`` or ``.../v1``), read once now.
+
+        Reads ``/metrics`` and ``/v1/models`` with :func:`~zp_client.calibration.calibrate` (blocking;
+        call it at startup) and returns ``LocalBudget(limit_blocks=floor((num_gpu_blocks - 1) x
+        headroom), block_size=<the server's>, policy=policy, **kwargs)``; ``headroom`` defaults to the
+        policy's. ``budget.calibration`` records how. Raises :class:`~zp_client.errors.CalibrationError`
+        when the server has no usable ``/metrics`` (never a default limit). In async code:
+        ``cal = await calibrate_async(url)`` and ``LocalBudget(cal.limit_blocks, cal.block_size)``.
+        """
+        from zp_client.calibration import calibrate  # noqa: PLC0415 - httpx loads only when asked
+
+        cal = calibrate(url, headroom=headroom, policy=policy, timeout_s=timeout_s, headers=headers)
+        budget = cls(cal.limit_blocks, cal.block_size, policy=policy, **kwargs)
+        budget.calibration = cal
+        return budget
+
     @property
     def limit(self) -> int:
         return self._ledger.limit

@@ -171,6 +171,36 @@ class RedisBudget(Budget):
         kwargs.setdefault("lease_ttl_s", settings.lease_ttl_s)
         return cls(url_or_client, name, limit_blocks, settings.block_size, **kwargs)
 
+    @classmethod
+    def from_server(
+        cls,
+        url_or_client: str | Any,
+        name: str,
+        server_url: str,
+        *,
+        headroom: float | None = None,
+        policy: str = "elastic",
+        timeout_s: float = 5.0,
+        headers: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> RedisBudget:
+        """A budget whose limit and block size come from the server at ``server_url``, read once now.
+
+        As :meth:`LocalBudget.from_server <zp_client.LocalBudget.from_server>` (blocking; call it at
+        startup): :func:`~zp_client.calibration.calibrate` reads ``/metrics`` and ``/v1/models``, and the
+        result is ``RedisBudget(url_or_client, name, limit, block_size, policy=policy, **kwargs)`` with
+        ``budget.calibration`` recording how. As with any RedisBudget the first process to create the
+        budget sets the stored limit; a budget that already exists keeps its own (apply a new calibration
+        with ``await budget.set_limit(budget.calibration.limit_blocks)``). Raises
+        :class:`~zp_client.errors.CalibrationError` when the server has no usable ``/metrics``.
+        """
+        from zp_client.calibration import calibrate
+
+        cal = calibrate(server_url, headroom=headroom, policy=policy, timeout_s=timeout_s, headers=headers)
+        budget = cls(url_or_client, name, cal.limit_blocks, cal.block_size, policy=policy, **kwargs)
+        budget.calibration = cal
+        return budget
+
     # ------------------------------------------------------------------ public API
     @property
     def limit(self) -> int:
