@@ -396,6 +396,20 @@ def test_a_remote_budget_is_read_at_most_once_per_ttl_or_never() -> None:
     assert ("zp_budget_used_blocks", (("budget", "r2"),)) not in s2
 
 
+def test_limit_changes_are_counted_by_direction_and_the_gauge_follows() -> None:
+    budget = LocalBudget(40, name="adaptive")
+    m = ZPMetrics()
+    m.track(budget)
+    changes = [(40, 30), (30, 20), (20, 20), (20, 25)]
+    for old, new in changes:
+        budget.set_limit_sync(new)
+        m.limit_changed(budget, old, new)
+    s = scrape(m)
+    assert value(s, "zp_limit_changes_total", budget="adaptive", direction="down") == 2
+    assert value(s, "zp_limit_changes_total", budget="adaptive", direction="up") == 1
+    assert value(s, "zp_budget_limit_blocks", budget="adaptive") == 25
+
+
 def test_metrics_are_opt_in_and_checked() -> None:
     registry = CollectorRegistry()
     m = ZPMetrics(registry, namespace="app_zp")

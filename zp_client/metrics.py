@@ -184,6 +184,9 @@ class ZPMetrics:
             "forecast_error_tokens",
             "Observed minus forecast output tokens per choice, per request of an elastic budget.",
             namespace=namespace, registry=reg, buckets=tuple(forecast_error_buckets))
+        self.limit_changes = Counter(
+            "limit_changes", "Run-time limit changes reported to limit_changed(), by direction.",
+            ["budget", "direction"], namespace=namespace, registry=reg)
         self._gauges = _BudgetGauges(namespace, remote_status_ttl_s)
         reg.register(self._gauges)
 
@@ -211,6 +214,14 @@ class ZPMetrics:
     def forecast_missed(self, observed: int, forecast: int) -> None:
         """A request produced ``observed`` output tokens per choice where ``forecast`` were forecast."""
         self.forecast_error.observe(float(observed - forecast))
+
+    def limit_changed(self, budget: Budget | str, old: int, new: int) -> None:
+        """A controller (an adaptive limit) changed ``budget``'s limit from ``old`` to ``new`` blocks; the
+        new value itself shows in ``<namespace>_budget_limit_blocks`` at the next scrape."""
+        if new == old:
+            return
+        name = budget if isinstance(budget, str) else _budget_name(budget)
+        self.limit_changes.labels(name, "up" if new > old else "down").inc()
 
     def __repr__(self) -> str:
         return f"ZPMetrics(namespace={self.namespace!r})"
