@@ -288,7 +288,7 @@ class Core:
         *,
         lib: HttpLib,
         clock: Clock | None = None,
-        metrics: ZPMetrics | Any | None = None,
+        metrics: Any | None = None,  # a zp_client.metrics.ZPMetrics (checked)
     ) -> None:
         if not isinstance(budget, Budget):
             raise ConfigurationError(
