@@ -63,6 +63,8 @@ _EXPORTS: dict[str, str] = {
     "ElasticPolicy": "zp_client.budget.elastic",
     "LengthForecaster": "zp_client.forecast",
     "Prior": "zp_client.forecast",
+    # opt-in Prometheus metrics
+    "ZPMetrics": "zp_client.metrics",
 }
 
 # A literal, so type checkers see the re-exports (test_package_exports checks it matches _EXPORTS).
@@ -104,6 +106,7 @@ __all__ = [
     "Ticket",
     "wrap",
     "ZPError",
+    "ZPMetrics",
     "__version__",
 ]
 
@@ -145,6 +148,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from zp_client.estimate import Estimator
     from zp_client.forecast import LengthForecaster, Prior
+    from zp_client.metrics import ZPMetrics
     from zp_client.retry import RetryPolicy
     from zp_client.server import ServerInfo
     from zp_client.transport import (

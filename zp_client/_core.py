@@ -27,6 +27,7 @@ from zp_client.errors import ConfigurationError, DeadlineExceeded, PromptTooLong
 
 if TYPE_CHECKING:
     from zp_client._httplib import HttpLib
+    from zp_client.metrics import ZPMetrics
     from zp_client.retry import RetryPolicy
 
 __all__ = ["Core", "Machine", "Done", "RequestForecaster", "check_pool", "default_retry", "forecaster_for"]
@@ -287,6 +288,7 @@ class Core:
         *,
         lib: HttpLib,
         clock: Clock | None = None,
+        metrics: Any | None = None,  # a zp_client.metrics.ZPMetrics (checked)
     ) -> None:
         if not isinstance(budget, Budget):
             raise ConfigurationError(
@@ -315,6 +317,13 @@ class Core:
         self._mml: dict[tuple[str, str | None], int | None] = {}
         self._pool_roots: set[str] = set()  # Core._claim_pool_check's fallback registry
         self._pool_roots_seen: set[str] = set()  # roots this core has asked about (no lock after the first)
+        # Opt-in Prometheus metrics (zp_client.metrics); None records nothing and reads no extra time.
+        self.metrics: ZPMetrics | None = None
+        if metrics is not None:
+            from zp_client.metrics import as_metrics  # imported only when asked for
+
+            self.metrics = as_metrics(metrics)
+            self.metrics.track(budget)
         # wrap() sets this so zp refusals pass through the openai SDK as a catchable type.
         self.convert_error: Callable[[ZPError], BaseException] | None = None
 
@@ -581,7 +590,17 @@ class Core:
     # -- the attempt loop ---------------------------------------------------------------------------
     def admit(self, request: Any, inner: Any, *, is_async: bool) -> Machine:
         """The state machine of one admitted request (already read), for a driver to run."""
-        return Machine(self._admit(request, inner, is_async))
+        steps = self._admit(request, inner, is_async)
+        return Machine(steps if self.metrics is None else self._metered(steps))
+
+    def _metered(self, steps: Steps) -> Steps:
+        """``steps`` counting the zp error that ends the request, if one does (refusals by type)."""
+        try:
+            return (yield from steps)
+        except ZPError as exc:
+            assert self.metrics is not None
+            self.metrics.refused(exc)
+            raise
 
     def _admit(self, request: Any, inner: Any, is_async: bool) -> Steps:
         p = self.parse(request)
@@ -599,13 +618,18 @@ class Core:
         state = (yield NewRetryState(retry)) if retry is not None else None
         ticket: Ticket | None = None
         attempt = 0
+        m = self.metrics
         while True:
-            lease = yield Acquire(plan.blocks, plan.priority, self.check_deadline(plan, attempt), ticket,
-                                  plan.held, plan.meta)
+            timeout = self.check_deadline(plan, attempt)
+            asked = self.clock.monotonic() if m is not None else 0.0
+            lease = yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held, plan.meta)
+            holder = Holder(lease, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock,
+                            metrics=m)
+            if m is not None:
+                m.waited(plan.priority, holder.granted_at - asked)
             ticket = lease.ticket
             if state is not None:
                 state.ticket = ticket
-            holder = Holder(lease, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock)
             assembled = False
             try:
                 resp = yield Send(self.lib.request(request, plan))
@@ -622,6 +646,8 @@ class Core:
                         raise d.error from exc
                     raise
                 logger.info("attempt %d failed (%s): retrying in %.3f s", attempt + 1, d.reason, d.delay_s)
+                if m is not None:
+                    m.retried(None, exc)
                 yield Sleep(retry, d.delay_s)
                 attempt += 1
                 continue
@@ -640,6 +666,8 @@ class Core:
                             "attempt %d got HTTP %d (%s): retrying in %.3f s",
                             attempt + 1, resp.status_code, d.reason, d.delay_s,
                         )
+                        if m is not None:
+                            m.retried(resp.status_code, None)
                         yield Sleep(retry, d.delay_s)
                         attempt += 1
                         continue
@@ -733,7 +761,10 @@ class Core:
                     out = usage.get("completion_tokens", usage.get("output_tokens"))
                     if isinstance(out, int) and not isinstance(out, bool) and out >= 0:
                         # Per choice: what one sequence of this route produces.
-                        self.forecaster.observe(plan.route, round(out / max(1, plan.n)))
+                        per_choice = round(out / max(1, plan.n))
+                        self.forecaster.observe(plan.route, per_choice)
+                        if self.metrics is not None and self.elastic:
+                            self.metrics.forecast_missed(per_choice, plan.forecast)
         except Exception:  # calibration must never break a response
             logger.debug("usage reconciliation failed", exc_info=True)
 

@@ -55,10 +55,11 @@ class _Driver:
         forecaster: Any | None = None,
         stream_upstream: bool | None = None,
         clock: Clock | None = None,
+        metrics: Any | None = None,
     ) -> None:
         self._inner = inner if inner is not None else self._default_inner()
         self._core = Core(budget, settings, estimator, retry, forecaster, stream_upstream, lib=self.lib,
-                          clock=clock)
+                          clock=clock, metrics=metrics)
         self._close_inner = close_inner
         self._keep_alive: Any = None
 

@@ -12,12 +12,15 @@ import asyncio
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget.base import Lease
+
+if TYPE_CHECKING:
+    from zp_client.metrics import ZPMetrics
 
 logger = logging.getLogger("zp_client.transport")
 
@@ -28,15 +31,17 @@ class Holder:
     wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
 
     __slots__ = ("lease", "done", "loop", "resp", "last_activity", "waiting", "idle_timeout", "clock",
-                 "__weakref__")
+                 "granted_at", "metrics", "__weakref__")
 
     def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, metrics: ZPMetrics | None = None) -> None:
         self.lease = lease
         self.done = False
         self.clock = clock
         self.resp: Any = None  # the inner response, once its body is handed to the caller
-        self.last_activity = clock.monotonic()
+        # made right after the grant: its hold time starts here
+        self.granted_at = self.last_activity = clock.monotonic()
+        self.metrics = metrics  # records the hold time at release (zp_client.metrics)
         # True while the caller waits for the server's next chunk: a slow server is not an idle caller.
         self.waiting = False
         self.idle_timeout = idle_timeout
@@ -47,10 +52,16 @@ class Holder:
             except RuntimeError:  # trio: finalizers fall back to release_sync
                 self.loop = None
 
+    def _mark_done(self) -> None:
+        """Once, when the release starts: the lease's hold time ends here."""
+        self.done = True
+        if self.metrics is not None:
+            self.metrics.held(getattr(self.lease, "priority", 0), self.clock.monotonic() - self.granted_at)
+
     async def release(self) -> None:
         if self.done:
             return
-        self.done = True
+        self._mark_done()
         # Shielded: this runs on cancellation paths and must finish so no blocks leak.
         with anyio.CancelScope(shield=True):
             try:
@@ -61,7 +72,7 @@ class Holder:
     def release_sync(self) -> None:
         if self.done:
             return
-        self.done = True
+        self._mark_done()
         try:
             self.lease.release_sync()
         except Exception:
@@ -86,7 +97,7 @@ class Holder:
                     logger.debug("closing an abandoned response failed", exc_info=True)
             self.release_sync()
             return
-        self.done = True
+        self._mark_done()
         coro = _abandon_async(resp, self.lease)
         try:
             running = asyncio.get_running_loop()

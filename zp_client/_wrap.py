@@ -60,6 +60,7 @@ def wrap(
     retry: Any | None = None,
     forecaster: Any | None = None,
     keep_original: bool | None = None,
+    metrics: Any | None = None,
     **setting_overrides: Any,
 ) -> C:
     """Return a copy of ``client`` (``openai.AsyncOpenAI`` / ``openai.OpenAI``) that admits every call.
@@ -71,8 +72,9 @@ def wrap(
     sync one, see the module docstring; a framework that drops the original pass True). With an elastic
     budget, ``forecaster`` (a :class:`~zp_client.forecast.LengthForecaster`; default: the one shared by
     the budget's transports) forecasts output lengths (one with a ``forecast_request`` hook may forecast
-    from the request body, see docs/elastic.md). See the module docstring for what is kept from the
-    original client.
+    from the request body, see docs/elastic.md). ``metrics``: a :class:`~zp_client.metrics.ZPMetrics` to
+    record admission into (default None: nothing recorded; docs/admission.md#metrics). See the module
+    docstring for what is kept from the original client.
     """
     try:
         import openai
@@ -96,7 +98,7 @@ def wrap(
     cls = classes.AsyncAdmissionTransport if is_async else classes.AdmissionTransport
 
     transport = cls(http_transport(http), budget=budget, settings=settings, estimator=estimator, retry=retry,
-                    close_inner=False, forecaster=forecaster)
+                    close_inner=False, forecaster=forecaster, metrics=metrics)
     transport.core.convert_error = openai_compatible_error
     mounts: dict[str, Any] = {}
     for pattern, inner in http_mounts(http).items():

@@ -43,8 +43,9 @@ class AsyncAdmissionTransport(AsyncDriver, httpx.AsyncBaseTransport):
     """Async admission transport for ``httpx`` (openai 2.x, LangChain, AutoGen).
 
     ``AsyncAdmissionTransport(inner, budget=..., settings=, estimator=, retry=, forecaster=,
-    stream_upstream=, close_inner=True, clock=)``; ``retry``: a :class:`~zp_client.RetryPolicy`, None
-    for :func:`default_retry`, False for one attempt. See docs/admission.md.
+    stream_upstream=, close_inner=True, clock=, metrics=)``; ``retry``: a :class:`~zp_client.RetryPolicy`,
+    None for :func:`default_retry`, False for one attempt; ``metrics``: a :class:`~zp_client.ZPMetrics`
+    (docs/admission.md#metrics). See docs/admission.md.
     """
 
     lib = HTTPX
