@@ -141,8 +141,9 @@ end
 -- Cost per grant pass: one HVALS of the live leases' projection mirror (K_EM below), O(n log n) to
 -- prepare, O(n) per candidate examined (at most SCAN_MAX), O(n log n) again after each admission
 -- (measured: ~3 ms for a pass over 1,000 live leases; benchmarks/bench_redis_elastic.py). Above ELASTIC_MAX_LEASES live
--- leases the pass falls back to the strict rule (sum of bounds): conservative, since a lease never
--- occupies more than its bound on the server, and it keeps a script call bounded.
+-- leases the pass falls back to the strict rule (sum of bounds, as strict counts: a lease whose exact
+-- prompt outgrew its estimate may occupy a few blocks more; the headroom covers that, as under strict),
+-- and it keeps a script call bounded.
 local ELASTIC_MAX_LEASES = 4096
 
 local function cdiv(a, b)
