@@ -11,12 +11,13 @@ preemptions the burst caused, and says what the number means.
 Zero is what a well-sized budget aims at, not a guarantee: the budget admits on estimates. The first
 requests of a burst are sized before any answer has calibrated the prompt estimate to the server's
 tokenizer, and under the default ``elastic`` policy on forecast output lengths too; traffic from clients
-without zp is not seen at all. Against the in-process simulator the default burst (16 calls) preempts
-once in some runs, more often on a busy machine: the simulator counts each prompt as 615 tokens while
-the uncalibrated estimate reserves 572 (cl100k_base plus its error bound), so every first lease is about
-3 blocks short of its true bound, and when a tenth lease is admitted before the first answers return
-(timing decides) the ten outgrow the pool by a few blocks. A lower ``--headroom`` leaves more room for
-such errors.
+without zp is not seen at all. Against the in-process simulator, the simulator counts each prompt as
+615 tokens while the uncalibrated estimate reserves 572 (cl100k_base plus its error bound), so every first
+lease's bound is about 3 blocks short of its true peak. Under ``elastic`` a lease's projection follows the
+server's exact count from its first token on (it may end at ``exact prompt + max_tokens``, beyond its
+bound; docs/elastic.md, "The cap"); before that, this burst preempted once in some runs, when a tenth
+lease was admitted next to nine projected to end early. Under ``strict`` the bounds alone are reserved:
+a lower ``--headroom`` leaves more room for such errors.
 
 Run::
 

@@ -91,7 +91,9 @@ def test_update_meta_merges_into_the_lease() -> None:
     led.enqueue("a", 10, 2, 0, 0.0, meta={"prompt_tokens": 32, "forecast_tokens": 10})
     assert led.grant(0.0) == ["a"]
     assert led.update_meta("a", first_token=True, forecast_tokens=40)
-    assert dict(led.leases["a"].meta) == {"prompt_tokens": 32, "forecast_tokens": 40, "first_token": True}
+    # max_output_tokens: derived at enqueue from the bound (10 blocks of 16 tokens) and the prompt
+    assert dict(led.leases["a"].meta) == {"prompt_tokens": 32, "forecast_tokens": 40, "first_token": True,
+                                          "max_output_tokens": 128}
 
 
 def test_cached_projection_follows_meta_updates() -> None:

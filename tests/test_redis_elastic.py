@@ -292,6 +292,34 @@ async def test_the_uncontended_fast_path_never_admits_what_the_projection_refuse
 
 
 @pytest.mark.anyio
+async def test_an_exact_prompt_above_the_estimate_raises_the_cap_and_the_fast_path_counts_it(
+    budgets: Any,
+) -> None:
+    # Nine leases sized on a 572-token estimate (bound 52 blocks with 256 output tokens) whose server
+    # count is 615: each truly peaks at 55 blocks. At 540 the bounds alone (9 x 52 + 9 + 52 + 1 = 530)
+    # pass acquire.lua's fast path, while the projection with a tenth peaks at 547 (tests/test_elastic_
+    # exact_prompt.py has the same case on the Ledger and LocalBudget).
+    b = budgets(540, 16)
+    meta = {"prompt_tokens": 572, "forecast_tokens": 256, "streaming": True}
+    leases = [await b.acquire(52, held=36, meta=meta) for _ in range(9)]
+    assert (await b.status()).used == 9 * 52
+    for lease in leases:
+        lease.report_progress(39, prompt_tokens=615, first_token=True, tokens=615)
+    await b.flush()
+    assert (await b.status()).used == 9 * 55
+    tenth = asyncio.ensure_future(b.acquire(52, held=36, meta=meta))
+    await asyncio.sleep(0.3)
+    assert not tenth.done()
+    await leases.pop().release()
+    lease = await asyncio.wait_for(tenth, 10)
+    await lease.release()
+    for le in leases:
+        await le.release()
+    assert (await b.status()).used == 0
+    await b.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_lease_without_metadata_is_reserved_at_its_bound(budgets: Any) -> None:
     # As tests/test_elastic_budget.py: A (bound 10, held 1, no metadata) is not projected to end after 144
     # steps but counted at 10 for its whole life, so B (1 + 11 = 12 blocks at its end, t = 170) waits.

@@ -19,10 +19,12 @@ from zp_client.errors import ConfigurationError
 
 __all__ = [
     "FOREVER",
+    "MAX_OUTPUT_KEY",
     "POLICIES",
     "POLICY_KEYS",
     "ElasticPolicy",
     "Projection",
+    "admission_meta",
     "brute_force_peak",
     "make_policy",
     "project",
@@ -33,6 +35,14 @@ __all__ = [
 #: The metadata fields the policy reads; a lease with none of them is projected at its bound, forever.
 POLICY_KEYS = ("prompt_tokens", "forecast_tokens", "streaming", "tokens", "prefix_key", "prefix_blocks",
                "first_token")
+
+#: The lease's output bound in tokens (max output tokens, times ``n``). Read only together with
+#: ``prompt_tokens``: the lease may end as late as ``prompt_tokens + max_output_tokens`` tokens, which is
+#: more than its bound once the server's exact prompt count exceeds the estimate the bound was sized on.
+#: A lease without it is capped at its bound. :func:`admission_meta` derives it at enqueue (the ledger and
+#: RedisBudget call it), so callers need not send it; it is not one of :data:`POLICY_KEYS` (alone it does
+#: not make a lease projected).
+MAX_OUTPUT_KEY = "max_output_tokens"
 
 #: ``remaining`` of a lease without metadata: later than any projected end (2**53 stays exact in the
 #: Lua port's doubles).
@@ -52,6 +62,41 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def admission_meta(meta: Mapping[str, Any], bound: int, block_size: int) -> Mapping[str, Any]:
+    """``meta`` with :data:`MAX_OUTPUT_KEY` derived from the bound when the caller gave ``prompt_tokens``
+    and not the key itself: ``bound * block_size - prompt_tokens`` (>= 0), the output room the bound was
+    sized for (the request's max output tokens, plus under one block of rounding; less when the bound was
+    cut at the model's maximum length). It stays in the lease's meta when ``prompt_tokens`` is later
+    replaced by the server's exact count, so the projection's cap follows the exact prompt (see
+    :func:`project`). Anything else is returned unchanged."""
+    if "prompt_tokens" not in meta or MAX_OUTPUT_KEY in meta:
+        return meta
+    try:
+        room = max(0, bound * block_size - int(meta["prompt_tokens"]))
+    except (TypeError, ValueError):
+        return meta
+    out = dict(meta)
+    out[MAX_OUTPUT_KEY] = room
+    return out
+
+
+def cap_tokens(bound: int, block_size: int, meta: Mapping[str, Any]) -> int:
+    """The latest end of a lease in tokens: ``max(bound * block_size, prompt_tokens + max_output_tokens)``
+    when both are known, else its bound. Never below the bound (the bound stays the reservation); above it
+    once the exact prompt exceeds the estimate the bound was sized on."""
+    bound_tokens = bound * block_size
+    prompt = meta.get("prompt_tokens")
+    room = meta.get(MAX_OUTPUT_KEY)
+    if prompt is None or room is None:
+        return bound_tokens
+    return max(bound_tokens, int(prompt) + int(room))
+
+
+def excess_blocks(bound: int, block_size: int, meta: Mapping[str, Any]) -> int:
+    """Blocks by which a lease's cap (:func:`cap_tokens`) exceeds its bound (0 for most leases)."""
+    return max(0, _ceil_div(cap_tokens(bound, block_size, meta), block_size) - bound)
+
+
 def project(
     *,
     held: int,
@@ -68,12 +113,13 @@ def project(
     if not any(k in meta for k in POLICY_KEYS):
         return Projection(blocks=bound, remaining=FOREVER, grows=False)
     prompt_tokens = int(meta.get("prompt_tokens", held * block_size))
-    bound_tokens = bound * block_size
+    # The latest end: the bound, or the exact prompt plus the output bound when that is more.
+    cap = cap_tokens(bound, block_size, meta)
     forecast = meta.get("forecast_tokens")
-    end_tokens = bound_tokens if forecast is None else min(bound_tokens, prompt_tokens + int(forecast))
+    end_tokens = cap if forecast is None else min(cap, prompt_tokens + int(forecast))
     if not meta.get("streaming", True):
         # The client cannot see its growth: hold the forecast end for as long as the forecast runs.
-        blocks = min(bound, _ceil_div(end_tokens, block_size))
+        blocks = min(_ceil_div(cap, block_size), _ceil_div(end_tokens, block_size))
         return Projection(blocks=blocks, remaining=max(0, end_tokens - prompt_tokens), grows=False)
     if candidate:
         held = _ceil_div(prompt_tokens, block_size)
@@ -83,9 +129,9 @@ def project(
     if tokens is not None and not candidate:
         # Reported with held: the exact count, so a stream on schedule does not look one block ahead.
         tokens_low = max(tokens_low, min(int(tokens), held * block_size))
-    if tokens_low >= end_tokens and end_tokens < bound_tokens:
-        # Outgrew its forecast and nobody re-forecast yet: project to the bound (tightens at once).
-        end_tokens = bound_tokens
+    if tokens_low >= end_tokens and end_tokens < cap:
+        # Outgrew its forecast and nobody re-forecast yet: project to the cap (tightens at once).
+        end_tokens = cap
     remaining = max(0, end_tokens - tokens_low)
     return Projection(blocks=held, remaining=remaining, grows=True)
 
@@ -244,6 +290,8 @@ class ElasticPolicy:
         self.block_size = block_size
         self._cache_key: object = None
         self._profile: _Profile | None = None
+        self._excess_key: object = None
+        self._excess_sum = 0
 
     def _prepare(self, view: LedgerView) -> _Profile:
         version = getattr(view, "version", None)
@@ -259,6 +307,22 @@ class ElasticPolicy:
     def used(self, view: LedgerView) -> int:
         return self._prepare(view).peak()
 
+    def _excess(self, view: LedgerView) -> int:
+        """Sum of the live leases' :func:`excess_blocks` (cached on the ledger's version, like the
+        projection): what the leases whose exact prompt outgrew its estimate may take beyond their bounds."""
+        version = getattr(view, "version", None)
+        key = (id(view), version) if version is not None else None
+        if key is not None and key == self._excess_key:
+            return self._excess_sum
+        bs = self.block_size
+        total = sum(excess_blocks(rec.bound, bs, rec.meta) for rec in view.leases.values())
+        self._excess_key, self._excess_sum = key, total
+        return total
+
+    def admission_meta(self, bound: int, meta: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The meta a waiter is enqueued with (:meth:`Ledger.enqueue` calls this): :func:`admission_meta`."""
+        return admission_meta(meta, bound, self.block_size)
+
     def exhausted(self, view: LedgerView) -> bool:
         # Adding a candidate never lowers the projected peak (every term is non-negative), so once the
         # live leases alone project above the limit nobody fits.
@@ -266,11 +330,14 @@ class ElasticPolicy:
 
     def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
         meta = candidate.meta
-        # Sufficient, and O(1): no projection exceeds its bound by more than one block (see project), a
-        # candidate's neither while its prompt fits its bound, and shared prefixes only subtract. The Lua
-        # port's uncontended fast path is the same test.
-        if (view.bound_sum + len(view.leases) + candidate.bound + 1 <= view.limit
-                and int(meta.get("prompt_tokens", 0)) <= candidate.bound * self.block_size):
+        bs = self.block_size
+        # Sufficient, and cheap: no projection exceeds its cap (its bound plus excess_blocks) by more than
+        # one block (see project), a candidate's neither while its prompt fits its bound, and shared
+        # prefixes only subtract. The Lua port's uncontended fast path is the same test.
+        fast = (view.bound_sum + len(view.leases) + candidate.bound + 1
+                + excess_blocks(candidate.bound, bs, meta))
+        if (fast <= view.limit and int(meta.get("prompt_tokens", 0)) <= candidate.bound * bs
+                and fast + self._excess(view) <= view.limit):
             return True
         profile = self._prepare(view)
         if not any(k in meta for k in POLICY_KEYS):

@@ -123,6 +123,9 @@ class ReservationPolicy(Protocol):
     :meth:`Ledger.grant` tries one priority class's waiters (distinct indices in ``range(len(waiters))``,
     each at most once; default: line order); see :meth:`~zp_client.budget.elastic.ElasticPolicy.walk`.
 
+    Optional: ``admission_meta(bound, meta) -> Mapping``, the meta a waiter is enqueued with (it travels to
+    its lease); :class:`~zp_client.budget.elastic.ElasticPolicy` derives ``max_output_tokens`` there.
+
     Optional: ``progress_sensitive = True`` declares that a lease's progress (``held``, ``meta``) can
     change what fits, so a backend must call :meth:`Ledger.grant` after :meth:`Ledger.report_held` /
     :meth:`Ledger.update_meta` when waiters exist (``strict`` only counts bounds, so it does not).
@@ -368,6 +371,9 @@ class Ledger:
             expires_at=expires_at,
             meta=dict(meta) if meta else {},
         )
+        prepare = getattr(self._policy, "admission_meta", None)
+        if prepare is not None and w.meta:
+            w.meta = dict(prepare(bound, w.meta))
         self._waiters[waiter_id] = w
         self._version += 1
         cls = self._classes.get(w.priority)

@@ -375,7 +375,7 @@ class RedisBudget(Budget):
             raise ConfigurationError(
                 f"RedisBudget priorities must lie in [-{PRIORITY_RANGE}, {PRIORITY_RANGE}], got {priority}"
             )
-        return bound, held_v, priority, order, self._core.meta_arg(meta)
+        return bound, held_v, priority, order, self._core.meta_arg(meta, bound)
 
     def _local(self) -> Budget:
         core, cfg = self._core, self._core.cfg

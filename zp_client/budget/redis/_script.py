@@ -28,6 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
+from zp_client.budget.elastic import admission_meta
 from zp_client.errors import BudgetUnavailable, ConfigurationError, LeaseTooLarge, ZPError
 
 log = logging.getLogger("zp_client.budget.redis")
@@ -51,7 +52,7 @@ POLICIES = ("strict", "elastic")
 # Lease metadata the elastic policy reads (zp_client.budget.elastic), stored compactly in Redis.
 _META_KEYS = {
     "prompt_tokens": "pt", "tokens": "tk", "forecast_tokens": "ft", "streaming": "st",
-    "prefix_key": "pk", "prefix_blocks": "pb", "first_token": "f1",
+    "prefix_key": "pk", "prefix_blocks": "pb", "first_token": "f1", "max_output_tokens": "mo",
 }
 _META_FLAGS = ("st", "f1")
 
@@ -272,12 +273,14 @@ class Core:
             return self.cfg.held_report_blocks
         return 1 if self.policy == "elastic" else 2
 
-    def meta_arg(self, meta: Mapping[str, Any] | None) -> str:
+    def meta_arg(self, meta: Mapping[str, Any] | None, bound: int) -> str:
+        """acquire.lua's meta argument: the compact policy fields, ``max_output_tokens`` derived from the
+        bound as the Ledger does (:func:`~zp_client.budget.elastic.admission_meta`)."""
         if self.policy != "elastic" or not meta:
             return ""
         if not isinstance(meta, Mapping):
             raise ConfigurationError(f"meta must be a mapping (see zp_client.budget.elastic), got {meta!r}")
-        return meta_json(compact_meta(meta, update=False))
+        return meta_json(compact_meta(admission_meta(meta, bound, self.cfg.block_size), update=False))
 
     def acquire_args(
         self, rid: str, bound: int, held: int, prio: int, order: int, box: str, meta: str

@@ -31,23 +31,25 @@ else
   order = int_arg(ARGV[5], 'ticket order', -1, 1099511627775)
   local ttl = int_arg(ARGV[6], 'lease_ttl_ms', 1, 1e9)
   local wttl = int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9)
-  local mm = redis.call('HMGET', K_META, 'limit', 'bsum', 'rec', 'policy', 'nl', 'bs')
+  local mm = redis.call('HMGET', K_META, 'limit', 'bsum', 'rec', 'policy', 'nl', 'bs', 'xsum')
   local limit = tonumber(mm[1])
   if bound > limit then return {'X', limit} end
   local wmeta = nil
   if mm[4] == 'elastic' then wmeta = meta_arg(ARGV[10], false) end
   -- Fast path, identical in outcome to enqueue + grant: with nobody in line, outside recovery, a
   -- request that fits is the head and is admitted at once (fewer commands: the common uncontended case).
-  -- strict: fits is bsum + bound <= limit. elastic: a live lease's projection never exceeds its bound by
-  -- more than one block (elastic.py, project: held + ceil((bound * bs - ((held - 1) * bs + 1)) / bs)),
-  -- nor does the candidate's while its prompt fits its bound, and shared prefixes only subtract; so
-  -- bsum + nl + bound + 1 <= limit implies ElasticPolicy.fits without building the projection.
+  -- strict: fits is bsum + bound <= limit. elastic: a live lease's projection never exceeds its cap (its
+  -- bound plus e_excess, summed over live leases in xsum) by more than one block (elastic.py, project:
+  -- held + ceil((cap - ((held - 1) * bs + 1)) / bs)), nor does the candidate's while its prompt fits its
+  -- bound, and shared prefixes only subtract; so bsum + xsum + nl + bound + excess + 1 <= limit implies
+  -- ElasticPolicy.fits without building the projection.
   local fast = false
   if now >= tonumber(mm[3]) and redis.call('ZCARD', K_LINE) == 0 then
     if wmeta == nil then
       fast = tonumber(mm[2]) + bound <= limit
     else
-      fast = tonumber(mm[2]) + (tonumber(mm[5]) or 0) + bound + 1 <= limit
+      fast = tonumber(mm[2]) + (tonumber(mm[5]) or 0) + (tonumber(mm[7]) or 0) + bound + 1
+          + e_excess({b = bound, m = wmeta}, tonumber(mm[6]) or 1) <= limit
         and (wmeta.pt == nil or wmeta.pt <= bound * (tonumber(mm[6]) or 0))
     end
   end
@@ -62,8 +64,8 @@ else
       lease.m = wmeta
       lease.a = redis.call('HINCRBY', K_META, 'adm', 1)
     end
+    if wmeta ~= nil then em_put(id, lease) end  -- before the record: it sets lease.x
     redis.call('HSET', K_LEASES, id, cjson.encode(lease))
-    if wmeta ~= nil then em_put(id, lease) end
     redis.call('ZADD', K_LEXP, now + ttl, id)
     redis.call('HINCRBY', K_META, 'bsum', bound)
     redis.call('HINCRBY', K_META, 'hsum', held)

@@ -15,9 +15,11 @@
 --   1 meta   HASH  limit, bs, epoch, rec (recovery ends, ms), starve (ms), lpt (longest-first window, ms;
 --                  absent in budgets made before it: 0, off), policy, ver (limit version),
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
---                  nl (live leases), adm (elastic admission counter)
+--                  nl (live leases), adm (elastic admission counter), xsum (elastic: sum of the live
+--                  leases' excess blocks beyond their bounds, e_excess; absent: 0)
 --   2 leases HASH  lease id -> cjson {b=bound, h=held, p=priority, o=order, w=owner, l=ttl ms, g=granted ms,
---                  m=meta and a=admission seq (elastic only; see the elastic section)}
+--                  m=meta, a=admission seq and x=excess blocks when > 0 (elastic only; see the elastic
+--                  section)}
 --   3 lexp   ZSET  lease id -> expiry (ms)
 --   4 line   ZSET  member (arrival seq, zero padded, "|" id) -> priority * 2^40 + ticket order
 --   5 wait   HASH  waiter id -> cjson {b, h, p, o, s=since ms, m=line member, x=mailbox, w=owner, l=lease ttl,
@@ -37,13 +39,30 @@ local PRIO_SPAN = 1099511627776  -- 2^40: ticket orders below this; priorities w
 local MAILBOX_TTL_MS = 60000
 -- elastic only: a mirror of every live lease's projection inputs as one short string (parsing it costs a
 -- third of decoding the lease's cjson record, and a grant pass reads them all):
---   "held bound adm pt tk ft st pb f1 pk" with -1 for an absent number and pk as "=<key>" or "-".
+--   "held bound adm pt tk ft st pb f1 mo pk" with -1 for an absent number and pk as "=<key>" or "-".
 local K_EM = PREFIX .. ':em'
 
+-- elastic.excess_blocks: blocks by which a lease's cap, max(bound * bs, pt + mo) when both are known,
+-- exceeds its bound (the exact prompt outgrew the estimate the bound was sized on).
+local function e_excess(l, bs)
+  local m = l.m or {}
+  if m.pt == nil or m.mo == nil then return 0 end
+  return math.max(0, -math.floor(-math.max(l.b * bs, m.pt + m.mo) / bs) - l.b)
+end
+
+-- Write a live elastic lease's mirror and keep meta field xsum (the sum of e_excess over live leases,
+-- read by acquire.lua's fast path) with the lease's own excess in record field x. Call it before the
+-- lease record is written (it sets l.x).
 local function em_put(id, l)
   local m = l.m or {}
+  local x = 0
+  if m.pt ~= nil and m.mo ~= nil then x = e_excess(l, tonumber(redis.call('HGET', K_META, 'bs'))) end
+  if x ~= (l.x or 0) then
+    redis.call('HINCRBY', K_META, 'xsum', x - (l.x or 0))
+    if x == 0 then l.x = nil else l.x = x end
+  end
   redis.call('HSET', K_EM, id, table.concat({l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1,
-    m.st or -1, m.pb or -1, m.f1 or -1, m.pk and ('=' .. m.pk) or '-'}, ' '))
+    m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.pk and ('=' .. m.pk) or '-'}, ' '))
 end
 
 local function now_ms()
@@ -84,6 +103,7 @@ local function drop_lease(id, raw)  -- raw: the lease's record when the caller r
   redis.call('HDEL', K_LEASES, id)
   redis.call('ZREM', K_LEXP, id)
   if l.a then redis.call('HDEL', K_EM, id) end  -- an elastic lease (strict ones have no mirror)
+  if l.x then redis.call('HINCRBY', K_META, 'xsum', 0 - l.x) end
   redis.call('HINCRBY', K_META, 'bsum', 0 - l.b)  -- "0 - x", not "-x": Lua formats -0 as "-0", which HINCRBY rejects
   redis.call('HINCRBY', K_META, 'hsum', 0 - l.h)
   redis.call('HINCRBY', K_META, 'nl', -1)
@@ -114,14 +134,16 @@ end
 -- ElasticPolicy.fits); the Python ledger with ElasticPolicy is the model in the conformance suite.
 -- Leases and waiters carry their metadata compactly in their record, field m:
 --   pt prompt_tokens, tk tokens, ft forecast_tokens, st streaming (0/1), pk prefix_key,
---   pb prefix_blocks, f1 first_token (0/1); an absent field is absent (the Python default applies).
+--   pb prefix_blocks, f1 first_token (0/1), mo max_output_tokens; an absent field is absent (the Python
+--   default applies).
 -- Leases also carry a = admission sequence: the Python ledger walks leases in admission order, and
 -- the group prefix of a key is that of the last admitted member with first_token (exactness).
 -- Cost per grant pass: one HVALS of the live leases' projection mirror (K_EM below), O(n log n) to
 -- prepare, O(n) per candidate examined (at most SCAN_MAX), O(n log n) again after each admission
 -- (measured: ~3 ms for a pass over 1,000 live leases; benchmarks/bench_redis_elastic.py). Above ELASTIC_MAX_LEASES live
--- leases the pass falls back to the strict rule (sum of bounds): conservative, since a lease never
--- occupies more than its bound on the server, and it keeps a script call bounded.
+-- leases the pass falls back to the strict rule (sum of bounds, as strict counts: a lease whose exact
+-- prompt outgrew its estimate may occupy a few blocks more; the headroom covers that, as under strict),
+-- and it keeps a script call bounded.
 local ELASTIC_MAX_LEASES = 4096
 
 local function cdiv(a, b)
@@ -138,18 +160,20 @@ local function e_project(held, bound, bs, m, candidate)
   end
   local pt = m.pt
   if pt == nil then pt = held * bs end
+  -- the cap (elastic.cap_tokens): the bound, or the exact prompt plus the output bound when more
   local bt = bound * bs
+  if m.pt ~= nil and m.mo ~= nil then bt = math.max(bt, m.pt + m.mo) end
   local et = bt
   if m.ft ~= nil then et = math.min(bt, pt + m.ft) end
   if m.st == 0 then
     -- not streamed: the client cannot see growth; hold the forecast end while the forecast runs
-    return math.min(bound, cdiv(et, bs)), math.max(0, et - pt), false
+    return math.min(cdiv(bt, bs), cdiv(et, bs)), math.max(0, et - pt), false
   end
   if candidate then held = cdiv(pt, bs) end
   local low = pt
   if held > 0 then low = math.max(pt, (held - 1) * bs + 1) end
   if m.tk ~= nil and not candidate then low = math.max(low, math.min(m.tk, held * bs)) end
-  if low >= et and et < bt then et = bt end  -- outgrew its forecast: project to the bound
+  if low >= et and et < bt then et = bt end  -- outgrew its forecast: project to the cap
   return held, math.max(0, et - low), true
 end
 
@@ -279,10 +303,10 @@ local function e_items()
   local vals = redis.call('HVALS', K_EM)
   local items = {}
   for i = 1, #vals do
-    local h, b, a, pt, tk, ft, st, pb, f1, pk =
-      string.match(vals[i], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
+    local h, b, a, pt, tk, ft, st, pb, f1, mo, pk =
+      string.match(vals[i], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
     local m = {pt = em_opt(pt), tk = em_opt(tk), ft = em_opt(ft), st = em_opt(st), pb = em_opt(pb),
-               f1 = em_opt(f1)}
+               f1 = em_opt(f1), mo = em_opt(mo)}
     if string.sub(pk, 1, 1) == '=' then m.pk = string.sub(pk, 2) end
     items[i] = {h = tonumber(h), b = tonumber(b), m = m, a = tonumber(a)}
   end
@@ -298,7 +322,7 @@ end
 
 -- Decode and validate a compact meta object from a caller (never trusted). '' -> {}. With
 -- allow_null, a JSON null is kept (it removes the field in merge_meta).
-local META_INT = {pt = true, tk = true, ft = true, pb = true}
+local META_INT = {pt = true, tk = true, ft = true, pb = true, mo = true}
 local META_FLAG = {st = true, f1 = true}
 local function meta_arg(raw, allow_null)
   if raw == nil or raw == '' then return {} end
@@ -455,8 +479,8 @@ local function grant(now, self_id)
             prof = nil
           end
         end
+        if is_elastic then em_put(id, lease) end  -- before the record: it sets lease.x
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
-        if is_elastic then em_put(id, lease) end
         redis.call('ZADD', K_LEXP, now + w.l, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)
         redis.call('HINCRBY', K_META, 'nl', 1)

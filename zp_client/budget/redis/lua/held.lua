@@ -30,8 +30,8 @@ for i = 2, #ARGV, 3 do
         changed = true
       end
       if changed then
+        if l.a then em_put(id, l) end  -- before the record: it sets l.x
         redis.call('HSET', K_LEASES, id, cjson.encode(l))
-        if l.a then em_put(id, l) end
       end
       n = n + 1
     end

@@ -28,8 +28,8 @@ for i = 3, #ARGV, 7 do
       if h and h == math.floor(h) and h >= 0 and h <= l.b and h ~= l.h then
         redis.call('HINCRBY', K_META, 'hsum', h - l.h)
         l.h = h
+        if l.a then em_put(id, l) end  -- before the record: it sets l.x
         redis.call('HSET', K_LEASES, id, cjson.encode(l))
-        if l.a then em_put(id, l) end
       end
       table.insert(out, 1)
     end
