@@ -23,7 +23,7 @@ def _error(status: int, headers: dict[str, str] | None = None) -> Response:
 class RetryUpstream(ThreadedApp):
     """``user`` picks the behaviour of a request's FIRST attempt; later attempts succeed.
 
-    ``429-*``: 429 with ``retry-after-ms: 300``; ``503-*``: 503 (no Retry-After); ``400-*``: 400;
+    ``429-*``: 429 with ``retry-after-ms: 300``; ``503-*``: 503 (no Retry-After); ``529-*``: 529 (overloaded) with ``retry-after-ms: 300``; ``400-*``: 400;
     ``500-*``: 500; anything else: OK. Records each arrival with its time.
     """
 
@@ -43,6 +43,8 @@ class RetryUpstream(ThreadedApp):
         kind = user.split("-")[0]
         if n == 1 and kind == "429":
             return _error(429, {"retry-after-ms": str(RETRY_AFTER_MS)})
+        if n == 1 and kind == "529":
+            return _error(529, {"retry-after-ms": str(RETRY_AFTER_MS)})
         if n == 1 and kind == "503":
             return _error(503)
         if kind == "400":

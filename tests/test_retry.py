@@ -167,7 +167,7 @@ def test_x_should_retry_other_values_are_ignored() -> None:
 # --- which outcomes are retried ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [429, 502, 503])
+@pytest.mark.parametrize("status", [429, 502, 503, 529])
 def test_default_statuses_are_retried(status: int) -> None:
     d = decide(unlimited(), status=status, headers={})
     assert d.retry and d.reason == f"status {status}"

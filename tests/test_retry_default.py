@@ -215,3 +215,14 @@ def test_the_default_policy_sleeps_on_the_transports_clock(flavour: str) -> None
     assert clock.slept == [7.0] and clock.now == 1007.0  # the server's Retry-After, in virtual time
     assert time.monotonic() - started < 5.0  # not 7 real seconds
     assert len(seen) == 2
+
+
+def test_wrapped_client_retries_529_after_retry_after(upstream: RetryUpstream) -> None:
+    """529 (an overload answer, e.g. NVIDIA Dynamo with every worker busy) is retried like 503."""
+    budget = LocalBudget(limit_blocks=1_000)
+    zp = wrap(openai.OpenAI(base_url=upstream.base_url, api_key="x"), budget, max_model_len=MAX_MODEL_LEN)
+    assert zp.chat.completions.create(**_ask("529-a")).choices[0].message.content == "ok"
+    assert upstream.users() == ["529-a#1", "529-a#2"]
+    (_, t0), (_, t1) = upstream.arrivals
+    assert t1 - t0 >= RETRY_AFTER_MS / 1000 * 0.95  # waited what the server asked (retry-after-ms)
+    assert anyio.run(budget.status).leases == 0

@@ -569,3 +569,63 @@ def test_cli_serves_and_replays(tmp_path: Any) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ------------------------------------------------------------------ admission limits (vLLM 503s)
+
+
+async def _hold_stream(http: httpx.AsyncClient, model: str, prompt: list[int], first: asyncio.Event) -> None:
+    """A long streamed completion that stays open (running or waiting) until the task is cancelled."""
+    async with http.stream("POST", "/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": 3000, "stream": True, "ignore_eos": True}) as resp:
+        async for _ in resp.aiter_lines():
+            first.set()
+
+
+async def test_max_num_queued_reqs_counts_waiting_and_running_and_answers_503() -> None:
+    async with SimServer(profile="tiny", speedup=1, max_num_seqs=1, max_num_queued_reqs=3) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+            events = [asyncio.Event() for _ in range(3)]
+            tasks = [asyncio.create_task(_hold_stream(http, server.model, [7] * 16, e)) for e in events]
+            await wait_until(lambda: server.stats()["in_flight"] == 3, "three requests in flight")
+            # one running and two waiting: vLLM's limit counts both
+            assert server.engine.stats.num_running == 1 and server.engine.stats.num_waiting == 2
+            r = await http.post("/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 503
+            assert r.json() == {"error": {
+                "message": "The engine is currently busy and cannot accept new requests. "
+                           "Please try again later or on a different instance.",
+                "type": "Service Unavailable", "param": None, "code": 503}}
+            assert server.stats()["in_flight"] == 3  # not enqueued
+            assert server.stats()["rejected_queue_full"] == 1 and server.stats()["errors_4xx"] == 0
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await wait_until(lambda: server.stats()["in_flight"] == 0, "the held streams to be aborted")
+            ok = await http.post("/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 4})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+async def test_max_num_queued_tokens_counts_prompts_without_a_first_token() -> None:
+    async with SimServer(profile="tiny", speedup=1, max_num_seqs=1, max_num_queued_tokens=32) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+            started = asyncio.Event()
+            running = asyncio.create_task(_hold_stream(http, server.model, [5] * 40, started))
+            await started.wait()  # it has its first token: its 40 prompt tokens no longer count
+            waiting = asyncio.create_task(_hold_stream(http, server.model, [6] * 32, asyncio.Event()))
+            await wait_until(lambda: server.engine.stats.num_waiting == 1, "the second request to wait")
+            r = await http.post("/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 503
+            body = r.json()["error"]
+            assert body["type"] == "Service Unavailable" and body["code"] == 503 and body["param"] is None
+            assert body["message"].startswith("The engine has reached its prefill token backlog limit.")
+            assert server.stats()["in_flight"] == 2
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await wait_until(lambda: server.stats()["in_flight"] == 1, "the waiting request to be aborted")
+            # the backlog is empty again (only the running request, past its prefill): admitted
+            third = asyncio.create_task(_hold_stream(http, server.model, [8] * 8, asyncio.Event()))
+            await wait_until(lambda: server.stats()["in_flight"] == 2, "the third request to be admitted")
+            for t in (running, third):
+                t.cancel()
+            await asyncio.gather(running, third, return_exceptions=True)

@@ -46,7 +46,7 @@ __all__ = [
 
 log = logging.getLogger("zp_client.retry")
 
-DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({429, 502, 503})
+DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({429, 502, 503, 529})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -407,7 +407,8 @@ class RetryPolicy:
     * ``backoff_initial_s=0.5``, ``backoff_max_s=8.0``: full-jitter exponential backoff, delay before
       retry n (0-based) uniform in ``[0, min(backoff_max_s, backoff_initial_s * 2**n)]``.
     * ``retry_after_cap_s=30.0``: the longest ``Retry-After`` honoured; a longer one gives up.
-    * ``retry_statuses={429, 502, 503}``.
+    * ``retry_statuses={429, 502, 503, 529}`` (529: an overload answer, e.g. NVIDIA Dynamo's "all workers
+      busy"; treated like 503).
     * ``retry_on_504=False``: also retry 504 — only when the upstream aborts abandoned requests.
     * ``retry_read_timeouts=None``: retry read timeouts / read errors; ``None`` follows ``retry_on_504``.
     * ``budget``: a :class:`RetryBudget`; default a new :class:`LocalRetryBudget` (ratio 0.1, floor 1/s,

@@ -44,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", dest="sim_max_num_batched_tokens", type=int, default=None)
     parser.add_argument("--max-model-len", dest="sim_max_model_len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", dest="sim_no_prefix_caching", action="store_true")
+    parser.add_argument("--max-num-queued-reqs", dest="sim_max_num_queued_reqs", type=int, default=None,
+                        metavar="N",
+                        help="answer 503 (as vLLM) to a request that would make more than N requests "
+                             "in flight, waiting or running (default: no limit)")
+    parser.add_argument("--max-num-queued-tokens", dest="sim_max_num_queued_tokens", type=int, default=None,
+                        metavar="T",
+                        help="answer 503 (as vLLM) to new requests while the prompts of requests without "
+                             "a first token hold T or more tokens (default: no limit)")
     parser.add_argument("--model", dest="sim_model", default="sim-llama", help="served model name")
     parser.add_argument("--seed", dest="sim_seed", type=int, default=0,
                         help="seed of the default output-length distribution")
@@ -80,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.sim_max_num_batched_tokens,
             max_model_len=args.sim_max_model_len,
             log_level="info",
+            max_num_queued_reqs=args.sim_max_num_queued_reqs,
+            max_num_queued_tokens=args.sim_max_num_queued_tokens,
         )
     except ValueError as exc:
         print(f"zp-client sim: {exc}", file=sys.stderr)

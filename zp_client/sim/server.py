@@ -55,6 +55,14 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
+# vLLM's admission-control rejections (vllm/exceptions.py QueueOverflowError / MaxQueuedTokensError,
+# mapped by create_error_response to 503 with type = the status phrase).
+QUEUE_OVERFLOW_MESSAGE = ("The engine is currently busy and cannot accept new requests. "
+                          "Please try again later or on a different instance.")
+MAX_QUEUED_TOKENS_MESSAGE = ("The engine has reached its prefill token backlog limit. "
+                             "Please try again later or on a different instance.")
+_ADMISSION_ERROR_TYPE = "Service Unavailable"
+
 _GATEWAY_504_BODY = (
     "<html>\r\n<head><title>504 Gateway Time-out</title></head>\r\n<body>\r\n"
     "<center><h1>504 Gateway Time-out</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
@@ -188,9 +196,21 @@ class _Sim:
         max_num_batched_tokens: int | None,
         max_model_len: int | None,
         timeline_interval_s: float,
+        max_num_queued_reqs: int | None = None,
+        max_num_queued_tokens: int | None = None,
     ) -> None:
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
+        for name, limit in (("max_num_queued_reqs", max_num_queued_reqs),
+                            ("max_num_queued_tokens", max_num_queued_tokens)):
+            if limit is not None and limit < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {limit}")
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.max_num_queued_tokens = max_num_queued_tokens
+        # vLLM's API-server view of the prefill backlog: the full prompt length of every request that
+        # has no output token yet (waiting, or running a partial prefill), by engine id.
+        self._prefilling: dict[str, int] = {}
+        self._prefill_tokens = 0
         overrides: dict[str, Any] = {"policy": policy, "enable_prefix_caching": enable_prefix_caching}
         for key, value in (("num_gpu_blocks", num_gpu_blocks), ("max_num_seqs", max_num_seqs),
                            ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -234,7 +254,8 @@ class _Sim:
         self._loop_task: asyncio.Task[None] | None = None
         self.loop_error: BaseException | None = None
         self.counts = {"requests": 0, "finished": 0, "aborted_disconnect": 0, "gateway_504": 0,
-                       "errors_4xx": 0}
+                       "errors_4xx": 0,
+                       "rejected_queue_full": 0}
         self.lag_s = 0.0
         self.max_lag_s = 0.0
         self._lag_sum = 0.0
@@ -344,6 +365,7 @@ class _Sim:
             if entry is not None and entry[0].record.first_scheduled is None:
                 entry[0].record.first_scheduled = float(out.start_time)
         for eid in out.first_token:
+            self._prefill_done(eid)
             entry = self._pending.get(eid)
             if entry is None:
                 continue
@@ -366,6 +388,7 @@ class _Sim:
             choice.generated += n
             pending.notify(first=True)
         for eid in out.finished:
+            self._prefill_done(eid)
             entry = self._pending.pop(eid, None)
             if entry is None:
                 continue
@@ -416,6 +439,7 @@ class _Sim:
         if self.loop_error is not None:
             raise _HTTPError(503, f"the simulated engine is dead: {self.loop_error!r}",
                              "ServiceUnavailableError")
+        self._check_admission(len(pending.choices))
         if not self.engine.has_unfinished():
             t = self._mapped()
             if t > self.engine.now:
@@ -431,14 +455,31 @@ class _Sim:
                 self.abort(pending, "aborted")
                 raise _HTTPError(400, str(exc)) from None
             self._pending[choice.engine_id] = (pending, choice.index)
+            self._prefilling[choice.engine_id] = len(pending.prompt_ids)
+            self._prefill_tokens += len(pending.prompt_ids)
         self.counts["requests"] += 1
         assert self._wake is not None
         self._wake.set()
+
+    def _check_admission(self, n: int) -> None:
+        """vLLM's ``AsyncLLM.check_admission``: 503 when the ``n`` new engine requests would push the
+        in-flight count (waiting + running) past ``max_num_queued_reqs``, or when the prefill backlog
+        already holds ``max_num_queued_tokens`` prompt tokens (the request count is checked first)."""
+        if self.max_num_queued_reqs is not None and len(self._pending) + n > self.max_num_queued_reqs:
+            self.counts["rejected_queue_full"] += 1
+            raise _HTTPError(503, QUEUE_OVERFLOW_MESSAGE, _ADMISSION_ERROR_TYPE)
+        if self.max_num_queued_tokens is not None and self._prefill_tokens >= self.max_num_queued_tokens:
+            self.counts["rejected_queue_full"] += 1
+            raise _HTTPError(503, MAX_QUEUED_TOKENS_MESSAGE, _ADMISSION_ERROR_TYPE)
+
+    def _prefill_done(self, eid: str) -> None:
+        self._prefill_tokens -= self._prefilling.pop(eid, 0)
 
     def abort(self, pending: _Pending, status: str) -> None:
         """Abort every unfinished choice of ``pending`` (idempotent)."""
         aborted = False
         for choice in pending.choices:
+            self._prefill_done(choice.engine_id)
             if self._pending.pop(choice.engine_id, None) is not None:
                 self.engine.abort(choice.engine_id)
                 aborted = True
@@ -829,7 +870,8 @@ class _App:
             tool = _pick_tool(body, messages)
             pending = self._build(body, "chat", tok.encode(text), tool, request.headers.get("x-request-id"))
         except _HTTPError as exc:
-            self.sim.counts["errors_4xx"] += 1
+            if exc.status < 500:
+                self.sim.counts["errors_4xx"] += 1
             return exc.response()
         return await self._respond(request, body, pending)
 
@@ -850,7 +892,8 @@ class _App:
                                  param="prompt")
             pending = self._build(body, "completion", ids, None, request.headers.get("x-request-id"))
         except _HTTPError as exc:
-            self.sim.counts["errors_4xx"] += 1
+            if exc.status < 500:
+                self.sim.counts["errors_4xx"] += 1
             return exc.response()
         return await self._respond(request, body, pending)
 
@@ -1094,6 +1137,8 @@ class SimServer:
         max_model_len: int | None = None,
         timeline_interval_s: float = 0.0,
         log_level: str = "warning",
+        max_num_queued_reqs: int | None = None,
+        max_num_queued_tokens: int | None = None,
     ) -> None:
         self._config: dict[str, Any] = {
             "profile": profile, "num_gpu_blocks": num_gpu_blocks, "speedup": speedup,
@@ -1101,13 +1146,15 @@ class SimServer:
             "model": model,
             "seed": seed, "enable_prefix_caching": enable_prefix_caching, "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-            "timeline_interval_s": timeline_interval_s, "log_level": log_level}
+            "timeline_interval_s": timeline_interval_s, "log_level": log_level,
+            "max_num_queued_reqs": max_num_queued_reqs, "max_num_queued_tokens": max_num_queued_tokens}
         prof = get_profile(profile) if isinstance(profile, str) else profile
         self._sim = _Sim(prof, num_gpu_blocks=num_gpu_blocks, speedup=speedup,
                          gateway_timeout_s=gateway_timeout_s, policy=policy, model=model, seed=seed,
                          enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                         timeline_interval_s=timeline_interval_s)
+                         timeline_interval_s=timeline_interval_s, max_num_queued_reqs=max_num_queued_reqs,
+                         max_num_queued_tokens=max_num_queued_tokens)
         self.app = build_app(self._sim)
         self._host = host
         self._port = port
