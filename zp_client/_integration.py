@@ -15,6 +15,7 @@ from zp_client._wrap import admitted_budget, wrap
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
+from zp_client.metrics import ZPMetrics, as_metrics
 from zp_client.transport import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER
 
 __all__ = ["AdmissionOptions", "openai_client_of", "openai_http_client"]
@@ -29,7 +30,9 @@ class AdmissionOptions:
 
     ``retry``: a :class:`~zp_client.RetryPolicy`; None (default) builds one from ``settings`` on the
     budget's shared retry budget; False turns retrying off. ``max_retries`` (default 0) are the openai
-    SDK's own retries, which run around zp's. Invalid values raise :class:`~zp_client.ConfigurationError`.
+    SDK's own retries, which run around zp's. ``metrics``: a :class:`~zp_client.ZPMetrics` that records
+    every call's admission (default None: nothing recorded; docs/admission.md#metrics). Invalid values
+    raise :class:`~zp_client.ConfigurationError`.
     """
 
     budget: Budget
@@ -41,6 +44,7 @@ class AdmissionOptions:
     deadline: float | None = None
     route: str | None = None
     max_retries: int = 0
+    metrics: ZPMetrics | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, Budget):
@@ -52,6 +56,8 @@ class AdmissionOptions:
             raise ConfigurationError(f"deadline must be a positive number of seconds, got {self.deadline!r}")
         if self.max_retries < 0:
             raise ConfigurationError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.metrics is not None:
+            as_metrics(self.metrics)  # a clear error here, at the model's construction, not at its first call
 
     def headers(self) -> dict[str, str]:
         """The per-call zp headers, as a model's default headers (a call's ``extra_headers`` win)."""
@@ -82,7 +88,7 @@ class AdmissionOptions:
         # transport when it is garbage collected (openai's __del__). The frameworks drop the original as
         # soon as we replace it, so the admitted client keeps it alive (keep_original).
         new = wrap(client, self.budget, settings=self.settings, estimator=self.estimator, retry=self.retry,
-                   forecaster=self.forecaster, keep_original=True)
+                   forecaster=self.forecaster, metrics=self.metrics, keep_original=True)
         extra: dict[str, Any] = {}
         headers = self.headers()
         if headers:

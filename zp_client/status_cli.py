@@ -2,6 +2,7 @@
 
     zp-client status --server http://127.0.0.1:8000/v1 [--headroom 0.95]
     zp-client status --redis redis://127.0.0.1:6379/0 --name NAME [--json]
+    zp-client status ... --watch [--interval S]     (a live view until Ctrl-C; needs rich, the bench extra)
 
 Strictly read-only. What it prints and its exit statuses: see docs/admission.md#zp-client-status.
 """
@@ -12,11 +13,13 @@ import argparse
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from zp_client.errors import BudgetUnavailable, ZPError
 
-__all__ = ["add_arguments", "run", "server_status", "budget_status"]
+__all__ = ["add_arguments", "run", "server_status", "budget_status", "read_status", "format_status", "watch"]
 
 logger = logging.getLogger("zp_client.status_cli")
 
@@ -34,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for the server / Redis before giving up (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--watch", action="store_true",
+                        help="a live view, read again every --interval seconds until Ctrl-C (needs rich: "
+                             "the bench extra)")
+    parser.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between two reads with --watch (default 1)")
+    # how many reads --watch makes before it stops (tests, scripts); default: until Ctrl-C
+    parser.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def server_status(url: str, headroom: float = 0.95, timeout: float = 5.0) -> dict[str, Any]:
@@ -120,12 +130,21 @@ def run(args: argparse.Namespace) -> int:
     # The library logs (e.g. "Redis unreachable") at WARNING/ERROR; the CLI reports errors itself.
     logging.getLogger("zp_client").setLevel(logging.CRITICAL)
 
-    result: dict[str, Any] = {}
+    if args.watch:
+        if args.json:
+            print("zp-client status: --watch shows text; it does not take --json", file=sys.stderr)
+            return 2
+        if not args.interval > 0:
+            print(f"zp-client status: --interval must be > 0, got {args.interval}", file=sys.stderr)
+            return 2
+        if args.count is not None and args.count < 1:
+            print(f"zp-client status: --count must be >= 1, got {args.count}", file=sys.stderr)
+            return 2
+
     try:
-        if args.server:
-            result["server"] = server_status(args.server, args.headroom, args.timeout)
-        if args.redis:
-            result["budget"] = budget_status(args.redis, args.name, args.timeout)
+        if args.watch:
+            return _run_watch(args)
+        result = read_status(args)
     except BudgetUnavailable as exc:
         # The library's message speaks of admission; here nothing is admitted, only read.
         print(f"zp-client status: Redis at {_redact(args.redis)} did not answer within {args.timeout:g} s "
@@ -138,47 +157,113 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
-        if "server" in result:
-            _print_server(result["server"])
-        if "budget" in result:
-            _print_budget(result["budget"])
+        print(format_status(result))
     budget = result.get("budget")
     return 1 if budget is not None and not budget["exists"] else 0
 
 
-def _print_server(s: dict[str, Any]) -> None:
-    print(f"server {s['url']}")
+def read_status(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``args`` ask for: ``{"server": server_status(...), "budget": budget_status(...)}`` (either key
+    only when asked). Raises a ZPError subclass on failure."""
+    result: dict[str, Any] = {}
+    if args.server:
+        result["server"] = server_status(args.server, args.headroom, args.timeout)
+    if args.redis:
+        result["budget"] = budget_status(args.redis, args.name, args.timeout)
+    return result
+
+
+def format_status(result: dict[str, Any]) -> str:
+    """``result`` (as :func:`read_status` returns it) as the text ``zp-client status`` prints."""
+    lines: list[str] = []
+    if "server" in result:
+        lines += _server_lines(result["server"])
+    if "budget" in result:
+        lines += _budget_lines(result["budget"])
+    return "\n".join(lines)
+
+
+def watch(read: Callable[[], dict[str, Any]], show: Callable[[dict[str, Any]], None], interval: float,
+          count: int | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Call ``show(read())`` every ``interval`` seconds, ``count`` times (None: until Ctrl-C); returns 0.
+
+    Reading and showing are separate so that the loop runs without a terminal; an error ``read`` raises
+    ends the loop (``run`` reports it). Ctrl-C (KeyboardInterrupt) ends it with 0.
+    """
+    done = 0
+    try:
+        while count is None or done < count:
+            show(read())
+            done += 1
+            if count is None or done < count:
+                sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _run_watch(args: argparse.Namespace) -> int:
+    from zp_client.cli import missing_extra
+
+    try:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+    except ImportError as exc:
+        line = missing_extra("status --watch", "bench", exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
+
+    console = Console()
+
+    def render(result: dict[str, Any]) -> Text:
+        stamp = time.strftime("%H:%M:%S")
+        return Text(f"{format_status(result)}\n\n{stamp}, every {args.interval:g} s; Ctrl-C to stop")
+
+    with Live(Text("reading..."), console=console, auto_refresh=False) as live:
+        return watch(lambda: read_status(args), lambda r: live.update(render(r), refresh=True),
+                     args.interval, args.count)
+
+
+def _server_lines(s: dict[str, Any]) -> list[str]:
+    out = [f"server {s['url']}"]
     if s["num_gpu_blocks"] is None:
-        print("  KV pool:          unknown (no vllm:cache_config_info with num_gpu_blocks in /metrics)")
+        out.append("  KV pool:          unknown (no vllm:cache_config_info with num_gpu_blocks in /metrics)")
     else:
-        print(f"  KV pool:          {s['num_gpu_blocks']} blocks of {s['block_size']} tokens "
-              f"({s['usable_blocks']} usable)")
+        out.append(f"  KV pool:          {s['num_gpu_blocks']} blocks of {s['block_size']} tokens "
+                   f"({s['usable_blocks']} usable)")
     usage = s["kv_cache_usage"]
-    print(f"  KV usage:         {'unknown' if usage is None else f'{usage:.1%}'}")
-    print(f"  requests:         {_show(s['num_requests_running'])} running, "
-          f"{_show(s['num_requests_waiting'])} waiting")
-    print(f"  preemptions:      {_show(s['num_preemptions_total'])} since start")
+    out.append(f"  KV usage:         {'unknown' if usage is None else f'{usage:.1%}'}")
+    out.append(f"  requests:         {_show(s['num_requests_running'])} running, "
+               f"{_show(s['num_requests_waiting'])} waiting")
+    out.append(f"  preemptions:      {_show(s['num_preemptions_total'])} since start")
     if s["suggested_limit_blocks"] is not None:
-        print(f"  suggested limit:  limit_blocks={s['suggested_limit_blocks']} (headroom {s['headroom']:g})")
+        out.append(f"  suggested limit:  limit_blocks={s['suggested_limit_blocks']} "
+                   f"(headroom {s['headroom']:g})")
+    return out
 
 
-def _print_budget(b: dict[str, Any]) -> None:
+def _budget_lines(b: dict[str, Any]) -> list[str]:
+    out: list[str] = []
     if not b["exists"]:
-        print(f"budget {b['name']!r} at {b['redis']}: does not exist (no client has used it yet; "
-              "nothing was created)")
-        return
-    print(f"budget {b['name']!r} at {b['redis']} (policy {b['policy']}, block size {b['block_size']})")
-    print(f"  limit:            {b['limit']} blocks")
-    print(f"  used:             {b['used']} blocks reserved by {b['leases']} leases ({b['free']} free)")
-    print(f"  held:             {b['held']} blocks occupied now (as reported by the streams)")
+        out.append(f"budget {b['name']!r} at {b['redis']}: does not exist (no client has used it yet; "
+                   "nothing was created)")
+        return out
+    out.append(f"budget {b['name']!r} at {b['redis']} (policy {b['policy']}, block size {b['block_size']})")
+    out.append(f"  limit:            {b['limit']} blocks")
+    out.append(f"  used:             {b['used']} blocks reserved by {b['leases']} leases ({b['free']} free)")
+    out.append(f"  held:             {b['held']} blocks occupied now (as reported by the streams)")
     if b["waiters"]:
         for prio, c in b["waiters"].items():
-            print(f"  waiters (prio {prio}): {c['waiters']} waiting for {c['weight']} blocks")
+            out.append(f"  waiters (prio {prio}): {c['waiters']} waiting for {c['weight']} blocks")
     else:
-        print("  waiters:          none")
-    print(f"  head wait:        {b['head_wait_s']:.3f} s")
+        out.append("  waiters:          none")
+    out.append(f"  head wait:        {b['head_wait_s']:.3f} s")
     if b.get("recovering"):
-        print(f"  recovering:       admitting nothing new for {b['recovery_left_s']:.1f} s more")
+        out.append(f"  recovering:       admitting nothing new for {b['recovery_left_s']:.1f} s more")
+    return out
 
 
 def _show(v: Any) -> str:

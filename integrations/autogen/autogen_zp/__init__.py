@@ -15,6 +15,7 @@ from typing import Any
 
 from zp_client import AdmissionOptions, Budget, Settings, openai_http_client
 from zp_client.errors import MissingIntegration
+from zp_client.metrics import ZPMetrics
 
 try:
     from autogen_core import ComponentModel
@@ -46,7 +47,8 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
     RedisBudget), ``zp_settings``, ``zp_retry`` (a :class:`~zp_client.RetryPolicy`; default: built from
     ``zp_settings`` on the budget's shared retry budget; ``False``: no retries), ``zp_estimator``,
     ``zp_forecaster``, and ``zp_priority`` / ``zp_deadline`` / ``zp_route`` (default ``X-ZP-*`` headers;
-    per call ``extra_create_args={"extra_headers": {...}}`` overrides them). ``max_retries`` defaults to 0.
+    per call ``extra_create_args={"extra_headers": {...}}`` overrides them), ``zp_metrics`` (a
+    :class:`~zp_client.ZPMetrics` recording every call's admission). ``max_retries`` defaults to 0.
     Load a dumped component admitted with :meth:`from_component`.
     """
 
@@ -61,11 +63,13 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
         zp_priority: int | None = None,
         zp_deadline: float | None = None,
         zp_route: str | None = None,
+        zp_metrics: ZPMetrics | None = None,
         **config: Any,
     ) -> None:
         opts = AdmissionOptions(budget=budget, settings=zp_settings, estimator=zp_estimator, retry=zp_retry,
                                 forecaster=zp_forecaster, priority=zp_priority, deadline=zp_deadline,
-                                route=zp_route, max_retries=config.get("max_retries") or 0)
+                                route=zp_route, max_retries=config.get("max_retries") or 0,
+                                metrics=zp_metrics)
         super().__init__(**config)
         self._zp_options = opts
         self._zp_original = self._client

@@ -88,6 +88,16 @@ async def test_create_takes_one_lease_and_returns_it(server: SimServer) -> None:
     assert granted(budget) == 1 and (await budget.status()).used == 0
 
 
+async def test_zp_metrics_records_each_calls_admission(server: SimServer) -> None:
+    from zp_client.metrics import ZPMetrics
+
+    budget = LocalBudget(limit_blocks=400, policy="strict")
+    metrics = ZPMetrics()
+    await client(server, budget, zp_metrics=metrics).create(HI, extra_create_args=SHORT)
+    assert metrics.registry.get_sample_value("zp_queue_wait_seconds_count", {"priority": "0"}) == 1
+    assert metrics.registry.get_sample_value("zp_lease_hold_seconds_count", {"priority": "0"}) == 1
+
+
 async def test_create_stream_holds_its_lease_until_the_end(server: SimServer) -> None:
     budget = LocalBudget(limit_blocks=400, policy="strict")
     used_while_streaming = []

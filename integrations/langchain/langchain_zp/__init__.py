@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 
 from zp_client import AdmissionOptions, Budget, Settings, openai_client_of
 from zp_client.errors import ConfigurationError, MissingIntegration
+from zp_client.metrics import ZPMetrics
 
 try:
     from langchain_openai import ChatOpenAI, OpenAI
@@ -81,6 +82,7 @@ def _options(model: Any) -> AdmissionOptions:
         deadline=model.zp_deadline,
         route=model.zp_route,
         max_retries=model.max_retries or 0,
+        metrics=model.zp_metrics,
     )
 
 
@@ -90,7 +92,8 @@ class ZPChatOpenAI(ChatOpenAI):
     Fields beyond ChatOpenAI's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
     (:class:`~zp_client.Settings`), ``zp_retry`` (:class:`~zp_client.RetryPolicy`), ``zp_estimator``,
     ``zp_forecaster`` (elastic budgets), ``zp_priority`` (lower = earlier), ``zp_deadline`` (seconds for
-    queueing plus every attempt) and ``zp_route`` (the forecaster's key). ``max_retries`` defaults to 0.
+    queueing plus every attempt), ``zp_route`` (the forecaster's key) and ``zp_metrics`` (a
+    :class:`~zp_client.ZPMetrics` recording every call's admission). ``max_retries`` defaults to 0.
     """
 
     budget: Budget = Field(exclude=True)
@@ -101,6 +104,7 @@ class ZPChatOpenAI(ChatOpenAI):
     zp_priority: int | None = Field(default=None, exclude=True)
     zp_deadline: float | None = Field(default=None, gt=0, exclude=True)
     zp_route: str | None = Field(default=None, exclude=True)
+    zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
     max_retries: int | None = 0
     """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
 
@@ -128,6 +132,7 @@ class ZPOpenAI(OpenAI):
     zp_priority: int | None = Field(default=None, exclude=True)
     zp_deadline: float | None = Field(default=None, gt=0, exclude=True)
     zp_route: str | None = Field(default=None, exclude=True)
+    zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
     max_retries: int = 0
     """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
 
@@ -153,13 +158,15 @@ def admit_langchain(
     deadline: float | None = None,
     route: str | None = None,
     max_retries: int = 0,
+    metrics: ZPMetrics | None = None,
     **setting_overrides: Any,
 ) -> M:
     """A copy of ``model`` (``ChatOpenAI``, ``AzureChatOpenAI``, ``OpenAI``, ...) admitted on ``budget``.
 
     Like :func:`zp_client.wrap` for openai clients: ``settings`` (or keyword overrides of its fields,
     e.g. ``default_max_tokens=1024``), ``estimator``, ``retry`` and ``forecaster`` configure the
-    admission transport; ``priority`` / ``deadline`` / ``route`` become default zp headers. The copy's
+    admission transport; ``priority`` / ``deadline`` / ``route`` become default zp headers; ``metrics`` (a
+    :class:`~zp_client.ZPMetrics`) records every call's admission. The copy's
     ``max_retries`` is ``max_retries`` (default 0, leaving retries to zp). ``model`` is not modified and
     shares its connection pool with the copy.
     """
@@ -177,7 +184,7 @@ def admit_langchain(
             raise ConfigurationError(f"invalid zp option for admit_langchain(): {exc}") from None
     opts = AdmissionOptions(budget=budget, settings=settings, estimator=estimator, retry=retry,
                             forecaster=forecaster, priority=priority, deadline=deadline, route=route,
-                            max_retries=max_retries)
+                            max_retries=max_retries, metrics=metrics)
     # model_copy returns Self, which mypy widens to M's bound for a type variable
     copy = cast(M, model.model_copy(update={"max_retries": max_retries}))
     if isinstance(copy, BaseChatOpenAI):

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from langchain_zp import ZPChatOpenAI, ZPOpenAI, admit_langchain
 from zp_client import LocalBudget, Settings
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
+from zp_client.metrics import ZPMetrics
 from zp_client.retry import testing
 from zp_client.sim.server import SimServer
 
@@ -86,6 +87,23 @@ def test_invoke_takes_one_lease_and_returns_it(server: SimServer) -> None:
     reply = llm.invoke("hello", extra_body={"sim_output_tokens": 8})
     assert reply.content and reply.usage_metadata["output_tokens"] == 8
     assert granted(budget) == 1 and budget.status_sync().used == 0
+
+
+def test_zp_metrics_records_each_calls_admission(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400, policy="strict")
+    metrics = ZPMetrics()
+    llm = chat(server, budget, zp_metrics=metrics)
+    llm.invoke("hello", extra_body={"sim_output_tokens": 8})
+    reg = metrics.registry
+    assert reg.get_sample_value("zp_queue_wait_seconds_count", {"priority": "0"}) == 1
+    assert reg.get_sample_value("zp_lease_hold_seconds_count", {"priority": "0"}) == 1
+    # admit_langchain takes the same option
+    plain = ChatOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", max_tokens=16)
+    admitted = admit_langchain(plain, budget, settings=SETTINGS, metrics=metrics)
+    admitted.invoke("hi", extra_body={"sim_output_tokens": 4})
+    assert reg.get_sample_value("zp_queue_wait_seconds_count", {"priority": "0"}) == 2
+    with pytest.raises(ValidationError):
+        chat(server, budget, zp_metrics="not metrics")
 
 
 def test_stream_holds_its_lease_until_the_last_chunk(server: SimServer) -> None:
