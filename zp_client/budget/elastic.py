@@ -44,6 +44,23 @@ POLICY_KEYS = ("prompt_tokens", "forecast_tokens", "streaming", "tokens", "prefi
 #: not make a lease projected).
 MAX_OUTPUT_KEY = "max_output_tokens"
 
+#: Late-reader fields the policy stamps on a growth report (:meth:`ElasticPolicy.progress_meta`; callers
+#: do not send them): when the report arrived, and the time and token count of the lease's first stamped
+#: report (its read rate since then is its step time as the client saw it). Budget clock seconds.
+TOKENS_AT_KEY, RATE_T0_KEY, RATE_N0_KEY = "tokens_at", "rate_t0", "rate_n0"
+
+#: A block crossing reported at least this many tokens after the token that crossed marks the client late
+#: (a reader on time reports the crossing token itself; see :meth:`ElasticPolicy.progress_meta`).
+LATE_MIN_TOKENS = 2
+
+#: For this many seconds after a late report, projections extrapolate each lease's tokens from the time
+#: elapsed since its last report (:func:`project`); otherwise a report is read as the present.
+LATE_WINDOW_S = 1.0
+
+#: Steps of silence a lease is allowed before extrapolation counts it as having grown (a report due at
+#: the same instant as a grant may arrive just after it).
+LATE_GRACE_STEPS = 1
+
 #: ``remaining`` of a lease without metadata: later than any projected end (2**53 stays exact in the
 #: Lua port's doubles).
 FOREVER = 2**53
@@ -97,6 +114,36 @@ def excess_blocks(bound: int, block_size: int, meta: Mapping[str, Any]) -> int:
     return max(0, _ceil_div(cap_tokens(bound, block_size, meta), block_size) - bound)
 
 
+def lease_step_s(meta: Mapping[str, Any]) -> float | None:
+    """A lease's step time as its reports show it: seconds per token between its first stamped report and
+    its last (see :data:`TOKENS_AT_KEY`); None before two reports a token apart."""
+    try:
+        t0, n0 = float(meta[RATE_T0_KEY]), int(meta[RATE_N0_KEY])
+        ta, tk = float(meta[TOKENS_AT_KEY]), int(meta["tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if tk <= n0 or ta <= t0:
+        return None
+    return (ta - t0) / (tk - n0)
+
+
+def late_tokens(meta: Mapping[str, Any], now: float, step_s: float | None = None) -> int:
+    """Tokens a streaming lease has probably generated since its last growth report, by the time elapsed
+    since that report: ``floor((now - tokens_at) / step) - LATE_GRACE_STEPS`` (>= 0), with the lease's own
+    step time (:func:`lease_step_s`) or ``step_s`` (the budget's last learned one) before it has one."""
+    at = meta.get(TOKENS_AT_KEY)
+    if at is None or meta.get("tokens") is None:
+        return 0
+    step = lease_step_s(meta) or step_s
+    if step is None or step <= 0:
+        return 0
+    try:
+        missed = math.floor((now - float(at)) / step) - LATE_GRACE_STEPS
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    return max(0, missed)
+
+
 def project(
     *,
     held: int,
@@ -104,12 +151,19 @@ def project(
     block_size: int,
     meta: Mapping[str, Any],
     candidate: bool = False,
+    now: float | None = None,
+    step_s: float | None = None,
 ) -> Projection:
     """Projection of one lease (or of a candidate about to be admitted) from its metadata.
 
     A lease that carries none of the policy's metadata (a caller using the budget directly, without
     reporting progress) tells the policy nothing to project: it is reserved at its bound for its whole
-    life, exactly as ``strict`` counts it."""
+    life, exactly as ``strict`` counts it.
+
+    ``now`` (given only while the client is known to read late, see :class:`ElasticPolicy`): a streaming
+    lease holds the blocks of where it probably is now, its last report plus :func:`late_tokens` (never
+    past its forecast end), and keeps the report's remaining steps: pointwise at least the report's
+    projection, so extrapolation only ever counts more."""
     if not any(k in meta for k in POLICY_KEYS):
         return Projection(blocks=bound, remaining=FOREVER, grows=False)
     prompt_tokens = int(meta.get("prompt_tokens", held * block_size))
@@ -133,6 +187,14 @@ def project(
         # Outgrew its forecast and nobody re-forecast yet: project to the cap (tightens at once).
         end_tokens = cap
     remaining = max(0, end_tokens - tokens_low)
+    if now is not None and tokens is not None and not candidate:
+        # A late reader: the server went on generating since the last report (up to the forecast end),
+        # so the lease holds more blocks now than reported. Its end is left where the report puts it:
+        # the term only grows (at every instant at least the report's projection), so a wrong step time
+        # can make the pool look fuller, never emptier.
+        late = late_tokens(meta, now, step_s)
+        if late:
+            held = max(held, _ceil_div(min(end_tokens, int(tokens) + late), block_size))
     return Projection(blocks=held, remaining=remaining, grows=True)
 
 
@@ -223,10 +285,12 @@ class _Profile:
 
 
 def _terms_for(
-    leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int
+    leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int,
+    now: float | None = None, step_s: float | None = None,
 ) -> tuple[list[Projection], dict[str, tuple[int, int]]]:
     """Projection terms of live leases ``(held, bound, meta)``, shared prefixes counted once."""
-    items = [(project(held=h, bound=b, block_size=block_size, meta=m), m) for h, b, m in leases]
+    items = [(project(held=h, bound=b, block_size=block_size, meta=m, now=now, step_s=step_s), m)
+             for h, b, m in leases]
     active: dict[str, int] = {}
     for _, m in items:
         key = m.get("prefix_key")
@@ -253,9 +317,11 @@ def _terms_for(
     return terms, groups
 
 
-def projected_peak(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int) -> int:
-    """The projected peak in blocks of live leases given as ``(held, bound, meta)``."""
-    terms, groups = _terms_for(leases, block_size)
+def projected_peak(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int,
+                   now: float | None = None, step_s: float | None = None) -> int:
+    """The projected peak in blocks of live leases given as ``(held, bound, meta)`` (``now``, ``step_s``:
+    see :func:`project`)."""
+    terms, groups = _terms_for(leases, block_size, now, step_s)
     return _Profile(terms, block_size, groups).peak()
 
 
@@ -292,14 +358,65 @@ class ElasticPolicy:
         self._profile: _Profile | None = None
         self._excess_key: object = None
         self._excess_sum = 0
+        self.late_at: float | None = None
+        """When a growth report last showed the client reading late (see :meth:`progress_meta`)."""
+        self.step_s: float | None = None
+        """The last step time learned from a lease's reports (:func:`lease_step_s`): the fallback for
+        leases too young to have their own."""
+
+    def progress_meta(self, lease: Any, fields: Mapping[str, Any], now: float) -> Mapping[str, Any]:
+        """Stamp a growth report (``fields`` with ``tokens``) of ``lease`` arriving at ``now``; the ledger
+        calls this from :meth:`~zp_client.budget.ledger.Ledger.update_meta`.
+
+        Adds :data:`TOKENS_AT_KEY` (and on the lease's first stamped report after its first token the
+        rate origin). A reader on time reports a block crossing with the crossing token itself (the
+        transport reports as soon as ``tokens`` enters a new block); a crossing reported
+        :data:`LATE_MIN_TOKENS` or more tokens later shows the client reading late, which turns on
+        late-reader extrapolation for :data:`LATE_WINDOW_S` (:func:`project`). With no lateness seen, the
+        projection reads every report as the present, exactly as before stamps existed."""
+        tokens = fields.get("tokens")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            return fields
+        meta = lease.meta
+        if not (fields.get("first_token") or meta.get("first_token")):
+            return fields
+        out = dict(fields)
+        out[TOKENS_AT_KEY] = now
+        prev = meta.get("tokens")
+        if RATE_T0_KEY not in meta or prev is None:
+            out[RATE_T0_KEY], out[RATE_N0_KEY] = now, tokens
+            return out
+        try:
+            prev_tokens = int(prev)
+        except (TypeError, ValueError):
+            return out
+        bs = self.block_size
+        crossing = _ceil_div(prev_tokens, bs) * bs + 1  # the first token of the next block
+        if tokens - crossing >= LATE_MIN_TOKENS:
+            self.late_at = now
+        step = lease_step_s({**meta, **out})
+        if step is not None:
+            self.step_s = step
+        return out
+
+    def _late_now(self, view: LedgerView) -> float | None:
+        """The view's ``now`` while late-reader extrapolation is on, else None."""
+        late_at = self.late_at
+        if late_at is None:
+            return None
+        now = getattr(view, "now", None)
+        if now is None or not 0 <= now - late_at <= LATE_WINDOW_S:
+            return None
+        return float(now)
 
     def _prepare(self, view: LedgerView) -> _Profile:
         version = getattr(view, "version", None)
-        key = (id(view), version) if version is not None else None
+        now = self._late_now(view)
+        key = (id(view), version, now) if version is not None else None
         if key is not None and key == self._cache_key and self._profile is not None:
             return self._profile
         leases = ((rec.held, rec.bound, rec.meta) for rec in view.leases.values())
-        terms, groups = _terms_for(leases, self.block_size)
+        terms, groups = _terms_for(leases, self.block_size, now, self.step_s)
         profile = _Profile(terms, self.block_size, groups)
         self._cache_key, self._profile = key, profile
         return profile
@@ -336,7 +453,8 @@ class ElasticPolicy:
         # prefixes only subtract. The Lua port's uncontended fast path is the same test.
         fast = (view.bound_sum + len(view.leases) + candidate.bound + 1
                 + excess_blocks(candidate.bound, bs, meta))
-        if (fast <= view.limit and int(meta.get("prompt_tokens", 0)) <= candidate.bound * bs
+        # While late, a term may exceed its cap by its extrapolated blocks: no fast path then.
+        if (self._late_now(view) is None and fast <= view.limit and int(meta.get("prompt_tokens", 0)) <= candidate.bound * bs
                 and fast + self._excess(view) <= view.limit):
             return True
         profile = self._prepare(view)

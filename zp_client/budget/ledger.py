@@ -104,7 +104,8 @@ class LedgerView(Protocol):
     def leases(self) -> Mapping[str, LeaseRecord]: ...
 
     # Optional (not part of the protocol, so simple views need not have it): ``version``, an int bumped
-    # on every mutation; the Ledger has it and policies may cache on it.
+    # on every mutation; the Ledger has it and policies may cache on it. ``now``: the time of the grant
+    # or status being computed (None when unknown), for policies that project from elapsed time.
 
 
 @runtime_checkable
@@ -239,6 +240,7 @@ class Ledger:
         self._held_sum = 0
         self._next_order = 0
         self._seq = 0
+        self._now: float | None = None
 
     # ------------------------------------------------------------------ read-only view
     @property
@@ -262,6 +264,13 @@ class Ledger:
         """A counter bumped by every mutation (enqueue, cancel, admission, release, report_held,
         update_meta, renew, expire, set_limit). Equal versions of one ledger mean equal state."""
         return self._version
+
+    @property
+    def now(self) -> float | None:
+        """The ``now`` of the grant, status or progress report being computed (the last one given); None
+        before any.
+        Policies that project from elapsed time (elastic's late-reader extrapolation) read it."""
+        return self._now
 
     @property
     def progress_sensitive(self) -> bool:
@@ -404,6 +413,7 @@ class Ledger:
         """Admit every waiter the rules allow; returns their ids (now lease ids) in admission order."""
         if not self._waiters:
             return []
+        self._now = now
         granted: list[str] = []
         policy = self._policy
         fits = policy.fits
@@ -469,13 +479,22 @@ class Ledger:
             lease.held = value
         return True
 
-    def update_meta(self, lease_id: str, **fields: Any) -> bool:
+    def update_meta(self, lease_id: str, *, now: float | None = None, **fields: Any) -> bool:
         """Merge ``fields`` into a live lease's ``meta`` (progress the policy may read: ``first_token``,
         a re-forecast ``forecast_tokens``...). False if not live. Like :meth:`report_held` it records,
-        never refuses. Under a progress-sensitive policy call :meth:`grant` next (waiters may now fit)."""
+        never refuses. Under a progress-sensitive policy call :meth:`grant` next (waiters may now fit).
+
+        ``now``: when the report arrived. A policy with a ``progress_meta(lease, fields, now)`` hook
+        (elastic: it stamps growth reports with their time, see
+        :func:`~zp_client.budget.elastic.project`) may add fields; without ``now`` the hook is not called."""
         lease = self._leases.get(lease_id)
         if lease is None:
             return False
+        if now is not None:
+            self._now = now
+        stamp = getattr(self._policy, "progress_meta", None)
+        if stamp is not None and now is not None and fields:
+            fields = dict(stamp(lease, fields, now))
         if fields:
             meta = lease.meta if isinstance(lease.meta, dict) else dict(lease.meta)
             meta.update(fields)
@@ -519,6 +538,7 @@ class Ledger:
     # ------------------------------------------------------------------ snapshot
     def status(self, now: float, *, block_size: int = 16) -> BudgetStatus:
         """A :class:`~zp_client.budget.base.BudgetStatus` snapshot (``extra`` holds ledger details)."""
+        self._now = now
         used = self.used
         per_class = {
             p: ClassStatus(waiters=len(cls), weight=sum(w.bound for w in cls))

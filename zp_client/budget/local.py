@@ -324,12 +324,13 @@ class LocalBudget(Budget):
         to_wake: list[_Waiter] = []
         with self._lock:
             led = self._ledger
+            now = self.clock.monotonic()
             live = led.report_held(lease_id, held) if held is not None else lease_id in led.leases
             if fields and live:
-                led.update_meta(lease_id, **fields)
+                led.update_meta(lease_id, now=now, **fields)
             # Only a policy that reads progress can admit on it, and only if somebody waits.
             if live and led.progress_sensitive and len(led):
-                _, to_wake = self._hand_out(led.grant(self.clock.monotonic()))
+                _, to_wake = self._hand_out(led.grant(now))
         if to_wake:
             self._wake(to_wake)
 
