@@ -454,7 +454,8 @@ class ElasticPolicy:
         fast = (view.bound_sum + len(view.leases) + candidate.bound + 1
                 + excess_blocks(candidate.bound, bs, meta))
         # While late, a term may exceed its cap by its extrapolated blocks: no fast path then.
-        if (self._late_now(view) is None and fast <= view.limit and int(meta.get("prompt_tokens", 0)) <= candidate.bound * bs
+        if (self._late_now(view) is None and fast <= view.limit
+                and int(meta.get("prompt_tokens", 0)) <= candidate.bound * bs
                 and fast + self._excess(view) <= view.limit):
             return True
         profile = self._prepare(view)
