@@ -8,6 +8,7 @@ Everything here talks to the real simulator app and the real openai SDK (and zp'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -551,11 +552,41 @@ def test_a_missing_module_outside_the_commands_extra_keeps_its_traceback() -> No
 # ------------------------------------------------------------------------------- a busy client
 
 
-def test_client_load_needs_the_real_clock_and_a_sane_fraction() -> None:
-    with pytest.raises(ConfigurationError, match="real"):
-        StormConfig(client_load=0.5)
+def test_client_load_takes_a_sane_fraction_and_on_the_virtual_clock_keeps_the_simulator_in_process() -> None:
     with pytest.raises(ConfigurationError, match=r"\[0, 1\)"):
         StormConfig(clock="real", client_load=1.0)
+    assert StormConfig(client_load=0.5).sim_in_process  # virtual: modelled by read pauses
+    assert not StormConfig(clock="real", client_load=0.5).sim_in_process
+
+
+def test_read_pauses_hold_what_arrives_in_a_busy_part_until_it_ends() -> None:
+    from zp_client.bench.memory import ReadPauses
+
+    p = ReadPauses(0.5, burst_s=0.05)  # period 0.1 s: reading in [0, 0.05), busy in [0.05, 0.1)
+    assert p.resume_at(0.0) is None and p.resume_at(0.049) is None
+    assert p.resume_at(0.05) == pytest.approx(0.1) and p.resume_at(0.099) == pytest.approx(0.1)
+    assert p.resume_at(1.02) is None and p.resume_at(1.07) == pytest.approx(1.1)
+    with pytest.raises(ValueError):
+        ReadPauses(1.0)
+
+
+def test_a_modelled_busy_client_reads_late_and_deterministically() -> None:
+    """--client-load on the virtual clock: the same storm twice gives identical records, chunks are
+    handed over late (the harness reports how late), and it differs from the storm without the load."""
+    cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "zp-elastic"], profile="tiny",
+                      num_gpu_blocks=None, client_load=0.5, workload_overrides=dict(TINY))
+    def records(run: Any) -> list[Any]:
+        return [x.to_json() for x in run.records]
+
+    runs = [run_storm(cfg)[2] for _ in range(2)]
+    calm = run_storm(dataclasses.replace(cfg, client_load=0.0))[2]
+    for a, b, c in zip(*runs, calm, strict=True):
+        assert records(a) == records(b), a.name
+        assert records(a) != records(c), a.name
+        assert all(r.ok for r in a.records)
+        h = a.harness
+        assert h["client_load"] == 0.5 and h["client_load_model"] == "read pauses"
+        assert h["read_pauses_held"] > 0 and 0 < h["read_lag_p99_ms"] <= 50.0
 
 
 @pytest.mark.slow

@@ -59,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--clock real: virtual seconds per wall second")
     parser.add_argument("--client-load", type=float, default=0.0, metavar="F",
                         help="a busy client: block the client's event loop in 50 ms bursts for fraction F of "
-                             "real time (needs the real clock, the default with it; the simulator then runs "
-                             "in its own process)")
+                             "real time (the real clock is the default with it; the simulator then runs "
+                             "in its own process); with --clock virtual, modelled deterministically: the "
+                             "client's reads are held through 50 ms busy periods at duty cycle F")
     parser.add_argument("--sweep", default=None, metavar="X,Y,...",
                         help="the overload curve: run at each offered load (x scales the arrival rate, "
                              "keeps request sizes; on top of --load-scale) and plot them")

@@ -28,13 +28,53 @@ from typing import Any
 
 import httpx
 
-__all__ = ["MemoryTransport", "memory_transport", "openai_http_module"]
+__all__ = ["MemoryTransport", "ReadPauses", "memory_transport", "openai_http_module"]
 
 log = logging.getLogger("zp_client.bench.memory")
 
 ASGIApp = Callable[..., Any]
 
 _APP_DONE = {"type": "zp.app.done"}
+
+
+class ReadPauses:
+    """A client that reads late, on the loop's clock: out of every ``burst_s / fraction`` seconds (from
+    the loop's time 0) it is busy for the last ``burst_s``, and whatever reaches it then (a response
+    head, a body chunk) is handed over only when the busy part ends; the backlog then drains at once.
+
+    The virtual-clock model of :class:`~zp_client.bench.loadgen.ClientLoad`, whose spinning takes no
+    virtual time: it delays the client's *reads* only (sends, timers and the budget run on time), which
+    is what makes its streams' growth reports late. Deterministic, like the rest of the virtual run."""
+
+    def __init__(self, fraction: float, burst_s: float = 0.05) -> None:
+        if not 0.0 < fraction < 1.0 or burst_s <= 0:
+            raise ValueError(
+                f"read pauses need 0 < fraction < 1 and burst_s > 0, got {fraction!r}, {burst_s!r}")
+        self.fraction = float(fraction)
+        self.burst_s = float(burst_s)
+        self.period_s = self.burst_s / self.fraction
+        self.held = 0
+        """Messages handed over late so far."""
+        self.lags: list[float] = []
+        """How late each of them was handed over (seconds)."""
+
+    def resume_at(self, now: float) -> float | None:
+        """The end of the busy part ``now`` falls in, or None when the client is reading."""
+        phase = now % self.period_s
+        if phase < self.period_s - self.burst_s:
+            return None
+        return now - phase + self.period_s
+
+    async def wait(self) -> None:
+        """Return when the client would read what arrived now."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        end = self.resume_at(now)
+        if end is None or end <= now:
+            return
+        self.held += 1
+        self.lags.append(end - now)
+        await asyncio.sleep(end - now)
 
 
 class _Exchange:
@@ -92,8 +132,9 @@ class _Body:
     """The response body: yields the app's body messages as they are sent."""
 
     def __init__(self, lib: ModuleType, exchange: _Exchange, request: Any,
-                 read_timeout: float | None) -> None:
+                 read_timeout: float | None, pauses: ReadPauses | None = None) -> None:
         self._lib, self._ex, self._request, self._timeout = lib, exchange, request, read_timeout
+        self._pauses = pauses
         self._ended = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -106,6 +147,8 @@ class _Body:
             if msg.get("type") != "http.response.body":
                 continue
             if chunk := msg.get("body", b""):
+                if self._pauses is not None:
+                    await self._pauses.wait()
                 yield bytes(chunk)
             if not msg.get("more_body", False):
                 self._ended = True
@@ -130,9 +173,12 @@ class _TransportBase:
     _lib: ModuleType
     _body_cls: type[_Body]
 
-    def __init__(self, app: ASGIApp, *, client: tuple[str, int] = ("127.0.0.1", 50000)) -> None:
+    def __init__(self, app: ASGIApp, *, client: tuple[str, int] = ("127.0.0.1", 50000),
+                 pauses: ReadPauses | None = None) -> None:
         self.app = app
         self.client = client
+        self.pauses = pauses
+        """A late reader's busy periods (:class:`ReadPauses`), or None: every message is read on arrival."""
         self.requests = 0
         """Requests handled so far."""
         self._open: set[_Exchange] = set()
@@ -179,8 +225,10 @@ class _TransportBase:
                                     request=request)
             if msg.get("type") == "http.response.start":
                 break
+        if self.pauses is not None:
+            await self.pauses.wait()
         headers = [(bytes(k), bytes(v)) for k, v in msg.get("headers", [])]
-        stream = self._body_cls(lib, ex, request, read_timeout)
+        stream = self._body_cls(lib, ex, request, read_timeout, self.pauses)
         return lib.Response(int(msg["status"]), headers=headers, stream=stream,
                             extensions={"http_version": b"HTTP/1.1"}, request=request)
 
@@ -220,13 +268,15 @@ def openai_http_module() -> ModuleType:
     raise RuntimeError("cannot tell which HTTP library openai's DefaultAsyncHttpxClient is built on")
 
 
-def memory_transport(app: ASGIApp, module: ModuleType | None = None) -> Any:
-    """A streaming in-memory transport to ``app`` for ``module`` (httpx or httpx2; default: openai's)."""
+def memory_transport(app: ASGIApp, module: ModuleType | None = None, *,
+                     pauses: ReadPauses | None = None) -> Any:
+    """A streaming in-memory transport to ``app`` for ``module`` (httpx or httpx2; default: openai's);
+    ``pauses``: read like a busy client (:class:`ReadPauses`)."""
     mod = module if module is not None else openai_http_module()
     if mod is httpx:
-        return MemoryTransport(app)
+        return MemoryTransport(app, pauses=pauses)
     if mod.__name__ == "httpx2":
         from zp_client.bench._memory2 import Memory2Transport
 
-        return Memory2Transport(app)
+        return Memory2Transport(app, pauses=pauses)
     raise ValueError(f"no in-memory transport for {mod.__name__}")

@@ -89,14 +89,12 @@ class StormConfig:
             raise ConfigurationError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if not 0.0 <= self.client_load < 1.0:
             raise ConfigurationError(f"client_load must be in [0, 1), got {self.client_load!r}")
-        if self.client_load > 0 and self.virtual:
-            raise ConfigurationError("a busy client (client_load > 0) is a real-time matter: on the virtual "
-                                     "clock its work takes no time; use clock='real' (--clock real)")
 
     @property
     def sim_in_process(self) -> bool:
-        """Whether the simulator shares the clients' process (not with a busy client)."""
-        return self.client_load == 0
+        """Whether the simulator shares the clients' process (always on the virtual clock; on the real
+        clock not with a busy client)."""
+        return self.virtual or self.client_load == 0
 
     @property
     def virtual(self) -> bool:
@@ -271,19 +269,26 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
     # seeded per setup: openai's retry jitter and zp's full-jitter backoff draw from the global RNG
     random.seed(f"zp-storm:{cfg.seed}:{name}")
     gateway = wl.gateway_timeout_s if spec.gateway else None
+    # A busy client: on the real clock it spins (ClientLoad); on the virtual clock, where spinning takes
+    # no time, its reads are held through the busy periods instead (ReadPauses).
+    pauses = None
+    if cfg.virtual and cfg.client_load:
+        from zp_client.bench.memory import ReadPauses
+
+        pauses = ReadPauses(cfg.client_load)
     async with _sim_server(cfg, gateway) as server:
         blocks, bs, _, _ = await _pool_facts(server, cfg)
         limit = zp_limit_blocks(blocks, HEADROOM)
         ctx = SetupContext(server.base_url, server.url, model, cfg.effective_speedup, blocks, bs, limit,
                            rate_rps=rate_rps, redis_url=cfg.redis_url,
                            budget_name=f"zp-storm-{uuid.uuid4().hex[:12]}", elastic=cfg.elastic,
-                           clock=cfg.clock, app=server.app)
+                           clock=cfg.clock, app=server.app, read_pauses=pauses)
         clock = _clock_for(server, cfg)
 
         def done(rec: RequestRecord) -> None:
             progress(name, 1)
 
-        load = ClientLoad(cfg.client_load)
+        load = ClientLoad(0.0 if cfg.virtual else cfg.client_load)
         async with HarnessMonitor(sample_lag=not cfg.virtual) as mon:
             if spec.workers > 1:
                 records, t0 = await _run_workers(cfg, name, ctx, wl.sessions, clock, done, mon)
@@ -304,7 +309,13 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
 
             mp_total = parse_metrics((await http.get("/metrics")).text).num_preemptions_total
         harness = {**mon.summary(), "clock": cfg.clock}
-        if cfg.client_load:
+        if pauses is not None:
+            lags = sorted(pauses.lags)
+            harness.update(client_load=cfg.client_load, client_load_model="read pauses",
+                           read_pauses_held=pauses.held,
+                           read_lag_p99_ms=round(1000 * lags[min(len(lags) - 1, int(0.99 * len(lags)))], 2)
+                           if lags else 0.0)
+        elif cfg.client_load:
             harness.update(client_load=cfg.client_load, client_load_bursts=load.bursts,
                            client_load_busy_s=round(load.busy_s, 3))
         return SetupRun(name, records, stats, list(server.timeline), t0, harness, gateway,

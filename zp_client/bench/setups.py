@@ -122,9 +122,12 @@ class SetupContext:
     the simulator's ``app`` in memory; ``"real"``: over loopback HTTP, sleeps scaled by ``speedup``."""
     app: Any = field(default=None, repr=False, compare=False)
     """The simulator's ASGI app (virtual clock only; never pickled to a worker: workers are real-time)."""
+    read_pauses: Any = field(default=None, repr=False, compare=False)
+    """A busy client on the virtual clock (:class:`~zp_client.bench.memory.ReadPauses`, shared by every
+    client of the run), or None."""
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "app": None}
+        return {**self.__dict__, "app": None, "read_pauses": None}
 
     @property
     def virtual(self) -> bool:
@@ -139,7 +142,7 @@ class SetupContext:
 
         from zp_client.bench.memory import memory_transport
 
-        return openai.DefaultAsyncHttpxClient(transport=memory_transport(self.app))
+        return openai.DefaultAsyncHttpxClient(transport=memory_transport(self.app, pauses=self.read_pauses))
 
     def budget_clock(self) -> Any:
         """The clock zp's budgets get: the running loop's (virtual time) or None (the system clock)."""

@@ -352,8 +352,11 @@ class ElasticPolicy:
     """Progress (held growth, ``first_token``, a re-forecast) can let waiters in: backends grant after
     progress reports (see :class:`~zp_client.budget.ledger.ReservationPolicy`)."""
 
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = 16, *, late_readers: bool = True) -> None:
         self.block_size = block_size
+        self.late_readers = late_readers
+        """Whether growth reports are stamped and extrapolated for a late reader (:meth:`progress_meta`);
+        False reads every report as the present (the policy before report times; for comparisons)."""
         self._cache_key: object = None
         self._profile: _Profile | None = None
         self._excess_key: object = None
@@ -375,7 +378,7 @@ class ElasticPolicy:
         late-reader extrapolation for :data:`LATE_WINDOW_S` (:func:`project`). With no lateness seen, the
         projection reads every report as the present, exactly as before stamps existed."""
         tokens = fields.get("tokens")
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        if not self.late_readers or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             return fields
         meta = lease.meta
         if not (fields.get("first_token") or meta.get("first_token")):
@@ -498,7 +501,8 @@ class ElasticPolicy:
         return old + young if old else young
 
     def __repr__(self) -> str:
-        return f"ElasticPolicy(block_size={self.block_size})"
+        late = "" if self.late_readers else ", late_readers=False"
+        return f"ElasticPolicy(block_size={self.block_size}{late})"
 
 
 def _forecast_of(w: WaiterRecord) -> float:
