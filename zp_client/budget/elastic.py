@@ -49,9 +49,10 @@ MAX_OUTPUT_KEY = "max_output_tokens"
 #: report (its read rate since then is its step time as the client saw it). Budget clock seconds.
 TOKENS_AT_KEY, RATE_T0_KEY, RATE_N0_KEY = "tokens_at", "rate_t0", "rate_n0"
 
-#: A block crossing reported at least this many tokens after the token that crossed marks the client late
-#: (a reader on time reports the crossing token itself; see :meth:`ElasticPolicy.progress_meta`).
-LATE_MIN_TOKENS = 2
+#: A stream read faster than this many seconds per token (2,000 tokens/s: no decode runs that fast per
+#: sequence) is a backlog being drained: the client was not reading while the server generated (see
+#: :meth:`ElasticPolicy.progress_meta`).
+LATE_BURST_S_PER_TOKEN = 0.0005
 
 #: For this many seconds after a late report, projections extrapolate each lease's tokens from the time
 #: elapsed since its last report (:func:`project`); otherwise a report is read as the present.
@@ -372,11 +373,11 @@ class ElasticPolicy:
         calls this from :meth:`~zp_client.budget.ledger.Ledger.update_meta`.
 
         Adds :data:`TOKENS_AT_KEY` (and on the lease's first stamped report after its first token the
-        rate origin). A reader on time reports a block crossing with the crossing token itself (the
-        transport reports as soon as ``tokens`` enters a new block); a crossing reported
-        :data:`LATE_MIN_TOKENS` or more tokens later shows the client reading late, which turns on
-        late-reader extrapolation for :data:`LATE_WINDOW_S` (:func:`project`). With no lateness seen, the
-        projection reads every report as the present, exactly as before stamps existed."""
+        rate origin). A reader on time reports its stream's growth at the server's pace; one that was
+        busy finds a backlog and drains it, reporting tokens faster than any decode produces them
+        (:data:`LATE_BURST_S_PER_TOKEN`). That shows the client reading late and turns on late-reader
+        extrapolation for :data:`LATE_WINDOW_S` (:func:`project`). With no lateness seen, the projection
+        reads every report as the present, exactly as before stamps existed."""
         tokens = fields.get("tokens")
         if not self.late_readers or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             return fields
@@ -385,17 +386,15 @@ class ElasticPolicy:
             return fields
         out = dict(fields)
         out[TOKENS_AT_KEY] = now
-        prev = meta.get("tokens")
-        if RATE_T0_KEY not in meta or prev is None:
+        prev, prev_at = meta.get("tokens"), meta.get(TOKENS_AT_KEY)
+        if RATE_T0_KEY not in meta or prev is None or prev_at is None:
             out[RATE_T0_KEY], out[RATE_N0_KEY] = now, tokens
             return out
         try:
-            prev_tokens = int(prev)
+            grown, dt = tokens - int(prev), now - float(prev_at)
         except (TypeError, ValueError):
             return out
-        bs = self.block_size
-        crossing = _ceil_div(prev_tokens, bs) * bs + 1  # the first token of the next block
-        if tokens - crossing >= LATE_MIN_TOKENS:
+        if grown > 0 and dt < grown * LATE_BURST_S_PER_TOKEN:
             self.late_at = now
         step = lease_step_s({**meta, **out})
         if step is not None:
