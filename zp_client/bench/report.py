@@ -482,9 +482,13 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
     for m in report["setups"]:
         h = m["harness"]
         if h.get("clock") == "virtual":
+            busy = ""
+            if "read_pauses_held" in h:
+                busy = (f"; busy client (modelled, duty {h['client_load']:g}): {h['read_pauses_held']} reads "
+                        f"held, read lag p99 {h['read_lag_p99_ms']} ms (virtual)")
             console.print(f"harness {m['setup']}: virtual clock, {h['wall_s']:.1f} s wall for "
                           f"{m['makespan']:.1f} virtual s ({m['effective_speedup']}x), "
-                          f"CPU {h['cpu_frac']:.0%} of a core", highlight=False)
+                          f"CPU {h['cpu_frac']:.0%} of a core{busy}", highlight=False)
             continue
         console.print(f"harness {m['setup']}: effective speedup {m['effective_speedup']}x, event-loop lag "
                       f"p99 {h['loop_lag_p99_ms']} ms / max {h['loop_lag_max_ms']} ms (wall), "

@@ -187,15 +187,17 @@ def project(
     if tokens_low >= end_tokens and end_tokens < cap:
         # Outgrew its forecast and nobody re-forecast yet: project to the cap (tightens at once).
         end_tokens = cap
-    remaining = max(0, end_tokens - tokens_low)
-    if now is not None and tokens is not None and not candidate:
-        # A late reader: the server went on generating since the last report (up to the forecast end),
-        # so the lease holds more blocks now than reported. Its end is left where the report puts it:
-        # the term only grows (at every instant at least the report's projection), so a wrong step time
-        # can make the pool look fuller, never emptier.
+    elif now is not None and tokens is not None and not candidate:
+        # A late reader: the server went on generating since the last report (up to the forecast end).
+        # Once that crosses into a new block, the lease is read as a reader on time would have reported
+        # it: holding the new blocks, at the fewest tokens they can hold.
         late = late_tokens(meta, now, step_s)
         if late:
-            held = max(held, _ceil_div(min(end_tokens, int(tokens) + late), block_size))
+            blocks = _ceil_div(min(end_tokens, int(tokens) + late), block_size)
+            if blocks > held:
+                held = blocks
+                tokens_low = max(tokens_low, (blocks - 1) * block_size + 1)
+    remaining = max(0, end_tokens - tokens_low)
     return Projection(blocks=held, remaining=remaining, grows=True)
 
 
