@@ -1,9 +1,9 @@
 """Elastic under a client that reads its streams late: does the projection undercount, and what does the
 late-reader extrapolation (docs/elastic.md#late-readers) change?
 
-Not a test. Runs the agentic storm with a busy client for ``no-admission``, ``zp-elastic`` (the library:
-late-reader extrapolation on), ``zp-elastic-stale`` (the same budget with
-``ElasticPolicy(late_readers=False)``: every report read as the present, the policy before this change)
+Not a test. Runs the agentic storm with a busy client for ``no-admission``, ``zp-elastic`` (the library's
+default: every report read as the present), ``zp-elastic-late`` (the same budget with
+``ElasticPolicy(late_readers=True)``: reports stamped, leases extrapolated while the client reads late)
 and the same pair for ``zp-oracle`` (true lengths, so forecast error is excluded and what preempts it is
 the lag). ``--clock virtual`` (default) models the busy client by holding its reads through 50 ms busy
 periods (:class:`~zp_client.bench.memory.ReadPauses`; deterministic); ``--clock real`` spins the client's
@@ -35,32 +35,32 @@ from zp_client.bench.setups import AppCaller, SetupContext, SetupSpec, register_
 from zp_client.bench.tuning import ElasticTuning  # noqa: E402
 
 
-def _stale_budget(ctx: SetupContext) -> Any:
+def _late_budget(ctx: SetupContext) -> Any:
     from zp_client.budget.elastic import ElasticPolicy
     from zp_client.budget.local import LocalBudget
 
     return LocalBudget(limit_blocks=elastic_setups._limit(ctx), block_size=ctx.block_size,
-                       policy=ElasticPolicy(ctx.block_size, late_readers=False), clock=ctx.budget_clock())
+                       policy=ElasticPolicy(ctx.block_size, late_readers=True), clock=ctx.budget_clock())
 
 
-async def _elastic_stale(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Any:
-    client = await zp_client_for(ctx, stack, _stale_budget(ctx))
+async def _elastic_late(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Any:
+    client = await zp_client_for(ctx, stack, _late_budget(ctx))
     return AppCaller(client, ctx.model, app_retry=True)
 
 
-async def _oracle_stale(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Any:
+async def _oracle_late(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Any:
     from zp_client.bench.oracle import SimOracleForecaster
     from zp_client.transport import forecaster_for
 
-    budget = _stale_budget(ctx)
+    budget = _late_budget(ctx)
     client = await zp_client_for(ctx, stack, budget, forecaster=SimOracleForecaster(forecaster_for(budget)))
     return AppCaller(client, ctx.model, app_retry=True)
 
 
-register_setup(SetupSpec("zp-elastic-stale", True, description="zp-elastic, late_readers=False"),
-               _elastic_stale, after="zp-elastic")
-register_setup(SetupSpec("zp-oracle-stale", True, description="zp-oracle, late_readers=False"),
-               _oracle_stale, after="zp-oracle")
+register_setup(SetupSpec("zp-elastic-late", True, default=False, description="zp-elastic, late_readers=True"),
+               _elastic_late, after="zp-elastic")
+register_setup(SetupSpec("zp-oracle-late", True, default=False, description="zp-oracle, late_readers=True"),
+               _oracle_late, after="zp-oracle")
 
 
 def main() -> int:
@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--headroom", type=float, default=None,
                     help="the elastic setups' headroom (default: the library's)")
-    ap.add_argument("--setups", default="no-admission,zp-elastic,zp-elastic-stale,zp-oracle,zp-oracle-stale")
+    ap.add_argument("--setups", default="no-admission,zp-elastic,zp-elastic-late,zp-oracle,zp-oracle-late")
     ap.add_argument("--json", default=None, help="append one JSON line per setup and seed here")
     args = ap.parse_args()
     profile, blocks, mml, speedup = _DEFAULTS["agentic"]

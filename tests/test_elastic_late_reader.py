@@ -1,5 +1,5 @@
 """Elastic's projection under a client that reads its streams late (issue 18, "elastic zero under a busy
-client").
+client"): ``ElasticPolicy(late_readers=True)``, opt-in (docs/elastic.md#late-readers has why).
 
 The projection reads each lease's last growth report. A process that is busy (application work holding
 the GIL, a blocked event loop) reads its streams late, so its reports lag what the server has generated,
@@ -59,8 +59,8 @@ def _on_time(led: Ledger, lid: str, t_first: float, until_tokens: int) -> float:
         _report(led, lid, tokens, t)
 
 
-def _ledger(limit: int = 10_000) -> tuple[Ledger, ElasticPolicy]:
-    pol = ElasticPolicy(BS)
+def _ledger(limit: int = 10_000, late_readers: bool = True) -> tuple[Ledger, ElasticPolicy]:
+    pol = ElasticPolicy(BS, late_readers=late_readers)
     return Ledger(limit, policy=pol), pol
 
 
@@ -80,12 +80,20 @@ def test_reports_are_stamped_and_the_step_time_is_learned() -> None:
     assert pol.late_at is None  # reported at the server's pace
 
 
-def test_without_report_times_nothing_is_stamped() -> None:
+def test_without_report_times_or_by_default_nothing_is_stamped() -> None:
     led, pol = _ledger()
     _lease(led, "a")
     led.update_meta("a", first_token=True, tokens=PROMPT + 1)  # no now: a backend without a clock
     assert TOKENS_AT_KEY not in led.leases["a"].meta
     assert pol.late_at is None
+    # the default policy (late_readers off) reads reports as the present: no stamps, even a backlog
+    led, pol = _ledger(late_readers=False)
+    _lease(led, "a")
+    for i in range(5):
+        _report(led, "a", PROMPT + 1 + 16 * i, 1.0, first_token=True)
+    assert TOKENS_AT_KEY not in led.leases["a"].meta and pol.late_at is None
+    assert ElasticPolicy(BS).late_readers is False
+    assert "late_readers=True" in repr(ElasticPolicy(BS, late_readers=True))
 
 
 @settings(max_examples=60, deadline=None)
@@ -242,7 +250,8 @@ def test_local_budget_stamps_reports_with_its_clock() -> None:
             self.t += seconds
 
     clock = Manual()
-    budget = LocalBudget(limit_blocks=100, block_size=BS, policy="elastic", clock=clock)
+    budget = LocalBudget(limit_blocks=100, block_size=BS, policy=ElasticPolicy(BS, late_readers=True),
+                         clock=clock)
     lease = budget.acquire_sync(60, held=PROMPT // BS, meta=_meta())
     lease.report_progress(11, first_token=True, tokens=PROMPT + 1)
     clock.t = 5.25

@@ -187,17 +187,15 @@ def project(
     if tokens_low >= end_tokens and end_tokens < cap:
         # Outgrew its forecast and nobody re-forecast yet: project to the cap (tightens at once).
         end_tokens = cap
-    elif now is not None and tokens is not None and not candidate:
-        # A late reader: the server went on generating since the last report (up to the forecast end).
-        # Once that crosses into a new block, the lease is read as a reader on time would have reported
-        # it: holding the new blocks, at the fewest tokens they can hold.
+    remaining = max(0, end_tokens - tokens_low)
+    if now is not None and tokens is not None and not candidate:
+        # A late reader: the server went on generating since the last report (up to the forecast end),
+        # so the lease holds more blocks now than reported. Its end is left where the report puts it:
+        # the term only grows (at every instant at least the report's projection), so a wrong step time
+        # can make the pool look fuller, never emptier.
         late = late_tokens(meta, now, step_s)
         if late:
-            blocks = _ceil_div(min(end_tokens, int(tokens) + late), block_size)
-            if blocks > held:
-                held = blocks
-                tokens_low = max(tokens_low, (blocks - 1) * block_size + 1)
-    remaining = max(0, end_tokens - tokens_low)
+            held = max(held, _ceil_div(min(end_tokens, int(tokens) + late), block_size))
     return Projection(blocks=held, remaining=remaining, grows=True)
 
 
@@ -355,11 +353,12 @@ class ElasticPolicy:
     """Progress (held growth, ``first_token``, a re-forecast) can let waiters in: backends grant after
     progress reports (see :class:`~zp_client.budget.ledger.ReservationPolicy`)."""
 
-    def __init__(self, block_size: int = 16, *, late_readers: bool = True) -> None:
+    def __init__(self, block_size: int = 16, *, late_readers: bool = False) -> None:
         self.block_size = block_size
         self.late_readers = late_readers
-        """Whether growth reports are stamped and extrapolated for a late reader (:meth:`progress_meta`);
-        False reads every report as the present (the policy before report times; for comparisons)."""
+        """Whether growth reports are stamped and extrapolated for a late reader (:meth:`progress_meta`,
+        opt-in; docs/elastic.md#late-readers has the measurements behind the default). False (default)
+        reads every report as the present."""
         self._cache_key: object = None
         self._profile: _Profile | None = None
         self._excess_key: object = None
@@ -502,7 +501,7 @@ class ElasticPolicy:
         return old + young if old else young
 
     def __repr__(self) -> str:
-        late = "" if self.late_readers else ", late_readers=False"
+        late = ", late_readers=True" if self.late_readers else ""
         return f"ElasticPolicy(block_size={self.block_size}{late})"
 
 
