@@ -41,6 +41,9 @@ _logged_no_max_model_len: set[str] = set()
 # a server's KV pool warns once however many transports share it (see Core._pool_probe).
 _pool_checked: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 _pool_checked_lock = threading.Lock()
+# Answers that mean the server is overloaded: each is reported to the budget (Budget.note_overload), which
+# tells an attached adaptive limit (zp_client.adaptive).
+OVERLOAD_STATUSES = frozenset({429, 503, 529})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -655,6 +658,8 @@ class Core:
                 yield Release(holder)
                 raise
             try:
+                if resp.status_code in OVERLOAD_STATUSES:
+                    self.budget.note_overload(resp.status_code)  # an adaptive limit's signal
                 if state is not None and resp.status_code >= 400:
                     d = yield Decide(retry, state, resp.status_code, resp.headers, None, self.remaining(plan))
                     if d.retry or d.error is not None:
