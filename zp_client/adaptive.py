@@ -115,13 +115,15 @@ DEFAULT_LEADER_TTL_S = 5.0
 def recovery_polls(*, poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
                    cooldown_s: float = DEFAULT_COOLDOWN_S, floor_fraction: float = DEFAULT_FLOOR_FRACTION,
                    increase_fraction: float = DEFAULT_INCREASE_FRACTION, within: float = 0.05) -> int:
-    """The most polls after the last signal (the bypass stopped, the last preemption) until the limit is
-    within ``within`` of the calibrated one: ``ceil(cooldown_s / poll_interval_s)`` polls of cooldown,
-    then ``ceil((1 - within - floor_fraction) / increase_fraction)`` increases from the floor (14 with
-    the defaults). Assumes the server's ``/metrics`` shows the end of the bypass at the first of them."""
+    """The most polls it takes the limit to return within ``within`` of the calibrated one once the
+    bypass stopped (or the last preemption / overload answer), counting from the first poll whose
+    ``/metrics`` no longer shows it: the rest of the cooldown after the last decrease (at most
+    ``ceil(cooldown_s / poll_interval_s) - 1`` polls), then at most ``ceil((1 - within - floor_fraction) /
+    increase_fraction)`` increases from the floor: 13 polls with the defaults. Holds while the polls
+    stay quiet (no new preemption or overload answer) and come ``poll_interval_s`` apart."""
     cool = math.ceil(cooldown_s / poll_interval_s - 1e-9)
     climb = max(0, math.ceil((1 - within - floor_fraction) / increase_fraction - 1e-9))
-    return cool + climb + 1
+    return max(cool, 1) - 1 + climb
 
 
 @dataclass(frozen=True)
