@@ -80,8 +80,8 @@ class FakeServer:
 
 
 def _controller(budget: LocalBudget, server: FakeServer, clock: Clock, **kw: Any) -> AdaptiveLimit:
-    return AdaptiveLimit(budget, "http://vllm.test:8000/v1", calibrated_limit=CAL, http_client=server.client(),
-                         clock=clock, **kw)
+    return AdaptiveLimit(budget, "http://vllm.test:8000/v1", calibrated_limit=CAL,
+                         http_client=server.client(), clock=clock, **kw)
 
 
 async def _poll(ctl: AdaptiveLimit, clock: Clock, dt: float = 1.0) -> Decision:
