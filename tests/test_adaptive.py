@@ -429,3 +429,87 @@ def test_bad_arguments_fail_fast() -> None:
     with pytest.raises(ConfigurationError, match="needs the server's URL"):
         budget.adapt()
     assert budget.adapt("http://h:8000/v1").server_url == "http://h:8000"
+
+
+# ------------------------------------------------------------------------------------------ the simulator
+
+
+def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_returns_within_the_bound() -> None:
+    """Traffic sent straight to the simulator (not through the budget) holds its KV; the controller,
+    polling the simulator's /metrics on the virtual clock, lowers the limit to the room that leaves and
+    raises it back once that traffic ends. The simulator counts one poller, this controller."""
+    from zp_client._clock import LoopClock
+    from zp_client.bench.memory import MemoryTransport
+    from zp_client.bench.vloop import run_virtual
+    from zp_client.sim.server import SimServer
+
+    poll, cooldown = 0.5, 2.0
+    cal = 486  # floor(511 x 0.95)
+
+    async def bypass(http: httpx.AsyncClient, i: int) -> None:
+        body = {"model": "sim-llama", "prompt": [7 + i] * 1200, "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_bytes():
+                pass
+
+    async def main() -> tuple[AdaptiveLimit, dict[str, Any], int, list[int]]:
+        server = SimServer(profile="tiny")
+        async with server.in_memory():
+            http = httpx.AsyncClient(transport=MemoryTransport(server.app), base_url=server.url)
+            budget = LocalBudget(cal, clock=LoopClock())
+            ctl = AdaptiveLimit(budget, server.url, calibrated_limit=cal, http_client=http,
+                                poll_interval_s=poll, cooldown_s=cooldown)
+            async with ctl:
+                await asyncio.sleep(2.0)  # quiet: nothing changes
+                assert budget.limit == cal and not ctl.changes
+                await asyncio.gather(bypass(http, 0), bypass(http, 1))  # ~6 virtual s, 150 -> 338 blocks
+                during = [d.new_limit for d in ctl.decisions if d.new_limit is not None]
+                ended = len(ctl.decisions)
+                while budget.limit < 0.95 * cal:
+                    await asyncio.sleep(poll)
+                polls = len(ctl.decisions) - ended
+            await http.aclose()
+            return ctl, server.pollers(), polls, during
+
+    ctl, pollers, polls, during = run_virtual(main())
+    bypass_seen = max(d.bypass_blocks or 0 for d in ctl.decisions)
+    assert bypass_seen > 300  # two streams of 1,200 + up to 1,500 tokens: 338 blocks at the end
+    assert ctl.floor == 243
+    assert min(during) == max(ctl.floor, cal - bypass_seen) == 243  # the room left, never below the floor
+    assert {c.reason for c in ctl.changes} == {"bypass", "recover"}
+    # every poll that saw the limit above the room the bypass left moved it down toward it, not past it
+    above = [d for d in ctl.decisions if d.limit is not None and d.ceiling is not None and d.limit > d.ceiling]
+    assert len(above) >= 2
+    for d in above:
+        assert d.new_limit is not None and d.ceiling <= d.new_limit < d.limit and d.reason == "bypass"
+    assert 1 <= polls <= recovery_polls(poll_interval_s=poll, cooldown_s=cooldown)
+    # the judge: one poller, this controller, one scrape per poll
+    assert list(pollers["pollers"]) == [ctl.id]
+    assert pollers["pollers"][ctl.id]["polls"] == pollers["scrapes"] == len(ctl.decisions)
+
+
+def test_the_admission_core_reports_overload_answers_to_the_budget() -> None:
+    import openai
+    from _retry_upstream import RetryUpstream
+
+    from zp_client import Settings, wrap
+
+    async def main(url: str) -> AdaptiveLimit:
+        srv = FakeServer()
+        budget = LocalBudget(100)
+        ctl = AdaptiveLimit(budget, "http://vllm.test:8000", http_client=srv.client(), poll_interval_s=3600)
+        async with ctl, openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as original:
+            client = wrap(original, budget, settings=Settings(estimator="heuristic"), max_model_len=4096)
+            for user in ("429-a", "529-b", "503-c", "ok-d"):
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, user=user)
+            with pytest.raises(openai.APIStatusError):
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, user="400-e")
+            return ctl
+
+    with RetryUpstream() as upstream:
+        ctl = asyncio.run(main(upstream.base_url))
+    assert ctl._overloads == 3 and ctl._overload_statuses == {429: 1, 503: 1, 529: 1}
