@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "Lease": "zp_client.budget.base",
     "Ticket": "zp_client.budget.base",
     "LocalBudget": "zp_client.budget.local",
+    "AdaptiveLimit": "zp_client.adaptive",
     "RedisBudget": "zp_client.budget.redis",
     # front ends
     "AsyncClient": "zp_client.client",
@@ -69,6 +70,7 @@ _EXPORTS: dict[str, str] = {
 
 # A literal, so type checkers see the re-exports (test_package_exports checks it matches _EXPORTS).
 __all__ = [
+    "AdaptiveLimit",
     "AdmissionError",
     "AdmissionOptions",
     "AdmissionTimeout",
@@ -127,6 +129,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from zp_client._integration import AdmissionOptions, openai_client_of, openai_http_client
     from zp_client._wrap import admitted_budget, wrap
+    from zp_client.adaptive import AdaptiveLimit
     from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
     from zp_client.budget.elastic import ElasticPolicy
     from zp_client.budget.local import LocalBudget
