@@ -22,6 +22,7 @@ from zp_client.adaptive import (
 )
 from zp_client.errors import ConfigurationError, LeaseTooLarge
 from zp_client.metrics import ZPMetrics
+from zp_client.status_cli import format_status, local_budget_status
 
 N_BLOCKS = 1001  # 1000 usable
 CAL = 950  # floor(1000 x 0.95)
@@ -352,6 +353,11 @@ def test_changes_feed_metrics_and_show_in_the_budget_status() -> None:
             assert (st["calibrated"], st["floor"], st["last_old"], st["last_new"], st["last_reason"]) == (
                 CAL, 475, CAL, 760, "preemption")
             assert st["leader"] == ctl.id and st["is_leader"] and st["running"] and st["metrics"] == "ok"
+            text = format_status({"budget": local_budget_status(budget)})
+            assert "budget 'adaptive-local' (in this process)" in text
+            assert f"adaptive limit:   leader {ctl.id}; calibrated 950, floor 475" in text
+            assert "last change:      950 -> 760 blocks (preemption) 0.0 s ago; 1 changes" in text
+            assert "last poll:        /metrics ok; +2 preemptions, 0 overload answers, bypass 0 blocks" in text
         assert m.registry.get_sample_value(
             "zp_limit_changes_total", {"budget": "adaptive-local", "direction": "down"}) == 1
         assert all(p == ctl.id for p in srv.pollers)  # every poll says who polls
