@@ -262,6 +262,9 @@ class AdaptiveLimit:
         if cl is not None and (isinstance(cl, bool) or not isinstance(cl, int) or cl < 1):
             raise ConfigurationError(f"calibrated_limit must be an int >= 1, got {calibrated_limit!r}")
         self._given_calibrated = calibrated_limit
+        self._redis = hasattr(budget, "_adaptive")
+        if calibrated_limit is None and not self._redis:
+            calibrated_limit = budget.limit  # a RedisBudget's is known once Redis answered (poll_once)
         self._calibrated: int | None = calibrated_limit
         self.poll_interval_s = _positive(poll_interval_s, "poll_interval_s")
         self.decrease_factor = _fraction(decrease_factor, "decrease_factor")
@@ -282,7 +285,6 @@ class AdaptiveLimit:
         self._headers = {"accept": "text/plain", **dict(headers or {}), POLLER_HEADER: self.id}
         self._http = http_client
         self._own_http = False
-        self._redis = hasattr(budget, "_adaptive")
         self.changes: list[LimitChange] = []
         """Every change this controller made, oldest first (the benchmark's limit plot)."""
         self.decisions: list[Decision] = []
