@@ -519,3 +519,51 @@ def test_the_admission_core_reports_overload_answers_to_the_budget() -> None:
     with RetryUpstream() as upstream:
         ctl = asyncio.run(main(upstream.base_url))
     assert ctl._overloads == 3 and ctl._overload_statuses == {429: 1, 503: 1, 529: 1}
+
+
+@pytest.mark.slow
+def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_traffic_is_not_bypass() -> None:
+    """A limit three times the pool (a wrong calibration): the server preempts, the controller cuts the
+    limit; the budget's own streams, reported as they grow, never read as bypass."""
+    import openai
+
+    from zp_client import wrap
+    from zp_client._clock import LoopClock
+    from zp_client.bench.memory import MemoryTransport, memory_transport
+    from zp_client.bench.vloop import run_virtual
+    from zp_client.sim.server import SimServer
+
+    cal = 1500  # the pool has 511 usable blocks
+
+    async def main() -> tuple[AdaptiveLimit, int]:
+        server = SimServer(profile="tiny")
+        async with server.in_memory():
+            http = httpx.AsyncClient(transport=MemoryTransport(server.app), base_url=server.url)
+            budget = LocalBudget(cal, clock=LoopClock())
+            client = wrap(openai.AsyncOpenAI(
+                base_url="http://sim.memory/v1", api_key="x",
+                http_client=openai.DefaultAsyncHttpxClient(transport=memory_transport(server.app))), budget)
+            ctl = AdaptiveLimit(budget, server.url, http_client=http, poll_interval_s=0.5, cooldown_s=2.0)
+
+            async def ask(i: int) -> None:
+                stream = await client.chat.completions.create(
+                    model="sim-llama", messages=[{"role": "user", "content": f"task {i}: " + "plan it " * 60}],
+                    max_tokens=1200, stream=True, extra_body={"sim_output_tokens": 1000})
+                async for _ in stream:
+                    pass
+
+            async with ctl:
+                await asyncio.gather(*(ask(i) for i in range(12)))
+            await client.close()
+            await http.aclose()
+            return ctl, int(server.stats()["engine"]["preemptions_total"])
+
+    ctl, preempted = run_virtual(main())
+    assert preempted > 0
+    assert ctl.calibrated_limit == cal and ctl.changes
+    assert ctl.changes[0].reason == "preemption" and ctl.changes[0].new == 1200
+    assert all(c.new >= ctl.floor == 750 for c in ctl.changes)
+    assert {c.reason for c in ctl.changes} <= {"preemption", "recover"}  # never "bypass": all of it is ours
+    seen = [d.preemptions for d in ctl.decisions]
+    assert sum(seen) == preempted  # every preemption was seen, once
+    print(f"{preempted} preemptions; changes: {[(c.old, c.new, c.reason) for c in ctl.changes]}")

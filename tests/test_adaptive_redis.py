@@ -155,7 +155,7 @@ def test_three_processes_run_exactly_one_poller_and_a_killed_leaders_successor_p
 
     from zp_client.sim.server import SimServer
 
-    ttl, poll = 3.0, 1.0
+    ttl, poll = 4.0, 1.0  # the leader renews every poll: its lease's PTTL runs from 4 s down to 3 s
     leader_key = f"{{zp:{redis_prefix}}}:adaptive:leader"
     rc = redis.Redis.from_url(redis_url)
     with SimServer(num_gpu_blocks=1001) as sim:
@@ -174,9 +174,9 @@ def test_three_processes_run_exactly_one_poller_and_a_killed_leaders_successor_p
             leader = rc.get(leader_key).decode()
             assert list(seen) == [leader], seen
             assert seen[leader]["polls"] >= 3
-            # kill the leader with its lease at least 0.6 s short of a full TTL (it renews every poll),
-            # so "within one TTL of the kill" leaves the successor that much for its wake-up and poll
-            while not (0 < rc.pttl(leader_key) <= (ttl - 0.6) * 1000):
+            # kill the leader 0.55-0.75 s after a renewal (and as long before the next), so "within one TTL
+            # of the kill" leaves the successor at least 0.55 s for its wake-up and first poll
+            while not ((ttl - 0.75) * 1000 <= rc.pttl(leader_key) <= (ttl - 0.55) * 1000):
                 time.sleep(0.01)
             by_id[leader].send_signal(signal.SIGKILL)
             killed_at = sim.clock()
