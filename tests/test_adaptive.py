@@ -567,3 +567,23 @@ def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_tr
     seen = [d.preemptions for d in ctl.decisions]
     assert sum(seen) == preempted  # every preemption was seen, once
     print(f"{preempted} preemptions; changes: {[(c.old, c.new, c.reason) for c in ctl.changes]}")
+
+
+def test_budget_adapt_on_a_calibrated_budget_polls_its_server_over_loopback() -> None:
+    from zp_client.sim.server import SimServer
+
+    with SimServer(num_gpu_blocks=513) as sim:
+        budget = LocalBudget.from_server(sim.base_url)
+        ctl = budget.adapt(poll_interval_s=0.05)
+        assert ctl.server_url == sim.url and ctl.calibrated_limit == budget.calibration.limit_blocks == 486
+
+        async def main() -> None:
+            async with ctl:
+                while len(ctl.decisions) < 3:
+                    await asyncio.sleep(0.02)
+
+        asyncio.run(main())
+        pollers = sim.pollers()["pollers"]
+    assert list(pollers) == [ctl.id] and pollers[ctl.id]["polls"] >= 3
+    assert all(d.metrics_ok and d.reason is None for d in ctl.decisions)  # an idle server: nothing to do
+    assert budget.limit == 486

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 from zp_client._clock import Clock
 from zp_client.budget.base import Budget, BudgetStatus
 from zp_client.calibration import server_root
-from zp_client.errors import ConfigurationError, ServerInfoError
+from zp_client.errors import BudgetUnavailable, ConfigurationError, ServerInfoError
 from zp_client.server import ServerMetrics, parse_metrics
 
 if TYPE_CHECKING:
@@ -400,7 +400,7 @@ class AdaptiveLimit:
         if self.budget.adaptive is self:
             self.budget.adaptive = None
         self.budget.remove_overload_listener(self.note_overload)
-        if self._redis and self.leader:
+        if self._redis and self.leader and not getattr(self.budget, "_closed", False):
             try:
                 await asyncio.wait_for(self.budget._adaptive("resign", self.id), 2.0)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - best effort: the lease lapses by itself
@@ -434,8 +434,11 @@ class AdaptiveLimit:
             try:
                 fleet_overloads = await self._elect()
             except Exception as exc:  # noqa: BLE001 - Redis down: keep the last limit, say so
-                self._fail("budget", f"Redis did not answer ({exc}); the limit stays as it is")
+                down = isinstance(exc, BudgetUnavailable)
+                what = "Redis did not answer" if down else "the leader lease failed"
+                self._fail("budget", f"{what} ({exc}); the limit stays as it is")
                 self.leader = False
+                self._follower_wait = self.leader_ttl_s / 3
                 return self._record(Decision(now, False, None, None, None, False,
                                              note=self._problem["budget"]))
             if not self.leader:
@@ -666,6 +669,7 @@ class AdaptiveLimit:
                 raise
             except Exception:  # noqa: BLE001 - the loop must outlive any one poll
                 logger.exception("adaptive limit %s: poll failed", self.id)
+                next_poll = now + self.poll_interval_s
             now = clock.monotonic()
             wait = next_poll - now
             if self._redis:
