@@ -496,6 +496,7 @@ def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_retu
     assert pollers["pollers"][ctl.id]["polls"] == pollers["scrapes"] == len(ctl.decisions)
 
 
+@pytest.mark.openai_compat
 def test_the_admission_core_reports_overload_answers_to_the_budget() -> None:
     import openai
     from _retry_upstream import RetryUpstream
@@ -522,6 +523,7 @@ def test_the_admission_core_reports_overload_answers_to_the_budget() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.openai_compat
 def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_traffic_is_not_bypass() -> None:
     """A limit three times the pool (a wrong calibration): the server preempts, the controller cuts the
     limit; the budget's own streams, reported as they grow, never read as bypass."""
