@@ -589,3 +589,21 @@ def test_budget_adapt_on_a_calibrated_budget_polls_its_server_over_loopback() ->
     assert list(pollers) == [ctl.id] and pollers[ctl.id]["polls"] >= 3
     assert all(d.metrics_ok and d.reason is None for d in ctl.decisions)  # an idle server: nothing to do
     assert budget.limit == 486
+
+
+def test_a_controller_on_its_own_thread_serves_a_program_without_an_event_loop() -> None:
+    srv = FakeServer()
+    budget = LocalBudget(CAL)
+    ctl = AdaptiveLimit(budget, "http://vllm.test:8000", http_client=srv.client(), poll_interval_s=0.01,
+                        cooldown_s=3600)  # no increase after the cut: the limit stays where it put it
+    ctl.start_in_thread()
+    assert budget.adaptive is ctl
+    with budget.lease_sync(10):
+        pass
+    budget.note_overload(429)  # from this thread, as the sync driver would
+    while not ctl.changes:
+        threading.Event().wait(0.01)
+    ctl.stop()
+    ctl.stop()  # idempotent
+    assert not ctl.running and budget.adaptive is None
+    assert ctl.changes[0].reason == "overload" and budget.limit == 760

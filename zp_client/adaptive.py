@@ -412,6 +412,64 @@ class AdaptiveLimit:
                 await self._http.aclose()
             self._http = None
 
+    def start_in_thread(self) -> AdaptiveLimit:
+        """Run the controller on a daemon thread with an event loop of its own, for programs without one
+        (threads calling ``acquire_sync`` / sync openai clients); returns once it started. :meth:`stop`
+        ends it. The controller's clock must not be a :class:`~zp_client._clock.LoopClock` of another
+        loop, and a RedisBudget run this way must not be used from another event loop (its async calls
+        are bound to the controller's)."""
+        if self._thread is not None:
+            return self
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def main() -> None:
+            self._stop_event = asyncio.Event()
+            try:
+                await self.start()
+            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread, which re-raises it
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            try:
+                await self._stop_event.wait()
+            finally:
+                await self.aclose()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._thread_loop = loop
+            try:
+                loop.run_until_complete(main())
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"zp-adaptive-{self.id}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self._thread.join()
+            self._thread = None
+            raise failure[0]
+        return self
+
+    def stop(self) -> None:
+        """Stop a controller started with :meth:`start_in_thread` (as :meth:`aclose`; waits for the
+        thread). Idempotent."""
+        thread, loop, event = self._thread, self._thread_loop, self._stop_event
+        if thread is None:
+            return
+        if loop is not None and event is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(event.set)
+        thread.join(timeout=30)
+        self._thread = None
+
+    _thread: threading.Thread | None = None
+    _thread_loop: asyncio.AbstractEventLoop | None = None
+    _stop_event: asyncio.Event | None = None
+
     async def __aenter__(self) -> AdaptiveLimit:
         return await self.start()
 
