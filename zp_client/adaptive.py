@@ -225,7 +225,8 @@ class AdaptiveLimit:
     logs, Redis and the poll header (default ``host:pid:random``).
 
     ``async with AdaptiveLimit(...)`` / :meth:`start` and :meth:`aclose` run it as a task on the
-    running loop; :meth:`poll_once` is one poll (tests and benchmarks drive it by hand).
+    running loop (:meth:`start_in_thread` / :meth:`stop` on a thread of its own, for programs without
+    one); :meth:`poll_once` is one poll (tests and benchmarks drive it by hand).
     """
 
     def __init__(
