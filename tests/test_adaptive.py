@@ -358,6 +358,7 @@ def test_changes_feed_metrics_and_show_in_the_budget_status() -> None:
             assert f"adaptive limit:   leader {ctl.id}; calibrated 950, floor 475" in text
             assert "last change:      950 -> 760 blocks (preemption) 0.0 s ago; 1 changes" in text
             assert "last poll:        /metrics ok; +2 preemptions, 0 overload answers, bypass 0 blocks" in text
+            assert m.registry.get_sample_value("zp_budget_limit_blocks", {"budget": "adaptive-local"}) == 760
         assert m.registry.get_sample_value(
             "zp_limit_changes_total", {"budget": "adaptive-local", "direction": "down"}) == 1
         assert all(p == ctl.id for p in srv.pollers)  # every poll says who polls

@@ -382,6 +382,8 @@ class AdaptiveLimit:
             self._own_http = True
         self.budget.adaptive = self
         self.budget.add_overload_listener(self.note_overload)
+        if self.metrics is not None:
+            self.metrics.track(self.budget)  # its limit gauge shows the changes, front end or not
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"zp-adaptive-{self.id}")
         logger.info("adaptive limit %s started on budget %s (server %s, every %g s)", self.id,
                     getattr(self.budget, "name", "?"), self.server_url, self.poll_interval_s)
