@@ -357,8 +357,10 @@ def test_changes_feed_metrics_and_show_in_the_budget_status() -> None:
             assert "budget 'adaptive-local' (in this process)" in text
             assert f"adaptive limit:   leader {ctl.id}; calibrated 950, floor 475" in text
             assert "last change:      950 -> 760 blocks (preemption) 0.0 s ago; 1 changes" in text
-            assert "last poll:        /metrics ok; +2 preemptions, 0 overload answers, bypass 0 blocks" in text
-            assert m.registry.get_sample_value("zp_budget_limit_blocks", {"budget": "adaptive-local"}) == 760
+            assert "last poll:        /metrics ok; +2 preemptions, 0 overload answers, bypass 0 blocks" \
+                in text
+            limit = m.registry.get_sample_value("zp_budget_limit_blocks", {"budget": "adaptive-local"})
+            assert limit == 760
         assert m.registry.get_sample_value(
             "zp_limit_changes_total", {"budget": "adaptive-local", "direction": "down"}) == 1
         assert all(p == ctl.id for p in srv.pollers)  # every poll says who polls
@@ -441,7 +443,7 @@ def test_bad_arguments_fail_fast() -> None:
 # ------------------------------------------------------------------------------------------ the simulator
 
 
-def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_returns_within_the_bound() -> None:
+def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_returns_in_bound() -> None:
     """Traffic sent straight to the simulator (not through the budget) holds its KV; the controller,
     polling the simulator's /metrics on the virtual clock, lowers the limit to the room that leaves and
     raises it back once that traffic ends. The simulator counts one poller, this controller."""
@@ -487,7 +489,8 @@ def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_retu
     assert min(during) == max(ctl.floor, cal - bypass_seen) == 243  # the room left, never below the floor
     assert {c.reason for c in ctl.changes} == {"bypass", "recover"}
     # every poll that saw the limit above the room the bypass left moved it down toward it, not past it
-    above = [d for d in ctl.decisions if d.limit is not None and d.ceiling is not None and d.limit > d.ceiling]
+    above = [d for d in ctl.decisions
+             if d.limit is not None and d.ceiling is not None and d.limit > d.ceiling]
     assert len(above) >= 2
     for d in above:
         assert d.new_limit is not None and d.ceiling <= d.new_limit < d.limit and d.reason == "bypass"
@@ -550,7 +553,8 @@ def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_tr
 
             async def ask(i: int) -> None:
                 stream = await client.chat.completions.create(
-                    model="sim-llama", messages=[{"role": "user", "content": f"task {i}: " + "plan it " * 60}],
+                    model="sim-llama",
+                    messages=[{"role": "user", "content": f"task {i}: " + "plan it " * 60}],
                     max_tokens=1200, stream=True, extra_body={"sim_output_tokens": 1000})
                 async for _ in stream:
                     pass
