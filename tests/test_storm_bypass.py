@@ -32,7 +32,8 @@ from zp_client.bench.workloads import SLO, ServerFacts, Session, Turn, Workload
 from zp_client.errors import ConfigurationError
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"streams": 6, "stream_out": 512, "rounds": 2, "burst": 3, "burst_prompt": 1200, "burst_max_tokens": 256}
+TINY = {"streams": 6, "stream_out": 512, "rounds": 2, "burst": 3, "burst_prompt": 1200,
+        "burst_max_tokens": 256}
 MSGS = [{"role": "user", "content": "hello"}]
 
 
@@ -49,8 +50,8 @@ def _sessions(n: int = 40, children: bool = True) -> list[Session]:
 
 
 def _cfg(**kw: Any) -> StormConfig:
-    base: dict[str, Any] = dict(workload="seed-burst", seed=0, setups=["no-admission", "zp-elastic"], profile="tiny",
-                                num_gpu_blocks=None, workload_overrides=dict(TINY))
+    base: dict[str, Any] = dict(workload="seed-burst", seed=0, setups=["no-admission", "zp-elastic"],
+                                profile="tiny", num_gpu_blocks=None, workload_overrides=dict(TINY))
     base.update(kw)
     return StormConfig(**base)
 
@@ -75,7 +76,8 @@ def test_the_selection_is_exact_deterministic_nested_and_names_the_load_generato
     # the same ids in another process with another string-hash seed (nothing depends on hash())
     code = ("import sys, json; sys.path.insert(0, {t!r}); from test_storm_bypass import _sessions; "
             "from zp_client.bench.bypass import plan_bypass; "
-            "print(json.dumps(sorted(plan_bypass(_sessions(), 0.25, seed=3).ids)))").format(t=str(ROOT / "tests"))
+            "print(json.dumps(sorted(plan_bypass(_sessions(), 0.25, seed=3).ids)))"
+            ).format(t=str(ROOT / "tests"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "999", "PYTHONPATH": str(ROOT), "PATH": ""})
     assert json.loads(out.stdout) == sorted(a.ids)
@@ -257,8 +259,8 @@ def test_the_split_counts_each_group_against_the_runs_makespan() -> None:
     recs = [_rec(i, 0.5, False) for i in range(6)] + [_rec(6, 1.0, True), _rec(7, 2.0, True),
                                                       _rec(8, 8.0, True), _rec(9, 9.0, True)]
     recs[-1].t_end = 10.0  # the makespan
-    plan = {"fraction": 0.4, "seed": 0, "selected": 4, "total": 10, "window": None, "applies_to": "zp-* setups",
-            "client": "naive's", "ids": [r.id for r in recs if r.bypass]}
+    plan = {"fraction": 0.4, "seed": 0, "selected": 4, "total": 10, "window": None,
+            "applies_to": "zp-* setups", "client": "naive's", "ids": [r.id for r in recs if r.bypass]}
     stats = {"engine": {"preemptions_total": 3, "recomputed_tokens": 10}, "requests": 10}
     late = _rec(9, 9.0, False)
     late.t_end = 10.0
