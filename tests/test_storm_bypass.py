@@ -22,7 +22,14 @@ from typing import Any
 
 import pytest
 
-from zp_client.bench.bypass import BypassPlan, parse_window, plan_bypass, request_ids
+from zp_client.bench.bypass import (
+    BypassCaller,
+    BypassPlan,
+    occurrence_keys,
+    parse_window,
+    plan_bypass,
+    request_ids,
+)
 from zp_client.bench.loadgen import LoopTimeClock, RequestRecord, run_sessions
 from zp_client.bench.report import build_report, markdown_table, print_table, storm_verdict
 from zp_client.bench.runner import SetupRun, StormConfig, run_storm
@@ -38,12 +45,17 @@ MSGS = [{"role": "user", "content": "hello"}]
 
 
 def _sessions(n: int = 40, children: bool = True) -> list[Session]:
-    """``n`` conversations of 3 turns; with ``children``, every 4th first turn spawns 2 sub-agents."""
+    """``n`` conversations of 3 turns; with ``children``, every 4th conversation's first and second turns
+    each spawn 2 sub-agents of 2 turns, named alike at both turns (``c<i>-<j>``, as the agentic workload
+    names its sub-agents: their record ids repeat)."""
     out = []
     for i in range(n):
         turns = [Turn(list(MSGS), 10, 8, 4, delay_s=0.1 * k) for k in range(3)]
         if children and i % 4 == 0:
-            turns[0].children = [Session(f"c{i}-{j}", 0.0, "subagent", [Turn(list(MSGS), 10, 8, 4)])
+            for turn in turns[:2]:
+                turn.children = [Session(f"c{i}-{j}", 0.0, "subagent",
+                                         [Turn(list(MSGS), 10, 8, 4, delay_s=0.01 * (k + j))
+                                          for k in range(2)])
                                  for j in range(2)]
         out.append(Session(f"s{i}", 0.05 * i, "agent", turns))
     return out
@@ -62,7 +74,8 @@ def _cfg(**kw: Any) -> StormConfig:
 def test_the_selection_is_exact_deterministic_nested_and_names_the_load_generators_requests() -> None:
     sessions = _sessions()
     ids = list(request_ids(sessions))
-    assert len(ids) == len(set(ids)) == 40 * 3 + 10 * 2
+    assert len(ids) == len(set(ids)) == 40 * 3 + 10 * 2 * 2 * 2
+    assert "c0-1/t1#2" in ids  # the second set of c0-1's requests
     for f in (0.0, 0.1, 0.25, 0.5, 1.0):
         plan = plan_bypass(sessions, f, seed=3)
         assert len(plan.ids) == round(f * len(ids)) and plan.total == len(ids)
@@ -82,16 +95,31 @@ def test_the_selection_is_exact_deterministic_nested_and_names_the_load_generato
                          env={"PYTHONHASHSEED": "999", "PYTHONPATH": str(ROOT), "PATH": ""})
     assert json.loads(out.stdout) == sorted(a.ids)
 
-    # the ids are exactly the ones run_sessions gives its records
-    async def replay() -> list[str]:
+    # the keys are the load generator's record ids (in submit order), and a BypassCaller sends exactly
+    # the planned requests around the budget, the second set of a repeated id apart from the first
+    plan = plan_bypass(sessions, 0.5, seed=3)
+
+    async def replay() -> tuple[list[RequestRecord], list[str]]:
+        admitted: list[str] = []
+
         async def caller(turn: Turn, rec: RequestRecord, clock: Any) -> None:
+            await clock.sleep(0.01)
             rec.t_first = clock.now()
 
-        clock = LoopTimeClock()
-        recs = await run_sessions(sessions, caller, clock, t0=clock.now())
-        return [r.id for r in recs]
+        async def counting(turn: Turn, rec: RequestRecord, clock: Any) -> None:
+            admitted.append(rec.id)
+            await caller(turn, rec, clock)
 
-    assert sorted(run_virtual(replay())) == sorted(ids)
+        clock = LoopTimeClock()
+        t0 = clock.now()
+        recs = await run_sessions(sessions, BypassCaller(counting, caller, plan, t0), clock, t0=t0)
+        return recs, admitted
+
+    recs, admitted = run_virtual(replay())
+    keys = list(occurrence_keys(r.id for r in recs))
+    assert sorted(keys) == sorted(ids)
+    assert {k for k, r in zip(keys, recs, strict=True) if r.bypass} == plan.ids
+    assert len(admitted) == len(ids) - len(plan.ids)
 
 
 def test_the_window_and_bad_arguments() -> None:

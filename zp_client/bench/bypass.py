@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ __all__ = [
     "BypassCaller",
     "BypassPlan",
     "bypass_applies",
+    "occurrence_keys",
     "open_bypass",
     "parse_window",
     "plan_bypass",
@@ -52,13 +53,29 @@ def bypass_applies(setup: str) -> bool:
     return setup.startswith("zp-")
 
 
-def request_ids(sessions: list[Session]) -> Iterator[str]:
-    """Every logical request id of a workload, as :func:`~zp_client.bench.loadgen.run_sessions` names
-    them (``<session id>/t<k>``), sub-agent sessions included, in a fixed order."""
+def _tree_ids(sessions: list[Session]) -> Iterator[str]:
     for s in sessions:
         for k, turn in enumerate(s.turns):
             yield f"{s.id}/t{k}"
-            yield from request_ids(turn.children)
+            yield from _tree_ids(turn.children)
+
+
+def occurrence_keys(ids: Iterable[str]) -> Iterator[str]:
+    """One key per request: its id, or ``<id>#<n>`` for the n-th (n >= 2) request of that id. Record ids
+    can repeat: an agentic conversation that spawns sub-agents at two turns names both sets
+    ``<conv>.sub<j>``; the later set always runs after the earlier one ended (a turn's sub-agents finish
+    before the next turn), so the n-th occurrence is the same request in every setup."""
+    seen: dict[str, int] = {}
+    for rid in ids:
+        n = seen[rid] = seen.get(rid, 0) + 1
+        yield rid if n == 1 else f"{rid}#{n}"
+
+
+def request_ids(sessions: list[Session]) -> Iterator[str]:
+    """A key for every logical request of a workload: the id :func:`~zp_client.bench.loadgen.run_sessions`
+    gives its record (``<session id>/t<k>``), made unique by :func:`occurrence_keys`, sub-agent sessions
+    included, in a fixed order (a conversation's requests in the order it sends them)."""
+    return occurrence_keys(_tree_ids(sessions))
 
 
 def _rank(seed: int, rid: str) -> bytes:
@@ -67,8 +84,8 @@ def _rank(seed: int, rid: str) -> bytes:
 
 @dataclass(frozen=True)
 class BypassPlan:
-    """Which requests bypass zp (``ids``), and when (``window``: ``[start, end)`` virtual seconds of the
-    run, or None: the whole run)."""
+    """Which requests bypass zp (``ids``: keys of :func:`request_ids`), and when (``window``: ``[start,
+    end)`` virtual seconds of the run, or None: the whole run)."""
 
     fraction: float
     seed: int
@@ -78,7 +95,8 @@ class BypassPlan:
     window: tuple[float, float] | None = None
 
     def active(self, rid: str, t_rel: float | None) -> bool:
-        """Whether request ``rid``, submitted ``t_rel`` virtual seconds after the run's start, bypasses."""
+        """Whether request ``rid`` (a key of :func:`request_ids`), submitted ``t_rel`` virtual seconds
+        after the run's start, bypasses."""
         if rid not in self.ids:
             return False
         if self.window is None:
@@ -101,7 +119,7 @@ def plan_bypass(sessions: list[Session], fraction: float, seed: int,
     requests of a smaller fraction also bypass at a larger one (same seed)."""
     if not 0.0 <= fraction <= 1.0 or math.isnan(fraction):
         raise ConfigurationError(f"--bypass takes a fraction in [0, 1], got {fraction!r}")
-    ids = list(dict.fromkeys(request_ids(sessions)))
+    ids = list(request_ids(sessions))
     k = round(fraction * len(ids))
     chosen = sorted(ids, key=lambda rid: _rank(seed, rid))[:k]
     return BypassPlan(float(fraction), int(seed), frozenset(chosen), len(ids), window)
@@ -140,10 +158,12 @@ class BypassCaller:
         self.t0 = t0
         self.sent = 0
         """Requests sent around the budget so far."""
+        self._seen: dict[str, int] = {}
 
     async def __call__(self, turn: Turn, rec: RequestRecord, clock: VirtualClock) -> None:
         t_rel = None if rec.t_submit is None else rec.t_submit - self.t0
-        if self.plan.active(rec.id, t_rel):
+        n = self._seen[rec.id] = self._seen.get(rec.id, 0) + 1  # the key of occurrence_keys
+        if self.plan.active(rec.id if n == 1 else f"{rec.id}#{n}", t_rel):
             rec.bypass = True
             self.sent += 1
             await self.bypass(turn, rec, clock)

@@ -72,11 +72,15 @@ def bypass_selector(run: SetupRun) -> Callable[[RequestRecord], bool] | None:
         return None
     if b.get("applies"):
         return lambda r: r.bypass
+    from zp_client.bench.bypass import occurrence_keys
+
     ids = frozenset(b.get("ids") or ())
     window = b.get("window")
+    # records are in submit order, so a repeated id's n-th record is its n-th request, as in the plan
+    keys = dict(zip(map(id, run.records), occurrence_keys(r.id for r in run.records), strict=True))
 
     def selected(r: RequestRecord) -> bool:
-        if r.id not in ids:
+        if keys.get(id(r)) not in ids:
             return False
         if window is None:
             return True
