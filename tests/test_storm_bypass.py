@@ -465,3 +465,16 @@ def test_zp_adaptive_with_the_real_module() -> None:
     run = runs[1]
     assert run.limit_timeline is not None and run.limit_timeline[0] == (0.0, run.limit_blocks)
     assert all(r.ok for r in run.records)
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_zp_redis_workers_bypass_the_same_requests(redis_url: str) -> None:
+    cfg = _cfg(setups=["no-admission", "zp-redis"], redis_url=redis_url, seed=1, speedup=4.0, workers=2,
+               clock="real", bypass=0.4)
+    wl, _, runs = run_storm(cfg)
+    run = runs[1]
+    plan = plan_bypass(wl.sessions, 0.4, seed=1)
+    assert {r.id for r in run.records if r.bypass} == plan.ids  # split over two worker processes
+    assert all(r.ok for r in run.records)
+    assert {s["id"] for s in run.server_stats["requests"]} == {f"chatcmpl-{r.id}" for r in run.records}
