@@ -591,8 +591,8 @@ def bypass_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]] | N
     without ``--bypass``. Setups the bypass does not apply to show the same requests, marked ``(ref)``."""
     if not report.get("bypass"):
         return None
-    head = ["setup", "bypassed"] + [f"admitted {h}" for h, _, _ in _BYPASS_COLUMNS] + [
-        f"bypass {h}" for h, _, _ in _BYPASS_COLUMNS]
+    head = ["setup", "bypassed"] + [f"adm {h}" for h, _, _ in _BYPASS_COLUMNS] + [
+        f"byp {h}" for h, _, _ in _BYPASS_COLUMNS]
     rows = []
     for m in report["setups"]:
         split = m.get("bypass")
@@ -617,7 +617,7 @@ def bypass_lines(report: dict[str, Any]) -> list[str]:
     return [f"bypass: {b['fraction']:.0%} of the logical requests ({b['selected']} of {b['total']}, chosen "
             f"from seed {b['seed']}) sent by {', '.join(b['setups']) or 'no setup'} straight to the server, "
             f"unadmitted, during {when}; client: {b['client']}",
-            "admitted = the rest; goodput per virtual second of the whole run's makespan (the two add up to "
+            "adm = admitted (the rest), byp = bypass; goodput per virtual second of the whole run's makespan (the two add up to "
             "the setup's); setups marked (ref) have no budget to go around: their columns split the same "
             "requests for comparison"]
 
