@@ -101,8 +101,13 @@ class AdaptiveCaller(AppCaller):
 
     @property
     def limit_timeline(self) -> list[tuple[float, int]]:
-        """``(t, limit)``: the limit when the controller started, then every change it made (``t`` on the
-        budget's clock, as the controller's ``changes[i].at``)."""
+        """``(t, limit)``: the controller's own ``limit_timeline()`` where it has one, else the limit when
+        it started, then every change it made (``t`` on the budget's clock, as ``changes[i].at``)."""
+        own = getattr(self.controller, "limit_timeline", None)
+        if callable(own):
+            tl = [(float(t), int(lim)) for t, lim in own()]
+            if tl:
+                return tl
         out = [self._start]
         out += [(float(c.at), int(c.new)) for c in getattr(self.controller, "changes", [])]
         return out

@@ -617,9 +617,9 @@ def bypass_lines(report: dict[str, Any]) -> list[str]:
     return [f"bypass: {b['fraction']:.0%} of the logical requests ({b['selected']} of {b['total']}, chosen "
             f"from seed {b['seed']}) sent by {', '.join(b['setups']) or 'no setup'} straight to the server, "
             f"unadmitted, during {when}; client: {b['client']}",
-            "adm = admitted (the rest), byp = bypass; goodput per virtual second of the whole run's makespan (the two add up to "
-            "the setup's); setups marked (ref) have no budget to go around: their columns split the same "
-            "requests for comparison"]
+            "adm = admitted (the rest), byp = bypass; goodput per virtual second of the whole run's "
+            "makespan (the two add up to the setup's); setups marked (ref) have no budget to go around: "
+            "their columns split the same requests for comparison"]
 
 
 def markdown_table(report: dict[str, Any]) -> str:
