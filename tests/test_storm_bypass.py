@@ -38,6 +38,8 @@ from zp_client.bench.vloop import run_virtual
 from zp_client.bench.workloads import SLO, ServerFacts, Session, Turn, Workload
 from zp_client.errors import ConfigurationError
 
+pytestmark = pytest.mark.openai_compat
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"streams": 6, "stream_out": 512, "rounds": 2, "burst": 3, "burst_prompt": 1200,
         "burst_max_tokens": 256}
@@ -284,6 +286,7 @@ def _rec(i: int, ttft: float, bypass: bool) -> RequestRecord:
 def test_the_split_counts_each_group_against_the_runs_makespan() -> None:
     """Hand-made records: 6 admitted within the SLO, 4 bypass of which 2 miss its TTFT (8 s): each group's
     goodput is its good requests over the run's makespan (10 s), its TTFT p99 its own tail."""
+    pytest.importorskip("rich")
     recs = [_rec(i, 0.5, False) for i in range(6)] + [_rec(6, 1.0, True), _rec(7, 2.0, True),
                                                       _rec(8, 8.0, True), _rec(9, 9.0, True)]
     recs[-1].t_end = 10.0  # the makespan
@@ -401,6 +404,7 @@ def test_zp_adaptive_wires_the_controller_to_the_runs_server_and_clock_and_repor
     """Where zp_client.adaptive is absent a stand-in with its agreed API takes its place: the factory gives
     it the elastic budget, the calibrated limit, the run's server over the in-memory transport and the
     budget's (virtual) clock; the report carries its limit trajectory, and limit.png draws it."""
+    pytest.importorskip("matplotlib")
     if not _adaptive_present():
         module = types.ModuleType("zp_client.adaptive")
         module.__spec__ = importlib.machinery.ModuleSpec("zp_client.adaptive", None)
@@ -438,6 +442,7 @@ def test_zp_adaptive_wires_the_controller_to_the_runs_server_and_clock_and_repor
 
 
 def test_the_limit_figure_draws_each_setups_trajectory(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
     from zp_client.bench import figures
 
     report = {"workload": {"name": "agentic", "seed": 0}, "server": {"num_gpu_blocks": 2049},
