@@ -378,8 +378,9 @@ def limit_figure(report: dict[str, Any]) -> Any:
         end = window[1] if window[1] is not None else t_end
         ax.axvspan(window[0], min(end, t_end), color="0.85", alpha=0.6, lw=0, label="bypass window")
     elif report.get("bypass"):
-        ax.text(0.01, 0.02, f"bypass {report['bypass']['fraction']:.0%} of the requests, the whole run",
-                transform=ax.transAxes, fontsize=8)
+        ax.text(0.99, 0.98, f"bypass {report['bypass']['fraction']:.0%} of the requests, the whole run",
+                transform=ax.transAxes, fontsize=8, ha="right", va="top",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.85})
     if math.isfinite(lo):
         pad = max(1.0, 0.05 * (hi - lo))
         ax.set_ylim(max(0.0, lo - pad), hi + pad)
@@ -387,7 +388,7 @@ def limit_figure(report: dict[str, Any]) -> Any:
     ax.set_xlabel("virtual seconds since the run's start", fontsize=9)
     ax.set_ylabel("budget limit, KV blocks", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left", framealpha=0.9)
+    ax.legend(fontsize=8, loc="best", framealpha=0.9)
     fig.suptitle(f"zp budget limit over time: {w.get('name', '?')} (seed {w.get('seed', '?')})", fontsize=12,
                  fontweight="bold", x=0.09, ha="left")
     return fig
