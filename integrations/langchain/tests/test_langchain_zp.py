@@ -438,7 +438,8 @@ def check_reports(seen: Seen, collector: RunCollectorCallbackHandler, held: floa
 
 
 @pytest.mark.parametrize("mode", ["invoke", "ainvoke", "stream", "astream", "invoke-streaming"])
-async def test_a_calls_queue_wait_reaches_callbacks_and_the_recorded_run(server: SimServer, mode: str) -> None:
+async def test_a_calls_queue_wait_reaches_callbacks_and_the_recorded_run(server: SimServer,
+                                                                        mode: str) -> None:
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
     llm = chat(server, budget, streaming=mode == "invoke-streaming")
     seen, collector = Seen(), RunCollectorCallbackHandler()
@@ -486,7 +487,8 @@ async def test_the_completions_llm_reports_its_queue_wait(server: SimServer, mod
     config: Any = {"callbacks": [seen, collector]}
 
     async def astream() -> str:
-        return "".join([t async for t in llm.astream("Once upon", config, extra_body={"sim_output_tokens": 6})])
+        chunks = [t async for t in llm.astream("Once upon", config, extra_body={"sim_output_tokens": 6})]
+        return "".join(chunks)
 
     blocker = await budget.acquire(ONE_CALL_LIMIT)
     if mode == "invoke":
