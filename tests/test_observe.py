@@ -26,7 +26,7 @@ from zp_client.sim.server import SimServer
 pytestmark = [pytest.mark.anyio, pytest.mark.openai_compat]
 
 SETTINGS = Settings(estimator="heuristic")
-HOLD_S = 0.25
+HOLD_S = 0.5
 LIMIT = 16  # one call's bound is ceil((~10 prompt + 64 max_tokens) / 16) = 5 blocks
 
 

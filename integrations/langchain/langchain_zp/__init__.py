@@ -245,6 +245,16 @@ def _annotate(generation: Generation, summary: dict[str, Any]) -> None:
         message.response_metadata = {**message.response_metadata, ADMISSION_KEY: summary}
 
 
+def _forget_admission(result: ChatResult) -> None:
+    """Drop an admission summary a cached answer replays (it was the cached call's, not this one's)."""
+    for g in result.generations:
+        if g.generation_info and ADMISSION_KEY in g.generation_info:
+            g.generation_info = {k: v for k, v in g.generation_info.items() if k != ADMISSION_KEY}
+        if ADMISSION_KEY in g.message.response_metadata:
+            g.message.response_metadata = {k: v for k, v in g.message.response_metadata.items()
+                                           if k != ADMISSION_KEY}
+
+
 def _annotate_result(result: ChatResult | LLMResult, records: list[AdmissionInfo]) -> None:
     summary = summarize_admissions(records)
     if isinstance(result, LLMResult):
@@ -460,18 +470,27 @@ class ZPChatOpenAI(ChatOpenAI):
                              **kwargs: Any) -> ChatResult:
         token = _run_target.set(_Target.of(run_manager))
         try:
-            return super()._generate_with_cache(messages, stop=stop, run_manager=run_manager, **kwargs)
+            with observe_admissions() as seen:
+                result = super()._generate_with_cache(messages, stop=stop, run_manager=run_manager, **kwargs)
         finally:
             _run_target.reset(token)
+        if not seen:  # answered from LangChain's cache: not this call's admission
+            _forget_admission(result)
+        return result
 
     async def _agenerate_with_cache(self, messages: list[BaseMessage], stop: list[str] | None = None,
                                     run_manager: AsyncCallbackManagerForLLMRun | None = None,
                                     **kwargs: Any) -> ChatResult:
         token = _run_target.set(_Target.of(run_manager))
         try:
-            return await super()._agenerate_with_cache(messages, stop=stop, run_manager=run_manager, **kwargs)
+            with observe_admissions() as seen:
+                result = await super()._agenerate_with_cache(messages, stop=stop, run_manager=run_manager,
+                                                             **kwargs)
         finally:
             _run_target.reset(token)
+        if not seen:
+            _forget_admission(result)
+        return result
 
 
 class ZPOpenAI(OpenAI):

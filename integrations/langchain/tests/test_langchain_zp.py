@@ -25,6 +25,7 @@ pytest.importorskip("langchain_zp", reason="not installed: pip install -e integr
 
 from _budget_probes import granted, overlapped, wait_until, waiters
 from _retry_upstream import RetryUpstream
+from langchain_core.caches import InMemoryCache
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables import ConfigurableField
 from langchain_core.tools import tool
@@ -386,7 +387,7 @@ def test_zp_retry_false_sends_one_attempt(flaky: RetryUpstream) -> None:
 # on_custom_event, and the run's output as a tracer records it (RunCollectorCallbackHandler is a BaseTracer,
 # as LangSmith's LangChainTracer is: run.outputs is on_llm_end's LLMResult).
 
-HOLD_S = 0.25
+HOLD_S = 0.5
 
 
 class Seen(BaseCallbackHandler):
@@ -481,8 +482,11 @@ async def test_a_calls_queue_wait_reaches_callbacks_and_the_recorded_run(server:
 @pytest.mark.parametrize("mode", ["invoke", "astream"])
 async def test_the_completions_llm_reports_its_queue_wait(server: SimServer, mode: str) -> None:
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
+    # its own async pool, closed on this test's loop (openai's default one closes itself when collected,
+    # on whatever loop runs then: a later test's)
+    http = openai.DefaultAsyncHttpxClient()
     llm = ZPOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", budget=budget,
-                   zp_settings=SETTINGS, max_tokens=16)
+                   zp_settings=SETTINGS, max_tokens=16, http_async_client=http)
     seen, collector = Seen(), RunCollectorCallbackHandler()
     config: Any = {"callbacks": [seen, collector]}
 
@@ -498,6 +502,7 @@ async def test_the_completions_llm_reports_its_queue_wait(server: SimServer, mod
         call = asyncio.ensure_future(astream())
     held = await hold_then_release(budget, blocker)
     assert await call
+    await http.aclose()
     check_reports(seen, collector, held, chat_model=False)
     if mode == "invoke":  # the LLM's llm_output carries it too
         [run] = collector.traced_runs
@@ -527,3 +532,14 @@ def test_no_admission_no_report_and_admit_langchain_copies_are_observable(server
     with observe_admissions() as records:
         admitted.invoke("hi", extra_body={"sim_output_tokens": 4})
     assert len(records) == 1 and records[0].leased_blocks > 0
+
+
+def test_an_answer_from_langchains_cache_reports_no_admission(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400, policy="strict")
+    llm = chat(server, budget, cache=InMemoryCache())
+    first = llm.invoke("cache me", extra_body={"sim_output_tokens": 4})
+    assert first.response_metadata[ADMISSION_KEY]["leases"] == 1
+    seen = Seen()
+    again = llm.invoke("cache me", {"callbacks": [seen]}, extra_body={"sim_output_tokens": 4})
+    assert again.content == first.content and granted(budget) == 1  # served by the cache, not admitted
+    assert ADMISSION_KEY not in again.response_metadata and seen.events == []
