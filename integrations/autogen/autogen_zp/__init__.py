@@ -108,7 +108,8 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
     ``zp_forecaster``, and ``zp_priority`` / ``zp_deadline`` / ``zp_route`` (default ``X-ZP-*`` headers;
     per call ``extra_create_args={"extra_headers": {...}}`` overrides them), ``zp_metrics`` (a
     :class:`~zp_client.ZPMetrics` recording every call's admission). ``max_retries`` defaults to 0.
-    Load a dumped component admitted with :meth:`from_component`.
+    Load a dumped component admitted with :meth:`from_component`. Every lease grant of a call is logged
+    as a :class:`ZPAdmissionEvent` on autogen_core's ``EVENT_LOGGER_NAME`` logger.
     """
 
     def __init__(

@@ -406,6 +406,9 @@ class ZPChatOpenAI(ChatOpenAI):
     ``zp_forecaster`` (elastic budgets), ``zp_priority`` (lower = earlier), ``zp_deadline`` (seconds for
     queueing plus every attempt), ``zp_route`` (the forecaster's key) and ``zp_metrics`` (a
     :class:`~zp_client.ZPMetrics` recording every call's admission). ``max_retries`` defaults to 0.
+
+    Every call reports its admission: a ``"zp_admission"`` custom event per lease grant to the run's
+    callbacks, and ``response_metadata["zp_admission"]`` / ``generation_info`` (see the module doc).
     """
 
     budget: Budget = Field(exclude=True)
@@ -494,8 +497,8 @@ class ZPChatOpenAI(ChatOpenAI):
 
 
 class ZPOpenAI(OpenAI):
-    """``langchain_openai.OpenAI`` (the completions LLM) admitted on ``budget``; fields as in
-    :class:`ZPChatOpenAI`."""
+    """``langchain_openai.OpenAI`` (the completions LLM) admitted on ``budget``; fields and admission
+    reports as in :class:`ZPChatOpenAI` (the summary also in the result's ``llm_output``)."""
 
     budget: Budget = Field(exclude=True)
     zp_settings: Settings | None = Field(default=None, exclude=True)
@@ -563,7 +566,9 @@ def admit_langchain(
     admission transport; ``priority`` / ``deadline`` / ``route`` become default zp headers; ``metrics`` (a
     :class:`~zp_client.ZPMetrics`) records every call's admission. The copy's
     ``max_retries`` is ``max_retries`` (default 0, leaving retries to zp). ``model`` is not modified and
-    shares its connection pool with the copy.
+    shares its connection pool with the copy. The copy is of ``model``'s own class, so it does not report
+    its admissions in callbacks or metadata as :class:`ZPChatOpenAI` does; wrap its calls in
+    :func:`zp_client.observe_admissions` to see them.
     """
     if not isinstance(model, (BaseChatOpenAI, BaseOpenAI)):
         raise ConfigurationError(
