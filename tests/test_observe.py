@@ -9,6 +9,7 @@ cannot be shorter: the call asked before the hold's end) and exceed it by less t
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -190,17 +191,36 @@ async def test_without_an_observer_no_record_is_made(sim: SimServer, aclient: An
     assert len(seen) == 1
 
 
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 async def test_a_raising_callback_never_breaks_the_call(sim: SimServer, aclient: Any,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     zp = wrap(aclient, LocalBudget(limit_blocks=400), settings=SETTINGS)
+    log, records = logging.getLogger("zp_client.transport"), Records()
+    # on the logger itself: another test's logging.config (uvicorn's) may have disabled existing loggers
+    monkeypatch.setattr(log, "disabled", False)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    log.addHandler(records)
 
     def boom(info: AdmissionInfo) -> None:
         raise RuntimeError("observer bug")
 
-    with observe_admissions(boom) as seen:
-        reply = await zp.chat.completions.create(**ask(sim.model))
+    try:
+        with observe_admissions(boom) as seen:
+            reply = await zp.chat.completions.create(**ask(sim.model))
+    finally:
+        log.removeHandler(records)
+        log.setLevel(level)
     assert reply.choices and len(seen) == 1
-    assert "observe_admissions() callback raised" in caplog.text
+    assert any("observe_admissions() callback raised" in m for m in records.messages)
 
 
 def test_summarize_needs_a_record_and_exports_are_public() -> None:
