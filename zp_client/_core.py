@@ -24,6 +24,9 @@ from zp_client._sse import BadEvent, Reassembler, Scanner, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
+from zp_client.observe import AdmissionInfo
+from zp_client.observe import active as active_observers
+from zp_client.observe import notify as notify_observers
 
 if TYPE_CHECKING:
     from zp_client._httplib import HttpLib
@@ -624,12 +627,15 @@ class Core:
         m = self.metrics
         while True:
             timeout = self.check_deadline(plan, attempt)
-            asked = self.clock.monotonic() if m is not None else 0.0
+            observers = active_observers()  # () unless the caller is inside observe_admissions()
+            asked = self.clock.monotonic() if m is not None or observers else 0.0
             lease = yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held, plan.meta)
             holder = Holder(lease, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock,
                             metrics=m)
             if m is not None:
                 m.waited(plan.priority, holder.granted_at - asked)
+            if observers:
+                self._notify(observers, plan, lease, holder.granted_at - asked, attempt)
             ticket = lease.ticket
             if state is not None:
                 state.ticket = ticket
@@ -683,6 +689,22 @@ class Core:
                 yield Close(resp, shield=True)
                 yield Release(holder)
                 raise
+
+    def _notify(self, observers: tuple[Any, ...], plan: Plan, lease: Lease, waited: float,
+                attempt: int) -> None:
+        """One :class:`~zp_client.observe.AdmissionInfo` for this grant, to the caller's observers."""
+        info = AdmissionInfo(
+            queue_wait_s=max(0.0, waited),
+            leased_blocks=int(getattr(lease, "bound", plan.blocks)),
+            held_blocks=plan.held,
+            priority=plan.priority,
+            attempt=attempt + 1,
+            budget=getattr(self.budget, "name", None),
+            policy=self.budget.policy_name,
+            route=plan.route,
+            lease_id=str(getattr(lease, "id", "")),
+        )
+        notify_observers(observers, info)
 
     def _deliver(self, plan: Plan, resp: Any, holder: Holder, is_async: bool) -> Steps:
         """The response handed to the caller: its body streams through a scanner that owns the lease."""
