@@ -59,6 +59,8 @@ class SetupSpec:
     needs_redis: bool = False
     workers: int = 1
     description: str = ""
+    optional: bool = False
+    """Runs only when named in ``--setups`` (a measurement variant, not part of the default storm)."""
 
 
 SETUPS: dict[str, SetupSpec] = {
@@ -84,7 +86,7 @@ def parse_setups(text: str | None, redis_url: str | None) -> list[str]:
     """The setups to run, in canonical order; ``no-admission`` is always included (it is the
     denominator and ``rate-limited`` needs its measured rate). Unknown names raise ConfigurationError."""
     if not text:
-        names = [n for n, sp in SETUPS.items() if redis_url or not sp.needs_redis]
+        names = [n for n, sp in SETUPS.items() if (redis_url or not sp.needs_redis) and not sp.optional]
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in SETUPS]
@@ -239,7 +241,7 @@ def register_setup(spec: SetupSpec, factory: SetupFactory, *, after: str | None 
     _FACTORIES[spec.name] = factory
     global ALL_SETUPS, DEFAULT_SETUPS
     ALL_SETUPS = tuple(SETUPS)
-    DEFAULT_SETUPS = tuple(n for n, sp in SETUPS.items() if not sp.needs_redis)
+    DEFAULT_SETUPS = tuple(n for n, sp in SETUPS.items() if not sp.needs_redis and not sp.optional)
 
 
 def openai_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **kwargs: Any) -> Any:
