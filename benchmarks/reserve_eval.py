@@ -101,7 +101,8 @@ def report(rows: list[dict[str, Any]]) -> str:
                 p99s.append(b)
                 gps.append(g)
                 valid = "" if r.get("valid", True) else " (INVALID)"
-                out.append(f"| {lab}{valid} | {r['seed']} | {r['preemptions']} | {_f(r['kv_usage_max'], '{:.2f}')} | "
+                kv = _f(r["kv_usage_max"], "{:.2f}")
+                out.append(f"| {lab}{valid} | {r['seed']} | {r['preemptions']} | {kv} | "
                            f"{_f(m)}x | {_f(r['ttft_p50'], '{:.2f}')} ({_f(a, '{:.2f}')}x) | "
                            f"{_f(r['ttft_p99'], '{:.2f}')} ({_f(b, '{:.2f}')}x) | {_f(g)}x |")
 
@@ -110,9 +111,10 @@ def report(rows: list[dict[str, Any]]) -> str:
                 return statistics.median(v) if v else None
 
             pre = [r["preemptions"] for r in rs]
+            hit = sum(1 for p in pre if p)
             summary.append(f"| {lab} | {len(rs)} | {statistics.median(pre):g} ({max(pre)}) | "
-                           f"{sum(1 for p in pre if p)}/{len(rs)} | {_f(med(ms))}x | {_f(med(p50s), '{:.2f}')}x | "
-                           f"{_f(med(p99s), '{:.2f}')}x | {_f(med(gps))}x |")
+                           f"{hit}/{len(rs)} | {_f(med(ms))}x | {_f(med(p50s), '{:.2f}')}x | {_f(med(p99s), '{:.2f}')}x | "
+                           f"{_f(med(gps))}x |")
         out.append("\n| setup | seeds | preempt med (max) | runs that preempted | makespan / no-adm | "
                    "TTFT p50 / no-adm | TTFT p99 / no-adm | goodput / no-adm |")
         out.append("|---|---|---|---|---|---|---|---|")
@@ -128,7 +130,8 @@ def main() -> int:
     ap.add_argument("--baselines", nargs="*", default=list(BASELINES))
     ap.add_argument("--zs", nargs="*", type=float, default=[],
                     help="zp-elastic-ureserve runs at these reserve_z (default: its own default)")
-    ap.add_argument("--headroom", type=float, default=None, help="zp-elastic-ureserve's headroom (default 1.0)")
+    ap.add_argument("--headroom", type=float, default=None,
+                    help="zp-elastic-ureserve's headroom (default 1.0)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default="reserve_eval.jsonl")
     ap.add_argument("--report-only", action="store_true")

@@ -78,6 +78,8 @@ async def test_elastic_stream_sends_meta_and_progress(mod: Any, server: Loopback
             meta0 = live_meta(budget)
             assert meta0["streaming"] is True
             assert 3 <= meta0["forecast_tokens"] <= 10  # the forecaster's q=0.9 for "slow"
+            # The upper forecast (what a spread-sized reserve reads): the forecaster's q_spread quantile.
+            assert meta0["forecast_hi"] == max(meta0["forecast_tokens"], fc.spread("slow", max_tokens=2000))
             assert meta0["prompt_tokens"] > 200 and meta0["first_token"] is True
             # The preamble's full blocks, from the estimator's lower bound: positive, below the prompt.
             assert meta0["prefix_key"] and 0 < meta0["prefix_blocks"] * 16 <= meta0["prompt_tokens"]
@@ -93,6 +95,7 @@ async def test_elastic_stream_sends_meta_and_progress(mod: Any, server: Loopback
             assert m["tokens"] >= m["prompt_tokens"] + 80
             assert held == -(-m["tokens"] // 16)
             assert m["forecast_tokens"] > m["tokens"] - m["prompt_tokens"] > meta0["forecast_tokens"]
+            assert m["forecast_hi"] >= m["forecast_tokens"] and m["forecast_hi"] > meta0["forecast_hi"]
     assert (await budget.status()).used == 0
     sent = server.llm_requests()[-1]
     assert "x-zp-route" not in sent["headers"]

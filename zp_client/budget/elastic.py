@@ -415,8 +415,15 @@ class ElasticPolicy:
     def exhausted(self, view: LedgerView) -> bool:
         # Adding a candidate never lowers the projected peak (every term is non-negative), so once the
         # live leases alone project above the limit nobody fits.
-        # The reserve never shrinks when a lease is added either (a sum of squares).
-        return self._prepare(view).peak() + self.reserve(view) > view.limit
+        if self._prepare(view).peak() > view.limit:
+            return True
+        if self.reserve_z <= 0:
+            return False
+        # With a reserve (which never shrinks when a lease is added either: a sum of squares) fits' slow
+        # path refuses everyone; its fast path, which ignores the reserve, needs the bounds of the live
+        # leases and of the smallest candidate (1 block, no excess) to fit.
+        return (self._prepare(view).peak() + self.reserve(view) > view.limit
+                and view.bound_sum + len(view.leases) + 2 + self._excess(view) > view.limit)
 
     def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
         meta = candidate.meta

@@ -1,0 +1,162 @@
+"""The elastic policy's spread-sized reserve (``ElasticPolicy(reserve_z=...)``): the per-lease spread,
+the quadrature sum, and admission against a brute force (projected peak stepped through every instant)."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zp_client.budget.elastic import (
+    ElasticPolicy,
+    _terms_for,
+    brute_force_peak,
+    excess_blocks,
+    spread_blocks,
+    spread_reserve,
+)
+from zp_client.budget.ledger import Ledger, WaiterRecord
+from zp_client.errors import ConfigurationError
+
+BS = 16
+
+
+def test_spread_is_the_blocks_between_the_forecast_end_and_the_upper_forecast() -> None:
+    meta = {"prompt_tokens": 100, "forecast_tokens": 60, "forecast_hi": 300, "streaming": True}
+    # forecast end 160 tokens = 10 blocks; upper end 400 tokens = 25 blocks.
+    assert spread_blocks(held=7, bound=100, block_size=BS, meta=meta) == 15
+    # Both ends are capped at the lease's cap (its bound here: 20 blocks = 320 tokens).
+    assert spread_blocks(held=7, bound=20, block_size=BS, meta=meta) == 10
+    # An upper forecast below the forecast counts as none.
+    assert spread_blocks(held=7, bound=100, block_size=BS, meta={**meta, "forecast_hi": 10}) == 0
+
+
+def test_leases_that_carry_no_spread_count_zero() -> None:
+    base = {"prompt_tokens": 100, "forecast_tokens": 60, "forecast_hi": 300}
+    assert spread_blocks(held=7, bound=100, block_size=BS, meta={}) == 0  # at its bound for life
+    assert spread_blocks(held=7, bound=100, block_size=BS, meta={**base, "streaming": False}) == 0
+    assert spread_blocks(held=7, bound=100, block_size=BS,
+                         meta={"prompt_tokens": 100, "forecast_tokens": 60}) == 0  # no forecast_hi
+    # Outgrew its forecast: the projection already runs it to its cap.
+    assert spread_blocks(held=11, bound=100, block_size=BS, meta={**base, "tokens": 170}) == 0
+    # A candidate is read at its prompt: a stale ``tokens`` is ignored.
+    stale = {**base, "tokens": 170}
+    assert spread_blocks(held=11, bound=100, block_size=BS, meta=stale, candidate=True) == 15
+
+
+def _brute_reserve(sum_sq: int, z: float) -> int:
+    """The smallest integer r >= z * sqrt(sum_sq), by search (z taken in thousandths, as the policy does)."""
+    zf = Fraction(round(z * 1000), 1000)
+    r = 0
+    while Fraction(r * r) < zf * zf * sum_sq:
+        r += 1
+    return r
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 5000), st.floats(0, 4, allow_nan=False))
+def test_reserve_is_ceil_z_sqrt_sum_of_squares(sum_sq: int, z: float) -> None:
+    assert spread_reserve(sum_sq, z) == _brute_reserve(sum_sq, z)
+
+
+def test_reserve_adds_spreads_in_quadrature() -> None:
+    # Independent errors: four leases of spread 3 need 2 x 3 = 6 blocks at z=1, not 12.
+    assert spread_reserve(4 * 9, 1.0) == 6
+    assert spread_reserve(4 * 9, 1.5) == 9
+    assert spread_reserve(4 * 9, 0.0) == 0
+
+
+def test_reserve_z_is_validated() -> None:
+    for bad in (-1, math.inf, math.nan, True, "1"):
+        with pytest.raises(ConfigurationError):
+            ElasticPolicy(BS, reserve_z=bad)  # type: ignore[arg-type]
+    assert "reserve_z=0.5" in repr(ElasticPolicy(BS, reserve_z=0.5))
+    assert repr(ElasticPolicy(BS)) == "ElasticPolicy(block_size=16)"
+
+
+def test_the_reserve_keeps_blocks_free_that_the_flat_rule_would_lease() -> None:
+    # a: 20 blocks, forecast 160 tokens more (peak 30), upper forecast 480 more (spread 20 blocks).
+    a = {"prompt_tokens": 320, "forecast_tokens": 160, "forecast_hi": 480}
+    b = {"prompt_tokens": 320, "forecast_tokens": 160, "forecast_hi": 160}  # no spread
+    for z, admitted in ((0.0, ["a", "b"]), (1.0, ["a"])):
+        led = Ledger(limit=70, policy=ElasticPolicy(BS, reserve_z=z))
+        led.enqueue("a", bound=60, held=20, priority=0, now=0, meta=a)
+        led.enqueue("b", bound=60, held=20, priority=0, now=0, meta=b)
+        # bounds 120 > 70: no fast path. Peak together 60; the reserve (z=1) 20 more: 80 > 70.
+        assert led.grant(0) == admitted
+    led = Ledger(limit=80, policy=ElasticPolicy(BS, reserve_z=1.0))
+    led.enqueue("a", bound=60, held=20, priority=0, now=0, meta=a)
+    led.enqueue("b", bound=60, held=20, priority=0, now=0, meta=b)
+    assert led.grant(0) == ["a", "b"]
+
+
+def test_bounds_that_fit_need_no_reserve() -> None:
+    # The fast path: bounds are what no forecast error can exceed, so they fit without the reserve.
+    led = Ledger(limit=130, policy=ElasticPolicy(BS, reserve_z=5.0))
+    for i in "ab":
+        led.enqueue(i, bound=60, held=20, priority=0, now=0,
+                    meta={"prompt_tokens": 320, "forecast_tokens": 16, "forecast_hi": 640})
+    assert led.grant(0) == ["a", "b"]
+
+
+_lease = st.tuples(
+    st.integers(1, 30),        # held
+    st.integers(0, 40),        # extra bound over held
+    st.integers(0, 400),       # forecast tokens
+    st.integers(0, 600),       # forecast_hi tokens
+    st.sampled_from([True, True, False]),  # streaming
+    st.integers(0, 20),        # tokens beyond the prompt (progress)
+    st.booleans(),             # carries metadata at all
+)
+
+
+def _meta(held: int, forecast: int, hi: int, streaming: bool, progress: int,
+          has_meta: bool) -> dict[str, Any]:
+    if not has_meta:
+        return {}
+    prompt = (held - 1) * BS + 1
+    return {"prompt_tokens": prompt, "forecast_tokens": forecast, "forecast_hi": hi, "streaming": streaming,
+            "tokens": min(held * BS, prompt + progress)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_lease, max_size=8), _lease, st.integers(0, 400), st.sampled_from([0.0, 0.5, 1.0, 2.5]))
+def test_fits_and_exhausted_agree_with_a_brute_force(
+    leases: list[tuple[int, int, int, int, bool, int, bool]],
+    cand: tuple[int, int, int, int, bool, int, bool],
+    limit: int,
+    z: float,
+) -> None:
+    policy = ElasticPolicy(BS, reserve_z=z)
+    led = Ledger(limit=100_000, policy=policy)
+    rows = []
+    for i, (held, extra, fc, hi, streaming, progress, has_meta) in enumerate(leases):
+        meta = _meta(held, fc, hi, streaming, progress, has_meta)
+        led.enqueue(f"l{i}", bound=held + extra, held=held, priority=0, now=0, meta=meta)
+        assert led.grant(0) == [f"l{i}"]
+        rows.append((held, held + extra, dict(led.leases[f"l{i}"].meta)))
+    led.set_limit(limit, 0.0)
+    held, extra, fc, hi, streaming, _, has_meta = cand
+    cmeta = _meta(held, fc, hi, streaming, 0, has_meta)
+    cmeta.pop("tokens", None)
+    cmeta = dict(policy.admission_meta(held + extra, cmeta))
+    w = WaiterRecord(id="c", bound=held + extra, held=held, priority=0, ticket=None,  # type: ignore[arg-type]
+                     since=0.0, seq=0, meta=cmeta)
+
+    # Brute force: the candidate joins as a lease holding its prompt; the peak stepped through time.
+    joined = [*rows, (held, held + extra, cmeta)]
+    terms, _ = _terms_for(joined, BS)
+    peak = brute_force_peak(terms, BS)
+    sq = sum(spread_blocks(held=h, bound=b, block_size=BS, meta=m) ** 2 for h, b, m in joined)
+    bound_sum = sum(b for _, b, _ in rows) + held + extra
+    xsum = sum(excess_blocks(b, BS, m) for _, b, m in joined)
+    fast = (bound_sum + len(rows) + 1 + xsum <= limit
+            and int(cmeta.get("prompt_tokens", 0)) <= (held + extra) * BS)
+    expected = fast or peak + spread_reserve(sq, z) <= limit
+    assert policy.fits(led, w) == expected
+    if policy.exhausted(led):
+        assert not expected
