@@ -113,8 +113,8 @@ def report(rows: list[dict[str, Any]]) -> str:
             pre = [r["preemptions"] for r in rs]
             hit = sum(1 for p in pre if p)
             summary.append(f"| {lab} | {len(rs)} | {statistics.median(pre):g} ({max(pre)}) | "
-                           f"{hit}/{len(rs)} | {_f(med(ms))}x | {_f(med(p50s), '{:.2f}')}x | {_f(med(p99s), '{:.2f}')}x | "
-                           f"{_f(med(gps))}x |")
+                           f"{hit}/{len(rs)} | {_f(med(ms))}x | {_f(med(p50s), '{:.2f}')}x | "
+                           f"{_f(med(p99s), '{:.2f}')}x | {_f(med(gps))}x |")
         out.append("\n| setup | seeds | preempt med (max) | runs that preempted | makespan / no-adm | "
                    "TTFT p50 / no-adm | TTFT p99 / no-adm | goodput / no-adm |")
         out.append("|---|---|---|---|---|---|---|---|")
