@@ -86,7 +86,6 @@ _meta = st.fixed_dictionaries(
         "prefix_key": st.sampled_from(["A", "B"]),
         "prefix_blocks": st.integers(0, 4),
         "first_token": st.booleans(),
-        "forecast_hi": st.integers(0, 16 * BS),
     },
 )
 _progress = st.fixed_dictionaries(
@@ -97,26 +96,24 @@ _progress = st.fixed_dictionaries(
         "tokens": st.integers(0, 16 * BS),
         "first_token": st.just(True),
         "forecast_tokens": st.integers(0, 16 * BS),
-        "forecast_hi": st.integers(0, 16 * BS),
     },
 )
 
 
-def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first_s: float = 0.0,
-                  reserve_z: float = 0.0) -> type:
+def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first_s: float = 0.0) -> type:
     counter = itertools.count()
 
     class ElasticMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.loop = asyncio.new_event_loop()
-            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS, reserve_z=reserve_z), starvation_bound_s=starvation,
+            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS), starvation_bound_s=starvation,
                                 longest_first_s=longest_first_s)
             name = f"{names[0]}-m{next(counter)}"
             names.append(name)
             self.budget = RedisBudget(redis_url, name, LIMIT, BS, policy="elastic", recovery_s=0,
                                       starvation_bound_s=starvation, held_report_blocks=1,
-                                      longest_first_s=longest_first_s, reserve_z=reserve_z)
+                                      longest_first_s=longest_first_s)
             self.labels = itertools.count()
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
             self.leases: dict[str, Lease] = {}
@@ -223,18 +220,16 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
     return ElasticMachine
 
 
-@pytest.mark.parametrize(("starvation", "longest_first_s", "reserve_z"),
-                         [(NO_BACKFILL, 0.0, 0.0), (FULL_BACKFILL, 0.0, 0.0), (FULL_BACKFILL, FULL_BACKFILL, 0.0),
-                          (FULL_BACKFILL, 0.0, 0.7), (NO_BACKFILL, 0.0, 2.5)],
-                         ids=["fifo", "backfill", "backfill-longest-first", "backfill-reserve", "fifo-reserve"])
+@pytest.mark.parametrize(("starvation", "longest_first_s"),
+                         [(NO_BACKFILL, 0.0), (FULL_BACKFILL, 0.0), (FULL_BACKFILL, FULL_BACKFILL)],
+                         ids=["fifo", "backfill", "backfill-longest-first"])
 def test_elastic_redis_budget_conforms_to_the_elastic_ledger(
-    starvation: float, longest_first_s: float, reserve_z: float, redis_url: str, redis_prefix: str
+    starvation: float, longest_first_s: float, redis_url: str, redis_prefix: str
 ) -> None:
     # The windows are either 0 or far beyond the run, so the model's clock and Redis's never disagree.
-    # With a spread-sized reserve (reserve_z > 0) the Lua port's reserve must match ElasticPolicy's too.
     names = [redis_prefix]
     try:
-        machine = _make_machine(redis_url, names, starvation, longest_first_s, reserve_z)
+        machine = _make_machine(redis_url, names, starvation, longest_first_s)
         run_state_machine_as_test(machine, settings=settings(
             max_examples=30, stateful_step_count=25, deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

@@ -176,12 +176,18 @@ def spread_blocks(*, held: int, bound: int, block_size: int, meta: Mapping[str, 
 def spread_reserve(sum_sq: int, z: float) -> int:
     """The reserve in blocks for live leases whose :func:`spread_blocks` squared sum to ``sum_sq``:
     ``ceil(z * sqrt(sum_sq))`` (independent errors add in quadrature; ``z`` scales the upper forecasts'
-    spread to the reserve), with ``z`` taken in thousandths. Computed in IEEE doubles, operation for
-    operation as the Lua port does (``sum_sq`` below 2**53), so the two agree exactly."""
-    zm = round(z * 1000)
-    if zm <= 0 or sum_sq <= 0:
+    spread to the reserve). Exact in integers for ``z`` a multiple of 1/1000 (the Lua port agrees)."""
+    if z <= 0 or sum_sq <= 0:
         return 0
-    return math.ceil((zm / 1000) * math.sqrt(float(sum_sq)))
+    # ceil(z * sqrt(s)) = smallest r with r*r >= z*z*s; decided in integers with z in thousandths.
+    zm = round(z * 1000)
+    target = zm * zm * sum_sq  # (1000 r)^2 >= target
+    r = math.isqrt(target) // 1000
+    while (1000 * r) ** 2 < target:
+        r += 1
+    while r > 0 and (1000 * (r - 1)) ** 2 >= target:
+        r -= 1
+    return r
 
 
 class _Profile:
@@ -339,7 +345,7 @@ class ElasticPolicy:
                 math.isfinite(reserve_z) and 0 <= reserve_z <= 100):
             raise ConfigurationError(f"reserve_z must be a number in [0, 100], got {reserve_z!r}")
         self.block_size = block_size
-        self.reserve_z = round(float(reserve_z) * 1000) / 1000
+        self.reserve_z = round(float(reserve_z), 3)
         """Spread-sized reserve: admission keeps ``spread_reserve(sum of spread_blocks^2, reserve_z)``
         blocks free below the limit (0: off, the flat headroom below the pool is the only reserve)."""
         self._spread_key: object = None

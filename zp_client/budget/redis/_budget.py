@@ -14,7 +14,6 @@ from typing import Any, Literal
 import redis.asyncio as redis_async
 
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
-from zp_client.budget.elastic import ElasticPolicy
 from zp_client.budget.ledger import (
     DEFAULT_LONGEST_FIRST_S,
     DEFAULT_STARVATION_BOUND_S,
@@ -73,9 +72,7 @@ class RedisBudget(Budget):
     (``"elastic"`` or ``"strict"``; the budget's creator chooses), ``lease_ttl_s`` (a lease not renewed
     for this long is reclaimed), ``poll_interval_s`` (the bound on a lost wake-up), ``waiter_ttl_s``
     (default ``3 * poll_interval_s + 1``), ``starvation_bound_s`` and ``longest_first_s`` (the line's
-    rules, as in LocalBudget), ``reserve_z`` (elastic: the spread-sized reserve,
-    :class:`~zp_client.budget.elastic.ElasticPolicy`'s; 0, the default, is off; the creator's value is
-    stored with the budget), ``recovery_s`` (default ``lease_ttl_s``: a budget created from scratch
+    rules, as in LocalBudget), ``recovery_s`` (default ``lease_ttl_s``: a budget created from scratch
     admits nothing new for this long), ``on_unavailable`` with ``unavailable_timeout_s`` and
     ``local_share``, ``held_report_blocks``, ``sync_client``, ``on_event``. Semantics (safety, recovery,
     wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
@@ -94,7 +91,6 @@ class RedisBudget(Budget):
         waiter_ttl_s: float | None = None,
         starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
         longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
-        reserve_z: float = 0.0,
         recovery_s: float | None = None,
         on_unavailable: Literal["fail_closed", "fail_local"] = "fail_closed",
         unavailable_timeout_s: float = 10.0,
@@ -140,7 +136,6 @@ class RedisBudget(Budget):
             starvation_bound_s=float(starvation_bound_s),
             longest_first_s=validate_seconds(longest_first_s, "longest_first_s"),
             policy=policy,
-            reserve_z=ElasticPolicy(block_size, reserve_z=reserve_z).reserve_z,
             recovery_s=float(lease_ttl_s) if recovery_s is None else float(recovery_s),
             on_unavailable=on_unavailable,
             unavailable_timeout_s=float(unavailable_timeout_s),
@@ -391,9 +386,7 @@ class RedisBudget(Budget):
             share = max(1, int(core.limit * cfg.local_share))
             fallback = self._fallback = LocalBudget(
                 share, self.block_size, starvation_bound_s=cfg.starvation_bound_s,
-                name=f"{self.name}-local-fallback", longest_first_s=cfg.longest_first_s,
-                policy=ElasticPolicy(self.block_size, reserve_z=cfg.reserve_z) if core.policy == "elastic"
-                else core.policy)
+                name=f"{self.name}-local-fallback", policy=core.policy, longest_first_s=cfg.longest_first_s)
         core.counters["fallback_local"] += 1
         if core.fallback_logged:
             return fallback

@@ -53,7 +53,6 @@ POLICIES = ("strict", "elastic")
 _META_KEYS = {
     "prompt_tokens": "pt", "tokens": "tk", "forecast_tokens": "ft", "streaming": "st",
     "prefix_key": "pk", "prefix_blocks": "pb", "first_token": "f1", "max_output_tokens": "mo",
-    "forecast_hi": "fh",
 }
 _META_FLAGS = ("st", "f1")
 
@@ -163,8 +162,6 @@ class Config:
     unavailable_timeout_s: float
     local_share: float
     held_report_blocks: int | None
-    reserve_z: float = 0.0
-    """The elastic policy's spread-sized reserve (``ElasticPolicy.reserve_z``; 0: off)."""
 
 
 @dataclass(frozen=True)
@@ -301,7 +298,7 @@ class Core:
         starve_ms = int(min(cfg.starvation_bound_s, 1e12) * 1000)  # inf: unbounded backfill
         lpt_ms = math.ceil(min(cfg.longest_first_s, 1e12) * 1000)  # never rounded down to "off"
         return [cfg.limit, cfg.block_size, secrets.token_urlsafe(12), int(cfg.recovery_s * 1000), cfg.policy,
-                starve_ms, lpt_ms, round(cfg.reserve_z * 1000)]
+                starve_ms, lpt_ms]
 
     def renew_args(self, batch: list[RedisLease]) -> list[Any]:
         args: list[Any] = [self.owner, int(self.cfg.lease_ttl_s * 1000)]

@@ -16,8 +16,7 @@
 --                  absent in budgets made before it: 0, off), policy, ver (limit version),
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
 --                  nl (live leases), adm (elastic admission counter), xsum (elastic: sum of the live
---                  leases' excess blocks beyond their bounds, e_excess; absent: 0), rz (elastic: the
---                  spread-sized reserve's z in thousandths, ElasticPolicy.reserve_z; absent: 0, off)
+--                  leases' excess blocks beyond their bounds, e_excess; absent: 0)
 --   2 leases HASH  lease id -> cjson {b=bound, h=held, p=priority, o=order, w=owner, l=ttl ms, g=granted ms,
 --                  m=meta, a=admission seq and x=excess blocks when > 0 (elastic only; see the elastic
 --                  section)}
@@ -40,8 +39,7 @@ local PRIO_SPAN = 1099511627776  -- 2^40: ticket orders below this; priorities w
 local MAILBOX_TTL_MS = 60000
 -- elastic only: a mirror of every live lease's projection inputs as one short string (parsing it costs a
 -- third of decoding the lease's cjson record, and a grant pass reads them all):
---   "held bound adm pt tk ft st pb f1 mo fh pk" with -1 for an absent number and pk as "=<key>" or "-"
---   (mirrors written before fh existed lack it: e_items reads both).
+--   "held bound adm pt tk ft st pb f1 mo pk" with -1 for an absent number and pk as "=<key>" or "-".
 local K_EM = PREFIX .. ':em'
 
 -- elastic.excess_blocks: blocks by which a lease's cap, max(bound * bs, pt + mo) when both are known,
@@ -64,7 +62,7 @@ local function em_put(id, l)
     if x == 0 then l.x = nil else l.x = x end
   end
   redis.call('HSET', K_EM, id, table.concat({l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1,
-    m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.fh or -1, m.pk and ('=' .. m.pk) or '-'}, ' '))
+    m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.pk and ('=' .. m.pk) or '-'}, ' '))
 end
 
 local function now_ms()
@@ -136,8 +134,8 @@ end
 -- ElasticPolicy.fits); the Python ledger with ElasticPolicy is the model in the conformance suite.
 -- Leases and waiters carry their metadata compactly in their record, field m:
 --   pt prompt_tokens, tk tokens, ft forecast_tokens, st streaming (0/1), pk prefix_key,
---   pb prefix_blocks, f1 first_token (0/1), mo max_output_tokens, fh forecast_hi; an absent field is
---   absent (the Python default applies).
+--   pb prefix_blocks, f1 first_token (0/1), mo max_output_tokens; an absent field is absent (the Python
+--   default applies).
 -- Leases also carry a = admission sequence: the Python ledger walks leases in admission order, and
 -- the group prefix of a key is that of the last admitted member with first_token (exactness).
 -- Cost per grant pass: one HVALS of the live leases' projection mirror (K_EM below), O(n log n) to
@@ -179,34 +177,6 @@ local function e_project(held, bound, bs, m, candidate)
   return held, math.max(0, et - low), true
 end
 
--- elastic.spread_blocks: blocks between a streaming lease's forecast end and its upper forecast (fh),
--- both capped at its cap; 0 without metadata, not streamed, without ft or fh, or outgrown.
-local function e_spread(held, bound, bs, m, candidate)
-  if m.pt == nil and m.tk == nil and m.ft == nil and m.st == nil and m.pk == nil and m.pb == nil
-      and m.f1 == nil then
-    return 0
-  end
-  if m.st == 0 or m.ft == nil or m.fh == nil then return 0 end
-  local pt = m.pt
-  if pt == nil then pt = held * bs end
-  local bt = bound * bs
-  if m.pt ~= nil and m.mo ~= nil then bt = math.max(bt, m.pt + m.mo) end
-  local et = math.min(bt, pt + m.ft)
-  if candidate then held = cdiv(pt, bs) end
-  local low = pt
-  if held > 0 then low = math.max(pt, (held - 1) * bs + 1) end
-  if m.tk ~= nil and not candidate then low = math.max(low, math.min(m.tk, held * bs)) end
-  if low >= et then return 0 end
-  local ht = math.min(bt, pt + math.max(m.fh, m.ft))
-  return math.max(0, cdiv(ht, bs) - cdiv(et, bs))
-end
-
--- elastic.spread_reserve: ceil(z * sqrt(sq)) with z = rz / 1000, in doubles as Python computes it.
-local function e_reserve(sq, rz)
-  if rz <= 0 or sq <= 0 then return 0 end
-  return math.ceil((rz / 1000) * math.sqrt(sq))
-end
-
 -- items: list of {h=held, b=bound, m=meta, a=admission seq}. Returns the prepared profile: the
 -- distinct lease ends (remaining steps) ascending, with suffix sums of blocks and growers (terms alive
 -- at an end are those with remaining >= it). Terms are aggregated per end and the ends sorted as plain
@@ -214,14 +184,9 @@ end
 local function e_profile(items, bs)
   local projs = {}
   local active, active_a = {}, {}
-  local sq = 0  -- the sum of the live leases' squared spreads (e_spread), for the reserve
   for i, it in ipairs(items) do
     local blocks, rem, grows = e_project(it.h, it.b, bs, it.m, false)
     projs[i] = {blocks, rem, grows}
-    if it.m.fh ~= nil then
-      local u = e_spread(it.h, it.b, bs, it.m, false)
-      sq = sq + u * u
-    end
     local m = it.m
     -- the Python ledger walks leases in admission order: the last qualifying member's prefix wins
     if m.pk ~= nil and m.f1 == 1 and (m.pb or 0) > 0 then
@@ -272,8 +237,7 @@ local function e_profile(items, bs)
     values[j] = sb[j] + sg[j] * cdiv(ends[j], bs)
     if values[j] > peak then peak = values[j] end
   end
-  return {bs = bs, n = n, ends = ends, sb = sb, sg = sg, values = values, peak = peak, groups = groups,
-          sq = sq}
+  return {bs = bs, n = n, ends = ends, sb = sb, sg = sg, values = values, peak = peak, groups = groups}
 end
 
 -- _Profile.peak_with, evaluated at every instant (0, each end, the candidate's end): O(n).
@@ -308,20 +272,9 @@ local function e_peak_with(pr, cb, cr, cg, xp, xfrom)
   return best
 end
 
--- ElasticPolicy.fits for a waiter record w (b, h, m). rz: the reserve's z in thousandths (0: off);
--- with it, fast = bsum + live leases + xsum (ElasticPolicy.fits' bound test, without the candidate):
--- bounds that fit need no reserve, as in Python.
-local function e_fits(pr, limit, w, rz, fast)
+-- ElasticPolicy.fits for a waiter record w (b, h, m).
+local function e_fits(pr, limit, w)
   local m = w.mt or {}
-  local reserve = 0
-  if rz > 0 then
-    if fast + w.b + 1 + e_excess({b = w.b, m = m}, pr.bs) <= limit and (m.pt == nil or m.pt <= w.b * pr.bs) then
-      return true
-    end
-    local u = e_spread(w.h, w.b, pr.bs, m, true)
-    reserve = e_reserve(pr.sq + u * u, rz)
-    limit = limit - reserve
-  end
   local cb, cr, cg = e_project(w.h, w.b, pr.bs, m, true)
   local xp, xfrom = nil, nil
   local g = nil
@@ -352,11 +305,8 @@ local function e_items()
   for i = 1, #vals do
     local h, b, a, pt, tk, ft, st, pb, f1, mo, pk =
       string.match(vals[i], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
-    -- fh comes before pk (a number; pk is '-' or '=<key>'); a mirror from before fh has none
-    local fh, rest = string.match(pk, '^(%-?%d+) (.*)$')
-    if fh ~= nil then pk = rest end
     local m = {pt = em_opt(pt), tk = em_opt(tk), ft = em_opt(ft), st = em_opt(st), pb = em_opt(pb),
-               f1 = em_opt(f1), mo = em_opt(mo), fh = fh and em_opt(fh)}
+               f1 = em_opt(f1), mo = em_opt(mo)}
     if string.sub(pk, 1, 1) == '=' then m.pk = string.sub(pk, 2) end
     items[i] = {h = tonumber(h), b = tonumber(b), m = m, a = tonumber(a)}
   end
@@ -372,7 +322,7 @@ end
 
 -- Decode and validate a compact meta object from a caller (never trusted). '' -> {}. With
 -- allow_null, a JSON null is kept (it removes the field in merge_meta).
-local META_INT = {pt = true, tk = true, ft = true, pb = true, mo = true, fh = true}
+local META_INT = {pt = true, tk = true, ft = true, pb = true, mo = true}
 local META_FLAG = {st = true, f1 = true}
 local function meta_arg(raw, allow_null)
   if raw == nil or raw == '' then return {} end
@@ -501,7 +451,6 @@ local function grant(now, self_id)
     elastic = items ~= nil
   end
   local bs = elastic and meta_num('bs') or 0
-  local rz = elastic and meta_num('rz') or 0
   -- the walk: line order (records read lazily: a barrier ends the pass early), or longest first
   local walk = {}
   for i, m in ipairs(members) do walk[i] = {id = string.sub(m, 14), m = m} end
@@ -515,9 +464,7 @@ local function grant(now, self_id)
         ok = nil  -- failed (set_limit normally did this already; kept for waiters beyond its scan)
       elseif elastic then
         if prof == nil then prof = e_profile(items, bs) end
-        local fast = 0
-        if rz > 0 then fast = bsum + meta_num('nl') + meta_num('xsum') end
-        ok = e_fits(prof, limit, w, rz, fast)
+        ok = e_fits(prof, limit, w)
       else
         ok = fits(policy, limit, bsum, w)
       end
