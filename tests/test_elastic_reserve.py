@@ -160,3 +160,35 @@ def test_fits_and_exhausted_agree_with_a_brute_force(
     assert policy.fits(led, w) == expected
     if policy.exhausted(led):
         assert not expected
+
+
+def test_the_ureserve_storm_setup_is_optional_and_builds_the_reserve_on_the_whole_pool(monkeypatch: Any) -> None:
+    import asyncio
+    import contextlib
+
+    from zp_client.bench import elastic_setups
+    from zp_client.bench.setups import DEFAULT_SETUPS, SETUPS, SetupContext, parse_setups
+    from zp_client.bench.tuning import ElasticTuning
+
+    assert SETUPS["zp-elastic-ureserve"].optional
+    assert "zp-elastic-ureserve" not in DEFAULT_SETUPS and "zp-elastic-ureserve" not in parse_setups(None, None)
+    assert parse_setups("zp-elastic-ureserve", None) == ["no-admission", "zp-elastic-ureserve"]
+    built: list[Any] = []
+
+    async def capture(ctx: Any, stack: Any, budget: Any, **kw: Any) -> Any:
+        built.append(budget)
+        return object()
+
+    monkeypatch.setattr(elastic_setups, "zp_client_for", capture)
+
+    async def build(tuning: ElasticTuning) -> Any:
+        ctx = SetupContext("http://127.0.0.1:1/v1", "http://127.0.0.1:1", "m", 4.0, 1001, 16, 950, elastic=tuning)
+        async with contextlib.AsyncExitStack() as stack:
+            await elastic_setups._zp_elastic_ureserve(ctx, stack)
+        return built[-1]
+
+    default = asyncio.run(build(ElasticTuning()))
+    assert default.limit == 1000  # floor((1001 - 1) x 1.0): the whole usable pool
+    assert default._ledger.policy.reserve_z == elastic_setups.URESERVE_Z
+    tuned = asyncio.run(build(ElasticTuning(reserve_z=0.8, headroom=0.9)))
+    assert tuned.limit == 900 and tuned._ledger.policy.reserve_z == 0.8

@@ -34,7 +34,7 @@ ELASTIC_SETUPS: tuple[str, ...] = ("zp-elastic", "zp-oracle")
 #: ``zp-elastic-ureserve``: the whole usable pool is the limit, and the reserve for forecast error is
 #: sized from the live leases' spread (``ElasticPolicy(reserve_z=...)``) instead of a flat 5%.
 URESERVE_HEADROOM = 1.0
-URESERVE_Z = 1.0
+URESERVE_Z = 0.5
 
 
 def _forecaster(tuning: ElasticTuning) -> Any | None:
