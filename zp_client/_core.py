@@ -306,6 +306,8 @@ class Core:
         if forecaster is None and self.elastic:
             forecaster = forecaster_for(budget)
         self.forecaster = forecaster
+        # Upper forecasts only for a policy that reads them (a spread-sized reserve): otherwise unsent.
+        self.spread = self.elastic and bool(getattr(budget, "reads_forecast_spread", False))
         self.lib = lib
         # the budget's clock unless told otherwise: one ``LocalBudget(clock=...)`` moves the whole client
         self.clock: Clock = clock if clock is not None else getattr(budget, "clock", SYSTEM_CLOCK)
@@ -432,7 +434,7 @@ class Core:
             streaming = p.stream and n == 1
             forecast, known = self._forecast(p, route, streaming)
             meta = {"prompt_tokens": prompt * n, "forecast_tokens": forecast * n, "streaming": streaming}
-            if streaming:
+            if streaming and self.spread:
                 # The upper forecast: what a spread-sized reserve reads (a known forecast has none).
                 hi = forecast if known else forecast_hi(self.forecaster, route, 0, p.max_tokens)
                 if hi is not None:
@@ -479,6 +481,7 @@ class Core:
             max_tokens=p.max_tokens,
             forecast=forecast,
             forecast_known=known,
+            spread=self.spread,
             chat=request.url.path.rstrip("/").endswith("/chat/completions"),
             upstream=p.upstream,
             continuous=continuous,

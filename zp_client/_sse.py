@@ -254,11 +254,13 @@ class Scanner:
                 new = hi = min(plan.max_tokens, generated + self.block_size)
             else:
                 new = reforecast(self.forecaster, plan.route, generated, plan.max_tokens)
-                hi = forecast_hi(self.forecaster, plan.route, generated, plan.max_tokens)
+                hi = None
+                if plan.spread:
+                    hi = forecast_hi(self.forecaster, plan.route, generated, plan.max_tokens)
             if new > self.forecast:
                 self.forecast = new
                 fields["forecast_tokens"] = new
-                if hi is not None:
+                if hi is not None and plan.spread:
                     fields["forecast_hi"] = max(hi, new)
         held = min(self.bound, -(-tokens // self.block_size))
         if fields or held >= self.reported + _ELASTIC_REPORT_STEP_BLOCKS:
