@@ -176,7 +176,7 @@ def spread_blocks(*, held: int, bound: int, block_size: int, meta: Mapping[str, 
 def spread_reserve(sum_sq: int, z: float) -> int:
     """The reserve in blocks for live leases whose :func:`spread_blocks` squared sum to ``sum_sq``:
     ``ceil(z * sqrt(sum_sq))`` (independent errors add in quadrature; ``z`` scales the upper forecasts'
-    spread to the reserve). Exact in integers for ``z`` a multiple of 1/1000 (the Lua port agrees)."""
+    spread to the reserve), exact in integers with ``z`` taken in thousandths."""
     if z <= 0 or sum_sq <= 0:
         return 0
     # ceil(z * sqrt(s)) = smallest r with r*r >= z*z*s; decided in integers with z in thousandths.
@@ -329,6 +329,10 @@ def brute_force_peak(terms: Iterable[Projection], block_size: int) -> int:
 
 class ElasticPolicy:
     """Admit a waiter while the projected peak, with the waiter, stays within the limit.
+
+    ``reserve_z > 0`` (opt-in; measured in docs/elastic.md#spread-reserve) keeps a reserve for forecast
+    error free below the limit, sized from the live leases' forecast spread (:meth:`reserve`), for a limit
+    of the whole pool; 0 (the default) leaves that to the headroom below the pool.
 
     ``used`` reports the projected peak of the live leases. The policy keeps a cache of the prepared
     projection keyed on the ledger's ``version`` (when it has one), so a grant that checks many waiters
