@@ -192,3 +192,21 @@ def test_the_ureserve_storm_setup_is_optional_and_builds_the_reserve_on_the_whol
     assert default._ledger.policy.reserve_z == elastic_setups.URESERVE_Z
     tuned = asyncio.run(build(ElasticTuning(reserve_z=0.8, headroom=0.9)))
     assert tuned.limit == 900 and tuned._ledger.policy.reserve_z == 0.8
+
+
+def test_the_forecasters_spread_is_its_upper_conditional_quantile() -> None:
+    from zp_client.forecast import DEFAULT_Q_SPREAD, LengthForecaster
+
+    fc = LengthForecaster()
+    fc.observe_many("r", list(range(1, 1001)))
+    assert fc.q_spread == DEFAULT_Q_SPREAD == 0.9
+    median, hi = fc.forecast("r"), fc.spread("r")
+    assert 400 <= median <= 600 and 800 <= hi <= 1000 and hi == math.ceil(fc.quantile("r", 0.9))
+    # conditional, like forecast: given 950 tokens so far, and capped at max_tokens
+    assert fc.spread("r", generated=950) > 950 and fc.spread("r", max_tokens=300) == 300
+    lower = LengthForecaster(q_spread=0.75)
+    lower.observe_many("r", list(range(1, 1001)))
+    assert median < lower.spread("r") < hi
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ConfigurationError, match="q_spread"):
+            LengthForecaster(q_spread=bad)
