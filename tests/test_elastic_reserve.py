@@ -103,6 +103,44 @@ def test_bounds_that_fit_need_no_reserve() -> None:
     assert led.grant(0) == ["a", "b"]
 
 
+def test_exhausted_leaves_room_for_what_the_bound_test_admits() -> None:
+    # One lease: 5 blocks held, forecast 16 tokens more (peak 6), upper forecast at its bound (15 blocks):
+    # spread 9, reserve ceil(2.5 x 9) = 23, so the projection plus the reserve (29) exceeds a limit of 18;
+    # yet a 1-block waiter's bounds fit (15 + 1 live + 1 + 1 = 18): exhausted must not stop the grant.
+    policy = ElasticPolicy(BS, reserve_z=2.5)
+    led = Ledger(limit=100, policy=policy)
+    led.enqueue("a", bound=15, held=5, priority=0, now=0,
+                meta={"prompt_tokens": 65, "forecast_tokens": 16, "forecast_hi": 600, "streaming": True})
+    assert led.grant(0) == ["a"]
+    assert policy.reserve(led) == 23 and policy._prepare(led).peak() == 6
+    led.set_limit(18, 0.0)
+    assert not policy.exhausted(led)
+    led.enqueue("b", bound=1, held=1, priority=0, now=0)
+    assert led.grant(0) == ["b"]
+    led.set_limit(19, 0.0)  # 2 live leases now: a third 1-block waiter needs 16 + 2 + 2 = 20
+    assert policy.exhausted(led)
+
+
+def test_the_policy_adds_the_leases_spreads_in_quadrature() -> None:
+    # Four leases of spread 3 blocks each (forecast end 2 blocks, upper 5): z=1 keeps ceil(sqrt(36)) = 6
+    # blocks free, where a linear sum would keep 12.
+    policy = ElasticPolicy(BS, reserve_z=1.0)
+    led = Ledger(limit=1000, policy=policy)
+    meta = {"prompt_tokens": 16, "forecast_tokens": 16, "forecast_hi": 64, "streaming": True}
+    for i in range(4):
+        led.enqueue(f"l{i}", bound=20, held=1, priority=0, now=0, meta=meta)
+    assert led.grant(0) == ["l0", "l1", "l2", "l3"]
+    assert policy.reserve(led) == 6 and policy._prepare(led).peak() == 8
+    # A no-metadata waiter of 10 blocks: 8 + 10 + 6 = 24; the bounds (80 + 4 + 10 + 1) do not fit 24.
+    led.set_limit(24, 0.0)
+    led.enqueue("w", bound=10, held=10, priority=0, now=0)
+    assert led.grant(0) == ["w"]
+    led.release("w", 0.0)
+    led.set_limit(23, 0.0)
+    led.enqueue("w2", bound=10, held=10, priority=0, now=0)
+    assert led.grant(0) == []
+
+
 _lease = st.tuples(
     st.integers(1, 30),        # held
     st.integers(0, 40),        # extra bound over held
@@ -123,12 +161,29 @@ def _meta(held: int, forecast: int, hi: int, streaming: bool, progress: int,
             "tokens": min(held * BS, prompt + progress)}
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(_lease, max_size=8), _lease, st.integers(0, 400), st.sampled_from([0.0, 0.5, 1.0, 2.5]))
+def _brute_fits(rows: list[tuple[int, int, dict[str, Any]]], held: int, bound: int, cmeta: dict[str, Any],
+                limit: int, z: float) -> tuple[bool, int, int]:
+    """(fits, the reserve-free threshold of the bound test, peak + reserve): the candidate joins as a lease
+    holding its prompt, the peak stepped through every instant."""
+    joined = [*rows, (held, bound, cmeta)]
+    terms, _ = _terms_for(joined, BS)
+    peak = brute_force_peak(terms, BS)
+    sq = sum(spread_blocks(held=h, bound=b, block_size=BS, meta=m) ** 2 for h, b, m in joined)
+    need = peak + spread_reserve(sq, z)
+    fast_need = (sum(b for _, b, _ in rows) + bound + len(rows) + 1
+                 + sum(excess_blocks(b, BS, m) for _, b, m in joined))
+    fast = fast_need <= limit and int(cmeta.get("prompt_tokens", 0)) <= bound * BS
+    return fast or need <= limit, fast_need, need
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_lease, max_size=8), _lease, st.sampled_from(["reserve", "bounds", "small", "free"]),
+       st.integers(-3, 3), st.sampled_from([0.0, 0.5, 1.0, 2.5]))
 def test_fits_and_exhausted_agree_with_a_brute_force(
     leases: list[tuple[int, int, int, int, bool, int, bool]],
     cand: tuple[int, int, int, int, bool, int, bool],
-    limit: int,
+    anchor: str,
+    offset: int,
     z: float,
 ) -> None:
     policy = ElasticPolicy(BS, reserve_z=z)
@@ -139,27 +194,27 @@ def test_fits_and_exhausted_agree_with_a_brute_force(
         led.enqueue(f"l{i}", bound=held + extra, held=held, priority=0, now=0, meta=meta)
         assert led.grant(0) == [f"l{i}"]
         rows.append((held, held + extra, dict(led.leases[f"l{i}"].meta)))
-    led.set_limit(limit, 0.0)
     held, extra, fc, hi, streaming, _, has_meta = cand
     cmeta = _meta(held, fc, hi, streaming, 0, has_meta)
     cmeta.pop("tokens", None)
     cmeta = dict(policy.admission_meta(held + extra, cmeta))
+    # The limit at an edge that decides: the peak plus the reserve, or the bound test's threshold for
+    # this candidate or for the smallest one (what exhausted must leave room for).
+    _, fast_need, need = _brute_fits(rows, held, held + extra, cmeta, 0, z)
+    small_need = sum(b for _, b, _ in rows) + len(rows) + 2 + sum(excess_blocks(b, BS, m) for _, b, m in rows)
+    edges = {"reserve": need, "bounds": fast_need, "small": small_need, "free": need + 40}
+    limit = max(0, edges[anchor] + offset)
+    led.set_limit(limit, 0.0)
     w = WaiterRecord(id="c", bound=held + extra, held=held, priority=0, ticket=None,  # type: ignore[arg-type]
                      since=0.0, seq=0, meta=cmeta)
-
-    # Brute force: the candidate joins as a lease holding its prompt; the peak stepped through time.
-    joined = [*rows, (held, held + extra, cmeta)]
-    terms, _ = _terms_for(joined, BS)
-    peak = brute_force_peak(terms, BS)
-    sq = sum(spread_blocks(held=h, bound=b, block_size=BS, meta=m) ** 2 for h, b, m in joined)
-    bound_sum = sum(b for _, b, _ in rows) + held + extra
-    xsum = sum(excess_blocks(b, BS, m) for _, b, m in joined)
-    fast = (bound_sum + len(rows) + 1 + xsum <= limit
-            and int(cmeta.get("prompt_tokens", 0)) <= (held + extra) * BS)
-    expected = fast or peak + spread_reserve(sq, z) <= limit
+    expected, _, _ = _brute_fits(rows, held, held + extra, cmeta, limit, z)
     assert policy.fits(led, w) == expected
     if policy.exhausted(led):
+        # a shortcut for "nobody fits": not even the smallest waiters, with or without metadata
         assert not expected
+        for small in ({}, {"prompt_tokens": 1, "forecast_tokens": 0, "streaming": True}):
+            sm = dict(policy.admission_meta(1, small))
+            assert not _brute_fits(rows, 1, 1, sm, limit, z)[0]
 
 
 def test_the_ureserve_storm_setup_is_optional_and_builds_the_reserve_on_the_whole_pool(monkeypatch: Any) -> None:
