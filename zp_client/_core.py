@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client._plan import Parsed, Plan, api_base, read_headers
 from zp_client._release import Holder, watchdog
-from zp_client._sse import BadEvent, Reassembler, Scanner, reassembly_faithful
+from zp_client._sse import BadEvent, Reassembler, Scanner, forecast_hi, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
@@ -312,6 +312,8 @@ class Core:
         if forecaster is None and self.elastic:
             forecaster = forecaster_for(budget)
         self.forecaster = forecaster
+        # Upper forecasts only for a policy that reads them (a spread-sized reserve): otherwise unsent.
+        self.spread = self.elastic and bool(getattr(budget, "reads_forecast_spread", False))
         self.lib = lib
         # the budget's clock unless told otherwise: one ``LocalBudget(clock=...)`` moves the whole client
         self.clock: Clock = clock if clock is not None else getattr(budget, "clock", SYSTEM_CLOCK)
@@ -438,6 +440,11 @@ class Core:
             streaming = p.stream and n == 1
             forecast, known = self._forecast(p, route, streaming)
             meta = {"prompt_tokens": prompt * n, "forecast_tokens": forecast * n, "streaming": streaming}
+            if streaming and self.spread:
+                # The upper forecast: what a spread-sized reserve reads (a known forecast has none).
+                hi = forecast if known else forecast_hi(self.forecaster, route, 0, p.max_tokens)
+                if hi is not None:
+                    meta["forecast_hi"] = max(hi, forecast)
             if streaming and p.chat_or_completions and self._continuous_usage(p):
                 so = p.body.get("stream_options")
                 so = dict(so) if isinstance(so, dict) else {}
@@ -480,6 +487,7 @@ class Core:
             max_tokens=p.max_tokens,
             forecast=forecast,
             forecast_known=known,
+            spread=self.spread,
             chat=request.url.path.rstrip("/").endswith("/chat/completions"),
             upstream=p.upstream,
             continuous=continuous,

@@ -25,11 +25,17 @@ from zp_client.bench.setups import (
 from zp_client.bench.tuning import ElasticTuning
 from zp_client.errors import ConfigurationError
 
-__all__ = ["ADAPTIVE_MODULE", "AdaptiveCaller", "ELASTIC_SETUPS", "redis_elastic_available"]
+__all__ = ["ADAPTIVE_MODULE", "AdaptiveCaller", "ELASTIC_SETUPS", "URESERVE_HEADROOM", "URESERVE_Z",
+           "redis_elastic_available"]
 
 log = logging.getLogger("zp_client.bench.elastic_setups")
 
 ELASTIC_SETUPS: tuple[str, ...] = ("zp-elastic", "zp-oracle")
+
+#: ``zp-elastic-ureserve``: the whole usable pool is the limit, and the reserve for forecast error is
+#: sized from the live leases' spread (``ElasticPolicy(reserve_z=...)``) instead of a flat 5%.
+URESERVE_HEADROOM = 1.0
+URESERVE_Z = 0.5
 
 
 def _forecaster(tuning: ElasticTuning) -> Any | None:
@@ -58,7 +64,7 @@ def _limit(ctx: SetupContext) -> int:
     return zp_limit_blocks(ctx.num_gpu_blocks, ELASTIC_HEADROOM if h is None else h)
 
 
-def _local_elastic(ctx: SetupContext) -> Any:
+def _local_elastic(ctx: SetupContext, *, policy: Any = "elastic", limit: int | None = None) -> Any:
     from zp_client.budget.local import LocalBudget
 
     kw: dict[str, Any] = {}
@@ -67,12 +73,24 @@ def _local_elastic(ctx: SetupContext) -> Any:
         kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
     if ctx.elastic.longest_first_s is not None:
         kw["longest_first_s"] = ctx.elastic.longest_first_s
-    return LocalBudget(limit_blocks=_limit(ctx), block_size=ctx.block_size, policy="elastic",
-                       clock=ctx.budget_clock(), **kw)
+    return LocalBudget(limit_blocks=_limit(ctx) if limit is None else limit, block_size=ctx.block_size,
+                       policy=policy, clock=ctx.budget_clock(), **kw)
 
 
 async def _zp_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     client = await zp_client_for(ctx, stack, _local_elastic(ctx), forecaster=_forecaster(ctx.elastic))
+    return AppCaller(client, ctx.model, app_retry=True)
+
+
+async def _zp_elastic_ureserve(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    from zp_client.budget.elastic import ElasticPolicy
+
+    h = ctx.elastic.headroom
+    z = ctx.elastic.reserve_z
+    policy = ElasticPolicy(ctx.block_size, reserve_z=URESERVE_Z if z is None else z)
+    limit = zp_limit_blocks(ctx.num_gpu_blocks, URESERVE_HEADROOM if h is None else h)
+    budget = _local_elastic(ctx, policy=policy, limit=limit)
+    client = await zp_client_for(ctx, stack, budget, forecaster=_forecaster(ctx.elastic))
     return AppCaller(client, ctx.model, app_retry=True)
 
 
@@ -172,6 +190,10 @@ register_setup(SetupSpec("zp-oracle", True,
 register_setup(SetupSpec("zp-adaptive", True, default=False, requires=ADAPTIVE_MODULE,
                          description="zp-elastic + AdaptiveLimit (the limit follows the server's /metrics)"),
                _zp_adaptive, after="zp-oracle")
+register_setup(SetupSpec("zp-elastic-ureserve", True, default=False,
+                         description="zp-elastic on the whole pool, reserve sized by the live leases' "
+                                     "forecast spread"),
+               _zp_elastic_ureserve, after="zp-oracle")
 if redis_elastic_available():
     register_setup(SetupSpec("zp-redis-elastic", True, needs_redis=True, workers=3,
                              description="wrap(AsyncOpenAI) + RedisBudget(policy='elastic') shared by 3 "

@@ -271,6 +271,13 @@ class LocalBudget(Budget):
     def policy_name(self) -> str:
         return self._ledger.policy.name
 
+    @property
+    def reads_forecast_spread(self) -> bool:
+        """Whether the policy reads the leases' upper forecasts (``forecast_hi``): an
+        :class:`~zp_client.budget.elastic.ElasticPolicy` with a spread-sized reserve (``reserve_z > 0``).
+        The transport sends them only then."""
+        return bool(getattr(self._ledger.policy, "reserve_z", 0))
+
     # ------------------------------------------------------------------ admission
     def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
                meta: Mapping[str, Any] | None = None,
