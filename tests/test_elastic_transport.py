@@ -98,6 +98,36 @@ async def test_elastic_stream_sends_meta_and_progress(mod: Any, server: Loopback
     assert "x-zp-route" not in sent["headers"]
 
 
+@pytest.mark.parametrize("reserve_z", [0.0, 0.5])
+async def test_upper_forecasts_are_sent_only_to_a_spread_sized_reserve(reserve_z: float,
+                                                                       server: LoopbackServer) -> None:
+    """A policy with a spread-sized reserve (``ElasticPolicy(reserve_z > 0)``) reads each stream's upper
+    forecast, ``forecast_hi``: the forecaster's ``spread`` at admission and again at every re-forecast.
+    Without it the field is never sent (nor computed)."""
+    from zp_client.budget.elastic import ElasticPolicy
+
+    budget = LocalBudget(1000, 16, policy=ElasticPolicy(16, reserve_z=reserve_z))
+    assert budget.reads_forecast_spread is (reserve_z > 0)
+    fc = LengthForecaster(q=0.5, prior=Prior(median=3, sigma=0.6, weight=50))
+    body = {**CHAT, "model": "slow", "stream": True, "max_tokens": 2000}
+    async with async_client(httpx2, server, budget, forecaster=fc) as c:
+        async with c.stream("POST", "/chat/completions", json=body, headers={"X-ZP-Route": "slow"}) as r:
+            it = r.aiter_raw()
+            await it.__anext__()
+            meta0 = live_meta(budget)
+            async for _ in it:
+                m = live_meta(budget)
+                if m.get("tokens", 0) - m["prompt_tokens"] >= 80:
+                    break
+    assert m["forecast_tokens"] > meta0["forecast_tokens"]  # re-forecast on the way
+    if not reserve_z:
+        assert "forecast_hi" not in meta0 and "forecast_hi" not in m
+        return
+    assert meta0["forecast_hi"] == max(meta0["forecast_tokens"], fc.spread("slow", max_tokens=2000))
+    assert meta0["forecast_hi"] > meta0["forecast_tokens"]  # the 0.9 quantile above the median
+    assert m["forecast_hi"] >= m["forecast_tokens"] and m["forecast_hi"] > meta0["forecast_hi"]
+
+
 async def test_elastic_stream_reports_every_new_block(server: LoopbackServer) -> None:
     """The projected peak reads ``held`` as the lease's occupancy now: an elastic stream reports each block
     it enters, so the policy never sees it more than a block behind (strict reports every 4)."""

@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "Lease": "zp_client.budget.base",
     "Ticket": "zp_client.budget.base",
     "LocalBudget": "zp_client.budget.local",
+    "AdaptiveLimit": "zp_client.adaptive",
     "RedisBudget": "zp_client.budget.redis",
     # front ends
     "AsyncClient": "zp_client.client",
@@ -65,11 +66,17 @@ _EXPORTS: dict[str, str] = {
     "Prior": "zp_client.forecast",
     # opt-in Prometheus metrics
     "ZPMetrics": "zp_client.metrics",
+    # per-call admission records
+    "AdmissionInfo": "zp_client.observe",
+    "observe_admissions": "zp_client.observe",
+    "summarize_admissions": "zp_client.observe",
 }
 
 # A literal, so type checkers see the re-exports (test_package_exports checks it matches _EXPORTS).
 __all__ = [
+    "AdaptiveLimit",
     "AdmissionError",
+    "AdmissionInfo",
     "AdmissionOptions",
     "AdmissionTimeout",
     "AdmissionTransport",
@@ -92,6 +99,7 @@ __all__ = [
     "LengthForecaster",
     "LocalBudget",
     "MissingIntegration",
+    "observe_admissions",
     "openai_client_of",
     "openai_http_client",
     "Prior",
@@ -103,6 +111,7 @@ __all__ = [
     "ROUTE_HEADER",
     "ServerInfo",
     "Settings",
+    "summarize_admissions",
     "Ticket",
     "wrap",
     "ZPError",
@@ -127,6 +136,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from zp_client._integration import AdmissionOptions, openai_client_of, openai_http_client
     from zp_client._wrap import admitted_budget, wrap
+    from zp_client.adaptive import AdaptiveLimit
     from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
     from zp_client.budget.elastic import ElasticPolicy
     from zp_client.budget.local import LocalBudget
@@ -149,6 +159,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from zp_client.estimate import Estimator
     from zp_client.forecast import LengthForecaster, Prior
     from zp_client.metrics import ZPMetrics
+    from zp_client.observe import AdmissionInfo, observe_admissions, summarize_admissions
     from zp_client.retry import RetryPolicy
     from zp_client.server import ServerInfo
     from zp_client.transport import (

@@ -20,10 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client._plan import Parsed, Plan, api_base, read_headers
 from zp_client._release import Holder, watchdog
-from zp_client._sse import BadEvent, Reassembler, Scanner, reassembly_faithful
+from zp_client._sse import BadEvent, Reassembler, Scanner, forecast_hi, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
+from zp_client.observe import AdmissionInfo
+from zp_client.observe import active as active_observers
+from zp_client.observe import notify as notify_observers
 
 if TYPE_CHECKING:
     from zp_client._httplib import HttpLib
@@ -41,6 +44,9 @@ _logged_no_max_model_len: set[str] = set()
 # a server's KV pool warns once however many transports share it (see Core._pool_probe).
 _pool_checked: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 _pool_checked_lock = threading.Lock()
+# Answers that mean the server is overloaded: each is reported to the budget (Budget.note_overload), which
+# tells an attached adaptive limit (zp_client.adaptive).
+OVERLOAD_STATUSES = frozenset({429, 503, 529})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -306,6 +312,8 @@ class Core:
         if forecaster is None and self.elastic:
             forecaster = forecaster_for(budget)
         self.forecaster = forecaster
+        # Upper forecasts only for a policy that reads them (a spread-sized reserve): otherwise unsent.
+        self.spread = self.elastic and bool(getattr(budget, "reads_forecast_spread", False))
         self.lib = lib
         # the budget's clock unless told otherwise: one ``LocalBudget(clock=...)`` moves the whole client
         self.clock: Clock = clock if clock is not None else getattr(budget, "clock", SYSTEM_CLOCK)
@@ -432,6 +440,11 @@ class Core:
             streaming = p.stream and n == 1
             forecast, known = self._forecast(p, route, streaming)
             meta = {"prompt_tokens": prompt * n, "forecast_tokens": forecast * n, "streaming": streaming}
+            if streaming and self.spread:
+                # The upper forecast: what a spread-sized reserve reads (a known forecast has none).
+                hi = forecast if known else forecast_hi(self.forecaster, route, 0, p.max_tokens)
+                if hi is not None:
+                    meta["forecast_hi"] = max(hi, forecast)
             if streaming and p.chat_or_completions and self._continuous_usage(p):
                 so = p.body.get("stream_options")
                 so = dict(so) if isinstance(so, dict) else {}
@@ -474,6 +487,7 @@ class Core:
             max_tokens=p.max_tokens,
             forecast=forecast,
             forecast_known=known,
+            spread=self.spread,
             chat=request.url.path.rstrip("/").endswith("/chat/completions"),
             upstream=p.upstream,
             continuous=continuous,
@@ -621,12 +635,15 @@ class Core:
         m = self.metrics
         while True:
             timeout = self.check_deadline(plan, attempt)
-            asked = self.clock.monotonic() if m is not None else 0.0
+            observers = active_observers()  # () unless the caller is inside observe_admissions()
+            asked = self.clock.monotonic() if m is not None or observers else 0.0
             lease = yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held, plan.meta)
             holder = Holder(lease, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock,
                             metrics=m)
             if m is not None:
                 m.waited(plan.priority, holder.granted_at - asked)
+            if observers:
+                self._notify(observers, plan, lease, holder.granted_at - asked, attempt)
             ticket = lease.ticket
             if state is not None:
                 state.ticket = ticket
@@ -655,6 +672,8 @@ class Core:
                 yield Release(holder)
                 raise
             try:
+                if resp.status_code in OVERLOAD_STATUSES:
+                    self.budget.note_overload(resp.status_code)  # an adaptive limit's signal
                 if state is not None and resp.status_code >= 400:
                     d = yield Decide(retry, state, resp.status_code, resp.headers, None, self.remaining(plan))
                     if d.retry or d.error is not None:
@@ -678,6 +697,22 @@ class Core:
                 yield Close(resp, shield=True)
                 yield Release(holder)
                 raise
+
+    def _notify(self, observers: tuple[Any, ...], plan: Plan, lease: Lease, waited: float,
+                attempt: int) -> None:
+        """One :class:`~zp_client.observe.AdmissionInfo` for this grant, to the caller's observers."""
+        info = AdmissionInfo(
+            queue_wait_s=max(0.0, waited),
+            leased_blocks=int(getattr(lease, "bound", plan.blocks)),
+            held_blocks=plan.held,
+            priority=plan.priority,
+            attempt=attempt + 1,
+            budget=getattr(self.budget, "name", None),
+            policy=self.budget.policy_name,
+            route=plan.route,
+            lease_id=str(getattr(lease, "id", "")),
+        )
+        notify_observers(observers, info)
 
     def _deliver(self, plan: Plan, resp: Any, holder: Holder, is_async: bool) -> Steps:
         """The response handed to the caller: its body streams through a scanner that owns the lease."""

@@ -46,6 +46,9 @@ class Plan:
     max_tokens: int = 0
     forecast: int = 0
     """Forecast output tokens per choice (elastic only)."""
+    spread: bool = False
+    """Send the stream's upper forecast (``forecast_hi``) with its forecast: the budget's policy reads it
+    (a spread-sized reserve, ``ElasticPolicy(reserve_z=...)``)."""
     forecast_known: bool = False
     """The forecast came from the request itself (``forecast_request``): outliving it re-forecasts one
     block at a time instead of asking the forecaster's tail quantile."""

@@ -76,6 +76,15 @@ def reforecast(fc: Any, route: str, generated: int, max_tokens: int) -> int:
         return int(fc.forecast(route, generated=generated, max_tokens=max_tokens))
 
 
+def forecast_hi(fc: Any, route: str, generated: int, max_tokens: int) -> int | None:
+    """A stream's upper forecast (total output tokens) from the forecaster's ``spread`` (see
+    :meth:`~zp_client.forecast.LengthForecaster.spread`); None for a forecaster without one."""
+    spread = getattr(fc, "spread", None)
+    if spread is None:
+        return None
+    return int(spread(route, generated=generated, max_tokens=max_tokens))
+
+
 class Scanner:
     """Watches a response body go by: counts SSE events, finds ``usage``, strips the one zp added."""
 
@@ -240,13 +249,19 @@ class Scanner:
             # Reached its forecast and still going: ask again, given the tokens so far. At the forecast
             # end itself the policy already reads the lease as outgrown (projected to its bound), so a
             # new forecast here loosens that as soon as it is known.
+            hi: int | None
             if plan.forecast_known or self.forecaster is None:
-                new = min(plan.max_tokens, generated + self.block_size)
+                new = hi = min(plan.max_tokens, generated + self.block_size)
             else:
                 new = reforecast(self.forecaster, plan.route, generated, plan.max_tokens)
+                hi = None
+                if plan.spread:
+                    hi = forecast_hi(self.forecaster, plan.route, generated, plan.max_tokens)
             if new > self.forecast:
                 self.forecast = new
                 fields["forecast_tokens"] = new
+                if hi is not None and plan.spread:
+                    fields["forecast_hi"] = max(hi, new)
         held = min(self.bound, -(-tokens // self.block_size))
         if fields or held >= self.reported + _ELASTIC_REPORT_STEP_BLOCKS:
             self.reported = held

@@ -36,12 +36,17 @@ def run(args: argparse.Namespace) -> int:
     """Run ``zp-client calibrate``; returns the exit status."""
     from zp_client.calibration import calibrate
 
-    logging.getLogger("zp_client").setLevel(logging.CRITICAL)  # errors are reported below, in one line
+    # errors are reported below, in one line; the logger's level is restored for an in-process caller
+    log = logging.getLogger("zp_client")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
     try:
         cal = calibrate(args.url, headroom=args.headroom, policy=args.policy, timeout_s=args.timeout)
     except ZPError as exc:
         print(f"zp-client calibrate: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    finally:
+        log.setLevel(level)
     if args.json:
         print(json.dumps(cal.as_dict(), sort_keys=True))
         return 0

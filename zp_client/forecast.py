@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from zp_client.errors import ConfigurationError
 
 __all__ = [
-    "BUCKET_RATIO", "DEFAULT_Q", "DEFAULT_Q_BLIND", "DEFAULT_Q_TAIL", "LengthForecaster", "LengthHistogram",
-    "Prior",
+    "BUCKET_RATIO", "DEFAULT_Q", "DEFAULT_Q_BLIND", "DEFAULT_Q_SPREAD", "DEFAULT_Q_TAIL", "LengthForecaster",
+    "LengthHistogram", "Prior",
 ]
 
 BUCKET_RATIO = 1.15
@@ -39,6 +39,10 @@ DEFAULT_Q_BLIND = 0.9
 #: several leases outgrowing their medians at once is what overflows the pool. See docs/elastic.md, "The
 #: defaults and why", for the measurement that chose it.
 DEFAULT_Q_TAIL = 0.5
+#: Quantile of :meth:`LengthForecaster.spread`: a stream's upper forecast, sent with its lease as
+#: ``forecast_hi`` so that an elastic policy with a spread-sized reserve (``ElasticPolicy(reserve_z=...)``)
+#: can size the pool's reserve from the live leases' forecast uncertainty (docs/elastic.md).
+DEFAULT_Q_SPREAD = 0.9
 _MAX_LEN = 1 << 20
 # Bucket edges: [0, 1), [1, 2), then geometric. Edge i is the lower bound of bucket i.
 _EDGES: list[float] = [0.0, 1.0]
@@ -180,6 +184,7 @@ class LengthForecaster:
         priors: Mapping[str, Prior] | None = None,
         q_blind: float | None = None,
         q_tail: float | None = None,
+        q_spread: float = DEFAULT_Q_SPREAD,
     ) -> None:
         if not 0.0 < q < 1.0:
             raise ConfigurationError(f"forecast quantile q must be in (0, 1), got {q!r}")
@@ -191,7 +196,10 @@ class LengthForecaster:
             q_tail = max(q, DEFAULT_Q_TAIL)
         if not 0.0 < q_tail < 1.0:
             raise ConfigurationError(f"forecast quantile q_tail must be in (0, 1), got {q_tail!r}")
+        if not 0.0 < q_spread < 1.0:
+            raise ConfigurationError(f"forecast quantile q_spread must be in (0, 1), got {q_spread!r}")
         self.q = q
+        self.q_spread = q_spread
         self.q_blind = q_blind
         self.q_tail = q_tail
         self.prior = prior if prior is not None else Prior()
@@ -244,6 +252,14 @@ class LengthForecaster:
         else:
             q = self.q
         x = math.ceil(self.quantile(key, q, generated=generated))
+        return min(x, max_tokens) if max_tokens is not None else x
+
+    def spread(self, key: str, *, generated: int = 0, max_tokens: int | None = None) -> int:
+        """The upper forecast of a stream: total output tokens at the forecaster's ``q_spread`` quantile
+        (default :data:`DEFAULT_Q_SPREAD`) given ``generated`` tokens so far, capped at ``max_tokens``.
+        The transport sends it as the lease's ``forecast_hi``; its distance above :meth:`forecast` is
+        the lease's forecast uncertainty."""
+        x = math.ceil(self.quantile(key, getattr(self, "q_spread", DEFAULT_Q_SPREAD), generated=generated))
         return min(x, max_tokens) if max_tokens is not None else x
 
     def snapshot(self, key: str) -> list[float]:

@@ -19,7 +19,8 @@ from typing import Any
 
 from zp_client.errors import BudgetUnavailable, ZPError
 
-__all__ = ["add_arguments", "run", "server_status", "budget_status", "read_status", "format_status", "watch"]
+__all__ = ["add_arguments", "run", "server_status", "budget_status", "local_budget_status", "read_status",
+           "format_status", "watch"]
 
 logger = logging.getLogger("zp_client.status_cli")
 
@@ -93,6 +94,19 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
     out: dict[str, Any] = {"name": name, "redis": _redact(redis_url), "exists": exists}
     if not exists:
         return out
+    return _from_status(out, s)
+
+
+def local_budget_status(budget: Any) -> dict[str, Any]:
+    """An in-process budget's status (a :class:`~zp_client.LocalBudget`'s, its adaptive limit's state
+    included) in :func:`budget_status`'s shape: ``format_status({"budget": local_budget_status(b)})``
+    prints what ``zp-client status`` prints for a RedisBudget."""
+    s = budget.status_sync()
+    out: dict[str, Any] = {"name": str(getattr(budget, "name", "local")), "redis": None, "exists": True}
+    return _from_status(out, s)
+
+
+def _from_status(out: dict[str, Any], s: Any) -> dict[str, Any]:
     out.update({
         "limit": s.limit,
         "used": s.used,
@@ -104,7 +118,7 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
         "policy": s.policy,
         "block_size": s.block_size,
     })
-    for key in ("epoch", "recovering", "recovery_left_s", "starvation_bound_s", "limit_version"):
+    for key in ("epoch", "recovering", "recovery_left_s", "starvation_bound_s", "limit_version", "adaptive"):
         if key in s.extra:
             out[key] = s.extra[key]
     return out
@@ -251,7 +265,8 @@ def _budget_lines(b: dict[str, Any]) -> list[str]:
         out.append(f"budget {b['name']!r} at {b['redis']}: does not exist (no client has used it yet; "
                    "nothing was created)")
         return out
-    out.append(f"budget {b['name']!r} at {b['redis']} (policy {b['policy']}, block size {b['block_size']})")
+    where = f" at {b['redis']}" if b.get("redis") else " (in this process)"
+    out.append(f"budget {b['name']!r}{where} (policy {b['policy']}, block size {b['block_size']})")
     out.append(f"  limit:            {b['limit']} blocks")
     out.append(f"  used:             {b['used']} blocks reserved by {b['leases']} leases ({b['free']} free)")
     out.append(f"  held:             {b['held']} blocks occupied now (as reported by the streams)")
@@ -263,6 +278,34 @@ def _budget_lines(b: dict[str, Any]) -> list[str]:
     out.append(f"  head wait:        {b['head_wait_s']:.3f} s")
     if b.get("recovering"):
         out.append(f"  recovering:       admitting nothing new for {b['recovery_left_s']:.1f} s more")
+    ad = b.get("adaptive")
+    if isinstance(ad, dict):
+        out += _adaptive_lines(ad)
+    return out
+
+
+def _adaptive_lines(a: dict[str, Any]) -> list[str]:
+    """The adaptive limit's lines (zp_client.adaptive): leader, calibrated limit and floor, last change."""
+    leader = a.get("leader")
+    ttl = a.get("leader_ttl_s")
+    if leader:
+        who = f"leader {leader}" + (f" (lease {ttl:.1f} s left)" if isinstance(ttl, (int, float)) else "")
+    else:
+        who = "no leader now (the last one's lease lapsed; the limit stays as it is)"
+    cal, floor = _show(a.get("calibrated")), _show(a.get("floor"))
+    out = [f"  adaptive limit:   {who}; calibrated {cal}, floor {floor}"]
+    if a.get("last_reason"):
+        age = a.get("last_change_age_s")
+        when = f" {age:.1f} s ago" if isinstance(age, (int, float)) else ""
+        out.append(f"  last change:      {a.get('last_old')} -> {a.get('last_new')} blocks "
+                   f"({a['last_reason']}){when}; {_show(a.get('changes'))} changes")
+    else:
+        out.append("  last change:      none")
+    if a.get("polls"):
+        bypass = a.get("last_bypass_blocks")
+        out.append(f"  last poll:        /metrics {a.get('metrics')}; +{_show(a.get('last_preemptions'))} "
+                   f"preemptions, {_show(a.get('last_overloads'))} overload answers, bypass "
+                   f"{'unknown' if bypass in (None, '') else f'{bypass} blocks'}")
     return out
 
 

@@ -8,6 +8,7 @@ Example::
     zp-client storm --workload seed-burst --sweep 0.5,1,2,4     # the overload curve
     zp-client storm --workload seed-burst --redis redis://127.0.0.1:6379/0     # adds zp-redis (real clock)
     zp-client storm --trace my-traffic.jsonl --load-scale 2                    # your own requests
+    zp-client storm --workload agentic --bypass 0.25 --setups no-admission,zp-elastic  # unadmitted traffic
 
 Runs are on a virtual clock by default (deterministic, as fast as the CPU allows); ``--clock real``
 serves the simulator on loopback HTTP in real time x ``--speedup`` (the only mode for the multi-process
@@ -76,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=3, help="zp-redis worker processes (default 3)")
     parser.add_argument("--max-requests", type=int, default=None,
                         help="trace replays: requests in the window")
+    parser.add_argument("--bypass", type=float, default=0.0, metavar="F",
+                        help="every zp-* setup sends fraction F of the requests (the same ones, chosen from "
+                             "--seed) straight to the server, unadmitted (a plain openai client, the naive "
+                             "setup's retries); a no-op for the other setups")
+    parser.add_argument("--bypass-window", default=None, metavar="START:END",
+                        help="--bypass only for requests submitted in [START, END) virtual seconds of the "
+                             "run (either side may be empty)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     # --trace FILE: a team's own requests through every setup (docs/benchmark.md#your-own-traffic)
     from zp_client.bench.tracefile import TRACE_FORMATS
@@ -155,6 +163,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         setups = parse_setups(args.setups, args.redis)
         loads = _parse_sweep(args.sweep)
+        from zp_client.bench.bypass import parse_window
+
+        bypass = float(getattr(args, "bypass", 0.0) or 0.0)
+        if not 0.0 <= bypass <= 1.0:
+            raise ConfigurationError(f"--bypass takes a fraction in [0, 1], got {bypass!r}")
+        bypass_window = parse_window(getattr(args, "bypass_window", None))
+        if bypass_window is not None and not bypass:
+            raise ConfigurationError("--bypass-window needs --bypass F (F > 0)")
     except ZPError as exc:
         print(f"zp-client storm: {exc}", file=sys.stderr)
         return 2
@@ -178,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len if args.max_model_len is not None else mml,
             speedup=args.speedup or speedup, redis_url=args.redis, time_scale=args.time_scale,
             load_scale=args.load_scale, workers=args.workers, workload_overrides=overrides, clock=clock,
-            client_load=args.client_load,
+            client_load=args.client_load, bypass=bypass, bypass_window=bypass_window,
         )
     except ZPError as exc:
         print(f"zp-client storm: {exc}", file=sys.stderr)

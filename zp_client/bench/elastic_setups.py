@@ -1,5 +1,5 @@
-"""The elastic storm setups (``zp-elastic``, ``zp-oracle``, ``zp-redis-elastic``), registered into
-:mod:`zp_client.bench.setups` on import.
+"""The elastic storm setups (``zp-elastic``, ``zp-oracle``, ``zp-redis-elastic``, ``zp-adaptive``),
+registered into :mod:`zp_client.bench.setups` on import.
 
 Measurements override the forecaster, headroom and budget knobs with an
 :class:`~zp_client.bench.tuning.ElasticTuning` (``SetupContext.elastic``); unset, the library defaults
@@ -25,11 +25,17 @@ from zp_client.bench.setups import (
 from zp_client.bench.tuning import ElasticTuning
 from zp_client.errors import ConfigurationError
 
-__all__ = ["ELASTIC_SETUPS", "redis_elastic_available"]
+__all__ = ["ADAPTIVE_MODULE", "AdaptiveCaller", "ELASTIC_SETUPS", "URESERVE_HEADROOM", "URESERVE_Z",
+           "redis_elastic_available"]
 
 log = logging.getLogger("zp_client.bench.elastic_setups")
 
 ELASTIC_SETUPS: tuple[str, ...] = ("zp-elastic", "zp-oracle")
+
+#: ``zp-elastic-ureserve``: the whole usable pool is the limit, and the reserve for forecast error is
+#: sized from the live leases' spread (``ElasticPolicy(reserve_z=...)``) instead of a flat 5%.
+URESERVE_HEADROOM = 1.0
+URESERVE_Z = 0.5
 
 
 def _forecaster(tuning: ElasticTuning) -> Any | None:
@@ -58,7 +64,7 @@ def _limit(ctx: SetupContext) -> int:
     return zp_limit_blocks(ctx.num_gpu_blocks, ELASTIC_HEADROOM if h is None else h)
 
 
-def _local_elastic(ctx: SetupContext) -> Any:
+def _local_elastic(ctx: SetupContext, *, policy: Any = "elastic", limit: int | None = None) -> Any:
     from zp_client.budget.local import LocalBudget
 
     kw: dict[str, Any] = {}
@@ -67,12 +73,24 @@ def _local_elastic(ctx: SetupContext) -> Any:
         kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
     if ctx.elastic.longest_first_s is not None:
         kw["longest_first_s"] = ctx.elastic.longest_first_s
-    return LocalBudget(limit_blocks=_limit(ctx), block_size=ctx.block_size, policy="elastic",
-                       clock=ctx.budget_clock(), **kw)
+    return LocalBudget(limit_blocks=_limit(ctx) if limit is None else limit, block_size=ctx.block_size,
+                       policy=policy, clock=ctx.budget_clock(), **kw)
 
 
 async def _zp_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     client = await zp_client_for(ctx, stack, _local_elastic(ctx), forecaster=_forecaster(ctx.elastic))
+    return AppCaller(client, ctx.model, app_retry=True)
+
+
+async def _zp_elastic_ureserve(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    from zp_client.budget.elastic import ElasticPolicy
+
+    h = ctx.elastic.headroom
+    z = ctx.elastic.reserve_z
+    policy = ElasticPolicy(ctx.block_size, reserve_z=URESERVE_Z if z is None else z)
+    limit = zp_limit_blocks(ctx.num_gpu_blocks, URESERVE_HEADROOM if h is None else h)
+    budget = _local_elastic(ctx, policy=policy, limit=limit)
+    client = await zp_client_for(ctx, stack, budget, forecaster=_forecaster(ctx.elastic))
     return AppCaller(client, ctx.model, app_retry=True)
 
 
@@ -84,6 +102,60 @@ async def _zp_oracle(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Cal
     oracle = SimOracleForecaster(forecaster_for(budget))
     client = await zp_client_for(ctx, stack, budget, forecaster=oracle)
     return AppCaller(client, ctx.model, app_retry=True)
+
+
+#: The module ``zp-adaptive`` needs (imported only when the setup is built).
+ADAPTIVE_MODULE = "zp_client.adaptive"
+
+
+class AdaptiveCaller(AppCaller):
+    """``zp-elastic``'s caller with the budget's adaptive limit controller beside it: exposes
+    :attr:`limit_timeline` (the storm report's limit trajectory)."""
+
+    def __init__(self, client: Any, model: str, controller: Any, *, start: float, start_limit: int) -> None:
+        super().__init__(client, model, app_retry=True)
+        self.controller = controller
+        self._start = (float(start), int(start_limit))
+
+    @property
+    def limit_timeline(self) -> list[tuple[float, int]]:
+        """``(t, limit)``: the controller's own ``limit_timeline()`` where it has one, else the limit when
+        it started, then every change it made (``t`` on the budget's clock, as ``changes[i].at``)."""
+        own = getattr(self.controller, "limit_timeline", None)
+        if callable(own):
+            tl = [(float(t), int(lim)) for t, lim in own()]
+            if tl:
+                return tl
+        out = [self._start]
+        out += [(float(c.at), int(c.new)) for c in getattr(self.controller, "changes", [])]
+        return out
+
+
+async def _zp_adaptive(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    """``zp-elastic`` with :class:`zp_client.adaptive.AdaptiveLimit` on its budget: the controller polls the
+    run's server (``ctx.root_url``'s ``/metrics``) through the run's transport (the in-memory one on the
+    virtual clock) on the budget's clock, every virtual second, from the calibrated elastic limit."""
+    import importlib
+
+    try:
+        adaptive = importlib.import_module(ADAPTIVE_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != ADAPTIVE_MODULE:
+            raise
+        raise ConfigurationError(f"zp-adaptive needs {ADAPTIVE_MODULE}, which this installation does not "
+                                 "have") from None
+    budget = _local_elastic(ctx)
+    client = await zp_client_for(ctx, stack, budget, forecaster=_forecaster(ctx.elastic))
+    http = ctx.metrics_client()
+    if http is not None:
+        stack.push_async_callback(http.aclose)
+    # one virtual second between polls: on the real clock the budget's clock is the system's
+    poll = 1.0 if ctx.virtual else 1.0 / ctx.speedup
+    controller = adaptive.AdaptiveLimit(budget, ctx.root_url, calibrated_limit=budget.limit,
+                                        poll_interval_s=poll, http_client=http, clock=budget.clock)
+    start = budget.clock.monotonic()
+    await stack.enter_async_context(controller)  # closed before the budget and the client (LIFO)
+    return AdaptiveCaller(client, ctx.model, controller, start=start, start_limit=budget.limit)
 
 
 def redis_elastic_available() -> bool:
@@ -115,6 +187,13 @@ register_setup(SetupSpec("zp-elastic", True,
 register_setup(SetupSpec("zp-oracle", True,
                          description="zp-elastic forecasting each request's TRUE length (reference)"),
                _zp_oracle, after="zp-elastic")
+register_setup(SetupSpec("zp-adaptive", True, default=False, requires=ADAPTIVE_MODULE,
+                         description="zp-elastic + AdaptiveLimit (the limit follows the server's /metrics)"),
+               _zp_adaptive, after="zp-oracle")
+register_setup(SetupSpec("zp-elastic-ureserve", True, default=False,
+                         description="zp-elastic on the whole pool, reserve sized by the live leases' "
+                                     "forecast spread"),
+               _zp_elastic_ureserve, after="zp-oracle")
 if redis_elastic_available():
     register_setup(SetupSpec("zp-redis-elastic", True, needs_redis=True, workers=3,
                              description="wrap(AsyncOpenAI) + RedisBudget(policy='elastic') shared by 3 "

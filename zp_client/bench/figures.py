@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OKABE_ITO", "SetupStyle", "setup_style", "storm_figure", "sweep_figure", "write_storm_png",
-           "write_sweep_png"]
+__all__ = ["OKABE_ITO", "SetupStyle", "limit_figure", "setup_style", "storm_figure", "sweep_figure",
+           "write_limit_png", "write_storm_png", "write_sweep_png"]
 
 #: The Okabe-Ito palette (Okabe & Ito 2008, "Color Universal Design"), by name.
 OKABE_ITO: dict[str, str] = {
@@ -48,6 +48,8 @@ _STYLES: dict[str, SetupStyle] = {
     "zp-strict": SetupStyle(OKABE_ITO["sky_blue"], (0, (4, 1.5, 1, 1.5)), "s"),
     "zp-elastic": SetupStyle(OKABE_ITO["blue"], "solid", "D"),
     "zp-oracle": SetupStyle(OKABE_ITO["bluish_green"], (0, (3, 1)), "^"),
+    "zp-adaptive": SetupStyle(OKABE_ITO["blue"], (0, (5, 1, 1, 1)), "p"),
+    "zp-elastic-ureserve": SetupStyle(OKABE_ITO["sky_blue"], (0, (2, 2)), "d"),
     "clairvoyant": SetupStyle(OKABE_ITO["reddish_purple"], (0, (6, 1.5, 1, 1.5, 1, 1.5)), "P"),
     "zp-redis": SetupStyle(OKABE_ITO["sky_blue"], (0, (1, 1)), "h", "//"),
     "zp-redis-elastic": SetupStyle(OKABE_ITO["blue"], (0, (1, 1)), "*", "//"),
@@ -341,3 +343,58 @@ def sweep_figure(sweep: dict[str, Any]) -> Any:
 def write_sweep_png(sweep: dict[str, Any], path: Path) -> None:
     """Write :func:`sweep_figure` to ``path`` as a PNG."""
     sweep_figure(sweep).savefig(path, dpi=100)
+
+
+def limit_figure(report: dict[str, Any]) -> Any:
+    """The budget limit over the run, for every setup with a ``limit_timeline`` (the adaptive limit): one
+    step line per setup (styles as in ``storm.png``), each change a marker; the usable pool
+    (num_gpu_blocks - 1) as a dashed line; the bypass window, if the run had one, shaded. Reads only the
+    report dictionary (``report["limit_timelines"]``)."""
+    tls: dict[str, list[list[float]]] = report.get("limit_timelines") or {}
+    by = {m["setup"]: m for m in report.get("setups", [])}
+    w = report.get("workload", {})
+    fig = _new_figure((11.0, 5.2))
+    ax = fig.add_subplot(1, 1, 1)
+    fig.subplots_adjust(left=0.09, right=0.97, top=0.86, bottom=0.13)
+    t_end = max([tl[-1][0] for tl in tls.values() if tl]
+                + [by[n].get("makespan") or 0 for n in tls if n in by] + [1e-9])
+    lo, hi = math.inf, 0.0
+    for name, tl in tls.items():
+        if not tl:
+            continue
+        st = setup_style(name)
+        ts = [p[0] for p in tl] + [max(t_end, tl[-1][0])]
+        ys = [p[1] for p in tl] + [tl[-1][1]]
+        lo, hi = min(lo, *ys), max(hi, *ys)
+        ax.step(ts, ys, where="post", color=st.color, ls=st.linestyle, lw=1.8,
+                label=f"{name}: {len(tl) - 1} changes, {int(min(ys))}-{int(max(ys))} blocks")
+        ax.plot(ts[1:-1], ys[1:-1], ls="none", marker=st.marker, color=st.color, ms=5,
+                markeredgecolor="black", markeredgewidth=0.4)
+    pool = report.get("server", {}).get("num_gpu_blocks")
+    if pool:
+        ax.axhline(pool - 1, color="black", lw=0.9, ls=(0, (2, 2)), label=f"usable pool: {pool - 1} blocks")
+        hi = max(hi, pool - 1)
+    window = (report.get("bypass") or {}).get("window")
+    if window is not None:
+        end = window[1] if window[1] is not None else t_end
+        ax.axvspan(window[0], min(end, t_end), color="0.85", alpha=0.6, lw=0, label="bypass window")
+    elif report.get("bypass"):
+        ax.text(0.99, 0.98, f"bypass {report['bypass']['fraction']:.0%} of the requests, the whole run",
+                transform=ax.transAxes, fontsize=8, ha="right", va="top",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.85})
+    if math.isfinite(lo):
+        pad = max(1.0, 0.05 * (hi - lo))
+        ax.set_ylim(max(0.0, lo - pad), hi + pad)
+    ax.set_xlim(0, t_end * 1.02)
+    ax.set_xlabel("virtual seconds since the run's start", fontsize=9)
+    ax.set_ylabel("budget limit, KV blocks", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best", framealpha=0.9)
+    fig.suptitle(f"zp budget limit over time: {w.get('name', '?')} (seed {w.get('seed', '?')})", fontsize=12,
+                 fontweight="bold", x=0.09, ha="left")
+    return fig
+
+
+def write_limit_png(report: dict[str, Any], path: Path) -> None:
+    """Write :func:`limit_figure` to ``path`` as a PNG."""
+    limit_figure(report).savefig(path, dpi=100)

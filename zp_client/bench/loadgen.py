@@ -100,6 +100,8 @@ class RequestRecord:
     error: str | None = None
     sent: bool = False  # False: its conversation had stopped after an earlier error
     stream: bool = True
+    bypass: bool = False
+    """Sent straight to the server around the setup's zp budget (``--bypass``, :mod:`.bypass`)."""
     token_times: list[float] = field(default_factory=list, repr=False)
 
     @property
@@ -127,7 +129,7 @@ class RequestRecord:
             "t_submit": self.t_submit, "t_first": self.t_first, "t_end": self.t_end,
             "ttft": self.ttft, "tpot": self.tpot, "out_tokens": self.out_tokens,
             "attempts": self.attempts, "ok": self.ok, "error": self.error, "sent": self.sent,
-            "stream": self.stream,
+            "stream": self.stream, "bypass": self.bypass,
         }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,82 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 def _e2e(r: RequestRecord) -> float | None:
     return None if r.t_end is None or r.t_submit is None else r.t_end - r.t_submit
+
+
+def bypass_selector(run: SetupRun) -> Callable[[RequestRecord], bool] | None:
+    """Which of ``run``'s records count as bypass traffic in its report's split: those it sent around
+    its budget (``rec.bypass``) where ``--bypass`` applied to the setup; for the other setups, the same
+    requests (the plan's ids, submitted inside the window) for reference; None without ``--bypass``."""
+    b = run.bypass
+    if b is None:
+        return None
+    if b.get("applies"):
+        return lambda r: r.bypass
+    from zp_client.bench.bypass import occurrence_keys
+
+    ids = frozenset(b.get("ids") or ())
+    window = b.get("window")
+    # records are in submit order, so a repeated id's n-th record is its n-th request, as in the plan
+    keys = dict(zip(map(id, run.records), occurrence_keys(r.id for r in run.records), strict=True))
+
+    def selected(r: RequestRecord) -> bool:
+        if keys.get(id(r)) not in ids:
+            return False
+        if window is None:
+            return True
+        start, end = window
+        return r.t_submit is not None and start <= r.t_submit and (end is None or r.t_submit < end)
+
+    return selected
+
+
+#: The per-group metrics of the admitted / bypass split (keys of each group's dictionary).
+GROUP_METRICS = ("requests", "sent", "ok", "errors", "good", "slo_attainment", "goodput_rps", "goodput_tps",
+                 "ttft_p50", "ttft_p99")
+
+
+def _group(recs: list[RequestRecord], wl: Workload, makespan: float) -> dict[str, Any]:
+    """One group's goodput and TTFT over the WHOLE run's makespan (so the groups' goodputs add up to the
+    setup's)."""
+    sent = [r for r in recs if r.sent]
+    ok = [r for r in sent if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    good = [r for r in ok if wl.slo.met(r.ttft, r.tpot, streamed=r.stream, out_tokens=r.out_tokens,
+                                        e2e=_e2e(r))]
+    return {
+        "requests": len(recs), "sent": len(sent), "ok": len(ok), "errors": len(sent) - len(ok),
+        "good": len(good), "slo_attainment": _r(len(good) / len(sent) if sent else None, 3),
+        "goodput_rps": _r(len(good) / makespan if makespan else 0.0),
+        "goodput_tps": _r(sum(r.out_tokens for r in good) / makespan if makespan else 0.0, 1),
+        "ttft_p50": _r(_q(ttfts, 0.5)), "ttft_p99": _r(_q(ttfts, 0.99)),
+    }
+
+
+def _bypass_metrics(run: SetupRun, wl: Workload, makespan: float) -> dict[str, Any]:
+    """The admitted / bypass split of one setup (empty without ``--bypass``): ``bypass`` = {``applies``,
+    ``admitted``, ``bypass``} (each :data:`GROUP_METRICS`) and the flat keys a sweep keeps."""
+    sel = bypass_selector(run)
+    if sel is None:
+        return {}
+    byp = [r for r in run.records if sel(r)]
+    adm = [r for r in run.records if not sel(r)]
+    a, b = _group(adm, wl, makespan), _group(byp, wl, makespan)
+    applies = bool(run.bypass and run.bypass.get("applies"))
+    return {
+        "bypass": {"applies": applies, "admitted": a, "bypass": b},
+        "bypass_sent": sum(1 for r in run.records if r.bypass),
+        "admitted_goodput_rps": a["goodput_rps"], "admitted_ttft_p99": a["ttft_p99"],
+        "bypass_goodput_rps": b["goodput_rps"], "bypass_ttft_p99": b["ttft_p99"],
+    }
+
+
+def _limit_metrics(run: SetupRun) -> dict[str, Any]:
+    tl = run.limit_timeline
+    if not tl:
+        return {}
+    limits = [lim for _, lim in tl]
+    return {"limit_changes": len(tl) - 1, "limit_min": min(limits), "limit_max": max(limits),
+            "limit_final": limits[-1]}
 
 
 def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: float) -> dict[str, Any]:
@@ -130,6 +207,9 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "sim_max_lag_s": _r(st.get("max_lag_s")),
         "effective_speedup": _r(effective, 3),
         "sim_lagging": bool(st.get("lagging")),
+        "leases_granted": run.leases_granted,
+        **_bypass_metrics(run, wl, makespan),
+        **_limit_metrics(run),
     }
 
 
@@ -296,6 +376,8 @@ def storm_verdict(report: dict[str, Any]) -> list[str]:
         lines.append(f"{focus}: {f['preemptions']} preemptions" + (f" ({pre})" if pre else "")
                      + f"; goodput {f['goodput_rps']:.3f} good req/s" + (f" = {gp}" if gp else "")
                      + f"; {_pct(f['slo_attainment'])} of requests within SLO" + (f" ({slo})" if slo else ""))
+        if report.get("bypass") and f.get("bypass"):
+            lines.append(_bypass_verdict(report["bypass"], f, base))
     if base is not None and base.get("goodput_rps"):
         others = [m for m in setups if m["setup"] not in ("no-admission", focus)]
         vs_naive = naive is not None and bool(naive.get("goodput_rps"))
@@ -306,6 +388,26 @@ def storm_verdict(report: dict[str, Any]) -> list[str]:
                    if vs_naive and naive is not None and m is not naive else "")
                 for m in others))
     return lines
+
+
+def _bypass_verdict(plan: dict[str, Any], f: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """The verdict's bypass line: the focus setup's admitted and bypass goodput and TTFT p99 (and
+    no-admission's for the same requests)."""
+
+    def both(m: dict[str, Any]) -> str:
+        a, b = m["bypass"]["admitted"], m["bypass"]["bypass"]
+        return (f"admitted {a['goodput_rps']:.3f} good req/s (TTFT p99 {_secs(a['ttft_p99'])}), bypass "
+                f"{b['goodput_rps']:.3f} (TTFT p99 {_secs(b['ttft_p99'])})")
+
+    line = (f"bypass {plan['fraction']:.0%} ({f.get('bypass_sent', 0)} requests around the budget): "
+            f"{f['setup']} " + both(f))
+    if base is not None and base.get("bypass"):
+        line += "; no-admission, same requests: " + both(base)
+    return line
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
 
 
 def _pct(x: float | None) -> str:
@@ -350,9 +452,23 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
         "ttfts": {r.name: sorted(round(x.ttft, 4) for x in r.records if x.ok and x.ttft is not None)
                   for r in runs},
         "requests": {r.name: [x.to_json() for x in r.records] for r in runs},
+        "bypass": _bypass_plan(runs),
+        "limit_timelines": {r.name: [[t, lim] for t, lim in r.limit_timeline] for r in runs
+                            if r.limit_timeline},
     }
     report["verdict"] = storm_verdict(report)
     return report
+
+
+def _bypass_plan(runs: list[SetupRun]) -> dict[str, Any] | None:
+    """The storm's bypass plan as the report keeps it (without the ids: the records carry ``bypass``),
+    with the setups it applied to; None without ``--bypass``."""
+    plan = next((r.bypass for r in runs if r.bypass is not None), None)
+    if plan is None:
+        return None
+    out = {k: v for k, v in plan.items() if k not in ("ids", "applies")}
+    out["setups"] = [r.name for r in runs if r.bypass and r.bypass.get("applies")]
+    return out
 
 
 _COLUMNS = [
@@ -459,8 +575,60 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+_BYPASS_COLUMNS = [
+    ("requests", "requests", None),
+    ("in SLO", "slo_attainment", "pct"),
+    ("good req/s", "goodput_rps", "{:.3f}"),
+    ("good tok/s", "goodput_tps", "{:.0f}"),
+    ("TTFT p50", "ttft_p50", "{:.2f}"),
+    ("TTFT p99", "ttft_p99", "{:.2f}"),
+    ("errors", "errors", None),
+]
+
+
+def bypass_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]] | None:
+    """The admitted / bypass table (one row per setup: each group's metrics side by side), or None
+    without ``--bypass``. Setups the bypass does not apply to show the same requests, marked ``(ref)``."""
+    if not report.get("bypass"):
+        return None
+    head = ["setup", "bypassed"] + [f"adm {h}" for h, _, _ in _BYPASS_COLUMNS] + [
+        f"byp {h}" for h, _, _ in _BYPASS_COLUMNS]
+    rows = []
+    for m in report["setups"]:
+        split = m.get("bypass")
+        if not split:
+            continue
+        label = m["setup"] + ("" if split["applies"] else " (ref)")
+        rows.append([label, str(m.get("bypass_sent", 0))]
+                    + [_fmt(split["admitted"].get(k), f) for _, k, f in _BYPASS_COLUMNS]
+                    + [_fmt(split["bypass"].get(k), f) for _, k, f in _BYPASS_COLUMNS])
+    return head, rows
+
+
+def bypass_lines(report: dict[str, Any]) -> list[str]:
+    """What the bypass split means, in words (printed above its table); empty without ``--bypass``."""
+    b = report.get("bypass")
+    if not b:
+        return []
+    window = b.get("window")
+    when = ("the whole run" if window is None else
+            f"requests submitted in [{window[0]:g}, {'end' if window[1] is None else f'{window[1]:g}'}) "
+            "virtual s of the run")
+    return [f"bypass: {b['fraction']:.0%} of the logical requests ({b['selected']} of {b['total']}, chosen "
+            f"from seed {b['seed']}) sent by {', '.join(b['setups']) or 'no setup'} straight to the server, "
+            f"unadmitted, during {when}; client: {b['client']}",
+            "adm = admitted (the rest), byp = bypass; goodput per virtual second of the whole run's "
+            "makespan (the two add up to the setup's); setups marked (ref) have no budget to go around: "
+            "their columns split the same requests for comparison"]
+
+
 def markdown_table(report: dict[str, Any]) -> str:
-    return _markdown(*table_rows(report))
+    """The storm table as GitHub markdown (and, with ``--bypass``, the admitted / bypass table)."""
+    out = _markdown(*table_rows(report))
+    split = bypass_rows(report)
+    if split is not None:
+        out += "\n\n" + _markdown(*split)
+    return out
 
 
 def print_table(report: dict[str, Any], console: Any = None) -> None:
@@ -477,6 +645,20 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
     for r in rows:
         table.add_row(*r)
     console.print(table)
+    split = bypass_rows(report)
+    if split is not None:
+        for line in bypass_lines(report):
+            console.print(line, highlight=False, soft_wrap=True)
+        bt = Table(title=f"storm: {report['workload']['name']}, admitted vs bypass")
+        for h in split[0]:
+            bt.add_column(h, justify="left" if h == "setup" else "right", no_wrap=h == "setup")
+        for r in split[1]:
+            bt.add_row(*r)
+        console.print(bt)
+    for name, tl in (report.get("limit_timelines") or {}).items():
+        limits = [lim for _, lim in tl]
+        console.print(f"limit {name}: {limits[0]} blocks at the start, {len(tl) - 1} changes, min "
+                      f"{min(limits)}, max {max(limits)}, final {limits[-1]} (limit.png)", highlight=False)
     for k, v in report["ratios"].items():
         console.print(f"{k}: {v if v is not None else '-'}x", highlight=False)
     for m in report["setups"]:
@@ -532,6 +714,10 @@ def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     jp.write_text(json.dumps(report, indent=1))
     pp = out_dir / "storm.png"
     write_png(report, pp)
+    if report.get("limit_timelines"):
+        from zp_client.bench.figures import write_limit_png
+
+        write_limit_png(report, out_dir / "limit.png")
     return jp, pp
 
 
@@ -547,7 +733,9 @@ COLLAPSE_RULE = (f"collapse = the first offered load whose goodput is more than 
 #: Per setup and load, the metrics a sweep keeps (keys of :func:`compute_metrics`), plus the ratios
 #: ``goodput_vs_no_admission`` and ``goodput_vs_naive`` it computes.
 SWEEP_METRICS = ("goodput_rps", "goodput_tps", "slo_attainment", "amplification", "preemptions",
-                 "gateway_504", "ttft_p50", "ttft_p99", "makespan", "errors", "sent", "good", "valid")
+                 "gateway_504", "ttft_p50", "ttft_p99", "makespan", "errors", "sent", "good", "valid",
+                 "bypass_sent", "admitted_goodput_rps", "admitted_ttft_p99", "bypass_goodput_rps",
+                 "bypass_ttft_p99")
 
 
 def collapse_point(loads: list[float], goodputs: list[float | None]) -> dict[str, Any]:
@@ -683,9 +871,23 @@ _SWEEP_COLUMNS = [
 ]
 
 
+_SWEEP_BYPASS_COLUMNS = [
+    ("bypassed", "bypass_sent", None),
+    ("adm good/s", "admitted_goodput_rps", "{:.3f}"),
+    ("adm TTFT p99", "admitted_ttft_p99", "{:.2f}"),
+    ("byp good/s", "bypass_goodput_rps", "{:.3f}"),
+    ("byp TTFT p99", "bypass_ttft_p99", "{:.2f}"),
+]
+
+
 def sweep_rows(sweep: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """The sweep table: one row per (setup, load), setups in run order, loads ascending."""
-    head = ["setup", "load"] + [c[0] for c in _SWEEP_COLUMNS]
+    """The sweep table: one row per (setup, load), setups in run order, loads ascending; with
+    ``--bypass``, the admitted / bypass columns too."""
+    columns = list(_SWEEP_COLUMNS)
+    met = sweep["metrics"]
+    if any(v is not None for n in sweep["setups"] for v in met[n].get("admitted_goodput_rps", [])):
+        columns += _SWEEP_BYPASS_COLUMNS
+    head = ["setup", "load"] + [c[0] for c in columns]
     rows = []
     for n in sweep["setups"]:
         m = sweep["metrics"][n]
@@ -693,7 +895,7 @@ def sweep_rows(sweep: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             if m["goodput_rps"][i] is None and m["sent"][i] is None:
                 continue
             label = n + ("" if m["valid"][i] in (True, None) else " (SATURATED)")
-            rows.append([label, _load(x)] + [_fmt(m[k][i], f) for _, k, f in _SWEEP_COLUMNS])
+            rows.append([label, _load(x)] + [_fmt(m[k][i], f) for _, k, f in columns])
     return head, rows
 
 

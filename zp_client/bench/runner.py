@@ -83,12 +83,24 @@ class StormConfig:
     """A busy client (:class:`~zp_client.bench.loadgen.ClientLoad`): the fraction of real time the
     client's event loop is blocked in 50 ms bursts. Above 0 it needs ``clock="real"``, and the simulator
     then runs in its own process, so that only the client is slow."""
+    bypass: float = 0.0
+    """Fraction of the logical requests every ``zp-*`` setup sends straight to the server, unadmitted
+    (:mod:`~zp_client.bench.bypass`); 0: none (the other setups never bypass)."""
+    bypass_window: tuple[float, float] | None = None
+    """``[start, end)`` virtual seconds of the run during which selected requests bypass; None: all of it."""
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
             raise ConfigurationError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if not 0.0 <= self.client_load < 1.0:
             raise ConfigurationError(f"client_load must be in [0, 1), got {self.client_load!r}")
+        if not 0.0 <= self.bypass <= 1.0:
+            raise ConfigurationError(f"bypass must be a fraction in [0, 1], got {self.bypass!r}")
+        if self.bypass_window is not None:
+            start, end = self.bypass_window
+            if not 0.0 <= start < end:
+                raise ConfigurationError(f"bypass_window must be (start, end) with 0 <= start < end, got "
+                                         f"{self.bypass_window!r}")
 
     @property
     def sim_in_process(self) -> bool:
@@ -120,6 +132,15 @@ class SetupRun:
     limit_blocks: int | None = None
     rate_rps: float | None = None
     metrics_preemptions: float | None = None
+    bypass: dict[str, Any] | None = None
+    """The storm's bypass plan (:meth:`~zp_client.bench.bypass.BypassPlan.as_dict`) and whether it
+    applied to this setup (``applies``), plus the selected ids (``ids``, for the reference split of the
+    setups it does not apply to); None without ``--bypass``."""
+    leases_granted: int | None = None
+    """Leases the setup's zp budget granted over the run (``LocalBudget`` status; None: no local budget)."""
+    limit_timeline: list[tuple[float, int]] | None = None
+    """The budget limit over the run, ``(virtual s since the run's start, limit blocks)``, for a setup
+    whose caller exposes one (``limit_timeline``: the adaptive limit); None otherwise."""
 
 
 @contextlib.asynccontextmanager
@@ -260,9 +281,59 @@ async def measure_unloaded(cfg: StormConfig) -> tuple[ServerFacts, str]:
         return ServerFacts(blocks, bs, mml, itl, rec.ttft or 0.0), model
 
 
+def _leases_granted(caller: Any) -> int | None:
+    """Leases granted so far by the zp budget behind ``caller`` (an AppCaller of a wrapped client on a
+    LocalBudget), or None."""
+    from zp_client._wrap import admitted_budget
+
+    client = getattr(caller, "client", None)
+    if client is None:
+        return None
+    try:
+        budget = admitted_budget(client)
+    except Exception:  # noqa: BLE001 - not a wrapped openai client: nothing to count
+        return None
+    status_sync = getattr(budget, "status_sync", None)
+    if status_sync is None:
+        return None
+    granted = status_sync().extra.get("granted")
+    return int(granted) if granted is not None else None
+
+
+def _limit_timeline(caller: Any, b0: float, speedup: float) -> list[tuple[float, int]] | None:
+    """The caller's ``limit_timeline`` (``(t, limit)`` pairs, ``t`` on the budget's clock) in virtual
+    seconds since the run's start (``b0``: the budget's clock at the start; ``speedup``: virtual seconds per
+    budget-clock second), or None when the caller exposes none."""
+    tl = getattr(caller, "limit_timeline", None)
+    if tl is None:
+        return None
+    if callable(tl):
+        tl = tl()
+    return [(round(max(0.0, (float(t) - b0) * speedup), 6), int(limit)) for t, limit in tl]
+
+
+def _budget_now(ctx: SetupContext) -> float:
+    """The budget's clock now (the loop's on the virtual clock, the system's otherwise)."""
+    from zp_client._clock import SYSTEM_CLOCK
+
+    return float((ctx.budget_clock() or SYSTEM_CLOCK).monotonic())
+
+
+def _plan(cfg: StormConfig, wl: Workload) -> Any:
+    """The storm's bypass plan (:func:`~zp_client.bench.bypass.plan_bypass`), or None without one."""
+    if not cfg.bypass:
+        return None
+    from zp_client.bench.bypass import plan_bypass
+
+    return plan_bypass(wl.sessions, cfg.bypass, cfg.seed, cfg.bypass_window)
+
+
 async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_rps: float | None,
-                   progress: Callable[[str, int], None]) -> SetupRun:
+                   progress: Callable[[str, int], None], plan: Any = None) -> SetupRun:
+    from zp_client.bench.bypass import bypass_applies, open_bypass
+
     spec = SETUPS[name]
+    applies = plan is not None and bypass_applies(name)
     if spec.workers > 1 and cfg.virtual:
         raise ConfigurationError(f"setup {name} runs worker processes, which cannot share a virtual "
                                  "clock: run it with --clock real")
@@ -289,16 +360,25 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
             progress(name, 1)
 
         load = ClientLoad(0.0 if cfg.virtual else cfg.client_load)
+        granted: int | None = None
+        limit_tl: list[tuple[float, int]] | None = None
         async with HarnessMonitor(sample_lag=not cfg.virtual) as mon:
             if spec.workers > 1:
-                records, t0 = await _run_workers(cfg, name, ctx, wl.sessions, clock, done, mon)
+                records, t0 = await _run_workers(cfg, name, ctx, wl.sessions, clock, done, mon,
+                                                 plan if applies else None)
             else:
-                async with open_caller(name, ctx) as caller:
+                async with open_caller(name, ctx) as caller, \
+                        open_bypass(ctx, caller, plan if applies else None) as run_caller:
                     mon.mark()
                     t0 = clock.now()
+                    b0 = _budget_now(ctx)
+                    if run_caller is not caller:
+                        run_caller.t0 = t0  # type: ignore[attr-defined]  # a BypassCaller
                     async with load:
-                        records = await run_sessions(wl.sessions, caller, clock, t0=t0, on_done=done)
+                        records = await run_sessions(wl.sessions, run_caller, clock, t0=t0, on_done=done)
                     mon.stop()
+                    granted = _leases_granted(caller)
+                    limit_tl = _limit_timeline(caller, b0, cfg.effective_speedup)
         if cfg.redis_url and SETUPS[name].needs_redis:
             await _delete_budget_keys(cfg.redis_url, ctx.budget_name)
         if isinstance(server, _SimProcess):
@@ -321,7 +401,10 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         return SetupRun(name, records, stats, list(server.timeline), t0, harness, gateway,
                         limit_blocks=limit if name.startswith("zp") or name == "clairvoyant" else None,
                         rate_rps=rate_rps if name == "rate-limited" else None,
-                        metrics_preemptions=mp_total)
+                        metrics_preemptions=mp_total,
+                        bypass=None if plan is None else {**plan.as_dict(), "applies": applies,
+                                                          "ids": sorted(plan.ids)},
+                        leases_granted=granted, limit_timeline=limit_tl)
 
 
 async def _delete_budget_keys(url: str, budget_name: str) -> None:
@@ -391,8 +474,10 @@ def _count_turns(sessions: list[Session]) -> int:
 
 
 def _worker_main(name: str, factory_module: str, ctx: SetupContext, sessions: list[Session], t0_value: Any,
-                 start_evt: Any, out_q: Any) -> None:
+                 start_evt: Any, out_q: Any, plan: Any = None) -> None:
     import importlib
+
+    from zp_client.bench.bypass import open_bypass
 
     importlib.import_module(factory_module)  # a setup registered by another module exists here too
 
@@ -401,12 +486,14 @@ def _worker_main(name: str, factory_module: str, ctx: SetupContext, sessions: li
         await hc.start()
         clock = VirtualClock(hc.now, ctx.speedup)
         try:
-            async with open_caller(name, ctx) as caller:
+            async with open_caller(name, ctx) as caller, open_bypass(ctx, caller, plan) as run_caller:
                 out_q.put(("ready", None))
                 while not start_evt.is_set():
                     await asyncio.sleep(0.005)
+                if run_caller is not caller:
+                    run_caller.t0 = t0_value.value  # type: ignore[attr-defined]  # a BypassCaller
                 async with HarnessMonitor() as mon:
-                    recs = await run_sessions(sessions, caller, clock, t0=t0_value.value,
+                    recs = await run_sessions(sessions, run_caller, clock, t0=t0_value.value,
                                               on_done=lambda r: out_q.put(("done", None)))
             out_q.put(("records", (recs, mon.summary())))
         finally:
@@ -420,8 +507,8 @@ def _worker_main(name: str, factory_module: str, ctx: SetupContext, sessions: li
 
 
 async def _run_workers(cfg: StormConfig, name: str, ctx: SetupContext, sessions: list[Session],
-                       clock: VirtualClock, done: Callable[[RequestRecord], None], mon: HarnessMonitor
-                       ) -> tuple[list[RequestRecord], float]:
+                       clock: VirtualClock, done: Callable[[RequestRecord], None], mon: HarnessMonitor,
+                       plan: Any = None) -> tuple[list[RequestRecord], float]:
     mpc = mp.get_context("spawn")
     n = max(1, cfg.workers if cfg.workers else SETUPS[name].workers)
     shares: list[list[Session]] = [sessions[i::n] for i in range(n)]
@@ -431,8 +518,9 @@ async def _run_workers(cfg: StormConfig, name: str, ctx: SetupContext, sessions:
     from zp_client.bench.setups import factory_module
 
     module = factory_module(name)
-    procs = [mpc.Process(target=_worker_main, args=(name, module, ctx, share, t0_value, start_evt, out_q),
-                         daemon=True) for share in shares]
+    procs = [mpc.Process(target=_worker_main,
+                         args=(name, module, ctx, share, t0_value, start_evt, out_q, plan), daemon=True)
+             for share in shares]
     for p in procs:
         p.start()
     records: list[RequestRecord] = []
@@ -513,13 +601,15 @@ def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any
     wl = build_workload(cfg.workload, facts, cfg.seed, time_scale=cfg.time_scale, load_scale=cfg.load_scale,
                         **cfg.workload_overrides)
     total = wl.num_requests
+    plan = _plan(cfg, wl)
     prog = progress_factory(cfg.setups, total) if progress_factory else None
     runs: list[SetupRun] = []
     rate: float | None = None
     for name in cfg.setups:
         if prog is not None:
             prog.start(name)
-        run = _run(cfg, _run_one(cfg, name, wl, model, rate, prog.advance if prog else (lambda n, k: None)))
+        run = _run(cfg, _run_one(cfg, name, wl, model, rate, prog.advance if prog else (lambda n, k: None),
+                                 plan))
         if name == "no-admission":
             rate = sustainable_rate(run)
         runs.append(run)

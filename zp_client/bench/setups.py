@@ -59,6 +59,11 @@ class SetupSpec:
     needs_redis: bool = False
     workers: int = 1
     description: str = ""
+    default: bool = True
+    """Whether a storm without ``--setups`` runs it (False: only when named, e.g. ``zp-adaptive``)."""
+    requires: str | None = None
+    """A module the setup needs (imported by its factory only); :func:`parse_setups` refuses the setup
+    with a clear error when it cannot be found."""
 
 
 SETUPS: dict[str, SetupSpec] = {
@@ -80,17 +85,31 @@ ALL_SETUPS: tuple[str, ...] = tuple(SETUPS)
 DEFAULT_SETUPS: tuple[str, ...] = tuple(n for n in ALL_SETUPS if n != "zp-redis")
 
 
+def _module_missing(name: str | None) -> bool:
+    if name is None:
+        return False
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is None
+    except ModuleNotFoundError:  # a parent package is missing
+        return True
+
+
 def parse_setups(text: str | None, redis_url: str | None) -> list[str]:
     """The setups to run, in canonical order; ``no-admission`` is always included (it is the
     denominator and ``rate-limited`` needs its measured rate). Unknown names raise ConfigurationError."""
     if not text:
-        names = [n for n, sp in SETUPS.items() if redis_url or not sp.needs_redis]
+        names = [n for n, sp in SETUPS.items() if sp.default and (redis_url or not sp.needs_redis)]
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in SETUPS]
         if unknown:
             raise ConfigurationError(f"unknown setup(s) {', '.join(unknown)}; "
                                      f"choose from: {', '.join(SETUPS)}")
+    missing = [f"{n} needs {SETUPS[n].requires}" for n in names if _module_missing(SETUPS[n].requires)]
+    if missing:
+        raise ConfigurationError(f"setup {'; '.join(missing)}, which this installation does not have")
     needs = [n for n in names if SETUPS[n].needs_redis]
     if needs and not redis_url:
         raise ConfigurationError(f"setup {', '.join(needs)} needs --redis URL (make demo never touches a "
@@ -143,6 +162,18 @@ class SetupContext:
         from zp_client.bench.memory import memory_transport
 
         return openai.DefaultAsyncHttpxClient(transport=memory_transport(self.app, pauses=self.read_pauses))
+
+    def metrics_client(self) -> Any:
+        """An ``httpx.AsyncClient`` for a controller's own calls to the server (``/metrics``): over the
+        in-memory transport on the virtual clock, or None (the caller's own client, over loopback TCP).
+        httpx, not openai's HTTP library (httpx2 under openai 3): what zp's own server readers use."""
+        if not self.virtual:
+            return None
+        import httpx
+
+        from zp_client.bench.memory import memory_transport
+
+        return httpx.AsyncClient(transport=memory_transport(self.app, httpx, pauses=self.read_pauses), timeout=30)
 
     def budget_clock(self) -> Any:
         """The clock zp's budgets get: the running loop's (virtual time) or None (the system clock)."""
@@ -242,7 +273,7 @@ def register_setup(spec: SetupSpec, factory: SetupFactory, *, after: str | None 
     _FACTORIES[spec.name] = factory
     global ALL_SETUPS, DEFAULT_SETUPS
     ALL_SETUPS = tuple(SETUPS)
-    DEFAULT_SETUPS = tuple(n for n, sp in SETUPS.items() if not sp.needs_redis)
+    DEFAULT_SETUPS = tuple(n for n, sp in SETUPS.items() if sp.default and not sp.needs_redis)
 
 
 def openai_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **kwargs: Any) -> Any:

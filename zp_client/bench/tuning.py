@@ -25,7 +25,10 @@ class ElasticTuning:
     * ``headroom``: the share of the usable pool the elastic setups lease, in (0, 1] (default
       :data:`~zp_client.server.ELASTIC_HEADROOM`);
     * ``starvation_bound_s``, ``longest_first_s``: the local elastic budgets' backfill bound and
-      longest-first window (default the :class:`~zp_client.budget.local.LocalBudget` defaults).
+      longest-first window (default the :class:`~zp_client.budget.local.LocalBudget` defaults);
+    * ``reserve_z``: ``zp-elastic-ureserve``'s spread-sized reserve factor
+      (:class:`~zp_client.budget.elastic.ElasticPolicy`'s ``reserve_z``; default
+      :data:`~zp_client.bench.elastic_setups.URESERVE_Z`).
 
     Invalid values raise :class:`~zp_client.ConfigurationError` naming the field.
     """
@@ -36,6 +39,7 @@ class ElasticTuning:
     headroom: float | None = None
     starvation_bound_s: float | None = None
     longest_first_s: float | None = None
+    reserve_z: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -47,6 +51,8 @@ class ElasticTuning:
             object.__setattr__(self, f.name, float(value))
         if self.headroom is not None and not 0.0 < self.headroom <= 1.0:
             raise ConfigurationError(f"elastic headroom must be in (0, 1], got {self.headroom!r}")
+        if self.reserve_z is not None and not 0.0 <= self.reserve_z <= 100.0:
+            raise ConfigurationError(f"reserve_z must be in [0, 100], got {self.reserve_z!r}")
 
     @property
     def forecaster_overridden(self) -> bool:

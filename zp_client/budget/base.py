@@ -13,7 +13,7 @@ import abc
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 # The plain value types live in a module of their own so the ledger can use them without this one.
@@ -21,6 +21,7 @@ from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 
 if TYPE_CHECKING:
+    from zp_client.adaptive import AdaptiveLimit
     from zp_client.calibration import Calibration
     from zp_client.config import Settings
     from zp_client.retry import RetryBudget
@@ -152,6 +153,57 @@ class Budget(abc.ABC):
     @abc.abstractmethod
     async def set_limit(self, limit: int) -> None:
         """Change the limit at run time. Raising it admits waiters; lowering it never revokes a lease."""
+
+    async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
+        """Set the limit to ``limit`` only if it is still ``expected`` (atomically, with the semantics of
+        :meth:`set_limit`); returns whether it was set. What an adaptive limit changes the limit with
+        (:mod:`zp_client.adaptive`). :class:`~zp_client.LocalBudget` and :class:`~zp_client.RedisBudget`
+        implement it; this default raises :class:`NotImplementedError`."""
+        raise NotImplementedError(f"{type(self).__name__} has no compare-and-set of its limit")
+
+    adaptive: AdaptiveLimit | None = None
+    """The started :class:`~zp_client.adaptive.AdaptiveLimit` of this budget in this process, or None (at
+    most one per budget: a second one's ``start()`` raises :class:`~zp_client.ConfigurationError`)."""
+
+    def adapt(self, server_url: str | None = None, **kwargs: Any) -> AdaptiveLimit:
+        """An :class:`~zp_client.adaptive.AdaptiveLimit` for this budget (not started): ``async with
+        budget.adapt(url):`` runs it. ``server_url`` defaults to the calibrated server's (a budget made
+        by ``from_server``); ``kwargs`` are the controller's (``poll_interval_s``, tuning...)."""
+        from zp_client.adaptive import AdaptiveLimit
+        from zp_client.errors import ConfigurationError
+
+        if server_url is None:
+            if self.calibration is None:
+                raise ConfigurationError(
+                    "budget.adapt() needs the server's URL (this budget was not made by from_server)")
+            server_url = self.calibration.url
+        return AdaptiveLimit(self, server_url, **kwargs)
+
+    def note_overload(self, status: int) -> None:
+        """The server answered ``status`` (429, 503 or 529: overloaded) to a request of this budget; the
+        admission core calls it for every such answer. Tells the listeners (an adaptive limit), cheaply;
+        with none it does nothing. Never raises."""
+        listeners = self.__dict__.get("_zp_overload_listeners")
+        if not listeners:
+            return
+        for fn in tuple(listeners):
+            try:
+                fn(status)
+            except Exception:  # noqa: BLE001 - a listener's failure must not fail the request
+                _log.exception("overload listener %r failed", fn)
+
+    def add_overload_listener(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(status)`` on every :meth:`note_overload` (from any thread: keep it cheap)."""
+        with _retry_budget_lock:
+            listeners: list[Callable[[int], None]] = self.__dict__.setdefault("_zp_overload_listeners", [])
+            listeners.append(fn)
+
+    def remove_overload_listener(self, fn: Callable[[int], None]) -> None:
+        """Undo :meth:`add_overload_listener` (a listener not added is ignored)."""
+        with _retry_budget_lock:
+            listeners = self.__dict__.get("_zp_overload_listeners") or []
+            if fn in listeners:
+                listeners.remove(fn)
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook with a safe default (nothing to close)
         """Release background resources. Live leases are not released."""

@@ -19,6 +19,7 @@ from zp_client.errors import ConfigurationError
 
 __all__ = [
     "FOREVER",
+    "HI_KEY",
     "MAX_OUTPUT_KEY",
     "POLICIES",
     "POLICY_KEYS",
@@ -29,6 +30,8 @@ __all__ = [
     "make_policy",
     "project",
     "projected_peak",
+    "spread_blocks",
+    "spread_reserve",
 ]
 
 
@@ -61,6 +64,11 @@ LATE_WINDOW_S = 1.0
 #: Steps of silence a lease is allowed before extrapolation counts it as having grown (a report due at
 #: the same instant as a grant may arrive just after it).
 LATE_GRACE_STEPS = 1
+
+#: A stream's upper forecast, total output tokens (the transport sends the forecaster's
+#: :meth:`~zp_client.forecast.LengthForecaster.spread`). Read only by a policy with a spread-sized
+#: reserve (``ElasticPolicy(reserve_z=...)``), see :func:`spread_blocks`; it never changes the projection.
+HI_KEY = "forecast_hi"
 
 #: ``remaining`` of a lease without metadata: later than any projected end (2**53 stays exact in the
 #: Lua port's doubles).
@@ -197,6 +205,52 @@ def project(
         if late:
             held = max(held, _ceil_div(min(end_tokens, int(tokens) + late), block_size))
     return Projection(blocks=held, remaining=remaining, grows=True)
+
+
+def spread_blocks(*, held: int, bound: int, block_size: int, meta: Mapping[str, Any],
+                  candidate: bool = False) -> int:
+    """A live streaming lease's forecast uncertainty in blocks: how many blocks later than its projected
+    (forecast) end it would end at its upper forecast :data:`HI_KEY`, both capped at the lease's cap.
+
+    0 for a lease that is not projected (no metadata: counted at its bound for life), not streamed (held
+    at its forecast end, nothing to correct), without ``forecast_hi`` or ``forecast_tokens``, or that has
+    already outgrown its forecast (the projection then runs it to its cap). ``candidate``: a waiter about
+    to be admitted, read as :func:`project` reads it."""
+    if not any(k in meta for k in POLICY_KEYS) or not meta.get("streaming", True):
+        return 0
+    forecast, hi = meta.get("forecast_tokens"), meta.get(HI_KEY)
+    if forecast is None or hi is None:
+        return 0
+    prompt_tokens = int(meta.get("prompt_tokens", held * block_size))
+    cap = cap_tokens(bound, block_size, meta)
+    end = min(cap, prompt_tokens + int(forecast))
+    if candidate:
+        held = _ceil_div(prompt_tokens, block_size)
+    tokens_low = max(prompt_tokens, (held - 1) * block_size + 1) if held > 0 else prompt_tokens
+    tokens = meta.get("tokens")
+    if tokens is not None and not candidate:
+        tokens_low = max(tokens_low, min(int(tokens), held * block_size))
+    if tokens_low >= end:
+        return 0
+    hi_end = min(cap, prompt_tokens + max(int(hi), int(forecast)))
+    return max(0, _ceil_div(hi_end, block_size) - _ceil_div(end, block_size))
+
+
+def spread_reserve(sum_sq: int, z: float) -> int:
+    """The reserve in blocks for live leases whose :func:`spread_blocks` squared sum to ``sum_sq``:
+    ``ceil(z * sqrt(sum_sq))`` (independent errors add in quadrature; ``z`` scales the upper forecasts'
+    spread to the reserve), exact in integers with ``z`` taken in thousandths."""
+    if z <= 0 or sum_sq <= 0:
+        return 0
+    # ceil(z * sqrt(s)) = smallest r with r*r >= z*z*s; decided in integers with z in thousandths.
+    zm = round(z * 1000)
+    target = zm * zm * sum_sq  # (1000 r)^2 >= target
+    r = math.isqrt(target) // 1000
+    while (1000 * r) ** 2 < target:
+        r += 1
+    while r > 0 and (1000 * (r - 1)) ** 2 >= target:
+        r -= 1
+    return r
 
 
 class _Profile:
@@ -343,6 +397,10 @@ def brute_force_peak(terms: Iterable[Projection], block_size: int) -> int:
 class ElasticPolicy:
     """Admit a waiter while the projected peak, with the waiter, stays within the limit.
 
+    ``reserve_z > 0`` (opt-in; measured in docs/elastic.md#spread-reserve) keeps a reserve for forecast
+    error free below the limit, sized from the live leases' forecast spread (:meth:`reserve`), for a limit
+    of the whole pool; 0 (the default) leaves that to the headroom below the pool.
+
     ``used`` reports the projected peak of the live leases. The policy keeps a cache of the prepared
     projection keyed on the ledger's ``version`` (when it has one), so a grant that checks many waiters
     against an unchanged pool costs O(log n) per waiter.
@@ -353,8 +411,16 @@ class ElasticPolicy:
     """Progress (held growth, ``first_token``, a re-forecast) can let waiters in: backends grant after
     progress reports (see :class:`~zp_client.budget.ledger.ReservationPolicy`)."""
 
-    def __init__(self, block_size: int = 16, *, late_readers: bool = False) -> None:
+    def __init__(self, block_size: int = 16, *, reserve_z: float = 0.0, late_readers: bool = False) -> None:
+        if isinstance(reserve_z, bool) or not isinstance(reserve_z, (int, float)) or not (
+                math.isfinite(reserve_z) and 0 <= reserve_z <= 100):
+            raise ConfigurationError(f"reserve_z must be a number in [0, 100], got {reserve_z!r}")
         self.block_size = block_size
+        self.reserve_z = round(float(reserve_z), 3)
+        """Spread-sized reserve: admission keeps ``spread_reserve(sum of spread_blocks^2, reserve_z)``
+        blocks free below the limit (0: off, the flat headroom below the pool is the only reserve)."""
+        self._spread_key: object = None
+        self._spread_total = 0
         self.late_readers = late_readers
         """Whether growth reports are stamped and extrapolated for a late reader (:meth:`progress_meta`,
         opt-in; docs/elastic.md#late-readers has the measurements behind the default). False (default)
@@ -439,6 +505,33 @@ class ElasticPolicy:
         self._excess_key, self._excess_sum = key, total
         return total
 
+    def _spread_sq(self, view: LedgerView) -> int:
+        """Sum over the live leases of :func:`spread_blocks` squared (cached on the ledger's version)."""
+        version = getattr(view, "version", None)
+        key = (id(view), version) if version is not None else None
+        if key is not None and key == self._spread_key:
+            return self._spread_total
+        bs = self.block_size
+        total = 0
+        for rec in view.leases.values():
+            u = spread_blocks(held=rec.held, bound=rec.bound, block_size=bs, meta=rec.meta)
+            total += u * u
+        self._spread_key, self._spread_total = key, total
+        return total
+
+    def reserve(self, view: LedgerView, candidate: WaiterRecord | None = None) -> int:
+        """Blocks admission keeps free below the limit for the live leases' forecast error (and the
+        candidate's, when given): :func:`spread_reserve` of their :func:`spread_blocks`. 0 when
+        ``reserve_z`` is 0."""
+        if self.reserve_z <= 0:
+            return 0
+        sq = self._spread_sq(view)
+        if candidate is not None:
+            u = spread_blocks(held=candidate.held, bound=candidate.bound, block_size=self.block_size,
+                              meta=candidate.meta, candidate=True)
+            sq += u * u
+        return spread_reserve(sq, self.reserve_z)
+
     def admission_meta(self, bound: int, meta: Mapping[str, Any]) -> Mapping[str, Any]:
         """The meta a waiter is enqueued with (:meth:`Ledger.enqueue` calls this): :func:`admission_meta`."""
         return admission_meta(meta, bound, self.block_size)
@@ -446,7 +539,15 @@ class ElasticPolicy:
     def exhausted(self, view: LedgerView) -> bool:
         # Adding a candidate never lowers the projected peak (every term is non-negative), so once the
         # live leases alone project above the limit nobody fits.
-        return self._prepare(view).peak() > view.limit
+        if self._prepare(view).peak() > view.limit:
+            return True
+        if self.reserve_z <= 0:
+            return False
+        # With a reserve (which never shrinks when a lease is added either: a sum of squares) fits' slow
+        # path refuses everyone; its fast path, which ignores the reserve, needs the bounds of the live
+        # leases and of the smallest candidate (1 block, no excess) to fit.
+        return (self._prepare(view).peak() + self.reserve(view) > view.limit
+                and view.bound_sum + len(view.leases) + 2 + self._excess(view) > view.limit)
 
     def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
         meta = candidate.meta
@@ -461,11 +562,14 @@ class ElasticPolicy:
                 and int(meta.get("prompt_tokens", 0)) <= candidate.bound * bs
                 and fast + self._excess(view) <= view.limit):
             return True
+        # Past the fast path (bounds, which no forecast error can exceed, do not fit): the projected peak
+        # must fit with the forecast-error reserve kept free (none unless reserve_z > 0).
         profile = self._prepare(view)
+        limit = view.limit - self.reserve(view, candidate)
         if not any(k in meta for k in POLICY_KEYS):
             # Reserved at its bound forever (see project): it adds its bound at every instant, the peak
             # included, so this is peak_with's answer in O(1).
-            return profile.peak() + candidate.bound <= view.limit
+            return profile.peak() + candidate.bound <= limit
         c = project(held=candidate.held, bound=candidate.bound, block_size=self.block_size, meta=meta,
                     candidate=True)
         extra: tuple[int, int] | None = None
@@ -477,7 +581,7 @@ class ElasticPolicy:
             c = Projection(c.blocks - pblocks, c.remaining, True)
             if c.remaining > group_end:
                 extra = (pblocks, group_end)
-        return profile.peak_with(c, extra) <= view.limit
+        return profile.peak_with(c, extra) <= limit
 
     @staticmethod
     def walk(waiters: Sequence[WaiterRecord], now: float, starvation_bound_s: float,
@@ -501,8 +605,10 @@ class ElasticPolicy:
         return old + young if old else young
 
     def __repr__(self) -> str:
-        late = ", late_readers=True" if self.late_readers else ""
-        return f"ElasticPolicy(block_size={self.block_size}{late})"
+        extra = f", reserve_z={self.reserve_z}" if self.reserve_z else ""
+        if self.late_readers:
+            extra += ", late_readers=True"
+        return f"ElasticPolicy(block_size={self.block_size}{extra})"
 
 
 def _forecast_of(w: WaiterRecord) -> float:

@@ -271,6 +271,13 @@ class LocalBudget(Budget):
     def policy_name(self) -> str:
         return self._ledger.policy.name
 
+    @property
+    def reads_forecast_spread(self) -> bool:
+        """Whether the policy reads the leases' upper forecasts (``forecast_hi``): an
+        :class:`~zp_client.budget.elastic.ElasticPolicy` with a spread-sized reserve (``reserve_z > 0``).
+        The transport sends them only then."""
+        return bool(getattr(self._ledger.policy, "reserve_z", 0))
+
     # ------------------------------------------------------------------ admission
     def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
                meta: Mapping[str, Any] | None = None,
@@ -452,6 +459,9 @@ class LocalBudget(Budget):
         with self._lock:
             s = self._ledger.status(self.clock.monotonic(), block_size=self.block_size)
             s.extra.update({"wakeups": self._wakeups, "granted": self._granted_total, "name": self.name})
+        ctl = self.adaptive
+        if ctl is not None:
+            s.extra["adaptive"] = ctl.state()
         return s
 
     async def set_limit(self, limit: int) -> None:
@@ -464,9 +474,25 @@ class LocalBudget(Budget):
         enough is released. Waiters larger than the new limit could never be admitted: they fail with
         :class:`~zp_client.LeaseTooLarge`.
         """
-        limit = validate_blocks(limit, "limit_blocks")
+        self._set_limit(validate_blocks(limit, "limit_blocks"), None)
+
+    async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
+        """Set the limit to ``limit`` only if it is still ``expected``; returns whether it was set. As
+        :meth:`set_limit` otherwise (never revokes a lease; waiters larger than a lowered limit fail)."""
+        return self.compare_and_set_limit_sync(expected, limit)
+
+    def compare_and_set_limit_sync(self, expected: int, limit: int) -> bool:
+        """Blocking form of :meth:`compare_and_set_limit` (a short lock, like :meth:`set_limit_sync`):
+        the test and the change happen under the budget's lock, so of two callers that read the same
+        limit exactly one succeeds."""
+        return self._set_limit(validate_blocks(limit, "limit_blocks"),
+                               validate_blocks(expected, "expected", minimum=0))
+
+    def _set_limit(self, limit: int, expected: int | None) -> bool:
         now = self.clock.monotonic()
         with self._lock:
+            if expected is not None and self._ledger.limit != expected:
+                return False
             rejected = self._ledger.set_limit(limit, now)
             failed: list[_Waiter] = []
             for wid in rejected:
@@ -477,6 +503,7 @@ class LocalBudget(Budget):
         logger.info("budget %s: limit set to %d blocks (%d waiters rejected)", self.name, limit,
                     len(rejected))
         self._wake(failed + to_wake)
+        return True
 
     async def aclose(self) -> None:
         """Nothing to close: a LocalBudget has no background tasks. Live leases are not released."""

@@ -265,6 +265,10 @@ class _Sim:
         self.real_busy_s = 0.0  # real seconds spent in engine.step() (compute)
         self.busy_wall_s = 0.0  # real seconds during which the engine had work
         self._busy_since: float | None = None
+        # GET /metrics by scraper: the X-ZP-Poller header's value -> [scrapes, first, last] (virtual s),
+        # so a test can count how many adaptive-limit controllers poll (docs/simulator.md)
+        self.metrics_pollers: dict[str, list[float]] = {}
+        self.metrics_scrapes = 0  # every GET /metrics, with or without the header
         self._setup_metrics()
 
     # -- clock ---------------------------------------------------------------------------------
@@ -543,6 +547,27 @@ class _Sim:
         if with_requests:
             out["requests"] = [self._record_json(r) for r in self.records.values()]
         return out
+
+    def note_scrape(self, poller: str | None) -> None:
+        """Count one ``GET /metrics``; with an ``X-ZP-Poller`` header, per poller (first and last time)."""
+        self.metrics_scrapes += 1
+        if not poller:
+            return
+        now = self.clock()
+        rec = self.metrics_pollers.get(poller[:200])
+        if rec is None:
+            if len(self.metrics_pollers) >= 10_000:  # bounded: a scraper that invents ids is not tracked
+                return
+            self.metrics_pollers[poller[:200]] = [1, now, now]
+        else:
+            rec[0] += 1
+            rec[2] = now
+
+    def pollers(self) -> dict[str, Any]:
+        """``{"scrapes": n, "pollers": {id: {"polls", "first_s", "last_s"}}}`` (``GET /sim/pollers``)."""
+        return {"scrapes": self.metrics_scrapes, "clock_s": self.clock(),
+                "pollers": {k: {"polls": int(v[0]), "first_s": v[1], "last_s": v[2]}
+                            for k, v in self.metrics_pollers.items()}}
 
     def _record_json(self, r: _Record) -> dict[str, Any]:
         if r.status == "running":
@@ -1072,6 +1097,7 @@ class _App:
         return Response(status_code=200)
 
     async def metrics(self, request: Request) -> Response:
+        self.sim.note_scrape(request.headers.get("x-zp-poller"))
         return Response(generate_latest(self.sim.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def sim_stats(self, request: Request) -> Response:
@@ -1080,6 +1106,9 @@ class _App:
         if q.get("timeline", "0") not in ("0", "", "false"):  # the KV / preemption samples, one per step
             out["timeline"] = [list(t) for t in self.sim.timeline]
         return JSONResponse(out)
+
+    async def sim_pollers(self, request: Request) -> Response:
+        return JSONResponse(self.sim.pollers())
 
     async def sim_clock(self, request: Request) -> Response:
         return JSONResponse({"clock_s": self.sim.clock(), "speedup": self.sim.speedup,
@@ -1102,6 +1131,7 @@ def build_app(sim: _Sim) -> Starlette:
         Route("/metrics", a.metrics, methods=["GET"]),
         Route("/sim/stats", a.sim_stats, methods=["GET"]),
         Route("/sim/clock", a.sim_clock, methods=["GET"]),
+        Route("/sim/pollers", a.sim_pollers, methods=["GET"]),
     ]
     return Starlette(routes=routes)
 
@@ -1215,6 +1245,11 @@ class SimServer:
     def stats(self, requests: bool = False) -> dict[str, Any]:
         """What ``GET /sim/stats`` returns."""
         return self._sim.stats(requests)
+
+    def pollers(self) -> dict[str, Any]:
+        """Who read ``/metrics``: what ``GET /sim/pollers`` returns (scrapes, and per ``X-ZP-Poller``
+        header value the polls and the first and last time, virtual seconds)."""
+        return self._sim.pollers()
 
     # -- async lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:

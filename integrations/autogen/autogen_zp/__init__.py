@@ -5,20 +5,35 @@ lease on a zp budget first.
 through :func:`zp_client.wrap` (``budget=`` is the one extra argument; ``max_retries`` defaults to 0).
 Install: ``pip install -e . -e integrations/autogen``. Example and what callers may rely on:
 docs/integrations.md.
+
+Visibility: every lease grant of a ``create`` / ``create_stream`` (one per attempt) is logged as a
+:class:`ZPAdmissionEvent` (queue wait, leased blocks, ...) on autogen_core's ``EVENT_LOGGER_NAME`` logger,
+at INFO, as AutoGen logs its own ``LLMCallEvent``: when the lease is granted, before the request is sent.
 """
 
 from __future__ import annotations
 
 import contextvars
+import json
+import logging
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
-from zp_client import AdmissionOptions, Budget, Settings, openai_http_client
+from zp_client import (
+    AdmissionInfo,
+    AdmissionOptions,
+    Budget,
+    Settings,
+    observe_admissions,
+    openai_http_client,
+)
 from zp_client.errors import MissingIntegration
 from zp_client.metrics import ZPMetrics
 
 try:
-    from autogen_core import ComponentModel
+    from autogen_core import EVENT_LOGGER_NAME, ComponentModel, MessageHandlerContext
+    from autogen_core.models import CreateResult
     from autogen_ext.models.openai import OpenAIChatCompletionClient
     from autogen_ext.models.openai.config import OpenAIClientConfigurationConfigModel
 except ImportError as _exc:  # the missing-framework test hides it from sys.modules
@@ -27,7 +42,51 @@ except ImportError as _exc:  # the missing-framework test hides it from sys.modu
         "pip install 'zp-client[autogen]', or install autogen-zp again (pip install -e integrations/autogen)"
     ) from _exc
 
-__all__ = ["ZPOpenAIChatCompletionClient"]
+__all__ = ["ZPAdmissionEvent", "ZPOpenAIChatCompletionClient"]
+
+event_logger = logging.getLogger(EVENT_LOGGER_NAME)
+
+
+@dataclass(frozen=True)
+class ZPAdmissionEvent:
+    """One lease grant of a model call, logged on ``logging.getLogger(autogen_core.EVENT_LOGGER_NAME)``.
+
+    ``str(event)`` is its JSON, as for AutoGen's own events (``LLMCallEvent``): ``{"type": "ZPAdmission",
+    "queue_wait_s": ..., "leased_blocks": ..., "held_blocks": ..., "priority": ..., "attempt": ...,
+    "budget": ..., "policy": ..., "route": ..., "lease_id": ..., "agent_id": ...}``. ``admission`` is the
+    :class:`zp_client.AdmissionInfo` itself; ``agent_id`` the AutoGen agent whose handler made the call
+    (None outside one).
+    """
+
+    admission: AdmissionInfo
+    agent_id: str | None = None
+
+    @property
+    def queue_wait_s(self) -> float:
+        """Seconds the call waited in line for its KV blocks."""
+        return self.admission.queue_wait_s
+
+    @property
+    def leased_blocks(self) -> int:
+        """The blocks leased (the request's bound)."""
+        return self.admission.leased_blocks
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The event's fields (AutoGen's events keep theirs in ``kwargs`` too)."""
+        return {"type": "ZPAdmission", **self.admission.as_dict(), "agent_id": self.agent_id}
+
+    def __str__(self) -> str:
+        return json.dumps(self.kwargs)
+
+
+def _log_admission(info: AdmissionInfo) -> None:
+    """observe_admissions' callback: runs when the lease is granted, in the task that waited for it."""
+    try:
+        agent_id: str | None = str(MessageHandlerContext.agent_id())
+    except RuntimeError:  # not inside an agent's message handler
+        agent_id = None
+    event_logger.info(ZPAdmissionEvent(info, agent_id))
 
 # The HTTP responses opened while create_stream starts its request (AutoGen sends it from a task it
 # creates then, which copies this context).
@@ -49,7 +108,8 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
     ``zp_forecaster``, and ``zp_priority`` / ``zp_deadline`` / ``zp_route`` (default ``X-ZP-*`` headers;
     per call ``extra_create_args={"extra_headers": {...}}`` overrides them), ``zp_metrics`` (a
     :class:`~zp_client.ZPMetrics` recording every call's admission). ``max_retries`` defaults to 0.
-    Load a dumped component admitted with :meth:`from_component`.
+    Load a dumped component admitted with :meth:`from_component`. Every lease grant of a call is logged
+    as a :class:`ZPAdmissionEvent` on autogen_core's ``EVENT_LOGGER_NAME`` logger.
     """
 
     def __init__(
@@ -83,8 +143,15 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
             hooks["response"] = [*hooks["response"], _remember_response]
             http.event_hooks = hooks
 
+    async def create(self, *args: Any, **kwargs: Any) -> CreateResult:
+        """``OpenAIChatCompletionClient.create``; each lease grant is logged as a
+        :class:`ZPAdmissionEvent`."""
+        with observe_admissions(_log_admission):  # AutoGen sends from a task it makes here, with this context
+            return await super().create(*args, **kwargs)
+
     async def create_stream(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-        """``OpenAIChatCompletionClient.create_stream``, whose response is closed when the stream ends.
+        """``OpenAIChatCompletionClient.create_stream``, whose response is closed when the stream ends; each
+        lease grant is logged as a :class:`ZPAdmissionEvent`.
 
         AutoGen cancels a stream (``CancellationToken.cancel()``) by cancelling the pending read only, and
         the token keeps that read, and so the open response, alive: the lease would be held until the
@@ -95,7 +162,8 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
         try:
             marker = _opened.set(opened)
             try:
-                first = await inner.__anext__()  # sends the request
+                with observe_admissions(_log_admission):  # only this step, never across a yield
+                    first = await inner.__anext__()  # sends the request
             except StopAsyncIteration:
                 return
             finally:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
+import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +24,12 @@ pytest.importorskip("autogen_zp", reason="not installed: pip install -e integrat
 
 from _budget_probes import granted, overlapped, wait_until, waiters
 from _retry_upstream import RetryUpstream
-from autogen_core import CancellationToken
+from autogen_core import EVENT_LOGGER_NAME, CancellationToken
 from autogen_core.models import CreateResult, UserMessage
 from autogen_core.tools import FunctionTool
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
-from autogen_zp import ZPOpenAIChatCompletionClient
+from autogen_zp import ZPAdmissionEvent, ZPOpenAIChatCompletionClient
 from zp_client import LocalBudget, Settings
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
 from zp_client.retry import testing
@@ -283,3 +285,95 @@ async def test_zp_retry_false_sends_one_attempt(flaky: RetryUpstream) -> None:
     with pytest.raises(openai.APIStatusError) as info:
         await flaky_client(flaky, zp_retry=False).create(HI, extra_create_args={"user": "503-off"})
     assert info.value.status_code == 503 and flaky.users() == ["503-off#1"]
+
+
+# ---------------------------------------------------------------------------------------- visibility
+#
+# A call is made to wait: the test holds the whole budget and releases it after at least HOLD_S of the
+# budget's own clock. The reported wait cannot be shorter than that hold and must exceed it by less than
+# 20%. It is looked for where AutoGen users look: the records of autogen_core's event logger.
+
+HOLD_S = 0.5
+
+
+class Events(logging.Handler):
+    """A handler on EVENT_LOGGER_NAME: every event record, as AutoGen's own tools would see it."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def of(self, cls: type) -> list[Any]:
+        return [r.msg for r in self.records if isinstance(r.msg, cls)]
+
+    def kinds(self) -> list[str]:
+        return [type(r.msg).__name__ for r in self.records]
+
+
+@pytest.fixture
+def events() -> Iterator[Events]:
+    handler = Events()
+    log = logging.getLogger(EVENT_LOGGER_NAME)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+async def hold_then_release(budget: LocalBudget, blocker: Any) -> float:
+    await wait_until(lambda: waiters(budget), "a call waiting for the held budget")
+    seen = budget.clock.monotonic()
+    while budget.clock.monotonic() - seen < HOLD_S:
+        await asyncio.sleep(0.01)
+    held = budget.clock.monotonic() - seen
+    await blocker.release()
+    return held
+
+
+@pytest.mark.parametrize("mode", ["create", "create_stream"])
+async def test_each_calls_queue_wait_is_an_event_on_autogens_event_logger(server: SimServer, events: Events,
+                                                                           mode: str) -> None:
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict", name="ag-visible")
+    c = client(server, budget, zp_priority=1)
+
+    async def stream() -> Any:
+        return [item async for item in c.create_stream(HI, extra_create_args=SHORT)][-1]
+
+    blocker = await budget.acquire(ONE_CALL_LIMIT)
+    call = asyncio.ensure_future(c.create(HI, extra_create_args=SHORT) if mode == "create" else stream())
+    held = await hold_then_release(budget, blocker)
+    assert isinstance(await call, CreateResult)
+    [event] = events.of(ZPAdmissionEvent)
+    assert held <= event.queue_wait_s <= 1.2 * held, (event.queue_wait_s, held)
+    assert 0 < event.admission.held_blocks <= event.leased_blocks <= ONE_CALL_LIMIT
+    as_json = json.loads(str(event))  # the JSON line AutoGen's event consumers read
+    assert as_json["type"] == "ZPAdmission" and as_json["queue_wait_s"] == event.queue_wait_s
+    assert (as_json["leased_blocks"], as_json["priority"], as_json["attempt"], as_json["budget"]) == (
+        event.leased_blocks, 1, 1, "ag-visible")
+    # logged at the grant, before AutoGen's own record of the call's end
+    kinds = events.kinds()
+    end = "LLMCallEvent" if mode == "create" else "LLMStreamEndEvent"
+    assert kinds.index("ZPAdmissionEvent") < kinds.index(end)
+    assert (await budget.status()).used == 0
+
+
+async def test_a_retried_create_logs_each_lease(flaky: RetryUpstream, events: Events) -> None:
+    with testing():
+        await flaky_client(flaky).create(HI, extra_create_args={"user": "503-events"})
+    assert flaky.users() == ["503-events#1", "503-events#2"]
+    assert [e.admission.attempt for e in events.of(ZPAdmissionEvent)] == [1, 2]
+
+
+async def test_a_plain_client_logs_no_admission(server: SimServer, events: Events) -> None:
+    c = OpenAIChatCompletionClient(model=server.model, base_url=server.base_url, api_key="sk-test",
+                                   model_info=MODEL_INFO, max_tokens=16)
+    _open.append(c)
+    await c.create(HI, extra_create_args=SHORT)
+    assert events.of(ZPAdmissionEvent) == [] and "LLMCallEvent" in events.kinds()

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import openai
 import pytest
@@ -24,13 +25,16 @@ pytest.importorskip("langchain_zp", reason="not installed: pip install -e integr
 
 from _budget_probes import granted, overlapped, wait_until, waiters
 from _retry_upstream import RetryUpstream
+from langchain_core.caches import InMemoryCache
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.runnables import ConfigurableField
 from langchain_core.tools import tool
+from langchain_core.tracers.run_collector import RunCollectorCallbackHandler
 from langchain_openai import ChatOpenAI
 from pydantic import ValidationError
 
-from langchain_zp import ZPChatOpenAI, ZPOpenAI, admit_langchain
-from zp_client import LocalBudget, Settings
+from langchain_zp import ADMISSION_EVENT, ADMISSION_KEY, ZPChatOpenAI, ZPOpenAI, admit_langchain
+from zp_client import LocalBudget, Settings, observe_admissions
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
 from zp_client.metrics import ZPMetrics
 from zp_client.retry import testing
@@ -373,3 +377,169 @@ def test_zp_retry_false_sends_one_attempt(flaky: RetryUpstream) -> None:
     with pytest.raises(openai.APIStatusError) as info:
         llm.invoke("hi", user="503-off")
     assert info.value.status_code == 503 and flaky.users() == ["503-off#1"]
+
+
+# ---------------------------------------------------------------------------------------- visibility
+#
+# A call is made to wait: the test holds the whole budget and releases it after at least HOLD_S of the
+# budget's own clock. The reported wait cannot be shorter than that hold (the call asked before it ended)
+# and must exceed it by less than 20%. It is looked for where LangChain users look: a callback handler's
+# on_custom_event, and the run's output as a tracer records it (RunCollectorCallbackHandler is a BaseTracer,
+# as LangSmith's LangChainTracer is: run.outputs is on_llm_end's LLMResult).
+
+HOLD_S = 0.5
+
+
+class Seen(BaseCallbackHandler):
+    """What the run's callbacks received, in order (``order`` also gets the caller's chunks)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any], UUID]] = []
+        self.starts: list[UUID] = []
+        self.order: list[str] = []
+
+    def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID, **kw: Any) -> None:
+        self.starts.append(run_id)
+
+    def on_llm_start(self, serialized: Any, prompts: Any, *, run_id: UUID, **kw: Any) -> None:
+        self.starts.append(run_id)
+
+    def on_custom_event(self, name: str, data: Any, *, run_id: UUID, **kw: Any) -> None:
+        self.events.append((name, data, run_id))
+        self.order.append("event")
+
+
+async def hold_then_release(budget: LocalBudget, blocker: Any) -> float:
+    """Keep ``blocker`` HOLD_S of the budget's clock after a call queued behind it; returns the hold."""
+    await wait_until(lambda: waiters(budget), "a call waiting for the held budget")
+    seen = budget.clock.monotonic()
+    while budget.clock.monotonic() - seen < HOLD_S:
+        await asyncio.sleep(0.01)
+    held = budget.clock.monotonic() - seen
+    await blocker.release()
+    return held
+
+
+def check_reports(seen: Seen, collector: RunCollectorCallbackHandler, held: float, *,
+                  chat_model: bool) -> dict[str, Any]:
+    """One zp_admission event for the model's run, and the same wait in the run's recorded output."""
+    [run_id] = seen.starts
+    [(name, data, event_run)] = seen.events
+    assert name == ADMISSION_EVENT == "zp_admission" and event_run == run_id
+    assert held <= data["queue_wait_s"] <= 1.2 * held, (data["queue_wait_s"], held)
+    assert 0 < data["held_blocks"] <= data["leased_blocks"] <= ONE_CALL_LIMIT and data["attempt"] == 1
+    [run] = [r for r in collector.traced_runs if r.id == run_id]
+    recorded = run.outputs["generations"][0][0]
+    summary = recorded["generation_info"][ADMISSION_KEY]
+    assert summary["queue_wait_s"] == data["queue_wait_s"] and summary["admissions"] == [data]
+    assert summary["leases"] == 1 and summary["leased_blocks"] == data["leased_blocks"]
+    if chat_model:
+        assert recorded["message"]["kwargs"]["response_metadata"][ADMISSION_KEY] == summary
+    return summary
+
+
+@pytest.mark.parametrize("mode", ["invoke", "ainvoke", "stream", "astream", "invoke-streaming"])
+async def test_a_calls_queue_wait_reaches_callbacks_and_the_recorded_run(server: SimServer,
+                                                                        mode: str) -> None:
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
+    llm = chat(server, budget, streaming=mode == "invoke-streaming")
+    seen, collector = Seen(), RunCollectorCallbackHandler()
+    config: Any = {"callbacks": [seen, collector]}
+    short = {"sim_output_tokens": 6}
+    chunks: list[Any] = []
+
+    def sync_stream() -> None:
+        for c in llm.stream("hello", config, extra_body=short):
+            seen.order.append("chunk")
+            chunks.append(c)
+
+    async def async_stream() -> None:
+        async for c in llm.astream("hello", config, extra_body=short):
+            seen.order.append("chunk")
+            chunks.append(c)
+
+    calls = {
+        "invoke": lambda: asyncio.to_thread(llm.invoke, "hello", config, extra_body=short),
+        "invoke-streaming": lambda: asyncio.to_thread(llm.invoke, "hello", config, extra_body=short),
+        "ainvoke": lambda: llm.ainvoke("hello", config, extra_body=short),
+        "stream": lambda: asyncio.to_thread(sync_stream),
+        "astream": async_stream,
+    }
+    blocker = await budget.acquire(ONE_CALL_LIMIT)
+    call = asyncio.ensure_future(calls[mode]())
+    held = await hold_then_release(budget, blocker)
+    reply = await call
+    summary = check_reports(seen, collector, held, chat_model=True)
+    if mode in ("stream", "astream"):
+        # reported as soon as the lease was granted: before the first chunk, which carries the summary
+        assert seen.order[:2] == ["event", "chunk"] and chunks[0].response_metadata[ADMISSION_KEY] == summary
+        assert sum(ADMISSION_KEY in c.response_metadata for c in chunks) == 1
+    else:
+        assert reply.response_metadata[ADMISSION_KEY] == summary  # on the AIMessage the caller gets
+    assert (await budget.status()).used == 0
+
+
+@pytest.mark.parametrize("mode", ["invoke", "astream"])
+async def test_the_completions_llm_reports_its_queue_wait(server: SimServer, mode: str) -> None:
+    budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
+    # its own async pool, closed on this test's loop (openai's default one closes itself when collected,
+    # on whatever loop runs then: a later test's)
+    http = openai.DefaultAsyncHttpxClient()
+    llm = ZPOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", budget=budget,
+                   zp_settings=SETTINGS, max_tokens=16, http_async_client=http)
+    seen, collector = Seen(), RunCollectorCallbackHandler()
+    config: Any = {"callbacks": [seen, collector]}
+
+    async def astream() -> str:
+        chunks = [t async for t in llm.astream("Once upon", config, extra_body={"sim_output_tokens": 6})]
+        return "".join(chunks)
+
+    blocker = await budget.acquire(ONE_CALL_LIMIT)
+    if mode == "invoke":
+        call = asyncio.ensure_future(asyncio.to_thread(llm.invoke, "Once upon", config,
+                                                       extra_body={"sim_output_tokens": 6}))
+    else:
+        call = asyncio.ensure_future(astream())
+    held = await hold_then_release(budget, blocker)
+    assert await call
+    await http.aclose()
+    check_reports(seen, collector, held, chat_model=False)
+    if mode == "invoke":  # the LLM's llm_output carries it too
+        [run] = collector.traced_runs
+        assert run.outputs["llm_output"][ADMISSION_KEY]["queue_wait_s"] == seen.events[0][1]["queue_wait_s"]
+
+
+def test_a_retried_call_reports_each_lease(flaky: RetryUpstream) -> None:
+    llm = flaky_chat(flaky)
+    seen = Seen()
+    with testing():
+        reply = llm.invoke("hi", {"callbacks": [seen]}, user="503-seen")
+    assert flaky.users() == ["503-seen#1", "503-seen#2"]
+    assert [data["attempt"] for _, data, _ in seen.events] == [1, 2]
+    assert reply.response_metadata[ADMISSION_KEY]["leases"] == 2
+
+
+def test_no_admission_no_report_and_admit_langchain_copies_are_observable(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400, policy="strict")
+    seen = Seen()
+    # a call zp did not admit (a plain model) reports nothing, and LangChain runs fine around it
+    plain = ChatOpenAI(model=server.model, base_url=server.base_url, api_key="sk-test", max_tokens=16)
+    assert ADMISSION_KEY not in plain.invoke("hi", {"callbacks": [seen]},
+                                             extra_body={"sim_output_tokens": 4}).response_metadata
+    assert seen.events == []
+    # admit_langchain returns the model's own class, which zp does not extend: observe_admissions() sees it
+    admitted = admit_langchain(plain, budget, settings=SETTINGS)
+    with observe_admissions() as records:
+        admitted.invoke("hi", extra_body={"sim_output_tokens": 4})
+    assert len(records) == 1 and records[0].leased_blocks > 0
+
+
+def test_an_answer_from_langchains_cache_reports_no_admission(server: SimServer) -> None:
+    budget = LocalBudget(limit_blocks=400, policy="strict")
+    llm = chat(server, budget, cache=InMemoryCache())
+    first = llm.invoke("cache me", extra_body={"sim_output_tokens": 4})
+    assert first.response_metadata[ADMISSION_KEY]["leases"] == 1
+    seen = Seen()
+    again = llm.invoke("cache me", {"callbacks": [seen]}, extra_body={"sim_output_tokens": 4})
+    assert again.content == first.content and granted(budget) == 1  # served by the cache, not admitted
+    assert ADMISSION_KEY not in again.response_metadata and seen.events == []

@@ -315,14 +315,31 @@ class RedisBudget(Budget):
         r = await side.eval("set_limit", [limit, ""])
         self._core.limit = int(r[1])
 
-    async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
-        """Set the limit only if it is still ``expected``; returns False (and changes nothing) otherwise."""
+    async def compare_and_set_limit(self, expected: int, limit: int, *, fence: str | None = None) -> bool:
+        """Set the limit only if it is still ``expected``; returns False (and changes nothing) otherwise.
+
+        ``fence``: an :class:`~zp_client.adaptive.AdaptiveLimit`'s id; the change then applies only while
+        that controller holds the budget's leader lease (False otherwise), so a leader that lost its
+        lease (a long pause, a partition) cannot change the limit after its successor took over.
+        """
         validate_blocks(limit, "limit")
         validate_blocks(expected, "expected")
         side = self._get_side()
-        r = await side.eval("set_limit", [limit, expected])
+        r = await side.eval("set_limit", [limit, expected, fence or ""])
         self._core.limit = int(r[1])
         return bool(int(r[0]))
+
+    async def _adaptive(self, op: str, controller: str, ttl_ms: int = 0, overloads: int = 0,
+                        fields: Mapping[str, Any] | None = None) -> list[Any]:
+        """adaptive.lua (the adaptive limit's leader lease and state): ``op`` is ``lead``, ``note`` or
+        ``resign``. Impatient: a Redis that does not answer raises :class:`BudgetUnavailable` at once (the
+        controller logs it and keeps the last limit)."""
+        args: list[Any] = [op, controller, max(1, int(ttl_ms)), max(0, int(overloads))]
+        for k, v in (fields or {}).items():
+            args += [k, str(v)]
+        side = self._get_side()
+        r = await side.eval("adaptive", args, init=False, patient=False)
+        return list(r)
 
     async def flush(self) -> None:
         """Send every lease's latest held report now (normally batched; see ``held_report_blocks``)."""

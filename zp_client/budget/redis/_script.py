@@ -43,7 +43,7 @@ HANDLED = (RedisError, OSError)
 POOL_SIZE = 100
 _POOL_FULL_BACKOFF_CAP_S = 0.05
 PRIORITY_RANGE = 4096
-SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status")
+SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status", "adaptive")
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 RENEW_BATCH = 200
 MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
@@ -126,6 +126,29 @@ def _shas() -> dict[str, bytes]:
 
 def text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def adaptive_from(r: list[Any]) -> dict[str, Any]:
+    """The adaptive limit's state from status.lua's tail ``[hash fields, leader id, leader PTTL ms, now ms]``
+    (see adaptive.lua): the hash's fields (numbers where they are numbers), ``leader`` the current
+    holder (None when the lease lapsed), ``leader_ttl_s`` its lease's time left, ``last_change_age_s``
+    seconds since the last change on Redis's clock."""
+    flat = [text(x) for x in r[0]]
+    out: dict[str, Any] = {}
+    for k, v in zip(flat[::2], flat[1::2], strict=False):
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    leader, pttl, now = text(r[1]), int(r[2]), int(r[3])
+    out["leader"] = leader or None
+    out["leader_ttl_s"] = pttl / 1000 if leader and pttl >= 0 else None
+    at = out.get("last_change_ms")
+    out["last_change_age_s"] = max(0, now - at) / 1000 if isinstance(at, int) else None
+    return out
 
 
 @dataclass(frozen=True)
@@ -417,6 +440,7 @@ class Core:
                 "recovering": int(r[9]) > 0, "recovery_left_s": int(r[9]) / 1000, "limit_version": int(r[11]),
                 "bound_sum": bsum,
                 "counters": dict(self.counters),
+                **({"adaptive": adaptive_from(r[14:18])} if len(r) > 17 and (r[14] or text(r[15])) else {}),
             },
         )
 

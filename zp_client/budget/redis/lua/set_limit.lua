@@ -2,11 +2,16 @@
 -- used exceeds the new limit, admission pauses. Waiters larger than the new limit are failed (their
 -- mailbox gets '!id'): the first 256 of the line here, the rest when a grant pass or their
 -- own process's poll meets them (bounded work per call).
--- ARGV: new limit, expected current limit ('' = unconditional)
--- Returns {'I'} budget absent | {1, limit, version} applied | {0, current limit, version} CAS failed.
+-- ARGV: new limit, expected current limit ('' = unconditional), fence (optional: an adaptive
+-- controller's id; the change applies only while that id holds the leader lease, adaptive.lua)
+-- Returns {'I'} budget absent | {1, limit, version} applied | {0, current limit, version} CAS failed |
+-- {0, current limit, version, 'L'} the fence's holder is not the leader (nothing changed).
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local new = int_arg(ARGV[1], 'limit', 0, 1e12)
 local cur = meta_num('limit')
+if ARGV[3] and ARGV[3] ~= '' and redis.call('GET', PREFIX .. ':adaptive:leader') ~= ARGV[3] then
+  return {0, cur, meta_num('ver'), 'L'}
+end
 if ARGV[2] ~= '' and tonumber(ARGV[2]) ~= cur then
   return {0, cur, meta_num('ver')}
 end

@@ -1,7 +1,9 @@
 -- status.lua: a read-only snapshot (writes nothing; expired leases count until the next reap).
 -- Returns {exists, limit, bsum, hsum, leases, epoch, policy, starve_ms, bs, recovery_left_ms,
 --          head_wait_ms, version, {class fields...}, used}; used = bsum under strict, the projected peak
---          of the live leases under elastic.
+--          of the live leases under elastic; then the adaptive limit's state (adaptive.lua): its hash
+--          (flat field/value list, empty when no controller ever ran), the leader's id ('' when none),
+--          the leader lease's PTTL (ms; < 0 when none) and Redis's clock (ms).
 if redis.call('EXISTS', K_META) == 0 then return {0} end
 local now = now_ms()
 local m = redis.call('HMGET', K_META, 'limit', 'bsum', 'hsum', 'nl', 'epoch', 'policy', 'starve', 'bs', 'rec', 'ver')
@@ -13,4 +15,6 @@ if first[1] then
 end
 return {1, tonumber(m[1]), tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), m[5], m[6], tonumber(m[7]),
         tonumber(m[8]), math.max(0, tonumber(m[9]) - now), head_wait, tonumber(m[10]),
-        redis.call('HGETALL', K_CLS), m[6] == 'elastic' and e_used() or tonumber(m[2])}
+        redis.call('HGETALL', K_CLS), m[6] == 'elastic' and e_used() or tonumber(m[2]),
+        redis.call('HGETALL', PREFIX .. ':adaptive'), redis.call('GET', PREFIX .. ':adaptive:leader') or '',
+        redis.call('PTTL', PREFIX .. ':adaptive:leader'), now}
