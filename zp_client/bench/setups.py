@@ -173,7 +173,8 @@ class SetupContext:
 
         from zp_client.bench.memory import memory_transport
 
-        return httpx.AsyncClient(transport=memory_transport(self.app, httpx, pauses=self.read_pauses), timeout=30)
+        transport = memory_transport(self.app, httpx, pauses=self.read_pauses)
+        return httpx.AsyncClient(transport=transport, timeout=30)
 
     def budget_clock(self) -> Any:
         """The clock zp's budgets get: the running loop's (virtual time) or None (the system clock)."""
