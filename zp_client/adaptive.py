@@ -617,9 +617,10 @@ class AdaptiveLimit:
         b = self.budget
         try:
             if self._redis:
-                ok = await b.compare_and_set_limit(cur, new, fence=self.id)  # type: ignore[call-arg]
+                ok = await b.compare_and_set_limit(cur, new, fence=self.id,  # type: ignore[call-arg]
+                                                   keep_size=True)
             else:
-                ok = await b.compare_and_set_limit(cur, new)
+                ok = await b.compare_and_set_limit(cur, new, keep_size=True)
         except Exception as exc:  # noqa: BLE001 - keep the last limit
             self._fail("budget", f"compare-and-set failed ({exc}); the limit stays as it is")
             return False

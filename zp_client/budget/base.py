@@ -154,11 +154,13 @@ class Budget(abc.ABC):
     async def set_limit(self, limit: int) -> None:
         """Change the limit at run time. Raising it admits waiters; lowering it never revokes a lease."""
 
-    async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
+    async def compare_and_set_limit(self, expected: int, limit: int, *, keep_size: bool = False) -> bool:
         """Set the limit to ``limit`` only if it is still ``expected`` (atomically, with the semantics of
         :meth:`set_limit`); returns whether it was set. What an adaptive limit changes the limit with
-        (:mod:`zp_client.adaptive`). :class:`~zp_client.LocalBudget` and :class:`~zp_client.RedisBudget`
-        implement it; this default raises :class:`NotImplementedError`."""
+        (:mod:`zp_client.adaptive`). ``keep_size``: a temporary cut; a request that fit the limit before it
+        waits for room instead of failing with :class:`~zp_client.LeaseTooLarge`.
+        :class:`~zp_client.LocalBudget` and :class:`~zp_client.RedisBudget` implement it; this default
+        raises :class:`NotImplementedError`."""
         raise NotImplementedError(f"{type(self).__name__} has no compare-and-set of its limit")
 
     adaptive: AdaptiveLimit | None = None

@@ -241,11 +241,20 @@ class Ledger:
         self._next_order = 0
         self._seq = 0
         self._now: float | None = None
+        self._size_limit: int | None = None
 
     # ------------------------------------------------------------------ read-only view
     @property
     def limit(self) -> int:
         return self._limit
+
+    @property
+    def size_limit(self) -> int:
+        """The largest bound the ledger takes: the limit, or more while a lowered limit is expected back
+        (:meth:`set_limit` with ``keep_size``). A bound above it is refused (:class:`LeaseTooLarge`); one
+        between the limit and it waits."""
+        s = self._size_limit
+        return self._limit if s is None or s < self._limit else s
 
     @property
     def policy(self) -> ReservationPolicy:
@@ -357,8 +366,8 @@ class Ledger:
             raise ConfigurationError(f"priority must be an int (lower = more urgent), got {priority!r}")
         if waiter_id in self._waiters or waiter_id in self._leases:
             raise ConfigurationError(f"id {waiter_id!r} is already waiting or holding a lease in this ledger")
-        if bound > self._limit:
-            raise LeaseTooLarge(bound, self._limit)
+        if bound > self.size_limit:
+            raise LeaseTooLarge(bound, self.size_limit)
         if ticket is None:
             ticket = Ticket(priority, self._next_order)
             self._next_order += 1
@@ -523,14 +532,22 @@ class Ledger:
             self.cancel(wid)
         return Expired(dead_leases, dead_waiters)
 
-    def set_limit(self, limit: int, now: float) -> list[str]:  # noqa: ARG002 - now kept for symmetry/ports
+    def set_limit(self, limit: int, now: float, *,  # noqa: ARG002 - now kept for symmetry/ports
+                  keep_size: bool = False) -> list[str]:
         """Change the limit. Never revokes a lease: if ``used`` now exceeds the limit, admission pauses
-        until it fits again. Waiters whose ``bound`` exceeds the new limit could never be admitted: they
-        are removed and their ids returned so the backend can fail them with :class:`LeaseTooLarge`.
-        Call :meth:`grant` next (a raise admits waiters)."""
-        self._limit = validate_blocks(limit, "limit", minimum=0)
+        until it fits again. Waiters whose ``bound`` exceeds the new :attr:`size_limit` could never be
+        admitted: they are removed and their ids returned so the backend can fail them with
+        :class:`LeaseTooLarge`. Call :meth:`grant` next (a raise admits waiters).
+
+        ``keep_size``: a temporary cut (an adaptive limit's): the size limit stays at least what it was,
+        so requests that fit the limit before the cut wait for it to come back instead of failing. Without
+        it the size limit is the new limit."""
+        limit = validate_blocks(limit, "limit", minimum=0)
+        self._size_limit = max(self.size_limit, limit) if keep_size else None
+        self._limit = limit
         self._version += 1
-        rejected = [w.id for w in self._waiters.values() if w.bound > limit]
+        size = self.size_limit
+        rejected = [w.id for w in self._waiters.values() if w.bound > size]
         for wid in rejected:
             self.cancel(wid)
         return rejected

@@ -476,24 +476,33 @@ class LocalBudget(Budget):
         """
         self._set_limit(validate_blocks(limit, "limit_blocks"), None)
 
-    async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
+    async def compare_and_set_limit(self, expected: int, limit: int, *, keep_size: bool = False) -> bool:
         """Set the limit to ``limit`` only if it is still ``expected``; returns whether it was set. As
-        :meth:`set_limit` otherwise (never revokes a lease; waiters larger than a lowered limit fail)."""
-        return self.compare_and_set_limit_sync(expected, limit)
+        :meth:`set_limit` otherwise (never revokes a lease; waiters larger than a lowered limit fail).
+        ``keep_size`` (what an adaptive limit passes): a temporary cut; requests up to the size limit
+        before it (:attr:`size_limit`) wait for room instead of failing with
+        :class:`~zp_client.LeaseTooLarge`."""
+        return self.compare_and_set_limit_sync(expected, limit, keep_size=keep_size)
 
-    def compare_and_set_limit_sync(self, expected: int, limit: int) -> bool:
+    def compare_and_set_limit_sync(self, expected: int, limit: int, *, keep_size: bool = False) -> bool:
         """Blocking form of :meth:`compare_and_set_limit` (a short lock, like :meth:`set_limit_sync`):
         the test and the change happen under the budget's lock, so of two callers that read the same
         limit exactly one succeeds."""
         return self._set_limit(validate_blocks(limit, "limit_blocks"),
-                               validate_blocks(expected, "expected", minimum=0))
+                               validate_blocks(expected, "expected", minimum=0), keep_size=keep_size)
 
-    def _set_limit(self, limit: int, expected: int | None) -> bool:
+    @property
+    def size_limit(self) -> int:
+        """The largest lease this budget takes now: its limit, or the limit before a ``keep_size`` cut
+        (an adaptive limit's), which a lease up to it waits for."""
+        return self._ledger.size_limit
+
+    def _set_limit(self, limit: int, expected: int | None, *, keep_size: bool = False) -> bool:
         now = self.clock.monotonic()
         with self._lock:
             if expected is not None and self._ledger.limit != expected:
                 return False
-            rejected = self._ledger.set_limit(limit, now)
+            rejected = self._ledger.set_limit(limit, now, keep_size=keep_size)
             failed: list[_Waiter] = []
             for wid in rejected:
                 waiter = self._waiters.pop(wid)

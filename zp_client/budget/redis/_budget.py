@@ -315,17 +315,21 @@ class RedisBudget(Budget):
         r = await side.eval("set_limit", [limit, ""])
         self._core.limit = int(r[1])
 
-    async def compare_and_set_limit(self, expected: int, limit: int, *, fence: str | None = None) -> bool:
+    async def compare_and_set_limit(self, expected: int, limit: int, *, fence: str | None = None,
+                                    keep_size: bool = False) -> bool:
         """Set the limit only if it is still ``expected``; returns False (and changes nothing) otherwise.
 
         ``fence``: an :class:`~zp_client.adaptive.AdaptiveLimit`'s id; the change then applies only while
         that controller holds the budget's leader lease (False otherwise), so a leader that lost its
         lease (a long pause, a partition) cannot change the limit after its successor took over.
+        ``keep_size``: a temporary cut (the adaptive limit's): requests up to the size limit before it
+        wait for room instead of failing with :class:`~zp_client.LeaseTooLarge` (stored as the budget's
+        ``slimit``; a plain :meth:`set_limit` clears it).
         """
         validate_blocks(limit, "limit")
         validate_blocks(expected, "expected")
         side = self._get_side()
-        r = await side.eval("set_limit", [limit, expected, fence or ""])
+        r = await side.eval("set_limit", [limit, expected, fence or "", "1" if keep_size else ""])
         self._core.limit = int(r[1])
         return bool(int(r[0]))
 

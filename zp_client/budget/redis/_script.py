@@ -366,9 +366,8 @@ class Core:
 
     def acquire_reply(self, r: list[Any], bound: int) -> AcquireReply:
         code = text(r[0])
-        if code == "X":
-            self.limit = int(r[1])
-            raise LeaseTooLarge(bound, self.limit)
+        if code == "X":  # r[1]: the size limit (the limit, or more while a temporary cut keeps it)
+            raise LeaseTooLarge(bound, int(r[1]))
         self.learn_limit(int(r[4]))
         ticket = Ticket(int(r[2]), int(r[1]))
         if code == "G":

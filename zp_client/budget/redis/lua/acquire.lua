@@ -3,7 +3,7 @@
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
 --       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none)
 -- Returns {'G', order, priority, epoch, limit} granted
---       | {'W', order, priority, epoch, limit, recovery_left_ms} waiting | {'X', limit} larger than the limit | {'I'} budget absent (call init.lua first).
+--       | {'W', order, priority, epoch, limit, recovery_left_ms} waiting | {'X', size limit} larger than the size limit | {'I'} budget absent (call init.lua first).
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local id = ARGV[1]
 local now = now_ms()
@@ -18,7 +18,8 @@ local wraw = redis.call('HGET', K_WAIT, id)
 local order, prio
 if wraw then
   local w = cjson.decode(wraw)
-  if reject_if_too_large(id, w, meta_num('limit'), {}) then return {'X', meta_num('limit')} end
+  local slimit = size_limit(meta_num('limit'))
+  if reject_if_too_large(id, w, slimit, {}) then return {'X', slimit} end
   redis.call('ZADD', K_WEXP, now + int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9), id)
   order, prio = w.o, w.p
 else
@@ -33,7 +34,7 @@ else
   local wttl = int_arg(ARGV[9], 'waiter_ttl_ms', 1, 1e9)
   local mm = redis.call('HMGET', K_META, 'limit', 'bsum', 'rec', 'policy', 'nl', 'bs', 'xsum')
   local limit = tonumber(mm[1])
-  if bound > limit then return {'X', limit} end
+  if bound > size_limit(limit) then return {'X', size_limit(limit)} end
   local wmeta = nil
   if mm[4] == 'elastic' then wmeta = meta_arg(ARGV[10], false) end
   -- Fast path, identical in outcome to enqueue + grant: with nobody in line, outside recovery, a

@@ -372,7 +372,15 @@ local function add_box(boxes, x, item)
   end
 end
 
--- Ledger.set_limit: a waiter larger than the limit can never be admitted; fail it ('!id' in its mailbox).
+-- Ledger.size_limit: the limit, or the larger size limit a temporary cut kept (set_limit with keep_size).
+local function size_limit(limit)
+  local s = tonumber(redis.call('HGET', K_META, 'slimit'))
+  if s and s > limit then return s end
+  return limit
+end
+
+-- Ledger.set_limit: a waiter larger than the size limit can never be admitted; fail it ('!id' in its
+-- mailbox). Callers pass size_limit(limit).
 local function reject_if_too_large(id, w, limit, boxes)
   if w.b > limit then
     drop_waiter(id, w)
@@ -437,6 +445,7 @@ local function grant(now, self_id)
   if redis.call('ZCARD', K_LINE) == 0 then return 0 end  -- nobody waits: one call, not a pass
   if now < meta_num('rec') then return 0 end  -- recovery: live holders re-adopt first
   local limit, bsum = meta_num('limit'), meta_num('bsum')
+  local slimit = size_limit(limit)
   local starve = meta_num('starve')
   local policy = redis.call('HGET', K_META, 'policy') or 'strict'
   local members = redis.call('ZRANGE', K_LINE, 0, SCAN_MAX - 1)
@@ -460,7 +469,7 @@ local function grant(now, self_id)
     local id, w = e.id, load_waiter(e)
     if w then
       local ok
-      if reject_if_too_large(id, w, limit, boxes) then
+      if reject_if_too_large(id, w, slimit, boxes) then
         ok = nil  -- failed (set_limit normally did this already; kept for waiters beyond its scan)
       elseif elastic then
         if prof == nil then prof = e_profile(items, bs) end

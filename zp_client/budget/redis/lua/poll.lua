@@ -11,7 +11,7 @@ reap(now)
 -- Batched commands (a constant number per chunk of ids, not several per waiter): idle waiters cost
 -- Redis little even when a process has hundreds of them.
 local CHUNK = 500
-local limit = meta_num('limit')
+local slimit = size_limit(meta_num('limit'))
 local boxes = {}
 for c = 2, #ARGV, CHUNK do
   local ids, zargs = {}, {}
@@ -23,7 +23,7 @@ for c = 2, #ARGV, CHUNK do
   redis.call('ZADD', K_WEXP, 'XX', unpack(zargs))
   local raws = redis.call('HMGET', K_WAIT, unpack(ids))
   for j, raw in ipairs(raws) do
-    if raw then reject_if_too_large(ids[j], cjson.decode(raw), limit, boxes) end
+    if raw then reject_if_too_large(ids[j], cjson.decode(raw), slimit, boxes) end
   end
 end
 notify(boxes)
