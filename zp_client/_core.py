@@ -640,10 +640,14 @@ class Core:
             lease = yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held, plan.meta)
             holder = Holder(lease, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock,
                             metrics=m)
-            if m is not None:
-                m.waited(plan.priority, holder.granted_at - asked)
-            if observers:
-                self._notify(observers, plan, lease, holder.granted_at - asked, attempt)
+            try:
+                if m is not None:
+                    m.waited(plan.priority, holder.granted_at - asked)
+                if observers:
+                    self._notify(observers, plan, lease, holder.granted_at - asked, attempt)
+            except BaseException:  # an observer's KeyboardInterrupt / SystemExit: the lease goes back
+                yield Release(holder)
+                raise
             ticket = lease.ticket
             if state is not None:
                 state.ticket = ticket
