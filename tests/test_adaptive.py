@@ -408,6 +408,41 @@ def test_a_lone_preemption_changes_nothing_and_a_second_within_the_cooldown_cuts
     asyncio.run(main())
 
 
+def test_a_request_the_calibrated_limit_admits_waits_out_a_lowered_limit_instead_of_failing() -> None:
+    """While a controller runs, a lease larger than the limit it lowered but within the calibrated limit
+    waits for the limit to come back (without a controller, LeaseTooLarge at once, as before)."""
+
+    async def main() -> None:
+        clock, srv = Clock(), FakeServer()
+        budget = LocalBudget(CAL, clock=clock, policy="strict")
+        ctl = _controller(budget, srv, clock, poll_interval_s=3600)
+        async with ctl:
+            await asyncio.sleep(0)
+            srv.used_blocks = 400  # a bypass of 400: the ceiling is 550
+            await _poll(ctl, clock)
+            assert budget.limit == 550
+            big = asyncio.ensure_future(budget.acquire(700))  # 700 > 550, <= 950: waits
+            await asyncio.sleep(0)
+            assert not big.done()
+            with pytest.raises(LeaseTooLarge):
+                await budget.acquire(951)  # more than the calibrated limit: could never be admitted
+            srv.used_blocks = 0
+            for _ in range(5):
+                await _poll(ctl, clock)
+            assert budget.limit == CAL
+            lease = await asyncio.wait_for(big, 5)
+            assert lease.bound == 700
+            await lease.release()
+            await _poll(ctl, clock)
+            srv.used_blocks = 400
+            await _poll(ctl, clock)
+            assert budget.limit == 550
+        with pytest.raises(LeaseTooLarge):
+            await budget.acquire(700)  # the controller is gone: the limit is the limit again
+
+    asyncio.run(main())
+
+
 class RacyBudget(LocalBudget):
     """A LocalBudget whose limit someone else sets right after the controller's n-th status read."""
 

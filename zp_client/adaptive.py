@@ -422,6 +422,7 @@ class AdaptiveLimit:
             self._own_http = True
         self.budget.adaptive = self
         self.budget.add_overload_listener(self.note_overload)
+        self._size_limit(self._calibrated)
         if self.metrics is not None:
             self.metrics.track(self.budget)  # its limit gauge shows the changes, front end or not
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"zp-adaptive-{self.id}")
@@ -442,6 +443,7 @@ class AdaptiveLimit:
                 await task
         if self.budget.adaptive is self:
             self.budget.adaptive = None
+            self._size_limit(None)
         self.budget.remove_overload_listener(self.note_overload)
         if self._redis and self.leader and not getattr(self.budget, "_closed", False):
             try:
@@ -628,6 +630,13 @@ class AdaptiveLimit:
         if new > cur:
             return new, "recover", ceiling
         return cur, None, ceiling
+
+    def _size_limit(self, blocks: int | None) -> None:
+        """Requests the calibrated limit admits wait while the limit is lowered instead of failing with
+        LeaseTooLarge (a LocalBudget's ``set_lease_size_limit``; a RedisBudget has none)."""
+        setter = getattr(self.budget, "set_lease_size_limit", None)
+        if callable(setter):
+            setter(blocks)
 
     def _held_bypass(self, now: float, bypass: int | None) -> int | None:
         """The largest bypass measured over the last ``bypass_hold_s`` (this poll's included), or None

@@ -220,6 +220,7 @@ class Ledger:
         longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
     ) -> None:
         self._limit = validate_blocks(limit, "limit", minimum=0)
+        self._size_limit = 0
         self._policy = _check_policy(StrictPolicy() if policy is None else policy)
         self._progress_sensitive = bool(getattr(self._policy, "progress_sensitive", False))
         self._version = 0
@@ -244,6 +245,18 @@ class Ledger:
     @property
     def limit(self) -> int:
         return self._limit
+
+    @property
+    def size_limit(self) -> int:
+        """Leases of up to this many blocks wait, instead of failing with :class:`LeaseTooLarge`, while the
+        limit is below their size (0: none; an adaptive limit sets its calibrated limit, which the limit
+        returns to). Set it with :meth:`set_size_limit`."""
+        return self._size_limit
+
+    def set_size_limit(self, blocks: int) -> None:
+        """Set :attr:`size_limit` (0 clears it; waiters then larger than the limit are not failed until the
+        limit is next set)."""
+        self._size_limit = validate_blocks(blocks, "size_limit", minimum=0)
 
     @property
     def policy(self) -> ReservationPolicy:
@@ -355,7 +368,7 @@ class Ledger:
             raise ConfigurationError(f"priority must be an int (lower = more urgent), got {priority!r}")
         if waiter_id in self._waiters or waiter_id in self._leases:
             raise ConfigurationError(f"id {waiter_id!r} is already waiting or holding a lease in this ledger")
-        if bound > self._limit:
+        if bound > max(self._limit, self._size_limit):
             raise LeaseTooLarge(bound, self._limit)
         if ticket is None:
             ticket = Ticket(priority, self._next_order)
@@ -518,7 +531,7 @@ class Ledger:
         Call :meth:`grant` next (a raise admits waiters)."""
         self._limit = validate_blocks(limit, "limit", minimum=0)
         self._version += 1
-        rejected = [w.id for w in self._waiters.values() if w.bound > limit]
+        rejected = [w.id for w in self._waiters.values() if w.bound > max(limit, self._size_limit)]
         for wid in rejected:
             self.cancel(wid)
         return rejected

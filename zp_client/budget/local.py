@@ -468,6 +468,15 @@ class LocalBudget(Budget):
         """
         self._set_limit(validate_blocks(limit, "limit_blocks"), None)
 
+    def set_lease_size_limit(self, blocks: int | None) -> None:
+        """Let leases of up to ``blocks`` wait while the limit is below their size, instead of failing at
+        once with :class:`~zp_client.LeaseTooLarge` (None: back to failing every lease larger than the
+        limit). An :class:`~zp_client.adaptive.AdaptiveLimit` sets its calibrated limit here while it
+        runs: a limit it lowered comes back, and a request the calibrated limit admits must not fail for
+        the time being."""
+        with self._lock:
+            self._ledger.set_size_limit(0 if blocks is None else validate_blocks(blocks, "blocks"))
+
     async def compare_and_set_limit(self, expected: int, limit: int) -> bool:
         """Set the limit to ``limit`` only if it is still ``expected``; returns whether it was set. As
         :meth:`set_limit` otherwise (never revokes a lease; waiters larger than a lowered limit fail)."""
