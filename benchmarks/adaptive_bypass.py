@@ -44,7 +44,7 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
         http = httpx.AsyncClient(transport=MemoryTransport(server.app), base_url=server.url)
         budget = LocalBudget(cal, clock=LoopClock())
         ctl = AdaptiveLimit(budget, server.url, calibrated_limit=cal, http_client=http,
-                            poll_interval_s=a.poll, cooldown_s=a.cooldown)
+                            poll_interval_s=a.poll, cooldown_s=a.cooldown, bypass_hold_s=a.hold)
         async with ctl:
             await asyncio.sleep(a.quiet)
             started = len(ctl.decisions)
@@ -58,7 +58,7 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
     rows = [{"t": round(d.at, 3), "limit": d.limit, "new": d.new_limit, "bypass": d.bypass_blocks,
              "ceiling": d.ceiling, "reason": d.reason} for d in ctl.decisions]
     return {"calibrated": cal, "floor": ctl.floor, "bypass_polls": ended - started, "recovery_polls": back,
-            "bound": recovery_polls(poll_interval_s=a.poll, cooldown_s=a.cooldown),
+            "bound": recovery_polls(poll_interval_s=a.poll, cooldown_s=a.cooldown, bypass_hold_s=a.hold),
             "min_limit": min(r["new"] for r in rows if r["new"] is not None),
             "max_bypass": max(r["bypass"] or 0 for r in rows), "pollers": server.pollers()["pollers"],
             "polls": rows}
@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=1500, help="output tokens per bypass stream")
     p.add_argument("--poll", type=float, default=1.0, help="poll_interval_s")
     p.add_argument("--cooldown", type=float, default=5.0, help="cooldown_s")
+    p.add_argument("--hold", type=float, default=5.0, help="bypass_hold_s")
     p.add_argument("--quiet", type=float, default=3.0, help="virtual seconds without bypass before and after")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     a = p.parse_args()

@@ -183,7 +183,7 @@ def test_decreases_stop_at_the_floor() -> None:
     async def main() -> None:
         clock, srv = Clock(), FakeServer()
         budget = LocalBudget(CAL, clock=clock)
-        ctl = _controller(budget, srv, clock, cooldown_s=0)
+        ctl = _controller(budget, srv, clock, cooldown_s=0, preemption_threshold=1)
         await _poll(ctl, clock)
         seen = []
         for i in range(1, 9):
@@ -258,8 +258,8 @@ def test_bypass_traffic_lowers_the_limit_to_the_room_it_leaves_and_the_limit_ret
         for _ in range(4):
             d = await _poll(ctl, clock)
             got.append((budget.limit, d.reason, d.ceiling))
-        # multiplicative steps down to calibrated - bypass, and no further while the bypass stays
-        assert got == [(760, "bypass", 650), (650, "bypass", 650), (650, None, 650), (650, None, 650)]
+        # straight down to calibrated - bypass (the room is measured), and no further while it stays
+        assert got == [(650, "bypass", 650), (650, None, 650), (650, None, 650), (650, None, 650)]
         for _ in range(10):
             await _poll(ctl, clock)
         assert budget.limit == 650  # a steady bypass does not ratchet the limit down to the floor
@@ -271,32 +271,174 @@ def test_bypass_traffic_lowers_the_limit_to_the_room_it_leaves_and_the_limit_ret
             await _poll(ctl, clock)
             polls += 1
             assert polls <= recovery_polls()
-        assert polls == 6  # 650 -> 938 by +48 (the cooldown ran out long ago)
-        assert budget.limit == 938
+        # the bypass is held for 5 s (4 more polls at 650), then the ceiling is gone and the limit is back
+        # at the AIMD level, which no preemption lowered: the calibrated limit, in one step
+        assert polls == 4 + 1
+        assert budget.limit == CAL
+        assert [c.reason for c in ctl.changes] == ["bypass", "recover"]
         await ctl.aclose()
 
     asyncio.run(main())
 
 
 def test_the_stated_recovery_bound_holds_from_the_floor_right_after_a_decrease() -> None:
-    """The worst case of recovery_polls(): the bypass ends right after a cut to the floor."""
+    """The worst case of recovery_polls(): preemptions during the bypass cut the AIMD level to the floor,
+    the last cut right before the bypass ends."""
 
     async def main() -> None:
         clock, srv = Clock(), FakeServer()
         budget = LocalBudget(CAL, clock=clock)
         ctl = _controller(budget, srv, clock)
         await _poll(ctl, clock)
-        srv.used_blocks = 900  # a bypass of 90% of the pool: the ceiling is the floor
-        while budget.limit > ctl.floor:
+        srv.used_blocks = 300  # a bypass: the ceiling is 650
+        while ctl.changes == [] or budget.limit > ctl.floor:
+            srv.preemptions += 2  # and the server preempts at every poll
             await _poll(ctl, clock)
-        assert budget.limit == 475
-        srv.used_blocks = 0
+        assert budget.limit == 475 and ctl.changes[-1].reason == "preemption"
+        srv.used_blocks = 0  # the bypass and the preemptions end right after the cut to the floor
         polls = 0
         while budget.limit < 0.95 * CAL:
             await _poll(ctl, clock)
             polls += 1
         assert recovery_polls() == 13
-        assert polls == 13  # 4 polls still in the cooldown (5 s), then 475 -> 907 in 9 steps of 48
+        assert polls == 13  # 4 polls still in the cooldown and the hold (5 s), then 475 -> 907 in 9 steps
+
+    asyncio.run(main())
+
+
+def test_a_bypass_alone_is_over_once_its_hold_runs_out() -> None:
+    """Without a preemption or overload answer the AIMD level stays at the calibrated limit: once the
+    bypass is gone (and held for bypass_hold_s) the limit is back in one step."""
+
+    async def main() -> None:
+        clock, srv = Clock(), FakeServer()
+        budget = LocalBudget(CAL, clock=clock)
+        ctl = _controller(budget, srv, clock)
+        await _poll(ctl, clock)
+        srv.used_blocks = 900  # 90% of the pool: the ceiling is the floor
+        d = await _poll(ctl, clock)
+        assert (d.reason, budget.limit) == ("bypass", 475)
+        srv.used_blocks = 0
+        polls = 0
+        while budget.limit < 0.95 * CAL:
+            await _poll(ctl, clock)
+            polls += 1
+        assert (polls, budget.limit) == (5, CAL)  # ceil(bypass_hold_s / poll_interval_s) polls
+
+    asyncio.run(main())
+
+
+def test_a_preamble_the_leases_share_is_counted_once_as_the_server_holds_it() -> None:
+    """Leases that share a prefix (an agent's system prompt) each report it in their held blocks; the
+    server's prefix cache holds it once. The bypass estimate compares the server's KV with the budget's
+    held blocks counted the server's way (``held_distinct``), so it is neither hidden by the sharing
+    (10 leases x 125 shared blocks would hide 1,125 blocks of bypass) nor mistaken for it."""
+
+    async def main() -> None:
+        clock, srv = Clock(), FakeServer()
+        budget = LocalBudget(CAL, clock=clock)  # elastic: it counts shared prefixes once
+        ctl = _controller(budget, srv, clock)
+        meta = {"prompt_tokens": 2400, "forecast_tokens": 200, "streaming": True, "prefix_key": "agent",
+                "prefix_blocks": 125, "first_token": True}
+        leases = [await budget.acquire(180, held=150, meta=meta) for _ in range(4)]
+        st = await budget.status()
+        assert (st.held, st.held_distinct) == (600, 600 - 3 * 125)
+        srv.used_blocks = 225  # what the server holds for them: the preamble once, 25 blocks each
+        d = await _poll(ctl, clock)
+        assert (d.held_blocks, d.bypass_blocks, d.reason) == (225, 0, None)
+        srv.used_blocks = 225 + 300  # and 300 blocks of traffic the budget does not see
+        d = await _poll(ctl, clock)
+        assert (d.bypass_blocks, d.reason, budget.limit) == (300, "bypass", 650)
+        for lease in leases:
+            await lease.release()
+        strict = LocalBudget(CAL, clock=clock, policy="strict")
+        lease = await strict.acquire(180, held=150, meta=meta)
+        assert (await strict.status()).held_distinct == 150  # strict knows no prefixes: held as reported
+        await lease.release()
+        await ctl.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_bypass_that_pauses_for_a_poll_does_not_let_the_limit_up_until_the_hold_runs_out() -> None:
+    async def main() -> None:
+        clock, srv = Clock(), FakeServer()
+        budget = LocalBudget(CAL, clock=clock, policy="strict")
+        ctl = _controller(budget, srv, clock, cooldown_s=0)
+        await _poll(ctl, clock)
+        srv.used_blocks = 300
+        d = await _poll(ctl, clock)
+        assert (d.reason, budget.limit) == ("bypass", 650)
+        srv.used_blocks = 0  # the foreign client between two of its requests
+        got = []
+        for _ in range(6):
+            d = await _poll(ctl, clock)
+            got.append((budget.limit, d.ceiling))
+        # held for bypass_hold_s (5 s: the polls at +1..+4 s still see 300), then back at once
+        assert got == [(650, 650), (650, 650), (650, 650), (650, 650), (950, 950), (950, 950)]
+        ctl0 = _controller(LocalBudget(CAL, clock=clock), srv, clock, cooldown_s=0, bypass_hold_s=0)
+        srv.used_blocks = 300
+        await _poll(ctl0, clock)
+        srv.used_blocks = 0
+        d = await _poll(ctl0, clock)
+        assert (d.ceiling, d.reason) == (950, "recover")  # without the hold: the last poll alone
+
+    asyncio.run(main())
+
+
+def test_a_lone_preemption_changes_nothing_and_a_second_within_the_cooldown_cuts() -> None:
+    async def main() -> None:
+        clock, srv = Clock(), FakeServer()
+        budget = LocalBudget(CAL, clock=clock)
+        ctl = _controller(budget, srv, clock)
+        await _poll(ctl, clock)
+        srv.preemptions = 1
+        d = await _poll(ctl, clock)
+        assert (d.preemptions, d.reason, budget.limit) == (1, None, CAL)
+        for _ in range(5):  # 5 s later the first one is out of the window: another lone one, nothing
+            d = await _poll(ctl, clock)
+        srv.preemptions = 2
+        d = await _poll(ctl, clock)
+        assert (d.preemptions, d.reason, budget.limit) == (1, None, CAL)
+        clock.t += 2
+        srv.preemptions = 3  # within cooldown_s of the last: two in the window
+        d = await _poll(ctl, clock)
+        assert (d.reason, budget.limit) == ("preemption", 760)
+
+    asyncio.run(main())
+
+
+def test_a_request_the_calibrated_limit_admits_waits_out_a_lowered_limit_instead_of_failing() -> None:
+    """While a controller runs, a lease larger than the limit it lowered but within the calibrated limit
+    waits for the limit to come back (without a controller, LeaseTooLarge at once, as before)."""
+
+    async def main() -> None:
+        clock, srv = Clock(), FakeServer()
+        budget = LocalBudget(CAL, clock=clock, policy="strict")
+        ctl = _controller(budget, srv, clock, poll_interval_s=3600)
+        async with ctl:
+            await asyncio.sleep(0)
+            srv.used_blocks = 400  # a bypass of 400: the ceiling is 550
+            await _poll(ctl, clock)
+            assert budget.limit == 550
+            big = asyncio.ensure_future(budget.acquire(700))  # 700 > 550, <= 950: waits
+            await asyncio.sleep(0)
+            assert not big.done()
+            with pytest.raises(LeaseTooLarge):
+                await budget.acquire(951)  # more than the calibrated limit: could never be admitted
+            srv.used_blocks = 0
+            for _ in range(5):
+                await _poll(ctl, clock)
+            assert budget.limit == CAL
+            lease = await asyncio.wait_for(big, 5)
+            assert lease.bound == 700
+            await lease.release()
+            await _poll(ctl, clock)
+            srv.used_blocks = 400
+            await _poll(ctl, clock)
+            assert budget.limit == 550
+        with pytest.raises(LeaseTooLarge):
+            await budget.acquire(700)  # the controller is gone: the limit is the limit again
 
     asyncio.run(main())
 
@@ -430,7 +572,8 @@ def test_aclose_and_cancellation_stop_the_loop_and_detach() -> None:
 def test_bad_arguments_fail_fast() -> None:
     budget = LocalBudget(CAL)
     for kw in ({"poll_interval_s": 0}, {"decrease_factor": 1.0}, {"floor_fraction": 0},
-               {"increase_fraction": 2}, {"cooldown_s": -1}, {"bypass_margin": 1.0}, {"calibrated_limit": 0}):
+               {"increase_fraction": 2}, {"cooldown_s": -1}, {"bypass_margin": 1.0}, {"calibrated_limit": 0},
+               {"bypass_hold_s": -1}, {"preemption_threshold": 0}, {"preemption_threshold": 1.5}):
         with pytest.raises(ConfigurationError):
             AdaptiveLimit(budget, "http://h:8000", **kw)
     with pytest.raises(ConfigurationError):
@@ -469,7 +612,7 @@ def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_retu
             http = httpx.AsyncClient(transport=MemoryTransport(server.app), base_url=server.url)
             budget = LocalBudget(cal, clock=LoopClock())
             ctl = AdaptiveLimit(budget, server.url, calibrated_limit=cal, http_client=http,
-                                poll_interval_s=poll, cooldown_s=cooldown)
+                                poll_interval_s=poll, cooldown_s=cooldown, bypass_hold_s=cooldown)
             async with ctl:
                 await asyncio.sleep(2.0)  # quiet: nothing changes
                 assert budget.limit == cal and not ctl.changes
@@ -494,7 +637,7 @@ def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_retu
     assert len(above) >= 2
     for d in above:
         assert d.new_limit is not None and d.ceiling <= d.new_limit < d.limit and d.reason == "bypass"
-    assert 1 <= polls <= recovery_polls(poll_interval_s=poll, cooldown_s=cooldown)
+    assert 1 <= polls <= recovery_polls(poll_interval_s=poll, cooldown_s=cooldown, bypass_hold_s=cooldown)
     # the judge: one poller, this controller, one scrape per poll
     assert list(pollers["pollers"]) == [ctl.id]
     assert pollers["pollers"][ctl.id]["polls"] == pollers["scrapes"] == len(ctl.decisions)

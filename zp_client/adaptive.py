@@ -6,21 +6,24 @@ and raises it back toward the calibrated limit when all is quiet.
         ...                                     # use the budget as usual; ctl.changes lists what it did
 
 Every ``poll_interval_s`` the controller reads the server's ``/metrics`` (with the header
-``X-ZP-Poller: <its id>``) and the budget's status, and applies AIMD rules:
+``X-ZP-Poller: <its id>``) and the budget's status. The limit is the lower of two levels:
 
-* **multiplicative decrease** (``limit x decrease_factor``, never below ``floor_fraction`` of the
-  calibrated limit) when the server preempted since the last poll (``vllm:num_preemptions_total``
-  rose), or when requests of the budget were answered 429, 503 or 529 (the admission core reports them
-  through :meth:`Budget.note_overload <zp_client.budget.base.Budget.note_overload>`). Then a
-  ``cooldown_s`` follows in which these two signals change nothing more, so one burst is counted once
-  (the leases admitted before the decrease still run: lowering a limit never revokes one);
-* **bypass**: the server's KV in use (``vllm:kv_cache_usage_perc x (num_gpu_blocks - 1)``) above the
-  blocks the budget's live leases hold by more than ``bypass_margin`` of the pool means traffic that
-  does not go through the budget. The limit then may be at most ``calibrated - bypass`` (the budget
-  keeps its reserve); above that it is decreased multiplicatively, down to that ceiling at most;
-* **additive increase** by ``increase_fraction`` of the calibrated limit per quiet poll (no new
-  preemption, no overload answer, ``cooldown_s`` since the last decrease), up to the calibrated limit
-  (or the bypass ceiling while a bypass lasts).
+* the **AIMD level**, probed: **multiplicative decrease** (``x decrease_factor``, never below
+  ``floor_fraction`` of the calibrated limit) when the server preempted (``vllm:num_preemptions_total``
+  rose) at least ``preemption_threshold`` times within ``cooldown_s``, or when requests of the budget were
+  answered 429, 503 or 529 (the admission core reports them through :meth:`Budget.note_overload
+  <zp_client.budget.base.Budget.note_overload>`); then a ``cooldown_s`` follows in which these signals
+  change nothing more, so one burst is counted once (the leases admitted before the decrease still run:
+  lowering a limit never revokes one). **Additive increase** by ``increase_fraction`` of the calibrated
+  limit per quiet poll (no new preemption, no overload answer, ``cooldown_s`` since the last decrease), up
+  to the calibrated limit;
+* the **bypass ceiling**, measured: the server's KV in use (``vllm:kv_cache_usage_perc x (num_gpu_blocks -
+  1)``) above what the budget's live leases hold (``BudgetStatus.held_distinct``: shared prefixes counted
+  once, as the server's prefix cache holds them) by more than ``bypass_margin`` of the pool is traffic
+  that does not go through the budget. The ceiling is then ``calibrated - bypass``, the bypass being the
+  largest measured over the last ``bypass_hold_s``; it follows the bypass both ways (the limit goes
+  straight down to it, and back up once the hold ran out), without AIMD steps: the room is measured, not
+  probed for.
 
 Every change goes through the budget's compare-and-set (``compare_and_set_limit``: a limit someone else
 changed meanwhile is left alone), is logged at INFO, is recorded in :attr:`AdaptiveLimit.changes`,
@@ -36,7 +39,9 @@ Redis does not answer, no controller changes anything (the last limit stays) and
 
 What it cannot see (docs/admission.md#the-adaptive-limit): the server between two polls and what
 ``/metrics`` lags behind; a server without ``/metrics`` (then only the overload answers count); bypass
-traffic hidden by prefix sharing; and preemptions caused by traffic it cannot tell apart from its own.
+traffic hidden by prefix sharing the budget does not know of (a ``RedisBudget`` reports no
+``held_distinct``: its shared prefixes hide that much bypass); and preemptions caused by traffic it
+cannot tell apart from its own.
 Time is the budget's clock (:mod:`zp_client._clock`): the controller runs on a virtual-time loop too.
 """
 
@@ -77,6 +82,8 @@ __all__ = [
     "DEFAULT_FLOOR_FRACTION",
     "DEFAULT_COOLDOWN_S",
     "DEFAULT_BYPASS_MARGIN",
+    "DEFAULT_BYPASS_HOLD_S",
+    "DEFAULT_PREEMPTION_THRESHOLD",
     "DEFAULT_LEADER_TTL_S",
     "recovery_polls",
 ]
@@ -108,20 +115,33 @@ DEFAULT_COOLDOWN_S = 5.0
 #: calibrated limit's own reserve (1 - 0.95) absorbs less, and held reports lag the server by a block or
 #: two per stream.
 DEFAULT_BYPASS_MARGIN = 0.05
+#: The bypass ceiling follows the largest bypass measured over this many seconds of polls, not the last
+#: one alone: foreign traffic comes and goes between two of its requests (an agent's tool call, the next
+#: turn of a conversation), and a limit raised into such a gap admits leases that the next burst then
+#: preempts (lowering a limit never revokes a lease). The cooldown's length: one burst, held once.
+DEFAULT_BYPASS_HOLD_S = 5.0
+#: Preemptions cut the limit once at least this many were seen within ``cooldown_s`` (the polls of
+#: that window, the current one included): the elastic policy's 5% reserve against its own forecast
+#: error lets a lone preemption through now and then by design, and cutting 20% of the pool for it costs
+#: more than the one request's recompute; a limit that is too large (a smaller pool than calibrated)
+#: preempts again within seconds.
+DEFAULT_PREEMPTION_THRESHOLD = 2
 #: The Redis leader lease: a dead leader's successor polls within this many seconds.
 DEFAULT_LEADER_TTL_S = 5.0
 
 
 def recovery_polls(*, poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
                    cooldown_s: float = DEFAULT_COOLDOWN_S, floor_fraction: float = DEFAULT_FLOOR_FRACTION,
-                   increase_fraction: float = DEFAULT_INCREASE_FRACTION, within: float = 0.05) -> int:
+                   increase_fraction: float = DEFAULT_INCREASE_FRACTION,
+                   bypass_hold_s: float = DEFAULT_BYPASS_HOLD_S, within: float = 0.05) -> int:
     """The most polls it takes the limit to return within ``within`` of the calibrated one once the
     bypass stopped (or the last preemption / overload answer), counting from the first poll whose
-    ``/metrics`` no longer shows it: the rest of the cooldown after the last decrease (at most
-    ``ceil(cooldown_s / poll_interval_s) - 1`` polls), then at most ``ceil((1 - within - floor_fraction) /
-    increase_fraction)`` increases from the floor: 13 polls with the defaults. Holds while the polls
-    stay quiet (no new preemption or overload answer) and come ``poll_interval_s`` apart."""
-    cool = math.ceil(cooldown_s / poll_interval_s - 1e-9)
+    ``/metrics`` no longer shows it: the rest of the cooldown after the last decrease and of the bypass
+    hold (at most ``ceil(max(cooldown_s, bypass_hold_s) / poll_interval_s) - 1`` polls; they run at
+    once), then at most ``ceil((1 - within - floor_fraction) / increase_fraction)`` increases from the
+    floor: 13 polls with the defaults. Holds while the polls stay quiet (no new preemption or overload
+    answer) and come ``poll_interval_s`` apart."""
+    cool = math.ceil(max(cooldown_s, bypass_hold_s) / poll_interval_s - 1e-9)
     climb = max(0, math.ceil((1 - within - floor_fraction) / increase_fraction - 1e-9))
     return max(cool, 1) - 1 + climb
 
@@ -203,6 +223,11 @@ def _fraction(value: float, what: str, *, closed: bool = False) -> float:
     return float(value)
 
 
+def _held(st: BudgetStatus) -> int:
+    """The budget's held blocks as the server counts them: shared prefixes once where the budget says."""
+    return st.held if st.held_distinct is None else st.held_distinct
+
+
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -220,7 +245,8 @@ class AdaptiveLimit:
     ``metrics``: a :class:`~zp_client.metrics.ZPMetrics` whose ``limit_changed`` each change feeds.
     ``headers`` go with every poll (``Authorization``...). Tuning, with the defaults' reasons at the
     ``DEFAULT_*`` constants: ``decrease_factor``, ``increase_fraction``, ``floor_fraction``,
-    ``cooldown_s``, ``bypass_margin`` (a share of the usable pool), ``leader_ttl_s`` (RedisBudget),
+    ``cooldown_s``, ``bypass_margin`` (a share of the usable pool), ``bypass_hold_s``,
+    ``preemption_threshold``, ``leader_ttl_s`` (RedisBudget),
     ``timeout_s`` (one poll's HTTP timeout, for the default client). ``controller_id`` names it in
     logs, Redis and the poll header (default ``host:pid:random``).
 
@@ -244,6 +270,8 @@ class AdaptiveLimit:
         floor_fraction: float = DEFAULT_FLOOR_FRACTION,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         bypass_margin: float = DEFAULT_BYPASS_MARGIN,
+        bypass_hold_s: float = DEFAULT_BYPASS_HOLD_S,
+        preemption_threshold: int = DEFAULT_PREEMPTION_THRESHOLD,
         leader_ttl_s: float = DEFAULT_LEADER_TTL_S,
         timeout_s: float = 2.0,
         headers: Mapping[str, str] | None = None,
@@ -278,6 +306,14 @@ class AdaptiveLimit:
                 0 <= bypass_margin < 1):
             raise ConfigurationError(f"bypass_margin must be in [0, 1), got {bypass_margin!r}")
         self.bypass_margin = float(bypass_margin)
+        if isinstance(bypass_hold_s, bool) or not isinstance(bypass_hold_s, (int, float)) or not (
+                0 <= bypass_hold_s < math.inf):
+            raise ConfigurationError(f"bypass_hold_s must be a number of seconds >= 0, got {bypass_hold_s!r}")
+        self.bypass_hold_s = float(bypass_hold_s)
+        pt = preemption_threshold
+        if isinstance(pt, bool) or not isinstance(pt, int) or pt < 1:
+            raise ConfigurationError(f"preemption_threshold must be an int >= 1, got {pt!r}")
+        self.preemption_threshold = pt
         self.leader_ttl_s = _positive(leader_ttl_s, "leader_ttl_s")
         self.timeout_s = _positive(timeout_s, "timeout_s")
         self.clock: Clock = clock if clock is not None else budget.clock
@@ -295,6 +331,10 @@ class AdaptiveLimit:
         self._overload_statuses: dict[int, int] = {}
         self._last_preemptions: float | None = None
         self._last_decrease_at: float | None = None
+        self._aimd: int | None = None  # the AIMD level (the limit is the lower of it and the bypass ceiling)
+        self._expected: int | None = None  # the limit the last poll left (None: a lost compare-and-set)
+        self._bypass_seen: list[tuple[float, int]] = []  # (poll time, bypass blocks) within bypass_hold_s
+        self._preempt_seen: list[tuple[float, int]] = []  # (poll time, new preemptions) within cooldown_s
         self._started_at: float | None = None
         self._first_limit: int | None = None
         self._task: asyncio.Task[None] | None = None
@@ -391,7 +431,9 @@ class AdaptiveLimit:
 
     async def aclose(self) -> None:
         """Stop polling, give up the leader lease (a RedisBudget's successor then takes over at once) and
-        detach from the budget. The limit stays as it is. Idempotent."""
+        detach from the budget. The limit stays as it is; on a LocalBudget the size limit its cuts kept
+        goes (a request larger than the limit fails again, see ``compare_and_set_limit(keep_size=)``).
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -403,6 +445,13 @@ class AdaptiveLimit:
         if self.budget.adaptive is self:
             self.budget.adaptive = None
         self.budget.remove_overload_listener(self.note_overload)
+        if not self._redis:
+            # Nobody will raise a limit it lowered now: the size limit its cuts kept (keep_size) follows
+            # the limit again, so a request larger than the limit fails at once instead of waiting for
+            # nothing. (A RedisBudget keeps it: another process's controller may take over.)
+            with contextlib.suppress(Exception):
+                cur = self.budget.limit
+                await self.budget.compare_and_set_limit(cur, cur)
         if self._redis and self.leader and not getattr(self.budget, "_closed", False):
             try:
                 await asyncio.wait_for(self.budget._adaptive("resign", self.id), 2.0)  # type: ignore[attr-defined]
@@ -538,6 +587,7 @@ class AdaptiveLimit:
             if not applied:
                 note = "; ".join([*sig.notes,
                                   "the limit changed meanwhile (compare-and-set lost): left alone"])
+        self._expected = new if applied else (cur if new == cur else None)
         if self._redis:
             await self._note_state(sig, m is not None)
         return self._record(Decision(
@@ -551,31 +601,53 @@ class AdaptiveLimit:
         floor = self.floor or 1
         ceiling = cal
         bypassing = False
-        if sig.bypass is not None and sig.usable is not None:
+        held_bypass = self._held_bypass(now, sig.bypass)
+        if held_bypass is not None and sig.usable is not None:
             margin = math.ceil(self.bypass_margin * sig.usable)
-            if sig.bypass > margin:
+            if held_bypass > margin:
                 bypassing = True
-                ceiling = max(floor, cal - sig.bypass)
+                ceiling = max(floor, cal - held_bypass)
         cooling = self._last_decrease_at is not None and now - self._last_decrease_at < self.cooldown_s
-        cut = max(floor, math.floor(cur * self.decrease_factor))
+        recent = [(t, n) for t, n in self._preempt_seen if now - t < self.cooldown_s]
+        if sig.preemptions > 0:
+            recent.append((now, sig.preemptions))
+        self._preempt_seen = recent
+        preempting = sig.preemptions > 0 and sum(n for _, n in recent) >= self.preemption_threshold
+        # Two levels, the limit the lower: the AIMD level (probed: preemptions and overload answers cut it,
+        # quiet polls add to it) and the bypass ceiling (measured: it follows the bypass both ways).
+        # it starts from the limit it finds, and from one someone else set meanwhile (left alone: it goes on
+        # from there)
+        aimd = cur if self._aimd is None or self._expected != cur else self._aimd
         reasons: list[str] = []
-        new = cur
-        if not cooling and (sig.preemptions > 0 or sig.overloads > 0) and cur > floor:
-            new = cut
-            if sig.preemptions > 0:
+        if not cooling and (preempting or sig.overloads > 0) and min(cur, aimd) > floor:
+            aimd = max(floor, math.floor(min(cur, aimd) * self.decrease_factor))
+            if preempting:
                 reasons.append("preemption")
             if sig.overloads > 0:
                 reasons.append("overload")
-        if bypassing and cur > ceiling:
-            new = min(new, max(ceiling, cut))
-            reasons.append("bypass")
-        if reasons:
-            return new, "+".join(reasons), ceiling
-        quiet = sig.preemptions == 0 and sig.overloads == 0 and not cooling
-        if quiet and cur < ceiling:
-            step = max(1, math.ceil(self.increase_fraction * cal))
-            return min(ceiling, cur + step), "recover", ceiling
+        elif sig.preemptions == 0 and sig.overloads == 0 and not cooling and aimd < cal:
+            aimd = min(cal, aimd + max(1, math.ceil(self.increase_fraction * cal)))
+        self._aimd = aimd
+        # a limit above the calibrated one (set by someone else) is lowered by a bypass only
+        new = max(floor, min(aimd, ceiling if bypassing else max(cal, aimd)))
+        if new < cur:
+            if bypassing and ceiling < aimd:
+                reasons.append("bypass")
+            return new, "+".join(reasons) or "bypass", ceiling
+        if new > cur:
+            return new, "recover", ceiling
         return cur, None, ceiling
+
+    def _held_bypass(self, now: float, bypass: int | None) -> int | None:
+        """The largest bypass measured over the last ``bypass_hold_s`` (this poll's included), or None
+        when this poll measured none (no /metrics: no bypass rule)."""
+        if bypass is None:
+            self._bypass_seen = []
+            return None
+        seen = [(t, b) for t, b in self._bypass_seen if now - t < self.bypass_hold_s]
+        seen.append((now, bypass))
+        self._bypass_seen = seen
+        return max(b for _, b in seen)
 
     def _measure(self, m: ServerMetrics, st1: BudgetStatus, st2: BudgetStatus, sig: _Signals) -> None:
         p = m.num_preemptions_total
@@ -598,7 +670,9 @@ class AdaptiveLimit:
         sig.server_used = round(m.kv_cache_usage_perc * (n - 1))
         # before and after the scrape: a lease released in between was counted by the server, one granted
         # in between may not be yet; the larger of the two never mistakes the budget's own KV for bypass
-        sig.held = max(st1.held, st2.held)
+        # shared prefixes counted once (held_distinct), as the server's prefix cache holds them: the sum of
+        # the leases' held counts a preamble shared by k of them k times and hides that much bypass
+        sig.held = max(_held(st1), _held(st2))
         sig.bypass = max(0, sig.server_used - sig.held)
 
     @staticmethod

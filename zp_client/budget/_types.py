@@ -57,3 +57,7 @@ class BudgetStatus:
     block_size: int = 16
     extra: dict[str, object] = field(default_factory=dict)
     """Backend-specific facts (Redis epoch, recovery state, ...)."""
+    held_distinct: int | None = None
+    """``held`` with each shared prefix counted once among the leases that share it, as the server's
+    prefix cache holds it once (the ``elastic`` policy's present term; ``held`` under ``strict``, which
+    knows no prefixes). None where the backend does not compute it (``RedisBudget``): read ``held``."""

@@ -27,6 +27,7 @@ __all__ = [
     "Projection",
     "admission_meta",
     "brute_force_peak",
+    "held_distinct",
     "make_policy",
     "project",
     "projected_peak",
@@ -372,6 +373,27 @@ def _terms_for(
     return terms, groups
 
 
+def held_distinct(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int) -> int:
+    """The blocks live leases ``(held, bound, meta)`` report holding now, each shared prefix counted once
+    among the streaming leases that share it (those the projection groups: a ``prefix_key``, a first
+    token seen), as the server's prefix cache holds it once. The sum of ``held`` less, per group of k
+    such leases, (k - 1) x the group's prefix blocks."""
+    items = [(h, project(held=h, bound=b, block_size=block_size, meta=m), m) for h, b, m in leases]
+    total = sum(h for h, _, _ in items)
+    active: dict[str, int] = {}
+    for _, _, m in items:
+        key = m.get("prefix_key")
+        if key is not None and m.get("first_token") and int(m.get("prefix_blocks", 0)) > 0:
+            active[key] = int(m["prefix_blocks"])
+    members: dict[str, int] = {}
+    for h, p, m in items:
+        key = m.get("prefix_key")
+        if key in active and p.grows:
+            active[key] = min(active[key], h)
+            members[key] = members.get(key, 0) + 1
+    return total - sum(active[k] * (n - 1) for k, n in members.items())
+
+
 def projected_peak(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int,
                    now: float | None = None, step_s: float | None = None) -> int:
     """The projected peak in blocks of live leases given as ``(held, bound, meta)`` (``now``, ``step_s``:
@@ -492,6 +514,12 @@ class ElasticPolicy:
 
     def used(self, view: LedgerView) -> int:
         return self._prepare(view).peak()
+
+    def held_now(self, view: LedgerView) -> int:
+        """What the live leases hold now with each shared prefix counted once, as the projection counts
+        it (:func:`held_distinct`): reported as ``BudgetStatus.held_distinct``."""
+        return held_distinct(((rec.held, rec.bound, rec.meta) for rec in view.leases.values()),
+                             self.block_size)
 
     def _excess(self, view: LedgerView) -> int:
         """Sum of the live leases' :func:`excess_blocks` (cached on the ledger's version, like the

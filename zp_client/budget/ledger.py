@@ -298,6 +298,13 @@ class Ledger:
         return self._held_sum
 
     @property
+    def held_distinct(self) -> int:
+        """``held_sum`` with each shared prefix counted once: the policy's ``held_now`` where it has one
+        (``elastic``), else ``held_sum``."""
+        held_now = getattr(self._policy, "held_now", None)
+        return int(held_now(self)) if held_now is not None else self._held_sum
+
+    @property
     def used(self) -> int:
         """Blocks the policy counts as taken."""
         return self._policy.used(self)
@@ -578,6 +585,7 @@ class Ledger:
                 "head_starving": head is not None and head_wait >= self._starvation_bound,
                 "bound_sum": self._bound_sum,
             },
+            held_distinct=self.held_distinct,
         )
 
     # ------------------------------------------------------------------ internals
