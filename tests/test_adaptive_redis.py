@@ -208,3 +208,28 @@ def test_three_processes_run_exactly_one_poller_and_a_killed_leaders_successor_p
                         f.close()
             rc.delete(leader_key, f"{{zp:{redis_prefix}}}:adaptive")
             rc.close()
+
+
+def test_overload_answers_noted_between_polls_survive_a_lease_renewal(redis_url: str, redis_prefix: str) -> None:
+    """A leader renews its lease between polls when the poll interval exceeds a third of the TTL; the
+    renewal takes the fleet's overload answers from Redis, and they must count at the next poll."""
+
+    async def main() -> None:
+        srv = FakeServer()
+        budget = RedisBudget(redis_url, redis_prefix, CAL)
+        ctl = AdaptiveLimit(budget, "http://vllm.test:8000", calibrated_limit=CAL, http_client=srv.client(),
+                            poll_interval_s=1.5, leader_ttl_s=0.9, controller_id="ctl-r")
+        try:
+            async with ctl:
+                while not ctl.decisions:
+                    await asyncio.sleep(0.01)
+                for _ in range(5):
+                    ctl.note_overload(429)
+                while len(ctl.decisions) < 2:  # renewals run every 0.3 s in between
+                    await asyncio.sleep(0.05)
+            d = ctl.decisions[1]
+            assert d.leader and d.overloads == 5 and d.reason == "overload", d
+        finally:
+            await budget.aclose()
+
+    asyncio.run(main())

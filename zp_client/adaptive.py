@@ -248,7 +248,8 @@ class AdaptiveLimit:
     ``cooldown_s``, ``bypass_margin`` (a share of the usable pool), ``bypass_hold_s``,
     ``preemption_threshold``, ``leader_ttl_s`` (RedisBudget),
     ``timeout_s`` (one poll's HTTP timeout, for the default client). ``controller_id`` names it in
-    logs, Redis and the poll header (default ``host:pid:random``).
+    logs, Redis and the poll header (default ``host:pid:random``); it is also its leader-lease token, so
+    it must be unique per controller (two processes given the same id would both lead).
 
     ``async with AdaptiveLimit(...)`` / :meth:`start` and :meth:`aclose` run it as a task on the
     running loop (:meth:`start_in_thread` / :meth:`stop` on a thread of its own, for programs without
@@ -318,6 +319,8 @@ class AdaptiveLimit:
         self.timeout_s = _positive(timeout_s, "timeout_s")
         self.clock: Clock = clock if clock is not None else budget.clock
         self.metrics = metrics
+        if controller_id is not None and (not isinstance(controller_id, str) or not controller_id.strip()):
+            raise ConfigurationError(f"controller_id must be a non-empty string, got {controller_id!r}")
         self.id = controller_id or _controller_id()
         self._headers = {"accept": "text/plain", **dict(headers or {}), POLLER_HEADER: self.id}
         self._http = http_client
@@ -800,9 +803,18 @@ class AdaptiveLimit:
                     if d.leader or was_leader:
                         next_poll = now + self.poll_interval_s
                 elif self._redis:
-                    await self._elect()
+                    # a renewal between polls: the fleet's overload answers it collected (Redis hands
+                    # them over once) count at the next poll
+                    fleet = await self._elect()
+                    if fleet:
+                        with self._lock:
+                            self._overloads += fleet
             except asyncio.CancelledError:
                 raise
+            except BudgetUnavailable as exc:  # Redis down during a renewal: said once, as in a poll
+                self._fail("budget", f"Redis did not answer ({exc}); the limit stays as it is")
+                self.leader = False
+                self._follower_wait = self.leader_ttl_s / 3
             except Exception:  # noqa: BLE001 - the loop must outlive any one poll
                 logger.exception("adaptive limit %s: poll failed", self.id)
                 next_poll = now + self.poll_interval_s
