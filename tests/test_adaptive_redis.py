@@ -233,3 +233,25 @@ def test_overload_answers_noted_between_polls_survive_a_lease_renewal(redis_url:
             await budget.aclose()
 
     asyncio.run(main())
+
+
+def test_a_successor_inherits_the_cooldown_of_the_leader_that_cut(redis_url: str, redis_prefix: str) -> None:
+    """One burst is cut once fleet-wide: a leader that cut and resigned hands its cooldown to the next."""
+
+    async def main() -> None:
+        srv = FakeServer()
+        budgets, (a, b) = _pair(redis_url, redis_prefix, srv)
+        await a.poll_once()
+        a.note_overload(503)
+        d = await a.poll_once()
+        assert (d.reason, d.applied) == ("overload", True)
+        await a.aclose()  # resigns the lease
+        b.note_overload(503)  # the same burst, seen by the next leader's process
+        d = await b.poll_once()
+        assert d.leader and d.overloads == 1
+        assert (d.reason, d.applied) == (None, False), d  # within the inherited cooldown: no second cut
+        assert (await budgets[1].status()).limit == 760
+        for bud in budgets:
+            await bud.aclose()
+
+    asyncio.run(main())

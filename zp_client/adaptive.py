@@ -746,7 +746,7 @@ class AdaptiveLimit:
             if not self.leader:
                 logger.info("adaptive limit %s leads budget %s%s", self.id, getattr(self.budget, "name", "?"),
                             " (took the lease)" if int(r[2]) else "")
-                self._became_leader(_text(r[4]), _text(r[5]))
+                self._became_leader(_text(r[4]), _text(r[5]), _text(r[6]) if len(r) > 6 else "")
             self.leader, self.leader_id = True, self.id
             return int(r[3])
         holder = _text(r[2])
@@ -759,10 +759,17 @@ class AdaptiveLimit:
         self._follower_wait = min(self.leader_ttl_s / 3, pttl / 1000 + 0.02) if pttl >= 0 else 0.02
         return 0
 
-    def _became_leader(self, preemptions: str, calibrated: str) -> None:
-        # the previous leader's preemption counter: preemptions during the takeover still count
+    def _became_leader(self, preemptions: str, calibrated: str, since_decrease_ms: str = "") -> None:
+        # the previous leader's preemption counter: preemptions during the takeover still count (and a
+        # counter of our own from an earlier tenure is stale)
+        self._last_preemptions = None
         with contextlib.suppress(ValueError):
             self._last_preemptions = float(preemptions)
+        # the previous leader's cooldown: the burst it cut for is not cut for again
+        with contextlib.suppress(ValueError):
+            at = self.clock.monotonic() - float(since_decrease_ms) / 1000
+            if self._last_decrease_at is None or at > self._last_decrease_at:
+                self._last_decrease_at = at
         if self._given_calibrated is None and self._calibrated is None and calibrated:
             with contextlib.suppress(ValueError):
                 self._calibrated = int(calibrated)
@@ -782,6 +789,8 @@ class AdaptiveLimit:
         if last is not None and self._noted_changes != len(self.changes):
             fields.update({"last_old": last.old, "last_new": last.new, "last_reason": last.reason,
                            "last_change_ms": "@now"})
+            if last.new < last.old:
+                fields["last_decrease_ms"] = "@now"  # a successor inherits the cooldown
         try:
             await self.budget._adaptive("note", self.id, 0, 0, fields)  # type: ignore[attr-defined]
             self._noted_changes = len(self.changes)

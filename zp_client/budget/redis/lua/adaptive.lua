@@ -9,7 +9,7 @@
 --   'lead':   renew the lease when ours (PEXPIRE), else take it when free (SET NX PX); on success write
 --             the pairs (and leader / leader_since_ms when taken) and take the fleet's pending overloads
 --             -> {1, ttl ms, taken 0|1, overloads (the fleet's pending plus ours), state's preemptions
---                 counter or '', state's calibrated limit or ''}
+--                 counter or '', state's calibrated limit or '', ms since the last decrease or ''}
 --             A follower's overloads are added to the state's pending count for the leader:
 --             -> {0, holder's PTTL ms, holder id}
 --   'note':   write the pairs while we hold the lease -> {1} | {0}
@@ -47,12 +47,15 @@ if op == 'lead' then
     end
     return {0, redis.call('PTTL', K_LEADER), cur}
   end
-  local got = redis.call('HMGET', K_STATE, 'pending_overloads', 'preemptions', 'calibrated')
+  local got = redis.call('HMGET', K_STATE, 'pending_overloads', 'preemptions', 'calibrated',
+                         'last_decrease_ms')
   redis.call('HDEL', K_STATE, 'pending_overloads')
   local extra = {}
   if taken == 1 then extra = {'leader', id, 'leader_since_ms', now_ms()} end
   write_pairs(extra)
-  return {1, ttl, taken, (tonumber(got[1]) or 0) + own, got[2] or '', got[3] or ''}
+  local since = ''
+  if tonumber(got[4]) then since = math.max(0, now_ms() - tonumber(got[4])) end
+  return {1, ttl, taken, (tonumber(got[1]) or 0) + own, got[2] or '', got[3] or '', since}
 elseif op == 'note' then
   if cur ~= id then return {0} end
   write_pairs({})
