@@ -340,6 +340,27 @@ class _Profile:
         return max(self.values[:hi], default=float("-inf"))
 
 
+def _shared_prefixes(
+    items: list[tuple[Projection, Mapping[str, Any]]],
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The shared-prefix rule of the projection (and of :func:`held_distinct`): per ``prefix_key`` whose
+    prefix is cached (a member with ``first_token`` and ``prefix_blocks``), the prefix blocks counted once,
+    and how many growing members share it. A member cannot share more than it holds: the group's prefix
+    is the smallest member's at most. The last qualifying member's ``prefix_blocks`` wins, in lease order."""
+    active: dict[str, int] = {}
+    for _, m in items:
+        key = m.get("prefix_key")
+        if key is not None and m.get("first_token") and int(m.get("prefix_blocks", 0)) > 0:
+            active[key] = int(m["prefix_blocks"])
+    members: dict[str, int] = {}
+    for p, m in items:
+        key = m.get("prefix_key")
+        if key in active and p.grows:
+            active[key] = min(active[key], p.blocks)
+            members[key] = members.get(key, 0) + 1
+    return active, members
+
+
 def _terms_for(
     leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int,
     now: float | None = None, step_s: float | None = None,
@@ -347,16 +368,7 @@ def _terms_for(
     """Projection terms of live leases ``(held, bound, meta)``, shared prefixes counted once."""
     items = [(project(held=h, bound=b, block_size=block_size, meta=m, now=now, step_s=step_s), m)
              for h, b, m in leases]
-    active: dict[str, int] = {}
-    for _, m in items:
-        key = m.get("prefix_key")
-        if key is not None and m.get("first_token") and int(m.get("prefix_blocks", 0)) > 0:
-            active[key] = int(m["prefix_blocks"])
-    # A member cannot share more than it holds: the group's prefix is the smallest member's at most.
-    for p, m in items:
-        key = m.get("prefix_key")
-        if key in active and p.grows:
-            active[key] = min(active[key], p.blocks)
+    active, _ = _shared_prefixes(items)
     terms: list[Projection] = []
     group_end: dict[str, int] = {}
     for p, m in items:
@@ -378,20 +390,10 @@ def held_distinct(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_si
     among the streaming leases that share it (those the projection groups: a ``prefix_key``, a first
     token seen), as the server's prefix cache holds it once. The sum of ``held`` less, per group of k
     such leases, (k - 1) x the group's prefix blocks."""
-    items = [(h, project(held=h, bound=b, block_size=block_size, meta=m), m) for h, b, m in leases]
-    total = sum(h for h, _, _ in items)
-    active: dict[str, int] = {}
-    for _, _, m in items:
-        key = m.get("prefix_key")
-        if key is not None and m.get("first_token") and int(m.get("prefix_blocks", 0)) > 0:
-            active[key] = int(m["prefix_blocks"])
-    members: dict[str, int] = {}
-    for h, p, m in items:
-        key = m.get("prefix_key")
-        if key in active and p.grows:
-            active[key] = min(active[key], h)
-            members[key] = members.get(key, 0) + 1
-    return total - sum(active[k] * (n - 1) for k, n in members.items())
+    leases = list(leases)
+    items = [(project(held=h, bound=b, block_size=block_size, meta=m), m) for h, b, m in leases]
+    active, members = _shared_prefixes(items)  # without now, a grower's projected blocks are its held
+    return sum(h for h, _, _ in leases) - sum(active[k] * (n - 1) for k, n in members.items())
 
 
 def projected_peak(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int,
