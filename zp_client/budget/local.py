@@ -331,13 +331,14 @@ class LocalBudget(Budget):
         to_wake: list[_Waiter] = []
         with self._lock:
             led = self._ledger
-            now = self.clock.monotonic()
+            # the clock is read only for a policy that stamps reports (elastic's late_readers) or a grant
+            now = self.clock.monotonic() if getattr(led.policy, "late_readers", False) else None
             live = led.report_held(lease_id, held) if held is not None else lease_id in led.leases
             if fields and live:
                 led.update_meta(lease_id, now=now, **fields)
             # Only a policy that reads progress can admit on it, and only if somebody waits.
             if live and led.progress_sensitive and len(led):
-                _, to_wake = self._hand_out(led.grant(now))
+                _, to_wake = self._hand_out(led.grant(self.clock.monotonic() if now is None else now))
         if to_wake:
             self._wake(to_wake)
 
