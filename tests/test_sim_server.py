@@ -587,7 +587,10 @@ async def test_max_num_queued_reqs_counts_waiting_and_running_and_answers_503() 
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
             events = [asyncio.Event() for _ in range(3)]
             tasks = [asyncio.create_task(_hold_stream(http, server.model, [7] * 16, e)) for e in events]
-            await wait_until(lambda: server.stats()["in_flight"] == 3, "three requests in flight")
+            # the third arrival can land before the engine's first step schedules the first: wait for it
+            await wait_until(
+                lambda: server.stats()["in_flight"] == 3 and server.engine.stats.num_running == 1,
+                "three requests in flight, one of them scheduled")
             # one running and two waiting: vLLM's limit counts both
             assert server.engine.stats.num_running == 1 and server.engine.stats.num_waiting == 2
             r = await http.post("/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 4})
