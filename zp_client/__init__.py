@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "PromptTooLong": "zp_client.errors",
     "BudgetUnavailable": "zp_client.errors",
     "LeaseLost": "zp_client.errors",
+    "StreamCut": "zp_client.errors",
     "RetryBudgetExhausted": "zp_client.errors",
     "MissingIntegration": "zp_client.errors",
     # configuration
@@ -42,6 +43,8 @@ _EXPORTS: dict[str, str] = {
     "LocalBudget": "zp_client.budget.local",
     "AdaptiveLimit": "zp_client.adaptive",
     "RedisBudget": "zp_client.budget.redis",
+    "Fleet": "zp_client.fleet",
+    "HealthRules": "zp_client.fleet",
     # front ends
     "AsyncClient": "zp_client.client",
     "Client": "zp_client.client",
@@ -93,6 +96,8 @@ __all__ = [
     "DeadlineExceeded",
     "ElasticPolicy",
     "Estimator",
+    "Fleet",
+    "HealthRules",
     "Lease",
     "LeaseLost",
     "LeaseTooLarge",
@@ -111,6 +116,7 @@ __all__ = [
     "ROUTE_HEADER",
     "ServerInfo",
     "Settings",
+    "StreamCut",
     "summarize_admissions",
     "Ticket",
     "wrap",
@@ -154,9 +160,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         MissingIntegration,
         PromptTooLong,
         RetryBudgetExhausted,
+        StreamCut,
         ZPError,
     )
     from zp_client.estimate import Estimator
+    from zp_client.fleet import Fleet, HealthRules
     from zp_client.forecast import LengthForecaster, Prior
     from zp_client.metrics import ZPMetrics
     from zp_client.observe import AdmissionInfo, observe_admissions, summarize_admissions

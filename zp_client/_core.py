@@ -321,6 +321,8 @@ class Core:
         self.stream_upstream = (
             self.settings.stream_upstream if stream_upstream is None else bool(stream_upstream)
         )
+        # A fleet (zp_client.fleet.Fleet) routes: each lease says which replica the attempt goes to.
+        self.fleet: Any = budget if getattr(budget, "is_fleet", False) else None
         self._servers: dict[str, Any] = {}
         self._mml: dict[tuple[str, str | None], int | None] = {}
         self._pool_roots: set[str] = set()  # Core._claim_pool_check's fallback registry
@@ -397,6 +399,8 @@ class Core:
                 changed = True
                 strip_usage = True
         base, root = api_base(request.url)
+        if self.fleet is not None:  # metadata comes from a replica, not the fleet's own name
+            base, root = self.fleet.metadata_base(base, root)
         model = body.get("model") if isinstance(body.get("model"), str) else None
         return Parsed(
             body=body,
@@ -413,6 +417,7 @@ class Core:
             auth_headers=auth,
             route=route,
             upstream=upstream,
+            session=opts.session,
             chat_or_completions=not path.endswith("/responses"),
         )
 
@@ -467,6 +472,8 @@ class Core:
                 if pblocks > 0:
                     meta["prefix_key"] = key
                     meta["prefix_blocks"] = pblocks
+        if self.fleet is not None:
+            meta = {**(meta or {}), **self.fleet.routing_meta(p.body, prompt, p.session)}
         content = request.content
         if p.changed:
             content = json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode()
@@ -557,7 +564,7 @@ class Core:
     def _claim_pool_check(self, p: Parsed) -> bool:
         """True for the one request that reads this server's pool for this budget (``Settings.pool_check``);
         claimed before the read, so concurrent first requests do not wait on it nor read it again."""
-        if not self.settings.pool_check or p.root in self._pool_roots_seen:
+        if not self.settings.pool_check or p.root in self._pool_roots_seen or self.fleet is not None:
             return False  # the fast path: this core already knows the root was claimed
         self._pool_roots_seen.add(p.root)
         with _pool_checked_lock:
@@ -632,6 +639,8 @@ class Core:
         state = (yield NewRetryState(retry)) if retry is not None else None
         ticket: Ticket | None = None
         attempt = 0
+        moves = 0
+        fleet = self.fleet
         m = self.metrics
         while True:
             timeout = self.check_deadline(plan, attempt)
@@ -653,12 +662,16 @@ class Core:
                 state.ticket = ticket
             assembled = False
             try:
-                resp = yield Send(self.lib.request(request, plan))
+                url = request.url if fleet is None else fleet.route_url(lease, request.url)
+                resp = yield Send(self.lib.request(request, plan, url))
                 if plan.upstream and self.lib.is_event_stream(resp):
                     resp = yield from self._consume(plan, request, resp, holder)
                     assembled = True
             except Exception as exc:
                 yield Release(holder)
+                if fleet is not None and self._move(fleet, lease, exc, moves):
+                    moves += 1  # sent elsewhere, keeping its place: no retry spent, no attempt counted
+                    continue
                 if state is None:
                     raise
                 d = yield Decide(retry, state, None, None, exc, self.remaining(plan))
@@ -678,6 +691,11 @@ class Core:
             try:
                 if resp.status_code in OVERLOAD_STATUSES:
                     self.budget.note_overload(resp.status_code)  # an adaptive limit's signal
+                elif fleet is not None:  # the replica's health: 5xx answers count against it
+                    if resp.status_code >= 500:
+                        fleet.note_failure(lease)
+                    else:
+                        fleet.note_success(lease)
                 if state is not None and resp.status_code >= 400:
                     d = yield Decide(retry, state, resp.status_code, resp.headers, None, self.remaining(plan))
                     if d.retry or d.error is not None:
@@ -702,6 +720,58 @@ class Core:
                 yield Release(holder)
                 raise
 
+    def _move(self, fleet: Any, lease: Lease, exc: BaseException, moves: int) -> bool:
+        """Whether a failed attempt on a fleet replica moves to another one: the request never reached
+        the caller and the connection failed (no connection, reset, cut: not a timeout, where the server
+        may still be working). Tells the fleet either way; bounded by ``fleet.max_moves`` per replica."""
+        from zp_client.retry import classify_error
+
+        kind = classify_error(exc)
+        name = type(exc).__name__
+        if kind is None or name in ("ReadTimeout", "WriteTimeout", "PoolTimeout"):
+            return False
+        connect = name in ("ConnectError", "ConnectTimeout")
+        fleet.note_failure(lease, connect=connect)
+        if moves >= fleet.max_moves * max(1, len(fleet.replicas)):
+            return False
+        fleet.note_move()
+        logger.info("attempt on %s failed (%s): moving the request to another replica",
+                    getattr(lease, "replica", "?"), name)
+        return True
+
+    def stream_cut(self, lease: Lease, exc: BaseException) -> BaseException | None:
+        """The error a caller reading a fleet replica's stream gets when the connection failed under it
+        (a :class:`~zp_client.errors.StreamCut`; through ``wrap()`` also an ``openai.OpenAIError``), after
+        telling the fleet; None outside a fleet or for other errors (a timeout, a decoding error: those
+        surface as they are)."""
+        fleet = self.fleet
+        if fleet is None:
+            return None
+        from zp_client.retry import classify_error
+
+        if classify_error(exc) is None or type(exc).__name__ in ("ReadTimeout", "PoolTimeout"):
+            return None
+        from zp_client.errors import StreamCut
+
+        replica = getattr(lease, "replica", None)
+        fleet.note_failure(lease)
+        cut = StreamCut(f"the stream from replica {replica} was cut after it started ({type(exc).__name__}: "
+                        f"{exc}); the answer is incomplete")
+        cut.replica = replica
+        return self.surface(cut)  # through wrap(): also an openai.OpenAIError, which openai passes on
+
+    def passthrough(self, request: Any) -> Any:
+        """A request the core does not admit, aimed at a fleet's own name: sent to one of its replicas."""
+        fleet = self.fleet
+        if fleet is None:
+            return request
+        url = fleet.passthrough_url(request.url)
+        if url == request.url:
+            return request
+        headers = [(b"Host", url.netloc), *((k, v) for k, v in request.headers.raw if k.lower() != b"host")]
+        return self.lib.module.Request(request.method, url, headers=headers, stream=request.stream,
+                                       extensions=request.extensions)
+
     def _notify(self, observers: tuple[Any, ...], plan: Plan, lease: Lease, waited: float,
                 attempt: int) -> None:
         """One :class:`~zp_client.observe.AdmissionInfo` for this grant, to the caller's observers."""
@@ -715,6 +785,7 @@ class Core:
             policy=self.budget.policy_name,
             route=plan.route,
             lease_id=str(getattr(lease, "id", "")),
+            replica=getattr(lease, "replica", None),
         )
         notify_observers(observers, info)
 

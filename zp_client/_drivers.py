@@ -102,7 +102,7 @@ class AsyncDriver(_Driver):
 
     async def handle_async_request(self, request: Any) -> Any:
         if not is_admitted(request.method, request.url.path):
-            return await self._inner.handle_async_request(request)
+            return await self._inner.handle_async_request(self._core.passthrough(request))
         await request.aread()
         machine = self._core.admit(request, self._inner, is_async=True)
         try:
@@ -177,7 +177,7 @@ class SyncDriver(_Driver):
 
     def handle_request(self, request: Any) -> Any:
         if not is_admitted(request.method, request.url.path):
-            return self._inner.handle_request(request)
+            return self._inner.handle_request(self._core.passthrough(request))
         request.read()
         machine = self._core.admit(request, self._inner, is_async=False)
         try:

@@ -64,13 +64,19 @@ class AsyncBody(_Body):
         holder, feed, mono = self._holder, self._scanner.feed, self._holder.clock.monotonic
         try:
             holder.waiting = True
-            async for chunk in self._resp.stream:
-                holder.waiting = False
-                holder.last_activity = mono()
-                if out := feed(chunk):
-                    yield out
+            try:
+                async for chunk in self._resp.stream:
+                    holder.waiting = False
                     holder.last_activity = mono()
-                holder.waiting = True
+                    if out := feed(chunk):
+                        yield out
+                        holder.last_activity = mono()
+                    holder.waiting = True
+            except Exception as exc:
+                cut = self._core.stream_cut(holder.lease, exc)
+                if cut is None:
+                    raise
+                raise cut from exc
             if tail := self._end():
                 yield tail
         finally:
@@ -99,13 +105,19 @@ class SyncBody(_Body):
         holder, feed, mono = self._holder, self._scanner.feed, self._holder.clock.monotonic  # as __aiter__
         try:
             holder.waiting = True
-            for chunk in self._resp.stream:
-                holder.waiting = False
-                holder.last_activity = mono()
-                if out := feed(chunk):
-                    yield out
+            try:
+                for chunk in self._resp.stream:
+                    holder.waiting = False
                     holder.last_activity = mono()
-                holder.waiting = True
+                    if out := feed(chunk):
+                        yield out
+                        holder.last_activity = mono()
+                    holder.waiting = True
+            except Exception as exc:
+                cut = self._core.stream_cut(holder.lease, exc)
+                if cut is None:
+                    raise
+                raise cut from exc
             if tail := self._end():
                 yield tail
         finally:
@@ -141,12 +153,15 @@ class HttpLib:
     async_body: type[AsyncBody]
     sync_body: type[SyncBody]
 
-    def request(self, original: Any, plan: Plan) -> Any:
-        """A fresh request per attempt (the caller's object is never mutated, so it can be re-sent)."""
+    def request(self, original: Any, plan: Plan, url: Any = None) -> Any:
+        """A fresh request per attempt (the caller's object is never mutated, so it can be re-sent);
+        ``url``: where this attempt goes (a fleet's replica), default the caller's."""
         headers = [*plan.headers, (b"Content-Length", str(len(plan.content)).encode())]
+        if url is not None and url != original.url:  # another server: its own Host header
+            headers = [(b"Host", url.netloc), *((k, v) for k, v in headers if k.lower() != b"host")]
         stream = self.module.ByteStream(plan.content)
-        return self.module.Request(original.method, original.url, headers=headers, stream=stream,
-                                   extensions=original.extensions)
+        return self.module.Request(original.method, original.url if url is None else url, headers=headers,
+                                   stream=stream, extensions=original.extensions)
 
     @staticmethod
     def is_event_stream(resp: Any) -> bool:

@@ -10,12 +10,14 @@ from typing import Any
 
 from zp_client.errors import ConfigurationError
 
-__all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "is_admitted", "Plan", "Parsed", "Options",
+__all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "SESSION_HEADER", "is_admitted", "Plan",
+           "Parsed", "Options",
            "read_headers", "api_base"]
 
 PRIORITY_HEADER = "x-zp-priority"
 DEADLINE_HEADER = "x-zp-deadline"
 ROUTE_HEADER = "x-zp-route"
+SESSION_HEADER = "x-zp-session"
 ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
 
 
@@ -77,6 +79,7 @@ class Parsed:
     auth_headers: dict[str, str] = field(default_factory=dict)
     route: str | None = None
     upstream: bool = False
+    session: str | None = None
     chat_or_completions: bool = True
     """``/chat/completions`` or ``/completions`` (not ``/responses``, whose events carry no such usage)."""
 
@@ -117,6 +120,8 @@ class Options:
     priority: int | None = None
     deadline_s: float | None = None
     route: str | None = None
+    session: str | None = None
+    """``X-ZP-Session``: a fleet keeps the requests of one session on one replica."""
 
 
 def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
@@ -127,6 +132,8 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
         lk = k.lower()
         if lk == _ROUTE:
             opts.route = v.decode("utf-8", "replace").strip() or None
+        elif lk == _SESSION:
+            opts.session = v.decode("utf-8", "replace").strip() or None
         elif lk == _PRIORITY:
             try:
                 opts.priority = int(v.decode().strip())
@@ -152,3 +159,4 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
 
 
 _ROUTE, _PRIORITY, _DEADLINE = ROUTE_HEADER.encode(), PRIORITY_HEADER.encode(), DEADLINE_HEADER.encode()
+_SESSION = SESSION_HEADER.encode()

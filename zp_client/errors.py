@@ -16,6 +16,7 @@ __all__ = [
     "PromptTooLong",
     "BudgetUnavailable",
     "LeaseLost",
+    "StreamCut",
     "RetryBudgetExhausted",
     "MissingIntegration",
     "ServerInfoError",
@@ -77,6 +78,17 @@ class BudgetUnavailable(AdmissionError):
 
 class LeaseLost(ZPError):
     """A lease expired or was removed from the budget while its holder still ran."""
+
+
+class StreamCut(ZPError):
+    """A stream that had started reaching its caller was cut: the replica serving it failed (a fleet's
+    replica died or reset the connection). The answer is incomplete and is not resumed elsewhere (a
+    resumed stream would repeat or contradict what the caller already read). Raised while reading the
+    body, from the transport error as its ``__cause__``; through ``wrap()`` it is also an
+    ``openai.OpenAIError`` (openai passes those on unchanged, both majors). ``replica`` is the base URL
+    that failed."""
+
+    replica: str | None = None
 
 
 class RetryBudgetExhausted(ZPError):

@@ -55,6 +55,8 @@ class AdmissionInfo:
     """The forecaster's key of the request (``X-ZP-Route``, else the model name)."""
     lease_id: str
     """The lease's id in the budget."""
+    replica: str | None = None
+    """The replica the attempt went to (a :class:`~zp_client.fleet.Fleet`'s lease), else None."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (for event payloads and run metadata)."""

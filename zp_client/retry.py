@@ -192,6 +192,12 @@ def _exception_classes(names: Iterable[str]) -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def classify_error(error: BaseException) -> str | None:
+    """``"connect"`` (the request never, or never fully, reached the server), ``"read"`` (it may still
+    run upstream) or None (not an httpx/httpx2 transport error we know)."""
+    return _classify_error(error)
+
+
 def _classify_error(error: BaseException) -> str | None:
     """``"connect"``, ``"read"`` or ``None`` (not a transport error we know how to retry)."""
     if isinstance(error, _exception_classes(_CONNECT_ERROR_NAMES)):

@@ -468,6 +468,31 @@ class Ledger:
                 break
         return granted
 
+    def fits_now(self, candidate: WaiterRecord) -> bool:
+        """Whether the policy would admit ``candidate`` (a waiter of another line, with its meta already
+        prepared by :meth:`prepare_meta`) next to the live leases now. Read-only."""
+        return bool(self._policy.fits(self, candidate))
+
+    def prepare_meta(self, bound: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The meta a waiter of ``bound`` blocks would be enqueued with here (the policy's
+        ``admission_meta``), for a candidate built outside this ledger's line."""
+        out = dict(meta) if meta else {}
+        prepare = getattr(self._policy, "admission_meta", None)
+        if prepare is not None and out:
+            out = dict(prepare(bound, out))
+        return out
+
+    def admit_record(self, candidate: WaiterRecord, now: float) -> None:
+        """Grant ``candidate`` (a waiter of another line: a fleet's, see :mod:`zp_client.fleet.ledger`) a
+        lease here at once, whether or not it fits: the caller checked :meth:`fits_now`. Its id must be
+        new to this ledger."""
+        if candidate.id in self._leases or candidate.id in self._waiters:
+            raise ConfigurationError(
+                f"id {candidate.id!r} is already waiting or holding a lease in this ledger")
+        self._now = now
+        self._waiters[candidate.id] = candidate  # _admit moves it to the leases
+        self._admit(candidate, now)
+
     def release(self, lease_id: str, now: float) -> bool:  # noqa: ARG002 - now kept for symmetry/ports
         """Return a lease's blocks. Idempotent: False if it was not live. Call :meth:`grant` next."""
         lease = self._leases.pop(lease_id, None)

@@ -397,9 +397,7 @@ class LocalBudget(Budget):
         if mine is not None:
             return mine
         try:
-            with anyio.move_on_after(timeout):
-                await waiter.event.wait()
-                self._count_wakeup()
+            await self._wait_async(waiter, timeout, meta)
         except BaseException:
             lease = self._abandon(waiter)
             if lease is not None:
@@ -423,14 +421,26 @@ class LocalBudget(Budget):
         if mine is not None:
             return mine
         try:
-            if waiter.event.wait(timeout):
-                self._count_wakeup()
+            self._wait_sync(waiter, timeout, meta)
         except BaseException:  # KeyboardInterrupt and friends while parked
             lease = self._abandon(waiter)
             if lease is not None:
                 lease.release_sync()
             raise
         return self._outcome(waiter, timeout)
+
+    async def _wait_async(self, waiter: _Waiter, timeout: float | None,
+                          meta: Mapping[str, Any] | None) -> None:  # noqa: ARG002 - a subclass's hook
+        """Park until granted, failed or ``timeout`` (a fleet wakes up once midway: its affinity wait)."""
+        with anyio.move_on_after(timeout):
+            await waiter.event.wait()
+            self._count_wakeup()
+
+    def _wait_sync(self, waiter: _Waiter, timeout: float | None,
+                   meta: Mapping[str, Any] | None) -> None:  # noqa: ARG002 - a subclass's hook
+        """Blocking form of :meth:`_wait_async`."""
+        if waiter.event.wait(timeout):
+            self._count_wakeup()
 
     def _outcome(self, waiter: _Waiter, timeout: float | None) -> Lease:
         if waiter.error is not None:

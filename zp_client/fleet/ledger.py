@@ -1,0 +1,509 @@
+"""The fleet ledger: one fair line for a set of replicas, each with a ledger of its own (sans I/O).
+
+A fleet is a set of vLLM replicas of one model. Each replica keeps its own
+:class:`~zp_client.budget.ledger.Ledger` (its own limit, sized from its own pool, and its own reservation
+policy), so one replica cannot fill while the sum looks fine. There is **one line** for the whole fleet,
+with the single budget's rules (priority classes, FIFO, backfill bounded by ``starvation_bound_s``,
+retries keeping their ticket): it is a :class:`Ledger` too, whose policy places a waiter instead of
+counting blocks. A waiter *fits* when some available replica's policy admits it; fitting places it.
+
+Placement (:meth:`FleetLedger.place`), among the replicas that admit the request now:
+
+1. the replica of its session (``X-ZP-Session``), if it had one;
+2. otherwise the one whose prefix cache most likely holds the longest prefix of its prompt
+   (:class:`~zp_client.fleet.prefix.PrefixIndex`);
+3. ties (no match, equal matches) go to the least projected load (the policy's ``used`` / limit).
+
+When the replica it prefers (its session's, or the best prefix match by at least ``min_affinity_blocks``)
+does not admit it but another one does, the waiter waits for it up to ``affinity_wait_s`` from its
+arrival, then takes the other one: a cold prefill elsewhere is cheaper than waiting long. A waiter that
+waits for its affinity is not a barrier (it fits elsewhere), so the requests behind it keep flowing.
+
+Health: :meth:`FleetLedger.note_failure` counts a replica's consecutive failures (connection errors
+eject at once: nothing answers; 5 consecutive 5xx answers or cut streams eject, Envoy's outlier
+detection default), :meth:`eject` takes it out for ``base_ejection_s x ejections`` (capped at
+``max_ejection_s``) and releases its leases at once, :meth:`readmit` brings it back (its ejection time
+over and, with active checks, its ``/health`` answering). When every replica is ejected the fleet
+routes to all of them (Envoy's panic mode): sending is better than failing every request locally.
+
+Not thread-safe, never reads a clock: :class:`~zp_client.fleet.local.Fleet` drives it under a lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
+from zp_client.budget.ledger import (
+    DEFAULT_STARVATION_BOUND_S,
+    LeaseRecord,
+    Ledger,
+    LedgerView,
+    ReservationPolicy,
+    WaiterRecord,
+    validate_blocks,
+    validate_seconds,
+)
+from zp_client.errors import ConfigurationError, LeaseTooLarge
+from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES, PrefixIndex
+
+__all__ = [
+    "DEFAULT_AFFINITY_WAIT_S",
+    "FleetLedger",
+    "HealthRules",
+    "ReplicaState",
+    "PREFIX_META",
+    "SESSION_META",
+]
+
+PREFIX_META = "zp_prefix"
+"""Lease meta key: the request's prefix keys (:func:`~zp_client.fleet.prefix.prefix_keys`)."""
+SESSION_META = "zp_session"
+"""Lease meta key: the request's session key (``X-ZP-Session``)."""
+
+DEFAULT_AFFINITY_WAIT_S = 0.5
+"""How long a waiter waits for its affinity replica when another one has room (see the module
+docstring): about one cold prefill of a few thousand tokens on a large model, so waiting longer costs
+more than the recompute it saves. Measured in docs/fleet.md."""
+
+DEFAULT_MIN_AFFINITY_BLOCKS = 4
+"""A prefix match worth waiting for: at least this many blocks (64 tokens at vLLM's block size 16) more
+than the replica that has room."""
+
+DEFAULT_MAX_SESSIONS = 100_000
+
+
+@dataclass(frozen=True)
+class HealthRules:
+    """Outlier detection, after Envoy's (its defaults where they apply: 5 consecutive failures, 30 s base
+    ejection growing with each ejection, 300 s at most). A connection that cannot be made ejects at
+    once: no server listens there."""
+
+    consecutive_failures: int = 5
+    base_ejection_s: float = 30.0
+    max_ejection_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        validate_blocks(self.consecutive_failures, "consecutive_failures")
+        validate_seconds(self.base_ejection_s, "base_ejection_s")
+        validate_seconds(self.max_ejection_s, "max_ejection_s")
+
+
+@dataclass
+class ReplicaState:
+    """One replica: its ledger, health and routing counters. Read-only for callers."""
+
+    url: str
+    ledger: Ledger
+    capacity: int
+    """Its pool in blocks, for the prefix index (what its cache can hold)."""
+    ejected_until: float | None = None
+    """While ejected: when it may come back (None: not ejected)."""
+    ejections: int = 0
+    last_ejected_at: float | None = None
+    failures: int = 0
+    """Consecutive failures since its last success."""
+    draining: bool = False
+    """Left the fleet: takes no new request; forgotten once its last lease ends."""
+    placed: int = 0
+    prompt_blocks: int = 0
+    hit_blocks: int = 0
+    """Placements, their prompts' blocks and the blocks the prefix index expected cached there."""
+    lost_leases: int = 0
+    """Leases released at once by its ejections."""
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_until is not None
+
+    def summary(self) -> dict[str, Any]:
+        led = self.ledger
+        return {
+            "limit": led.limit,
+            "used": led.used,
+            "held": led.held_sum,
+            "leases": len(led.leases),
+            "ejected": self.ejected,
+            "ejected_until": self.ejected_until,
+            "ejections": self.ejections,
+            "failures": self.failures,
+            "draining": self.draining,
+            "placed": self.placed,
+            "prefix_hit_rate": round(self.hit_blocks / self.prompt_blocks, 4) if self.prompt_blocks else None,
+            "lost_leases": self.lost_leases,
+        }
+
+
+class _Placement:
+    """The fleet line's policy: a waiter fits when some replica admits it, and fitting places it.
+
+    Unlike a counting policy it has an effect (the placement), which is what the line's grant is for:
+    :meth:`Ledger.grant` admits a waiter exactly when ``fits`` says True, so both agree."""
+
+    name = "fleet"
+
+    def __init__(self, fleet: FleetLedger) -> None:
+        self._fleet = fleet
+
+    def used(self, view: LedgerView) -> int:
+        return sum(r.ledger.used for r in self._fleet.replicas.values())
+
+    def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
+        now = getattr(view, "now", None)
+        return self._fleet.place(candidate, 0.0 if now is None else float(now))
+
+
+class FleetLedger:
+    """A fleet's line and its replicas' ledgers; see the module docstring.
+
+    ``replicas`` maps each replica's base URL to its limit in blocks (and optionally ``capacity``: its
+    pool, default the limit). ``policy_factory()`` makes each replica's reservation policy (one per
+    replica: policies cache per ledger). The rest are the line's rules and the routing's knobs.
+
+    The methods a :class:`~zp_client.budget.local.LocalBudget` drives a ledger with are here with the same
+    meaning (``enqueue``, ``grant``, ``cancel``, ``release``, ``report_held``, ``update_meta``,
+    ``status``, ``leases``, ``limit``, ``size_limit``...), so the fleet's budget is a LocalBudget's shell.
+    """
+
+    def __init__(
+        self,
+        replicas: Mapping[str, int],
+        policy_factory: Callable[[], ReservationPolicy],
+        *,
+        starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
+        affinity_wait_s: float = DEFAULT_AFFINITY_WAIT_S,
+        min_affinity_blocks: int = DEFAULT_MIN_AFFINITY_BLOCKS,
+        health: HealthRules | None = None,
+        max_prefix_entries: int = DEFAULT_MAX_ENTRIES,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        capacities: Mapping[str, int] | None = None,
+    ) -> None:
+        self._factory = policy_factory
+        self.affinity_wait_s = validate_seconds(affinity_wait_s, "affinity_wait_s")
+        self.min_affinity_blocks = validate_blocks(min_affinity_blocks, "min_affinity_blocks", minimum=0)
+        self.health = health or HealthRules()
+        self.index = PrefixIndex(max_prefix_entries)
+        self.max_sessions = validate_blocks(max_sessions, "max_sessions")
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        self.replicas: dict[str, ReplicaState] = {}
+        self._where: dict[str, ReplicaState] = {}
+        self._policy_name: str | None = None
+        self._progress_sensitive = False
+        self.moves = 0
+        """Requests moved off a failed replica without spending a retry (counted by the fleet's shell)."""
+        self.line = Ledger(0, policy=_Placement(self), starvation_bound_s=starvation_bound_s)
+        if not replicas:
+            raise ConfigurationError("a fleet needs at least one replica")
+        for url, limit in replicas.items():
+            self.add_replica(url, limit, (capacities or {}).get(url))
+
+    # ------------------------------------------------------------------ membership
+    def add_replica(self, url: str, limit: int, capacity: int | None = None) -> list[str]:
+        """Add a replica (or bring back a draining one with this limit). Returns waiters rejected by the
+        line's new size limit (none when adding)."""
+        validate_blocks(limit, "limit_blocks")
+        rep = self.replicas.get(url)
+        if rep is not None:
+            rep.draining = False
+            rep.ledger.set_limit(limit, 0.0)
+            rep.capacity = capacity or limit
+        else:
+            policy = self._factory()
+            if self._policy_name is None:
+                self._policy_name = policy.name
+                self._progress_sensitive = bool(getattr(policy, "progress_sensitive", False))
+            elif policy.name != self._policy_name:
+                raise ConfigurationError("every replica of a fleet has the same policy")
+            rep = ReplicaState(url, Ledger(limit, policy=policy), capacity or limit)
+            self.replicas[url] = rep
+        self.index.set_capacity(url, rep.capacity)
+        return self._resize_line()
+
+    def remove_replica(self, url: str) -> list[str]:
+        """Take a replica out: no new request goes there; it is forgotten once its leases end (at once
+        without any). Returns waiters that no remaining replica could ever take (bound too large)."""
+        rep = self.replicas.get(url)
+        if rep is None:
+            return []
+        rep.draining = True
+        self._forget_if_done(rep)
+        return self._resize_line()
+
+    def set_replica_limit(self, url: str, limit: int, now: float, *, keep_size: bool = False) -> list[str]:
+        rep = self._replica(url)
+        rep.ledger.set_limit(validate_blocks(limit, "limit_blocks", minimum=0), now, keep_size=keep_size)
+        return self._resize_line()
+
+    def _replica(self, url: str) -> ReplicaState:
+        rep = self.replicas.get(url)
+        if rep is None:
+            raise ConfigurationError(
+                f"{url!r} is not a replica of this fleet (replicas: {', '.join(self.replicas)})")
+        return rep
+
+    def _forget_if_done(self, rep: ReplicaState) -> None:
+        if rep.draining and not rep.ledger.leases:
+            del self.replicas[rep.url]
+            self.index.remove(rep.url)
+
+    def _resize_line(self) -> list[str]:
+        """The line takes what the largest replica can: its size limit follows the replicas'."""
+        size = max((r.ledger.size_limit for r in self.replicas.values() if not r.draining), default=0)
+        if size == self.line.limit:
+            return []
+        return self.line.set_limit(size, 0.0)
+
+    def available(self, now: float) -> list[ReplicaState]:
+        """The replicas a request may go to now: not draining, not ejected; all non-draining ones when
+        every one is ejected (panic mode)."""
+        live = [r for r in self.replicas.values() if not r.draining]
+        ok = [r for r in live if r.ejected_until is None]
+        return ok or live
+
+    # ------------------------------------------------------------------ placement
+    def place(self, w: WaiterRecord, now: float) -> bool:
+        """Place ``w`` on the replica the rules choose (module docstring) and return True, or False when
+        no replica admits it now (or it waits for its affinity replica)."""
+        avail = self.available(now)
+        if not avail:
+            return False
+        keys = w.meta.get(PREFIX_META) or ()
+        session = w.meta.get(SESSION_META)
+        match = self.index.match(keys, len(avail)) if keys else {}
+        sess_url = self.sessions.get(session) if session is not None else None
+        first = avail[0].ledger
+        meta = {k: v for k, v in w.meta.items() if k not in (PREFIX_META, SESSION_META)}
+        cand = WaiterRecord(w.id, w.bound, w.held, w.priority, w.ticket, w.since, w.seq, w.expires_at,
+                            first.prepare_meta(w.bound, meta))
+        best: ReplicaState | None = None
+        best_key: tuple[int, int, float] | None = None
+        pref: ReplicaState | None = None
+        pref_key: tuple[int, int] | None = None
+        for r in avail:
+            led = r.ledger
+            m = match.get(r.url, 0)
+            aff = (1 if r.url == sess_url else 0, m)
+            if pref_key is None or aff > pref_key:
+                pref, pref_key = r, aff
+            if w.bound > led.size_limit or not led.fits_now(cand):
+                continue
+            key = (aff[0], m, -(led.used + w.bound) / max(1, led.limit))
+            if best_key is None or key > best_key:
+                best, best_key = r, key
+        if best is None or best_key is None:
+            return False
+        young = now - w.since < self.affinity_wait_s
+        if young and pref is not None and pref is not best and pref_key is not None and (
+                pref_key[0] > best_key[0] or pref_key[1] - best_key[1] >= max(1, self.min_affinity_blocks)):
+            return False  # worth waiting a little for the replica that has it cached
+        best.ledger.admit_record(cand, now)
+        self._where[w.id] = best
+        best.placed += 1
+        if keys:
+            best.prompt_blocks += max(1, keys[-1][1])
+            best.hit_blocks += min(match.get(best.url, 0), keys[-1][1])
+            self.index.insert(best.url, keys)
+        if session is not None:
+            self.sessions[session] = best.url
+            self.sessions.move_to_end(session)
+            while len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        return True
+
+    def replica_of(self, lease_id: str) -> str | None:
+        rep = self._where.get(lease_id)
+        return None if rep is None else rep.url
+
+    # ------------------------------------------------------------------ health
+    def note_failure(self, url: str, now: float, *, connect: bool = False) -> bool:
+        """A request to ``url`` failed (5xx, a cut stream; ``connect``: no connection could be made).
+        Returns True when the replica is (now) ejected."""
+        rep = self.replicas.get(url)
+        if rep is None:
+            return False
+        if rep.ejected:
+            return True
+        rep.failures += 1
+        if connect or rep.failures >= self.health.consecutive_failures:
+            self.eject(url, now)
+            return True
+        return False
+
+    def note_success(self, url: str) -> None:
+        rep = self.replicas.get(url)
+        if rep is not None:
+            rep.failures = 0
+
+    def eject(self, url: str, now: float) -> list[str]:
+        """Eject ``url`` for its backoff; its leases are released at once (their ids returned). Call
+        :meth:`grant` next (others may fit elsewhere; its own were released)."""
+        rep = self._replica(url)
+        h = self.health
+        if rep.last_ejected_at is not None and h.base_ejection_s > 0:
+            # the multiplier decays by one per 10 base ejection times without an ejection (Envoy's
+            # decrements it per interval a host stays healthy)
+            quiet = now - rep.last_ejected_at
+            rep.ejections = max(0, rep.ejections - int(quiet // (10 * h.base_ejection_s)))
+        rep.ejections += 1
+        rep.last_ejected_at = now
+        rep.ejected_until = now + min(h.max_ejection_s, h.base_ejection_s * rep.ejections)
+        rep.failures = 0
+        lost = list(rep.ledger.leases)
+        for lid in lost:
+            self._release_on(rep, lid, now)
+        rep.lost_leases += len(lost)
+        return lost
+
+    def due(self, now: float) -> list[str]:
+        """Ejected replicas whose ejection time is over (to probe, or to :meth:`readmit` at once)."""
+        return [r.url for r in self.replicas.values()
+                if r.ejected_until is not None and r.ejected_until <= now]
+
+    def readmit(self, url: str) -> bool:
+        """Bring an ejected replica back. False when it was not ejected (or is unknown)."""
+        rep = self.replicas.get(url)
+        if rep is None or rep.ejected_until is None:
+            return False
+        rep.ejected_until = None
+        rep.failures = 0
+        self.index.forget(url)  # it may have restarted: its cache is not what was recorded
+        return True
+
+    # ------------------------------------------------------------------ the Ledger surface
+    @property
+    def limit(self) -> int:
+        """The sum of the available replicas' limits."""
+        return sum(r.ledger.limit for r in self.replicas.values() if not r.draining and not r.ejected)
+
+    @property
+    def size_limit(self) -> int:
+        return self.line.limit
+
+    @property
+    def policy(self) -> ReservationPolicy:
+        """The replicas' policy (the first replica's object: they are all alike)."""
+        for r in self.replicas.values():
+            return r.ledger.policy
+        return self.line.policy
+
+    @property
+    def policy_name(self) -> str:
+        return self._policy_name or "strict"
+
+    @property
+    def progress_sensitive(self) -> bool:
+        return self._progress_sensitive
+
+    @property
+    def starvation_bound_s(self) -> float:
+        return self.line.starvation_bound_s
+
+    @property
+    def leases(self) -> Mapping[str, LeaseRecord]:
+        return self.line.leases
+
+    @property
+    def held_sum(self) -> int:
+        return sum(r.ledger.held_sum for r in self.replicas.values())
+
+    @property
+    def held_distinct(self) -> int:
+        return sum(r.ledger.held_distinct for r in self.replicas.values())
+
+    @property
+    def used(self) -> int:
+        return sum(r.ledger.used for r in self.replicas.values())
+
+    def __len__(self) -> int:
+        return len(self.line)
+
+    def line_order(self) -> Iterator[WaiterRecord]:
+        return self.line.line()
+
+    def enqueue(self, waiter_id: str, bound: int, held: int | None, priority: int, now: float,
+                ticket: Ticket | None = None, *, expires_at: float | None = None,
+                meta: Mapping[str, Any] | None = None) -> Ticket:
+        """Put a waiter in the fleet's line (see :meth:`Ledger.enqueue`); :class:`LeaseTooLarge` when no
+        replica could ever take it."""
+        if not self.replicas or self.line.limit == 0:
+            raise LeaseTooLarge(bound, 0, "the fleet has no replica")
+        return self.line.enqueue(waiter_id, bound, held, priority, now, ticket, expires_at=expires_at,
+                                 meta=meta)
+
+    def cancel(self, waiter_id: str) -> bool:
+        return self.line.cancel(waiter_id)
+
+    def grant(self, now: float) -> list[str]:
+        return self.line.grant(now)
+
+    def release(self, lease_id: str, now: float) -> bool:
+        rep = self._where.get(lease_id)
+        if rep is None:
+            return False
+        self._release_on(rep, lease_id, now)
+        return True
+
+    def _release_on(self, rep: ReplicaState, lease_id: str, now: float) -> None:
+        self._where.pop(lease_id, None)
+        rep.ledger.release(lease_id, now)
+        self.line.release(lease_id, now)
+        self._forget_if_done(rep)
+
+    def report_held(self, lease_id: str, held: int) -> bool:
+        rep = self._where.get(lease_id)
+        if rep is None:
+            return False
+        self.line.report_held(lease_id, held)
+        return rep.ledger.report_held(lease_id, held)
+
+    def update_meta(self, lease_id: str, *, now: float | None = None, **fields: Any) -> bool:
+        rep = self._where.get(lease_id)
+        if rep is None:
+            return False
+        return rep.ledger.update_meta(lease_id, now=now, **fields)
+
+    def set_limit(self, limit: int, now: float, *, keep_size: bool = False) -> list[str]:
+        raise ConfigurationError("a fleet's limit is per replica: use set_replica_limit(url, limit)")
+
+    def status(self, now: float, *, block_size: int = 16) -> BudgetStatus:
+        line = self.line.status(now, block_size=block_size)
+        limit = self.limit
+        used = self.used
+        per_class = {p: ClassStatus(c.waiters, c.weight) for p, c in line.waiters.items()}
+        prompt = sum(r.prompt_blocks for r in self.replicas.values())
+        hits = sum(r.hit_blocks for r in self.replicas.values())
+        return BudgetStatus(
+            limit=limit,
+            used=used,
+            free=max(0, limit - used),
+            held=self.held_sum,
+            leases=len(self.line.leases),
+            waiters=per_class,
+            head_wait_s=line.head_wait_s,
+            policy=self.policy_name,
+            block_size=block_size,
+            extra={
+                "starvation_bound_s": self.line.starvation_bound_s,
+                "head_starving": line.extra.get("head_starving", False),
+                "replicas": {url: r.summary() for url, r in self.replicas.items()},
+                "prefix_hit_rate": round(hits / prompt, 4) if prompt else None,
+                "prefix_index_entries": len(self.index),
+                "sessions": len(self.sessions),
+                "moves": self.moves,
+            },
+            held_distinct=self.held_distinct,
+        )
+
+
+def default_factory(policy: str | ReservationPolicy, block_size: int) -> Callable[[], ReservationPolicy]:
+    """A policy factory from a name (a fresh policy per replica) or an object (copied per replica when
+    it can be: a shared object would share its per-ledger caches, which are keyed by ledger anyway)."""
+    from zp_client.budget.elastic import make_policy
+
+    if isinstance(policy, str):
+        return lambda: make_policy(policy, block_size=block_size)
+    return lambda: policy
+

@@ -1,0 +1,552 @@
+"""The in-process fleet: a budget per replica, one fair line, routing with prefix affinity, ejection.
+
+:class:`Fleet` is a :class:`~zp_client.Budget` (a :class:`~zp_client.LocalBudget`'s shell around a
+:class:`~zp_client.fleet.ledger.FleetLedger`), so it goes wherever a budget goes — ``wrap()``,
+``AsyncClient``/``Client``, the LangChain and AutoGen classes — and they route through it::
+
+    fleet = Fleet(["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"], limit_blocks=1945)
+    client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
+
+Each lease carries the replica it was placed on (``lease.replica``); the admission transport sends the
+attempt there. Give the client ``fleet.base_url`` (a name only the fleet resolves) or any replica's URL.
+See docs/fleet.md for the rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+
+from zp_client._clock import Clock
+from zp_client.budget.base import Lease, Ticket
+from zp_client.budget.ledger import (
+    DEFAULT_STARVATION_BOUND_S,
+    ReservationPolicy,
+    validate_blocks,
+    validate_seconds,
+)
+from zp_client.budget.local import LocalBudget, _LocalLease, _Waiter
+from zp_client.errors import ConfigurationError
+from zp_client.fleet.ledger import (
+    DEFAULT_AFFINITY_WAIT_S,
+    DEFAULT_MIN_AFFINITY_BLOCKS,
+    PREFIX_META,
+    SESSION_META,
+    FleetLedger,
+    HealthRules,
+    default_factory,
+)
+from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES
+
+if TYPE_CHECKING:
+    from zp_client.budget._types import BudgetStatus
+
+__all__ = ["Fleet", "FleetLease", "Resolver", "system_resolver"]
+
+logger = logging.getLogger("zp_client.fleet")
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+"""``await resolver(host, port)`` -> the addresses (IPs) a DNS name has now."""
+
+VIRTUAL_DOMAIN = "zp-fleet.invalid"
+"""``Fleet.base_url``'s host is ``<name>.zp-fleet.invalid``: a name only the fleet resolves (``.invalid``
+never resolves in DNS, so a request that bypassed the fleet fails loudly instead of going astray)."""
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """The system's resolver (``getaddrinfo``, TCP), addresses sorted and deduplicated."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def _normalize(url: str) -> str:
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigurationError(f"a replica is a base URL like http://host:8000/v1, got {url!r}")
+    parts = urlsplit(url.rstrip("/"))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigurationError(f"a replica is an http(s) base URL like http://host:8000/v1, got {url!r}")
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname or "", parts.port
+
+
+class FleetLease(_LocalLease):
+    """A lease on one replica of a :class:`Fleet`: ``replica`` is its base URL."""
+
+    __slots__ = ("replica",)
+
+    def __init__(self, budget: LocalBudget, lease_id: str, bound: int, held: int, priority: int,
+                 ticket: Ticket, replica: str) -> None:
+        super().__init__(budget, lease_id, bound, held, priority, ticket)
+        self.replica = replica
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f" on {self.replica}>"
+
+
+class Fleet(LocalBudget):
+    """A budget per replica of one model, one fair line for all of them, and routing (docs/fleet.md).
+
+    ``replicas``: base URLs (``http://host:port/v1``, all with the same path), each leased up to
+    ``limit_blocks``, or a mapping of URL to its own limit (replicas with different pools).
+    ``policy``: each replica's reservation policy (a name, as LocalBudget's; a fresh one per replica).
+    ``affinity_wait_s`` / ``min_affinity_blocks``: how long a request waits for the replica that holds
+    its prefix (or its session) when another one has room, and what match is worth it.
+    ``health``: the outlier-detection rules (:class:`~zp_client.fleet.ledger.HealthRules`).
+    ``max_prefix_entries``: the prefix index's bound. ``clock``: as LocalBudget's.
+
+    Active checks (``/health`` probes, DNS re-resolution) run only while the fleet is started
+    (``async with fleet:`` or ``await fleet.start()``), every ``check_interval_s``, through
+    ``http_client`` (an ``httpx.AsyncClient``; default: a new one). Without them an ejected replica comes
+    back when its ejection time is over, on the next request (and is ejected again at once if it still
+    refuses connections). A request never costs a network call of the fleet's own.
+    """
+
+    is_fleet = True
+    """What the admission core looks for to route (duck-typed: it never imports this module)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[str] | Mapping[str, int],
+        limit_blocks: int | None = None,
+        block_size: int = 16,
+        *,
+        policy: str | ReservationPolicy = "elastic",
+        starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
+        affinity_wait_s: float = DEFAULT_AFFINITY_WAIT_S,
+        min_affinity_blocks: int = DEFAULT_MIN_AFFINITY_BLOCKS,
+        health: HealthRules | None = None,
+        max_prefix_entries: int = DEFAULT_MAX_ENTRIES,
+        capacities: Mapping[str, int] | None = None,
+        name: str = "fleet",
+        clock: Clock | None = None,
+        http_client: Any = None,
+        check_interval_s: float = 5.0,
+        resolver: Resolver | None = None,
+        dns_url: str | None = None,
+    ) -> None:
+        super().__init__(1, block_size, starvation_bound_s=starvation_bound_s, policy="strict", name=name,
+                         clock=clock)
+        limits = self._limits(replicas, limit_blocks)
+        caps = {_normalize(u): validate_blocks(c, "capacity") for u, c in (capacities or {}).items()}
+        self._default_limit = limit_blocks
+        self._ledger = FleetLedger(  # type: ignore[assignment]  # the Ledger surface LocalBudget drives
+            limits, default_factory(policy, self.block_size), starvation_bound_s=starvation_bound_s,
+            affinity_wait_s=affinity_wait_s, min_affinity_blocks=min_affinity_blocks, health=health,
+            max_prefix_entries=max_prefix_entries, capacities=caps,
+        )
+        self._path = urlsplit(next(iter(limits))).path
+        self.check_interval_s = validate_seconds(check_interval_s, "check_interval_s")
+        self._http = http_client
+        self._own_http = False
+        self._resolver = resolver or system_resolver
+        self._dns = urlsplit(_normalize(dns_url)) if dns_url is not None else None
+        self._task: asyncio.Task[None] | None = None
+        self._next_due: float | None = None
+        self.max_moves = 2
+        """Moves per request off failing replicas, per replica in the fleet, before the retry policy
+        decides (a guard against a fleet whose every replica fails)."""
+
+    @staticmethod
+    def _limits(replicas: Sequence[str] | Mapping[str, int], limit_blocks: int | None) -> dict[str, int]:
+        if isinstance(replicas, str):
+            raise ConfigurationError("replicas is a list of base URLs (or a mapping URL -> limit), not one "
+                                     "string; use Fleet.from_dns for a DNS name")
+        if isinstance(replicas, Mapping):
+            return {_normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
+        if limit_blocks is None:
+            raise ConfigurationError("Fleet(urls) needs limit_blocks (or a mapping of URL to limit, or "
+                                     "Fleet.from_servers(urls) to size each replica from its /metrics)")
+        validate_blocks(limit_blocks, "limit_blocks")
+        out = {_normalize(u): limit_blocks for u in replicas}
+        if not out:
+            raise ConfigurationError("a fleet needs at least one replica")
+        return out
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_servers(cls, urls: Iterable[str], *, headroom: float | None = None, policy: str = "elastic",
+                     timeout_s: float = 5.0, headers: Mapping[str, str] | None = None,
+                     **kwargs: Any) -> Fleet:
+        """A fleet sized replica by replica from each server's ``/metrics`` (blocking; at startup), as
+        :meth:`LocalBudget.from_server` sizes one. Every replica must answer (CalibrationError names the
+        one that did not); they must agree on the block size."""
+        from zp_client.calibration import calibrate
+
+        limits: dict[str, int] = {}
+        caps: dict[str, int] = {}
+        block_sizes: set[int] = set()
+        for url in urls:
+            cal = calibrate(url, headroom=headroom, policy=policy, timeout_s=timeout_s, headers=headers)
+            base = _normalize(url if urlsplit(url).path.rstrip("/") else url.rstrip("/") + "/v1")
+            limits[base] = cal.limit_blocks
+            caps[base] = max(cal.limit_blocks, cal.num_gpu_blocks - 1)
+            block_sizes.add(cal.block_size)
+        if len(block_sizes) > 1:
+            raise ConfigurationError(f"the replicas have different block sizes {sorted(block_sizes)}; a "
+                                     "fleet counts blocks of one size")
+        return cls(limits, None, block_sizes.pop() if block_sizes else 16, policy=policy, capacities=caps,
+                   **kwargs)
+
+    @classmethod
+    async def from_dns(cls, url: str, limit_blocks: int, *, resolver: Resolver | None = None,
+                       **kwargs: Any) -> Fleet:
+        """A fleet of every address a DNS name has (a Kubernetes headless Service), resolved now and
+        again every ``check_interval_s`` while the fleet runs (``async with fleet:``): addresses that
+        appear join with ``limit_blocks``, addresses that disappear drain. ``url`` is the replicas' base
+        URL with the name as host (``http://vllm.ns.svc:8000/v1``); ``resolver`` swaps the system's."""
+        dns = urlsplit(_normalize(url))
+        resolve = resolver or system_resolver
+        port = dns.port or (443 if dns.scheme == "https" else 80)
+        addrs = await resolve(dns.hostname or "", port)
+        if not addrs:
+            raise ConfigurationError(f"{dns.hostname} resolves to no address")
+        urls = [cls._url_for(dns, a) for a in addrs]
+        return cls(urls, limit_blocks, resolver=resolve, dns_url=url, **kwargs)
+
+    @staticmethod
+    def _url_for(dns: Any, addr: str) -> str:
+        host = f"[{addr}]" if ":" in addr else addr
+        port = f":{dns.port}" if dns.port else ""
+        return str(urlunsplit((dns.scheme, host + port, dns.path, "", "")))
+
+    # ------------------------------------------------------------------ routing (the core calls these)
+    @property
+    def ledger(self) -> FleetLedger:
+        return self._ledger  # type: ignore[return-value]
+
+    @property
+    def base_url(self) -> str:
+        """The base URL to give a client of this fleet: ``http://<name>.zp-fleet.invalid/v1`` (the
+        replicas' path); the admission transport sends each request to its lease's replica."""
+        return f"http://{self.name}.{VIRTUAL_DOMAIN}{self._path}"
+
+    @property
+    def replicas(self) -> list[str]:
+        with self._lock:
+            return list(self.ledger.replicas)
+
+    def route_url(self, lease: Lease, url: Any) -> Any:
+        """``url`` (an httpx/httpx2 URL) sent to ``lease``'s replica: its scheme, host and port."""
+        replica = getattr(lease, "replica", None)
+        if replica is None:
+            return url
+        scheme, host, port = _origin(replica)
+        return url.copy_with(scheme=scheme, host=host, port=port)
+
+    def passthrough_url(self, url: Any) -> Any:
+        """A request the fleet does not admit (``GET /v1/models``...) aimed at ``fleet.base_url`` goes to
+        an available replica; any other URL is left alone."""
+        if not str(url.host).endswith(VIRTUAL_DOMAIN):
+            return url
+        with self._lock:
+            avail = self.ledger.available(self.clock.monotonic())
+            target = avail[0].url if avail else next(iter(self.ledger.replicas), None)
+        if target is None:
+            return url
+        scheme, host, port = _origin(target)
+        return url.copy_with(scheme=scheme, host=host, port=port)
+
+    def metadata_base(self, base: str, root: str) -> tuple[str, str]:
+        """Where the core reads server metadata (``/v1/models``, ``/tokenize``) for a request aimed at
+        ``base``: an available replica when ``base`` is the fleet's own name."""
+        if VIRTUAL_DOMAIN not in root:
+            return base, root
+        with self._lock:
+            avail = self.ledger.available(self.clock.monotonic())
+            target = avail[0].url if avail else next(iter(self.ledger.replicas))
+        scheme, host, port = _origin(target)
+        new_root = f"{scheme}://{host}" + (f":{port}" if port else "")
+        return new_root + urlsplit(base).path, new_root
+
+    def routing_meta(self, body: Mapping[str, Any], prompt_tokens: int,
+                     session: str | None) -> dict[str, Any]:
+        """What the core adds to a request's lease meta for routing: its prefix keys and session."""
+        from zp_client.fleet.prefix import prefix_keys
+
+        meta: dict[str, Any] = {PREFIX_META: prefix_keys(body, prompt_tokens, self.block_size)}
+        if session is not None:
+            meta[SESSION_META] = session
+        return meta
+
+    # ------------------------------------------------------------------ health
+    def note_failure(self, lease: Lease, *, connect: bool = False) -> bool:
+        """The attempt on ``lease``'s replica failed (a 5xx answer, a cut stream; ``connect``: no
+        connection could be made). Returns True when the replica is now ejected."""
+        replica = getattr(lease, "replica", None)
+        if replica is None:
+            return False
+        now = self.clock.monotonic()
+        with self._lock:
+            was = self.ledger.replicas.get(replica)
+            was_ejected = was is not None and was.ejected
+            ejected = self.ledger.note_failure(replica, now, connect=connect)
+            to_wake: list[_Waiter] = []
+            if ejected and not was_ejected:
+                self._after_eject(replica, now)
+                _, to_wake = self._hand_out(self.ledger.grant(now))
+        self._wake(to_wake)
+        return ejected
+
+    def note_success(self, lease: Lease) -> None:
+        replica = getattr(lease, "replica", None)
+        if replica is not None:
+            with self._lock:
+                self.ledger.note_success(replica)
+
+    def note_move(self) -> None:
+        """A request moved off a failed replica without spending a retry (counted in ``status``)."""
+        with self._lock:
+            self.ledger.moves += 1
+
+    def eject(self, url: str) -> None:
+        """Eject ``url`` now (as failures would); its leases are released at once."""
+        now = self.clock.monotonic()
+        with self._lock:
+            self.ledger.eject(_normalize(url), now)
+            self._after_eject(_normalize(url), now)
+            _, to_wake = self._hand_out(self.ledger.grant(now))
+        self._wake(to_wake)
+
+    def _after_eject(self, url: str, now: float) -> None:
+        rep = self.ledger.replicas[url]
+        logger.warning("fleet %s: replica %s ejected until +%.1f s (ejection %d, %d leases released)",
+                       self.name, url, (rep.ejected_until or now) - now, rep.ejections, rep.lost_leases)
+        self._next_due = min(t for t in (self._next_due, rep.ejected_until) if t is not None)
+
+    def readmit(self, url: str) -> bool:
+        """Bring an ejected replica back now; True if it was ejected."""
+        now = self.clock.monotonic()
+        with self._lock:
+            back = self.ledger.readmit(_normalize(url))
+            _, to_wake = self._hand_out(self.ledger.grant(now)) if back else (None, [])
+        if back:
+            logger.info("fleet %s: replica %s is back", self.name, url)
+        self._wake(to_wake)
+        return back
+
+    def _readmit_due(self, now: float) -> None:
+        """Passive return (no active checks running): ejected replicas whose time is over (lock held)."""
+        due = self.ledger.due(now)
+        for url in due:
+            self.ledger.readmit(url)
+            logger.info("fleet %s: replica %s back on trial (its ejection time is over)", self.name, url)
+        times = [r.ejected_until for r in self.ledger.replicas.values() if r.ejected_until is not None]
+        self._next_due = min(times) if times else None
+
+    # ------------------------------------------------------------------ membership
+    def add_replica(self, url: str, limit_blocks: int | None = None, capacity: int | None = None) -> None:
+        """Add a replica at run time (waiters may go there at once)."""
+        limit = limit_blocks if limit_blocks is not None else self._default_limit
+        if limit is None:
+            raise ConfigurationError("add_replica needs limit_blocks (this fleet has no default limit)")
+        now = self.clock.monotonic()
+        with self._lock:
+            self.ledger.add_replica(_normalize(url), limit, capacity)
+            _, to_wake = self._hand_out(self.ledger.grant(now))
+        logger.info("fleet %s: replica %s joined (limit %d blocks)", self.name, url, limit)
+        self._wake(to_wake)
+
+    def remove_replica(self, url: str) -> None:
+        """Take a replica out (it drains: its live requests finish; no new one goes there). Waiters no
+        remaining replica could ever take fail with LeaseTooLarge."""
+        from zp_client.errors import LeaseTooLarge
+
+        now = self.clock.monotonic()
+        with self._lock:
+            rejected = self.ledger.remove_replica(_normalize(url))
+            failed = [self._waiters.pop(w) for w in rejected if w in self._waiters]
+            for w in failed:
+                w.error = LeaseTooLarge(w.bound, self.ledger.size_limit, "its replicas left the fleet")
+            _, to_wake = self._hand_out(self.ledger.grant(now))
+        logger.info("fleet %s: replica %s left", self.name, url)
+        self._wake(failed + to_wake)
+
+    def set_replica_limit(self, url: str, limit_blocks: int) -> None:
+        now = self.clock.monotonic()
+        with self._lock:
+            self.ledger.set_replica_limit(_normalize(url), limit_blocks, now)
+            _, to_wake = self._hand_out(self.ledger.grant(now))
+        self._wake(to_wake)
+
+    def set_limit_sync(self, limit: int) -> None:
+        raise ConfigurationError("a fleet's limit is per replica: use fleet.set_replica_limit(url, blocks)")
+
+    def compare_and_set_limit_sync(self, expected: int, limit: int, *, keep_size: bool = False) -> bool:
+        raise ConfigurationError("a fleet has no single limit to adapt (per-replica adaptive limits are "
+                                 "not built): use set_replica_limit")
+
+    # ------------------------------------------------------------------ the LocalBudget shell's hooks
+    def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
+               meta: Mapping[str, Any] | None = None) -> tuple[str, Any, list[_Waiter]]:
+        if self._next_due is not None and self._task is None:
+            now = self.clock.monotonic()
+            if now >= self._next_due:
+                self._readmit_due(now)
+        return super()._enter(blocks, priority, ticket, held, meta)
+
+    def _hand_out(self, granted: list[str], own: str | None = None) -> tuple[Any, list[_Waiter]]:
+        mine = None
+        to_wake: list[_Waiter] = []
+        led = self.ledger
+        for gid in granted:
+            rec = led.leases[gid]
+            lease = FleetLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket,
+                               led.replica_of(gid) or "")
+            self._granted_total += 1
+            if gid == own:
+                mine = lease
+                continue
+            waiter = self._waiters.pop(gid)
+            waiter.lease = lease
+            to_wake.append(waiter)
+        return mine, to_wake
+
+    def _affinity_poke(self, meta: Mapping[str, Any] | None) -> float | None:
+        if not meta or not (meta.get(PREFIX_META) or meta.get(SESSION_META) is not None):
+            return None
+        return self.ledger.affinity_wait_s + 1e-6
+
+    def _poke(self) -> None:
+        now = self.clock.monotonic()
+        with self._lock:
+            _, to_wake = self._hand_out(self.ledger.grant(now))
+        self._wake(to_wake)
+
+    async def _wait_async(self, waiter: _Waiter, timeout: float | None,
+                          meta: Mapping[str, Any] | None) -> None:
+        poke = self._affinity_poke(meta)
+        if poke is not None and (timeout is None or poke < timeout):
+            with anyio.move_on_after(poke):
+                await waiter.event.wait()
+            if waiter.lease is not None or waiter.error is not None:
+                self._count_wakeup()
+                return
+            self._poke()  # its affinity wait is over: the line is walked again without it
+            timeout = None if timeout is None else timeout - poke
+        await super()._wait_async(waiter, timeout, meta)
+
+    def _wait_sync(self, waiter: _Waiter, timeout: float | None, meta: Mapping[str, Any] | None) -> None:
+        poke = self._affinity_poke(meta)
+        if poke is not None and (timeout is None or poke < timeout):
+            if waiter.event.wait(poke):
+                self._count_wakeup()
+                return
+            self._poke()
+            timeout = None if timeout is None else timeout - poke
+        super()._wait_sync(waiter, timeout, meta)
+
+    # ------------------------------------------------------------------ active checks
+    async def start(self) -> Fleet:
+        """Start the active checks (``/health`` probes, DNS re-resolution) on the running loop."""
+        if self._task is None:
+            if self._http is None:
+                import httpx
+
+                self._http = httpx.AsyncClient(timeout=2.0, trust_env=False)
+                self._own_http = True
+            self._task = asyncio.get_running_loop().create_task(self._checks(), name=f"zp-fleet-{self.name}")
+        return self
+
+    async def __aenter__(self) -> Fleet:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the active checks and close the fleet's own HTTP client. Live leases are not released."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._own_http and self._http is not None:
+            await self._http.aclose()
+            self._http, self._own_http = None, False
+
+    async def _checks(self) -> None:
+        while True:
+            try:
+                await self.check_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the checks must keep running
+                logger.exception("fleet %s: a health/DNS check failed", self.name)
+            await anyio.sleep(self.check_interval_s)
+
+    async def check_once(self) -> None:
+        """One round of active checks: re-resolve the DNS name (if any), then probe every replica's
+        ``/health``: a failed probe ejects a replica; an ejected one whose time is over comes back when
+        its probe answers 200."""
+        if self._dns is not None:
+            await self._resolve()
+        now = self.clock.monotonic()
+        with self._lock:
+            reps = [(r.url, r.ejected, r.ejected_until) for r in self.ledger.replicas.values()
+                    if not r.draining]
+        results = await asyncio.gather(*(self._probe(url) for url, _, _ in reps))
+        for (url, ejected, until), ok in zip(reps, results, strict=False):
+            if ejected:
+                if ok and until is not None and until <= now:
+                    self.readmit(url)
+            elif not ok:
+                logger.warning("fleet %s: replica %s failed its /health probe", self.name, url)
+                self.eject(url)
+
+    async def _probe(self, url: str) -> bool:
+        scheme, host, port = _origin(url)
+        root = f"{scheme}://{host}" + (f":{port}" if port else "")
+        try:
+            assert self._http is not None
+            r = await self._http.get(root + "/health")
+            return bool(r.status_code == 200)
+        except Exception:  # noqa: BLE001 - any failure to answer is a failed probe
+            return False
+
+    async def _resolve(self) -> None:
+        dns = self._dns
+        assert dns is not None
+        port = dns.port or (443 if dns.scheme == "https" else 80)
+        try:
+            addrs = await self._resolver(dns.hostname or "", port)
+        except Exception as exc:  # noqa: BLE001 - keep the last known replicas
+            logger.warning("fleet %s: resolving %s failed (%r); keeping the replicas it had", self.name,
+                           dns.hostname, exc)
+            return
+        wanted = {self._url_for(dns, a) for a in addrs}
+        if not wanted:
+            logger.warning("fleet %s: %s resolves to no address; keeping the replicas it had", self.name,
+                           dns.hostname)
+            return
+        with self._lock:
+            have = {u for u, r in self.ledger.replicas.items() if not r.draining}
+        for url in sorted(wanted - have):
+            self.add_replica(url)
+        for url in sorted(have - wanted):
+            self.remove_replica(url)
+
+    # ------------------------------------------------------------------ status
+    def status_sync(self) -> BudgetStatus:
+        """As LocalBudget's, with ``extra["replicas"]``: per replica its limit, used and held blocks,
+        leases, ejection state and prefix hit rate (the share of its prompts' blocks the index expected
+        cached there), and the fleet's moves, index size and sessions."""
+        return super().status_sync()
+
+    def __repr__(self) -> str:
+        with self._lock:
+            n = len(self.ledger.replicas)
+        return f"<Fleet {self.name} replicas={n} limit={self.limit}>"
+
+
+

@@ -1,0 +1,203 @@
+"""The fleet's client-side prefix index: which replica most likely holds a request's prompt prefix in its
+prefix cache.
+
+A request's prompt is cut at message boundaries (chat, ``/responses`` input lists) or in fixed chunks of
+text (``/completions``): each cut is a **prefix key**, a chained 64-bit hash of everything up to it (the
+model and the tool schemas first), with the blocks that prefix fills (:func:`prefix_keys`). Two requests
+that share their first messages share those keys, as vLLM's prefix cache shares their blocks.
+
+:class:`PrefixIndex` records, per replica, the keys of the requests routed there, in an LRU sized in
+blocks like the replica's pool: vLLM keeps a finished request's blocks cached in an LRU free queue,
+freed tail first, and allocates from its head, so a prefix not used for a while is evicted. The index
+evicts the same way: a request's keys are touched from its longest prefix to its shortest, so the
+shortest (the system prompt every turn shares) is the most recent and the last to go. It is an
+approximation (the server also keeps running requests' blocks, and other clients' traffic evicts what
+this client cannot see), used only to prefer a replica; the budgets alone decide what fits.
+
+Bounded: at most ``max_entries`` keys in all (the oldest of the replica being written go first).
+Pure and not thread-safe: the fleet's ledger calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["DEFAULT_MAX_ENTRIES", "PrefixIndex", "PrefixKeys", "prefix_keys"]
+
+DEFAULT_MAX_ENTRIES = 100_000
+"""Default bound on the index's keys, all replicas together (a key costs ~200 bytes: ~20 MB)."""
+
+#: Text chunk of a ``/completions`` prompt (characters; ~256 tokens of English).
+TEXT_CHUNK_CHARS = 1024
+
+PrefixKeys = tuple[tuple[int, int], ...]
+"""``((key, blocks), ...)`` from the shortest prefix to the longest; ``blocks`` is cumulative."""
+
+
+def _digest(prev: bytes, part: str) -> bytes:
+    return hashlib.blake2b(part.encode("utf-8", "surrogatepass"), digest_size=8, key=prev).digest()
+
+
+def _text_of(message: Any) -> str:
+    """A message's identity as text: role and content for the common case (cheap), its JSON otherwise."""
+    if isinstance(message, Mapping):
+        content = message.get("content")
+        if isinstance(content, str) and len(message) <= 2:
+            return f"{message.get('role', '')}\x00{content}"
+    try:
+        return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return repr(message)
+
+
+def _parts(body: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """(the head every prefix starts with, the successive parts of the prompt)."""
+    head_obj = {"model": body.get("model"), "tools": body.get("tools"), "functions": body.get("functions")}
+    head = json.dumps(head_obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    messages = body.get("messages")
+    if messages is None:
+        messages = body.get("input")
+    if isinstance(messages, list):
+        return head, [_text_of(m) for m in messages]
+    prompt = body.get("prompt") if "prompt" in body else messages
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return head, [prompt[i:i + TEXT_CHUNK_CHARS] for i in range(0, len(prompt), TEXT_CHUNK_CHARS)]
+    return head, [] if prompt is None else [_text_of(prompt)]
+
+
+def prefix_keys(body: Mapping[str, Any], prompt_tokens: int, block_size: int) -> PrefixKeys:
+    """The prefix keys of a request body (see the module docstring): one per message (or text chunk),
+    with the full blocks the prompt up to it fills, estimated from ``prompt_tokens`` (the whole prompt's
+    estimate) in proportion to its characters. Empty for a body without a prompt."""
+    head, parts = _parts(body)
+    if not parts:
+        return ()
+    total = sum(len(p) for p in parts) or 1
+    h = _digest(b"zp-prefix", head)
+    out: list[tuple[int, int]] = []
+    chars = 0
+    bs = max(1, int(block_size))
+    for part in parts:
+        h = _digest(h, part)
+        chars += len(part)
+        out.append((int.from_bytes(h, "big"), (prompt_tokens * chars // total) // bs))
+    return tuple(out)
+
+
+class PrefixIndex:
+    """Per replica, the prefix keys of the requests routed there (an LRU in blocks); see the module
+    docstring. ``capacity`` maps a replica to its pool in blocks (what its cache can hold)."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            from zp_client.errors import ConfigurationError
+
+            raise ConfigurationError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._holders: dict[int, dict[str, None]] = {}
+        self._lru: dict[str, OrderedDict[int, int]] = {}
+        self._blocks: dict[str, int] = {}
+        self._capacity: dict[str, int] = {}
+        self._entries = 0
+        self.evictions = 0
+
+    # -- replicas ---------------------------------------------------------------------------------
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """Declare ``replica`` with a cache of ``blocks`` blocks (evicting at once if it shrank)."""
+        self._capacity[replica] = max(1, int(blocks))
+        self._lru.setdefault(replica, OrderedDict())
+        self._blocks.setdefault(replica, 0)
+        self._evict(replica)
+
+    def forget(self, replica: str) -> None:
+        """Drop everything recorded for ``replica`` (it left the fleet, or lost its cache: a restart)."""
+        lru = self._lru.get(replica)
+        if lru is None:
+            return
+        for key in lru:
+            self._unhold(key, replica)
+        self._entries -= len(lru)
+        lru.clear()
+        self._blocks[replica] = 0
+
+    def remove(self, replica: str) -> None:
+        self.forget(replica)
+        self._lru.pop(replica, None)
+        self._blocks.pop(replica, None)
+        self._capacity.pop(replica, None)
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def match(self, keys: Sequence[tuple[int, int]], limit: int | None = None) -> dict[str, int]:
+        """Per replica holding some prefix of ``keys``: the blocks of its longest one. ``limit`` stops
+        once that many replicas are found (all of them: nothing more to learn)."""
+        found: dict[str, int] = {}
+        holders_of = self._holders
+        for key, blocks in reversed(keys):
+            holders = holders_of.get(key)
+            if not holders:
+                continue
+            for r in holders:
+                if r not in found:
+                    found[r] = blocks
+            if limit is not None and len(found) >= limit:
+                break
+        return found
+
+    def insert(self, replica: str, keys: Iterable[tuple[int, int]]) -> None:
+        """Record that ``replica`` now holds these prefixes (it was just sent the request): touched from
+        the longest to the shortest, then evicted down to its capacity and to ``max_entries``."""
+        lru = self._lru.get(replica)
+        if lru is None:
+            self.set_capacity(replica, 1 << 30)
+            lru = self._lru[replica]
+        seq = list(keys)
+        prev = [0, *(b for _, b in seq[:-1])]
+        added = 0
+        for (key, blocks), before in zip(reversed(seq), reversed(prev), strict=False):
+            if key in lru:
+                lru.move_to_end(key)
+                continue
+            delta = max(0, blocks - before)
+            lru[key] = delta
+            added += delta
+            self._entries += 1
+            holders = self._holders.get(key)
+            if holders is None:
+                self._holders[key] = {replica: None}
+            else:
+                holders[replica] = None
+        self._blocks[replica] += added
+        self._evict(replica)
+
+    def _evict(self, replica: str) -> None:
+        lru = self._lru[replica]
+        cap = self._capacity.get(replica, 1 << 30)
+        while lru and (self._blocks[replica] > cap or self._entries > self.max_entries):
+            key, delta = lru.popitem(last=False)
+            self._blocks[replica] -= delta
+            self._entries -= 1
+            self._unhold(key, replica)
+            self.evictions += 1
+
+    def _unhold(self, key: int, replica: str) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.pop(replica, None)
+            if not holders:
+                del self._holders[key]
+
+    # -- status -----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._entries
+
+    def entries(self, replica: str) -> int:
+        return len(self._lru.get(replica, ()))
+
+    def blocks(self, replica: str) -> int:
+        return self._blocks.get(replica, 0)
