@@ -48,7 +48,7 @@ from zp_client.budget.ledger import (
     validate_seconds,
 )
 from zp_client.errors import ConfigurationError, LeaseTooLarge
-from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES, PrefixIndex
+from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES, PrefixIndex, indexed
 
 __all__ = [
     "DEFAULT_AFFINITY_WAIT_S",
@@ -114,6 +114,9 @@ class ReplicaState:
     """Placements, their prompts' blocks and the blocks the prefix index expected cached there."""
     lost_leases: int = 0
     """Leases released at once by its ejections."""
+    used_version: int = -1
+    used_now: int = 0
+    """The policy's used blocks at ledger version ``used_version`` (a cache for ranking)."""
 
     @property
     def ejected(self) -> bool:
@@ -278,40 +281,66 @@ class FleetLedger:
         meta = {k: v for k, v in w.meta.items() if k not in (PREFIX_META, SESSION_META)}
         cand = WaiterRecord(w.id, w.bound, w.held, w.priority, w.ticket, w.since, w.seq, w.expires_at,
                             first.prepare_meta(w.bound, meta))
-        best: ReplicaState | None = None
-        best_key: tuple[int, int, float] | None = None
-        pref: ReplicaState | None = None
-        pref_key: tuple[int, int] | None = None
-        for r in avail:
-            led = r.ledger
-            m = match.get(r.url, 0)
-            aff = (1 if r.url == sess_url else 0, m)
-            if pref_key is None or aff > pref_key:
-                pref, pref_key = r, aff
-            if w.bound > led.size_limit or not led.fits_now(cand):
-                continue
-            key = (aff[0], m, -(led.used + w.bound) / max(1, led.limit))
-            if best_key is None or key > best_key:
-                best, best_key = r, key
-        if best is None or best_key is None:
+        # Rank by (session, prefix match, -projected load) and test fits down the ranking: the first
+        # that admits is the choice, so usually one replica's policy runs, not every replica's. The
+        # replicas with an affinity are few (they hold a prefix or the session): ranked first; the rest
+        # only by load, cheapest first.
+        bound = w.bound
+        load = self._load
+        if match or sess_url is not None:
+            liked = [r for r in avail if r.url in match or r.url == sess_url]
+            liked.sort(key=lambda r: (1 if r.url == sess_url else 0, match.get(r.url, 0), -load(r, bound)),
+                       reverse=True)
+        else:
+            liked = []
+        best = next((r for r in liked if bound <= r.ledger.size_limit and r.ledger.fits_now(cand)), None)
+        if best is None:
+            others = [r for r in avail if r.url not in match and r.url != sess_url] if liked else avail
+            if others:
+                lightest, least = others[0], float("inf")
+                for r in others:  # min(others, key=load), inlined: this runs for every placement
+                    led = r.ledger
+                    if r.used_version != led.version:
+                        r.used_version, r.used_now = led.version, led.used
+                    x = (r.used_now + bound) / (led.limit or 1)
+                    if x < least:
+                        lightest, least = r, x
+                if bound <= lightest.ledger.size_limit and lightest.ledger.fits_now(cand):
+                    best = lightest
+                else:  # the lightest is full (a bound it cannot hold, a reserve): try the others in order
+                    others.sort(key=lambda r: load(r, bound))
+                    best = next((r for r in others[1:]
+                                 if bound <= r.ledger.size_limit and r.ledger.fits_now(cand)), None)
+        if best is None:
             return False
-        young = now - w.since < self.affinity_wait_s
-        if young and pref is not None and pref is not best and pref_key is not None and (
-                pref_key[0] > best_key[0] or pref_key[1] - best_key[1] >= max(1, self.min_affinity_blocks)):
-            return False  # worth waiting a little for the replica that has it cached
+        pref = liked[0] if liked else best
+        if pref is not best and now - w.since < self.affinity_wait_s:
+            pref_s, best_s = int(pref.url == sess_url), int(best.url == sess_url)
+            gain = match.get(pref.url, 0) - match.get(best.url, 0)
+            if pref_s > best_s or (pref_s == best_s and gain >= max(1, self.min_affinity_blocks)):
+                return False  # worth waiting a little for the replica that has it cached
         best.ledger.admit_record(cand, now)
         self._where[w.id] = best
         best.placed += 1
         if keys:
             best.prompt_blocks += max(1, keys[-1][1])
             best.hit_blocks += min(match.get(best.url, 0), keys[-1][1])
-            self.index.insert(best.url, keys)
+            self.index.insert(best.url, indexed(keys))
         if session is not None:
             self.sessions[session] = best.url
             self.sessions.move_to_end(session)
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         return True
+
+    def _load(self, r: ReplicaState, bound: int) -> float:
+        """``r``'s projected load with a candidate of ``bound`` blocks: (the policy's used + bound) /
+        limit, the policy's used cached on the replica ledger's version (it changes only when that
+        replica places or releases)."""
+        led = r.ledger
+        if r.used_version != led.version:
+            r.used_version, r.used_now = led.version, led.used
+        return (r.used_now + bound) / (led.limit or 1)
 
     def replica_of(self, lease_id: str) -> str | None:
         rep = self._where.get(lease_id)

@@ -20,13 +20,13 @@ Pure and not thread-safe: the fleet's ledger calls it under its lock.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_ENTRIES", "PrefixIndex", "PrefixKeys", "prefix_keys"]
+__all__ = ["DEFAULT_MAX_ENTRIES", "PrefixIndex", "PrefixKeys", "indexed", "prefix_keys"]
 
 DEFAULT_MAX_ENTRIES = 100_000
 """Default bound on the index's keys, all replicas together (a key costs ~200 bytes: ~20 MB)."""
@@ -38,56 +38,93 @@ PrefixKeys = tuple[tuple[int, int], ...]
 """``((key, blocks), ...)`` from the shortest prefix to the longest; ``blocks`` is cumulative."""
 
 
-def _digest(prev: bytes, part: str) -> bytes:
-    return hashlib.blake2b(part.encode("utf-8", "surrogatepass"), digest_size=8, key=prev).digest()
-
-
-def _text_of(message: Any) -> str:
-    """A message's identity as text: role and content for the common case (cheap), its JSON otherwise."""
-    if isinstance(message, Mapping):
+def _bytes_of(message: Any) -> bytes:
+    """A message's identity as bytes: role and content for the common case (cheap), its JSON otherwise."""
+    if type(message) is dict or isinstance(message, Mapping):  # dict first: isinstance(ABC) is slow
         content = message.get("content")
-        if isinstance(content, str) and len(message) <= 2:
-            return f"{message.get('role', '')}\x00{content}"
+        if type(content) is str and len(message) <= 2:
+            try:
+                return f"{message.get('role', '')}\x00{content}\x1e".encode()
+            except UnicodeEncodeError:  # a lone surrogate
+                return f"{message.get('role', '')}\x00{content}\x1e".encode("utf-8", "surrogatepass")
     try:
-        return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+        text = json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     except (TypeError, ValueError):
-        return repr(message)
+        text = repr(message)
+    return (text + "\x1e").encode("utf-8", "surrogatepass")
 
 
-def _parts(body: Mapping[str, Any]) -> tuple[str, list[str]]:
-    """(the head every prefix starts with, the successive parts of the prompt)."""
-    head_obj = {"model": body.get("model"), "tools": body.get("tools"), "functions": body.get("functions")}
-    head = json.dumps(head_obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+_HEADS: dict[tuple[Any, ...], bytes] = {}
+
+
+def _head(body: Mapping[str, Any]) -> bytes:
+    """What every prefix of a request starts with: the model and its tool schemas (cached per identity
+    of the tool list: agents send the same schemas object with every call)."""
+    tools, functions = body.get("tools"), body.get("functions")
+    key = (body.get("model"), id(tools), id(functions))
+    hit = _HEADS.get(key)
+    if hit is None or tools is not None or functions is not None:
+        # a list's id can be reused after it is freed: only the no-tools head is cached blindly
+        obj = {"model": body.get("model"), "tools": tools, "functions": functions}
+        hit = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                         default=str).encode("utf-8", "surrogatepass")
+        if tools is None and functions is None:
+            if len(_HEADS) > 256:
+                _HEADS.clear()
+            _HEADS[key] = hit
+    return hit
+
+
+def _parts(body: Mapping[str, Any]) -> list[bytes]:
+    """The successive parts of the prompt (messages, or text chunks), as bytes."""
     messages = body.get("messages")
     if messages is None:
         messages = body.get("input")
     if isinstance(messages, list):
-        return head, [_text_of(m) for m in messages]
+        return [_bytes_of(m) for m in messages]
     prompt = body.get("prompt") if "prompt" in body else messages
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return head, [prompt[i:i + TEXT_CHUNK_CHARS] for i in range(0, len(prompt), TEXT_CHUNK_CHARS)]
-    return head, [] if prompt is None else [_text_of(prompt)]
+        return [prompt[i:i + TEXT_CHUNK_CHARS].encode("utf-8", "surrogatepass")
+                for i in range(0, len(prompt), TEXT_CHUNK_CHARS)]
+    return [] if prompt is None else [_bytes_of(prompt)]
 
 
 def prefix_keys(body: Mapping[str, Any], prompt_tokens: int, block_size: int) -> PrefixKeys:
     """The prefix keys of a request body (see the module docstring): one per message (or text chunk),
     with the full blocks the prompt up to it fills, estimated from ``prompt_tokens`` (the whole prompt's
-    estimate) in proportion to its characters. Empty for a body without a prompt."""
-    head, parts = _parts(body)
+    estimate) in proportion to its bytes. Empty for a body without a prompt.
+
+    A key is a running CRC-32 and Adler-32 of the head and the parts so far, as one 64-bit int: both
+    extend over concatenation, so the whole prompt is read once (a cryptographic hash read it at a third
+    of the speed). Keys only steer routing (the budgets decide what fits), so a rare collision costs at
+    most one cold prefill; they are the same in every process (the Redis fleet shares them)."""
+    parts = _parts(body)
     if not parts:
         return ()
     total = sum(len(p) for p in parts) or 1
-    h = _digest(b"zp-prefix", head)
+    head = _head(body)
+    crc, adler = zlib.crc32(head), zlib.adler32(head)
     out: list[tuple[int, int]] = []
-    chars = 0
-    bs = max(1, int(block_size))
+    size = 0
+    scale = max(0, int(prompt_tokens)) / total / max(1, int(block_size))
+    crc32, adler32 = zlib.crc32, zlib.adler32
     for part in parts:
-        h = _digest(h, part)
-        chars += len(part)
-        out.append((int.from_bytes(h, "big"), (prompt_tokens * chars // total) // bs))
+        crc, adler = crc32(part, crc), adler32(part, adler)
+        size += len(part)
+        out.append(((crc << 32) | adler, int(size * scale)))
     return tuple(out)
+
+
+def indexed(keys: Sequence[tuple[int, int]], head: int = 2, tail: int = 6) -> Sequence[tuple[int, int]]:
+    """The keys a placement records in the index: the first ``head`` (a system prompt and what follows it,
+    shared across conversations) and the last ``tail`` (where this conversation's next turn continues).
+    Lookups read every key; recording only these bounds the index's work per request whatever the
+    number of messages."""
+    if len(keys) <= head + tail:
+        return keys
+    return (*keys[:head], *keys[-tail:])
 
 
 class PrefixIndex:
@@ -156,24 +193,29 @@ class PrefixIndex:
         if lru is None:
             self.set_capacity(replica, 1 << 30)
             lru = self._lru[replica]
-        seq = list(keys)
-        prev = [0, *(b for _, b in seq[:-1])]
-        added = 0
-        for (key, blocks), before in zip(reversed(seq), reversed(prev), strict=False):
+        seq = keys if isinstance(keys, (tuple, list)) else tuple(keys)
+        holders_of = self._holders
+        added = new = 0
+        for i in range(len(seq) - 1, -1, -1):
+            key, blocks = seq[i]
             if key in lru:
                 lru.move_to_end(key)
                 continue
-            delta = max(0, blocks - before)
+            delta = blocks - seq[i - 1][1] if i else blocks
+            if delta < 0:
+                delta = 0
             lru[key] = delta
             added += delta
-            self._entries += 1
-            holders = self._holders.get(key)
+            new += 1
+            holders = holders_of.get(key)
             if holders is None:
-                self._holders[key] = {replica: None}
+                holders_of[key] = {replica: None}
             else:
                 holders[replica] = None
+        self._entries += new
         self._blocks[replica] += added
-        self._evict(replica)
+        if self._blocks[replica] > self._capacity.get(replica, 1 << 30) or self._entries > self.max_entries:
+            self._evict(replica)
 
     def _evict(self, replica: str) -> None:
         lru = self._lru[replica]
