@@ -383,3 +383,16 @@ def test_fleet_arguments_are_checked() -> None:
     assert fleet.limit == 30 and fleet.base_url == "http://fleet.zp-fleet.invalid/v1"
     with pytest.raises(ConfigurationError):
         fleet.set_limit_sync(5)
+
+
+def test_status_shows_every_replica() -> None:
+    from zp_client.status_cli import format_status, local_budget_status
+
+    fleet = Fleet({A: 100, B: 50}, policy="strict")
+    lease = fleet.acquire_sync(10, meta={PREFIX_META: _keys("sys")})
+    fleet.eject(B)
+    text = format_status({"budget": local_budget_status(fleet)})
+    assert "replicas:         2" in text
+    assert f"{A}: ok; limit 100, used 10, 1 leases" in text
+    assert f"{B}: EJECTED; limit 50" in text
+    lease.release_sync()

@@ -118,7 +118,8 @@ def _from_status(out: dict[str, Any], s: Any) -> dict[str, Any]:
         "policy": s.policy,
         "block_size": s.block_size,
     })
-    for key in ("epoch", "recovering", "recovery_left_s", "starvation_bound_s", "limit_version", "adaptive"):
+    for key in ("epoch", "recovering", "recovery_left_s", "starvation_bound_s", "limit_version", "adaptive",
+                "replicas", "prefix_hit_rate", "moves"):
         if key in s.extra:
             out[key] = s.extra[key]
     return out
@@ -180,7 +181,10 @@ def read_status(args: argparse.Namespace) -> dict[str, Any]:
     """What ``args`` ask for: ``{"server": server_status(...), "budget": budget_status(...)}`` (either key
     only when asked). Raises a ZPError subclass on failure."""
     result: dict[str, Any] = {}
-    if args.server:
+    if args.server and "," in args.server:  # a fleet's replicas: each one's pool and load
+        urls = [u.strip() for u in args.server.split(",") if u.strip()]
+        result["servers"] = [server_status(u, args.headroom, args.timeout) for u in urls]
+    elif args.server:
         result["server"] = server_status(args.server, args.headroom, args.timeout)
     if args.redis:
         result["budget"] = budget_status(args.redis, args.name, args.timeout)
@@ -192,6 +196,8 @@ def format_status(result: dict[str, Any]) -> str:
     lines: list[str] = []
     if "server" in result:
         lines += _server_lines(result["server"])
+    for s in result.get("servers", ()):
+        lines += _server_lines(s)
     if "budget" in result:
         lines += _budget_lines(result["budget"])
     return "\n".join(lines)
@@ -281,6 +287,22 @@ def _budget_lines(b: dict[str, Any]) -> list[str]:
     ad = b.get("adaptive")
     if isinstance(ad, dict):
         out += _adaptive_lines(ad)
+    reps = b.get("replicas")
+    if isinstance(reps, dict):
+        out += _replica_lines(b, reps)
+    return out
+
+
+def _replica_lines(b: dict[str, Any], reps: dict[str, Any]) -> list[str]:
+    """A fleet's replicas (zp_client.fleet): per replica its limit, used, leases, ejection, prefix hits."""
+    rate = b.get("prefix_hit_rate")
+    out = [f"  replicas:         {len(reps)}; prefix hit rate {'n/a' if rate is None else f'{rate:.1%}'}, "
+           f"{_show(b.get('moves'))} requests moved off failed replicas"]
+    for url, r in reps.items():
+        state = "EJECTED" if r.get("ejected") else ("draining" if r.get("draining") else "ok")
+        hit = r.get("prefix_hit_rate")
+        out.append(f"    {_redact(url)}: {state}; limit {r['limit']}, used {r['used']}, {r['leases']} leases, "
+                   f"prefix hits {'n/a' if hit is None else f'{hit:.0%}'}, {r.get('ejections', 0)} ejections")
     return out
 
 
