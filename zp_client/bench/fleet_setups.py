@@ -61,6 +61,8 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+
 from zp_client.bench.loadgen import Caller
 from zp_client.bench.setups import (
     AppCaller,
@@ -74,6 +76,8 @@ from zp_client.bench.setups import (
 __all__ = [
     "EPP_DEFAULTS",
     "EndpointPicker",
+    "HttpxEndpointPicker",
+    "HttpxRoundRobin",
     "ReplicaRouter",
     "RoundRobin",
     "prompt_block_hashes",
@@ -141,7 +145,7 @@ class ReplicaRouter:
     request's URL gets that replica's scheme, host and port, and ``inner`` (a transport reaching every
     replica) carries it. Subclasses implement :meth:`pick`; build one with :func:`router_http_client`."""
 
-    _lib: Any = None
+    _lib: Any = httpx
     _stream_cls: Any = None
 
     def __init__(self, inner: Any, root_urls: list[str]) -> None:
@@ -192,12 +196,6 @@ class ReplicaRouter:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
-
-    async def __aenter__(self) -> ReplicaRouter:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 class RoundRobin(ReplicaRouter):
@@ -355,6 +353,7 @@ class EndpointPicker(ReplicaRouter):
         return out
 
     async def pick(self, request: Any) -> int:
+        """The replica for ``request`` (waits in the line while the fleet is saturated)."""
         body = await request.aread()
         model, prompt = _request_prompt(body)
         hashes = prompt_block_hashes(model, prompt, int(self.options["block_chars"]),
@@ -398,27 +397,56 @@ class EndpointPicker(ReplicaRouter):
         return index
 
 
-def router_http_client(ctx: SetupContext, router_cls: type[ReplicaRouter], **kwargs: Any) -> tuple[Any, Any]:
-    """``(http_client, router)``: openai's default async HTTP client over ``router_cls`` (a
-    :class:`ReplicaRouter`) over :meth:`SetupContext.raw_transport`, routing among ``ctx``'s replicas."""
+class _HttpxStream(_WatchedStream, httpx.AsyncByteStream):
+    """httpx's body class over :class:`_WatchedStream`."""
+
+
+class HttpxRoundRobin(RoundRobin, httpx.AsyncBaseTransport):
+    """:class:`RoundRobin` as an ``httpx`` transport (openai 2.x)."""
+
+    _lib = httpx
+    _stream_cls = _HttpxStream
+
+
+class HttpxEndpointPicker(EndpointPicker, httpx.AsyncBaseTransport):
+    """:class:`EndpointPicker` as an ``httpx`` transport (openai 2.x)."""
+
+    _lib = httpx
+    _stream_cls = _HttpxStream
+
+
+def _router_classes(lib: Any) -> dict[str, type[ReplicaRouter]]:
+    if lib is httpx:
+        return {"rr": HttpxRoundRobin, "epp": HttpxEndpointPicker}
+    if lib.__name__ == "httpx2":
+        from zp_client.bench import _fleet2
+
+        return {"rr": _fleet2.Httpx2RoundRobin, "epp": _fleet2.Httpx2EndpointPicker}
+    raise ValueError(f"no replica router for {lib.__name__}")
+
+
+def router_http_client(ctx: SetupContext, kind: str, **kwargs: Any) -> tuple[Any, Any]:
+    """``(http_client, router)``: openai's default async HTTP client over a replica router (``kind``
+    ``"rr"``: :class:`RoundRobin`, ``"epp"``: :class:`EndpointPicker`, with ``kwargs``) over
+    :meth:`SetupContext.raw_transport`, routing among ``ctx``'s replicas."""
     import openai
 
     from zp_client.bench.memory import openai_http_module
 
-    lib = openai_http_module()
-    stream_cls = type("WatchedStream", (_WatchedStream, lib.AsyncByteStream), {})
-    cls = type(router_cls.__name__, (router_cls, lib.AsyncBaseTransport),
-               {"_lib": lib, "_stream_cls": stream_cls})
-    router = cls(ctx.raw_transport(), ctx.replica_root_urls, **kwargs)
+    cls = _router_classes(openai_http_module())[kind]
+    router: Any = cls(ctx.raw_transport(), ctx.replica_root_urls, **kwargs)
     return openai.DefaultAsyncHttpxClient(transport=router), router
 
 
 class FleetCaller(AppCaller):
     """An :class:`~zp_client.bench.setups.AppCaller` whose router's counters the storm reports."""
 
-    def __init__(self, client: Any, model: str, router: ReplicaRouter, **kwargs: Any) -> None:
+    def __init__(self, client: Any, model: str, router: ReplicaRouter, *, limit_blocks: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(client, model, **kwargs)
         self.router = router
+        self.limit_blocks = limit_blocks
+        """The setup's zp limit, for the report (None: no budget)."""
 
     @property
     def moved_off_dead(self) -> int:
@@ -431,7 +459,7 @@ class FleetCaller(AppCaller):
 
 def _rr_client(ctx: SetupContext, stack: contextlib.AsyncExitStack,
                **kwargs: Any) -> tuple[Any, ReplicaRouter]:
-    http_client, router = router_http_client(ctx, RoundRobin)
+    http_client, router = router_http_client(ctx, "rr")
     return openai_client(ctx, stack, http_client=http_client, **kwargs), router
 
 
@@ -449,12 +477,12 @@ async def _rr(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
 async def _rr_zp(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     from zp_client.budget.local import LocalBudget
 
-    http_client, router = router_http_client(ctx, RoundRobin)
+    http_client, router = router_http_client(ctx, "rr")
     budget = LocalBudget(limit_blocks=sum(ctx.replica_limit_blocks), block_size=ctx.block_size,
                          policy="strict", clock=ctx.budget_clock())
     # the budget is the fleet's sum: the pool check against one replica's /metrics would warn wrongly
     client = await zp_client_for(ctx, stack, budget, http_client=http_client, pool_check=False)
-    return FleetCaller(client, ctx.model, router, app_retry=True)
+    return FleetCaller(client, ctx.model, router, app_retry=True, limit_blocks=sum(ctx.replica_limit_blocks))
 
 
 async def _epp(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
@@ -464,7 +492,7 @@ async def _epp(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     if metrics is None:
         metrics = httpx.AsyncClient(timeout=5)
     stack.push_async_callback(metrics.aclose)
-    http_client, router = router_http_client(ctx, EndpointPicker, metrics_client=metrics,
+    http_client, router = router_http_client(ctx, "epp", metrics_client=metrics,
                                              rng=random.Random(f"zp-storm-epp:{ctx.seed}"))
     assert isinstance(router, EndpointPicker)
     router.start()

@@ -423,6 +423,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         clock = _clock_for(server, cfg)
         kill: dict[str, Any] = {}
         moved: int | None = None
+        fleet_limit: int | None = None
         routed: list[int] | None = None
 
         def done(rec: RequestRecord) -> None:
@@ -458,6 +459,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                     mon.stop()
                     granted = _leases_granted(caller)
                     limit_tl = _limit_timeline(caller, b0, cfg.effective_speedup)
+                    fleet_limit = _caller_count(caller, "limit_blocks")
                     moved = _caller_count(caller, "moved_off_dead")
                     routed = _caller_count(caller, "replica_requests")
         if cfg.redis_url and SETUPS[name].needs_redis:
@@ -496,7 +498,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
             harness.update(client_load=cfg.client_load, client_load_bursts=load.bursts,
                            client_load_busy_s=round(load.busy_s, 3))
         return SetupRun(name, records, stats, timeline, t0, harness, gateway,
-                        limit_blocks=limit if name.startswith("zp") or name == "clairvoyant" else None,
+                        limit_blocks=limit if name.startswith("zp") or name == "clairvoyant"
+                        else fleet_limit,
                         rate_rps=rate_rps if name == "rate-limited" else None,
                         metrics_preemptions=mp_total,
                         bypass=None if plan is None else {**plan.as_dict(), "applies": applies,
