@@ -21,7 +21,8 @@ from zp_client.bench.workloads import ServerFacts, build_workload
 from zp_client.errors import ConfigurationError
 
 # A seed-burst small enough for a fleet of two in a few seconds (the load doubles with the replicas).
-SMALL = {"streams": 3, "stream_out": 256, "rounds": 2, "burst": 2, "burst_prompt": 900, "burst_max_tokens": 128}
+SMALL = {"streams": 3, "stream_out": 256, "rounds": 2, "burst": 2, "burst_prompt": 900,
+         "burst_max_tokens": 128}
 
 
 def test_one_replica_keeps_the_default_setups_and_a_fleet_gets_its_own() -> None:
@@ -102,7 +103,8 @@ class _Metrics:
 
     async def get(self, url: str, timeout: float = 1.0) -> httpx.Response:
         kv, waiting = self.rng.uniform(0.05, 0.3), self.rng.randint(0, 2)
-        return httpx.Response(200, text=f"vllm:kv_cache_usage_perc {kv}\nvllm:num_requests_waiting {waiting}\n")
+        text = f"vllm:kv_cache_usage_perc {kv}\nvllm:num_requests_waiting {waiting}\n"
+        return httpx.Response(200, text=text)
 
 
 def test_an_unsaturated_epp_keeps_a_repeated_conversation_on_one_replica() -> None:
@@ -111,7 +113,7 @@ def test_an_unsaturated_epp_keeps_a_repeated_conversation_on_one_replica() -> No
         roots = [f"http://sim-{i}.memory:80" for i in range(4)]
         epp = HttpxEndpointPicker(inner, roots, _Metrics(random.Random(1)), rng=random.Random(2))
         rng = random.Random(3)
-        convs = {c: [{"role": "system", "content": f"agent {c}: you are a coding agent; tools: " + "x" * 3000},
+        convs = {c: [{"role": "system", "content": f"agent {c}: a coding agent; tools: " + "x" * 3000},
                      {"role": "user", "content": f"task {c} " + "y" * 400}] for c in range(6)}
         for turn in range(12):
             for c, msgs in convs.items():
