@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +14,7 @@ import pytest
 
 from zp_client.bench.fleet_setups import EPP_DEFAULTS, HttpxEndpointPicker, prompt_block_hashes
 from zp_client.bench.memory import MemoryNetwork, memory_transport
-from zp_client.bench.report import build_report, markdown_table
+from zp_client.bench.report import build_report, markdown_table, write_report
 from zp_client.bench.runner import StormConfig, run_storm
 from zp_client.bench.setups import DEFAULT_SETUPS, SETUPS, parse_setups, zp_limit_blocks
 from zp_client.bench.vloop import run_virtual
@@ -165,7 +166,7 @@ def test_the_epp_holds_requests_while_every_replica_is_saturated() -> None:
     assert prompt_block_hashes("m", "a" * 128) != prompt_block_hashes("n", "a" * 128)  # seeded by the model
 
 
-def test_two_replicas_rr_rr_zp_and_epp_spread_the_load_and_report_the_fleet() -> None:
+def test_two_replicas_rr_rr_zp_and_epp_spread_the_load_and_report_the_fleet(tmp_path: Path) -> None:
     cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "rr", "rr-zp", "epp"],
                       profile="tiny", num_gpu_blocks=None, workload_overrides=dict(SMALL), replicas=2)
     wl, facts, runs = run_storm(cfg)
@@ -188,6 +189,8 @@ def test_two_replicas_rr_rr_zp_and_epp_spread_the_load_and_report_the_fleet() ->
     assert by["rr-zp"]["preemptions"] == 0  # admitted within the fleet's summed budget, balanced evenly
     assert report["fleet"]["replicas"] == 2 and set(report["fleet"]["replica_timelines"]) == set(by)
     assert "prefix hit" in markdown_table(report)
+    jp, _ = write_report(report, tmp_path)
+    assert json.loads(jp.read_text())["fleet"]["replicas"] == 2
 
 
 def test_a_kill_cuts_the_busiest_replicas_streams() -> None:
