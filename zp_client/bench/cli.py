@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bypass-window", default=None, metavar="START:END",
                         help="--bypass only for requests submitted in [START, END) virtual seconds of the "
                              "run (either side may be empty)")
+    parser.add_argument("--replicas", type=int, default=1, metavar="N",
+                        help="a fleet: N fresh simulated servers per setup run, the load scaled by N; the "
+                             "default setups become no-admission (round-robin), rr, rr-zp, epp "
+                             "(docs/benchmark.md#fleets---replicas-n)")
+    parser.add_argument("--kill-replica", type=float, default=None, metavar="AT_S",
+                        help="kill the replica with the most requests in flight AT_S virtual seconds into "
+                             "each run, abruptly (connections reset, no drain)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     # --trace FILE: a team's own requests through every setup (docs/benchmark.md#your-own-traffic)
     from zp_client.bench.tracefile import TRACE_FORMATS
@@ -161,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
     # CPU) and reports the simulator's largest lag per run, so its warning would only be noise here.
     logging.getLogger("zp_client.sim.server").setLevel(logging.ERROR)
     try:
-        setups = parse_setups(args.setups, args.redis)
+        replicas = int(getattr(args, "replicas", 1) or 1)
+        if replicas < 1:
+            raise ConfigurationError(f"--replicas takes a positive integer, got {replicas}")
+        setups = parse_setups(args.setups, args.redis, replicas)
         loads = _parse_sweep(args.sweep)
         from zp_client.bench.bypass import parse_window
 
@@ -195,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             speedup=args.speedup or speedup, redis_url=args.redis, time_scale=args.time_scale,
             load_scale=args.load_scale, workers=args.workers, workload_overrides=overrides, clock=clock,
             client_load=args.client_load, bypass=bypass, bypass_window=bypass_window,
+            replicas=replicas, kill_replica_s=getattr(args, "kill_replica", None),
         )
     except ZPError as exc:
         print(f"zp-client storm: {exc}", file=sys.stderr)

@@ -103,6 +103,9 @@ class RequestRecord:
     bypass: bool = False
     """Sent straight to the server around the setup's zp budget (``--bypass``, :mod:`.bypass`)."""
     token_times: list[float] = field(default_factory=list, repr=False)
+    cut_streams: int = field(default=0, repr=False)
+    """Attempts whose stream delivered content to the caller and then failed (a connection reset, a
+    gateway cut); not in :meth:`to_json` (the records' JSON is unchanged), reported by fleet storms."""
 
     @property
     def ttft(self) -> float | None:
@@ -175,6 +178,10 @@ async def stream_chat(client: Any, model: str, turn: Turn, rec: RequestRecord, c
                 times.append(clock.now())
             if getattr(chunk, "usage", None) is not None:
                 usage_tokens = chunk.usage.completion_tokens
+    except Exception:
+        if times:  # content had reached the caller: a cut stream
+            rec.cut_streams += 1
+        raise
     finally:
         await stream.close()
     rec.token_times = times

@@ -22,19 +22,65 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import httpx
 
-__all__ = ["MemoryTransport", "ReadPauses", "memory_transport", "openai_http_module"]
+__all__ = ["MemoryNetwork", "MemoryTransport", "ReadPauses", "memory_transport", "openai_http_module"]
 
 log = logging.getLogger("zp_client.bench.memory")
 
 ASGIApp = Callable[..., Any]
 
 _APP_DONE = {"type": "zp.app.done"}
+_RESET = {"type": "zp.connection.reset"}
+
+
+class MemoryNetwork:
+    """Host names -> ASGI apps, shared by every in-memory transport of a run, with abrupt kills.
+
+    ``apps`` maps a URL host (e.g. ``sim-0.memory``) to its app. :meth:`kill` resets every open
+    exchange of a host and refuses new connections to it from then on; :attr:`dead` says when."""
+
+    def __init__(self, apps: Mapping[str, ASGIApp]) -> None:
+        if not apps:
+            raise ValueError("a memory network needs at least one host")
+        self.apps: dict[str, ASGIApp] = dict(apps)
+        self.dead: dict[str, float] = {}
+        """Killed hosts -> the loop time of the kill."""
+        self._open: dict[str, set[_Exchange]] = {h: set() for h in self.apps}
+        self.reset_exchanges: dict[str, int] = {}
+        """Killed hosts -> open exchanges (requests in flight) that the kill reset."""
+
+    def app_for(self, host: str) -> ASGIApp | None:
+        """The live app serving ``host``, or None (unknown or killed: a connect fails)."""
+        if host in self.dead:
+            return None
+        return self.apps.get(host)
+
+    def open_exchanges(self, host: str) -> int:
+        """Requests to ``host`` whose exchange is still open."""
+        return len(self._open.get(host, ()))
+
+    def track(self, host: str, ex: _Exchange) -> None:
+        opened = self._open.setdefault(host, set())
+        opened.add(ex)
+        ex.task.add_done_callback(lambda _t: opened.discard(ex))
+
+    def kill(self, host: str) -> int:
+        """Kill ``host`` abruptly: no drain, every open exchange reset (its app task cancelled), later
+        connects refused. Returns how many exchanges were reset."""
+        if host not in self.apps:
+            raise KeyError(f"no host {host!r} on this memory network")
+        loop = asyncio.get_running_loop()
+        self.dead.setdefault(host, loop.time())
+        exchanges = list(self._open.get(host, ()))
+        for ex in exchanges:
+            ex.reset()
+        self.reset_exchanges[host] = self.reset_exchanges.get(host, 0) + len(exchanges)
+        return len(exchanges)
 
 
 class ReadPauses:
@@ -115,6 +161,12 @@ class _Exchange:
     def disconnect(self) -> None:
         self._disconnected.set()
 
+    def reset(self) -> None:
+        """The connection dies under both sides: the caller reads a reset, the app task is cancelled."""
+        self._disconnected.set()
+        self.messages.put_nowait(_RESET)
+        self.task.cancel()
+
     async def next(self, timeout: float | None, on_timeout: Callable[[], BaseException]) -> dict[str, Any]:
         try:
             if timeout is None:
@@ -140,6 +192,9 @@ class _Body:
     async def __aiter__(self) -> AsyncIterator[bytes]:
         while not self._ended:
             msg = await self._ex.next(self._timeout, self._read_timeout)
+            if msg is _RESET:
+                self._ended = True
+                raise self._lib.ReadError("[Errno 104] Connection reset by peer", request=self._request)
             if msg is _APP_DONE:  # the app ended before its last body message: a truncated body
                 self._ended = True
                 raise self._lib.RemoteProtocolError(
@@ -173,9 +228,11 @@ class _TransportBase:
     _lib: ModuleType
     _body_cls: type[_Body]
 
-    def __init__(self, app: ASGIApp, *, client: tuple[str, int] = ("127.0.0.1", 50000),
+    def __init__(self, app: ASGIApp | MemoryNetwork, *, client: tuple[str, int] = ("127.0.0.1", 50000),
                  pauses: ReadPauses | None = None) -> None:
-        self.app = app
+        self.network: MemoryNetwork | None = app if isinstance(app, MemoryNetwork) else None
+        """The hosts this transport dispatches to (by the request's URL host), or None: one app."""
+        self.app: ASGIApp | None = None if isinstance(app, MemoryNetwork) else app
         self.client = client
         self.pauses = pauses
         """A late reader's busy periods (:class:`ReadPauses`), or None: every message is read on arrival."""
@@ -208,10 +265,19 @@ class _TransportBase:
         body = await request.aread()
         timeouts = request.extensions.get("timeout") or {}
         read_timeout = timeouts.get("read")
+        app = self.app
+        host = request.url.host
+        if self.network is not None:
+            app = self.network.app_for(host)
+        if app is None:
+            why = "killed" if self.network is not None and host in self.network.dead else "unknown host"
+            raise lib.ConnectError(f"[Errno 111] Connection refused ({host}: {why})", request=request)
         self.requests += 1
-        ex = _Exchange(self.app, self._scope(request), body)
+        ex = _Exchange(app, self._scope(request), body)
         self._open.add(ex)
         ex.task.add_done_callback(lambda _t: self._open.discard(ex))
+        if self.network is not None:
+            self.network.track(host, ex)
 
         def head_timeout() -> BaseException:
             exc: BaseException = lib.ReadTimeout("timed out waiting for the response head", request=request)
@@ -219,6 +285,9 @@ class _TransportBase:
 
         while True:
             msg = await ex.next(read_timeout, head_timeout)
+            if msg is _RESET:
+                raise lib.RemoteProtocolError("Server disconnected without sending a response.",
+                                              request=request)
             if msg is _APP_DONE:  # the app ended (or failed) before sending its head
                 detail = repr(ex.error) if ex.error is not None else "no response"
                 return lib.Response(500, content=f"Internal Server Error ({detail})".encode(),
@@ -268,10 +337,13 @@ def openai_http_module() -> ModuleType:
     raise RuntimeError("cannot tell which HTTP library openai's DefaultAsyncHttpxClient is built on")
 
 
-def memory_transport(app: ASGIApp, module: ModuleType | None = None, *,
-                     pauses: ReadPauses | None = None) -> Any:
+def memory_transport(app: ASGIApp | MemoryNetwork | Mapping[str, ASGIApp], module: ModuleType | None = None,
+                     *, pauses: ReadPauses | None = None) -> Any:
     """A streaming in-memory transport to ``app`` for ``module`` (httpx or httpx2; default: openai's);
-    ``pauses``: read like a busy client (:class:`ReadPauses`)."""
+    ``app`` may be a :class:`MemoryNetwork` or a ``{host: app}`` mapping (one network: requests go to the
+    app of their URL's host); ``pauses``: read like a busy client (:class:`ReadPauses`)."""
+    if isinstance(app, Mapping):
+        app = MemoryNetwork(app)
     mod = module if module is not None else openai_http_module()
     if mod is httpx:
         return MemoryTransport(app, pauses=pauses)

@@ -210,6 +210,44 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "leases_granted": run.leases_granted,
         **_bypass_metrics(run, wl, makespan),
         **_limit_metrics(run),
+        **_fleet_metrics(run),
+    }
+
+
+def is_fleet_run(run: SetupRun) -> bool:
+    """Whether ``run`` had several replicas or a kill (its report gets the fleet metrics)."""
+    return run.replicas > 1 or run.kill is not None or run.replica_stats is not None
+
+
+def _fleet_metrics(run: SetupRun) -> dict[str, Any]:
+    """The fleet's metrics (``--replicas N`` / ``--kill-replica``), or nothing for a one-server run:
+    the prefix-cache hit rate over the replicas (hit tokens / queried tokens, the engines' counters),
+    each replica's preemptions, HTTP requests and KV maximum, the kill, the requests a setup moved off a
+    failed replica (its router's count; None: the setup does not say) and the cut streams (attempts whose
+    stream had delivered content to the caller and then failed; ``cut_requests``: logical requests with
+    one)."""
+    if not is_fleet_run(run):
+        return {}
+    eng = run.server_stats.get("engine", {})
+    queries = float(eng.get("prefix_cache_queries_total") or 0)
+    hits = float(eng.get("prefix_cache_hits_total") or 0)
+    per = run.replica_stats or []
+    kill = run.kill or {}
+    return {
+        "replicas": run.replicas,
+        "prefix_cache_hit_rate": _r(hits / queries if queries else None, 4),
+        "preemptions_per_replica": [int((st.get("engine") or {}).get("preemptions_total") or 0)
+                                    for st in per],
+        "server_requests_per_replica": [int(st.get("requests") or 0) for st in per],
+        "routed_per_replica": run.replica_requests,
+        "kv_usage_max_per_replica": [_r(max((x[1] for x in tl), default=None))
+                                     for tl in (run.replica_timelines or [])],
+        "killed_replica": kill.get("replica"),
+        "killed_at_s": kill.get("t_s"),
+        "killed_in_flight": kill.get("in_flight"),
+        "moved_off_dead": run.moved_off_dead,
+        "cut_streams": sum(r.cut_streams for r in run.records),
+        "cut_requests": sum(1 for r in run.records if r.cut_streams),
     }
 
 
@@ -456,6 +494,15 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
         "limit_timelines": {r.name: [[t, lim] for t, lim in r.limit_timeline] for r in runs
                             if r.limit_timeline},
     }
+    if any(is_fleet_run(r) for r in runs):
+        report["fleet"] = {
+            "replicas": getattr(cfg, "replicas", 1),
+            "kill_replica_s": getattr(cfg, "kill_replica_s", None),
+            "timeline": "per setup: the largest KV usage of any replica, the fleet's total preemptions, "
+                        "running and waiting requests; replica_timelines: each replica's own",
+            "replica_timelines": {r.name: [_thin(tl, r.t0) for tl in (r.replica_timelines or [])]
+                                  for r in runs},
+        }
     report["verdict"] = storm_verdict(report)
     return report
 
@@ -499,16 +546,28 @@ def _fmt(v: Any, f: str | None) -> str:
         return f"{v * 1000:.1f}"
     if f == "pct":
         return f"{v * 100:.0f}%"
+    if f == "list":
+        return "/".join(str(x) for x in v)
     if f:
         return f.format(v)
     return str(v)
 
 
+#: Extra columns of a fleet storm's table (``--replicas N`` / ``--kill-replica``).
+_FLEET_COLUMNS = [
+    ("prefix hit", "prefix_cache_hit_rate", "pct"),
+    ("preempt/replica", "preemptions_per_replica", "list"),
+    ("moved", "moved_off_dead", None),
+    ("cut", "cut_streams", None),
+]
+
+
 def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    head = [c[0] for c in _COLUMNS]
+    columns = _COLUMNS + (_FLEET_COLUMNS if report.get("fleet") else [])
+    head = [c[0] for c in columns]
     rows = []
     for m in report["setups"]:
-        row = [_fmt(m.get(k), f) for _, k, f in _COLUMNS]
+        row = [_fmt(m.get(k), f) for _, k, f in columns]
         if not m["valid"]:
             row[0] += " (SATURATED)"
         rows.append(row)
@@ -547,6 +606,23 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         "(virtual; a non-streamed call must end within TTFT + output x TPOT)",
     ]
     lines.append(MEASURES.format(ttft=slo["ttft_s"], tpot=slo["tpot_s"] * 1000))
+    fleet = report.get("fleet")
+    if fleet:
+        lines.append(f"fleet: {fleet['replicas']} replicas of that server per setup, the load scaled by "
+                     f"{fleet['replicas']}; KV max: the largest of any replica; preempt: the fleet's sum; "
+                     "prefix hit: cached / queried prompt tokens over the replicas; moved: attempts a "
+                     "setup's router sent elsewhere after a transport failure; cut: streams cut after "
+                     "content reached the caller")
+        if fleet.get("kill_replica_s") is not None:
+            kills = [f"{m['setup']}: replica {m['killed_replica']} at {m['killed_at_s']:g} s "
+                     f"({m['killed_in_flight']} in flight)" if m.get("killed_replica") is not None
+                     else f"{m['setup']}: none (the run ended first)" for m in report["setups"]]
+            lines.append(f"kill at {fleet['kill_replica_s']:g} s (the replica with the most requests in "
+                         "flight, abruptly): " + "; ".join(kills))
+        for m in report["setups"]:
+            if m["setup"] == "rr-zp" and m.get("limit_blocks") is not None:
+                lines.append(f"rr-zp limit: {m['limit_blocks']} blocks, the sum of the replicas' zp limits "
+                             "(floor((num_gpu_blocks - 1) x 0.95) each)")
     for m in report["setups"]:
         if m["setup"] == "rate-limited" and m.get("rate_rps") is not None:
             lines.append(f"rate-limited: InMemoryRateLimiter at {m['rate_rps']:.3f} req/s (virtual), the "

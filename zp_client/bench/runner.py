@@ -88,8 +88,21 @@ class StormConfig:
     (:mod:`~zp_client.bench.bypass`); 0: none (the other setups never bypass)."""
     bypass_window: tuple[float, float] | None = None
     """``[start, end)`` virtual seconds of the run during which selected requests bypass; None: all of it."""
+    replicas: int = 1
+    """Simulated servers per setup run (a fleet, ``--replicas N``); 1: one server, as always. The
+    workload's load scales with it (:func:`~zp_client.bench.workloads.build_workload`'s ``replicas``)."""
+    kill_replica_s: float | None = None
+    """Kill the replica with the most requests in flight this many virtual seconds after the run starts
+    (``--kill-replica AT_S``; abruptly: connections reset, engine gone); None: no kill."""
 
     def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigurationError(f"replicas must be >= 1, got {self.replicas!r}")
+        if self.kill_replica_s is not None and self.kill_replica_s < 0:
+            raise ConfigurationError(f"kill_replica_s must be >= 0, got {self.kill_replica_s!r}")
+        if (self.replicas > 1 or self.kill_replica_s is not None) and self.client_load and not self.virtual:
+            raise ConfigurationError("--replicas / --kill-replica with --client-load need --clock virtual "
+                                     "(the real-clock busy client serves one simulator from its own process)")
         if self.clock not in CLOCKS:
             raise ConfigurationError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if not 0.0 <= self.client_load < 1.0:
@@ -141,17 +154,45 @@ class SetupRun:
     limit_timeline: list[tuple[float, int]] | None = None
     """The budget limit over the run, ``(virtual s since the run's start, limit blocks)``, for a setup
     whose caller exposes one (``limit_timeline``: the adaptive limit); None otherwise."""
+    replicas: int = 1
+    """Servers in the run; above 1 ``server_stats`` and ``timeline`` aggregate them (see
+    :func:`aggregate_stats`, :func:`fleet_timeline`) and the ``replica_*`` fields hold each one's."""
+    replica_stats: list[dict[str, Any]] | None = None
+    """Each replica's ``/sim/stats`` (without per-request records); None for one server and no kill."""
+    replica_timelines: list[list[tuple[float, float, int, int, int]]] | None = None
+    replica_metrics_preemptions: list[float | None] | None = None
+    kill: dict[str, Any] | None = None
+    """``--kill-replica``: ``{"replica": index, "url", "t_s": virtual s since the run's start, "in_flight":
+    requests the server held, "reset": connections reset}``, or None (no kill, or the run ended first)."""
+    moved_off_dead: int | None = None
+    """Requests the setup moved off a failed replica (its caller's ``moved_off_dead``); None: not exposed."""
+    replica_requests: list[int] | None = None
+    """HTTP requests the setup's router sent to each replica (its caller's ``replica_requests``), or None."""
+
+
+def replica_seed(seed: int, index: int) -> int:
+    """The simulator seed of replica ``index`` (replica 0 keeps the storm's own: a one-server run is
+    unchanged)."""
+    return seed if index == 0 else seed + 7919 * index
+
+
+def replica_host(cfg: StormConfig, index: int) -> str:
+    """The in-memory host of replica ``index``: ``sim.memory`` for one server (as always),
+    ``sim-I.memory`` in a fleet."""
+    return "sim.memory" if cfg.replicas == 1 else f"sim-{index}.memory"
 
 
 @contextlib.asynccontextmanager
-async def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None) -> AsyncIterator[Any]:
+async def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None,
+                      index: int = 0) -> AsyncIterator[Any]:
     """A fresh simulator: in memory on the virtual clock, on loopback HTTP on the real one."""
     from zp_client.sim.server import SimServer
 
     server = SimServer(cfg.profile, num_gpu_blocks=cfg.num_gpu_blocks, speedup=cfg.effective_speedup,
-                       gateway_timeout_s=gateway_timeout_s, seed=cfg.seed, max_model_len=cfg.max_model_len)
+                       gateway_timeout_s=gateway_timeout_s, seed=replica_seed(cfg.seed, index),
+                       max_model_len=cfg.max_model_len)
     if cfg.virtual:
-        async with server.in_memory():
+        async with server.in_memory(replica_host(cfg, index)):
             yield server
     elif cfg.sim_in_process:
         async with server:
@@ -159,6 +200,15 @@ async def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None) -> Asyn
     else:
         async with _SimProcess(server) as remote:
             yield remote
+
+
+@contextlib.asynccontextmanager
+async def _sim_fleet(cfg: StormConfig, gateway_timeout_s: float | None) -> AsyncIterator[list[Any]]:
+    """``cfg.replicas`` fresh simulators with the same configuration (seeds: :func:`replica_seed`)."""
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(_sim_server(cfg, gateway_timeout_s, i))
+                   for i in range(cfg.replicas)]
+        yield servers
 
 
 class _SimProcess:
@@ -347,14 +397,34 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         from zp_client.bench.memory import ReadPauses
 
         pauses = ReadPauses(cfg.client_load)
-    async with _sim_server(cfg, gateway) as server:
-        blocks, bs, _, _ = await _pool_facts(server, cfg)
+    fleet = cfg.replicas > 1 or cfg.kill_replica_s is not None
+    if fleet and spec.workers > 1:
+        raise ConfigurationError(f"setup {name} runs worker processes, which --replicas / --kill-replica "
+                                 "do not support")
+    async with _sim_fleet(cfg, gateway) as servers:
+        server = servers[0]
+        pool = [await _pool_facts(s, cfg) for s in servers]
+        blocks, bs, _, _ = pool[0]
         limit = zp_limit_blocks(blocks, HEADROOM)
+        network = None
+        if cfg.virtual and fleet:
+            from zp_client.bench.memory import MemoryNetwork
+
+            network = MemoryNetwork({httpx.URL(s.url).host: s.app for s in servers})
         ctx = SetupContext(server.base_url, server.url, model, cfg.effective_speedup, blocks, bs, limit,
                            rate_rps=rate_rps, redis_url=cfg.redis_url,
                            budget_name=f"zp-storm-{uuid.uuid4().hex[:12]}", elastic=cfg.elastic,
-                           clock=cfg.clock, app=server.app, read_pauses=pauses)
+                           clock=cfg.clock, app=server.app, read_pauses=pauses,
+                           replica_base_urls=[s.base_url for s in servers],
+                           replica_root_urls=[s.url for s in servers],
+                           replica_apps=[s.app for s in servers],
+                           replica_limit_blocks=[zp_limit_blocks(p[0], HEADROOM) for p in pool],
+                           network=network, seed=cfg.seed)
         clock = _clock_for(server, cfg)
+        kill: dict[str, Any] = {}
+        moved: int | None = None
+        fleet_limit: int | None = None
+        routed: list[int] | None = None
 
         def done(rec: RequestRecord) -> None:
             progress(name, 1)
@@ -374,20 +444,49 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                     b0 = _budget_now(ctx)
                     if run_caller is not caller:
                         run_caller.t0 = t0  # type: ignore[attr-defined]  # a BypassCaller
-                    async with load:
-                        records = await run_sessions(wl.sessions, run_caller, clock, t0=t0, on_done=done)
+                    killer = None
+                    if cfg.kill_replica_s is not None:
+                        killer = asyncio.get_running_loop().create_task(
+                            _kill_busiest(servers, network, clock, t0 + cfg.kill_replica_s, t0, kill))
+                    try:
+                        async with load:
+                            records = await run_sessions(wl.sessions, run_caller, clock, t0=t0, on_done=done)
+                    finally:
+                        if killer is not None:
+                            killer.cancel()
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await killer
                     mon.stop()
                     granted = _leases_granted(caller)
                     limit_tl = _limit_timeline(caller, b0, cfg.effective_speedup)
+                    fleet_limit = _caller_count(caller, "limit_blocks")
+                    moved = _caller_count(caller, "moved_off_dead")
+                    routed = _caller_count(caller, "replica_requests")
         if cfg.redis_url and SETUPS[name].needs_redis:
             await _delete_budget_keys(cfg.redis_url, ctx.budget_name)
         if isinstance(server, _SimProcess):
             await server.fetch_results()
         stats = server.stats(requests=True)
-        async with _http(server, cfg) as http:
-            from zp_client.server import parse_metrics
-
-            mp_total = parse_metrics((await http.get("/metrics")).text).num_preemptions_total
+        mp_total = await _metrics_preemptions(server, cfg)
+        timeline = list(server.timeline)
+        fleet_fields: dict[str, Any] = {}
+        if fleet:
+            all_stats = [stats] + [s.stats(requests=True) for s in servers[1:]]
+            replica_mp = [mp_total] + [await _metrics_preemptions(s, cfg) for s in servers[1:]]
+            stats = aggregate_stats(all_stats)
+            mp_total = None if any(x is None for x in replica_mp) else sum(x or 0.0 for x in replica_mp)
+            timelines = [list(s.timeline) for s in servers]
+            timeline = fleet_timeline(timelines)
+            fleet_fields = {
+                "replicas": len(servers),
+                "replica_stats": [{k: v for k, v in st.items() if k != "requests"}
+                                  | {"requests": len(st.get("requests") or [])} for st in all_stats],
+                "replica_timelines": timelines,
+                "replica_metrics_preemptions": replica_mp,
+                "kill": kill or None,
+                "moved_off_dead": moved,
+                "replica_requests": routed,
+            }
         harness = {**mon.summary(), "clock": cfg.clock}
         if pauses is not None:
             lags = sorted(pauses.lags)
@@ -398,13 +497,101 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         elif cfg.client_load:
             harness.update(client_load=cfg.client_load, client_load_bursts=load.bursts,
                            client_load_busy_s=round(load.busy_s, 3))
-        return SetupRun(name, records, stats, list(server.timeline), t0, harness, gateway,
-                        limit_blocks=limit if name.startswith("zp") or name == "clairvoyant" else None,
+        return SetupRun(name, records, stats, timeline, t0, harness, gateway,
+                        limit_blocks=limit if name.startswith("zp") or name == "clairvoyant"
+                        else fleet_limit,
                         rate_rps=rate_rps if name == "rate-limited" else None,
                         metrics_preemptions=mp_total,
                         bypass=None if plan is None else {**plan.as_dict(), "applies": applies,
                                                           "ids": sorted(plan.ids)},
-                        leases_granted=granted, limit_timeline=limit_tl)
+                        leases_granted=granted, limit_timeline=limit_tl, **fleet_fields)
+
+
+async def _metrics_preemptions(server: Any, cfg: StormConfig) -> float | None:
+    """The server's ``vllm:num_preemptions`` from its /metrics; a killed server's (no /metrics over the
+    network) from its engine's count."""
+    from zp_client.server import parse_metrics
+
+    if getattr(server, "killed_at", None) is not None and not cfg.virtual:
+        return float(server.stats()["engine"]["preemptions_total"] or 0)
+    async with _http(server, cfg) as http:
+        return parse_metrics((await http.get("/metrics")).text).num_preemptions_total
+
+
+def _caller_count(caller: Any, name: str) -> Any:
+    """A counter a setup's caller may expose (an int, a list of ints, or a callable returning one)."""
+    value = getattr(caller, name, None)
+    if callable(value):
+        value = value()
+    if value is None:
+        return None
+    return list(value) if isinstance(value, (list, tuple)) else int(value)
+
+
+async def _kill_busiest(servers: list[Any], network: Any, clock: VirtualClock, at: float, t0: float,
+                        out: dict[str, Any]) -> None:
+    """At ``at`` (the run's clock), kill the replica with the most requests in flight (ties: the lowest
+    index) abruptly; describe it in ``out``."""
+    await clock.sleep_until(at)
+    loads = [int(s.stats()["in_flight"]) for s in servers]
+    index = max(range(len(servers)), key=lambda i: (loads[i], -i))
+    victim = servers[index]
+    reset = network.kill(httpx.URL(victim.url).host) if network is not None else 0
+    aborted = await victim.kill()
+    out.update(replica=index, url=victim.url, t_s=round(clock.now() - t0, 6), in_flight=loads[index],
+               in_flight_per_replica=loads, reset=reset + aborted)
+    log.info("killed replica %d (%s) at %.3f s with %d requests in flight", index, victim.url,
+             out["t_s"], loads[index])
+
+
+_SUMMED_ENGINE = ("preemptions_total", "recomputed_tokens", "prompt_tokens_total", "generation_tokens_total",
+                  "prefix_cache_queries_total", "prefix_cache_hits_total", "steps", "num_running",
+                  "num_waiting")
+_SUMMED_COUNTS = ("finished", "aborted_disconnect", "gateway_504", "errors_4xx", "rejected_queue_full",
+                  "in_flight", "real_steps")
+
+
+def aggregate_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``/sim/stats`` for a fleet: replica 0's, with the engine's counters and the request counts
+    summed over the replicas, ``kv_usage`` and lags the maximum, the per-request records concatenated,
+    and ``replicas`` the count."""
+    out = dict(stats[0])
+    engine = dict(out.get("engine") or {})
+    for key in _SUMMED_ENGINE:
+        vals = [(st.get("engine") or {}).get(key) for st in stats]
+        if any(v is not None for v in vals):
+            engine[key] = sum(v or 0 for v in vals)
+    kvs = [(st.get("engine") or {}).get("kv_usage") for st in stats]
+    engine["kv_usage"] = max((k for k in kvs if k is not None), default=None)
+    out["engine"] = engine
+    for key in _SUMMED_COUNTS:
+        if key in out:
+            out[key] = sum(int(st.get(key) or 0) for st in stats)
+    reqs = [st.get("requests") for st in stats]
+    if all(isinstance(r, list) for r in reqs):
+        out["requests"] = [x for r in reqs if isinstance(r, list) for x in r]
+    elif all(isinstance(r, int) for r in reqs):
+        out["requests"] = sum(r for r in reqs if isinstance(r, int))
+    out["max_lag_s"] = max(float(st.get("max_lag_s") or 0.0) for st in stats)
+    out["lagging"] = any(bool(st.get("lagging")) for st in stats)
+    out["replicas"] = len(stats)
+    return out
+
+
+def fleet_timeline(timelines: list[list[tuple[float, float, int, int, int]]]
+                   ) -> list[tuple[float, float, int, int, int]]:
+    """The replicas' timelines merged in time order into one fleet timeline: at each sample, the largest
+    KV usage of any replica and the fleet's total preemptions, running and waiting requests (each
+    replica's latest sample)."""
+    events = sorted((t, i, kv, p, r, w) for i, tl in enumerate(timelines) for (t, kv, p, r, w) in tl)
+    latest: dict[int, tuple[float, int, int, int]] = {}
+    out: list[tuple[float, float, int, int, int]] = []
+    for t, i, kv, p, r, w in events:
+        latest[i] = (kv, p, r, w)
+        vals = latest.values()
+        out.append((t, max(v[0] for v in vals), sum(v[1] for v in vals), sum(v[2] for v in vals),
+                    sum(v[3] for v in vals)))
+    return out
 
 
 async def _delete_budget_keys(url: str, budget_name: str) -> None:
@@ -598,8 +785,9 @@ def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any
             raise ConfigurationError(f"setup {', '.join(refused)} runs worker processes or Redis, which a "
                                      "virtual clock cannot hold: run it with --clock real")
     facts, model = _run(cfg, measure_unloaded(cfg))
+    extra: dict[str, Any] = {"replicas": cfg.replicas} if cfg.replicas > 1 else {}
     wl = build_workload(cfg.workload, facts, cfg.seed, time_scale=cfg.time_scale, load_scale=cfg.load_scale,
-                        **cfg.workload_overrides)
+                        **extra, **cfg.workload_overrides)
     total = wl.num_requests
     plan = _plan(cfg, wl)
     prog = progress_factory(cfg.setups, total) if progress_factory else None

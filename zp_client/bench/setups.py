@@ -64,6 +64,11 @@ class SetupSpec:
     requires: str | None = None
     """A module the setup needs (imported by its factory only); :func:`parse_setups` refuses the setup
     with a clear error when it cannot be found."""
+    fleet: bool = False
+    """A setup built for several replicas (:mod:`~zp_client.bench.fleet_setups`): with ``--replicas N``
+    (N > 1) the default setups are the fleet ones; with one replica they run only when named."""
+    min_replicas: int = 1
+    """The fewest replicas the setup makes sense with (:func:`parse_setups` refuses fewer)."""
 
 
 SETUPS: dict[str, SetupSpec] = {
@@ -96,11 +101,19 @@ def _module_missing(name: str | None) -> bool:
         return True
 
 
-def parse_setups(text: str | None, redis_url: str | None) -> list[str]:
+def parse_setups(text: str | None, redis_url: str | None, replicas: int = 1) -> list[str]:
     """The setups to run, in canonical order; ``no-admission`` is always included (it is the
-    denominator and ``rate-limited`` needs its measured rate). Unknown names raise ConfigurationError."""
+    denominator and ``rate-limited`` needs its measured rate). Unknown names raise ConfigurationError.
+
+    With ``replicas`` > 1 the default setups are the fleet ones (``no-admission``, which then balances
+    round-robin, and the :attr:`SetupSpec.fleet` setups); a one-server setup named there runs against
+    replica 0 only and is refused, as is a setup whose :attr:`SetupSpec.min_replicas` exceeds ``replicas``."""
     if not text:
-        names = [n for n, sp in SETUPS.items() if sp.default and (redis_url or not sp.needs_redis)]
+        if replicas > 1:
+            names = [n for n, sp in SETUPS.items() if sp.fleet and (redis_url or not sp.needs_redis)]
+        else:
+            names = [n for n, sp in SETUPS.items() if sp.default and not sp.fleet
+                     and (redis_url or not sp.needs_redis)]
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in SETUPS]
@@ -114,6 +127,16 @@ def parse_setups(text: str | None, redis_url: str | None) -> list[str]:
     if needs and not redis_url:
         raise ConfigurationError(f"setup {', '.join(needs)} needs --redis URL (make demo never touches a "
                                  "Redis it was not given)")
+    if replicas > 1:
+        single = [n for n in names if n != "no-admission" and not SETUPS[n].fleet]
+        if single:
+            raise ConfigurationError(f"setup {', '.join(single)} sends to one server and would reach "
+                                     f"replica 0 only: with --replicas {replicas} choose from: "
+                                     f"{', '.join(n for n, sp in SETUPS.items() if sp.fleet)}")
+    few = [n for n in names if SETUPS[n].min_replicas > replicas]
+    if few:
+        raise ConfigurationError(f"setup {', '.join(few)} needs --replicas >= "
+                                 f"{max(SETUPS[n].min_replicas for n in few)}")
     names = ["no-admission", *[n for n in names if n != "no-admission"]]
     return [n for n in SETUPS if n in names]
 
@@ -144,9 +167,38 @@ class SetupContext:
     read_pauses: Any = field(default=None, repr=False, compare=False)
     """A busy client on the virtual clock (:class:`~zp_client.bench.memory.ReadPauses`, shared by every
     client of the run), or None."""
+    replica_base_urls: list[str] = field(default_factory=list)
+    """Every replica's OpenAI base URL (``--replicas N``; replica 0's is :attr:`base_url`); filled with
+    ``[base_url]`` for one server."""
+    replica_root_urls: list[str] = field(default_factory=list)
+    replica_apps: list[Any] = field(default_factory=list, repr=False, compare=False)
+    """Each replica's ASGI app (virtual clock; never pickled)."""
+    replica_limit_blocks: list[int] = field(default_factory=list)
+    """The zp limit of each replica's pool (:func:`zp_limit_blocks` of its /metrics ``num_gpu_blocks``)."""
+    network: Any = field(default=None, repr=False, compare=False)
+    """A fleet on the virtual clock: the :class:`~zp_client.bench.memory.MemoryNetwork` of the replicas'
+    hosts (what :meth:`http_client` and :meth:`metrics_client` reach, and what a kill resets); None with
+    one server and no kill (the app itself, as before) and on the real clock (loopback TCP)."""
+    seed: int = 0
+    """The storm's seed (a setup's own deterministic randomness, e.g. the epp's tie breaks)."""
+
+    def __post_init__(self) -> None:
+        if not self.replica_base_urls:
+            self.replica_base_urls = [self.base_url]
+        if not self.replica_root_urls:
+            self.replica_root_urls = [self.root_url]
+        if not self.replica_apps and self.app is not None:
+            self.replica_apps = [self.app]
+        if not self.replica_limit_blocks:
+            self.replica_limit_blocks = [self.limit_blocks]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "app": None, "read_pauses": None}
+        return {**self.__dict__, "app": None, "read_pauses": None, "replica_apps": [], "network": None}
+
+    @property
+    def replicas(self) -> int:
+        """How many servers the run has."""
+        return len(self.replica_base_urls)
 
     @property
     def virtual(self) -> bool:
@@ -161,7 +213,19 @@ class SetupContext:
 
         from zp_client.bench.memory import memory_transport
 
-        return openai.DefaultAsyncHttpxClient(transport=memory_transport(self.app, pauses=self.read_pauses))
+        target = self.network if self.network is not None else self.app
+        return openai.DefaultAsyncHttpxClient(transport=memory_transport(target, pauses=self.read_pauses))
+
+    def raw_transport(self) -> Any:
+        """The transport under :meth:`http_client`, for a setup that wraps it (a balancer, a router):
+        the in-memory one reaching every replica (virtual clock) or a fresh TCP transport of openai's
+        HTTP library (real clock)."""
+        from zp_client.bench.memory import memory_transport, openai_http_module
+
+        if self.virtual:
+            target = self.network if self.network is not None else self.app
+            return memory_transport(target, pauses=self.read_pauses)
+        return openai_http_module().AsyncHTTPTransport()
 
     def metrics_client(self) -> Any:
         """An ``httpx.AsyncClient`` for a controller's own calls to the server (``/metrics``): over the
@@ -173,7 +237,8 @@ class SetupContext:
 
         from zp_client.bench.memory import memory_transport
 
-        transport = memory_transport(self.app, httpx, pauses=self.read_pauses)
+        target = self.network if self.network is not None else self.app
+        transport = memory_transport(target, httpx, pauses=self.read_pauses)
         return httpx.AsyncClient(transport=transport, timeout=30)
 
     def budget_clock(self) -> Any:
@@ -290,18 +355,20 @@ def openai_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **kwargs:
     return client
 
 
-async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, budget: Any,
-                        **wrap_options: Any) -> Any:
+async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, budget: Any, *,
+                        http_client: Any = None, **wrap_options: Any) -> Any:
     """``wrap(AsyncOpenAI)`` on ``budget`` with zp's default estimator (warmed up before the run) and
     default retry policy (sleeping in virtual time: on the budget's clock under the virtual clock, scaled
-    by ``speedup`` under the real one); closes client and budget with ``stack``."""
+    by ``speedup`` under the real one); closes client and budget with ``stack``. ``http_client``: the
+    openai client's own (e.g. a fleet's balancer, which zp's admission transport then wraps); default
+    :meth:`SetupContext.http_client`."""
     from zp_client import wrap
     from zp_client.bench.virtual_time import VirtualTimeRetryPolicy
     from zp_client.config import Settings
     from zp_client.estimate import Estimator
 
     stack.push_async_callback(budget.aclose)
-    raw = openai_client(ctx, stack)
+    raw = openai_client(ctx, stack, **({"http_client": http_client} if http_client is not None else {}))
     # loading the BPE file takes a few hundred ms of blocking work that would otherwise land on the
     # first request of the run
     estimator = wrap_options.pop("estimator", None) or Estimator(Settings())
@@ -316,6 +383,10 @@ async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, bud
 
 
 async def _no_admission(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    if ctx.replicas > 1:  # a fleet: round-robin over the replicas (zp_client.bench.fleet_setups)
+        from zp_client.bench.fleet_setups import fleet_no_admission
+
+        return await fleet_no_admission(ctx, stack)
     return AppCaller(openai_client(ctx, stack, max_retries=0), ctx.model, app_retry=False)
 
 
@@ -418,3 +489,4 @@ async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
 
 # The elastic setups (issue 8) register themselves; imported last because they build on this module.
 from zp_client.bench import elastic_setups as _elastic_setups  # noqa: E402,F401 - registers them, needs this module
+from zp_client.bench import fleet_setups as _fleet_setups  # noqa: E402,F401 - registers them, needs this module

@@ -693,10 +693,25 @@ WORKLOADS: tuple[str, ...] = ("seed-burst", "agentic", "azure-code", "azure-conv
 
 
 def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: float | None = None,
-                   load_scale: float | None = None, **overrides: Any) -> Workload:
+                   load_scale: float | None = None, replicas: int = 1, **overrides: Any) -> Workload:
     """Build workload ``name`` for a server described by ``facts``: one of :data:`WORKLOADS`, or
     :data:`TRACE_WORKLOAD` with ``path=`` a trace file (see :func:`trace_replay`). Unknown names raise
-    :class:`~zp_client.errors.ConfigurationError` listing the known ones."""
+    :class:`~zp_client.errors.ConfigurationError` listing the known ones.
+
+    ``replicas`` (a fleet of that many servers like ``facts``'): the offered load is multiplied by it, so
+    that each replica is as loaded as one server at ``replicas=1``: ``agentic`` runs ``replicas`` x the
+    conversations over the one-server window (the same arrival window, N x the arrival rate);
+    ``seed-burst`` multiplies its streams and burst (its ``scale``); a trace replay replicates each
+    request (its ``load_scale``). ``replicas=1`` changes nothing."""
+    if replicas < 1:
+        raise ConfigurationError(f"replicas must be >= 1, got {replicas!r}")
+    if replicas > 1:
+        base = load_scale if load_scale is not None else 1.0
+        if name == "agentic" and "window_s" not in overrides:
+            n = int(overrides.get("conversations", _AGENTIC_CONVERSATIONS))
+            overrides["window_s"] = round(n * base) * 400 * facts.unloaded_itl_s * (
+                time_scale if time_scale is not None else 1.0)
+        load_scale = base * replicas
     if name == "seed-burst":
         if load_scale is not None:
             overrides.setdefault("scale", load_scale)

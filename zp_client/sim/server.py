@@ -1194,6 +1194,8 @@ class SimServer:
         self._thread: threading.Thread | None = None
         self._thread_loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
+        self.killed_at: float | None = None
+        """Virtual seconds when :meth:`kill` ran, or None."""
 
     def config_kwargs(self) -> dict[str, Any]:
         """The constructor's arguments, to build the same server elsewhere (another process)."""
@@ -1280,16 +1282,38 @@ class SimServer:
         await self._sim.stop()
 
     @contextlib.asynccontextmanager
-    async def in_memory(self) -> AsyncIterator[SimServer]:
+    async def in_memory(self, host: str = "sim.memory") -> AsyncIterator[SimServer]:
         """Run the engine on the current event loop without a socket: callers reach :attr:`app` as an
         ASGI app in memory (the storm's virtual-time runs do, through a streaming in-memory transport).
-        :attr:`url` becomes ``http://sim.memory:80``, a name only such a transport resolves."""
-        self._host, self._port = "sim.memory", 80
+        :attr:`url` becomes ``http://HOST:80`` (default ``sim.memory``), a name only such a transport
+        resolves (several servers in one run need distinct hosts: ``sim-0.memory``, ...)."""
+        self._host, self._port = host, 80
         self._sim.start()
         try:
             yield self
         finally:
             await self._sim.stop()
+
+    async def kill(self) -> int:
+        """Die abruptly (the storm's ``--kill-replica``): stop the engine (its KV blocks are gone with it)
+        and, when serving HTTP, close the listening socket and abort every open connection (a reset, no
+        drain; best effort on uvicorn's internals). Returns the connections aborted. An in-memory server's
+        connections are the transport's to reset (:meth:`zp_client.bench.memory.MemoryNetwork.kill`)."""
+        if self.killed_at is None:
+            self.killed_at = self._sim.clock()
+        aborted = 0
+        if self._uvicorn is not None:
+            for srv in list(getattr(self._uvicorn, "servers", None) or []):
+                srv.close()
+            state = getattr(self._uvicorn, "server_state", None)
+            for conn in list(getattr(state, "connections", None) or []):
+                transport = getattr(conn, "transport", None)
+                if transport is not None:
+                    transport.abort()
+                    aborted += 1
+            self._uvicorn.should_exit = True
+        await self._sim.stop()
+        return aborted
 
     async def __aenter__(self) -> SimServer:
         await self.start()

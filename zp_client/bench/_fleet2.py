@@ -1,0 +1,30 @@
+"""The httpx2 (openai 3.x) forms of :mod:`zp_client.bench.fleet_setups`' replica routers.
+
+Imported only where httpx2 is installed; see :mod:`zp_client.bench.fleet_setups`.
+"""
+
+from __future__ import annotations
+
+import httpx2
+
+from zp_client.bench.fleet_setups import EndpointPicker, RoundRobin, _WatchedStream
+
+__all__ = ["Httpx2EndpointPicker", "Httpx2RoundRobin"]
+
+
+class _Httpx2Stream(_WatchedStream, httpx2.AsyncByteStream):
+    """httpx2's body class over :class:`~zp_client.bench.fleet_setups._WatchedStream`."""
+
+
+class Httpx2RoundRobin(RoundRobin, httpx2.AsyncBaseTransport):
+    """:class:`~zp_client.bench.fleet_setups.RoundRobin` as an ``httpx2`` transport (openai 3.x)."""
+
+    _lib = httpx2
+    _stream_cls = _Httpx2Stream
+
+
+class Httpx2EndpointPicker(EndpointPicker, httpx2.AsyncBaseTransport):
+    """:class:`~zp_client.bench.fleet_setups.EndpointPicker` as an ``httpx2`` transport (openai 3.x)."""
+
+    _lib = httpx2
+    _stream_cls = _Httpx2Stream
