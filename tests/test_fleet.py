@@ -396,3 +396,65 @@ def test_status_shows_every_replica() -> None:
     assert f"{A}: ok; limit 100, used 10, 1 leases" in text
     assert f"{B}: EJECTED; limit 50" in text
     lease.release_sync()
+
+
+class _ResetBeforeFirstByte:
+    """An OpenAI-shaped server whose streams answer 200 and then drop the connection before any byte."""
+
+    def __init__(self) -> None:
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        from tests._asgi_server import ThreadedApp
+
+        self.calls = 0
+
+        async def chat(request: Any) -> Any:
+            self.calls += 1
+
+            async def body() -> Any:
+                raise ConnectionResetError("dropped before the first byte")
+                yield b""  # pragma: no cover - makes this an async generator
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+
+        async def models(request: Any) -> Any:
+            return JSONResponse({"object": "list", "data": [{"id": "ok", "object": "model",
+                                                             "max_model_len": 4096}]})
+
+        app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                Route("/v1/models", models)])
+        self.server = ThreadedApp(app)
+
+    def __enter__(self) -> Any:
+        self.server.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.__exit__(*exc)
+
+    @property
+    def base_url(self) -> str:
+        return str(self.server.base_url)
+
+
+@pytest.mark.anyio
+async def test_a_stream_cut_before_its_first_byte_moves_to_another_replica() -> None:
+    with _ResetBeforeFirstByte() as bad, LoopbackServer() as good:
+        fleet = Fleet([bad.base_url, good.base_url], limit_blocks=4000, policy="strict")
+        client = _client(fleet)
+        try:
+            for i in range(4):
+                with observe_admissions() as seen:
+                    stream = await client.chat.completions.create(
+                        model="ok", max_tokens=8, stream=True,
+                        messages=[{"role": "user", "content": f"q{i}"}])
+                    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+                assert text  # complete, from the good replica
+                assert seen[-1].replica == good.base_url and all(s.attempt == 1 for s in seen), seen
+            assert bad.calls >= 1  # it was tried, and the caller never saw it
+            st = await fleet.status()
+            assert st.extra["moves"] == bad.calls and st.leases == 0
+        finally:
+            await client.close()

@@ -122,6 +122,15 @@ class ReadAll:
 
 
 @dataclass(frozen=True)
+class Peek:
+    """Read the response body's first chunk -> ``(chunk, rest)``: the chunk (None: the body was empty)
+    and an iterator over the rest of the body (a fleet's stream is handed to its caller only once its
+    first bytes came: a replica that fails before them is not the caller's problem)."""
+
+    response: Any
+
+
+@dataclass(frozen=True)
 class Close:
     """Close the response (``shield``: even while the caller is being cancelled) -> None."""
 
@@ -160,8 +169,8 @@ class Sleep:
     seconds: float
 
 
-Action = (Estimate | ModelLen | PoolSize | NewRetryState | Acquire | Send | ReadAll | Close | Release | Decide
-          | Sleep)
+Action = (Estimate | ModelLen | PoolSize | NewRetryState | Acquire | Send | ReadAll | Peek | Close | Release
+          | Decide | Sleep)
 Steps = Generator[Action, Any, Any]
 
 
@@ -661,16 +670,22 @@ class Core:
             if state is not None:
                 state.ticket = ticket
             assembled = False
+            prefetched = None
             try:
                 url = request.url if fleet is None else fleet.route_url(lease, request.url)
                 resp = yield Send(self.lib.request(request, plan, url))
                 if plan.upstream and self.lib.is_event_stream(resp):
                     resp = yield from self._consume(plan, request, resp, holder)
                     assembled = True
+                elif fleet is not None and plan.stream and self.lib.is_event_stream(resp):
+                    # on a fleet the stream reaches its caller with its first bytes: a replica that
+                    # fails before them moves the request like a refused connection
+                    prefetched = yield from self._peek(resp)
             except Exception as exc:
                 yield Release(holder)
                 if fleet is not None and self._move(fleet, lease, exc, moves):
                     moves += 1  # sent elsewhere, keeping its place: no retry spent, no attempt counted
+                    plan.meta = fleet.avoiding(plan.meta, lease)
                     continue
                 if state is None:
                     raise
@@ -714,7 +729,7 @@ class Core:
                         continue
                 if assembled:  # consumed, observed and released already
                     return resp
-                return (yield from self._deliver(plan, resp, holder, is_async))
+                return (yield from self._deliver(plan, resp, holder, is_async, prefetched))
             except BaseException:
                 yield Close(resp, shield=True)
                 yield Release(holder)
@@ -789,8 +804,19 @@ class Core:
         )
         notify_observers(observers, info)
 
-    def _deliver(self, plan: Plan, resp: Any, holder: Holder, is_async: bool) -> Steps:
-        """The response handed to the caller: its body streams through a scanner that owns the lease."""
+    def _peek(self, resp: Any) -> Steps:
+        """The body's first chunk and the rest (:class:`Peek`); on failure the response is closed first
+        (the server sees the disconnect) and the error goes on to the attempt loop."""
+        try:
+            return (yield Peek(resp))
+        except BaseException:
+            yield Close(resp, shield=True)
+            raise
+
+    def _deliver(self, plan: Plan, resp: Any, holder: Holder, is_async: bool,
+                 prefetched: tuple[bytes | None, Any] | None = None) -> Steps:
+        """The response handed to the caller: its body streams through a scanner that owns the lease
+        (``prefetched``: its first chunk and the rest, when :class:`Peek` read it already)."""
         scanner = self.scanner_for(plan, resp, holder.lease)
         if self.lib.is_preread(resp):
             yield Release(holder)
@@ -799,7 +825,8 @@ class Core:
             return self.lib.preread_response(resp, content, scanner.rewrites)
         holder.resp = resp
         watchdog.add(holder)
-        return self.lib.streamed_response(resp, self, plan, holder, scanner, is_async=is_async)
+        return self.lib.streamed_response(resp, self, plan, holder, scanner, is_async=is_async,
+                                          prefetched=prefetched)
 
     def _consume(self, plan: Plan, original: Any, resp: Any, holder: Holder) -> Steps:
         """Read the upstream stream of a non-streamed call to its end, reporting its growth; the lease is

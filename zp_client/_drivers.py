@@ -23,6 +23,7 @@ from zp_client._core import (
     Machine,
     ModelLen,
     NewRetryState,
+    Peek,
     PoolSize,
     ReadAll,
     Release,
@@ -148,6 +149,13 @@ class AsyncDriver(_Driver):
             async for chunk in action.response.aiter_bytes():
                 action.sink(chunk)
             return None
+        if isinstance(action, Peek):
+            rest = action.response.stream.__aiter__()
+            try:
+                first = await rest.__anext__()
+            except StopAsyncIteration:
+                first = None
+            return first, rest
         if isinstance(action, NewRetryState):
             # RedisRetryBudget records the request over the network: not on the event loop's thread.
             new = getattr(action.policy, "new_request_async", None)
@@ -217,6 +225,9 @@ class SyncDriver(_Driver):
             for chunk in action.response.iter_bytes():
                 action.sink(chunk)
             return None
+        if isinstance(action, Peek):
+            rest = iter(action.response.stream)
+            return next(rest, None), rest
         if isinstance(action, NewRetryState):
             return action.policy.new_request()
         if isinstance(action, Estimate):

@@ -45,8 +45,10 @@ _METRICS_TIMEOUT = dict.fromkeys(("connect", "read", "write", "pool"), POOL_CHEC
 class _Body:
     """A response body handed to the caller: feeds its scanner, owns the lease through its holder."""
 
-    def __init__(self, core: Core, plan: Plan, resp: Any, holder: Holder, scanner: Scanner) -> None:
+    def __init__(self, core: Core, plan: Plan, resp: Any, holder: Holder, scanner: Scanner,
+                 prefetched: tuple[bytes | None, Any] | None = None) -> None:
         self._core, self._plan, self._resp, self._holder, self._scanner = core, plan, resp, holder, scanner
+        self._prefetched = prefetched
         self._completed = False
         weakref.finalize(self, finalize, holder).atexit = False
 
@@ -65,7 +67,7 @@ class AsyncBody(_Body):
         try:
             holder.waiting = True
             try:
-                async for chunk in self._resp.stream:
+                async for chunk in self._source():
                     holder.waiting = False
                     holder.last_activity = mono()
                     if out := feed(chunk):
@@ -91,6 +93,19 @@ class AsyncBody(_Body):
                 self._core.observe_seen(self._plan, self._scanner)
             await self._holder.release()
 
+    async def _source(self) -> AsyncIterator[bytes]:
+        """The body's chunks: the upstream stream, after the chunk a fleet's peek read (if any)."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is None:
+            async for chunk in self._resp.stream:
+                yield chunk
+            return
+        first, rest = pre
+        if first is not None:
+            yield first
+            async for chunk in rest:
+                yield chunk
+
     async def aclose(self) -> None:
         try:
             with anyio.CancelScope(shield=True):
@@ -106,7 +121,7 @@ class SyncBody(_Body):
         try:
             holder.waiting = True
             try:
-                for chunk in self._resp.stream:
+                for chunk in self._source():
                     holder.waiting = False
                     holder.last_activity = mono()
                     if out := feed(chunk):
@@ -128,6 +143,17 @@ class SyncBody(_Body):
                     logger.debug("closing the inner response failed", exc_info=True)
                 self._core.observe_seen(self._plan, self._scanner)
             self._holder.release_sync()
+
+    def _source(self) -> Iterator[bytes]:
+        """As :meth:`AsyncBody._source`."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is None:
+            yield from self._resp.stream
+            return
+        first, rest = pre
+        if first is not None:
+            yield first
+            yield from rest
 
     def close(self) -> None:
         try:
@@ -181,9 +207,9 @@ class HttpLib:
                                     extensions=resp.extensions)
 
     def streamed_response(self, resp: Any, core: Core, plan: Plan, holder: Holder, scanner: Scanner, *,
-                          is_async: bool) -> Any:
+                          is_async: bool, prefetched: tuple[bytes | None, Any] | None = None) -> Any:
         body_cls = self.async_body if is_async else self.sync_body
-        stream = body_cls(core, plan, resp, holder, scanner)
+        stream = body_cls(core, plan, resp, holder, scanner, prefetched)
         headers = resp.headers
         if scanner.rewrites:
             # Bytes may be removed from the body, so a declared length would be wrong.

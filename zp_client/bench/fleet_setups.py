@@ -511,3 +511,47 @@ register_setup(SetupSpec("rr-zp", True, description="round-robin under one zp Lo
 register_setup(SetupSpec("epp", True, description="reference llm-d-style endpoint picker (prefix 3, queue 2, "
                          "KV 2; holds while saturated), naive's retries", fleet=True, default=False),
                _epp, after="rr-zp")
+
+
+class ZPFleetCaller(AppCaller):
+    """``zp-fleet``'s caller: its :class:`~zp_client.fleet.Fleet`'s counters, in the report's terms."""
+
+    def __init__(self, client: Any, model: str, fleet: Any, urls: list[str]) -> None:
+        super().__init__(client, model, app_retry=True)
+        self.fleet = fleet
+        self.urls = urls
+        self.limit_blocks = fleet.limit
+
+    @property
+    def moved_off_dead(self) -> int:
+        return int(self.fleet.status_sync().extra["moves"])
+
+    @property
+    def replica_requests(self) -> list[int]:
+        reps = self.fleet.status_sync().extra["replicas"]
+        return [int(reps[u]["placed"]) if u in reps else 0 for u in self.urls]
+
+
+async def _zp_fleet(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    """A :class:`zp_client.fleet.Fleet` of elastic budgets, one per replica (each sized like
+    ``zp-elastic``'s from its pool), routing by prefix affinity then load, with zp's default retries and
+    the app retry (``zp-elastic``'s stack). The openai client's base URL is replica 0's; the fleet sends
+    each attempt to its lease's replica through ``ctx.http_client()``, which reaches them all."""
+    from zp_client.bench.elastic_setups import _forecaster, _limit
+    from zp_client.fleet import Fleet
+
+    limit = _limit(ctx)  # every replica has the run's pool
+    urls = [u.rstrip("/") for u in ctx.replica_base_urls]
+    kw: dict[str, Any] = {}
+    if ctx.elastic.starvation_bound_s is not None:
+        kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
+    fleet = Fleet(dict.fromkeys(urls, limit), block_size=ctx.block_size, policy="elastic",
+                  capacities=dict.fromkeys(urls, ctx.num_gpu_blocks - 1), clock=ctx.budget_clock(),
+                  name=ctx.budget_name, **kw)
+    client = await zp_client_for(ctx, stack, fleet, forecaster=_forecaster(ctx.elastic))
+    return ZPFleetCaller(client, ctx.model, fleet, urls)
+
+
+register_setup(SetupSpec("zp-fleet", True, description="zp Fleet: an elastic budget per replica, one fair "
+                         "line, prefix-affinity routing, ejection; zp-elastic's retries", fleet=True,
+                         default=False), _zp_fleet, after="epp")

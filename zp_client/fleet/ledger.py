@@ -55,6 +55,7 @@ __all__ = [
     "FleetLedger",
     "HealthRules",
     "ReplicaState",
+    "AVOID_META",
     "PREFIX_META",
     "SESSION_META",
 ]
@@ -63,6 +64,10 @@ PREFIX_META = "zp_prefix"
 """Lease meta key: the request's prefix keys (:func:`~zp_client.fleet.prefix.prefix_keys`)."""
 SESSION_META = "zp_session"
 """Lease meta key: the request's session key (``X-ZP-Session``)."""
+AVOID_META = "zp_avoid"
+"""Lease meta key: replicas that failed this request already (a move avoids them while others are
+available)."""
+_ROUTING_META = (PREFIX_META, SESSION_META, AVOID_META)
 
 DEFAULT_AFFINITY_WAIT_S = 0.5
 """How long a waiter waits for its affinity replica when another one has room (see the module
@@ -271,6 +276,9 @@ class FleetLedger:
         """Place ``w`` on the replica the rules choose (module docstring) and return True, or False when
         no replica admits it now (or it waits for its affinity replica)."""
         avail = self.available(now)
+        avoid = w.meta.get(AVOID_META)
+        if avoid:
+            avail = [r for r in avail if r.url not in avoid] or avail
         if not avail:
             return False
         keys = w.meta.get(PREFIX_META) or ()
@@ -278,7 +286,7 @@ class FleetLedger:
         match = self.index.match(keys, len(avail)) if keys else {}
         sess_url = self.sessions.get(session) if session is not None else None
         first = avail[0].ledger
-        meta = {k: v for k, v in w.meta.items() if k not in (PREFIX_META, SESSION_META)}
+        meta = {k: v for k, v in w.meta.items() if k not in _ROUTING_META}
         cand = WaiterRecord(w.id, w.bound, w.held, w.priority, w.ticket, w.since, w.seq, w.expires_at,
                             first.prepare_meta(w.bound, meta))
         # Rank by (session, prefix match, -projected load) and test fits down the ranking: the first

@@ -37,6 +37,7 @@ from zp_client.errors import ConfigurationError
 from zp_client.fleet.ledger import (
     DEFAULT_AFFINITY_WAIT_S,
     DEFAULT_MIN_AFFINITY_BLOCKS,
+    AVOID_META,
     PREFIX_META,
     SESSION_META,
     FleetLedger,
@@ -278,6 +279,15 @@ class Fleet(LocalBudget):
         if session is not None:
             meta[SESSION_META] = session
         return meta
+
+    def avoiding(self, meta: Mapping[str, Any] | None, lease: Lease) -> dict[str, Any]:
+        """``meta`` for the request's next placement: not on ``lease``'s replica, which just failed it
+        (unless no other replica is available)."""
+        out = dict(meta or {})
+        replica = getattr(lease, "replica", None)
+        if replica is not None:
+            out[AVOID_META] = (*out.get(AVOID_META, ()), replica)
+        return out
 
     # ------------------------------------------------------------------ health
     def note_failure(self, lease: Lease, *, connect: bool = False) -> bool:
