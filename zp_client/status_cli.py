@@ -302,8 +302,8 @@ def _replica_lines(b: dict[str, Any], reps: dict[str, Any]) -> list[str]:
         state = "EJECTED" if r.get("ejected") else ("draining" if r.get("draining") else "ok")
         hit = r.get("prefix_hit_rate")
         hits = "n/a" if hit is None else f"{hit:.0%}"
-        out.append(f"    {_redact(url)}: {state}; limit {r['limit']}, used {r['used']}, {r['leases']} leases, "
-                   f"prefix hits {hits}, {r.get('ejections', 0)} ejections")
+        out.append(f"    {_redact(url)}: {state}; limit {r['limit']}, used {r['used']}, "
+                   f"{r['leases']} leases, prefix hits {hits}, {r.get('ejections', 0)} ejections")
     return out
 
 

@@ -35,9 +35,9 @@ from zp_client.budget.ledger import (
 from zp_client.budget.local import LocalBudget, _LocalLease, _Waiter
 from zp_client.errors import ConfigurationError
 from zp_client.fleet.ledger import (
+    AVOID_META,
     DEFAULT_AFFINITY_WAIT_S,
     DEFAULT_MIN_AFFINITY_BLOCKS,
-    AVOID_META,
     PREFIX_META,
     SESSION_META,
     FleetLedger,
