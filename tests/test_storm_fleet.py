@@ -222,3 +222,28 @@ def test_a_one_server_run_reports_no_fleet() -> None:
     assert "fleet" not in report and "prefix_cache_hit_rate" not in report["setups"][0]
     assert runs[0].replica_stats is None and runs[0].kill is None
     assert "prefix hit" not in markdown_table(report)
+
+
+def test_zp_fleet_spreads_without_preemptions_and_survives_a_kill() -> None:
+    """zp-fleet in miniature: balanced across both replicas with no preemption; with the busiest replica
+    killed mid-run, every request that had not started streaming completes on the other replica (moved
+    without a retry), and the only errors are the cut streams, typed StreamCut."""
+    cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "zp-fleet"], profile="tiny",
+                      num_gpu_blocks=None, workload_overrides=dict(SMALL), replicas=2)
+    wl, facts, runs = run_storm(cfg)
+    m = {x["setup"]: x for x in build_report(wl, facts, runs, cfg, "pytest")["setups"]}["zp-fleet"]
+    assert m["preemptions"] == 0 and m["errors"] == 0 and m["ok"] == m["sent"]
+    assert all(n > 0 for n in m["server_requests_per_replica"])
+    assert sum(m["routed_per_replica"]) >= m["sent"]
+
+    cfg.kill_replica_s = 1.0
+    wl, facts, runs = run_storm(cfg)
+    run = runs[1]
+    m = {x["setup"]: x for x in build_report(wl, facts, runs, cfg, "pytest")["setups"]}["zp-fleet"]
+    assert run.kill is not None and run.kill["in_flight"] > 0
+    # a conversation whose turn was cut stops there: its later turns are never sent (not errors of theirs)
+    failed = [r for r in run.records if not r.ok and r.sent]
+    assert all(r.error == "conversation stopped" for r in run.records if not r.ok and not r.sent)
+    assert failed and len(failed) == m["cut_requests"] <= run.kill["in_flight"]  # at most those streaming
+    assert all("StreamCut" in (r.error or "") for r in failed), [r.error for r in failed]
+    assert m["moved_off_dead"] >= 0 and m["ok"] == len([r for r in run.records if r.ok])
