@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from zp_client.budget.base import BudgetStatus, ClassStatus, Lease
+from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.ledger import validate_blocks, validate_seconds
 from zp_client.budget.redis._budget import RedisBudget
-from zp_client.budget.redis._script import CALL_FAILED, text
+from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
 from zp_client.errors import ConfigurationError
 from zp_client.fleet.ledger import (
     DEFAULT_AFFINITY_WAIT_S,
@@ -157,6 +157,7 @@ class RedisFleet(RedisBudget):
         self._ejected: set[str] = set()  # what this process last learned (status, its own health calls)
         self._path = urlsplit(next(iter(limits))).path
         self._pending: set[asyncio.Task[Any]] = set()
+        self._checked = False
         self.moves = 0
         """Requests this process moved off a failed replica without spending a retry."""
         self.max_moves = 2
@@ -434,6 +435,33 @@ class RedisFleet(RedisBudget):
             waiters={p: ClassStatus(c.waiters, c.weight) for p, c in line.waiters.items()},
             head_wait_s=line.head_wait_s, policy="strict", block_size=line.block_size, extra=extra,
         )
+
+    async def acquire(
+        self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
+        held: int | None = None, meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        """As :meth:`RedisBudget.acquire`; the lease's ``replica`` is the base URL it was placed on (the
+        first call also checks that the name holds a fleet: one more script call, once)."""
+        if not self._checked:
+            await self._get_side().eval("fleet", ["status", ""])  # creates the fleet, or refuses the name
+            self._checked = True
+        return await super().acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                     meta=meta)
+
+    def acquire_sync(
+        self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
+        held: int | None = None, meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        if not self._checked:
+            self._sync_face.eval("fleet", ["status", ""])
+            self._checked = True
+        return super().acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                    meta=meta)
+
+    async def _release_lease(self, lease: RedisLease) -> None:
+        if self._pending:  # health reports made before the release land first (its success resets them)
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await super()._release_lease(lease)
 
     async def aclose(self) -> None:
         if self._pending:
