@@ -343,6 +343,8 @@ def test_arguments_are_checked(redis_url: str) -> None:
         RedisFleet(redis_url, "zptest-x", [A])
     with pytest.raises(ConfigurationError):
         RedisFleet(redis_url, "zptest-x", "http://a:8000/v1", 10)
+    with pytest.raises(ConfigurationError, match="fails closed"):
+        RedisFleet(redis_url, "zptest-x", [A], 10, on_unavailable="fail_local")
     with pytest.raises(ConfigurationError, match="fleet_ttl_s"):
         RedisFleet(redis_url, "zptest-x", [A], 10, lease_ttl_s=30, fleet_ttl_s=60)
 

@@ -139,6 +139,9 @@ class RedisFleet(RedisBudget):
             raise ConfigurationError(
                 f"RedisFleet is strict only (each replica admits while its sum of bounds fits its limit); "
                 f"got policy={policy!r}. The elastic policy per replica is built for the in-process Fleet")
+        if kwargs.get("on_unavailable", "fail_closed") != "fail_closed":
+            raise ConfigurationError("RedisFleet fails closed only (on_unavailable='fail_closed'): a local "
+                                     "fallback would admit without placing requests on replicas")
         limits = self._limits(replicas, limit_blocks)
         super().__init__(url_or_client, name, max(limits.values()), block_size, policy="strict", **kwargs)
         self.health = health or HealthRules()
@@ -163,6 +166,15 @@ class RedisFleet(RedisBudget):
         self.max_moves = 2
         """Moves per request off failing replicas, per replica in the fleet (as Fleet's)."""
         self._core.fleet = _Hooks(self)
+
+    @classmethod
+    def from_settings(cls, *args: Any, **kwargs: Any) -> RedisFleet:
+        raise ConfigurationError("RedisFleet(url, name, replicas, limit_blocks, ...) is its constructor")
+
+    @classmethod
+    def from_server(cls, *args: Any, **kwargs: Any) -> RedisFleet:
+        raise ConfigurationError("RedisFleet sizes replicas from its arguments (replicas may be a mapping "
+                                 "URL -> limit: calibrate each with zp_client.calibration.calibrate)")
 
     @staticmethod
     def _limits(replicas: Sequence[str] | Mapping[str, int], limit_blocks: int | None) -> dict[str, int]:
