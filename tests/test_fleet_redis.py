@@ -127,6 +127,9 @@ def test_the_sync_face_routes_too(fleets: Any) -> None:
     x = f.acquire_sync(6, meta=_meta(f, "hello"))
     y = f.acquire_sync(6)
     assert {x.replica, y.replica} == {A, B}
+    assert f.note_failure(x, connect=True)  # no event loop: told at once
+    reps = f.status_sync().extra["replicas"]
+    assert reps[x.replica]["ejected"] and reps[x.replica]["leases"] == 0  # its lease went with it
     x.release_sync()
     y.release_sync()
     assert f.status_sync().used == 0
@@ -300,6 +303,23 @@ async def test_routing_keys_have_ttls(fleets: Any, redis_url: str, redis_prefix:
         await again.release()
     finally:
         r.close()
+
+
+async def test_a_lease_redis_lost_is_readopted_on_its_replica(fleets: Any, redis_url: str,
+                                                               redis_prefix: str) -> None:
+    f = fleets(lease_ttl_s=0.6, fleet_ttl_s=2)
+    le = await f.acquire(7)
+    _delete_keys(redis_url, redis_prefix)  # Redis lost the fleet's state (a restart without persistence)
+    other = await f.acquire(1)  # registers the replicas again; the renewal re-adopts the lease
+    for _ in range(100):
+        reps = await _reps(f)
+        if reps[le.replica or ""]["used"] >= 7:
+            break
+        await asyncio.sleep(0.05)
+    assert reps[le.replica or ""]["used"] >= 7 and f.counters["readopted"] == 1
+    await le.release()
+    await other.release()
+    assert (await f.status()).used == 0
 
 
 # ------------------------------------------------------------------------------ round trips, failures

@@ -470,7 +470,14 @@ class RedisFleet(RedisBudget):
         return super().acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
                                     meta=meta)
 
+    def _release_lease_sync(self, lease: RedisLease) -> None:
+        if lease.lost:
+            self._core.fleet_ok.discard(lease.id)  # no release call will carry it
+        super()._release_lease_sync(lease)
+
     async def _release_lease(self, lease: RedisLease) -> None:
+        if lease.lost:
+            self._core.fleet_ok.discard(lease.id)
         if self._pending:  # health reports made before the release land first (its success resets them)
             await asyncio.gather(*list(self._pending), return_exceptions=True)
         await super()._release_lease(lease)
