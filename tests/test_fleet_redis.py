@@ -202,6 +202,22 @@ async def test_ejection_releases_leases_routes_around_and_readmit(fleets: Any) -
     assert (await p1.status()).used == 0
 
 
+async def test_a_holder_learns_its_lease_went_with_an_ejection(fleets: Any, caplog: Any) -> None:
+    import logging
+
+    f = fleets(lease_ttl_s=0.6, fleet_ttl_s=2)
+    le = await f.acquire(3)
+    await f.eject(le.replica or "")
+    with caplog.at_level(logging.WARNING, logger="zp_client"):
+        for _ in range(100):  # its next renewal (every lease_ttl_s / 3) says why it is gone
+            if le.lost:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.05)
+    assert le.lost and f.counters["lease_lost"] == 1  # type: ignore[attr-defined]
+    assert "ejection" in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    await le.release()  # a no-op
+
+
 async def test_failures_eject_and_a_success_resets_the_count(fleets: Any) -> None:
     from zp_client.fleet.ledger import HealthRules
 

@@ -484,6 +484,12 @@ class Core:
                 log.warning("zp_client: re-adopted lease %s... (%d blocks) in Redis budget %r after Redis "
                             "lost it", le.id[:8], le.bound, self.name)
                 self.emit("readopted", le.id, bound=le.bound, epoch=epoch)
+            elif code == -2:  # a fleet replica's ejection released it (expected: not a pause)
+                le._lost = True
+                registry.pop(le.id, None)
+                log.warning("zp_client: lease %s... (%d blocks) in Redis fleet %r was released by its "
+                            "replica's ejection", le.id[:8], le.bound, self.name)
+                self.emit("lease_lost", le.id, bound=le.bound, reason="ejected")
             elif code in (0, -1):
                 le._lost = True
                 registry.pop(le.id, None)

@@ -46,12 +46,19 @@ local function eject()
   f_save(r)
   local flat = redis.call('HGETALL', K_LEASES)
   local lost = 0
+  local k_ejl = PREFIX .. ':ejl'  -- leases ejections released, until their TTL: renew.lua says why
+  local keep = 0
+  redis.call('ZREMRANGEBYSCORE', k_ejl, '-inf', now)
   for i = 1, #flat, 2 do
-    if cjson.decode(flat[i + 1]).r == rid then
+    local l = cjson.decode(flat[i + 1])
+    if l.r == rid then
       drop_lease(flat[i], flat[i + 1])
+      redis.call('ZADD', k_ejl, now + 2 * l.l, flat[i])
+      if 2 * l.l > keep then keep = 2 * l.l end
       lost = lost + 1
     end
   end
+  if keep > 0 then redis.call('PEXPIRE', k_ejl, keep) end
   if lost > 0 then redis.call('HINCRBY', K_RSUM, 'l' .. rid, lost) end
 end
 

@@ -6,7 +6,7 @@
 --       (compact JSON, elastic: a re-adopted lease keeps its projection; in fleet mode the lease's
 --       replica id, so a re-adopted lease counts on its replica again; '' otherwise)
 -- Returns {'I'} budget absent (call init.lua, then renew again) | {epoch, code...}, one code per lease:
---   1 renewed, 2 re-adopted, 0 lost, -1 held by another owner.
+--   1 renewed, 2 re-adopted, 0 lost, -1 held by another owner, -2 (fleet) released by an ejection.
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local owner = ARGV[1]
 local ttl = int_arg(ARGV[2], 'lease_ttl_ms', 1, 1e9)
@@ -56,6 +56,8 @@ for i = 3, #ARGV, 7 do
     redis.call('HINCRBY', K_META, 'hsum', h)
     redis.call('HINCRBY', K_META, 'nl', 1)
     table.insert(out, 2)
+  elseif fleet and redis.call('ZSCORE', PREFIX .. ':ejl', id) then
+    table.insert(out, -2)  -- released by its replica's ejection (fleet.lua)
   else
     table.insert(out, 0)
   end
