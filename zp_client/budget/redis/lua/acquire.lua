@@ -3,9 +3,9 @@
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
 --       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none)
 -- Fleet mode (meta fleet = 1, see common.lua): ARGV[10] is the waiter's routing ({"k": prefix keys,
--- "s": session}); the fast path is skipped (a grant pass places the waiter); 'G' carries the replica's
--- URL as a sixth field, and 'W''s recovery_left_ms also covers the waiter's affinity wait (its process
--- looks again when it is over).
+-- "s": session}); the fleet's fast path places the waiter (common.lua's f_place) when nobody waits;
+-- 'G' carries the replica's URL as a sixth field, and 'W''s recovery_left_ms also covers the waiter's
+-- affinity wait (its process looks again when it is over).
 -- Returns {'G', order, priority, epoch, limit} granted
 --       | {'W', order, priority, epoch, limit, recovery_left_ms} waiting | {'X', size limit} larger than the size limit | {'I'} budget absent (call init.lua first).
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
@@ -61,6 +61,29 @@ else
       fast = tonumber(mm[2]) + (tonumber(mm[5]) or 0) + (tonumber(mm[7]) or 0) + bound + 1
           + e_excess({b = bound, m = wmeta}, tonumber(mm[6]) or 1) <= limit
         and (wmeta.pt == nil or wmeta.pt <= bound * (tonumber(mm[6]) or 0))
+    end
+  end
+  if FLEET and now >= tonumber(mm[3]) and redis.call('ZCARD', K_LINE) == 0 then
+    -- the fleet's fast path, identical in outcome to enqueue + grant (with nobody in line the grant pass
+    -- examines this waiter alone): place it now; one that waits for its affinity replica enqueues
+    local reps, rids = f_load(now)
+    local cfg = f_cfg()
+    local cand = {b = bound, s = now, rt = route}
+    local rep, matched = f_place(reps, rids, cand, now, cfg)
+    if rep then
+      if order < 0 then
+        order = redis.call('HINCRBY', K_META, 'seq', 1) - 1
+      elseif order >= meta_num('seq') then
+        redis.call('HSET', K_META, 'seq', order + 1)
+      end
+      f_admit(reps, rids, rep, cand, matched, now, cfg)
+      redis.call('HSET', K_LEASES, id, cjson.encode({b = bound, h = held, p = prio, o = order, w = ARGV[8],
+        l = ttl, g = now, r = rep.id}))
+      redis.call('ZADD', K_LEXP, now + ttl, id)
+      redis.call('HINCRBY', K_META, 'bsum', bound)
+      redis.call('HINCRBY', K_META, 'hsum', held)
+      redis.call('HINCRBY', K_META, 'nl', 1)
+      return {'G', order, prio, epoch, meta_num('limit'), rep.u}
     end
   end
   if fast then
