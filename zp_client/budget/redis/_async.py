@@ -109,7 +109,7 @@ class AsyncFace:
                 r = core.acquire_reply(await self.eval(
                     "acquire", args, patient=core.cfg.on_unavailable == "fail_closed"), bound)
                 if r.granted:
-                    return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json)
+                    return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
                 args[4] = w.order = r.ticket.order  # a re-enqueue (after 'N') keeps the place in line
                 if r.recovery_left_s > 0:  # recovery ends: look again then rather than a poll interval later
                     self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + r.recovery_left_s + 0.005)
@@ -117,8 +117,15 @@ class AsyncFace:
                 self.start()
                 self.waiters_changed.set()
                 res = await fut
-                if res == "G":
-                    return self._new_lease(rid, bound, held, r.ticket, core.epoch or r.epoch, meta_json)
+                if res.startswith("G"):
+                    replica = None
+                    if core.fleet is not None:  # 'G@<replica id>'; unknown here: ask (idempotent acquire)
+                        replica = core.fleet.replica_url(res[2:]) if res.startswith("G@") else None
+                        if replica is None:
+                            r = core.acquire_reply(await self.eval("acquire", args), bound)
+                            replica = r.replica
+                    return self._new_lease(rid, bound, held, r.ticket, core.epoch or r.epoch, meta_json,
+                                           replica)
                 if res == "X":
                     raise LeaseTooLarge(bound, core.limit, "the limit was lowered while waiting")
                 # 'N': Redis forgot the waiter (state lost, or reaped): enqueue again, same ticket
@@ -133,9 +140,12 @@ class AsyncFace:
             self.waiters.pop(rid, None)
 
     def _new_lease(
-        self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str
+        self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str,
+        replica: str | None = None,
     ) -> RedisLease:
-        lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=False, meta=meta_json)
+        lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=False,
+                           meta="" if self.core.fleet is not None else meta_json)
+        lease.replica = replica
         self.leases[rid] = lease
         self.start()
         return lease
@@ -199,8 +209,9 @@ class AsyncFace:
         for rid in msg.split(","):
             if rid.startswith("!"):
                 self._resolve(rid[1:], "X")
-            else:
-                self._resolve(rid, "G")
+            else:  # a fleet's grant names its replica: 'id@replica id'
+                lid, _, rep = rid.partition("@")
+                self._resolve(lid, "G@" + rep if rep else "G")
 
     def _resolve(self, rid: str, state: str) -> None:
         w = self.waiters.get(rid)

@@ -43,7 +43,7 @@ HANDLED = (RedisError, OSError)
 POOL_SIZE = 100
 _POOL_FULL_BACKOFF_CAP_S = 0.05
 PRIORITY_RANGE = 4096
-SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status", "adaptive")
+SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status", "adaptive", "fleet")
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 RENEW_BATCH = 200
 MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
@@ -195,6 +195,20 @@ class AcquireReply:
     ticket: Ticket
     epoch: str
     recovery_left_s: float
+    replica: str | None = None
+    """Fleet mode: the base URL of the replica the lease was placed on."""
+
+
+class FleetHooks(Protocol):
+    """What a Redis fleet (``zp_client.fleet.redis``) adds to its budget's script layer."""
+
+    def route_arg(self, meta: Mapping[str, Any] | None) -> str: ...
+
+    def init_arg(self) -> str: ...
+
+    def replica_id(self, url: str | None) -> str: ...
+
+    def replica_url(self, rid: str) -> str | None: ...
 
 
 Report = tuple["RedisLease", int, dict[str, Any]]  # a lease, the held value sent, the metadata sent
@@ -276,6 +290,8 @@ class Core:
         self.was_unavailable = False
         self.fallback_logged = False
         self.warned_limit = False
+        self.fleet: FleetHooks | None = None  # set by a RedisFleet: fleet mode of the same scripts
+        self.fleet_ok: set[str] = set()  # fleet: leases whose request succeeded (told with the release)
 
     # ------------------------------------------------------------------ keys and arguments
     def attempts(self, script: str, patient: bool) -> Attempts:
@@ -299,6 +315,8 @@ class Core:
     def meta_arg(self, meta: Mapping[str, Any] | None, bound: int) -> str:
         """acquire.lua's meta argument: the compact policy fields, ``max_output_tokens`` derived from the
         bound as the Ledger does (:func:`~zp_client.budget.elastic.admission_meta`)."""
+        if self.fleet is not None:
+            return self.fleet.route_arg(meta)
         if self.policy != "elastic" or not meta:
             return ""
         if not isinstance(meta, Mapping):
@@ -311,6 +329,9 @@ class Core:
         return [rid, bound, held, prio, order, self._ttl_b, box, self._owner_b, self._wttl_b, meta]
 
     def release_args(self, lid: str) -> list[Any]:
+        if self.fleet is not None and lid in self.fleet_ok:
+            self.fleet_ok.discard(lid)
+            return [lid, self._owner_b, b"1"]
         return [lid, self._owner_b]
 
     def poll_args(self, ids: Iterable[str]) -> list[Any]:
@@ -320,14 +341,20 @@ class Core:
         cfg = self.cfg
         starve_ms = int(min(cfg.starvation_bound_s, 1e12) * 1000)  # inf: unbounded backfill
         lpt_ms = math.ceil(min(cfg.longest_first_s, 1e12) * 1000)  # never rounded down to "off"
-        return [cfg.limit, cfg.block_size, secrets.token_urlsafe(12), int(cfg.recovery_s * 1000), cfg.policy,
-                starve_ms, lpt_ms]
+        args: list[Any] = [cfg.limit, cfg.block_size, secrets.token_urlsafe(12), int(cfg.recovery_s * 1000),
+                           cfg.policy, starve_ms, lpt_ms]
+        if self.fleet is not None:
+            args.append(self.fleet.init_arg())
+        return args
 
     def renew_args(self, batch: list[RedisLease]) -> list[Any]:
         args: list[Any] = [self.owner, int(self.cfg.lease_ttl_s * 1000)]
         for le in batch:
-            args += [le.id, le.epoch, le.bound, le._held, le.priority, le.ticket.order,
-                     meta_json(le._meta_all) if self.policy == "elastic" else ""]
+            if self.fleet is not None:
+                extra = self.fleet.replica_id(le.replica)
+            else:
+                extra = meta_json(le._meta_all) if self.policy == "elastic" else ""
+            args += [le.id, le.epoch, le.bound, le._held, le.priority, le.ticket.order, extra]
         return args
 
     def take_reports(
@@ -371,11 +398,14 @@ class Core:
         self.learn_limit(int(r[4]))
         ticket = Ticket(int(r[2]), int(r[1]))
         if code == "G":
-            return AcquireReply(True, ticket, text(r[3]), 0.0)
+            return AcquireReply(True, ticket, text(r[3]), 0.0, text(r[5]) if len(r) > 5 else None)
         return AcquireReply(False, ticket, text(r[3]), int(r[5]) / 1000)
 
     def after_init(self, r: list[Any]) -> None:
         created, limit, epoch, policy, rec_left = int(r[0]), int(r[1]), text(r[3]), text(r[4]), int(r[6])
+        if self.fleet is not None and (len(r) < 8 or int(r[7]) != 1):
+            raise ConfigurationError(
+                f"Redis budget {self.name!r} exists and is not a fleet; give the RedisFleet another name")
         self.limit = limit
         self.epoch = epoch
         self.learn_policy(policy)
@@ -454,6 +484,12 @@ class Core:
                 log.warning("zp_client: re-adopted lease %s... (%d blocks) in Redis budget %r after Redis "
                             "lost it", le.id[:8], le.bound, self.name)
                 self.emit("readopted", le.id, bound=le.bound, epoch=epoch)
+            elif code == -2:  # a fleet replica's ejection released it (expected: not a pause)
+                le._lost = True
+                registry.pop(le.id, None)
+                log.warning("zp_client: lease %s... (%d blocks) in Redis fleet %r was released by its "
+                            "replica's ejection", le.id[:8], le.bound, self.name)
+                self.emit("lease_lost", le.id, bound=le.bound, reason="ejected")
             elif code in (0, -1):
                 le._lost = True
                 registry.pop(le.id, None)
@@ -540,6 +576,8 @@ class RedisLease(Lease):
         self._released = False
         self._lost = False
         self.sync = sync  # made by acquire_sync (renewed by the keeper thread)
+        self.replica: str | None = None
+        """In a Redis fleet: the base URL of the replica the lease was placed on (else None)."""
         self._meta_pending: dict[str, Any] = {}  # elastic: compact meta fields not yet sent
         # elastic: the whole compact meta, for re-adoption
         self._meta_all: dict[str, Any] = json.loads(meta) if meta else {}
@@ -621,4 +659,6 @@ class RedisLease(Lease):
         self._owner._release_lease_sync(self)
 
     def __repr__(self) -> str:
-        return f"RedisLease(id={self.id[:8]}..., bound={self.bound}, held={self._held}, ticket={self.ticket})"
+        on = f", replica={self.replica}" if self.replica is not None else ""
+        return (f"RedisLease(id={self.id[:8]}..., bound={self.bound}, held={self._held}, "
+                f"ticket={self.ticket}{on})")

@@ -134,7 +134,7 @@ class SyncFace:
                     raise LeaseTooLarge(bound, core.limit, "the limit was lowered while waiting")
                 # Granted or not, one idempotent acquire call answers (and heartbeats the waiter).
                 r = core.acquire_reply(self.eval("acquire", args), bound)
-            return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json)
+            return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
         except BaseException:
             try:
                 self.eval("release", core.release_args(rid), init=False, patient=False)
@@ -146,9 +146,12 @@ class SyncFace:
                 self.waiters.pop(rid, None)
 
     def _new_lease(
-        self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str
+        self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str,
+        replica: str | None = None,
     ) -> RedisLease:
-        lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=True, meta=meta_json)
+        lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=True,
+                           meta="" if self.core.fleet is not None else meta_json)
+        lease.replica = replica
         with self.lock:
             self.leases[rid] = lease
         self._ensure_keeper()
@@ -194,7 +197,7 @@ class SyncFace:
                 continue
             with self.lock:
                 for rid in text(item[1]).split(","):
-                    w = self.waiters.get(rid.lstrip("!"))
+                    w = self.waiters.get(rid.lstrip("!").partition("@")[0])
                     if w is not None:
                         w.too_large = w.too_large or rid.startswith("!")
                         w.event.set()

@@ -2,9 +2,15 @@
 -- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
 --       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none)
+-- Fleet mode (meta fleet = 1, see common.lua): ARGV[10] is the waiter's routing ({"k": prefix keys,
+-- "s": session}); the fleet's fast path places the waiter (common.lua's f_place) when nobody waits;
+-- 'G' carries the replica's URL as a sixth field, and 'W''s recovery_left_ms also covers the waiter's
+-- affinity wait (its process looks again when it is over).
 -- Returns {'G', order, priority, epoch, limit} granted
 --       | {'W', order, priority, epoch, limit, recovery_left_ms} waiting | {'X', size limit} larger than the size limit | {'I'} budget absent (call init.lua first).
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
+local FLEET = redis.call('HGET', K_META, 'fleet') == '1'
+if FLEET and redis.call('EXISTS', K_REPS) == 0 then return {'I'} end  -- replicas expired (fttl): register
 local id = ARGV[1]
 local now = now_ms()
 local epoch = redis.call('HGET', K_META, 'epoch')
@@ -12,6 +18,7 @@ reap(now)
 local raw = redis.call('HGET', K_LEASES, id)
 if raw then
   local l = cjson.decode(raw)
+  if l.r then return {'G', l.o, l.p, epoch, meta_num('limit'), f_url(l.r)} end
   return {'G', l.o, l.p, epoch, meta_num('limit')}
 end
 local wraw = redis.call('HGET', K_WAIT, id)
@@ -36,7 +43,9 @@ else
   local limit = tonumber(mm[1])
   if bound > size_limit(limit) then return {'X', size_limit(limit)} end
   local wmeta = nil
-  if mm[4] == 'elastic' then wmeta = meta_arg(ARGV[10], false) end
+  if mm[4] == 'elastic' and not FLEET then wmeta = meta_arg(ARGV[10], false) end
+  local route = nil
+  if FLEET then route = f_route_arg(ARGV[10]) end
   -- Fast path, identical in outcome to enqueue + grant: with nobody in line, outside recovery, a
   -- request that fits is the head and is admitted at once (fewer commands: the common uncontended case).
   -- strict: fits is bsum + bound <= limit. elastic: a live lease's projection never exceeds its cap (its
@@ -45,13 +54,36 @@ else
   -- bound, and shared prefixes only subtract; so bsum + xsum + nl + bound + excess + 1 <= limit implies
   -- ElasticPolicy.fits without building the projection.
   local fast = false
-  if now >= tonumber(mm[3]) and redis.call('ZCARD', K_LINE) == 0 then
+  if not FLEET and now >= tonumber(mm[3]) and redis.call('ZCARD', K_LINE) == 0 then
     if wmeta == nil then
       fast = tonumber(mm[2]) + bound <= limit
     else
       fast = tonumber(mm[2]) + (tonumber(mm[5]) or 0) + (tonumber(mm[7]) or 0) + bound + 1
           + e_excess({b = bound, m = wmeta}, tonumber(mm[6]) or 1) <= limit
         and (wmeta.pt == nil or wmeta.pt <= bound * (tonumber(mm[6]) or 0))
+    end
+  end
+  if FLEET and now >= tonumber(mm[3]) and redis.call('ZCARD', K_LINE) == 0 then
+    -- the fleet's fast path, identical in outcome to enqueue + grant (with nobody in line the grant pass
+    -- examines this waiter alone): place it now; one that waits for its affinity replica enqueues
+    local reps, rids = f_load(now)
+    local cfg = f_cfg()
+    local cand = {b = bound, s = now, rt = route}
+    local rep, matched = f_place(reps, rids, cand, now, cfg)
+    if rep then
+      if order < 0 then
+        order = redis.call('HINCRBY', K_META, 'seq', 1) - 1
+      elseif order >= meta_num('seq') then
+        redis.call('HSET', K_META, 'seq', order + 1)
+      end
+      f_admit(reps, rids, rep, cand, matched, now, cfg)
+      redis.call('HSET', K_LEASES, id, cjson.encode({b = bound, h = held, p = prio, o = order, w = ARGV[8],
+        l = ttl, g = now, r = rep.id}))
+      redis.call('ZADD', K_LEXP, now + ttl, id)
+      redis.call('HINCRBY', K_META, 'bsum', bound)
+      redis.call('HINCRBY', K_META, 'hsum', held)
+      redis.call('HINCRBY', K_META, 'nl', 1)
+      return {'G', order, prio, epoch, meta_num('limit'), rep.u}
     end
   end
   if fast then
@@ -82,13 +114,25 @@ else
   local arrival = redis.call('HINCRBY', K_META, 'arr', 1)
   local member = string.format('%012d', arrival) .. '|' .. id
   redis.call('HSET', K_WAIT, id, cjson.encode({b = bound, h = held, p = prio, o = order, s = now,
-    m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta}))
+    m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta, rt = route}))
   redis.call('ZADD', K_LINE, prio * PRIO_SPAN + order, member)
   redis.call('ZADD', K_WEXP, now + wttl, id)
   class_add(prio, 1, bound)
 end
 grant(now, id)
 local limit = meta_num('limit')
-if redis.call('HEXISTS', K_LEASES, id) == 1 then return {'G', order, prio, epoch, limit} end
-if redis.call('HEXISTS', K_WAIT, id) == 0 then return {'X', limit} end
-return {'W', order, prio, epoch, limit, math.max(0, meta_num('rec') - now)}
+local lraw = redis.call('HGET', K_LEASES, id)
+if lraw then
+  if FLEET then return {'G', order, prio, epoch, limit, f_url(cjson.decode(lraw).r)} end
+  return {'G', order, prio, epoch, limit}
+end
+local wraw2 = redis.call('HGET', K_WAIT, id)
+if not wraw2 then return {'X', limit} end
+local left = math.max(0, meta_num('rec') - now)
+if FLEET then
+  local w = cjson.decode(wraw2)
+  if w.rt and (w.rt.k or w.rt.s) then
+    left = math.max(left, w.s + tonumber(redis.call('HGET', K_META, 'aff') or '500') + 1 - now)
+  end
+end
+return {'W', order, prio, epoch, limit, left}

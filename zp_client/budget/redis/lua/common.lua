@@ -41,6 +41,12 @@ local MAILBOX_TTL_MS = 60000
 -- third of decoding the lease's cjson record, and a grant pass reads them all):
 --   "held bound adm pt tk ft st pb f1 mo pk" with -1 for an absent number and pk as "=<key>" or "-".
 local K_EM = PREFIX .. ':em'
+-- fleet mode (meta field fleet = 1; zp_client/fleet/redis.py, the fleet section below): the replicas
+-- (replica id -> cjson {u=url, lim=limit, cap=cache blocks, ej=ejected until ms or 0, x=ejections,
+-- le=last ejected ms, dr=1 draining}) and their counters (HINCRBY fields "<c><replica id>": b bound sum,
+-- n leases, f consecutive failures, k prefix-index blocks, p placed, q prompt blocks, h hit blocks,
+-- l leases lost to ejections).
+local K_REPS, K_RSUM = PREFIX .. ':reps', PREFIX .. ':rsum'
 
 -- elastic.excess_blocks: blocks by which a lease's cap, max(bound * bs, pt + mo) when both are known,
 -- exceeds its bound (the exact prompt outgrew the estimate the bound was sized on).
@@ -107,6 +113,10 @@ local function drop_lease(id, raw)  -- raw: the lease's record when the caller r
   redis.call('HINCRBY', K_META, 'bsum', 0 - l.b)  -- "0 - x", not "-x": Lua formats -0 as "-0", which HINCRBY rejects
   redis.call('HINCRBY', K_META, 'hsum', 0 - l.h)
   redis.call('HINCRBY', K_META, 'nl', -1)
+  if l.r then  -- a fleet lease: its replica's sums
+    redis.call('HINCRBY', K_RSUM, 'b' .. l.r, 0 - l.b)
+    redis.call('HINCRBY', K_RSUM, 'n' .. l.r, -1)
+  end
   return l
 end
 
@@ -438,6 +448,255 @@ local function e_walk(members, now, lpt)
   return out
 end
 
+-- ------------------------------------------------------------------------------------------------
+-- fleet mode: one line for a fleet of replicas, a strict budget per replica, placement with session
+-- and prefix affinity (zp_client/fleet/ledger.py's FleetLedger.place, strict policy only). The
+-- replicas, their counters, the sessions and the prefix index share the budget's hash tag, so one
+-- script sees the line and every replica's budget: placement and admission are one atomic step.
+-- Meta fields: fleet=1, aff (affinity wait ms), mab (min affinity blocks), cf (consecutive failures
+-- that eject), be / me (base / max ejection ms), pxmax (prefix entries, all replicas), smax (sessions),
+-- fttl (ms: TTL of the routing keys, refreshed on write).
+-- Keys besides K_REPS / K_RSUM: :sess HASH session -> replica id and :sessz ZSET session -> last use ms
+-- (bounded by smax, oldest evicted); per replica :px:<rid> ZSET prefix key (hex) -> LRU tick and
+-- :pxb:<rid> HASH prefix key -> blocks it adds beyond the next shorter prefix.
+local K_SESS, K_SESSZ = PREFIX .. ':sess', PREFIX .. ':sessz'
+local EVICT_MAX = 256
+
+local function f_px(rid) return PREFIX .. ':px:' .. rid end
+local function f_pxb(rid) return PREFIX .. ':pxb:' .. rid end
+
+local function f_cfg()
+  local m = redis.call('HMGET', K_META, 'aff', 'mab', 'cf', 'be', 'me', 'pxmax', 'smax', 'fttl')
+  return {aff = tonumber(m[1]) or 500, mab = tonumber(m[2]) or 4, cf = tonumber(m[3]) or 5,
+          be = tonumber(m[4]) or 30000, me = tonumber(m[5]) or 300000, pxmax = tonumber(m[6]) or 100000,
+          smax = tonumber(m[7]) or 100000, ttl = tonumber(m[8]) or 86400000}
+end
+
+local function f_save(r)
+  redis.call('HSET', K_REPS, r.id, cjson.encode({u = r.u, lim = r.lim, cap = r.cap, ej = r.ej, x = r.x,
+    le = r.le, dr = r.dr}))
+end
+
+-- Drop a replica's prefix index (it left, or came back from an ejection: its cache may be gone).
+local function f_forget(rid)
+  redis.call('DEL', f_px(rid), f_pxb(rid))
+  redis.call('HSET', K_RSUM, 'k' .. rid, 0)
+end
+
+-- The line's size limit follows the largest replica still in the fleet (meta field limit).
+local function f_relimit()
+  local top = 0
+  local flat = redis.call('HGETALL', K_REPS)
+  for i = 2, #flat, 2 do
+    local r = cjson.decode(flat[i])
+    if r.dr ~= 1 and r.lim > top then top = r.lim end
+  end
+  redis.call('HSET', K_META, 'limit', top)
+  return top
+end
+
+-- Every replica with its counters; a draining one without leases is forgotten, an ejected one whose
+-- time is over comes back on trial (passive return). Returns (reps by id, ids sorted).
+local function f_load(now)
+  local flat = redis.call('HGETALL', K_REPS)
+  local sums = redis.call('HGETALL', K_RSUM)
+  local s = {}
+  for i = 1, #sums, 2 do s[sums[i]] = tonumber(sums[i + 1]) end
+  local reps, ids = {}, {}
+  local gone = false
+  for i = 1, #flat, 2 do
+    local rid = flat[i]
+    local r = cjson.decode(flat[i + 1])
+    r.id = rid
+    r.bs = s['b' .. rid] or 0
+    r.n = s['n' .. rid] or 0
+    if r.dr == 1 and r.n <= 0 then
+      redis.call('HDEL', K_REPS, rid)
+      redis.call('HDEL', K_RSUM, 'b' .. rid, 'n' .. rid, 'f' .. rid, 'k' .. rid, 'p' .. rid, 'q' .. rid,
+        'h' .. rid, 'l' .. rid)
+      redis.call('DEL', f_px(rid), f_pxb(rid))
+      gone = true
+    else
+      if (r.ej or 0) > 0 and r.ej <= now then
+        r.ej = 0
+        redis.call('HSET', K_RSUM, 'f' .. rid, 0)
+        f_forget(rid)
+        f_save(r)
+      end
+      reps[rid] = r
+      ids[#ids + 1] = rid
+    end
+  end
+  if gone then f_relimit() end
+  table.sort(ids)
+  return reps, ids
+end
+
+-- The replicas a request may go to: not draining, not ejected; every non-draining one when all are
+-- ejected (panic mode: sending beats failing every request locally).
+local function f_available(reps, ids)
+  local live, ok = {}, {}
+  for _, rid in ipairs(ids) do
+    local r = reps[rid]
+    if r.dr ~= 1 then
+      live[#live + 1] = r
+      if (r.ej or 0) == 0 then ok[#ok + 1] = r end
+    end
+  end
+  if #ok > 0 then return ok end
+  return live
+end
+
+-- The blocks of the longest prefix of keys ({{hex, blocks}, ...} shortest first) in rid's index.
+local function f_match(rid, keys)
+  local args = {}
+  for i, k in ipairs(keys) do args[i] = k[1] end
+  local scores = redis.call('ZMSCORE', f_px(rid), unpack(args))
+  for i = #keys, 1, -1 do
+    if scores[i] then return keys[i][2] end
+  end
+  return 0
+end
+
+-- FleetLedger.place under the strict policy: among the available replicas where the waiter fits
+-- (rep.bs + b <= rep.lim), its session's replica first, then the longest prefix match, then the least
+-- projected load. Returns (replica, matched blocks), false when no replica has room, or nil when it
+-- waits (up to aff ms from its arrival) for the replica it prefers while another has room.
+local function f_place(reps, ids, w, now, cfg)
+  local avail = f_available(reps, ids)
+  if #avail == 0 then return false end
+  local rt = w.rt or {}
+  local keys = rt.k
+  local sess = nil
+  if rt.s then sess = redis.call('HGET', K_SESS, rt.s) end
+  local best, b1, b2, b3 = nil, 0, 0, 0
+  local pref, p1, p2 = nil, 0, 0
+  for _, r in ipairs(avail) do
+    local m = 0
+    if keys and #keys > 0 then m = f_match(r.id, keys) end
+    local s1 = (sess ~= nil and r.id == sess) and 1 or 0
+    if pref == nil or s1 > p1 or (s1 == p1 and m > p2) then pref, p1, p2 = r, s1, m end
+    if r.bs + w.b <= r.lim then
+      local load = 0 - (r.bs + w.b) / math.max(1, r.lim)
+      if best == nil or s1 > b1 or (s1 == b1 and (m > b2 or (m == b2 and load > b3))) then
+        best, b1, b2, b3 = r, s1, m, load
+      end
+    end
+  end
+  if best == nil then return false end
+  if now - w.s < cfg.aff and pref ~= best and (p1 > b1 or p2 - b2 >= math.max(1, cfg.mab)) then
+    return nil  -- worth waiting a little for the replica that has it cached
+  end
+  return best, b2
+end
+
+-- PrefixIndex.insert: the keys touched from the longest to the shortest (the shortest, the shared
+-- head, gets the newest tick and is evicted last), then evicted LRU-first down to the replica's cache
+-- (blocks) and to pxmax entries over all replicas. Bounded: at most EVICT_MAX evictions per call.
+local function f_insert(reps, ids, rid, keys, cfg)
+  local zk, bk = f_px(rid), f_pxb(rid)
+  if redis.call('EXISTS', zk) == 0 then  -- expired (fttl) or new: its block count starts again
+    redis.call('DEL', bk)
+    redis.call('HSET', K_RSUM, 'k' .. rid, 0)
+  end
+  local n = #keys
+  local tick = redis.call('HINCRBY', K_META, 'pxt', n)
+  local added = 0
+  for i = n, 1, -1 do
+    local hex, blocks = keys[i][1], keys[i][2]
+    local before = 0
+    if i > 1 then before = keys[i - 1][2] end
+    if redis.call('ZADD', zk, tick - i + 1, hex) == 1 then
+      local d = math.max(0, blocks - before)
+      redis.call('HSET', bk, hex, d)
+      added = added + d
+    end
+  end
+  local kb = redis.call('HINCRBY', K_RSUM, 'k' .. rid, added)
+  local total = 0
+  for _, other in ipairs(ids) do total = total + redis.call('ZCARD', f_px(other)) end
+  local cap = reps[rid].cap or reps[rid].lim
+  local freed, pops = 0, 0
+  while (kb > cap or total > cfg.pxmax) and pops < EVICT_MAX do
+    local p = redis.call('ZPOPMIN', zk)
+    if #p == 0 then break end
+    local d = tonumber(redis.call('HGET', bk, p[1]) or '0') or 0
+    redis.call('HDEL', bk, p[1])
+    kb, total, freed, pops = kb - d, total - 1, freed + d, pops + 1
+  end
+  if freed > 0 then redis.call('HINCRBY', K_RSUM, 'k' .. rid, 0 - freed) end
+  if pops > 0 then redis.call('HINCRBY', K_META, 'pxev', pops) end
+  redis.call('PEXPIRE', zk, cfg.ttl)
+  redis.call('PEXPIRE', bk, cfg.ttl)
+end
+
+-- A waiter placed on replica r: the replica's sums and counters, its prefix index, its session.
+local function f_admit(reps, ids, r, w, matched, now, cfg)
+  r.bs = r.bs + w.b
+  r.n = r.n + 1
+  redis.call('HINCRBY', K_RSUM, 'b' .. r.id, w.b)
+  redis.call('HINCRBY', K_RSUM, 'n' .. r.id, 1)
+  redis.call('HINCRBY', K_RSUM, 'p' .. r.id, 1)
+  local rt = w.rt or {}
+  local keys = rt.k
+  if keys and #keys > 0 then
+    local last = keys[#keys][2]
+    redis.call('HINCRBY', K_RSUM, 'q' .. r.id, math.max(1, last))
+    if matched > 0 then redis.call('HINCRBY', K_RSUM, 'h' .. r.id, math.min(matched, last)) end
+    f_insert(reps, ids, r.id, keys, cfg)
+  end
+  if rt.s then
+    redis.call('HSET', K_SESS, rt.s, r.id)
+    redis.call('ZADD', K_SESSZ, now, rt.s)
+    local over = redis.call('ZCARD', K_SESSZ) - cfg.smax
+    if over > 0 then
+      local old = redis.call('ZPOPMIN', K_SESSZ, math.min(over, EVICT_MAX))
+      for i = 1, #old, 2 do redis.call('HDEL', K_SESS, old[i]) end
+    end
+    redis.call('PEXPIRE', K_SESS, cfg.ttl)
+    redis.call('PEXPIRE', K_SESSZ, cfg.ttl)
+  end
+  redis.call('PEXPIRE', K_REPS, cfg.ttl)
+  redis.call('PEXPIRE', K_RSUM, cfg.ttl)
+end
+
+-- A waiter's routing argument (acquire.lua ARGV[10] in fleet mode): {"k": [[hex, blocks], ...]
+-- shortest prefix first, "s": session}; never trusted.
+local function f_route_arg(raw)
+  if raw == nil or raw == '' then return {} end
+  local ok, v = pcall(cjson.decode, raw)
+  if not ok or type(v) ~= 'table' then
+    error({err = 'ERR zp: fleet routing must be a JSON object, got ' .. string.sub(tostring(raw), 1, 80)})
+  end
+  local out = {}
+  if type(v.k) == 'table' then
+    if #v.k > 64 then error({err = 'ERR zp: at most 64 prefix keys'}) end
+    local keys = {}
+    for i, k in ipairs(v.k) do
+      if type(k) ~= 'table' or type(k[1]) ~= 'string' or not string.match(k[1], '^%x+$')
+          or string.len(k[1]) > 32 then
+        error({err = 'ERR zp: a prefix key is [hex string of at most 32 digits, blocks]'})
+      end
+      keys[i] = {k[1], int_arg(k[2], 'prefix blocks', 0, 1e12)}
+    end
+    if #keys > 0 then out.k = keys end
+  end
+  if v.s ~= nil and v.s ~= cjson.null then
+    if type(v.s) ~= 'string' or string.len(v.s) > 256 then
+      error({err = 'ERR zp: a session key is a string of at most 256 characters'})
+    end
+    out.s = v.s
+  end
+  return out
+end
+
+-- A replica's base URL ('' when unknown).
+local function f_url(rid)
+  local raw = redis.call('HGET', K_REPS, rid or '')
+  if not raw then return '' end
+  return cjson.decode(raw).u
+end
+
 -- Ledger.grant: walk the line from the head, admit every waiter that fits; a non-fitting waiter that
 -- has waited >= the starvation bound is a barrier. Admitted waiters become leases with the same id and
 -- are told through their mailbox (except `self_id`, who learns it from the reply).
@@ -454,6 +713,12 @@ local function grant(now, self_id)
   -- elastic: the live leases (items) and their prepared profile, rebuilt after each admission
   -- (above ELASTIC_MAX_LEASES the pass admits by the strict rule, but the leases stay elastic ones)
   local is_elastic = policy == 'elastic'
+  local fleet = redis.call('HGET', K_META, 'fleet') == '1'
+  local reps, rids, fcfg = nil, nil, nil
+  if fleet then
+    reps, rids = f_load(now)
+    fcfg = f_cfg()
+  end
   local elastic, items, prof = false, nil, nil
   if is_elastic and #members > 0 then
     items = e_items()
@@ -468,9 +733,11 @@ local function grant(now, self_id)
   for _, e in ipairs(walk) do
     local id, w = e.id, load_waiter(e)
     if w then
-      local ok
+      local ok, matched
       if reject_if_too_large(id, w, slimit, boxes) then
         ok = nil  -- failed (set_limit normally did this already; kept for waiters beyond its scan)
+      elseif fleet then
+        ok, matched = f_place(reps, rids, w, now, fcfg)  -- a replica, false (no room) or nil (waits)
       elseif elastic then
         if prof == nil then prof = e_profile(items, bs) end
         ok = e_fits(prof, limit, w)
@@ -480,6 +747,12 @@ local function grant(now, self_id)
       if ok then
         drop_waiter(id, w)
         local lease = {b = w.b, h = w.h, p = w.p, o = w.o, w = w.w, l = w.l, g = now}
+        local item = id
+        if fleet then
+          lease.r = ok.id
+          item = id .. '@' .. ok.id  -- the mailbox names the replica: no second call to learn it
+          f_admit(reps, rids, ok, w, matched, now, fcfg)
+        end
         if is_elastic then
           lease.m = w.mt
           lease.a = redis.call('HINCRBY', K_META, 'adm', 1)
@@ -495,7 +768,7 @@ local function grant(now, self_id)
         redis.call('HINCRBY', K_META, 'nl', 1)
         bsum = redis.call('HINCRBY', K_META, 'bsum', w.b)
         n = n + 1
-        if id ~= self_id then add_box(boxes, w.x, id) end
+        if id ~= self_id then add_box(boxes, w.x, item) end
       elseif ok == false and now - w.s >= starve then
         break  -- barrier: capacity drains to this waiter
       end

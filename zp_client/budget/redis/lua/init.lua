@@ -2,7 +2,12 @@
 -- ARGV: limit, block_size, epoch (fresh random token), recovery_ms, policy, starvation_ms, longest_first_ms
 -- The first creator's limit wins; a budget created here starts in recovery for recovery_ms (one lease
 -- TTL): it admits nothing new while holders that survived a restart re-adopt their leases.
--- Returns {created (0/1), limit, block_size, epoch, policy, starvation_ms, recovery_left_ms}.
+-- ARGV[8] (optional): a fleet's settings, JSON {aff, mab, cf, be, me, pxmax, smax, fttl (ms / counts,
+-- see common.lua's fleet section), reps = [[replica id, url, limit, cache blocks], ...]}: the budget is
+-- created in fleet mode (strict only), and the replicas are registered when the fleet has none (new, or
+-- its replicas expired after fttl idle); a fleet that has replicas keeps them (membership changes go
+-- through fleet.lua).
+-- Returns {created (0/1), limit, block_size, epoch, policy, starvation_ms, recovery_left_ms, fleet (0/1)}.
 local now = now_ms()
 local created = 0
 if redis.call('EXISTS', K_META) == 0 then
@@ -18,5 +23,25 @@ if redis.call('EXISTS', K_META) == 0 then
     'starve', starve, 'lpt', lpt, 'policy', ARGV[5], 'ver', 1, 'seq', 0, 'arr', 0, 'bsum', 0, 'hsum', 0, 'nl', 0, 'adm', 0)
   created = 1
 end
-local m = redis.call('HMGET', K_META, 'limit', 'bs', 'epoch', 'policy', 'starve', 'rec')
-return {created, tonumber(m[1]), tonumber(m[2]), m[3], m[4], tonumber(m[5]), math.max(0, tonumber(m[6]) - now)}
+if ARGV[8] and ARGV[8] ~= '' then
+  local f = cjson.decode(ARGV[8])
+  if created == 1 then
+    if ARGV[5] ~= 'strict' then error({err = 'ERR zp: a Redis fleet is strict only'}) end
+    redis.call('HSET', K_META, 'fleet', 1, 'aff', int_arg(f.aff, 'affinity wait ms', 0, 1e9),
+      'mab', int_arg(f.mab, 'min affinity blocks', 0, 1e12), 'cf', int_arg(f.cf, 'consecutive failures', 1, 1e9),
+      'be', int_arg(f.be, 'base ejection ms', 0, 1e12), 'me', int_arg(f.me, 'max ejection ms', 0, 1e12),
+      'pxmax', int_arg(f.pxmax, 'max prefix entries', 1, 1e9), 'smax', int_arg(f.smax, 'max sessions', 1, 1e9),
+      'fttl', int_arg(f.fttl, 'fleet ttl ms', 1000, 1e12))
+  end
+  if redis.call('HGET', K_META, 'fleet') == '1' and redis.call('EXISTS', K_REPS) == 0 then
+    for _, r in ipairs(f.reps) do
+      redis.call('HSET', K_REPS, r[1], cjson.encode({u = r[2], lim = int_arg(r[3], 'limit', 0, 1e12),
+        cap = int_arg(r[4], 'capacity', 1, 1e12), ej = 0, x = 0}))
+    end
+    redis.call('PEXPIRE', K_REPS, tonumber(redis.call('HGET', K_META, 'fttl')))
+    f_relimit()
+  end
+end
+local m = redis.call('HMGET', K_META, 'limit', 'bs', 'epoch', 'policy', 'starve', 'rec', 'fleet')
+return {created, tonumber(m[1]), tonumber(m[2]), m[3], m[4], tonumber(m[5]), math.max(0, tonumber(m[6]) - now),
+        tonumber(m[7] or '0')}

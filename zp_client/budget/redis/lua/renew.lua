@@ -3,9 +3,10 @@
 -- failed over and lost it: the holder really runs, so the ledger must count it again), and reported
 -- lost when it was granted in the current epoch (it expired: its blocks may already be someone else's).
 -- ARGV: owner, lease_ttl_ms, then per lease 7 values: id, epoch, bound, held, priority, order, meta
---       (compact JSON, elastic: a re-adopted lease keeps its projection; '' otherwise)
+--       (compact JSON, elastic: a re-adopted lease keeps its projection; in fleet mode the lease's
+--       replica id, so a re-adopted lease counts on its replica again; '' otherwise)
 -- Returns {'I'} budget absent (call init.lua, then renew again) | {epoch, code...}, one code per lease:
---   1 renewed, 2 re-adopted, 0 lost, -1 held by another owner.
+--   1 renewed, 2 re-adopted, 0 lost, -1 held by another owner, -2 (fleet) released by an ejection.
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local owner = ARGV[1]
 local ttl = int_arg(ARGV[2], 'lease_ttl_ms', 1, 1e9)
@@ -14,6 +15,7 @@ reap(now)
 local epoch = redis.call('HGET', K_META, 'epoch')
 local out = {epoch}
 local elastic = redis.call('HGET', K_META, 'policy') == 'elastic'
+local fleet = redis.call('HGET', K_META, 'fleet') == '1'
 for i = 3, #ARGV, 7 do
   local id, lep = ARGV[i], ARGV[i + 1]
   local raw = redis.call('HGET', K_LEASES, id)
@@ -43,15 +45,27 @@ for i = 3, #ARGV, 7 do
       l.a = redis.call('HINCRBY', K_META, 'adm', 1)
       em_put(id, l)
     end
+    if fleet and ARGV[i + 6] ~= '' and redis.call('HEXISTS', K_REPS, ARGV[i + 6]) == 1 then
+      l.r = ARGV[i + 6]
+      redis.call('HINCRBY', K_RSUM, 'b' .. l.r, b)
+      redis.call('HINCRBY', K_RSUM, 'n' .. l.r, 1)
+    end
     redis.call('HSET', K_LEASES, id, cjson.encode(l))
     redis.call('ZADD', K_LEXP, now + ttl, id)
     redis.call('HINCRBY', K_META, 'bsum', b)
     redis.call('HINCRBY', K_META, 'hsum', h)
     redis.call('HINCRBY', K_META, 'nl', 1)
     table.insert(out, 2)
+  elseif fleet and redis.call('ZSCORE', PREFIX .. ':ejl', id) then
+    table.insert(out, -2)  -- released by its replica's ejection (fleet.lua)
   else
     table.insert(out, 0)
   end
+end
+if fleet then  -- live leases keep the fleet's replicas and their sums alive (fttl)
+  local ttl = tonumber(redis.call('HGET', K_META, 'fttl') or '86400000')
+  redis.call('PEXPIRE', K_REPS, ttl)
+  redis.call('PEXPIRE', K_RSUM, ttl)
 end
 grant(now, '')
 return out

@@ -1,0 +1,491 @@
+"""RedisFleet: a fleet's budgets, its one fair line and its prefix index shared in Redis.
+
+:class:`RedisFleet` is to :class:`~zp_client.fleet.Fleet` what :class:`~zp_client.RedisBudget` is to
+:class:`~zp_client.LocalBudget`: the same duck-typed routing surface (``is_fleet``, ``route_url``,
+``routing_meta``, ``note_failure``...), so ``wrap()`` and the clients route through it, with the state in
+Redis so every process on every host shares one line and one budget per replica::
+
+    fleet = RedisFleet("redis://redis:6379/0", "llama-70b",
+                       ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"], limit_blocks=1945)
+    client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
+
+It is a :class:`~zp_client.RedisBudget` in **fleet mode**: the same scripts (``lua/``), whose grant pass
+places each waiter on a replica (strict per replica: the sum of bounds on a replica never exceeds its
+limit; session replica first, then the longest prefix match, then the least load; the affinity wait;
+ejected replicas skipped, all of them used when all are ejected), so waiting, mailboxes, renewals,
+recovery and fail-closed behaviour are RedisBudget's. An uncontended request costs two script calls:
+acquire (route and admit) and release (which also carries the request's success). Health
+(:meth:`note_failure`, ejection, readmission) and membership go through ``lua/fleet.lua``.
+
+Strict only: ``policy="elastic"`` is refused (the projected peak per replica is not built in Lua).
+See docs/redis.md, "Redis fleets".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
+from zp_client.budget.ledger import validate_blocks, validate_seconds
+from zp_client.budget.redis._budget import RedisBudget
+from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
+from zp_client.errors import ConfigurationError
+from zp_client.fleet.ledger import (
+    DEFAULT_AFFINITY_WAIT_S,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_MIN_AFFINITY_BLOCKS,
+    PREFIX_META,
+    SESSION_META,
+    HealthRules,
+)
+from zp_client.fleet.local import VIRTUAL_DOMAIN, _normalize, _origin
+from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES, prefix_keys
+
+__all__ = ["MAX_ROUTE_KEYS", "RedisFleet", "replica_id"]
+
+log = logging.getLogger("zp_client.fleet")
+
+MAX_ROUTE_KEYS = 32
+"""Prefix keys a request sends (a long conversation has one per message): the first 8 (the shared head,
+a system prompt) and the last 24 (the longest prefixes), so a script call stays bounded."""
+
+DEFAULT_FLEET_TTL_S = 86_400.0
+
+
+def replica_id(url: str) -> str:
+    """A replica's id in Redis: 12 hex digits of the SHA-1 of its normalized base URL (the same in every
+    process; short keys)."""
+    return hashlib.sha1(url.encode()).hexdigest()[:12]
+
+
+def _route_keys(keys: Sequence[tuple[int, int]]) -> list[list[Any]]:
+    seq = list(keys)
+    if len(seq) > MAX_ROUTE_KEYS:
+        seq = seq[:8] + seq[-(MAX_ROUTE_KEYS - 8):]
+    return [[f"{int(k) & 0xFFFFFFFFFFFFFFFF:016x}", max(0, int(b))] for k, b in seq]
+
+
+class _Hooks:
+    """The script layer's fleet hooks (``Core.fleet``): routing argument, init argument, replica ids."""
+
+    def __init__(self, fleet: RedisFleet) -> None:
+        self._fleet = fleet
+
+    def route_arg(self, meta: Mapping[str, Any] | None) -> str:
+        if not meta:
+            return ""
+        out: dict[str, Any] = {}
+        keys = meta.get(PREFIX_META)
+        if keys:
+            out["k"] = _route_keys(keys)
+        session = meta.get(SESSION_META)
+        if session is not None:
+            s = str(session)
+            out["s"] = s if len(s) <= 256 else hashlib.sha1(s.encode()).hexdigest()
+        return json.dumps(out, separators=(",", ":")) if out else ""
+
+    def init_arg(self) -> str:
+        return self._fleet._init_arg()
+
+    def replica_id(self, url: str | None) -> str:
+        return "" if url is None else replica_id(url)
+
+    def replica_url(self, rid: str) -> str | None:
+        return self._fleet._urls.get(rid)
+
+
+class RedisFleet(RedisBudget):
+    """A fleet of vLLM replicas whose budgets, line and prefix index live in Redis (module docstring).
+
+    ``replicas``: base URLs (all with the same path), each leased up to ``limit_blocks``, or a mapping of
+    URL to its own limit. ``capacities``: a replica's pool in blocks for the prefix index (default its
+    limit). ``affinity_wait_s`` / ``min_affinity_blocks`` / ``health`` / ``max_prefix_entries`` /
+    ``max_sessions``: as :class:`~zp_client.fleet.Fleet`'s (stored by the fleet's creator; the first
+    process to create it wins, as RedisBudget's limit). ``fleet_ttl_s``: the routing keys (sessions, the
+    prefix index, the replicas and their counters) expire this long after their last write or lease
+    renewal; the replicas are registered again from the configuration when they expired. The rest are
+    :class:`~zp_client.RedisBudget`'s keyword arguments (``lease_ttl_s``, ``poll_interval_s``,
+    ``recovery_s``, ``on_unavailable``...).
+    """
+
+    is_fleet = True
+    """What the admission core looks for to route (duck-typed)."""
+
+    def __init__(
+        self,
+        url_or_client: str | Any,
+        name: str,
+        replicas: Sequence[str] | Mapping[str, int],
+        limit_blocks: int | None = None,
+        block_size: int = 16,
+        *,
+        policy: str = "strict",
+        affinity_wait_s: float = DEFAULT_AFFINITY_WAIT_S,
+        min_affinity_blocks: int = DEFAULT_MIN_AFFINITY_BLOCKS,
+        health: HealthRules | None = None,
+        max_prefix_entries: int = DEFAULT_MAX_ENTRIES,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        capacities: Mapping[str, int] | None = None,
+        fleet_ttl_s: float = DEFAULT_FLEET_TTL_S,
+        **kwargs: Any,
+    ) -> None:
+        if policy != "strict":
+            raise ConfigurationError(
+                f"RedisFleet is strict only (each replica admits while its sum of bounds fits its limit); "
+                f"got policy={policy!r}. The elastic policy per replica is built for the in-process Fleet")
+        if kwargs.get("on_unavailable", "fail_closed") != "fail_closed":
+            raise ConfigurationError("RedisFleet fails closed only (on_unavailable='fail_closed'): a local "
+                                     "fallback would admit without placing requests on replicas")
+        limits = self._limits(replicas, limit_blocks)
+        super().__init__(url_or_client, name, max(limits.values()), block_size, policy="strict", **kwargs)
+        self.health = health or HealthRules()
+        self.affinity_wait_s = validate_seconds(affinity_wait_s, "affinity_wait_s")
+        self.min_affinity_blocks = validate_blocks(min_affinity_blocks, "min_affinity_blocks", minimum=0)
+        self.max_prefix_entries = validate_blocks(max_prefix_entries, "max_prefix_entries")
+        self.max_sessions = validate_blocks(max_sessions, "max_sessions")
+        self.fleet_ttl_s = validate_seconds(fleet_ttl_s, "fleet_ttl_s")
+        if self.fleet_ttl_s < 3 * self._core.cfg.lease_ttl_s or self.fleet_ttl_s < 1:
+            raise ConfigurationError("fleet_ttl_s must be at least 3 x lease_ttl_s (and 1 s): live leases "
+                                     "keep the replicas' keys alive through their renewals")
+        caps = {_normalize(u): validate_blocks(c, "capacity") for u, c in (capacities or {}).items()}
+        self._config = {u: (lim, caps.get(u, lim)) for u, lim in limits.items()}
+        self._default_limit = limit_blocks
+        self._urls: dict[str, str] = {replica_id(u): u for u in limits}
+        self._ejected: set[str] = set()  # what this process last learned (status, its own health calls)
+        self._path = urlsplit(next(iter(limits))).path
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._checked = False
+        self.moves = 0
+        """Requests this process moved off a failed replica without spending a retry."""
+        self.max_moves = 2
+        """Moves per request off failing replicas, per replica in the fleet (as Fleet's)."""
+        self._core.fleet = _Hooks(self)
+
+    @classmethod
+    def from_settings(cls, *args: Any, **kwargs: Any) -> RedisFleet:
+        raise ConfigurationError("RedisFleet(url, name, replicas, limit_blocks, ...) is its constructor")
+
+    @classmethod
+    def from_server(cls, *args: Any, **kwargs: Any) -> RedisFleet:
+        raise ConfigurationError("RedisFleet sizes replicas from its arguments (replicas may be a mapping "
+                                 "URL -> limit: calibrate each with zp_client.calibration.calibrate)")
+
+    @staticmethod
+    def _limits(replicas: Sequence[str] | Mapping[str, int], limit_blocks: int | None) -> dict[str, int]:
+        if isinstance(replicas, str):
+            raise ConfigurationError("replicas is a list of base URLs (or a mapping URL -> limit), not one "
+                                     "string")
+        if isinstance(replicas, Mapping):
+            out = {_normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
+        else:
+            if limit_blocks is None:
+                raise ConfigurationError("RedisFleet(url, name, replicas) needs limit_blocks (or a mapping "
+                                         "of URL to limit)")
+            validate_blocks(limit_blocks, "limit_blocks")
+            out = {_normalize(u): limit_blocks for u in replicas}
+        if not out:
+            raise ConfigurationError("a fleet needs at least one replica")
+        return out
+
+    def _init_arg(self) -> str:
+        h = self.health
+        return json.dumps({
+            "aff": int(self.affinity_wait_s * 1000), "mab": self.min_affinity_blocks,
+            "cf": h.consecutive_failures, "be": int(h.base_ejection_s * 1000),
+            "me": int(h.max_ejection_s * 1000), "pxmax": self.max_prefix_entries, "smax": self.max_sessions,
+            "fttl": int(self.fleet_ttl_s * 1000),
+            "reps": [[replica_id(u), u, lim, cap] for u, (lim, cap) in self._config.items()],
+        }, separators=(",", ":"))
+
+    # ------------------------------------------------------------------ routing (the core calls these)
+    @property
+    def base_url(self) -> str:
+        """``http://<name>.zp-fleet.invalid/v1`` (the replicas' path): give it to the client."""
+        return f"http://{self.name}.{VIRTUAL_DOMAIN}{self._path}"
+
+    @property
+    def replicas(self) -> list[str]:
+        """The replicas' base URLs as this process last saw them (its configuration, then status and
+        membership calls)."""
+        return list(self._urls.values())
+
+    def _target(self) -> str:
+        for url in self._urls.values():
+            if replica_id(url) not in self._ejected:
+                return url
+        return next(iter(self._urls.values()))
+
+    def route_url(self, lease: Lease, url: Any) -> Any:
+        """``url`` (an httpx/httpx2 URL) sent to ``lease``'s replica."""
+        replica = getattr(lease, "replica", None)
+        if replica is None:
+            return url
+        scheme, host, port = _origin(replica)
+        return url.copy_with(scheme=scheme, host=host, port=port)
+
+    def passthrough_url(self, url: Any) -> Any:
+        """A request not admitted (``GET /v1/models``) aimed at ``base_url`` goes to a replica."""
+        if not str(url.host).endswith(VIRTUAL_DOMAIN):
+            return url
+        scheme, host, port = _origin(self._target())
+        return url.copy_with(scheme=scheme, host=host, port=port)
+
+    def metadata_base(self, base: str, root: str) -> tuple[str, str]:
+        """Where the core reads server metadata for a request aimed at ``base``."""
+        if VIRTUAL_DOMAIN not in root:
+            return base, root
+        scheme, host, port = _origin(self._target())
+        new_root = f"{scheme}://{host}" + (f":{port}" if port else "")
+        return new_root + urlsplit(base).path, new_root
+
+    def routing_meta(self, body: Mapping[str, Any], prompt_tokens: int,
+                     session: str | None) -> dict[str, Any]:
+        """The request's prefix keys and session, for its lease meta (sent with acquire)."""
+        meta: dict[str, Any] = {PREFIX_META: prefix_keys(body, prompt_tokens, self.block_size)}
+        if session is not None:
+            meta[SESSION_META] = session
+        return meta
+
+    # ------------------------------------------------------------------ health
+    def note_failure(self, lease: Lease, *, connect: bool = False) -> bool:
+        """The attempt on ``lease``'s replica failed. Sent to Redis in the background from an event loop
+        (one script call; the admission path does not wait for it), at once from a thread. Returns
+        whether this process believes the replica ejected (a connect error: yes). Never raises."""
+        replica = getattr(lease, "replica", None)
+        if replica is None:
+            return False
+        rid = replica_id(replica)
+        args = ["fail", rid, "1" if connect else "0"]
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None and self._side is not None and self._side.loop is loop:
+            task = loop.create_task(self._health_async(args))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+            if connect:
+                self._ejected.add(rid)
+            return connect
+        try:
+            return self._after_health(rid, self._sync_face.eval("fleet", args, patient=False))
+        except CALL_FAILED as exc:
+            log.warning("fleet %s: could not report a failure of %s: %r", self.name, replica, exc)
+            return connect
+
+    async def _health_async(self, args: list[Any]) -> bool:
+        try:
+            side = self._get_side()
+            return self._after_health(args[1], await side.eval("fleet", args, patient=False))
+        except CALL_FAILED as exc:
+            log.warning("fleet %s: could not report a failure of %s: %r", self.name,
+                        self._urls.get(args[1], args[1]), exc)
+            return False
+
+    def _after_health(self, rid: str, r: Any) -> bool:
+        ejected = bool(int(r[0])) if r and text(r[0]) != "I" else False
+        if ejected:
+            if rid not in self._ejected:
+                log.warning("fleet %s: replica %s ejected (its leases released)", self.name,
+                            self._urls.get(rid, rid))
+            self._ejected.add(rid)
+        return ejected
+
+    def note_success(self, lease: Lease) -> None:
+        """The attempt on ``lease``'s replica succeeded: told with the lease's release (no call of its
+        own), which ends the replica's run of consecutive failures."""
+        if getattr(lease, "replica", None) is not None:
+            self._core.fleet_ok.add(lease.id)
+
+    def note_move(self) -> None:
+        """A request moved off a failed replica without spending a retry (this process's count)."""
+        self.moves += 1
+
+    async def _op(self, *args: Any) -> Any:
+        side = self._get_side()
+        return await side.eval("fleet", [str(a) for a in args])
+
+    def _op_sync(self, *args: Any) -> Any:
+        return self._sync_face.eval("fleet", [str(a) for a in args])
+
+    def _rid(self, url: str) -> str:
+        return replica_id(_normalize(url))
+
+    async def eject(self, url: str) -> None:
+        """Eject ``url`` now for its backoff; its leases are released at once."""
+        self._after_health(self._rid(url), await self._op("eject", self._rid(url)))
+
+    def eject_sync(self, url: str) -> None:
+        self._after_health(self._rid(url), self._op_sync("eject", self._rid(url)))
+
+    async def readmit(self, url: str) -> bool:
+        """Bring an ejected replica back now (its prefix index is forgotten); True if it was ejected."""
+        self._ejected.discard(self._rid(url))
+        return bool(int((await self._op("readmit", self._rid(url)))[0]))
+
+    def readmit_sync(self, url: str) -> bool:
+        self._ejected.discard(self._rid(url))
+        return bool(int(self._op_sync("readmit", self._rid(url))[0]))
+
+    # ------------------------------------------------------------------ membership
+    def _add_args(self, url: str, limit_blocks: int | None, capacity: int | None) -> list[Any]:
+        limit = limit_blocks if limit_blocks is not None else self._default_limit
+        if limit is None:
+            raise ConfigurationError("add_replica needs limit_blocks (this fleet has no default limit)")
+        validate_blocks(limit, "limit_blocks")
+        u = _normalize(url)
+        self._urls[replica_id(u)] = u
+        self._config[u] = (limit, capacity or limit)
+        return ["add", replica_id(u), u, limit, validate_blocks(capacity or limit, "capacity")]
+
+    async def add_replica(self, url: str, limit_blocks: int | None = None,
+                          capacity: int | None = None) -> None:
+        """Add a replica for every process of the fleet (waiters may go there at once)."""
+        await self._op(*self._add_args(url, limit_blocks, capacity))
+
+    def add_replica_sync(self, url: str, limit_blocks: int | None = None,
+                         capacity: int | None = None) -> None:
+        self._op_sync(*self._add_args(url, limit_blocks, capacity))
+
+    async def remove_replica(self, url: str) -> None:
+        """Drain a replica: no new request goes there; it is forgotten once its leases end. Waiters no
+        remaining replica could take fail with LeaseTooLarge."""
+        self._config.pop(_normalize(url), None)
+        await self._op("remove", self._rid(url))
+        self._urls.pop(self._rid(url), None)
+
+    def remove_replica_sync(self, url: str) -> None:
+        self._config.pop(_normalize(url), None)
+        self._op_sync("remove", self._rid(url))
+        self._urls.pop(self._rid(url), None)
+
+    async def set_replica_limit(self, url: str, limit_blocks: int) -> None:
+        """One replica's limit (lowering never revokes a lease)."""
+        validate_blocks(limit_blocks, "limit_blocks", minimum=0)
+        await self._op("limit", self._rid(url), limit_blocks)
+
+    def set_replica_limit_sync(self, url: str, limit_blocks: int) -> None:
+        validate_blocks(limit_blocks, "limit_blocks", minimum=0)
+        self._op_sync("limit", self._rid(url), limit_blocks)
+
+    async def set_limit(self, limit: int) -> None:
+        raise ConfigurationError("a fleet's limit is per replica: use fleet.set_replica_limit(url, blocks)")
+
+    async def compare_and_set_limit(self, expected: int, limit: int, *, fence: str | None = None,
+                                    keep_size: bool = False) -> bool:
+        raise ConfigurationError("a fleet has no single limit to adapt: use set_replica_limit")
+
+    # ------------------------------------------------------------------ status
+    async def status(self) -> BudgetStatus:
+        """The line (as RedisBudget's status) and ``extra["replicas"]``: per replica its limit, used
+        (sum of bounds), leases, ejection state, prefix hit rate; the fleet's sessions and index size."""
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        side = self._get_side()
+        line = self._core.status_from(await side.eval("status", [], init=False))
+        fl = await side.eval("fleet", ["status", ""], init=False)
+        return self._fleet_status(line, fl)
+
+    def status_sync(self) -> BudgetStatus:
+        line = self._core.status_from(self._sync_face.eval("status", [], init=False))
+        return self._fleet_status(line, self._sync_face.eval("fleet", ["status", ""], init=False))
+
+    def _fleet_status(self, line: BudgetStatus, fl: Any) -> BudgetStatus:
+        if not line.extra.get("exists") or (fl and text(fl[0]) == "I"):
+            return line
+        now = int(fl[0])
+        reps_flat = [text(x) for x in fl[1]]
+        sums_flat = [text(x) for x in fl[2]]
+        sums = {k: int(v) for k, v in zip(sums_flat[::2], sums_flat[1::2], strict=False)}
+        px_flat = fl[4]
+        px = {text(px_flat[i]): int(px_flat[i + 1]) for i in range(0, len(px_flat), 2)}
+        replicas: dict[str, dict[str, Any]] = {}
+        limit = used = 0
+        prompt = hits = 0
+        ejected: set[str] = set()
+        for rid, raw in zip(reps_flat[::2], reps_flat[1::2], strict=False):
+            r = json.loads(raw)
+            url = str(r["u"])
+            self._urls[rid] = url
+            ej = int(r.get("ej") or 0)
+            is_ej = ej > now
+            if is_ej:
+                ejected.add(rid)
+            draining = r.get("dr") == 1
+            b, q, h = sums.get("b" + rid, 0), sums.get("q" + rid, 0), sums.get("h" + rid, 0)
+            if not draining and not is_ej:
+                limit += int(r["lim"])
+            used += b
+            prompt, hits = prompt + q, hits + h
+            replicas[url] = {
+                "id": rid, "limit": int(r["lim"]), "used": b, "leases": sums.get("n" + rid, 0),
+                "ejected": is_ej, "ejected_for_s": max(0, ej - now) / 1000 if is_ej else None,
+                "ejections": int(r.get("x") or 0), "failures": sums.get("f" + rid, 0), "draining": draining,
+                "placed": sums.get("p" + rid, 0), "prefix_hit_rate": round(h / q, 4) if q else None,
+                "prefix_entries": px.get(rid, 0), "prefix_blocks": sums.get("k" + rid, 0),
+                "lost_leases": sums.get("l" + rid, 0),
+            }
+        self._ejected = ejected
+        extra = dict(line.extra)
+        extra.update({
+            "replicas": replicas,
+            "prefix_hit_rate": round(hits / prompt, 4) if prompt else None,
+            "prefix_index_entries": sum(px.values()),
+            "prefix_evictions": int(fl[5]),
+            "sessions": int(fl[3]),
+            "moves": self.moves,
+            "line_size_limit": line.limit,
+        })
+        return BudgetStatus(
+            limit=limit, used=used, free=max(0, limit - used), held=line.held, leases=line.leases,
+            waiters={p: ClassStatus(c.waiters, c.weight) for p, c in line.waiters.items()},
+            head_wait_s=line.head_wait_s, policy="strict", block_size=line.block_size, extra=extra,
+        )
+
+    async def acquire(
+        self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
+        held: int | None = None, meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        """As :meth:`RedisBudget.acquire`; the lease's ``replica`` is the base URL it was placed on (the
+        first call also checks that the name holds a fleet: one more script call, once)."""
+        if not self._checked:
+            await self._get_side().eval("fleet", ["status", ""])  # creates the fleet, or refuses the name
+            self._checked = True
+        return await super().acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                     meta=meta)
+
+    def acquire_sync(
+        self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
+        held: int | None = None, meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        if not self._checked:
+            self._sync_face.eval("fleet", ["status", ""])
+            self._checked = True
+        return super().acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                    meta=meta)
+
+    def _release_lease_sync(self, lease: RedisLease) -> None:
+        if lease.lost:
+            self._core.fleet_ok.discard(lease.id)  # no release call will carry it
+        super()._release_lease_sync(lease)
+
+    async def _release_lease(self, lease: RedisLease) -> None:
+        if lease.lost:
+            self._core.fleet_ok.discard(lease.id)
+        if self._pending:  # health reports made before the release land first (its success resets them)
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await super()._release_lease(lease)
+
+    async def aclose(self) -> None:
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await super().aclose()
+
+    def __repr__(self) -> str:
+        return f"<RedisFleet {self.name} replicas={len(self._urls)}>"
