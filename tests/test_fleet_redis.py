@@ -482,3 +482,22 @@ async def test_a_dead_replica_is_ejected_and_requests_move(fleets: Any) -> None:
             assert st.leases == 0 and f.moves >= 1
         finally:
             await client.close()
+
+
+@pytest.mark.anyio
+async def test_a_stream_cut_before_its_first_byte_moves_and_avoids_that_replica(fleets: Any) -> None:
+    from tests.test_fleet import _ResetBeforeFirstByte
+
+    with _ResetBeforeFirstByte() as bad, LoopbackServer() as good:
+        f = fleets([bad.base_url, good.base_url], 4000)
+        client = wrap(openai.AsyncOpenAI(base_url=f.base_url, api_key="x"), budget=f)
+        try:
+            for i in range(3):
+                stream = await client.chat.completions.create(
+                    model="ok", max_tokens=8, stream=True, messages=[{"role": "user", "content": f"q{i}"}])
+                assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            # each request failed at most once on the bad replica, then went to the good one
+            assert 1 <= bad.calls <= 3 and f.moves == bad.calls
+            assert (await f.status()).leases == 0
+        finally:
+            await client.close()

@@ -37,6 +37,7 @@ from zp_client.budget.redis._budget import RedisBudget
 from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
 from zp_client.errors import ConfigurationError
 from zp_client.fleet.ledger import (
+    AVOID_META,
     DEFAULT_AFFINITY_WAIT_S,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MIN_AFFINITY_BLOCKS,
@@ -88,6 +89,9 @@ class _Hooks:
         if session is not None:
             s = str(session)
             out["s"] = s if len(s) <= 256 else hashlib.sha1(s.encode()).hexdigest()
+        avoid = meta.get(AVOID_META)
+        if avoid:
+            out["a"] = [replica_id(str(u)) for u in avoid][-16:]
         return json.dumps(out, separators=(",", ":")) if out else ""
 
     def init_arg(self) -> str:
@@ -302,6 +306,15 @@ class RedisFleet(RedisBudget):
         own), which ends the replica's run of consecutive failures."""
         if getattr(lease, "replica", None) is not None:
             self._core.fleet_ok.add(lease.id)
+
+    def avoiding(self, meta: Mapping[str, Any] | None, lease: Lease) -> dict[str, Any]:
+        """``meta`` for the request's next placement: not on ``lease``'s replica, which just failed it
+        (unless no other replica is available)."""
+        out = dict(meta or {})
+        replica = getattr(lease, "replica", None)
+        if replica is not None:
+            out[AVOID_META] = (*out.get(AVOID_META, ()), replica)
+        return out
 
     def note_move(self) -> None:
         """A request moved off a failed replica without spending a retry (this process's count)."""

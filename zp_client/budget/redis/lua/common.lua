@@ -566,6 +566,15 @@ local function f_place(reps, ids, w, now, cfg)
   local avail = f_available(reps, ids)
   if #avail == 0 then return false end
   local rt = w.rt or {}
+  if rt.a and #rt.a > 0 then
+    -- a moved request avoids the replicas that failed it, while others are available
+    local avoid, kept = {}, {}
+    for _, rid in ipairs(rt.a) do avoid[rid] = true end
+    for _, r in ipairs(avail) do
+      if not avoid[r.id] then kept[#kept + 1] = r end
+    end
+    if #kept > 0 then avail = kept end
+  end
   local keys = rt.k
   local sess = nil
   if rt.s then sess = redis.call('HGET', K_SESS, rt.s) end
@@ -661,7 +670,7 @@ local function f_admit(reps, ids, r, w, matched, now, cfg)
 end
 
 -- A waiter's routing argument (acquire.lua ARGV[10] in fleet mode): {"k": [[hex, blocks], ...]
--- shortest prefix first, "s": session}; never trusted.
+-- shortest prefix first, "s": session, "a": [replica ids a moved request avoids]}; never trusted.
 local function f_route_arg(raw)
   if raw == nil or raw == '' then return {} end
   local ok, v = pcall(cjson.decode, raw)
@@ -686,6 +695,17 @@ local function f_route_arg(raw)
       error({err = 'ERR zp: a session key is a string of at most 256 characters'})
     end
     out.s = v.s
+  end
+  if type(v.a) == 'table' then
+    if #v.a > 16 then error({err = 'ERR zp: at most 16 replicas to avoid'}) end
+    local avoid = {}
+    for i, rid in ipairs(v.a) do
+      if type(rid) ~= 'string' or not string.match(rid, '^%x+$') or string.len(rid) > 40 then
+        error({err = 'ERR zp: a replica to avoid is its id (hex)'})
+      end
+      avoid[i] = rid
+    end
+    if #avoid > 0 then out.a = avoid end
   end
   return out
 end
