@@ -29,7 +29,9 @@ SMALL = {"streams": 3, "stream_out": 256, "rounds": 2, "burst": 2, "burst_prompt
 def test_one_replica_keeps_the_default_setups_and_a_fleet_gets_its_own() -> None:
     assert parse_setups(None, None) == list(DEFAULT_SETUPS)
     assert not any(SETUPS[n].fleet for n in DEFAULT_SETUPS)
-    assert parse_setups(None, None, 3) == ["no-admission", "rr", "rr-zp", "epp"]
+    assert parse_setups(None, None, 3) == ["no-admission", "rr", "rr-zp", "epp", "zp-fleet"]
+    assert parse_setups(None, "redis://x", 3)[-1] == "zp-fleet-redis"  # with --redis only
+    assert "zp-fleet-strict" in parse_setups("zp-fleet-strict", None, 2)  # when named
     with pytest.raises(ConfigurationError, match="replica 0 only"):
         parse_setups("naive,rr", None, 2)
     assert parse_setups("epp", None, 1) == ["no-admission", "epp"]  # named: a fleet of one

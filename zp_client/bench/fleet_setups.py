@@ -555,3 +555,42 @@ async def _zp_fleet(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Call
 register_setup(SetupSpec("zp-fleet", True, description="zp Fleet: an elastic budget per replica, one fair "
                          "line, prefix-affinity routing, ejection; zp-elastic's retries", fleet=True,
                          default=False), _zp_fleet, after="epp")
+
+
+async def _zp_fleet_strict(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    """``zp-fleet`` with strict budgets (each replica's ``zp-strict`` limit): what ``zp-fleet-redis``
+    runs in Redis (strict only there), in one process, so the two compare the backend alone."""
+    from zp_client.fleet import Fleet
+
+    urls = [u.rstrip("/") for u in ctx.replica_base_urls]
+    fleet = Fleet(dict(zip(urls, ctx.replica_limit_blocks, strict=True)), block_size=ctx.block_size,
+                  policy="strict", capacities=dict.fromkeys(urls, ctx.num_gpu_blocks - 1),
+                  clock=ctx.budget_clock(), name=ctx.budget_name)
+    client = await zp_client_for(ctx, stack, fleet)
+    return ZPFleetCaller(client, ctx.model, fleet, urls)
+
+
+async def _zp_fleet_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    """A :class:`zp_client.fleet.redis.RedisFleet` (strict: the Redis fleet's one policy) shared by the
+    worker processes, each with its own client: the fleet's line, the replicas' budgets, the prefix index
+    and the sessions live in Redis."""
+    from zp_client.errors import ConfigurationError
+    from zp_client.fleet.redis import RedisFleet
+
+    if not ctx.redis_url:
+        raise ConfigurationError("zp-fleet-redis needs --redis URL")
+    urls = [u.rstrip("/") for u in ctx.replica_base_urls]
+    fleet = RedisFleet(ctx.redis_url, ctx.budget_name, dict(zip(urls, ctx.replica_limit_blocks, strict=True)),
+                       block_size=ctx.block_size, capacities=dict.fromkeys(urls, ctx.num_gpu_blocks - 1),
+                       recovery_s=0.0)
+    client = await zp_client_for(ctx, stack, fleet)
+    return ZPFleetCaller(client, ctx.model, fleet, urls)
+
+
+register_setup(SetupSpec("zp-fleet-strict", True, description="zp-fleet with strict budgets (zp-fleet-redis's "
+                         "policy, in one process)", fleet=True, default=False, min_replicas=2,
+                         fleet_default=False),
+               _zp_fleet_strict, after="zp-fleet")
+register_setup(SetupSpec("zp-fleet-redis", True, needs_redis=True, workers=3, description="RedisFleet "
+                         "(strict) shared by 3 worker processes", fleet=True, default=False, min_replicas=2),
+               _zp_fleet_redis, after="zp-fleet-strict")

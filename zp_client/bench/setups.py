@@ -69,6 +69,8 @@ class SetupSpec:
     (N > 1) the default setups are the fleet ones; with one replica they run only when named."""
     min_replicas: int = 1
     """The fewest replicas the setup makes sense with (:func:`parse_setups` refuses fewer)."""
+    fleet_default: bool = True
+    """A :attr:`fleet` setup that ``--replicas N`` runs without ``--setups`` (False: only when named)."""
 
 
 SETUPS: dict[str, SetupSpec] = {
@@ -110,7 +112,8 @@ def parse_setups(text: str | None, redis_url: str | None, replicas: int = 1) -> 
     replica 0 only and is refused, as is a setup whose :attr:`SetupSpec.min_replicas` exceeds ``replicas``."""
     if not text:
         if replicas > 1:
-            names = [n for n, sp in SETUPS.items() if sp.fleet and (redis_url or not sp.needs_redis)]
+            names = [n for n, sp in SETUPS.items()
+                     if sp.fleet and sp.fleet_default and (redis_url or not sp.needs_redis)]
         else:
             names = [n for n, sp in SETUPS.items() if sp.default and not sp.fleet
                      and (redis_url or not sp.needs_redis)]
