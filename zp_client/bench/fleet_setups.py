@@ -580,7 +580,8 @@ async def _zp_fleet_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -
     if not ctx.redis_url:
         raise ConfigurationError("zp-fleet-redis needs --redis URL")
     urls = [u.rstrip("/") for u in ctx.replica_base_urls]
-    fleet = RedisFleet(ctx.redis_url, ctx.budget_name, dict(zip(urls, ctx.replica_limit_blocks, strict=True)),
+    limits = dict(zip(urls, ctx.replica_limit_blocks, strict=True))
+    fleet = RedisFleet(ctx.redis_url, ctx.budget_name, limits,
                        block_size=ctx.block_size, capacities=dict.fromkeys(urls, ctx.num_gpu_blocks - 1),
                        recovery_s=0.0)
     client = await zp_client_for(ctx, stack, fleet)
