@@ -588,8 +588,8 @@ async def _zp_fleet_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -
     return ZPFleetCaller(client, ctx.model, fleet, urls)
 
 
-register_setup(SetupSpec("zp-fleet-strict", True, description="zp-fleet with strict budgets (zp-fleet-redis's "
-                         "policy, in one process)", fleet=True, default=False, min_replicas=2,
+register_setup(SetupSpec("zp-fleet-strict", True, description="zp-fleet with strict budgets "
+                         "(zp-fleet-redis's policy, in one process)", fleet=True, default=False, min_replicas=2,
                          fleet_default=False),
                _zp_fleet_strict, after="zp-fleet")
 register_setup(SetupSpec("zp-fleet-redis", True, needs_redis=True, workers=3, description="RedisFleet "
