@@ -589,8 +589,8 @@ async def _zp_fleet_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -
 
 
 register_setup(SetupSpec("zp-fleet-strict", True, description="zp-fleet with strict budgets "
-                         "(zp-fleet-redis's policy, in one process)", fleet=True, default=False, min_replicas=2,
-                         fleet_default=False),
+                         "(zp-fleet-redis's policy, in one process)", fleet=True, default=False,
+                         min_replicas=2, fleet_default=False),
                _zp_fleet_strict, after="zp-fleet")
 register_setup(SetupSpec("zp-fleet-redis", True, needs_redis=True, workers=3, description="RedisFleet "
                          "(strict) shared by 3 worker processes", fleet=True, default=False, min_replicas=2),
