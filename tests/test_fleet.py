@@ -121,7 +121,7 @@ def test_session_key_pins_a_conversation() -> None:
     assert led.replica_of("s2") == home
 
 
-def test_ejection_releases_leases_and_routes_around() -> None:
+def test_ejection_routes_around_and_keeps_what_the_replica_still_holds() -> None:
     led = _ledger({A: 10, B: 10}, health=HealthRules(consecutive_failures=3, base_ejection_s=10.0))
     led.enqueue("x", 10, 1, 0, now=0.0)
     led.enqueue("y", 10, 1, 0, now=0.0)
@@ -130,12 +130,44 @@ def test_ejection_releases_leases_and_routes_around() -> None:
     assert dead is not None
     assert not led.note_failure(dead, 1.0) and not led.note_failure(dead, 1.1)
     assert led.note_failure(dead, 1.2)  # the third consecutive failure ejects
-    assert led.replica_of("x") is None and "x" not in led.leases  # released at once
+    # its lease stays: its stream may still run (a replica ejected for 5xx answers is alive)
+    assert led.replica_of("x") == dead and led.replicas[dead].lost_leases == 1
     assert led.limit == 10
     led.enqueue("z", 10, 1, 0, now=2.0)
     assert led.grant(2.0) == []  # only the live replica is available, and it is full
     assert led.due(5.0) == [] and led.due(11.2) == [dead]
-    assert led.readmit(dead) and led.grant(11.2) == ["z"] and led.replica_of("z") == dead
+    assert led.readmit(dead) and led.grant(11.2) == []  # back, but x still holds its blocks there
+    led.release("x", 12.0)
+    assert led.grant(12.0) == ["z"] and led.replica_of("z") == dead
+
+
+def test_panic_mode_does_not_overcommit_an_ejected_replica() -> None:
+    led = _ledger({A: 100})
+    led.enqueue("a", 100, 1, 0, now=0.0)
+    assert led.grant(0.0) == ["a"]
+    led.note_failure(A, 0.5, connect=True)  # every replica ejected: panic mode routes to it anyway
+    led.enqueue("b", 100, 1, 0, now=1.0)
+    assert led.grant(1.0) == []  # ...but only within what it has room for
+
+
+def test_an_affinity_wait_keeps_the_fallback_room_for_the_waiter() -> None:
+    led = _ledger({A: 40, B: 40}, affinity_wait_s=0.5)
+    led.enqueue("t1", 30, 20, 0, now=0.0, meta={SESSION_META: "s"})
+    led.grant(0.0)
+    home = led.replica_of("t1")
+    led.enqueue("t2", 30, 25, 0, now=1.0, meta={SESSION_META: "s"})  # waits for its session's replica
+    led.enqueue("batch", 30, 1, 9, now=1.0)  # lower priority, fits the other replica
+    assert led.grant(1.0) == []  # the other replica is held for t2 while it waits
+    assert led.grant(1.5) == ["t2"] and led.replica_of("t2") != home
+
+
+def test_an_affinity_wait_never_outlives_the_starvation_bound() -> None:
+    led = _ledger({A: 40, B: 40}, affinity_wait_s=5.0, starvation_bound_s=1.0)
+    led.enqueue("t1", 30, 20, 0, now=0.0, meta={SESSION_META: "s"})
+    led.grant(0.0)
+    led.enqueue("t2", 30, 25, 0, now=1.0, meta={SESSION_META: "s"})
+    assert led.grant(1.5) == []
+    assert led.grant(2.0) == ["t2"]  # at the starvation bound it goes where there is room
 
 
 def test_connect_error_ejects_at_once_and_backoff_grows() -> None:
@@ -207,6 +239,25 @@ def test_prefix_index_lru_evicts_the_tail_first_and_is_bounded() -> None:
     assert small.match(_keys("c19")) == {A: 10} and small.match(_keys("c0")) == {}
     idx.forget(A)
     assert len(idx) == 0 and idx.match(convo) == {}
+
+
+def test_prefix_index_bound_is_shared_across_replicas() -> None:
+    idx = PrefixIndex(max_entries=10)
+    for i in range(10):
+        idx.insert(A, _keys(f"a{i}"))
+    idx.insert(B, _keys("b0"))  # a newcomer gets room: the busiest replica gives it up
+    assert len(idx) <= 10 and idx.match(_keys("b0")) == {B: 10}
+
+
+def test_prefix_index_counts_a_fork_below_the_recorded_keys_once() -> None:
+    idx = PrefixIndex()
+    idx.set_capacity(A, 10**6)
+    msgs = [f"m{i}" for i in range(20)]
+    convo = _keys(*msgs)  # 10 blocks per message
+    idx.insert(A, convo)
+    fork = _keys(*msgs[:10], "x", "y")
+    idx.insert(A, fork)
+    assert idx.blocks(A) == 200 + 20  # the shared 100 blocks are not counted twice
 
 
 # ------------------------------------------------------------------------------ real HTTP
@@ -456,5 +507,39 @@ async def test_a_stream_cut_before_its_first_byte_moves_to_another_replica() -> 
             assert bad.calls >= 1  # it was tried, and the caller never saw it
             st = await fleet.status()
             assert st.extra["moves"] == bad.calls and st.leases == 0
+        finally:
+            await client.close()
+
+
+class _Always503(_ResetBeforeFirstByte):
+    """A replica that answers every call 503 (overloaded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        from tests._asgi_server import ThreadedApp
+
+        async def chat(request: Any) -> Any:
+            self.calls += 1
+            return JSONResponse({"error": {"message": "busy"}}, status_code=503)
+
+        self.server = ThreadedApp(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]))
+
+
+@pytest.mark.anyio
+async def test_a_retry_avoids_the_replica_that_failed_it() -> None:
+    with _Always503() as bad, LoopbackServer() as good:
+        fleet = Fleet([bad.base_url, good.base_url], limit_blocks=4000, policy="strict")
+        client = _client(fleet)
+        try:
+            for i in range(4):
+                with observe_admissions() as seen:
+                    await client.chat.completions.create(model="ok", max_tokens=8,
+                                                         messages=[{"role": "user", "content": f"q{i}"}])
+                replicas = [s.replica for s in seen]
+                assert replicas[-1] == good.base_url and replicas.count(bad.base_url) <= 1, replicas
         finally:
             await client.close()

@@ -695,6 +695,8 @@ class Core:
                         raise d.error from exc
                     raise
                 logger.info("attempt %d failed (%s): retrying in %.3f s", attempt + 1, d.reason, d.delay_s)
+                if fleet is not None:
+                    plan.meta = fleet.avoiding(plan.meta, lease)
                 if m is not None:
                     m.retried(None, exc)
                 yield Sleep(retry, d.delay_s)
@@ -722,6 +724,8 @@ class Core:
                             "attempt %d got HTTP %d (%s): retrying in %.3f s",
                             attempt + 1, resp.status_code, d.reason, d.delay_s,
                         )
+                        if fleet is not None:
+                            plan.meta = fleet.avoiding(plan.meta, lease)
                         if m is not None:
                             m.retried(resp.status_code, None)
                         yield Sleep(retry, d.delay_s)
@@ -747,6 +751,8 @@ class Core:
             return False
         connect = name in ("ConnectError", "ConnectTimeout")
         fleet.note_failure(lease, connect=connect)
+        if getattr(exc, "_zp_incomplete", False):  # the server ended it: moving would redo the work
+            return False
         if moves >= fleet.max_moves * max(1, len(fleet.replicas)):
             return False
         fleet.note_move()
@@ -852,10 +858,12 @@ class Core:
         if asm.error is not None:
             status, payload = asm.error_body()
         elif not asm.done:
-            raise self.lib.module.RemoteProtocolError(
+            incomplete = self.lib.module.RemoteProtocolError(
                 "the server ended the event stream without 'data: [DONE]': the answer is incomplete",
                 request=original,
             )
+            incomplete._zp_incomplete = True  # not a failed connection: a fleet does not move it
+            raise incomplete
         else:
             self.observe(plan, scanner)
             status, payload = 200, asm.body()

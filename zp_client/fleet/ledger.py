@@ -118,7 +118,7 @@ class ReplicaState:
     hit_blocks: int = 0
     """Placements, their prompts' blocks and the blocks the prefix index expected cached there."""
     lost_leases: int = 0
-    """Leases released at once by its ejections."""
+    """Leases that were live on it when it was ejected (they stay until their holders release them)."""
     used_version: int = -1
     used_now: int = 0
     """The policy's used blocks at ledger version ``used_version`` (a cache for ranking)."""
@@ -198,6 +198,7 @@ class FleetLedger:
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.replicas: dict[str, ReplicaState] = {}
         self._where: dict[str, ReplicaState] = {}
+        self._held_for: set[str] = set()
         self._policy_name: str | None = None
         self._progress_sensitive = False
         self.moves = 0
@@ -217,7 +218,7 @@ class FleetLedger:
         if rep is not None:
             rep.draining = False
             rep.ledger.set_limit(limit, 0.0)
-            rep.capacity = capacity or limit
+            rep.capacity = capacity or rep.capacity
         else:
             policy = self._factory()
             if self._policy_name is None:
@@ -240,7 +241,8 @@ class FleetLedger:
         self._forget_if_done(rep)
         return self._resize_line()
 
-    def set_replica_limit(self, url: str, limit: int, now: float, *, keep_size: bool = False) -> list[str]:
+    def set_replica_limit(self, url: str, limit: int, now: float, *,
+                          keep_size: bool = False) -> list[str]:
         rep = self._replica(url)
         rep.ledger.set_limit(validate_blocks(limit, "limit_blocks", minimum=0), now, keep_size=keep_size)
         return self._resize_line()
@@ -279,11 +281,15 @@ class FleetLedger:
         avoid = w.meta.get(AVOID_META)
         if avoid:
             avail = [r for r in avail if r.url not in avoid] or avail
+        if self._held_for:
+            # an earlier waiter of this grant waits for its affinity replica and will fall back to these:
+            # nobody behind it in line takes them meanwhile (its wait must not cost it its room)
+            avail = [r for r in avail if r.url not in self._held_for]
         if not avail:
             return False
         keys = w.meta.get(PREFIX_META) or ()
         session = w.meta.get(SESSION_META)
-        match = self.index.match(keys, len(avail)) if keys else {}
+        match = self.index.match(keys) if keys else {}
         sess_url = self.sessions.get(session) if session is not None else None
         first = avail[0].ledger
         meta = {k: v for k, v in w.meta.items() if k not in _ROUTING_META}
@@ -322,10 +328,13 @@ class FleetLedger:
         if best is None:
             return False
         pref = liked[0] if liked else best
-        if pref is not best and now - w.since < self.affinity_wait_s:
+        # never past the starvation bound: a waiter that old must not become a barrier for the line
+        young = now - w.since < min(self.affinity_wait_s, self.line.starvation_bound_s)
+        if pref is not best and young:
             pref_s, best_s = int(pref.url == sess_url), int(best.url == sess_url)
             gain = match.get(pref.url, 0) - match.get(best.url, 0)
             if pref_s > best_s or (pref_s == best_s and gain >= max(1, self.min_affinity_blocks)):
+                self._held_for.add(best.url)
                 return False  # worth waiting a little for the replica that has it cached
         best.ledger.admit_record(cand, now)
         self._where[w.id] = best
@@ -375,8 +384,11 @@ class FleetLedger:
             rep.failures = 0
 
     def eject(self, url: str, now: float) -> list[str]:
-        """Eject ``url`` for its backoff; its leases are released at once (their ids returned). Call
-        :meth:`grant` next (others may fit elsewhere; its own were released)."""
+        """Eject ``url`` for its backoff: no new request goes there until it returns. Its live leases
+        stay on its ledger (their ids are returned): their streams may still run (a replica ejected for
+        5xx answers or a failed probe is alive), and a replica that returns, or that panic mode uses,
+        must not be admitted past what it still holds. A dead replica's holders fail at once and release
+        them."""
         rep = self._replica(url)
         h = self.health
         if rep.last_ejected_at is not None and h.base_ejection_s > 0:
@@ -388,11 +400,9 @@ class FleetLedger:
         rep.last_ejected_at = now
         rep.ejected_until = now + min(h.max_ejection_s, h.base_ejection_s * rep.ejections)
         rep.failures = 0
-        lost = list(rep.ledger.leases)
-        for lid in lost:
-            self._release_on(rep, lid, now)
-        rep.lost_leases += len(lost)
-        return lost
+        live = list(rep.ledger.leases)
+        rep.lost_leases += len(live)
+        return live
 
     def due(self, now: float) -> list[str]:
         """Ejected replicas whose ejection time is over (to probe, or to :meth:`readmit` at once)."""
@@ -412,8 +422,12 @@ class FleetLedger:
     # ------------------------------------------------------------------ the Ledger surface
     @property
     def limit(self) -> int:
-        """The sum of the available replicas' limits."""
-        return sum(r.ledger.limit for r in self.replicas.values() if not r.draining and not r.ejected)
+        """The sum of the available replicas' limits (every non-draining one's in panic mode). Safe to read
+        without the fleet's lock (it iterates a snapshot)."""
+        reps = tuple(self.replicas.values())
+        live = [r for r in reps if not r.draining]
+        ok = [r for r in live if not r.ejected] or live
+        return sum(r.ledger.limit for r in ok)
 
     @property
     def size_limit(self) -> int:
@@ -422,7 +436,7 @@ class FleetLedger:
     @property
     def policy(self) -> ReservationPolicy:
         """The replicas' policy (the first replica's object: they are all alike)."""
-        for r in self.replicas.values():
+        for r in tuple(self.replicas.values()):
             return r.ledger.policy
         return self.line.policy
 
@@ -444,15 +458,15 @@ class FleetLedger:
 
     @property
     def held_sum(self) -> int:
-        return sum(r.ledger.held_sum for r in self.replicas.values())
+        return sum(r.ledger.held_sum for r in tuple(self.replicas.values()))
 
     @property
     def held_distinct(self) -> int:
-        return sum(r.ledger.held_distinct for r in self.replicas.values())
+        return sum(r.ledger.held_distinct for r in tuple(self.replicas.values()))
 
     @property
     def used(self) -> int:
-        return sum(r.ledger.used for r in self.replicas.values())
+        return sum(r.ledger.used for r in tuple(self.replicas.values()))
 
     def __len__(self) -> int:
         return len(self.line)
@@ -466,7 +480,7 @@ class FleetLedger:
         """Put a waiter in the fleet's line (see :meth:`Ledger.enqueue`); :class:`LeaseTooLarge` when no
         replica could ever take it."""
         if not self.replicas or self.line.limit == 0:
-            raise LeaseTooLarge(bound, 0, "the fleet has no replica")
+            raise LeaseTooLarge(bound, 0, "the fleet has no replica with room (none, or every limit is 0)")
         return self.line.enqueue(waiter_id, bound, held, priority, now, ticket, expires_at=expires_at,
                                  meta=meta)
 
@@ -474,6 +488,7 @@ class FleetLedger:
         return self.line.cancel(waiter_id)
 
     def grant(self, now: float) -> list[str]:
+        self._held_for = set()  # replicas held this pass for an earlier waiter waiting for its affinity
         return self.line.grant(now)
 
     def release(self, lease_id: str, now: float) -> bool:

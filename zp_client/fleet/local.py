@@ -154,9 +154,10 @@ class Fleet(LocalBudget):
         self._dns = urlsplit(_normalize(dns_url)) if dns_url is not None else None
         self._task: asyncio.Task[None] | None = None
         self._next_due: float | None = None
-        self.max_moves = 2
-        """Moves per request off failing replicas, per replica in the fleet, before the retry policy
-        decides (a guard against a fleet whose every replica fails)."""
+        self.max_moves = 1
+        """Moves per request off failing replicas, per replica in the fleet (each move avoids the
+        replicas that failed the request already), before the retry policy decides: a guard against a
+        fleet whose every replica fails."""
 
     @staticmethod
     def _limits(replicas: Sequence[str] | Mapping[str, int], limit_blocks: int | None) -> dict[str, int]:
@@ -265,7 +266,9 @@ class Fleet(LocalBudget):
             return base, root
         with self._lock:
             avail = self.ledger.available(self.clock.monotonic())
-            target = avail[0].url if avail else next(iter(self.ledger.replicas))
+            target = avail[0].url if avail else next(iter(self.ledger.replicas), None)
+        if target is None:
+            return base, root
         scheme, host, port = _origin(target)
         new_root = f"{scheme}://{host}" + (f":{port}" if port else "")
         return new_root + urlsplit(base).path, new_root
@@ -320,18 +323,25 @@ class Fleet(LocalBudget):
             self.ledger.moves += 1
 
     def eject(self, url: str) -> None:
-        """Eject ``url`` now (as failures would); its leases are released at once."""
+        """Eject ``url`` now (as failures would): no new request goes there until it returns. A replica
+        that is not in the fleet (or is draining) is ignored."""
         now = self.clock.monotonic()
+        url = _normalize(url)
         with self._lock:
-            self.ledger.eject(_normalize(url), now)
-            self._after_eject(_normalize(url), now)
+            rep = self.ledger.replicas.get(url)
+            if rep is None or rep.draining:
+                return
+            self.ledger.eject(url, now)
+            self._after_eject(url, now)
             _, to_wake = self._hand_out(self.ledger.grant(now))
         self._wake(to_wake)
 
     def _after_eject(self, url: str, now: float) -> None:
-        rep = self.ledger.replicas[url]
-        logger.warning("fleet %s: replica %s ejected until +%.1f s (ejection %d, %d leases released)",
-                       self.name, url, (rep.ejected_until or now) - now, rep.ejections, rep.lost_leases)
+        rep = self.ledger.replicas.get(url)
+        if rep is None:  # a draining replica forgotten meanwhile
+            return
+        logger.warning("fleet %s: replica %s ejected until +%.1f s (ejection %d, %d leases live on it)",
+                       self.name, url, (rep.ejected_until or now) - now, rep.ejections, len(rep.ledger.leases))
         self._next_due = min(t for t in (self._next_due, rep.ejected_until) if t is not None)
 
     def readmit(self, url: str) -> bool:
@@ -362,22 +372,26 @@ class Fleet(LocalBudget):
             raise ConfigurationError("add_replica needs limit_blocks (this fleet has no default limit)")
         now = self.clock.monotonic()
         with self._lock:
-            self.ledger.add_replica(_normalize(url), limit, capacity)
+            failed = self._fail_rejected(self.ledger.add_replica(_normalize(url), limit, capacity))
             _, to_wake = self._hand_out(self.ledger.grant(now))
         logger.info("fleet %s: replica %s joined (limit %d blocks)", self.name, url, limit)
-        self._wake(to_wake)
+        self._wake(failed + to_wake)
+
+    def _fail_rejected(self, rejected: list[str]) -> list[_Waiter]:
+        """Fail the waiters the line dropped (no replica can ever take them now; lock held)."""
+        from zp_client.errors import LeaseTooLarge
+
+        failed = [self._waiters.pop(w) for w in rejected if w in self._waiters]
+        for w in failed:
+            w.error = LeaseTooLarge(w.bound, self.ledger.size_limit, "no replica of the fleet can take it now")
+        return failed
 
     def remove_replica(self, url: str) -> None:
         """Take a replica out (it drains: its live requests finish; no new one goes there). Waiters no
         remaining replica could ever take fail with LeaseTooLarge."""
-        from zp_client.errors import LeaseTooLarge
-
         now = self.clock.monotonic()
         with self._lock:
-            rejected = self.ledger.remove_replica(_normalize(url))
-            failed = [self._waiters.pop(w) for w in rejected if w in self._waiters]
-            for w in failed:
-                w.error = LeaseTooLarge(w.bound, self.ledger.size_limit, "its replicas left the fleet")
+            failed = self._fail_rejected(self.ledger.remove_replica(_normalize(url)))
             _, to_wake = self._hand_out(self.ledger.grant(now))
         logger.info("fleet %s: replica %s left", self.name, url)
         self._wake(failed + to_wake)
@@ -385,9 +399,9 @@ class Fleet(LocalBudget):
     def set_replica_limit(self, url: str, limit_blocks: int) -> None:
         now = self.clock.monotonic()
         with self._lock:
-            self.ledger.set_replica_limit(_normalize(url), limit_blocks, now)
+            failed = self._fail_rejected(self.ledger.set_replica_limit(_normalize(url), limit_blocks, now))
             _, to_wake = self._hand_out(self.ledger.grant(now))
-        self._wake(to_wake)
+        self._wake(failed + to_wake)
 
     def set_limit_sync(self, limit: int) -> None:
         raise ConfigurationError("a fleet's limit is per replica: use fleet.set_replica_limit(url, blocks)")

@@ -194,16 +194,25 @@ class PrefixIndex:
             self.set_capacity(replica, 1 << 30)
             lru = self._lru[replica]
         seq = keys if isinstance(keys, (tuple, list)) else tuple(keys)
+        # What each new key adds: its blocks beyond the longest shorter prefix of this request that is
+        # held (already indexed, or added just before it), so a request sharing a held prefix, even
+        # below its recorded keys, counts only what it adds.
+        deltas: list[int] = []
+        covered = 0
+        for key, blocks in seq:
+            if key in lru:
+                deltas.append(-1)
+            else:
+                deltas.append(max(0, blocks - covered))
+            covered = max(covered, blocks)
         holders_of = self._holders
         added = new = 0
-        for i in range(len(seq) - 1, -1, -1):
-            key, blocks = seq[i]
-            if key in lru:
+        for i in range(len(seq) - 1, -1, -1):  # touched longest first: the shortest is the most recent
+            key = seq[i][0]
+            delta = deltas[i]
+            if delta < 0:
                 lru.move_to_end(key)
                 continue
-            delta = blocks - seq[i - 1][1] if i else blocks
-            if delta < 0:
-                delta = 0
             lru[key] = delta
             added += delta
             new += 1
@@ -218,14 +227,29 @@ class PrefixIndex:
             self._evict(replica)
 
     def _evict(self, replica: str) -> None:
+        """Down to ``replica``'s capacity (its own LRU), then to ``max_entries`` over all replicas: the
+        oldest entries of whichever replica holds the most go first, so one busy replica cannot starve
+        the others' share of the bound."""
         lru = self._lru[replica]
         cap = self._capacity.get(replica, 1 << 30)
-        while lru and (self._blocks[replica] > cap or self._entries > self.max_entries):
-            key, delta = lru.popitem(last=False)
-            self._blocks[replica] -= delta
-            self._entries -= 1
-            self._unhold(key, replica)
-            self.evictions += 1
+        while lru and self._blocks[replica] > cap:
+            self._pop_oldest(replica)
+        while self._entries > self.max_entries:
+            largest = max(self._lru, key=lambda r: len(self._lru[r]))
+            if not self._lru[largest]:
+                break
+            # evict a batch from the largest (cheap: the max is not recomputed per entry)
+            share = max(1, self.max_entries // max(1, len(self._lru)))
+            n = min(self._entries - self.max_entries, max(1, len(self._lru[largest]) - share))
+            for _ in range(n):
+                self._pop_oldest(largest)
+
+    def _pop_oldest(self, replica: str) -> None:
+        key, delta = self._lru[replica].popitem(last=False)
+        self._blocks[replica] -= delta
+        self._entries -= 1
+        self._unhold(key, replica)
+        self.evictions += 1
 
     def _unhold(self, key: int, replica: str) -> None:
         holders = self._holders.get(key)

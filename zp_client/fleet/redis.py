@@ -167,7 +167,7 @@ class RedisFleet(RedisBudget):
         self._checked = False
         self.moves = 0
         """Requests this process moved off a failed replica without spending a retry."""
-        self.max_moves = 2
+        self.max_moves = 1
         """Moves per request off failing replicas, per replica in the fleet (as Fleet's)."""
         self._core.fleet = _Hooks(self)
 

@@ -44,21 +44,10 @@ local function eject()
   r.ej = now + math.max(1, math.min(cfg.me, cfg.be * r.x))
   redis.call('HSET', K_RSUM, 'f' .. rid, 0)
   f_save(r)
-  local flat = redis.call('HGETALL', K_LEASES)
-  local lost = 0
-  local k_ejl = PREFIX .. ':ejl'  -- leases ejections released, until their TTL: renew.lua says why
-  local keep = 0
-  redis.call('ZREMRANGEBYSCORE', k_ejl, '-inf', now)
-  for i = 1, #flat, 2 do
-    local l = cjson.decode(flat[i + 1])
-    if l.r == rid then
-      drop_lease(flat[i], flat[i + 1])
-      redis.call('ZADD', k_ejl, now + 2 * l.l, flat[i])
-      if 2 * l.l > keep then keep = 2 * l.l end
-      lost = lost + 1
-    end
-  end
-  if keep > 0 then redis.call('PEXPIRE', k_ejl, keep) end
+  -- its live leases stay (their streams may still run: a replica ejected for 5xx answers or a failed
+  -- probe is alive), so a return, or panic mode, never admits past what it still holds; a dead
+  -- replica's holders fail at once and release them. Counted for status only.
+  local lost = tonumber(redis.call('HGET', K_RSUM, 'n' .. rid) or '0') or 0
   if lost > 0 then redis.call('HINCRBY', K_RSUM, 'l' .. rid, lost) end
 end
 
