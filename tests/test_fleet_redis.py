@@ -489,6 +489,10 @@ async def test_a_stream_cut_before_its_first_byte_moves_and_avoids_that_replica(
     with _ResetBeforeFirstByte() as bad, LoopbackServer() as good:
         f = fleets([bad.base_url, good.base_url], 4000)
         client = wrap(openai.AsyncOpenAI(base_url=f.base_url, api_key="x"), budget=f)
+        # load the good replica, so least-load sends the first request to the bad one
+        held = [await f.acquire(1000), await f.acquire(1000)]
+        for le in [le for le in held if le.replica != good.base_url]:
+            await le.release()
         try:
             for i in range(3):
                 stream = await client.chat.completions.create(
@@ -496,6 +500,8 @@ async def test_a_stream_cut_before_its_first_byte_moves_and_avoids_that_replica(
                 assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
             # each request failed at most once on the bad replica, then went to the good one
             assert 1 <= bad.calls <= 3 and f.moves == bad.calls
-            assert (await f.status()).leases == 0
         finally:
+            for le in held:
+                await le.release()
             await client.close()
+        assert (await f.status()).leases == 0

@@ -341,7 +341,8 @@ class Fleet(LocalBudget):
         if rep is None:  # a draining replica forgotten meanwhile
             return
         logger.warning("fleet %s: replica %s ejected until +%.1f s (ejection %d, %d leases live on it)",
-                       self.name, url, (rep.ejected_until or now) - now, rep.ejections, len(rep.ledger.leases))
+                       self.name, url, (rep.ejected_until or now) - now, rep.ejections,
+                       len(rep.ledger.leases))
         self._next_due = min(t for t in (self._next_due, rep.ejected_until) if t is not None)
 
     def readmit(self, url: str) -> bool:
@@ -383,7 +384,8 @@ class Fleet(LocalBudget):
 
         failed = [self._waiters.pop(w) for w in rejected if w in self._waiters]
         for w in failed:
-            w.error = LeaseTooLarge(w.bound, self.ledger.size_limit, "no replica of the fleet can take it now")
+            w.error = LeaseTooLarge(w.bound, self.ledger.size_limit,
+                                    "no replica of the fleet can take it now")
         return failed
 
     def remove_replica(self, url: str) -> None:
