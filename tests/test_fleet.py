@@ -57,19 +57,23 @@ def test_one_line_across_replicas_priority_then_fifo() -> None:
     assert led.grant(4.0) == ["late"]
 
 
-def test_backfill_is_bounded_by_the_starvation_bound() -> None:
+def test_backfill_is_bounded_by_the_starvation_bound_on_one_replica() -> None:
     led = _ledger({A: 10, B: 10}, starvation_bound_s=2.0)
     led.enqueue("big0", 8, 1, 0, now=0.0)
     led.enqueue("big1", 8, 1, 0, now=0.0)
     assert len(led.grant(0.0)) == 2
+    on_a = "big0" if led.replica_of("big0") == A else "big1"
     led.enqueue("head", 10, 1, 0, now=0.0)  # fits nowhere while the bigs run
     led.enqueue("small", 2, 1, 0, now=0.1)
     assert led.grant(0.5) == ["small"]  # backfill while the head is young
     led.release("small", 0.6)
     led.enqueue("small2", 2, 1, 0, now=2.5)
-    assert led.grant(2.5) == []  # the head starves: a barrier, nothing passes it
-    led.release("big0", 3.0)
-    assert led.grant(3.0) == ["head", "small2"]  # the head first, then the line moves again
+    led.enqueue("small3", 2, 1, 0, now=2.5)
+    # the head starves: the replica it will fit on first (A, the first of two equally short) takes
+    # nobody behind it; the other replica still backfills
+    assert led.grant(2.5) == ["small2"] and led.replica_of("small2") == B
+    led.release(on_a, 3.0)
+    assert led.grant(3.0) == ["head"] and led.replica_of("head") == A  # the held replica drained to it
 
 
 def test_too_large_for_every_replica() -> None:

@@ -545,6 +545,8 @@ async def _zp_fleet(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Call
     kw: dict[str, Any] = {}
     if ctx.elastic.starvation_bound_s is not None:
         kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
+    if ctx.elastic.affinity_wait_s is not None:
+        kw["affinity_wait_s"] = ctx.elastic.affinity_wait_s
     fleet = Fleet(dict.fromkeys(urls, limit), block_size=ctx.block_size, policy="elastic",
                   capacities=dict.fromkeys(urls, ctx.num_gpu_blocks - 1), clock=ctx.budget_clock(),
                   name=ctx.budget_name, **kw)

@@ -28,7 +28,8 @@ class ElasticTuning:
       longest-first window (default the :class:`~zp_client.budget.local.LocalBudget` defaults);
     * ``reserve_z``: ``zp-elastic-ureserve``'s spread-sized reserve factor
       (:class:`~zp_client.budget.elastic.ElasticPolicy`'s ``reserve_z``; default
-      :data:`~zp_client.bench.elastic_setups.URESERVE_Z`).
+      :data:`~zp_client.bench.elastic_setups.URESERVE_Z`);
+    * ``affinity_wait_s``: ``zp-fleet``'s affinity wait (default the Fleet's).
 
     Invalid values raise :class:`~zp_client.ConfigurationError` naming the field.
     """
@@ -40,6 +41,8 @@ class ElasticTuning:
     starvation_bound_s: float | None = None
     longest_first_s: float | None = None
     reserve_z: float | None = None
+    affinity_wait_s: float | None = None
+    """``zp-fleet``'s :class:`~zp_client.fleet.Fleet` ``affinity_wait_s`` (default the library's)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

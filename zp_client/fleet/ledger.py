@@ -31,6 +31,7 @@ Not thread-safe, never reads a clock: :class:`~zp_client.fleet.local.Fleet` driv
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -203,7 +204,10 @@ class FleetLedger:
         self._progress_sensitive = False
         self.moves = 0
         """Requests moved off a failed replica without spending a retry (counted by the fleet's shell)."""
-        self.line = Ledger(0, policy=_Placement(self), starvation_bound_s=starvation_bound_s)
+        # The line never stops at a barrier itself: a starving waiter holds one replica (the one it will
+        # fit on soonest) for itself instead, so the other replicas keep admitting (see place()).
+        self._starvation_bound = validate_seconds(starvation_bound_s, "starvation_bound_s")
+        self.line = Ledger(0, policy=_Placement(self), starvation_bound_s=math.inf)
         if not replicas:
             raise ConfigurationError("a fleet needs at least one replica")
         for url, limit in replicas.items():
@@ -326,10 +330,12 @@ class FleetLedger:
                     best = next((r for r in others[1:]
                                  if bound <= r.ledger.size_limit and r.ledger.fits_now(cand)), None)
         if best is None:
+            if now - w.since >= self._starvation_bound:
+                self._hold_for_starving(avail, bound)
             return False
         pref = liked[0] if liked else best
         # never past the starvation bound: a waiter that old must not become a barrier for the line
-        young = now - w.since < min(self.affinity_wait_s, self.line.starvation_bound_s)
+        young = now - w.since < min(self.affinity_wait_s, self._starvation_bound)
         if pref is not best and young:
             pref_s, best_s = int(pref.url == sess_url), int(best.url == sess_url)
             gain = match.get(pref.url, 0) - match.get(best.url, 0)
@@ -349,6 +355,15 @@ class FleetLedger:
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         return True
+
+    def _hold_for_starving(self, avail: list[ReplicaState], bound: int) -> None:
+        """A waiter that has waited the starvation bound and fits nowhere: the replica it will fit on
+        soonest (the least short of room for it) takes nobody behind it in line until it does — the
+        single budget's barrier, on one replica instead of the whole fleet."""
+        able = [r for r in avail if bound <= r.ledger.size_limit]
+        if able:
+            target = min(able, key=lambda r: r.ledger.used + bound - r.ledger.limit)
+            self._held_for.add(target.url)
 
     def _load(self, r: ReplicaState, bound: int) -> float:
         """``r``'s projected load with a candidate of ``bound`` blocks: (the policy's used + bound) /
@@ -450,7 +465,7 @@ class FleetLedger:
 
     @property
     def starvation_bound_s(self) -> float:
-        return self.line.starvation_bound_s
+        return self._starvation_bound
 
     @property
     def leases(self) -> Mapping[str, LeaseRecord]:
@@ -538,8 +553,8 @@ class FleetLedger:
             policy=self.policy_name,
             block_size=block_size,
             extra={
-                "starvation_bound_s": self.line.starvation_bound_s,
-                "head_starving": line.extra.get("head_starving", False),
+                "starvation_bound_s": self._starvation_bound,
+                "head_starving": line.head_wait_s >= self._starvation_bound and line.head_wait_s > 0,
                 "replicas": {url: r.summary() for url, r in self.replicas.items()},
                 "prefix_hit_rate": round(hits / prompt, 4) if prompt else None,
                 "prefix_index_entries": len(self.index),

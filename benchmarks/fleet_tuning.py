@@ -1,0 +1,53 @@
+"""zp-fleet's knobs on one seed (the tuning seed; evaluate on others): one storm per variant, each in its
+own process, printed side by side with the same seed's no-admission and epp when asked.
+
+    .venv/bin/python benchmarks/fleet_tuning.py --seed 0 --replicas 4 --affinity 0.5,0 [--setups epp]
+
+A variant is an ``affinity_wait_s`` (``ElasticTuning.affinity_wait_s``); every other setting is the
+library's default. Virtual clock: the records depend only on the seed, the workload and the variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+from typing import Any
+
+
+def _one(args: tuple[str, int, int, float | None, str, float | None]) -> dict[str, Any]:
+    from zp_client.bench.report import build_report
+    from zp_client.bench.runner import StormConfig, run_storm
+    from zp_client.bench.tuning import ElasticTuning
+
+    workload, seed, replicas, affinity, setup, load = args
+    cfg = StormConfig(workload=workload, seed=seed, setups=[setup], replicas=replicas, load_scale=load,
+                      elastic=ElasticTuning(affinity_wait_s=affinity))
+    wl, facts, runs = run_storm(cfg)
+    rep = build_report(wl, facts, runs, cfg, "fleet_tuning")
+    m = {x["setup"]: x for x in rep["setups"]}[setup]
+    keys = ("preemptions", "errors", "ttft_p50", "ttft_p99", "slo_attainment", "goodput_rps", "makespan",
+            "prefix_cache_hit_rate", "cut_streams", "moved_off_dead")
+    return {"setup": setup, "affinity_wait_s": affinity, **{k: m.get(k) for k in keys}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="agentic")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--load-scale", type=float, default=None)
+    ap.add_argument("--affinity", default="0.5,0", help="affinity_wait_s values, comma-separated")
+    ap.add_argument("--setups", default="", help="reference setups to run beside (e.g. no-admission,epp)")
+    ap.add_argument("--procs", type=int, default=2)
+    a = ap.parse_args()
+    jobs: list[tuple[str, int, int, float | None, str, float | None]] = [
+        (a.workload, a.seed, a.replicas, float(x), "zp-fleet", a.load_scale) for x in a.affinity.split(",")]
+    jobs += [(a.workload, a.seed, a.replicas, None, s, a.load_scale) for s in a.setups.split(",") if s]
+    with mp.get_context("spawn").Pool(a.procs) as pool:
+        for row in pool.imap(_one, jobs):
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
