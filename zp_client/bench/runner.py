@@ -398,9 +398,9 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
 
         pauses = ReadPauses(cfg.client_load)
     fleet = cfg.replicas > 1 or cfg.kill_replica_s is not None
-    if fleet and spec.workers > 1:
-        raise ConfigurationError(f"setup {name} runs worker processes, which --replicas / --kill-replica "
-                                 "do not support")
+    if cfg.kill_replica_s is not None and spec.workers > 1:
+        raise ConfigurationError(f"setup {name} runs worker processes, which --kill-replica does not "
+                                 "support")
     async with _sim_fleet(cfg, gateway) as servers:
         server = servers[0]
         pool = [await _pool_facts(s, cfg) for s in servers]
