@@ -15,20 +15,30 @@ import multiprocessing as mp
 from typing import Any
 
 
-def _one(args: tuple[str, int, int, float | None, str, float | None]) -> dict[str, Any]:
+def _one(args: tuple[str, int, int, float | None, str, float | None, float | None]) -> dict[str, Any]:
+    from zp_client.bench.cli import _DEFAULTS
     from zp_client.bench.report import build_report
     from zp_client.bench.runner import StormConfig, run_storm
     from zp_client.bench.tuning import ElasticTuning
 
-    workload, seed, replicas, affinity, setup, load = args
+    workload, seed, replicas, affinity, setup, load, kill = args
+    profile, blocks, mml, _ = _DEFAULTS[workload]  # what `zp-client storm --workload W` runs
     cfg = StormConfig(workload=workload, seed=seed, setups=[setup], replicas=replicas, load_scale=load,
-                      elastic=ElasticTuning(affinity_wait_s=affinity))
+                      profile=profile, num_gpu_blocks=blocks, max_model_len=mml,
+                      elastic=ElasticTuning(affinity_wait_s=affinity), kill_replica_s=kill)
     wl, facts, runs = run_storm(cfg)
     rep = build_report(wl, facts, runs, cfg, "fleet_tuning")
     m = {x["setup"]: x for x in rep["setups"]}[setup]
     keys = ("preemptions", "errors", "ttft_p50", "ttft_p99", "slo_attainment", "goodput_rps", "makespan",
-            "prefix_cache_hit_rate", "cut_streams", "moved_off_dead")
-    return {"setup": setup, "affinity_wait_s": affinity, **{k: m.get(k) for k in keys}}
+            "prefix_cache_hit_rate", "cut_streams", "cut_requests", "moved_off_dead", "preemptions_per_replica",
+            "kv_usage_max", "error_kinds", "unsent", "killed_in_flight")
+    row = {"setup": setup, "seed": seed, "affinity_wait_s": affinity, "kill": kill,
+           **{k: m.get(k) for k in keys}}
+    if kill is not None:  # the acceptance's kill checks, from the records
+        recs = runs[0].records
+        row["failed_sent"] = sum(1 for r in recs if not r.ok and r.sent)
+        row["failed_kinds"] = sorted({(r.error or "").split(":")[0] for r in recs if not r.ok and r.sent})
+    return row
 
 
 def main() -> None:
@@ -40,10 +50,16 @@ def main() -> None:
     ap.add_argument("--affinity", default="0.5,0", help="affinity_wait_s values, comma-separated")
     ap.add_argument("--setups", default="", help="reference setups to run beside (e.g. no-admission,epp)")
     ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--seeds", default=None, help="seeds, comma-separated (default: --seed)")
+    ap.add_argument("--kill", type=float, default=None, help="--kill-replica AT_S for every run")
     a = ap.parse_args()
-    jobs: list[tuple[str, int, int, float | None, str, float | None]] = [
-        (a.workload, a.seed, a.replicas, float(x), "zp-fleet", a.load_scale) for x in a.affinity.split(",")]
-    jobs += [(a.workload, a.seed, a.replicas, None, s, a.load_scale) for s in a.setups.split(",") if s]
+    seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else [a.seed]
+    jobs: list[tuple[str, int, int, float | None, str, float | None, float | None]] = []
+    for seed in seeds:
+        jobs += [(a.workload, seed, a.replicas, float(x), "zp-fleet", a.load_scale, a.kill)
+                 for x in a.affinity.split(",") if x]
+        jobs += [(a.workload, seed, a.replicas, None, s, a.load_scale, a.kill)
+                 for s in a.setups.split(",") if s]
     with mp.get_context("spawn").Pool(a.procs) as pool:
         for row in pool.imap(_one, jobs):
             print(json.dumps(row), flush=True)
