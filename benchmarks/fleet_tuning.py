@@ -15,24 +15,24 @@ import multiprocessing as mp
 from typing import Any
 
 
-def _one(args: tuple[str, int, int, float | None, str, float | None, float | None]) -> dict[str, Any]:
+def _one(args: tuple[Any, ...]) -> dict[str, Any]:
     from zp_client.bench.cli import _DEFAULTS
     from zp_client.bench.report import build_report
     from zp_client.bench.runner import StormConfig, run_storm
     from zp_client.bench.tuning import ElasticTuning
 
-    workload, seed, replicas, affinity, setup, load, kill = args
+    workload, seed, replicas, affinity, setup, load, kill, extra = args
     profile, blocks, mml, _ = _DEFAULTS[workload]  # what `zp-client storm --workload W` runs
     cfg = StormConfig(workload=workload, seed=seed, setups=[setup], replicas=replicas, load_scale=load,
                       profile=profile, num_gpu_blocks=blocks, max_model_len=mml,
-                      elastic=ElasticTuning(affinity_wait_s=affinity), kill_replica_s=kill)
+                      elastic=ElasticTuning(affinity_wait_s=affinity, **extra), kill_replica_s=kill)
     wl, facts, runs = run_storm(cfg)
     rep = build_report(wl, facts, runs, cfg, "fleet_tuning")
     m = {x["setup"]: x for x in rep["setups"]}[setup]
     keys = ("preemptions", "errors", "ttft_p50", "ttft_p99", "slo_attainment", "goodput_rps", "makespan",
             "prefix_cache_hit_rate", "cut_streams", "cut_requests", "moved_off_dead", "preemptions_per_replica",
             "kv_usage_max", "error_kinds", "unsent", "killed_in_flight")
-    row = {"setup": setup, "seed": seed, "affinity_wait_s": affinity, "kill": kill,
+    row = {"setup": setup, "seed": seed, "affinity_wait_s": affinity, "kill": kill, **extra,
            **{k: m.get(k) for k in keys}}
     if kill is not None:  # the acceptance's kill checks, from the records
         recs = runs[0].records
@@ -52,13 +52,16 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--seeds", default=None, help="seeds, comma-separated (default: --seed)")
     ap.add_argument("--kill", type=float, default=None, help="--kill-replica AT_S for every run")
+    ap.add_argument("--starvation", type=float, default=None, help="zp-fleet's starvation_bound_s")
+    ap.add_argument("--headroom", type=float, default=None, help="zp-fleet's elastic headroom")
     a = ap.parse_args()
     seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else [a.seed]
-    jobs: list[tuple[str, int, int, float | None, str, float | None, float | None]] = []
+    extra = {k: v for k, v in (("starvation_bound_s", a.starvation), ("headroom", a.headroom)) if v is not None}
+    jobs: list[tuple[Any, ...]] = []
     for seed in seeds:
-        jobs += [(a.workload, seed, a.replicas, float(x), "zp-fleet", a.load_scale, a.kill)
+        jobs += [(a.workload, seed, a.replicas, float(x), "zp-fleet", a.load_scale, a.kill, extra)
                  for x in a.affinity.split(",") if x]
-        jobs += [(a.workload, seed, a.replicas, None, s, a.load_scale, a.kill)
+        jobs += [(a.workload, seed, a.replicas, None, s, a.load_scale, a.kill, {})
                  for s in a.setups.split(",") if s]
     with mp.get_context("spawn").Pool(a.procs) as pool:
         for row in pool.imap(_one, jobs):

@@ -67,7 +67,8 @@ class AsyncBody(_Body):
         try:
             holder.waiting = True
             try:
-                async for chunk in self._source():
+                # the upstream stream itself unless a fleet's peek read its first chunk (no extra layer)
+                async for chunk in (self._resp.stream if self._prefetched is None else self._source()):
                     holder.waiting = False
                     holder.last_activity = mono()
                     if out := feed(chunk):
@@ -121,7 +122,7 @@ class SyncBody(_Body):
         try:
             holder.waiting = True
             try:
-                for chunk in self._source():
+                for chunk in (self._resp.stream if self._prefetched is None else self._source()):
                     holder.waiting = False
                     holder.last_activity = mono()
                     if out := feed(chunk):
