@@ -27,7 +27,6 @@ import anyio
 from zp_client._clock import Clock
 from zp_client.budget.base import Lease, Ticket
 from zp_client.budget.ledger import (
-    DEFAULT_STARVATION_BOUND_S,
     ReservationPolicy,
     validate_blocks,
     validate_seconds,
@@ -37,6 +36,7 @@ from zp_client.errors import ConfigurationError
 from zp_client.fleet.ledger import (
     AVOID_META,
     DEFAULT_AFFINITY_WAIT_S,
+    DEFAULT_FLEET_STARVATION_BOUND_S,
     DEFAULT_MIN_AFFINITY_BLOCKS,
     PREFIX_META,
     SESSION_META,
@@ -123,7 +123,7 @@ class Fleet(LocalBudget):
         block_size: int = 16,
         *,
         policy: str | ReservationPolicy = "elastic",
-        starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
+        starvation_bound_s: float = DEFAULT_FLEET_STARVATION_BOUND_S,
         affinity_wait_s: float = DEFAULT_AFFINITY_WAIT_S,
         min_affinity_blocks: int = DEFAULT_MIN_AFFINITY_BLOCKS,
         health: HealthRules | None = None,
