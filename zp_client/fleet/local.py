@@ -33,8 +33,8 @@ from zp_client.budget.ledger import (
 )
 from zp_client.budget.local import LocalBudget, _LocalLease, _Waiter
 from zp_client.errors import ConfigurationError
+from zp_client.fleet._routing import FleetRouting, normalize, origin
 from zp_client.fleet.ledger import (
-    AVOID_META,
     DEFAULT_AFFINITY_WAIT_S,
     DEFAULT_FLEET_STARVATION_BOUND_S,
     DEFAULT_MIN_AFFINITY_BLOCKS,
@@ -56,29 +56,10 @@ logger = logging.getLogger("zp_client.fleet")
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """``await resolver(host, port)`` -> the addresses (IPs) a DNS name has now."""
 
-VIRTUAL_DOMAIN = "zp-fleet.invalid"
-"""``Fleet.base_url``'s host is ``<name>.zp-fleet.invalid``: a name only the fleet resolves (``.invalid``
-never resolves in DNS, so a request that bypassed the fleet fails loudly instead of going astray)."""
-
-
 async def system_resolver(host: str, port: int) -> list[str]:
     """The system's resolver (``getaddrinfo``, TCP), addresses sorted and deduplicated."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return sorted({str(info[4][0]) for info in infos})
-
-
-def _normalize(url: str) -> str:
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigurationError(f"a replica is a base URL like http://host:8000/v1, got {url!r}")
-    parts = urlsplit(url.rstrip("/"))
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigurationError(f"a replica is an http(s) base URL like http://host:8000/v1, got {url!r}")
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    return parts.scheme, parts.hostname or "", parts.port
 
 
 class FleetLease(_LocalLease):
@@ -95,7 +76,7 @@ class FleetLease(_LocalLease):
         return super().__repr__()[:-1] + f" on {self.replica}>"
 
 
-class Fleet(LocalBudget):
+class Fleet(FleetRouting, LocalBudget):
     """A budget per replica of one model, one fair line for all of them, and routing (docs/fleet.md).
 
     ``replicas``: base URLs (``http://host:port/v1``, all with the same path), each leased up to
@@ -112,9 +93,6 @@ class Fleet(LocalBudget):
     back when its ejection time is over, on the next request (and is ejected again at once if it still
     refuses connections). A request never costs a network call of the fleet's own.
     """
-
-    is_fleet = True
-    """What the admission core looks for to route (duck-typed: it never imports this module)."""
 
     def __init__(
         self,
@@ -139,7 +117,7 @@ class Fleet(LocalBudget):
         super().__init__(1, block_size, starvation_bound_s=starvation_bound_s, policy="strict", name=name,
                          clock=clock)
         limits = self._limits(replicas, limit_blocks)
-        caps = {_normalize(u): validate_blocks(c, "capacity") for u, c in (capacities or {}).items()}
+        caps = {normalize(u): validate_blocks(c, "capacity") for u, c in (capacities or {}).items()}
         self._default_limit = limit_blocks
         self._ledger = FleetLedger(  # type: ignore[assignment]  # the Ledger surface LocalBudget drives
             limits, default_factory(policy, self.block_size), starvation_bound_s=starvation_bound_s,
@@ -151,7 +129,7 @@ class Fleet(LocalBudget):
         self._http = http_client
         self._own_http = False
         self._resolver = resolver or system_resolver
-        self._dns = urlsplit(_normalize(dns_url)) if dns_url is not None else None
+        self._dns = urlsplit(normalize(dns_url)) if dns_url is not None else None
         self._task: asyncio.Task[None] | None = None
         self._next_due: float | None = None
         self.max_moves = 1
@@ -165,12 +143,12 @@ class Fleet(LocalBudget):
             raise ConfigurationError("replicas is a list of base URLs (or a mapping URL -> limit), not one "
                                      "string; use Fleet.from_dns for a DNS name")
         if isinstance(replicas, Mapping):
-            return {_normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
+            return {normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
         if limit_blocks is None:
             raise ConfigurationError("Fleet(urls) needs limit_blocks (or a mapping of URL to limit, or "
                                      "Fleet.from_servers(urls) to size each replica from its /metrics)")
         validate_blocks(limit_blocks, "limit_blocks")
-        out = {_normalize(u): limit_blocks for u in replicas}
+        out = {normalize(u): limit_blocks for u in replicas}
         if not out:
             raise ConfigurationError("a fleet needs at least one replica")
         return out
@@ -190,7 +168,7 @@ class Fleet(LocalBudget):
         block_sizes: set[int] = set()
         for url in urls:
             cal = calibrate(url, headroom=headroom, policy=policy, timeout_s=timeout_s, headers=headers)
-            base = _normalize(url if urlsplit(url).path.rstrip("/") else url.rstrip("/") + "/v1")
+            base = normalize(url if urlsplit(url).path.rstrip("/") else url.rstrip("/") + "/v1")
             limits[base] = cal.limit_blocks
             caps[base] = max(cal.limit_blocks, cal.num_gpu_blocks - 1)
             block_sizes.add(cal.block_size)
@@ -207,7 +185,7 @@ class Fleet(LocalBudget):
         again every ``check_interval_s`` while the fleet runs (``async with fleet:``): addresses that
         appear join with ``limit_blocks``, addresses that disappear drain. ``url`` is the replicas' base
         URL with the name as host (``http://vllm.ns.svc:8000/v1``); ``resolver`` swaps the system's."""
-        dns = urlsplit(_normalize(url))
+        dns = urlsplit(normalize(url))
         resolve = resolver or system_resolver
         port = dns.port or (443 if dns.scheme == "https" else 80)
         addrs = await resolve(dns.hostname or "", port)
@@ -228,69 +206,14 @@ class Fleet(LocalBudget):
         return self._ledger  # type: ignore[return-value]
 
     @property
-    def base_url(self) -> str:
-        """The base URL to give a client of this fleet: ``http://<name>.zp-fleet.invalid/v1`` (the
-        replicas' path); the admission transport sends each request to its lease's replica."""
-        return f"http://{self.name}.{VIRTUAL_DOMAIN}{self._path}"
-
-    @property
     def replicas(self) -> list[str]:
         with self._lock:
             return list(self.ledger.replicas)
 
-    def route_url(self, lease: Lease, url: Any) -> Any:
-        """``url`` (an httpx/httpx2 URL) sent to ``lease``'s replica: its scheme, host and port."""
-        replica = getattr(lease, "replica", None)
-        if replica is None:
-            return url
-        scheme, host, port = _origin(replica)
-        return url.copy_with(scheme=scheme, host=host, port=port)
-
-    def passthrough_url(self, url: Any) -> Any:
-        """A request the fleet does not admit (``GET /v1/models``...) aimed at ``fleet.base_url`` goes to
-        an available replica; any other URL is left alone."""
-        if not str(url.host).endswith(VIRTUAL_DOMAIN):
-            return url
+    def _target(self) -> str | None:
         with self._lock:
             avail = self.ledger.available(self.clock.monotonic())
-            target = avail[0].url if avail else next(iter(self.ledger.replicas), None)
-        if target is None:
-            return url
-        scheme, host, port = _origin(target)
-        return url.copy_with(scheme=scheme, host=host, port=port)
-
-    def metadata_base(self, base: str, root: str) -> tuple[str, str]:
-        """Where the core reads server metadata (``/v1/models``, ``/tokenize``) for a request aimed at
-        ``base``: an available replica when ``base`` is the fleet's own name."""
-        if VIRTUAL_DOMAIN not in root:
-            return base, root
-        with self._lock:
-            avail = self.ledger.available(self.clock.monotonic())
-            target = avail[0].url if avail else next(iter(self.ledger.replicas), None)
-        if target is None:
-            return base, root
-        scheme, host, port = _origin(target)
-        new_root = f"{scheme}://{host}" + (f":{port}" if port else "")
-        return new_root + urlsplit(base).path, new_root
-
-    def routing_meta(self, body: Mapping[str, Any], prompt_tokens: int,
-                     session: str | None) -> dict[str, Any]:
-        """What the core adds to a request's lease meta for routing: its prefix keys and session."""
-        from zp_client.fleet.prefix import prefix_keys
-
-        meta: dict[str, Any] = {PREFIX_META: prefix_keys(body, prompt_tokens, self.block_size)}
-        if session is not None:
-            meta[SESSION_META] = session
-        return meta
-
-    def avoiding(self, meta: Mapping[str, Any] | None, lease: Lease) -> dict[str, Any]:
-        """``meta`` for the request's next placement: not on ``lease``'s replica, which just failed it
-        (unless no other replica is available)."""
-        out = dict(meta or {})
-        replica = getattr(lease, "replica", None)
-        if replica is not None:
-            out[AVOID_META] = (*out.get(AVOID_META, ()), replica)
-        return out
+            return avail[0].url if avail else next(iter(self.ledger.replicas), None)
 
     # ------------------------------------------------------------------ health
     def note_failure(self, lease: Lease, *, connect: bool = False) -> bool:
@@ -326,7 +249,7 @@ class Fleet(LocalBudget):
         """Eject ``url`` now (as failures would): no new request goes there until it returns. A replica
         that is not in the fleet (or is draining) is ignored."""
         now = self.clock.monotonic()
-        url = _normalize(url)
+        url = normalize(url)
         with self._lock:
             rep = self.ledger.replicas.get(url)
             if rep is None or rep.draining:
@@ -349,7 +272,7 @@ class Fleet(LocalBudget):
         """Bring an ejected replica back now; True if it was ejected."""
         now = self.clock.monotonic()
         with self._lock:
-            back = self.ledger.readmit(_normalize(url))
+            back = self.ledger.readmit(normalize(url))
             _, to_wake = self._hand_out(self.ledger.grant(now)) if back else (None, [])
         if back:
             logger.info("fleet %s: replica %s is back", self.name, url)
@@ -373,7 +296,7 @@ class Fleet(LocalBudget):
             raise ConfigurationError("add_replica needs limit_blocks (this fleet has no default limit)")
         now = self.clock.monotonic()
         with self._lock:
-            failed = self._fail_rejected(self.ledger.add_replica(_normalize(url), limit, capacity))
+            failed = self._fail_rejected(self.ledger.add_replica(normalize(url), limit, capacity))
             _, to_wake = self._hand_out(self.ledger.grant(now))
         logger.info("fleet %s: replica %s joined (limit %d blocks)", self.name, url, limit)
         self._wake(failed + to_wake)
@@ -393,7 +316,7 @@ class Fleet(LocalBudget):
         remaining replica could ever take fail with LeaseTooLarge."""
         now = self.clock.monotonic()
         with self._lock:
-            failed = self._fail_rejected(self.ledger.remove_replica(_normalize(url)))
+            failed = self._fail_rejected(self.ledger.remove_replica(normalize(url)))
             _, to_wake = self._hand_out(self.ledger.grant(now))
         logger.info("fleet %s: replica %s left", self.name, url)
         self._wake(failed + to_wake)
@@ -401,7 +324,7 @@ class Fleet(LocalBudget):
     def set_replica_limit(self, url: str, limit_blocks: int) -> None:
         now = self.clock.monotonic()
         with self._lock:
-            failed = self._fail_rejected(self.ledger.set_replica_limit(_normalize(url), limit_blocks, now))
+            failed = self._fail_rejected(self.ledger.set_replica_limit(normalize(url), limit_blocks, now))
             _, to_wake = self._hand_out(self.ledger.grant(now))
         self._wake(failed + to_wake)
 
@@ -531,7 +454,7 @@ class Fleet(LocalBudget):
                 self.eject(url)
 
     async def _probe(self, url: str) -> bool:
-        scheme, host, port = _origin(url)
+        scheme, host, port = origin(url)
         root = f"{scheme}://{host}" + (f":{port}" if port else "")
         try:
             assert self._http is not None

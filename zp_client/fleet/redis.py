@@ -36,6 +36,7 @@ from zp_client.budget.ledger import validate_blocks, validate_seconds
 from zp_client.budget.redis._budget import RedisBudget
 from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
 from zp_client.errors import ConfigurationError
+from zp_client.fleet._routing import FleetRouting, normalize
 from zp_client.fleet.ledger import (
     AVOID_META,
     DEFAULT_AFFINITY_WAIT_S,
@@ -45,8 +46,7 @@ from zp_client.fleet.ledger import (
     SESSION_META,
     HealthRules,
 )
-from zp_client.fleet.local import VIRTUAL_DOMAIN, _normalize, _origin
-from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES, prefix_keys
+from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES
 
 __all__ = ["MAX_ROUTE_KEYS", "RedisFleet", "replica_id"]
 
@@ -104,7 +104,7 @@ class _Hooks:
         return self._fleet._urls.get(rid)
 
 
-class RedisFleet(RedisBudget):
+class RedisFleet(FleetRouting, RedisBudget):
     """A fleet of vLLM replicas whose budgets, line and prefix index live in Redis (module docstring).
 
     ``replicas``: base URLs (all with the same path), each leased up to ``limit_blocks``, or a mapping of
@@ -117,9 +117,6 @@ class RedisFleet(RedisBudget):
     :class:`~zp_client.RedisBudget`'s keyword arguments (``lease_ttl_s``, ``poll_interval_s``,
     ``recovery_s``, ``on_unavailable``...).
     """
-
-    is_fleet = True
-    """What the admission core looks for to route (duck-typed)."""
 
     def __init__(
         self,
@@ -157,7 +154,7 @@ class RedisFleet(RedisBudget):
         if self.fleet_ttl_s < 3 * self._core.cfg.lease_ttl_s or self.fleet_ttl_s < 1:
             raise ConfigurationError("fleet_ttl_s must be at least 3 x lease_ttl_s (and 1 s): live leases "
                                      "keep the replicas' keys alive through their renewals")
-        caps = {_normalize(u): validate_blocks(c, "capacity") for u, c in (capacities or {}).items()}
+        caps = {normalize(u): validate_blocks(c, "capacity") for u, c in (capacities or {}).items()}
         self._config = {u: (lim, caps.get(u, lim)) for u, lim in limits.items()}
         self._default_limit = limit_blocks
         self._urls: dict[str, str] = {replica_id(u): u for u in limits}
@@ -186,13 +183,13 @@ class RedisFleet(RedisBudget):
             raise ConfigurationError("replicas is a list of base URLs (or a mapping URL -> limit), not one "
                                      "string")
         if isinstance(replicas, Mapping):
-            out = {_normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
+            out = {normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
         else:
             if limit_blocks is None:
                 raise ConfigurationError("RedisFleet(url, name, replicas) needs limit_blocks (or a mapping "
                                          "of URL to limit)")
             validate_blocks(limit_blocks, "limit_blocks")
-            out = {_normalize(u): limit_blocks for u in replicas}
+            out = {normalize(u): limit_blocks for u in replicas}
         if not out:
             raise ConfigurationError("a fleet needs at least one replica")
         return out
@@ -209,11 +206,6 @@ class RedisFleet(RedisBudget):
 
     # ------------------------------------------------------------------ routing (the core calls these)
     @property
-    def base_url(self) -> str:
-        """``http://<name>.zp-fleet.invalid/v1`` (the replicas' path): give it to the client."""
-        return f"http://{self.name}.{VIRTUAL_DOMAIN}{self._path}"
-
-    @property
     def replicas(self) -> list[str]:
         """The replicas' base URLs as this process last saw them (its configuration, then status and
         membership calls)."""
@@ -224,37 +216,6 @@ class RedisFleet(RedisBudget):
             if replica_id(url) not in self._ejected:
                 return url
         return next(iter(self._urls.values()))
-
-    def route_url(self, lease: Lease, url: Any) -> Any:
-        """``url`` (an httpx/httpx2 URL) sent to ``lease``'s replica."""
-        replica = getattr(lease, "replica", None)
-        if replica is None:
-            return url
-        scheme, host, port = _origin(replica)
-        return url.copy_with(scheme=scheme, host=host, port=port)
-
-    def passthrough_url(self, url: Any) -> Any:
-        """A request not admitted (``GET /v1/models``) aimed at ``base_url`` goes to a replica."""
-        if not str(url.host).endswith(VIRTUAL_DOMAIN):
-            return url
-        scheme, host, port = _origin(self._target())
-        return url.copy_with(scheme=scheme, host=host, port=port)
-
-    def metadata_base(self, base: str, root: str) -> tuple[str, str]:
-        """Where the core reads server metadata for a request aimed at ``base``."""
-        if VIRTUAL_DOMAIN not in root:
-            return base, root
-        scheme, host, port = _origin(self._target())
-        new_root = f"{scheme}://{host}" + (f":{port}" if port else "")
-        return new_root + urlsplit(base).path, new_root
-
-    def routing_meta(self, body: Mapping[str, Any], prompt_tokens: int,
-                     session: str | None) -> dict[str, Any]:
-        """The request's prefix keys and session, for its lease meta (sent with acquire)."""
-        meta: dict[str, Any] = {PREFIX_META: prefix_keys(body, prompt_tokens, self.block_size)}
-        if session is not None:
-            meta[SESSION_META] = session
-        return meta
 
     # ------------------------------------------------------------------ health
     def note_failure(self, lease: Lease, *, connect: bool = False) -> bool:
@@ -307,15 +268,6 @@ class RedisFleet(RedisBudget):
         if getattr(lease, "replica", None) is not None:
             self._core.fleet_ok.add(lease.id)
 
-    def avoiding(self, meta: Mapping[str, Any] | None, lease: Lease) -> dict[str, Any]:
-        """``meta`` for the request's next placement: not on ``lease``'s replica, which just failed it
-        (unless no other replica is available)."""
-        out = dict(meta or {})
-        replica = getattr(lease, "replica", None)
-        if replica is not None:
-            out[AVOID_META] = (*out.get(AVOID_META, ()), replica)
-        return out
-
     def note_move(self) -> None:
         """A request moved off a failed replica without spending a retry (this process's count)."""
         self.moves += 1
@@ -328,7 +280,7 @@ class RedisFleet(RedisBudget):
         return self._sync_face.eval("fleet", [str(a) for a in args])
 
     def _rid(self, url: str) -> str:
-        return replica_id(_normalize(url))
+        return replica_id(normalize(url))
 
     async def eject(self, url: str) -> None:
         """Eject ``url`` now for its backoff; its leases are released at once."""
@@ -352,7 +304,7 @@ class RedisFleet(RedisBudget):
         if limit is None:
             raise ConfigurationError("add_replica needs limit_blocks (this fleet has no default limit)")
         validate_blocks(limit, "limit_blocks")
-        u = _normalize(url)
+        u = normalize(url)
         self._urls[replica_id(u)] = u
         self._config[u] = (limit, capacity or limit)
         return ["add", replica_id(u), u, limit, validate_blocks(capacity or limit, "capacity")]
@@ -369,12 +321,12 @@ class RedisFleet(RedisBudget):
     async def remove_replica(self, url: str) -> None:
         """Drain a replica: no new request goes there; it is forgotten once its leases end. Waiters no
         remaining replica could take fail with LeaseTooLarge."""
-        self._config.pop(_normalize(url), None)
+        self._config.pop(normalize(url), None)
         await self._op("remove", self._rid(url))
         self._urls.pop(self._rid(url), None)
 
     def remove_replica_sync(self, url: str) -> None:
-        self._config.pop(_normalize(url), None)
+        self._config.pop(normalize(url), None)
         self._op_sync("remove", self._rid(url))
         self._urls.pop(self._rid(url), None)
 
