@@ -53,6 +53,13 @@ _STYLES: dict[str, SetupStyle] = {
     "clairvoyant": SetupStyle(OKABE_ITO["reddish_purple"], (0, (6, 1.5, 1, 1.5, 1, 1.5)), "P"),
     "zp-redis": SetupStyle(OKABE_ITO["sky_blue"], (0, (1, 1)), "h", "//"),
     "zp-redis-elastic": SetupStyle(OKABE_ITO["blue"], (0, (1, 1)), "*", "//"),
+    # the fleet setups (--replicas N)
+    "rr": SetupStyle(OKABE_ITO["vermillion"], (0, (2, 1)), "<"),
+    "rr-zp": SetupStyle(OKABE_ITO["sky_blue"], (0, (6, 1, 1, 1)), ">"),
+    "epp": SetupStyle(OKABE_ITO["reddish_purple"], "solid", "8"),
+    "zp-fleet": SetupStyle(OKABE_ITO["blue"], (0, (8, 2)), "H"),
+    "zp-fleet-strict": SetupStyle(OKABE_ITO["sky_blue"], (0, (3, 3)), "x"),
+    "zp-fleet-redis": SetupStyle(OKABE_ITO["blue"], (0, (2, 1, 1, 1)), "+", "\\\\"),
 }
 _FALLBACK_COLORS = ("#999999", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
 _FALLBACK_MARKERS = ("p", "d", "<", ">", "8", "H")
