@@ -296,8 +296,7 @@ class LocalBudget(Budget):
         mine = None
         to_wake: list[_Waiter] = []
         for gid in granted:
-            rec = self._ledger.leases[gid]
-            lease = _LocalLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket)
+            lease = self._new_lease(gid)
             self._granted_total += 1
             if gid == own:
                 mine = lease
@@ -306,6 +305,11 @@ class LocalBudget(Budget):
             waiter.lease = lease
             to_wake.append(waiter)
         return mine, to_wake
+
+    def _new_lease(self, gid: str) -> _LocalLease:
+        """The lease object for ledger lease ``gid`` (caller holds the lock; a fleet's names its replica)."""
+        rec = self._ledger.leases[gid]
+        return _LocalLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket)
 
     def _wake(self, waiters: list[_Waiter]) -> None:
         """Wake granted/failed waiters, outside the lock."""

@@ -344,22 +344,10 @@ class Fleet(FleetRouting, LocalBudget):
                 self._readmit_due(now)
         return super()._enter(blocks, priority, ticket, held, meta)
 
-    def _hand_out(self, granted: list[str], own: str | None = None) -> tuple[Any, list[_Waiter]]:
-        mine = None
-        to_wake: list[_Waiter] = []
+    def _new_lease(self, gid: str) -> FleetLease:
         led = self.ledger
-        for gid in granted:
-            rec = led.leases[gid]
-            lease = FleetLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket,
-                               led.replica_of(gid) or "")
-            self._granted_total += 1
-            if gid == own:
-                mine = lease
-                continue
-            waiter = self._waiters.pop(gid)
-            waiter.lease = lease
-            to_wake.append(waiter)
-        return mine, to_wake
+        rec = led.leases[gid]
+        return FleetLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket, led.replica_of(gid) or "")
 
     def _affinity_poke(self, meta: Mapping[str, Any] | None) -> float | None:
         if not meta or not (meta.get(PREFIX_META) or meta.get(SESSION_META) is not None):
