@@ -355,6 +355,8 @@ def test_the_idle_watchdog_measures_idleness_on_the_core_clock() -> None:
         more.wait(10)  # the server would send more; the caller never asks
 
     def handler(request: Any) -> Any:
+        if not request.url.path.endswith("/chat/completions"):  # the pool check's /metrics: no such page
+            return httpx.Response(404)
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
     settings = Settings(estimator="heuristic", max_model_len=4096, idle_stream_timeout_s=0.2)

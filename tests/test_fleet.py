@@ -428,12 +428,15 @@ async def _true(url: str) -> bool:
 
 
 def test_fleet_arguments_are_checked() -> None:
-    with pytest.raises(ConfigurationError):
+    with pytest.raises(ConfigurationError, match="not one string"):
         Fleet("http://a:8000/v1", limit_blocks=10)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError):
+    with pytest.raises(ConfigurationError, match="limit_blocks"):
         Fleet(["http://a:8000/v1"])
     with pytest.raises(ConfigurationError):
         Fleet(["not a url"], limit_blocks=10)
+    for empty in ([], {}):  # a list or a mapping: no replica is an error, not an idle fleet
+        with pytest.raises(ConfigurationError, match="at least one replica"):
+            Fleet(empty, limit_blocks=10)
     fleet = Fleet({"http://a:8000/v1/": 10, "http://b:8000/v1": 20})
     assert fleet.limit == 30 and fleet.base_url == "http://fleet.zp-fleet.invalid/v1"
     with pytest.raises(ConfigurationError):

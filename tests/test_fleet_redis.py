@@ -375,8 +375,10 @@ def test_arguments_are_checked(redis_url: str) -> None:
         RedisFleet(redis_url, "zptest-x", [A], 10, policy="elastic")
     with pytest.raises(ConfigurationError, match="limit_blocks"):
         RedisFleet(redis_url, "zptest-x", [A])
-    with pytest.raises(ConfigurationError):
+    with pytest.raises(ConfigurationError, match="not one string"):
         RedisFleet(redis_url, "zptest-x", "http://a:8000/v1", 10)
+    with pytest.raises(ConfigurationError, match="at least one replica"):
+        RedisFleet(redis_url, "zptest-x", {}, None)
     with pytest.raises(ConfigurationError, match="fails closed"):
         RedisFleet(redis_url, "zptest-x", [A], 10, on_unavailable="fail_local")
     with pytest.raises(ConfigurationError, match="fleet_ttl_s"):

@@ -535,7 +535,7 @@ async def test_fail_local_falls_back_to_a_local_share(caplog: Any) -> None:
     pytest.importorskip("zp_client.budget.local")
     events: list[RedisBudgetEvent] = []
     b = RedisBudget(f"redis://127.0.0.1:{_free_port()}/0", "zptest-nowhere", 100, on_unavailable="fail_local",
-                    local_share=0.25, on_event=events.append)
+                    local_share=0.25, on_event=events.append, unavailable_timeout_s=0.5)
     with caplog.at_level(logging.ERROR, logger="zp_client"):
         async with b.lease(20) as lease:
             assert lease.bound == 20

@@ -66,7 +66,7 @@ async def test_local_budget_waiters_and_new_requests_wait_out_a_temporary_cut() 
 @pytest.mark.redis
 def test_redis_budget_keeps_the_size_limit_through_a_fenced_or_plain_cut(redis_url: str, redis_prefix: str) -> None:
     async def main() -> None:
-        budget = RedisBudget(redis_url, redis_prefix, 100)
+        budget = RedisBudget(redis_url, redis_prefix, 100, recovery_s=0)  # a fresh budget: no recovery wait
         try:
             first = await budget.acquire(70)
             waiter = asyncio.ensure_future(budget.acquire(70, timeout=30))

@@ -4,10 +4,11 @@ where an attempt goes, where metadata is read, the routing meta of a request. Du
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from zp_client.budget.ledger import validate_blocks
 from zp_client.errors import ConfigurationError
 from zp_client.fleet.ledger import AVOID_META, PREFIX_META, SESSION_META
 from zp_client.fleet.prefix import prefix_keys
@@ -25,6 +26,26 @@ def normalize(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigurationError(f"a replica is an http(s) base URL like http://host:8000/v1, got {url!r}")
     return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+
+
+def replica_limits(replicas: Sequence[str] | Mapping[str, int], limit_blocks: int | None, *,
+                   missing_limit: str) -> dict[str, int]:
+    """Normalized replica URL -> limit from a fleet constructor's arguments: a list of base URLs with one
+    ``limit_blocks`` for each, or a mapping URL -> limit. ``missing_limit`` is the error's text when a
+    list comes without ``limit_blocks``."""
+    if isinstance(replicas, str):
+        raise ConfigurationError("replicas is a list of base URLs (or a mapping URL -> limit), not one "
+                                 f"string; got {replicas!r}")
+    if isinstance(replicas, Mapping):
+        out = {normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
+    else:
+        if limit_blocks is None:
+            raise ConfigurationError(missing_limit)
+        validate_blocks(limit_blocks, "limit_blocks")
+        out = {normalize(u): limit_blocks for u in replicas}
+    if not out:
+        raise ConfigurationError("a fleet needs at least one replica")
+    return out
 
 
 def origin(url: str) -> tuple[str, str, int | None]:

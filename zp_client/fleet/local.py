@@ -33,7 +33,7 @@ from zp_client.budget.ledger import (
 )
 from zp_client.budget.local import LocalBudget, _LocalLease, _Waiter
 from zp_client.errors import ConfigurationError
-from zp_client.fleet._routing import FleetRouting, normalize, origin
+from zp_client.fleet._routing import FleetRouting, normalize, origin, replica_limits
 from zp_client.fleet.ledger import (
     DEFAULT_AFFINITY_WAIT_S,
     DEFAULT_FLEET_STARVATION_BOUND_S,
@@ -116,7 +116,9 @@ class Fleet(FleetRouting, LocalBudget):
     ) -> None:
         super().__init__(1, block_size, starvation_bound_s=starvation_bound_s, policy="strict", name=name,
                          clock=clock)
-        limits = self._limits(replicas, limit_blocks)
+        limits = replica_limits(replicas, limit_blocks, missing_limit=(
+            "Fleet(urls) needs limit_blocks (or a mapping of URL to limit, or Fleet.from_servers(urls) to "
+            "size each replica from its /metrics; Fleet.from_dns for a DNS name)"))
         caps = {normalize(u): validate_blocks(c, "capacity") for u, c in (capacities or {}).items()}
         self._default_limit = limit_blocks
         self._ledger = FleetLedger(  # type: ignore[assignment]  # the Ledger surface LocalBudget drives
@@ -136,22 +138,6 @@ class Fleet(FleetRouting, LocalBudget):
         """Moves per request off failing replicas, per replica in the fleet (each move avoids the
         replicas that failed the request already), before the retry policy decides: a guard against a
         fleet whose every replica fails."""
-
-    @staticmethod
-    def _limits(replicas: Sequence[str] | Mapping[str, int], limit_blocks: int | None) -> dict[str, int]:
-        if isinstance(replicas, str):
-            raise ConfigurationError("replicas is a list of base URLs (or a mapping URL -> limit), not one "
-                                     "string; use Fleet.from_dns for a DNS name")
-        if isinstance(replicas, Mapping):
-            return {normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
-        if limit_blocks is None:
-            raise ConfigurationError("Fleet(urls) needs limit_blocks (or a mapping of URL to limit, or "
-                                     "Fleet.from_servers(urls) to size each replica from its /metrics)")
-        validate_blocks(limit_blocks, "limit_blocks")
-        out = {normalize(u): limit_blocks for u in replicas}
-        if not out:
-            raise ConfigurationError("a fleet needs at least one replica")
-        return out
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -36,7 +36,7 @@ from zp_client.budget.ledger import validate_blocks, validate_seconds
 from zp_client.budget.redis._budget import RedisBudget
 from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
 from zp_client.errors import ConfigurationError
-from zp_client.fleet._routing import FleetRouting, normalize
+from zp_client.fleet._routing import FleetRouting, normalize, replica_limits
 from zp_client.fleet.ledger import (
     AVOID_META,
     DEFAULT_AFFINITY_WAIT_S,
@@ -143,7 +143,8 @@ class RedisFleet(FleetRouting, RedisBudget):
         if kwargs.get("on_unavailable", "fail_closed") != "fail_closed":
             raise ConfigurationError("RedisFleet fails closed only (on_unavailable='fail_closed'): a local "
                                      "fallback would admit without placing requests on replicas")
-        limits = self._limits(replicas, limit_blocks)
+        limits = replica_limits(replicas, limit_blocks, missing_limit=(
+            "RedisFleet(url, name, replicas) needs limit_blocks (or a mapping of URL to limit)"))
         super().__init__(url_or_client, name, max(limits.values()), block_size, policy="strict", **kwargs)
         self.health = health or HealthRules()
         self.affinity_wait_s = validate_seconds(affinity_wait_s, "affinity_wait_s")
@@ -176,23 +177,6 @@ class RedisFleet(FleetRouting, RedisBudget):
     def from_server(cls, *args: Any, **kwargs: Any) -> RedisFleet:
         raise ConfigurationError("RedisFleet sizes replicas from its arguments (replicas may be a mapping "
                                  "URL -> limit: calibrate each with zp_client.calibration.calibrate)")
-
-    @staticmethod
-    def _limits(replicas: Sequence[str] | Mapping[str, int], limit_blocks: int | None) -> dict[str, int]:
-        if isinstance(replicas, str):
-            raise ConfigurationError("replicas is a list of base URLs (or a mapping URL -> limit), not one "
-                                     "string")
-        if isinstance(replicas, Mapping):
-            out = {normalize(u): validate_blocks(v, f"limit of {u}") for u, v in replicas.items()}
-        else:
-            if limit_blocks is None:
-                raise ConfigurationError("RedisFleet(url, name, replicas) needs limit_blocks (or a mapping "
-                                         "of URL to limit)")
-            validate_blocks(limit_blocks, "limit_blocks")
-            out = {normalize(u): limit_blocks for u in replicas}
-        if not out:
-            raise ConfigurationError("a fleet needs at least one replica")
-        return out
 
     def _init_arg(self) -> str:
         h = self.health
