@@ -232,11 +232,13 @@ def restore_setups():
     from zp_client.bench import setups
 
     saved_specs, saved_factories = dict(setups.SETUPS), dict(setups._FACTORIES)
+    saved_names = setups.ALL_SETUPS, setups.DEFAULT_SETUPS  # register_setup rebuilds these tuples
     yield setups
     setups.SETUPS.clear()
     setups.SETUPS.update(saved_specs)
     setups._FACTORIES.clear()
     setups._FACTORIES.update(saved_factories)
+    setups.ALL_SETUPS, setups.DEFAULT_SETUPS = saved_names
 
 
 def test_register_setup_adds_a_setup_in_canonical_order(restore_setups) -> None:
@@ -270,3 +272,87 @@ def test_a_failing_worker_process_fails_the_run_with_a_clear_error(restore_setup
         run_storm(cfg)
     # no worker is left behind
     assert multiprocessing.active_children() == []
+
+
+# ------------------------------------------------------------------ the load generator's stream reader
+
+
+def _openai_http() -> tuple[object, object]:
+    """openai and the HTTP library it is built on (httpx for 2.x, httpx2 for 3.x)."""
+    import importlib
+
+    import openai
+
+    major = int(openai.__version__.split(".")[0])
+    return openai, importlib.import_module("httpx2" if major >= 3 else "httpx")
+
+
+def _sse(*chunks: object, done: bool = True) -> bytes:
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + (["data: [DONE]\n\n"] if done else [])
+    return "".join(lines).encode()
+
+
+def _content(text: str) -> dict[str, object]:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+@pytest.mark.openai_compat
+@pytest.mark.parametrize("case", ["ok", "error-chunk", "reset"])
+def test_stream_chat_reads_chunks_as_openais_stream_does(case: str) -> None:
+    """The load generator parses the raw stream itself (openai's per-chunk models were half a fleet
+    storm's CPU); it must keep openai's Stream semantics: content chunks are stamped, usage is read,
+    ``[DONE]`` ends it, an ``error`` chunk is an ``openai.APIError`` and a reset an
+    ``APIConnectionError``, both counted as a cut stream once content was read."""
+    from zp_client.bench.loadgen import RequestRecord, VirtualClock, stream_chat
+    from zp_client.bench.workloads import Turn
+
+    openai, http = _openai_http()
+    usage = {**_content(""), "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                                      "total_tokens": 7}}
+
+    class Body:
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            yield _sse(_content("a"), done=False)
+            if case == "reset":
+                raise http.ReadError("connection reset by peer")  # type: ignore[attr-defined]
+            if case == "error-chunk":
+                yield _sse({"error": {"message": "engine died", "code": 500}}, done=False)
+            yield _sse(_content("b"), usage)
+
+    seen: list[object] = []
+
+    def handler(request: object) -> object:
+        seen.append(json.loads(request.content))  # type: ignore[attr-defined]
+        return http.Response(200, headers={"content-type": "text/event-stream"},  # type: ignore[attr-defined]
+                             content=Body())
+
+    now = [0.0]
+
+    def tick() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    async def main() -> RequestRecord:
+        client = openai.AsyncOpenAI(  # type: ignore[attr-defined]
+            base_url="http://sim/v1", api_key="k", max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(transport=http.MockTransport(handler)))  # type: ignore[attr-defined]
+        turn = Turn(messages=[{"role": "user", "content": "hi"}], prompt_tokens=5, max_tokens=8, true_out=2)
+        rec = RequestRecord("r0", "s", "chat", 5, 8, 2)
+        try:
+            await stream_chat(client, "m", turn, rec, VirtualClock(tick, 1.0))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            rec.error = type(exc).__name__
+            assert isinstance(exc, openai.OpenAIError)  # type: ignore[attr-defined]
+        finally:
+            await client.close()
+        return rec
+
+    rec = asyncio.run(main())
+    assert seen and seen[0]["stream"] is True and seen[0]["sim_output_tokens"] == 2  # type: ignore[index]
+    if case == "ok":
+        assert rec.error is None and rec.out_tokens == 2 and rec.token_times == [1.0, 2.0]
+        assert rec.t_first == 1.0 and rec.cut_streams == 0
+    else:
+        assert rec.error == {"error-chunk": "APIError", "reset": "APIConnectionError"}[case]
+        assert rec.cut_streams == 1  # content ("a") had reached the caller
