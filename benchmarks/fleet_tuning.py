@@ -54,9 +54,12 @@ def main() -> None:
     ap.add_argument("--kill", type=float, default=None, help="--kill-replica AT_S for every run")
     ap.add_argument("--starvation", type=float, default=None, help="zp-fleet's starvation_bound_s")
     ap.add_argument("--headroom", type=float, default=None, help="zp-fleet's elastic headroom")
+    ap.add_argument("--tune", default="", help="more ElasticTuning fields for zp-fleet: q=0.5,q_tail=0.9")
     a = ap.parse_args()
     seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else [a.seed]
-    extra = {k: v for k, v in (("starvation_bound_s", a.starvation), ("headroom", a.headroom)) if v is not None}
+    extra: dict[str, Any] = {k: v for k, v in (("starvation_bound_s", a.starvation), ("headroom", a.headroom))
+                             if v is not None}
+    extra.update({k: float(v) for k, v in (kv.split("=", 1) for kv in a.tune.split(",") if kv)})
     jobs: list[tuple[Any, ...]] = []
     for seed in seeds:
         jobs += [(a.workload, seed, a.replicas, float(x), "zp-fleet", a.load_scale, a.kill, extra)
