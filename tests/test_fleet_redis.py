@@ -371,8 +371,10 @@ async def test_redis_down_fails_closed() -> None:
 
 
 def test_arguments_are_checked(redis_url: str) -> None:
-    with pytest.raises(ConfigurationError, match="strict only"):
-        RedisFleet(redis_url, "zptest-x", [A], 10, policy="elastic")
+    with pytest.raises(ConfigurationError, match="policy must be 'strict' or 'elastic'"):
+        RedisFleet(redis_url, "zptest-x", [A], 10, policy="greedy")
+    with pytest.raises(ConfigurationError, match="longest-first"):
+        RedisFleet(redis_url, "zptest-x", [A], 10, longest_first_s=1.0)
     with pytest.raises(ConfigurationError, match="limit_blocks"):
         RedisFleet(redis_url, "zptest-x", [A])
     with pytest.raises(ConfigurationError, match="not one string"):

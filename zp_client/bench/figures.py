@@ -60,6 +60,7 @@ _STYLES: dict[str, SetupStyle] = {
     "zp-fleet": SetupStyle(OKABE_ITO["blue"], (0, (8, 2)), "H"),
     "zp-fleet-strict": SetupStyle(OKABE_ITO["sky_blue"], (0, (3, 3)), "x"),
     "zp-fleet-redis": SetupStyle(OKABE_ITO["blue"], (0, (2, 1, 1, 1)), "+", "\\\\"),
+    "zp-fleet-redis-strict": SetupStyle(OKABE_ITO["sky_blue"], (0, (2, 1, 1, 1)), "1", "\\\\"),
 }
 _FALLBACK_COLORS = ("#999999", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
 _FALLBACK_MARKERS = ("p", "d", "<", ">", "8", "H")

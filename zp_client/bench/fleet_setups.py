@@ -573,27 +573,50 @@ async def _zp_fleet_strict(ctx: SetupContext, stack: contextlib.AsyncExitStack) 
 
 
 async def _zp_fleet_redis(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
-    """A :class:`zp_client.fleet.redis.RedisFleet` (strict: the Redis fleet's one policy) shared by the
-    worker processes, each with its own client: the fleet's line, the replicas' budgets, the prefix index
-    and the sessions live in Redis."""
-    from zp_client.errors import ConfigurationError
-    from zp_client.fleet.redis import RedisFleet
+    """A :class:`zp_client.fleet.redis.RedisFleet` of elastic budgets (``zp-fleet``'s policy, limits and
+    fleet settings) shared by the worker processes, each with its own client: the fleet's line, the
+    replicas' budgets, the prefix index and the sessions live in Redis."""
+    from zp_client.bench.elastic_setups import _forecaster, _limit
 
-    if not ctx.redis_url:
-        raise ConfigurationError("zp-fleet-redis needs --redis URL")
     urls = [u.rstrip("/") for u in ctx.replica_base_urls]
-    limits = dict(zip(urls, ctx.replica_limit_blocks, strict=True))
-    fleet = RedisFleet(ctx.redis_url, ctx.budget_name, limits,
-                       block_size=ctx.block_size, capacities=dict.fromkeys(urls, ctx.num_gpu_blocks - 1),
-                       recovery_s=0.0)
+    fleet = _redis_fleet(ctx, dict.fromkeys(urls, _limit(ctx)), "elastic")
+    client = await zp_client_for(ctx, stack, fleet, forecaster=_forecaster(ctx.elastic))
+    return ZPFleetCaller(client, ctx.model, fleet, urls)
+
+
+async def _zp_fleet_redis_strict(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    """``zp-fleet-strict`` in Redis: a strict :class:`zp_client.fleet.redis.RedisFleet` shared by the
+    worker processes (each replica's ``zp-strict`` limit)."""
+    urls = [u.rstrip("/") for u in ctx.replica_base_urls]
+    fleet = _redis_fleet(ctx, dict(zip(urls, ctx.replica_limit_blocks, strict=True)), "strict")
     client = await zp_client_for(ctx, stack, fleet)
     return ZPFleetCaller(client, ctx.model, fleet, urls)
 
 
+def _redis_fleet(ctx: SetupContext, limits: dict[str, int], policy: str) -> Any:
+    from zp_client.errors import ConfigurationError
+    from zp_client.fleet.redis import RedisFleet
+
+    if not ctx.redis_url:
+        raise ConfigurationError("the zp-fleet-redis setups need --redis URL")
+    kw: dict[str, Any] = {}
+    if ctx.elastic.starvation_bound_s is not None:
+        kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
+    if ctx.elastic.affinity_wait_s is not None:
+        kw["affinity_wait_s"] = ctx.elastic.affinity_wait_s
+    return RedisFleet(ctx.redis_url, ctx.budget_name, limits, block_size=ctx.block_size, policy=policy,
+                      capacities=dict.fromkeys(limits, ctx.num_gpu_blocks - 1), recovery_s=0.0, **kw)
+
+
 register_setup(SetupSpec("zp-fleet-strict", True, description="zp-fleet with strict budgets "
-                         "(zp-fleet-redis's policy, in one process)", fleet=True, default=False,
+                         "(each replica's zp-strict limit)", fleet=True, default=False,
                          min_replicas=2, fleet_default=False),
                _zp_fleet_strict, after="zp-fleet")
 register_setup(SetupSpec("zp-fleet-redis", True, needs_redis=True, workers=3, description="RedisFleet "
-                         "(strict) shared by 3 worker processes", fleet=True, default=False, min_replicas=2),
+                         "(zp-fleet's elastic budgets) shared by 3 worker processes", fleet=True,
+                         default=False, min_replicas=2),
                _zp_fleet_redis, after="zp-fleet-strict")
+register_setup(SetupSpec("zp-fleet-redis-strict", True, needs_redis=True, workers=3, description="RedisFleet "
+                         "(strict, zp-fleet-strict's limits) shared by 3 worker processes", fleet=True,
+                         default=False, min_replicas=2, fleet_default=False),
+               _zp_fleet_redis_strict, after="zp-fleet-redis")

@@ -301,7 +301,8 @@ class FleetLedger:
             return False
         keys = w.meta.get(PREFIX_META) or ()
         session = w.meta.get(SESSION_META)
-        match = self.index.match(keys) if keys else {}
+        # a prefix of under one block caches nothing worth routing for (the load decides, as in Redis)
+        match = {u: b for u, b in self.index.match(keys).items() if b > 0} if keys else {}
         sess_url = self.sessions.get(session) if session is not None else None
         first = avail[0].ledger
         meta = {k: v for k, v in w.meta.items() if k not in _ROUTING_META}

@@ -10,15 +10,18 @@ Redis so every process on every host shares one line and one budget per replica:
     client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
 
 It is a :class:`~zp_client.RedisBudget` in **fleet mode**: the same scripts (``lua/``), whose grant pass
-places each waiter on a replica (strict per replica: the sum of bounds on a replica never exceeds its
-limit; session replica first, then the longest prefix match, then the least load; the affinity wait;
-ejected replicas skipped, all of them used when all are ejected), so waiting, mailboxes, renewals,
-recovery and fail-closed behaviour are RedisBudget's. An uncontended request costs two script calls:
+places each waiter on a replica (each replica admits under the fleet's policy, over its own leases:
+``elastic``, the default, while the projected peak of its pool stays within its limit, as
+:class:`~zp_client.fleet.Fleet`'s replicas; ``strict``, while its sum of bounds does; session replica
+first, then the longest prefix match, then the least projected load; the affinity wait; a waiter past
+the starvation bound that fits nowhere holds one replica, not the whole line; ejected replicas skipped,
+all of them used when all are ejected), so waiting, mailboxes, renewals, recovery and fail-closed
+behaviour are RedisBudget's. An uncontended request costs two script calls:
 acquire (route and admit) and release (which also carries the request's success). Health
 (:meth:`note_failure`, ejection, readmission) and membership go through ``lua/fleet.lua``.
 
-Strict only: ``policy="elastic"`` is refused (the projected peak per replica is not built in Lua).
-See docs/redis.md, "Redis fleets".
+The placement is :class:`~zp_client.fleet.ledger.FleetLedger`'s, ported to Lua; a conformance test drives
+both with the same requests (tests/test_fleet_redis_elastic.py). See docs/redis.md, "Redis fleets".
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from zp_client.fleet._routing import FleetRouting, normalize, replica_limits
 from zp_client.fleet.ledger import (
     AVOID_META,
     DEFAULT_AFFINITY_WAIT_S,
+    DEFAULT_FLEET_STARVATION_BOUND_S,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MIN_AFFINITY_BLOCKS,
     PREFIX_META,
@@ -78,9 +82,9 @@ class _Hooks:
     def __init__(self, fleet: RedisFleet) -> None:
         self._fleet = fleet
 
-    def route_arg(self, meta: Mapping[str, Any] | None) -> str:
+    def route_arg(self, meta: Mapping[str, Any] | None) -> dict[str, Any]:
         if not meta:
-            return ""
+            return {}
         out: dict[str, Any] = {}
         keys = meta.get(PREFIX_META)
         if keys:
@@ -92,7 +96,7 @@ class _Hooks:
         avoid = meta.get(AVOID_META)
         if avoid:
             out["a"] = [replica_id(str(u)) for u in avoid][-16:]
-        return json.dumps(out, separators=(",", ":")) if out else ""
+        return out
 
     def init_arg(self) -> str:
         return self._fleet._init_arg()
@@ -108,8 +112,11 @@ class RedisFleet(FleetRouting, RedisBudget):
     """A fleet of vLLM replicas whose budgets, line and prefix index live in Redis (module docstring).
 
     ``replicas``: base URLs (all with the same path), each leased up to ``limit_blocks``, or a mapping of
-    URL to its own limit. ``capacities``: a replica's pool in blocks for the prefix index (default its
-    limit). ``affinity_wait_s`` / ``min_affinity_blocks`` / ``health`` / ``max_prefix_entries`` /
+    URL to its own limit. ``policy``: each replica's reservation policy, ``"elastic"`` (default, as
+    :class:`~zp_client.fleet.Fleet`'s) or ``"strict"``; the fleet's creator chooses, as RedisBudget's.
+    ``starvation_bound_s`` defaults to a fleet's 10 s (``DEFAULT_FLEET_STARVATION_BOUND_S``); a fleet's
+    line has no longest-first window. ``capacities``: a replica's pool in blocks for the prefix index
+    (default its limit). ``affinity_wait_s`` / ``min_affinity_blocks`` / ``health`` / ``max_prefix_entries`` /
     ``max_sessions``: as :class:`~zp_client.fleet.Fleet`'s (stored by the fleet's creator; the first
     process to create it wins, as RedisBudget's limit). ``fleet_ttl_s``: the routing keys (sessions, the
     prefix index, the replicas and their counters) expire this long after their last write or lease
@@ -126,7 +133,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         limit_blocks: int | None = None,
         block_size: int = 16,
         *,
-        policy: str = "strict",
+        policy: str = "elastic",
         affinity_wait_s: float = DEFAULT_AFFINITY_WAIT_S,
         min_affinity_blocks: int = DEFAULT_MIN_AFFINITY_BLOCKS,
         health: HealthRules | None = None,
@@ -136,16 +143,17 @@ class RedisFleet(FleetRouting, RedisBudget):
         fleet_ttl_s: float = DEFAULT_FLEET_TTL_S,
         **kwargs: Any,
     ) -> None:
-        if policy != "strict":
-            raise ConfigurationError(
-                f"RedisFleet is strict only (each replica admits while its sum of bounds fits its limit); "
-                f"got policy={policy!r}. The elastic policy per replica is built for the in-process Fleet")
+        if kwargs.get("longest_first_s", 0):
+            raise ConfigurationError("a fleet's line has no longest-first window (longest_first_s): it is "
+                                     "FIFO within a class, as Fleet's")
+        kwargs["longest_first_s"] = 0.0
+        kwargs.setdefault("starvation_bound_s", DEFAULT_FLEET_STARVATION_BOUND_S)
         if kwargs.get("on_unavailable", "fail_closed") != "fail_closed":
             raise ConfigurationError("RedisFleet fails closed only (on_unavailable='fail_closed'): a local "
                                      "fallback would admit without placing requests on replicas")
         limits = replica_limits(replicas, limit_blocks, missing_limit=(
             "RedisFleet(url, name, replicas) needs limit_blocks (or a mapping of URL to limit)"))
-        super().__init__(url_or_client, name, max(limits.values()), block_size, policy="strict", **kwargs)
+        super().__init__(url_or_client, name, max(limits.values()), block_size, policy=policy, **kwargs)
         self.health = health or HealthRules()
         self.affinity_wait_s = validate_seconds(affinity_wait_s, "affinity_wait_s")
         self.min_affinity_blocks = validate_blocks(min_affinity_blocks, "min_affinity_blocks", minimum=0)
@@ -333,7 +341,8 @@ class RedisFleet(FleetRouting, RedisBudget):
     # ------------------------------------------------------------------ status
     async def status(self) -> BudgetStatus:
         """The line (as RedisBudget's status) and ``extra["replicas"]``: per replica its limit, used
-        (sum of bounds), leases, ejection state, prefix hit rate; the fleet's sessions and index size."""
+        (as its policy counts: the projected peak of its leases under elastic, their sum of bounds under
+        strict), leases, ejection state, prefix hit rate; the fleet's sessions and index size."""
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
         side = self._get_side()
@@ -354,6 +363,8 @@ class RedisFleet(FleetRouting, RedisBudget):
         sums = {k: int(v) for k, v in zip(sums_flat[::2], sums_flat[1::2], strict=False)}
         px_flat = fl[4]
         px = {text(px_flat[i]): int(px_flat[i + 1]) for i in range(0, len(px_flat), 2)}
+        peak_flat = fl[6] if len(fl) > 6 else []
+        peaks = {text(peak_flat[i]): int(peak_flat[i + 1]) for i in range(0, len(peak_flat), 2)}
         replicas: dict[str, dict[str, Any]] = {}
         limit = used = 0
         prompt = hits = 0
@@ -368,12 +379,14 @@ class RedisFleet(FleetRouting, RedisBudget):
                 ejected.add(rid)
             draining = r.get("dr") == 1
             b, q, h = sums.get("b" + rid, 0), sums.get("q" + rid, 0), sums.get("h" + rid, 0)
+            u = peaks.get(rid, b)
             if not draining and not is_ej:
                 limit += int(r["lim"])
-            used += b
+            used += u
             prompt, hits = prompt + q, hits + h
             replicas[url] = {
-                "id": rid, "limit": int(r["lim"]), "used": b, "leases": sums.get("n" + rid, 0),
+                "id": rid, "limit": int(r["lim"]), "used": u, "bound_sum": b,
+                "leases": sums.get("n" + rid, 0),
                 "ejected": is_ej, "ejected_for_s": max(0, ej - now) / 1000 if is_ej else None,
                 "ejections": int(r.get("x") or 0), "failures": sums.get("f" + rid, 0), "draining": draining,
                 "placed": sums.get("p" + rid, 0), "prefix_hit_rate": round(h / q, 4) if q else None,
@@ -394,7 +407,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         return BudgetStatus(
             limit=limit, used=used, free=max(0, limit - used), held=line.held, leases=line.leases,
             waiters={p: ClassStatus(c.waiters, c.weight) for p, c in line.waiters.items()},
-            head_wait_s=line.head_wait_s, policy="strict", block_size=line.block_size, extra=extra,
+            head_wait_s=line.head_wait_s, policy=line.policy, block_size=line.block_size, extra=extra,
         )
 
     async def acquire(

@@ -144,7 +144,7 @@ class AsyncFace:
         replica: str | None = None,
     ) -> RedisLease:
         lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=False,
-                           meta="" if self.core.fleet is not None else meta_json)
+                           meta=meta_json)
         lease.replica = replica
         self.leases[rid] = lease
         self.start()

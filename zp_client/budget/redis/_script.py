@@ -55,6 +55,7 @@ _META_KEYS = {
     "prefix_key": "pk", "prefix_blocks": "pb", "first_token": "f1", "max_output_tokens": "mo",
 }
 _META_FLAGS = ("st", "f1")
+_SHORT_KEYS = frozenset(_META_KEYS.values())
 
 
 def compact_meta(meta: Mapping[str, Any], *, update: bool) -> dict[str, Any]:
@@ -202,7 +203,7 @@ class AcquireReply:
 class FleetHooks(Protocol):
     """What a Redis fleet (``zp_client.fleet.redis``) adds to its budget's script layer."""
 
-    def route_arg(self, meta: Mapping[str, Any] | None) -> str: ...
+    def route_arg(self, meta: Mapping[str, Any] | None) -> dict[str, Any]: ...
 
     def init_arg(self) -> str: ...
 
@@ -314,14 +315,16 @@ class Core:
 
     def meta_arg(self, meta: Mapping[str, Any] | None, bound: int) -> str:
         """acquire.lua's meta argument: the compact policy fields, ``max_output_tokens`` derived from the
-        bound as the Ledger does (:func:`~zp_client.budget.elastic.admission_meta`)."""
-        if self.fleet is not None:
-            return self.fleet.route_arg(meta)
-        if self.policy != "elastic" or not meta:
-            return ""
-        if not isinstance(meta, Mapping):
+        bound as the Ledger does (:func:`~zp_client.budget.elastic.admission_meta`). In fleet mode the
+        request's routing (``k``, ``s``, ``a``: never a policy field's name) travels in the same object."""
+        if meta is not None and not isinstance(meta, Mapping):
             raise ConfigurationError(f"meta must be a mapping (see zp_client.budget.elastic), got {meta!r}")
-        return meta_json(compact_meta(admission_meta(meta, bound, self.cfg.block_size), update=False))
+        out: dict[str, Any] = {}
+        if self.policy == "elastic" and meta:
+            out = compact_meta(admission_meta(meta, bound, self.cfg.block_size), update=False)
+        if self.fleet is not None:
+            out.update(self.fleet.route_arg(meta))
+        return meta_json(out)
 
     def acquire_args(
         self, rid: str, bound: int, held: int, prio: int, order: int, box: str, meta: str
@@ -350,10 +353,9 @@ class Core:
     def renew_args(self, batch: list[RedisLease]) -> list[Any]:
         args: list[Any] = [self.owner, int(self.cfg.lease_ttl_s * 1000)]
         for le in batch:
+            extra = meta_json(le._meta_all) if self.policy == "elastic" else ""
             if self.fleet is not None:
-                extra = self.fleet.replica_id(le.replica)
-            else:
-                extra = meta_json(le._meta_all) if self.policy == "elastic" else ""
+                extra = f"{self.fleet.replica_id(le.replica)}|{extra}"
             args += [le.id, le.epoch, le.bound, le._held, le.priority, le.ticket.order, extra]
         return args
 
@@ -579,8 +581,9 @@ class RedisLease(Lease):
         self.replica: str | None = None
         """In a Redis fleet: the base URL of the replica the lease was placed on (else None)."""
         self._meta_pending: dict[str, Any] = {}  # elastic: compact meta fields not yet sent
-        # elastic: the whole compact meta, for re-adoption
-        self._meta_all: dict[str, Any] = json.loads(meta) if meta else {}
+        # elastic: the whole compact meta, for re-adoption (a fleet's routing fields left out)
+        self._meta_all: dict[str, Any] = (
+            {k: v for k, v in json.loads(meta).items() if k in _SHORT_KEYS} if meta else {})
 
     @property
     def held(self) -> int:

@@ -150,7 +150,7 @@ class SyncFace:
         replica: str | None = None,
     ) -> RedisLease:
         lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=True,
-                           meta="" if self.core.fleet is not None else meta_json)
+                           meta=meta_json)
         lease.replica = replica
         with self.lock:
             self.leases[rid] = lease

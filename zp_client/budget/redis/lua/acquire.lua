@@ -2,8 +2,9 @@
 -- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
 --       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none)
--- Fleet mode (meta fleet = 1, see common.lua): ARGV[10] is the waiter's routing ({"k": prefix keys,
--- "s": session}); the fleet's fast path places the waiter (common.lua's f_place) when nobody waits;
+-- Fleet mode (meta fleet = 1, see common.lua): ARGV[10] also carries the waiter's routing ({"k": prefix
+-- keys, "s": session, "a": replicas to avoid}, beside the compact meta fields under elastic); the
+-- fleet's fast path places the waiter (common.lua's f_place) when nobody waits;
 -- 'G' carries the replica's URL as a sixth field, and 'W''s recovery_left_ms also covers the waiter's
 -- affinity wait (its process looks again when it is over).
 -- Returns {'G', order, priority, epoch, limit} granted
@@ -43,7 +44,7 @@ else
   local limit = tonumber(mm[1])
   if bound > size_limit(limit) then return {'X', size_limit(limit)} end
   local wmeta = nil
-  if mm[4] == 'elastic' and not FLEET then wmeta = meta_arg(ARGV[10], false) end
+  if mm[4] == 'elastic' then wmeta = meta_arg(ARGV[10], false) end
   local route = nil
   if FLEET then route = f_route_arg(ARGV[10]) end
   -- Fast path, identical in outcome to enqueue + grant: with nobody in line, outside recovery, a
@@ -68,8 +69,8 @@ else
     -- examines this waiter alone): place it now; one that waits for its affinity replica enqueues
     local reps, rids = f_load(now)
     local cfg = f_cfg()
-    local cand = {b = bound, s = now, rt = route}
-    local rep, matched = f_place(reps, rids, cand, now, cfg)
+    local cand = {b = bound, h = held, s = now, rt = route, mt = wmeta}
+    local rep, matched = f_place(reps, rids, cand, now, cfg, f_ectx(), nil)
     if rep then
       if order < 0 then
         order = redis.call('HINCRBY', K_META, 'seq', 1) - 1
@@ -77,8 +78,13 @@ else
         redis.call('HSET', K_META, 'seq', order + 1)
       end
       f_admit(reps, rids, rep, cand, matched, now, cfg)
-      redis.call('HSET', K_LEASES, id, cjson.encode({b = bound, h = held, p = prio, o = order, w = ARGV[8],
-        l = ttl, g = now, r = rep.id}))
+      local lease = {b = bound, h = held, p = prio, o = order, w = ARGV[8], l = ttl, g = now, r = rep.id}
+      if wmeta ~= nil then
+        lease.m = wmeta
+        lease.a = redis.call('HINCRBY', K_META, 'adm', 1)
+        em_put(id, lease)  -- before the record: it sets lease.x
+      end
+      redis.call('HSET', K_LEASES, id, cjson.encode(lease))
       redis.call('ZADD', K_LEXP, now + ttl, id)
       redis.call('HINCRBY', K_META, 'bsum', bound)
       redis.call('HINCRBY', K_META, 'hsum', held)

@@ -40,7 +40,13 @@ local MAILBOX_TTL_MS = 60000
 -- elastic only: a mirror of every live lease's projection inputs as one short string (parsing it costs a
 -- third of decoding the lease's cjson record, and a grant pass reads them all):
 --   "held bound adm pt tk ft st pb f1 mo pk" with -1 for an absent number and pk as "=<key>" or "-".
+-- A fleet's elastic leases mirror into one hash per replica instead, :em:<replica id> (a placement reads
+-- the leases of the replicas it weighs, not the whole fleet's).
 local K_EM = PREFIX .. ':em'
+local function em_key(l)
+  if l.r then return K_EM .. ':' .. l.r end
+  return K_EM
+end
 -- fleet mode (meta field fleet = 1; zp_client/fleet/redis.py, the fleet section below): the replicas
 -- (replica id -> cjson {u=url, lim=limit, cap=cache blocks, ej=ejected until ms or 0, x=ejections,
 -- le=last ejected ms, dr=1 draining}) and their counters (HINCRBY fields "<c><replica id>": b bound sum,
@@ -58,7 +64,7 @@ end
 
 -- Write a live elastic lease's mirror and keep meta field xsum (the sum of e_excess over live leases,
 -- read by acquire.lua's fast path) with the lease's own excess in record field x. Call it before the
--- lease record is written (it sets l.x).
+-- lease record is written (it sets l.x), and after l.r in a fleet (the replica's mirror).
 local function em_put(id, l)
   local m = l.m or {}
   local x = 0
@@ -67,7 +73,7 @@ local function em_put(id, l)
     redis.call('HINCRBY', K_META, 'xsum', x - (l.x or 0))
     if x == 0 then l.x = nil else l.x = x end
   end
-  redis.call('HSET', K_EM, id, table.concat({l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1,
+  redis.call('HSET', em_key(l), id, table.concat({l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1,
     m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.pk and ('=' .. m.pk) or '-'}, ' '))
 end
 
@@ -108,7 +114,7 @@ local function drop_lease(id, raw)  -- raw: the lease's record when the caller r
   local l = cjson.decode(raw)
   redis.call('HDEL', K_LEASES, id)
   redis.call('ZREM', K_LEXP, id)
-  if l.a then redis.call('HDEL', K_EM, id) end  -- an elastic lease (strict ones have no mirror)
+  if l.a then redis.call('HDEL', em_key(l), id) end  -- an elastic lease (strict ones have no mirror)
   if l.x then redis.call('HINCRBY', K_META, 'xsum', 0 - l.x) end
   redis.call('HINCRBY', K_META, 'bsum', 0 - l.b)  -- "0 - x", not "-x": Lua formats -0 as "-0", which HINCRBY rejects
   redis.call('HINCRBY', K_META, 'hsum', 0 - l.h)
@@ -306,11 +312,16 @@ local function em_opt(v)
   return v
 end
 
-local function e_items()
+-- False when there are more live leases than the cap: grant passes then admit by the strict rule.
+local function e_capped()
   -- meta field 'emax' overrides the cap (operators, and the test of the fallback)
   local cap = tonumber(redis.call('HGET', K_META, 'emax') or ELASTIC_MAX_LEASES)
-  if meta_num('nl') > cap then return nil end
-  local vals = redis.call('HVALS', K_EM)
+  return meta_num('nl') > cap
+end
+
+-- The leases mirrored in hash `key` (K_EM, or a fleet replica's) as profile items.
+local function e_parse(key)
+  local vals = redis.call('HVALS', key)
   local items = {}
   for i = 1, #vals do
     local h, b, a, pt, tk, ft, st, pb, f1, mo, pk =
@@ -321,6 +332,11 @@ local function e_items()
     items[i] = {h = tonumber(h), b = tonumber(b), m = m, a = tonumber(a)}
   end
   return items
+end
+
+local function e_items()
+  if e_capped() then return nil end
+  return e_parse(K_EM)
 end
 
 -- The projected peak of the live leases (BudgetStatus.used under elastic).
@@ -449,10 +465,13 @@ local function e_walk(members, now, lpt)
 end
 
 -- ------------------------------------------------------------------------------------------------
--- fleet mode: one line for a fleet of replicas, a strict budget per replica, placement with session
--- and prefix affinity (zp_client/fleet/ledger.py's FleetLedger.place, strict policy only). The
+-- fleet mode: one line for a fleet of replicas, a budget per replica under the budget's policy
+-- (strict: the replica's sum of bounds; elastic: the projected peak of the replica's own leases),
+-- placement with session and prefix affinity (zp_client/fleet/ledger.py's FleetLedger.place). The
 -- replicas, their counters, the sessions and the prefix index share the budget's hash tag, so one
 -- script sees the line and every replica's budget: placement and admission are one atomic step.
+-- The line never stops at a barrier: a waiter that fits nowhere and has waited the starvation bound
+-- holds one replica (the one least short of room for it) for the rest of the pass, as FleetLedger does.
 -- Meta fields: fleet=1, aff (affinity wait ms), mab (min affinity blocks), cf (consecutive failures
 -- that eject), be / me (base / max ejection ms), pxmax (prefix entries, all replicas), smax (sessions),
 -- fttl (ms: TTL of the routing keys, refreshed on write).
@@ -466,10 +485,10 @@ local function f_px(rid) return PREFIX .. ':px:' .. rid end
 local function f_pxb(rid) return PREFIX .. ':pxb:' .. rid end
 
 local function f_cfg()
-  local m = redis.call('HMGET', K_META, 'aff', 'mab', 'cf', 'be', 'me', 'pxmax', 'smax', 'fttl')
+  local m = redis.call('HMGET', K_META, 'aff', 'mab', 'cf', 'be', 'me', 'pxmax', 'smax', 'fttl', 'starve')
   return {aff = tonumber(m[1]) or 500, mab = tonumber(m[2]) or 4, cf = tonumber(m[3]) or 5,
           be = tonumber(m[4]) or 30000, me = tonumber(m[5]) or 300000, pxmax = tonumber(m[6]) or 100000,
-          smax = tonumber(m[7]) or 100000, ttl = tonumber(m[8]) or 86400000}
+          smax = tonumber(m[7]) or 100000, ttl = tonumber(m[8]) or 86400000, starve = tonumber(m[9]) or 0}
 end
 
 local function f_save(r)
@@ -514,7 +533,7 @@ local function f_load(now)
       redis.call('HDEL', K_REPS, rid)
       redis.call('HDEL', K_RSUM, 'b' .. rid, 'n' .. rid, 'f' .. rid, 'k' .. rid, 'p' .. rid, 'q' .. rid,
         'h' .. rid, 'l' .. rid)
-      redis.call('DEL', f_px(rid), f_pxb(rid))
+      redis.call('DEL', f_px(rid), f_pxb(rid), K_EM .. ':' .. rid)
       gone = true
     else
       if (r.ej or 0) > 0 and r.ej <= now then
@@ -528,7 +547,8 @@ local function f_load(now)
     end
   end
   if gone then f_relimit() end
-  table.sort(ids)
+  -- by URL: equal candidates go to the first replica in URL order (as a Fleet made from sorted URLs)
+  table.sort(ids, function(a, b) return reps[a].u < reps[b].u end)
   return reps, ids
 end
 
@@ -558,11 +578,54 @@ local function f_match(rid, keys)
   return 0
 end
 
--- FleetLedger.place under the strict policy: among the available replicas where the waiter fits
--- (rep.bs + b <= rep.lim), its session's replica first, then the longest prefix match, then the least
--- projected load. Returns (replica, matched blocks), false when no replica has room, or nil when it
--- waits (up to aff ms from its arrival) for the replica it prefers while another has room.
-local function f_place(reps, ids, w, now, cfg)
+-- A replica's elastic view for one pass (nil under strict, or above ELASTIC_MAX_LEASES live leases: the
+-- strict rule, as the single budget's fallback): each replica's profile is built when a placement first
+-- weighs it and rebuilt after an admission there.
+local function f_ectx()
+  if redis.call('HGET', K_META, 'policy') ~= 'elastic' or e_capped() then return nil end
+  return {bs = meta_num('bs'), items = {}, profs = {}}
+end
+
+local function f_prof(ec, rid)
+  local p = ec.profs[rid]
+  if p == nil then
+    if ec.items[rid] == nil then ec.items[rid] = e_parse(K_EM .. ':' .. rid) end
+    p = e_profile(ec.items[rid], ec.bs)
+    ec.profs[rid] = p
+  end
+  return p
+end
+
+-- The replica's used blocks as its policy counts them: the projected peak, or the sum of bounds.
+local function f_used(ec, r)
+  if ec == nil then return r.bs end
+  return f_prof(ec, r.id).peak
+end
+
+-- Does the replica's policy admit waiter w now (Ledger.fits_now, with the bound within its limit)?
+local function f_fits(ec, r, w)
+  if w.b > r.lim then return false end
+  if ec == nil then return r.bs + w.b <= r.lim end
+  return e_fits(f_prof(ec, r.id), r.lim, w)
+end
+
+-- A waiter admitted on replica rid: its profile includes the new lease from now on.
+local function f_added(ec, rid, w, adm)
+  if ec == nil then return end
+  if ec.items[rid] == nil then ec.items[rid] = e_parse(K_EM .. ':' .. rid) end
+  local items = ec.items[rid]
+  items[#items + 1] = {h = w.h, b = w.b, m = w.mt or {}, a = adm}
+  ec.profs[rid] = nil
+end
+
+-- FleetLedger.place: among the available replicas whose policy admits the waiter (f_fits), its
+-- session's replica first, then the longest prefix match, then the least projected load ((used + bound) /
+-- limit). Returns (replica, matched blocks), false when no replica admits it, or nil when it waits (up to
+-- aff ms from its arrival) for the replica it prefers while another admits it. `held` (a grant pass's;
+-- nil on the fast path) names replicas kept for earlier waiters of the pass: one waiting for its affinity
+-- holds the replica it would fall back to, one past the starvation bound that fits nowhere holds the
+-- replica least short of room for it; nobody later in the pass takes those.
+local function f_place(reps, ids, w, now, cfg, ec, held)
   local avail = f_available(reps, ids)
   if #avail == 0 then return false end
   local rt = w.rt or {}
@@ -575,6 +638,14 @@ local function f_place(reps, ids, w, now, cfg)
     end
     if #kept > 0 then avail = kept end
   end
+  if held ~= nil and next(held) ~= nil then
+    local kept = {}
+    for _, r in ipairs(avail) do
+      if not held[r.id] then kept[#kept + 1] = r end
+    end
+    if #kept == 0 then return false end
+    avail = kept
+  end
   local keys = rt.k
   local sess = nil
   if rt.s then sess = redis.call('HGET', K_SESS, rt.s) end
@@ -585,15 +656,30 @@ local function f_place(reps, ids, w, now, cfg)
     if keys and #keys > 0 then m = f_match(r.id, keys) end
     local s1 = (sess ~= nil and r.id == sess) and 1 or 0
     if pref == nil or s1 > p1 or (s1 == p1 and m > p2) then pref, p1, p2 = r, s1, m end
-    if r.bs + w.b <= r.lim then
-      local load = 0 - (r.bs + w.b) / math.max(1, r.lim)
+    if f_fits(ec, r, w) then
+      local load = 0 - (f_used(ec, r) + w.b) / math.max(1, r.lim)
       if best == nil or s1 > b1 or (s1 == b1 and (m > b2 or (m == b2 and load > b3))) then
         best, b1, b2, b3 = r, s1, m, load
       end
     end
   end
-  if best == nil then return false end
-  if now - w.s < cfg.aff and pref ~= best and (p1 > b1 or p2 - b2 >= math.max(1, cfg.mab)) then
+  if best == nil then
+    if held ~= nil and now - w.s >= cfg.starve then
+      local target, short = nil, nil
+      for _, r in ipairs(avail) do
+        if w.b <= r.lim then
+          local x = f_used(ec, r) + w.b - r.lim
+          if short == nil or x < short then target, short = r, x end
+        end
+      end
+      if target ~= nil then held[target.id] = true end
+    end
+    return false
+  end
+  -- never past the starvation bound: a waiter that old must not wait for its affinity any longer
+  if now - w.s < math.min(cfg.aff, cfg.starve) and pref ~= best
+      and (p1 > b1 or p2 - b2 >= math.max(1, cfg.mab)) then
+    if held ~= nil then held[best.id] = true end
     return nil  -- worth waiting a little for the replica that has it cached
   end
   return best, b2
@@ -734,13 +820,15 @@ local function grant(now, self_id)
   -- (above ELASTIC_MAX_LEASES the pass admits by the strict rule, but the leases stay elastic ones)
   local is_elastic = policy == 'elastic'
   local fleet = redis.call('HGET', K_META, 'fleet') == '1'
-  local reps, rids, fcfg = nil, nil, nil
+  local reps, rids, fcfg, fec, fheld = nil, nil, nil, nil, nil
   if fleet then
     reps, rids = f_load(now)
     fcfg = f_cfg()
+    fec = f_ectx()
+    fheld = {}
   end
   local elastic, items, prof = false, nil, nil
-  if is_elastic and #members > 0 then
+  if is_elastic and not fleet and #members > 0 then
     items = e_items()
     elastic = items ~= nil
   end
@@ -749,7 +837,7 @@ local function grant(now, self_id)
   local walk = {}
   for i, m in ipairs(members) do walk[i] = {id = string.sub(m, 14), m = m} end
   local lpt = is_elastic and meta_num('lpt') or 0
-  if lpt > 0 and starve > 0 then walk = e_walk(walk, now, lpt) end
+  if lpt > 0 and starve > 0 and not fleet then walk = e_walk(walk, now, lpt) end
   for _, e in ipairs(walk) do
     local id, w = e.id, load_waiter(e)
     if w then
@@ -757,7 +845,7 @@ local function grant(now, self_id)
       if reject_if_too_large(id, w, slimit, boxes) then
         ok = nil  -- failed (set_limit normally did this already; kept for waiters beyond its scan)
       elseif fleet then
-        ok, matched = f_place(reps, rids, w, now, fcfg)  -- a replica, false (no room) or nil (waits)
+        ok, matched = f_place(reps, rids, w, now, fcfg, fec, fheld)  -- a replica, false or nil (waits)
       elseif elastic then
         if prof == nil then prof = e_profile(items, bs) end
         ok = e_fits(prof, limit, w)
@@ -780,6 +868,7 @@ local function grant(now, self_id)
             items[#items + 1] = {h = w.h, b = w.b, m = w.mt or {}, a = lease.a}
             prof = nil
           end
+          if fleet then f_added(fec, ok.id, w, lease.a) end
         end
         if is_elastic then em_put(id, lease) end  -- before the record: it sets lease.x
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
@@ -789,8 +878,8 @@ local function grant(now, self_id)
         bsum = redis.call('HINCRBY', K_META, 'bsum', w.b)
         n = n + 1
         if id ~= self_id then add_box(boxes, w.x, item) end
-      elseif ok == false and now - w.s >= starve then
-        break  -- barrier: capacity drains to this waiter
+      elseif ok == false and not fleet and now - w.s >= starve then
+        break  -- barrier: capacity drains to this waiter (a fleet holds a replica instead: f_place)
       end
     end
   end

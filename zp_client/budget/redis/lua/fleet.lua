@@ -8,7 +8,7 @@
 --   remove               drain: no new request goes there; forgotten once its leases end. Returns {0/1}.
 --   limit <limit>        a replica's limit (lowering never revokes). Returns {0/1}.
 --   status               {now ms, reps (flat id, cjson), sums (flat), sessions, prefix entries (flat id, n),
---                        prefix evictions}
+--                        prefix evictions, used (flat id, projected peak; elastic only, else empty)}
 -- Ejection releases the replica's leases at once (their holders find them lost at their next renewal;
 -- a scan of the live leases, the one O(leases) step, on the rare ejection), then a grant pass places
 -- waiters on the other replicas. Every change but status runs a grant pass.
@@ -19,12 +19,17 @@ local cfg = f_cfg()
 
 if op == 'status' then
   local reps = redis.call('HGETALL', K_REPS)
-  local px = {}
+  local px, used = {}, {}
+  local ec = f_ectx()
   for i = 1, #reps, 2 do
     px[#px + 1] = reps[i]
     px[#px + 1] = redis.call('ZCARD', f_px(reps[i]))
+    if ec ~= nil then
+      used[#used + 1] = reps[i]
+      used[#used + 1] = f_prof(ec, reps[i]).peak
+    end
   end
-  return {now, reps, redis.call('HGETALL', K_RSUM), redis.call('ZCARD', K_SESSZ), px, meta_num('pxev')}
+  return {now, reps, redis.call('HGETALL', K_RSUM), redis.call('ZCARD', K_SESSZ), px, meta_num('pxev'), used}
 end
 
 local raw = redis.call('HGET', K_REPS, rid)

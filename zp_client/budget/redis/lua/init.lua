@@ -4,7 +4,7 @@
 -- TTL): it admits nothing new while holders that survived a restart re-adopt their leases.
 -- ARGV[8] (optional): a fleet's settings, JSON {aff, mab, cf, be, me, pxmax, smax, fttl (ms / counts,
 -- see common.lua's fleet section), reps = [[replica id, url, limit, cache blocks], ...]}: the budget is
--- created in fleet mode (strict only), and the replicas are registered when the fleet has none (new, or
+-- created in fleet mode (either policy), and the replicas are registered when the fleet has none (new, or
 -- its replicas expired after fttl idle); a fleet that has replicas keeps them (membership changes go
 -- through fleet.lua).
 -- Returns {created (0/1), limit, block_size, epoch, policy, starvation_ms, recovery_left_ms, fleet (0/1)}.
@@ -26,7 +26,6 @@ end
 if ARGV[8] and ARGV[8] ~= '' then
   local f = cjson.decode(ARGV[8])
   if created == 1 then
-    if ARGV[5] ~= 'strict' then error({err = 'ERR zp: a Redis fleet is strict only'}) end
     redis.call('HSET', K_META, 'fleet', 1, 'aff', int_arg(f.aff, 'affinity wait ms', 0, 1e9),
       'mab', int_arg(f.mab, 'min affinity blocks', 0, 1e12), 'cf', int_arg(f.cf, 'consecutive failures', 1, 1e9),
       'be', int_arg(f.be, 'base ejection ms', 0, 1e12), 'me', int_arg(f.me, 'max ejection ms', 0, 1e12),

@@ -3,8 +3,8 @@
 -- failed over and lost it: the holder really runs, so the ledger must count it again), and reported
 -- lost when it was granted in the current epoch (it expired: its blocks may already be someone else's).
 -- ARGV: owner, lease_ttl_ms, then per lease 7 values: id, epoch, bound, held, priority, order, meta
---       (compact JSON, elastic: a re-adopted lease keeps its projection; in fleet mode the lease's
---       replica id, so a re-adopted lease counts on its replica again; '' otherwise)
+--       (compact JSON, elastic: a re-adopted lease keeps its projection; '' otherwise; in fleet mode
+--       "<replica id>|<meta>", so a re-adopted lease counts on its replica again)
 -- Returns {'I'} budget absent (call init.lua, then renew again) | {epoch, code...}, one code per lease:
 --   1 renewed, 2 re-adopted, 0 lost, -1 held by another owner, -2 (fleet) released by an ejection.
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
@@ -40,15 +40,21 @@ for i = 3, #ARGV, 7 do
     local h = int_arg(ARGV[i + 3], 'held', 0, b)
     local l = {b = b, h = h, p = int_arg(ARGV[i + 4], 'priority', -4096, 4096),
                o = int_arg(ARGV[i + 5], 'order', 0, 1099511627775), w = owner, l = ttl, g = now}
-    if elastic then
-      l.m = meta_arg(ARGV[i + 6], false)
-      l.a = redis.call('HINCRBY', K_META, 'adm', 1)
-      em_put(id, l)
+    local mj = ARGV[i + 6]
+    if fleet then
+      local rid, rest = string.match(mj, '^([^|]*)|(.*)$')
+      if rid == nil then rid, rest = mj, '' end  -- a replica id alone (clients before elastic fleets)
+      mj = rest
+      if rid ~= '' and redis.call('HEXISTS', K_REPS, rid) == 1 then
+        l.r = rid
+        redis.call('HINCRBY', K_RSUM, 'b' .. l.r, b)
+        redis.call('HINCRBY', K_RSUM, 'n' .. l.r, 1)
+      end
     end
-    if fleet and ARGV[i + 6] ~= '' and redis.call('HEXISTS', K_REPS, ARGV[i + 6]) == 1 then
-      l.r = ARGV[i + 6]
-      redis.call('HINCRBY', K_RSUM, 'b' .. l.r, b)
-      redis.call('HINCRBY', K_RSUM, 'n' .. l.r, 1)
+    if elastic then
+      l.m = meta_arg(mj, false)
+      l.a = redis.call('HINCRBY', K_META, 'adm', 1)
+      em_put(id, l)  -- after l.r: a fleet lease mirrors into its replica's hash
     end
     redis.call('HSET', K_LEASES, id, cjson.encode(l))
     redis.call('ZADD', K_LEXP, now + ttl, id)
