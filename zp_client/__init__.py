@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "PromptTooLong": "zp_client.errors",
     "BudgetUnavailable": "zp_client.errors",
     "LeaseLost": "zp_client.errors",
+    "PinRefused": "zp_client.errors",
     "StreamCut": "zp_client.errors",
     "RetryBudgetExhausted": "zp_client.errors",
     "MissingIntegration": "zp_client.errors",
@@ -51,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "APIStatusError": "zp_client.client",
     "wrap": "zp_client._wrap",
     "admitted_budget": "zp_client._wrap",
+    "PinnedPrefix": "zp_client.pinning",
     "PRIORITY_HEADER": "zp_client.transport",
     "DEADLINE_HEADER": "zp_client.transport",
     "ROUTE_HEADER": "zp_client.transport",
@@ -109,6 +111,8 @@ __all__ = [
     "openai_http_client",
     "Prior",
     "PRIORITY_HEADER",
+    "PinRefused",
+    "PinnedPrefix",
     "PromptTooLong",
     "RedisBudget",
     "RetryBudgetExhausted",
@@ -158,6 +162,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         LeaseLost,
         LeaseTooLarge,
         MissingIntegration,
+        PinRefused,
         PromptTooLong,
         RetryBudgetExhausted,
         StreamCut,
@@ -168,6 +173,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from zp_client.forecast import LengthForecaster, Prior
     from zp_client.metrics import ZPMetrics
     from zp_client.observe import AdmissionInfo, observe_admissions, summarize_admissions
+    from zp_client.pinning import PinnedPrefix
     from zp_client.retry import RetryPolicy
     from zp_client.server import ServerInfo
     from zp_client.transport import (

@@ -430,6 +430,24 @@ class Core:
             chat_or_completions=not path.endswith("/responses"),
         )
 
+    def shared_prefix(self, est: Any, low: int | None = None) -> tuple[str | None, int]:
+        """``(prefix_key, full blocks)`` of a prompt estimate's shared preamble (leading system messages
+        and tool schemas), or ``(None, 0)``. vLLM shares only full blocks; the prefix is counted from the
+        estimate's lower bound ``low`` (default: the estimator's) so an over-estimate never claims
+        sharing that does not happen. What every request's lease meta and a pinned prefix
+        (:mod:`zp_client.pinning`) carry."""
+        key = getattr(est, "prefix_key", None)
+        ptok = int(getattr(est, "prefix_tokens", 0) or 0)
+        if key is None or ptok <= 0:
+            return None, 0
+        lower = getattr(self.estimator, "lower_bound_tokens", None)
+        if low is None:
+            low = int(lower(est)) if lower is not None else int(est.tokens)
+        if est.tokens > 0 and lower is not None:
+            ptok = min(ptok, ptok * low // int(est.tokens))
+        pblocks = ptok // self.budget.block_size
+        return (key, pblocks) if pblocks > 0 else (None, 0)
+
     def finish_plan(self, request: Any, p: Parsed, est: Any, mml: int | None) -> Plan:
         from zp_client.estimate import kv_blocks
 
@@ -470,17 +488,10 @@ class Core:
                     so["continuous_usage_stats"] = True
                     p.body["stream_options"] = so
                     p.changed = True
-            key = getattr(est, "prefix_key", None)
-            ptok = int(getattr(est, "prefix_tokens", 0) or 0)
-            if key is not None and ptok > 0:
-                # vLLM shares only full blocks; count the prefix from the estimate's lower bound so an
-                # over-estimate never claims sharing that does not happen.
-                if est.tokens > 0 and lower is not None:
-                    ptok = min(ptok, ptok * low // int(est.tokens))
-                pblocks = ptok // bs
-                if pblocks > 0:
-                    meta["prefix_key"] = key
-                    meta["prefix_blocks"] = pblocks
+            key, pblocks = self.shared_prefix(est, low)
+            if key is not None:
+                meta["prefix_key"] = key
+                meta["prefix_blocks"] = pblocks
         if self.fleet is not None:
             meta = {**(meta or {}), **self.fleet.routing_meta(p.body, prompt, p.session)}
         content = request.content

@@ -16,6 +16,7 @@ __all__ = [
     "PromptTooLong",
     "BudgetUnavailable",
     "LeaseLost",
+    "PinRefused",
     "StreamCut",
     "RetryBudgetExhausted",
     "MissingIntegration",
@@ -74,6 +75,20 @@ class PromptTooLong(AdmissionError):
 
 class BudgetUnavailable(AdmissionError):
     """The shared budget (Redis) could not be reached and the policy is ``fail_closed``."""
+
+
+class PinRefused(ZPError):
+    """A prefix could not be pinned: the budget's pinned blocks would exceed its cap."""
+
+    def __init__(self, blocks: int, pinned: int, cap: int) -> None:
+        self.blocks = blocks
+        self.pinned = pinned
+        self.cap = cap
+        super().__init__(
+            f"pinning {blocks} more blocks would take the pinned prefixes to {pinned + blocks} blocks, over "
+            f"the budget's cap of {cap} (its pin_cap share of the limit); unpin another prefix or raise "
+            "pin_cap"
+        )
 
 
 class LeaseLost(ZPError):

@@ -207,6 +207,44 @@ class Budget(abc.ABC):
             if fn in listeners:
                 listeners.remove(fn)
 
+    # ------------------------------------------------------------------ pinned prefixes
+    @property
+    def supports_pins(self) -> bool:
+        """Whether :meth:`pin` works on this budget (see docs/pinning.md)."""
+        return False
+
+    async def pin(self, key: str, blocks: int, *, margin: int | None = None) -> None:
+        """Pin the prefix ``key`` of ``blocks`` full KV blocks: the budget holds its blocks once, for as
+        long as it is pinned, and leases sharing it (``meta`` ``prefix_key``) are not charged for it
+        again; the budget tracks the blocks allocated on the server since the prefix was last released
+        and says when a keep-warm request is due (:meth:`keepwarm_due`). ``margin``: blocks kept between
+        the charged count and the prefix's eviction (default 2% of the limit, at least 16). Idempotent
+        for the same size. Raises :class:`~zp_client.errors.PinRefused` past the pin cap. Most callers
+        use :meth:`zp_client.AsyncClient.pin`, which computes the key and sends the keep-warms."""
+        from zp_client.errors import ConfigurationError
+
+        raise ConfigurationError(f"{type(self).__name__} does not support pinned prefixes")
+
+    async def unpin(self, key: str) -> bool:
+        """Drop the pin of ``key``; False when it was not pinned."""
+        return False
+
+    async def keepwarm_due(self) -> list[str]:
+        """Pinned prefix keys whose keep-warm request is due and not yet claimed."""
+        return []
+
+    async def claim_keepwarm(self, key: str, ttl_s: float) -> bool:
+        """Claim the keep-warm of ``key`` for ``ttl_s`` seconds: True for exactly one caller (across
+        processes for a shared budget) while it is due; that caller sends it."""
+        return False
+
+    def add_keepwarm_listener(self, fn: Callable[[], None]) -> None:  # noqa: B027 - optional, safe default
+        """Call ``fn()`` (from any thread; keep it cheap) when a keep-warm may have become due. A budget
+        without notifications never calls it: senders also poll :meth:`keepwarm_due`."""
+
+    def remove_keepwarm_listener(self, fn: Callable[[], None]) -> None:  # noqa: B027 - optional, safe default
+        """Undo :meth:`add_keepwarm_listener`."""
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook with a safe default (nothing to close)
         """Release background resources. Live leases are not released."""
 

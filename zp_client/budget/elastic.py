@@ -40,6 +40,12 @@ __all__ = [
 POLICY_KEYS = ("prompt_tokens", "forecast_tokens", "streaming", "tokens", "prefix_key", "prefix_blocks",
                "first_token")
 
+#: A pinned prefix's lease (:meth:`zp_client.budget.ledger.Ledger.pin`) carries ``pinned: True`` with its
+#: ``prefix_key`` and ``prefix_blocks``: it holds the prefix's blocks for as long as it is pinned, as a
+#: member of the prefix's group that never ends, so every lease sharing the prefix is charged without it
+#: (see :func:`_terms_for`).
+PINNED_KEY = "pinned"
+
 #: The lease's output bound in tokens (max output tokens, times ``n``). Read only together with
 #: ``prompt_tokens``: the lease may end as late as ``prompt_tokens + max_output_tokens`` tokens, which is
 #: more than its bound once the server's exact prompt count exceeds the estimate the bound was sized on.
@@ -174,7 +180,7 @@ def project(
     lease holds the blocks of where it probably is now, its last report plus :func:`late_tokens` (never
     past its forecast end), and keeps the report's remaining steps: pointwise at least the report's
     projection, so extrapolation only ever counts more."""
-    if not any(k in meta for k in POLICY_KEYS):
+    if not any(k in meta for k in POLICY_KEYS) or meta.get(PINNED_KEY):
         return Projection(blocks=bound, remaining=FOREVER, grows=False)
     prompt_tokens = int(meta.get("prompt_tokens", held * block_size))
     # The latest end: the bound, or the exact prompt plus the output bound when that is more.
@@ -340,17 +346,29 @@ class _Profile:
         return max(self.values[:hi], default=float("-inf"))
 
 
+def _pinned_groups(items: list[tuple[Projection, Mapping[str, Any]]]) -> dict[str, int]:
+    """``prefix_key -> blocks`` of the pinned prefixes among ``items`` (leases with :data:`PINNED_KEY`)."""
+    out: dict[str, int] = {}
+    for _, m in items:
+        if m.get(PINNED_KEY) and m.get("prefix_key") is not None:
+            out[m["prefix_key"]] = max(0, int(m.get("prefix_blocks", 0)))
+    return out
+
+
 def _shared_prefixes(
     items: list[tuple[Projection, Mapping[str, Any]]],
 ) -> tuple[dict[str, int], dict[str, int]]:
     """The shared-prefix rule of the projection (and of :func:`held_distinct`): per ``prefix_key`` whose
     prefix is cached (a member with ``first_token`` and ``prefix_blocks``), the prefix blocks counted once,
     and how many growing members share it. A member cannot share more than it holds: the group's prefix
-    is the smallest member's at most. The last qualifying member's ``prefix_blocks`` wins, in lease order."""
+    is the smallest member's at most. The last qualifying member's ``prefix_blocks`` wins, in lease order.
+    Pinned prefixes are not in it: :func:`_pinned_groups` has them."""
+    pinned = _pinned_groups(items)
     active: dict[str, int] = {}
     for _, m in items:
         key = m.get("prefix_key")
-        if key is not None and m.get("first_token") and int(m.get("prefix_blocks", 0)) > 0:
+        if (key is not None and key not in pinned and m.get("first_token")
+                and int(m.get("prefix_blocks", 0)) > 0):
             active[key] = int(m["prefix_blocks"])
     members: dict[str, int] = {}
     for p, m in items:
@@ -361,19 +379,32 @@ def _shared_prefixes(
     return active, members
 
 
+def _pin_share(pblocks: int, p: Projection, m: Mapping[str, Any]) -> int:
+    """Blocks of a pinned prefix of ``pblocks`` that a member ``(p, m)`` is not charged for: the pin
+    holds them. A member shares at most its own ``prefix_blocks`` and what it holds."""
+    return max(0, min(pblocks, int(m.get("prefix_blocks", pblocks)), p.blocks))
+
+
 def _terms_for(
     leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int,
     now: float | None = None, step_s: float | None = None,
 ) -> tuple[list[Projection], dict[str, tuple[int, int]]]:
-    """Projection terms of live leases ``(held, bound, meta)``, shared prefixes counted once."""
+    """Projection terms of live leases ``(held, bound, meta)``, shared prefixes counted once.
+
+    A pinned prefix (a lease with :data:`PINNED_KEY`) is its own term, its blocks forever; every other
+    lease with its ``prefix_key``, growing or not, is charged without the shared part (:func:`_pin_share`),
+    and its group is ``(blocks, FOREVER)`` so a candidate sharing it is charged without it too."""
     items = [(project(held=h, bound=b, block_size=block_size, meta=m, now=now, step_s=step_s), m)
              for h, b, m in leases]
+    pinned = _pinned_groups(items)
     active, _ = _shared_prefixes(items)
     terms: list[Projection] = []
     group_end: dict[str, int] = {}
     for p, m in items:
         key = m.get("prefix_key")
-        if key in active and p.grows:
+        if key in pinned and not m.get(PINNED_KEY):
+            terms.append(Projection(p.blocks - _pin_share(pinned[key], p, m), p.remaining, p.grows))
+        elif key in active and p.grows:
             terms.append(Projection(p.blocks - active[key], p.remaining, True))
             group_end[key] = max(group_end.get(key, -1), p.remaining)
         else:
@@ -382,6 +413,8 @@ def _terms_for(
     for key, end in group_end.items():
         terms.append(Projection(active[key], end, grows=False))
         groups[key] = (active[key], end)
+    for key, blocks in pinned.items():
+        groups[key] = (blocks, FOREVER)
     return terms, groups
 
 
@@ -393,7 +426,12 @@ def held_distinct(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_si
     leases = list(leases)
     items = [(project(held=h, bound=b, block_size=block_size, meta=m), m) for h, b, m in leases]
     active, members = _shared_prefixes(items)  # without now, a grower's projected blocks are its held
-    return sum(h for h, _, _ in leases) - sum(active[k] * (n - 1) for k, n in members.items())
+    pinned = _pinned_groups(items)
+    # A pinned prefix is held by its pin lease: its members hold only what they add to it.
+    pin_shared = sum(_pin_share(pinned[m["prefix_key"]], p, m) for p, m in items
+                     if m.get("prefix_key") in pinned and not m.get(PINNED_KEY))
+    return (sum(h for h, _, _ in leases) - sum(active[k] * (n - 1) for k, n in members.items())
+            - pin_shared)
 
 
 def projected_peak(leases: Iterable[tuple[int, int, Mapping[str, Any]]], block_size: int,
@@ -605,7 +643,10 @@ class ElasticPolicy:
         extra: tuple[int, int] | None = None
         key = meta.get("prefix_key")
         group = profile.groups.get(key) if key is not None else None
-        if group is not None and c.grows:
+        if group is not None and group[1] >= FOREVER:
+            # A pinned prefix: held by its pin for good, the candidate adds only the rest.
+            c = Projection(c.blocks - _pin_share(group[0], c, meta), c.remaining, c.grows)
+        elif group is not None and c.grows:
             pblocks, group_end = group
             pblocks = min(pblocks, int(meta.get("prefix_blocks", pblocks)), c.blocks)
             c = Projection(c.blocks - pblocks, c.remaining, True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
+from zp_client.budget.pins import PinBook, PinRecord, pin_lease_id
 from zp_client.errors import ConfigurationError, LeaseTooLarge
 
 __all__ = [
@@ -242,6 +243,7 @@ class Ledger:
         self._seq = 0
         self._now: float | None = None
         self._size_limit: int | None = None
+        self._pins = PinBook()
 
     # ------------------------------------------------------------------ read-only view
     @property
@@ -313,6 +315,52 @@ class Ledger:
     def leases(self) -> Mapping[str, LeaseRecord]:
         """Live leases by id (treat as read-only)."""
         return self._leases
+
+    # ------------------------------------------------------------------ pinned prefixes
+    @property
+    def pins(self) -> PinBook:
+        """The pinned prefixes and the blocks charged on the server (treat as read-only; see
+        :mod:`zp_client.budget.pins`)."""
+        return self._pins
+
+    def pin(self, key: str, blocks: int, now: float, *, margin: int | None = None,
+            cap_fraction: float | None = None) -> PinRecord:
+        """Pin the prefix ``key`` of ``blocks`` full blocks: a lease of its blocks held until
+        :meth:`unpin` (id ``pin:<key>``, meta ``pinned``), which the elastic policy counts as a member of
+        the prefix's group that never ends, so leases sharing the prefix are not charged for it again.
+        Never waits and never revokes: if the pool is full, admission pauses until it fits, as after a
+        lowered limit. Idempotent for the same size. Raises :class:`~zp_client.errors.PinRefused` past
+        the cap (``cap_fraction`` of the limit, default 20%), :class:`ConfigurationError` for bad
+        arguments. Call :meth:`grant` after :meth:`unpin`."""
+        if cap_fraction is not None:
+            if not isinstance(cap_fraction, (int, float)) or not 0 <= cap_fraction <= 1:
+                raise ConfigurationError(
+                    f"cap_fraction must be a share of the limit in [0, 1], got {cap_fraction!r}")
+            self._pins.cap_fraction = float(cap_fraction)
+        existing = self._pins.get(key) if isinstance(key, str) else None
+        rec = self._pins.add(key, blocks, self._limit, now, margin=margin)
+        if existing is None:
+            lid = pin_lease_id(key)
+            self._now = now
+            self._version += 1
+            self._leases[lid] = LeaseRecord(
+                id=lid, bound=blocks, held=blocks, priority=0, ticket=Ticket(0, -1), granted_at=now,
+                meta={"prefix_key": key, "prefix_blocks": blocks, "pinned": True})
+            self._bound_sum += blocks
+            self._held_sum += blocks
+        return rec
+
+    def unpin(self, key: str, now: float) -> bool:
+        """Drop the pin of ``key``; False if it was not pinned. Call :meth:`grant` next."""
+        if self._pins.get(key) is None:
+            return False
+        self.release(pin_lease_id(key), now)
+        return True
+
+    def server_free(self) -> int:
+        """The server's free blocks as this ledger sees them: the limit less what live requests hold
+        (``held_distinct``), idle pinned prefixes not counted (the server holds them as free, cached)."""
+        return self._limit - (self.held_distinct - self._pins.idle_blocks())
 
     def lease(self, lease_id: str) -> LeaseRecord | None:
         return self._leases.get(lease_id)
@@ -438,6 +486,8 @@ class Ledger:
             return granted
         bound_s = self._starvation_bound
         walk = getattr(policy, "walk", None)
+        if len(self._pins):
+            fits = self._gated(fits, now)
         for p in list(self._class_order):
             cls = self._classes[p]
             admitted_here: list[int] = []  # indices into cls
@@ -471,6 +521,8 @@ class Ledger:
     def fits_now(self, candidate: WaiterRecord) -> bool:
         """Whether the policy would admit ``candidate`` (a waiter of another line, with its meta already
         prepared by :meth:`prepare_meta`) next to the live leases now. Read-only."""
+        if len(self._pins) and self._pins.holds_back(candidate.meta, candidate.held, self._now or 0.0):
+            return False
         return bool(self._policy.fits(self, candidate))
 
     def prepare_meta(self, bound: int, meta: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -501,6 +553,11 @@ class Ledger:
         self._version += 1
         self._bound_sum -= lease.bound
         self._held_sum -= lease.held
+        if len(self._pins):
+            if lease.meta.get("pinned"):
+                self._pins.remove(str(lease.meta.get("prefix_key")))
+            else:
+                self._pins.released(lease_id, self.server_free)
         return True
 
     def report_held(self, lease_id: str, held: int) -> bool:
@@ -515,6 +572,7 @@ class Ledger:
             return False
         value = min(max(value, 0), lease.bound)
         if value != lease.held:
+            self._pins.grew(value - lease.held)
             self._version += 1
             self._held_sum += value - lease.held
             lease.held = value
@@ -541,6 +599,8 @@ class Ledger:
             meta.update(fields)
             lease.meta = meta
             self._version += 1
+            if fields.get("first_token") and len(self._pins):
+                self._pins.first_token(lease_id)
         return True
 
     def renew(self, ident: str, now: float, ttl: float | None) -> bool:
@@ -609,6 +669,8 @@ class Ledger:
                 "starvation_bound_s": self._starvation_bound,
                 "head_starving": head is not None and head_wait >= self._starvation_bound,
                 "bound_sum": self._bound_sum,
+                **({"pins": self._pins.status(), "pinned_blocks": self._pins.pinned_blocks}
+                   if len(self._pins) else {}),
             },
             held_distinct=self.held_distinct,
         )
@@ -629,6 +691,17 @@ class Ledger:
         )
         self._bound_sum += w.bound
         self._held_sum += w.held
+        self._pins.admitted(w.id, w.held, w.meta)
+
+    def _gated(self, fits: Any, now: float) -> Any:
+        """``fits`` that also holds back a waiter whose admission would cross a pinned prefix's line
+        (:meth:`~zp_client.budget.pins.PinBook.holds_back`)."""
+        pins = self._pins
+
+        def gated(view: LedgerView, w: WaiterRecord) -> bool:
+            return not pins.holds_back(w.meta, w.held, now) and bool(fits(view, w))
+
+        return gated
 
     def _remove_from_class(self, w: WaiterRecord) -> None:
         cls = self._classes[w.priority]

@@ -32,6 +32,7 @@ from zp_client.budget.ledger import (
     ReservationPolicy,
     validate_blocks,
 )
+from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
 from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge
 
 if TYPE_CHECKING:
@@ -187,6 +188,8 @@ class LocalBudget(Budget):
     progress report re-runs admission and wakes whoever now fits; with nobody waiting it is only a
     dictionary update under the lock. Under ``strict`` meta and progress metadata are ignored by the
     decision (recorded only).
+
+    ``pin_cap``: pinned prefixes (:meth:`pin`) may hold at most this share of the limit (default 0.2).
     """
 
     # How a parked thread waits; a seam for tests that interrupt a wait.
@@ -202,6 +205,7 @@ class LocalBudget(Budget):
         longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
         name: str = "local",
         clock: Clock | None = None,
+        pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
     ) -> None:
         self.clock = clock if clock is not None else SYSTEM_CLOCK
         self.block_size = validate_blocks(block_size, "block_size")
@@ -223,6 +227,10 @@ class LocalBudget(Budget):
         self._ids = itertools.count(1)
         self._wakeups = 0
         self._granted_total = 0
+        if not isinstance(pin_cap, (int, float)) or not 0 <= pin_cap <= 1:
+            raise ConfigurationError(f"pin_cap must be a share of the limit in [0, 1], got {pin_cap!r}")
+        self._pin_cap = float(pin_cap)
+        self._keepwarm_listeners: list[Callable[[], None]] = []
 
     @classmethod
     def from_settings(cls, limit_blocks: int, settings: Settings | None = None, **kwargs: Any) -> LocalBudget:
@@ -312,7 +320,10 @@ class LocalBudget(Budget):
         return _LocalLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket)
 
     def _wake(self, waiters: list[_Waiter]) -> None:
-        """Wake granted/failed waiters, outside the lock."""
+        """Wake granted/failed waiters, outside the lock (and nudge keep-warm senders when a pinned
+        prefix's keep-warm is due)."""
+        if self._keepwarm_listeners:
+            self._nudge_keepwarm()
         for w in waiters:
             try:
                 w.wake()
@@ -343,7 +354,7 @@ class LocalBudget(Budget):
             # Only a policy that reads progress can admit on it, and only if somebody waits.
             if live and led.progress_sensitive and len(led):
                 _, to_wake = self._hand_out(led.grant(self.clock.monotonic() if now is None else now))
-        if to_wake:
+        if to_wake or self._keepwarm_listeners:
             self._wake(to_wake)
 
     def _abandon(self, waiter: _Waiter) -> _LocalLease | None:
@@ -528,6 +539,66 @@ class LocalBudget(Budget):
                     len(rejected))
         self._wake(failed + to_wake)
         return True
+
+    # ------------------------------------------------------------------ pinned prefixes
+    @property
+    def supports_pins(self) -> bool:
+        return True
+
+    async def pin(self, key: str, blocks: int, *, margin: int | None = None) -> None:
+        self.pin_sync(key, blocks, margin=margin)
+
+    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None) -> None:
+        """Blocking form of :meth:`pin` (a short lock). Needs the elastic policy: only it shares a
+        prefix's blocks between leases (and sees the first tokens that keep it warm)."""
+        if self.policy_name != "elastic":
+            raise ConfigurationError(
+                f"pinned prefixes need policy='elastic', this budget is {self.policy_name!r}")
+        with self._lock:
+            self._ledger.pin(key, blocks, self.clock.monotonic(), margin=margin,
+                             cap_fraction=self._pin_cap)
+        self._wake([])
+
+    async def unpin(self, key: str) -> bool:
+        return self.unpin_sync(key)
+
+    def unpin_sync(self, key: str) -> bool:
+        """Blocking form of :meth:`unpin`."""
+        now = self.clock.monotonic()
+        with self._lock:
+            if not self._ledger.unpin(key, now):
+                return False
+            _, to_wake = self._hand_out(self._ledger.grant(now))
+        self._wake(to_wake)
+        return True
+
+    async def keepwarm_due(self) -> list[str]:
+        with self._lock:
+            return self._ledger.pins.due(self.clock.monotonic())
+
+    async def claim_keepwarm(self, key: str, ttl_s: float) -> bool:
+        with self._lock:
+            return self._ledger.pins.claim(key, self.clock.monotonic(), ttl_s)
+
+    def add_keepwarm_listener(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._keepwarm_listeners.append(fn)
+
+    def remove_keepwarm_listener(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if fn in self._keepwarm_listeners:
+                self._keepwarm_listeners.remove(fn)
+
+    def _nudge_keepwarm(self) -> None:
+        with self._lock:
+            if not self._ledger.pins.due(self.clock.monotonic()):
+                return
+            listeners = tuple(self._keepwarm_listeners)
+        for fn in listeners:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a listener's failure must not fail the request
+                logger.exception("keep-warm listener %r failed", fn)
 
     async def aclose(self) -> None:
         """Nothing to close: a LocalBudget has no background tasks. Live leases are not released."""

@@ -387,6 +387,26 @@ class Fleet(FleetRouting, LocalBudget):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    @property
+    def supports_pins(self) -> bool:
+        return False  # per-replica pins are not built yet (issue 20)
+
+    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None) -> None:
+        raise ConfigurationError("a Fleet does not support pinned prefixes yet; pin on a LocalBudget or "
+                                 "RedisBudget of one server")
+
+    def unpin_sync(self, key: str) -> bool:
+        return False
+
+    async def keepwarm_due(self) -> list[str]:
+        return []
+
+    async def claim_keepwarm(self, key: str, ttl_s: float) -> bool:
+        return False
+
+    def _nudge_keepwarm(self) -> None:
+        return
+
     async def aclose(self) -> None:
         """Stop the active checks and close the fleet's own HTTP client. Live leases are not released."""
         task, self._task = self._task, None

@@ -551,6 +551,10 @@ class Engine:
         if req is not None and req.status in (_FINISHED, _ABORTED):
             del self._requests[request_id]
 
+    def cached_tokens(self, request_id: str) -> int:
+        """Prefix-cache hit tokens at the request's first admission (0 before it; KeyError if unknown)."""
+        return max(self._requests[request_id].num_cached_tokens, 0)
+
     def request_record(self, request_id: str) -> RequestRecord:
         """A snapshot of one request's life (KeyError if unknown or forgotten)."""
         r = self._requests[request_id]

@@ -122,6 +122,8 @@ class _Record:
     finish: float | None = None
     status: str = "running"  # running | finished | aborted | gateway_timeout
     preemptions: int = 0
+    cached_tokens: int = 0
+    """Prefix-cache hit tokens of its prompt at its first admission (vLLM's ``num_cached_tokens``)."""
     token_times: list[float] = field(default_factory=list, repr=False)
     """The virtual time of every engine step that produced tokens for it (not in the JSON)."""
 
@@ -368,6 +370,8 @@ class _Sim:
             entry = self._pending.get(eid)
             if entry is not None and entry[0].record.first_scheduled is None:
                 entry[0].record.first_scheduled = float(out.start_time)
+                with contextlib.suppress(KeyError):
+                    entry[0].record.cached_tokens = self.engine.cached_tokens(eid)
         for eid in out.first_token:
             self._prefill_done(eid)
             entry = self._pending.get(eid)
@@ -575,7 +579,8 @@ class _Sim:
         return {"id": r.request_id, "kind": r.kind, "status": r.status, "arrival_s": r.arrival,
                 "first_token_s": r.first_token, "finish_s": r.finish, "prompt_tokens": r.prompt_tokens,
                 "max_tokens": r.max_tokens, "output_tokens": r.output_tokens, "priority": r.priority,
-                "first_scheduled_s": r.first_scheduled, "num_preemptions": r.preemptions}
+                "first_scheduled_s": r.first_scheduled, "num_preemptions": r.preemptions,
+                "cached_tokens": r.cached_tokens}
 
     def _setup_metrics(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
