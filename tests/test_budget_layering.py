@@ -26,16 +26,18 @@ def _package_imports(path: Path) -> set[str]:
     return found
 
 
-def test_the_ledger_imports_only_its_value_types_and_the_errors() -> None:
-    assert _package_imports(BUDGET / "ledger.py") == {"zp_client.budget._types", "zp_client.errors"}
+def test_the_ledger_imports_only_its_value_types_its_pin_book_and_the_errors() -> None:
+    assert _package_imports(BUDGET / "ledger.py") == {"zp_client.budget._types", "zp_client.budget.pins",
+                                                      "zp_client.errors"}
     assert _package_imports(BUDGET / "_types.py") == set()
+    assert _package_imports(BUDGET / "pins.py") == {"zp_client.errors"}  # sans-I/O, as the ledger
 
 
 def test_importing_the_ledger_loads_no_other_budget_module() -> None:
     code = ("import sys, zp_client.budget.ledger; "
             "print(sorted(m for m in sys.modules if m.startswith('zp_client.budget.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['zp_client.budget._types', 'zp_client.budget.ledger']"
+    assert out.strip() == "['zp_client.budget._types', 'zp_client.budget.ledger', 'zp_client.budget.pins']"
 
 
 def test_the_value_types_keep_their_public_names() -> None:

@@ -89,9 +89,8 @@ def test_the_cap_refuses_a_pin_past_20_percent_and_unpin_returns_the_blocks() ->
 def test_keepwarm_due_at_once_then_after_the_line_and_waiters_wait_for_its_first_token() -> None:
     led = elastic_ledger(1000)
     led.pin("K", 100, 0.0, margin=20)
-    assert led.pins.due(0.0) == ["K"]  # never warmed
-    assert led.pins.claim("K", 0.0, 5.0) and not led.pins.claim("K", 0.1, 5.0)
-    # the keep-warm: a member of the prefix, admitted, first token, released
+    assert led.pins.due(0.0) == [] and not led.pins.claim("K", 0.0, 5.0)  # its first use warms it
+    # the first use: a member of the prefix, admitted, first token, released
     led.enqueue("kw", 8, 7, -100, 0.0, meta=member(7, pblocks=100, forecast=1))
     assert led.grant(0.0) == ["kw"]
     led.update_meta("kw", now=0.1, first_token=True)
@@ -113,6 +112,7 @@ def test_keepwarm_due_at_once_then_after_the_line_and_waiters_wait_for_its_first
     led.enqueue("z", 120, 100, 0, 0.7, meta=member(100, key="Z", pblocks=0))
     assert led.grant(0.7) == []
     assert led.pins.due(0.7) == ["K"]
+    assert led.pins.claim("K", 0.7, 5.0) and not led.pins.claim("K", 0.7, 5.0)  # one sender
     led.enqueue("kw2", 8, 7, -100, 0.7, meta=member(7, pblocks=100, forecast=1))
     assert led.grant(0.7) == ["kw2"]  # the keep-warm itself is not held back by its own prefix
     assert led.grant(0.8) == []  # still no first token: z waits
@@ -144,7 +144,7 @@ def test_a_cancelled_member_does_not_count_as_a_release() -> None:
     led.grant(0.0)
     led.release("a", 0.1)  # never had its first token: the prefix was not touched
     rec = led.pins.get("K")
-    assert rec is not None and rec.free_at_release is None and led.pins.due(0.1) == ["K"]
+    assert rec is not None and rec.free_at_release is None and led.pins.due(0.1) == []
 
 
 def test_pins_need_an_elastic_budget() -> None:
@@ -223,12 +223,14 @@ async def test_keepwarm_keeps_the_prefix_cached_through_three_pools_of_other_tra
     oc = wrap(openai.AsyncOpenAI(base_url=sim.base_url, api_key="x", max_retries=0), budget,
               settings=Settings(estimator="heuristic"))
     try:
-        # first use: the prefix gets cached
-        first = await _probe(oc, sim, system, "first")
-        assert first == 0
         pin = PinnedPrefix(oc, model=sim.model, messages=[system]) if pinned else None
         if pin is not None:
             await pin.start()
+        # first use: the prefix gets cached (nothing is sent for a pin before it)
+        first = await _probe(oc, sim, system, "first")
+        assert first == 0
+        if pin is not None:
+            assert pin.keepwarms_sent == 0
         sent = await _traffic(oc, sim.model, 11, SIM_BLOCKS - 1)
         assert sent >= 3 * (SIM_BLOCKS - 1)
         cached = await _probe(oc, sim, system, "after")

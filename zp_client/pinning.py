@@ -76,13 +76,16 @@ class PinnedPrefix:
     ones zp computes for each such call's lease, so those calls are charged without it. ``margin``:
     blocks between the charged count and the prefix's eviction (default: the budget's, 2% of its
     limit). ``poll_s``: how often the sender asks a budget that does not notify (a budget that does
-    wakes it at once). Use ``async with`` (or :meth:`start` / :meth:`aclose`): leaving unpins it.
+    wakes it at once). ``period_s``: instead, a keep-warm every ``period_s`` seconds whatever the
+    budget says, the first one a period after the start (a baseline: the budget then holds and shares
+    the blocks but tracks nothing). Use ``async with`` (or :meth:`start` / :meth:`aclose`):
+    leaving unpins it.
     """
 
     def __init__(self, client: Any, *, model: str, messages: Sequence[Mapping[str, Any]],
                  tools: Sequence[Mapping[str, Any]] | None = None, margin: int | None = None,
                  priority: int = KEEPWARM_PRIORITY, poll_s: float = 1.0,
-                 claim_ttl_s: float = 10.0) -> None:
+                 claim_ttl_s: float = 10.0, period_s: float | None = None) -> None:
         if not messages or any(not isinstance(m, Mapping) or m.get("role") not in ("system", "developer")
                                for m in messages):
             raise ConfigurationError(
@@ -90,6 +93,9 @@ class PinnedPrefix:
                 f"got {[m.get('role') if isinstance(m, Mapping) else type(m).__name__ for m in messages]}")
         if not isinstance(poll_s, (int, float)) or poll_s <= 0:
             raise ConfigurationError(f"poll_s must be seconds > 0, got {poll_s!r}")
+        if period_s is not None and (not isinstance(period_s, (int, float)) or period_s <= 0):
+            raise ConfigurationError(f"period_s must be seconds > 0 or None, got {period_s!r}")
+        self.period_s = None if period_s is None else float(period_s)
         self.client = client
         self.model = model
         self.messages = [dict(m) for m in messages]
@@ -122,16 +128,20 @@ class PinnedPrefix:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> PinnedPrefix:
-        """Pin the prefix and start the keep-warm sender (the first keep-warm goes out at once: the
-        prefix is not known to be cached yet). Raises :class:`~zp_client.errors.PinRefused` past the
+        """Pin the prefix and start the keep-warm sender (keep-warms begin after the prefix's first use:
+        that call prefills it). Raises :class:`~zp_client.errors.PinRefused` past the
         budget's pin cap."""
         if self._task is not None:
             return self
-        await self.budget.pin(self.key, self.blocks, margin=self.margin)
+        await self.budget.pin(self.key, self.blocks, margin=self.margin, track=self.period_s is None)
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self.budget.add_keepwarm_listener(self._nudge)
-        self._task = asyncio.create_task(self._run(), name=f"zp-keepwarm-{self.key[:8]}")
+        if self.period_s is None:
+            self.budget.add_keepwarm_listener(self._nudge)
+            run = self._run()
+        else:
+            run = self._run_timer(self.period_s)
+        self._task = asyncio.create_task(run, name=f"zp-keepwarm-{self.key[:8]}")
         return self
 
     async def aclose(self) -> None:
@@ -174,6 +184,20 @@ class PinnedPrefix:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
+
+    async def _run_timer(self, period: float) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + period
+        while True:
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            try:
+                await self.keep_warm()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - one failed keep-warm must not stop the pin
+                self.keepwarm_errors += 1
+                logger.warning("keep-warm of prefix %s failed", self.key[:12], exc_info=True)
+            next_at += period
 
     async def keep_warm(self) -> None:
         """Send one keep-warm now (admitted like any call; the sender calls it when one is due)."""

@@ -64,10 +64,10 @@ def _limit(ctx: SetupContext) -> int:
     return zp_limit_blocks(ctx.num_gpu_blocks, ELASTIC_HEADROOM if h is None else h)
 
 
-def _local_elastic(ctx: SetupContext, *, policy: Any = "elastic", limit: int | None = None) -> Any:
+def _local_elastic(ctx: SetupContext, *, policy: Any = "elastic", limit: int | None = None,
+                   **kw: Any) -> Any:
     from zp_client.budget.local import LocalBudget
 
-    kw: dict[str, Any] = {}
     # measurements only: without them the library's defaults apply
     if ctx.elastic.starvation_bound_s is not None:
         kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
@@ -102,6 +102,49 @@ async def _zp_oracle(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Cal
     oracle = SimOracleForecaster(forecaster_for(budget))
     client = await zp_client_for(ctx, stack, budget, forecaster=oracle)
     return AppCaller(client, ctx.model, app_retry=True)
+
+
+#: ``zp-pinned-timer``'s keep-warm period when ``zp-pinned`` did not run before it (virtual seconds).
+DEFAULT_TIMER_PERIOD_S = 20.0
+
+
+class PinnedCaller(AppCaller):
+    """``zp-elastic``'s caller with the workload's prefixes pinned (:class:`zp_client.PinnedPrefix`);
+    exposes ``keepwarms`` (sent so far) for the report."""
+
+    def __init__(self, client: Any, model: str, pins: list[Any]) -> None:
+        super().__init__(client, model, app_retry=True)
+        self.pins = pins
+
+    def keepwarms(self) -> int:
+        return sum(p.keepwarms_sent for p in self.pins)
+
+
+async def _pinned(ctx: SetupContext, stack: contextlib.AsyncExitStack, period_s: float | None) -> Caller:
+    from zp_client.pinning import PinnedPrefix
+
+    if not ctx.pin_prefixes:
+        raise ConfigurationError("zp-pinned and zp-pinned-timer need a workload with prefixes to pin "
+                                 "(--workload agent-types)")
+    # the pool as the server's /metrics reports it, as LocalBudget.from_server reads it
+    budget = _local_elastic(ctx, server_blocks=ctx.num_gpu_blocks - 1)
+    client = await zp_client_for(ctx, stack, budget, forecaster=_forecaster(ctx.elastic))
+    pins = []
+    for msgs in ctx.pin_prefixes:
+        pin = PinnedPrefix(client, model=ctx.model, messages=msgs, period_s=period_s)
+        await pin.start()
+        stack.push_async_callback(pin.aclose)
+        pins.append(pin)
+    return PinnedCaller(client, ctx.model, pins)
+
+
+async def _zp_pinned(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    return await _pinned(ctx, stack, None)
+
+
+async def _zp_pinned_timer(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    period = ctx.keepwarm_period_s if ctx.keepwarm_period_s is not None else DEFAULT_TIMER_PERIOD_S
+    return await _pinned(ctx, stack, period)
 
 
 #: The module ``zp-adaptive`` needs (imported only when the setup is built).
@@ -190,6 +233,13 @@ register_setup(SetupSpec("zp-oracle", True,
 register_setup(SetupSpec("zp-adaptive", True, default=False, requires=ADAPTIVE_MODULE,
                          description="zp-elastic + AdaptiveLimit (the limit follows the server's /metrics)"),
                _zp_adaptive, after="zp-oracle")
+register_setup(SetupSpec("zp-pinned", True, default=False,
+                         description="zp-elastic + the workload's prefixes pinned, keep-warms when due"),
+               _zp_pinned, after="zp-oracle")
+register_setup(SetupSpec("zp-pinned-timer", True, default=False,
+                         description="zp-elastic + the prefixes pinned, keep-warms on a fixed period "
+                                     "(as many as zp-pinned sent)"),
+               _zp_pinned_timer, after="zp-pinned")
 register_setup(SetupSpec("zp-elastic-ureserve", True, default=False,
                          description="zp-elastic on the whole pool, reserve sized by the live leases' "
                                      "forecast spread"),

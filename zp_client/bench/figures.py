@@ -50,6 +50,8 @@ _STYLES: dict[str, SetupStyle] = {
     "zp-oracle": SetupStyle(OKABE_ITO["bluish_green"], (0, (3, 1)), "^"),
     "zp-adaptive": SetupStyle(OKABE_ITO["blue"], (0, (5, 1, 1, 1)), "p"),
     "zp-elastic-ureserve": SetupStyle(OKABE_ITO["sky_blue"], (0, (2, 2)), "d"),
+    "zp-pinned": SetupStyle(OKABE_ITO["bluish_green"], "solid", "2"),
+    "zp-pinned-timer": SetupStyle(OKABE_ITO["orange"], (0, (4, 2)), "3"),
     "clairvoyant": SetupStyle(OKABE_ITO["reddish_purple"], (0, (6, 1.5, 1, 1.5, 1, 1.5)), "P"),
     "zp-redis": SetupStyle(OKABE_ITO["sky_blue"], (0, (1, 1)), "h", "//"),
     "zp-redis-elastic": SetupStyle(OKABE_ITO["blue"], (0, (1, 1)), "*", "//"),

@@ -139,6 +139,81 @@ def _limit_metrics(run: SetupRun) -> dict[str, Any]:
             "limit_final": limits[-1]}
 
 
+#: A workload request is a cold prefill when its cached tokens cover under this share of its pinned
+#: prefix's full blocks.
+COLD_SHARE = 0.9
+
+#: Sim request ids of keep-warms (``X-Request-Id`` ``zp-keepwarm-...`` under the simulator's prefix).
+_KEEPWARM_ID = "chatcmpl-zp-keepwarm-"
+
+
+def _prefix_metrics(run: SetupRun, wl: Workload, block_size: int) -> dict[str, Any]:
+    """For a workload with prefixes to pin (``agent-types``): per agent type, cold prefills of workload
+    requests (keep-warms excluded) after the type's first call, the prefix-cache hit rate of workload
+    requests, and the keep-warms' cost (requests, computed tokens) against the server's."""
+    if not wl.pin_prefixes:
+        return {}
+    from zp_client.sim.tokenizer import encode, render_chat
+
+    full = [len(encode(render_chat(p, add_generation_prompt=False))) // block_size * block_size
+            for p in wl.pin_prefixes]
+    sim = run.server_stats.get("requests")
+    if not isinstance(sim, list):
+        return {}
+    by_id: dict[str, dict[str, Any]] = {}
+    kw_reqs = kw_tokens = all_tokens = 0
+    for r in sim:
+        rid = str(r.get("id", ""))
+        computed = int(r.get("prompt_tokens", 0)) - int(r.get("cached_tokens", 0)) + int(
+            r.get("output_tokens", 0))
+        if r.get("first_scheduled_s") is None:
+            computed = 0
+        all_tokens += computed
+        if rid.startswith(_KEEPWARM_ID):
+            kw_reqs += 1
+            kw_tokens += computed
+            continue
+        if r.get("first_scheduled_s") is not None:
+            by_id[rid.removeprefix("chatcmpl-")] = r  # the last scheduled attempt of a logical request
+    types = len(wl.pin_prefixes)
+    cold = [0] * types
+    later = [0] * types
+    seen = [False] * types
+    ttfts: list[list[float]] = [[] for _ in range(types)]
+    queried = hits = 0
+    for rec in sorted(run.records, key=lambda r: (r.t_submit is None, r.t_submit or 0.0)):
+        if not rec.kind.startswith("type") or rec.bypass:
+            continue
+        k = int(rec.kind[4:])
+        sr = by_id.get(rec.id)
+        if sr is None:
+            continue
+        cached = int(sr.get("cached_tokens", 0))
+        queried += int(sr.get("prompt_tokens", 0))
+        hits += cached
+        if rec.ok and rec.ttft is not None:
+            ttfts[k].append(rec.ttft)
+        if seen[k]:
+            later[k] += 1
+            if cached < COLD_SHARE * full[k]:
+                cold[k] += 1
+        seen[k] = True
+    workload_requests = sum(1 for r in run.records if r.sent)
+    return {"prefix": {
+        "cold_prefills": sum(cold),
+        "cold_per_type": cold,
+        "later_calls_per_type": later,
+        "cold_share_rarest2": _r((cold[-1] + cold[-2]) / max(1, later[-1] + later[-2]), 3),
+        "hit_rate": _r(hits / queried if queried else None, 4),
+        "ttft_p50_per_type": [_r(_q(t, 0.5)) for t in ttfts],
+        "keepwarm_requests": kw_reqs,
+        "keepwarm_requests_share": _r(kw_reqs / workload_requests if workload_requests else None, 4),
+        "keepwarm_computed_tokens": kw_tokens,
+        "keepwarm_tokens_share": _r(kw_tokens / all_tokens if all_tokens else None, 5),
+        "keepwarms_sent": run.keepwarms,
+    }}
+
+
 def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: float) -> dict[str, Any]:
     recs = run.records
     sent = [r for r in recs if r.sent]
@@ -209,6 +284,7 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "sim_lagging": bool(st.get("lagging")),
         "leases_granted": run.leases_granted,
         **_bypass_metrics(run, wl, makespan),
+        **_prefix_metrics(run, wl, facts.block_size),
         **_limit_metrics(run),
         **_fleet_metrics(run),
     }
@@ -450,6 +526,10 @@ def _secs(x: float | None) -> str:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
+
+
+def _pct2(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2%}"
 
 
 def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: Any,
@@ -752,6 +832,18 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
                       f"p99 {h['loop_lag_p99_ms']} ms / max {h['loop_lag_max_ms']} ms (wall), "
                       f"CPU {h['cpu_frac']:.0%} of a core, simulator max lag {m['sim_max_lag_s']} virtual s",
                       highlight=False)
+    for m in report["setups"]:
+        pf = m.get("prefix")
+        if pf:
+            console.print(
+                f"prefix {m['setup']}: cold prefills {pf['cold_prefills']} (per type "
+                f"{pf['cold_per_type']} of {pf['later_calls_per_type']} later calls; two rarest "
+                f"{_pct(pf['cold_share_rarest2'])}), "
+                f"hit {_pct(pf['hit_rate'])}, TTFT p50 per type {pf['ttft_p50_per_type']}, keep-warms "
+                f"{pf['keepwarm_requests']} ({_pct2(pf['keepwarm_requests_share'])} of requests, "
+                f"{pf['keepwarm_computed_tokens']} computed tokens = "
+                f"{_pct2(pf['keepwarm_tokens_share'])} of the server's)",
+                highlight=False)
     for m in report["setups"]:
         if not m["valid"]:
             console.print(f"[bold red]{m['setup']}: harness saturated, numbers not valid:[/] "

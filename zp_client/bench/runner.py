@@ -154,6 +154,9 @@ class SetupRun:
     limit_timeline: list[tuple[float, int]] | None = None
     """The budget limit over the run, ``(virtual s since the run's start, limit blocks)``, for a setup
     whose caller exposes one (``limit_timeline``: the adaptive limit); None otherwise."""
+    keepwarms: int | None = None
+    """Keep-warm requests a pinning setup's caller sent (``zp-pinned``, ``zp-pinned-timer``); None for
+    the others."""
     replicas: int = 1
     """Servers in the run; above 1 ``server_stats`` and ``timeline`` aggregate them (see
     :func:`aggregate_stats`, :func:`fleet_timeline`) and the ``replica_*`` fields hold each one's."""
@@ -379,7 +382,8 @@ def _plan(cfg: StormConfig, wl: Workload) -> Any:
 
 
 async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_rps: float | None,
-                   progress: Callable[[str, int], None], plan: Any = None) -> SetupRun:
+                   progress: Callable[[str, int], None], plan: Any = None,
+                   keepwarm_period_s: float | None = None) -> SetupRun:
     from zp_client.bench.bypass import bypass_applies, open_bypass
 
     spec = SETUPS[name]
@@ -419,7 +423,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                            replica_root_urls=[s.url for s in servers],
                            replica_apps=[s.app for s in servers],
                            replica_limit_blocks=[zp_limit_blocks(p[0], HEADROOM) for p in pool],
-                           network=network, seed=cfg.seed)
+                           network=network, seed=cfg.seed, pin_prefixes=wl.pin_prefixes,
+                           keepwarm_period_s=keepwarm_period_s)
         clock = _clock_for(server, cfg)
         kill: dict[str, Any] = {}
         moved: int | None = None
@@ -431,6 +436,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
 
         load = ClientLoad(0.0 if cfg.virtual else cfg.client_load)
         granted: int | None = None
+        keepwarms: int | None = None
         limit_tl: list[tuple[float, int]] | None = None
         async with HarnessMonitor(sample_lag=not cfg.virtual) as mon:
             if spec.workers > 1:
@@ -462,6 +468,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                     fleet_limit = _caller_count(caller, "limit_blocks")
                     moved = _caller_count(caller, "moved_off_dead")
                     routed = _caller_count(caller, "replica_requests")
+                    keepwarms = _caller_count(caller, "keepwarms")
         if cfg.redis_url and SETUPS[name].needs_redis:
             await _delete_budget_keys(cfg.redis_url, ctx.budget_name)
         if isinstance(server, _SimProcess):
@@ -504,7 +511,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                         metrics_preemptions=mp_total,
                         bypass=None if plan is None else {**plan.as_dict(), "applies": applies,
                                                           "ids": sorted(plan.ids)},
-                        leases_granted=granted, limit_timeline=limit_tl, **fleet_fields)
+                        leases_granted=granted, limit_timeline=limit_tl, keepwarms=keepwarms,
+                        **fleet_fields)
 
 
 async def _metrics_preemptions(server: Any, cfg: StormConfig) -> float | None:
@@ -775,6 +783,16 @@ def _run(cfg: StormConfig, main: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(main)
 
 
+def timer_period(run: SetupRun, prefixes: int) -> float | None:
+    """The keep-warm period that sends, over ``run``'s span, as many keep-warms as ``run`` (``zp-pinned``)
+    sent: ``prefixes`` of them per period. None when it sent none (the timer then uses its default)."""
+    if not run.keepwarms or prefixes <= 0:
+        return None
+    ends = [r.t_end for r in run.records if r.t_end is not None]
+    span = max(ends, default=0.0)  # records are relative to the run's start
+    return span * prefixes / run.keepwarms if span > 0 else None
+
+
 def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any] | None = None
               ) -> tuple[Workload, ServerFacts, list[SetupRun]]:
     """Measure the unloaded server, build the workload, run every setup in ``cfg.setups`` in order,
@@ -793,13 +811,16 @@ def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any
     prog = progress_factory(cfg.setups, total) if progress_factory else None
     runs: list[SetupRun] = []
     rate: float | None = None
+    period: float | None = None
     for name in cfg.setups:
         if prog is not None:
             prog.start(name)
         run = _run(cfg, _run_one(cfg, name, wl, model, rate, prog.advance if prog else (lambda n, k: None),
-                                 plan))
+                                 plan, period))
         if name == "no-admission":
             rate = sustainable_rate(run)
+        if name == "zp-pinned":
+            period = timer_period(run, len(wl.pin_prefixes))
         runs.append(run)
         if prog is not None:
             prog.finish(name)

@@ -184,6 +184,11 @@ class SetupContext:
     one server and no kill (the app itself, as before) and on the real clock (loopback TCP)."""
     seed: int = 0
     """The storm's seed (a setup's own deterministic randomness, e.g. the epp's tie breaks)."""
+    pin_prefixes: list[Any] = field(default_factory=list, repr=False)
+    """The workload's prefixes to pin (:attr:`~zp_client.bench.workloads.Workload.pin_prefixes`)."""
+    keepwarm_period_s: float | None = None
+    """``zp-pinned-timer``'s period: set so it sends as many keep-warms as ``zp-pinned`` did in the same
+    run (None before ``zp-pinned`` ran: its default)."""
 
     def __post_init__(self) -> None:
         if not self.replica_base_urls:

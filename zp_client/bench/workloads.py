@@ -137,6 +137,9 @@ class Workload:
     slo: SLO
     gateway_timeout_s: float | None
     params: dict[str, Any] = field(default_factory=dict)
+    pin_prefixes: list[list[Message]] = field(default_factory=list, repr=False)
+    """Prefixes a setup may pin (``zp-pinned``): each the leading system messages some turns start with;
+    a session of kind ``"type<i>"`` uses prefix ``i`` (see :func:`agent_types`). Not in ``params``."""
 
     def iter_turns(self) -> list[Turn]:
         out: list[Turn] = []
@@ -502,6 +505,78 @@ def agentic(facts: ServerFacts, seed: int, *, conversations: int = _AGENTIC_CONV
     )
 
 
+# --------------------------------------------------------------------------------------- agent-types
+
+
+#: ``agent-types``' system prompts (tokens): 6 agent types, 24k tokens = 1,500 blocks in all, under 20% of
+#: the storm's limit on the 8,193-block pool (0.2 x 7,782 = 1,556 blocks), so all six can be pinned.
+AGENT_TYPE_PROMPTS = (3000, 3400, 3800, 4200, 4600, 5000)
+
+
+def agent_types(facts: ServerFacts, seed: int, *, calls: int = 600, zipf_s: float = 1.6,
+                rate_per_s: float | None = None, context_median: int = 4000, context_p99: int = 9000,
+                max_tokens: int = 1024, out_median: int = 200, out_p99: int = 900,
+                scale: float = 1.0) -> Workload:
+    """Single calls of 6 agent types, each with its own 3-5k-token system prompt, the types drawn with
+    Zipf frequencies (type 0 the most frequent, exponent ``zipf_s``), each call with its own context
+    (lognormal, median 4,000 / p99 9,000 tokens, unique: it shares nothing with other calls) and output
+    (median 200 / p99 900 tokens, ``max_tokens`` 1024), streamed, arriving as a Poisson process.
+
+    The pressure is on the prefix cache, not the pool: a rare type's prompt is released long before its
+    next call, and the blocks the other calls allocate meanwhile push it through vLLM's free queue until
+    it is evicted. ``rate_per_s`` (default: what keeps about 60% of the pool busy, from the unloaded step
+    time) sets the arrival rate; ``scale`` (``--load-scale``) multiplies the calls and the rate (the same
+    window). Sessions are of kind ``"type<i>"``; :attr:`Workload.pin_prefixes` holds
+    the 6 system prompts. The storm's setups ``zp-pinned`` and ``zp-pinned-timer`` pin them.
+
+    Sizing (issue 20: under ``zp-elastic`` at least 25% of the two rarest types' later calls must be
+    cold, else raise the pressure once): with contexts of median 2,500 / p99 6,000 tokens, seed 1 had
+    12% (KV max 0.57); the pressure was raised once, to 4,000 / 9,000 (41% and 46% on seeds 0 and 1,
+    KV max 0.98 without admission). See docs/pinning.md."""
+    rng = random.Random(seed)
+    calls = max(1, round(calls * scale))
+    prompts: list[list[Message]] = []
+    for i, n in enumerate(AGENT_TYPE_PROMPTS):
+        text = _agent_preamble(rng, n - 200) + make_text(150, rng, f"agent type {i} rules")
+        prompts.append([{"role": "system", "content": f"[agent type {i}] " + text}])
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(len(prompts))]
+    bs = facts.block_size
+    mean_ctx = context_median * 1.2
+    if rate_per_s is None:
+        # hold ~60% of the usable pool: calls alive at once x their blocks; a call lives for its
+        # output's decode steps at the unloaded ITL, x2 for the load
+        call_blocks = (sum(AGENT_TYPE_PROMPTS) / len(AGENT_TYPE_PROMPTS) + mean_ctx + out_median) / bs
+        alive = 0.6 * facts.usable_blocks / call_blocks
+        life = 2 * out_median * 1.3 * facts.unloaded_itl_s + facts.unloaded_ttft_s
+        rate_per_s = alive / max(life, 1e-3)
+    rate_per_s *= scale  # the storm's --load-scale: more calls over the same window
+    sessions: list[Session] = []
+    t = 0.0
+    for c in range(calls):
+        k = rng.choices(range(len(prompts)), weights)[0]
+        ctx_tokens = _lognormal_int(rng, context_median, context_p99, 100, 12000)
+        msgs = [*prompts[k], {"role": "user", "content": make_text(ctx_tokens, rng, f"call {c} context")}]
+        ptoks = count_chat_tokens(msgs)
+        if ptoks + max_tokens > facts.max_model_len:
+            continue
+        out = _lognormal_int(rng, out_median, out_p99, 1, max_tokens)
+        sessions.append(Session(f"call-{c}", round(t, 4), f"type{k}", [Turn(msgs, ptoks, max_tokens, out)]))
+        t += rng.expovariate(rate_per_s)
+    counts = [sum(1 for s in sessions if s.kind == f"type{k}") for k in range(len(prompts))]
+    return Workload(
+        "agent-types",
+        f"{len(sessions)} calls of 6 agent types (system prompts {AGENT_TYPE_PROMPTS[0]}-"
+        f"{AGENT_TYPE_PROMPTS[-1]} tokens, Zipf s={zipf_s}) at {rate_per_s:.2f}/s, unique contexts "
+        f"median {context_median} tokens",
+        sessions, interactive_slo(facts), None,
+        {"calls": len(sessions), "zipf_s": zipf_s, "rate_per_s": round(rate_per_s, 4),
+         "prompt_tokens": list(AGENT_TYPE_PROMPTS), "calls_per_type": counts,
+         "context_median": context_median, "context_p99": context_p99, "max_tokens": max_tokens,
+         "out_median": out_median, "out_p99": out_p99, "scale": scale},
+        pin_prefixes=prompts,
+    )
+
+
 # --------------------------------------------------------------------------------------- trace replays
 
 
@@ -689,7 +764,7 @@ def trace_replay(source: str | Path, facts: ServerFacts, seed: int, *, trace_for
     return Workload(name, description, sessions, slo, None, params)
 
 
-WORKLOADS: tuple[str, ...] = ("seed-burst", "agentic", "azure-code", "azure-conv", "mooncake")
+WORKLOADS: tuple[str, ...] = ("seed-burst", "agentic", "agent-types", "azure-code", "azure-conv", "mooncake")
 
 
 def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: float | None = None,
@@ -723,6 +798,10 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
             n = int(overrides.get("conversations", _AGENTIC_CONVERSATIONS))
             overrides["window_s"] = round(n * (load_scale or 1.0)) * 400 * facts.unloaded_itl_s * time_scale
         return agentic(facts, seed, **overrides)
+    if name == "agent-types":
+        if load_scale is not None:
+            overrides.setdefault("scale", load_scale)
+        return agent_types(facts, seed, **overrides)
     if name in _TRACES:
         defaults = _TRACE_DEFAULTS[name]
         kw = {**defaults, **overrides}

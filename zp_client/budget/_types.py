@@ -60,4 +60,6 @@ class BudgetStatus:
     held_distinct: int | None = None
     """``held`` with each shared prefix counted once among the leases that share it, as the server's
     prefix cache holds it once (the ``elastic`` policy's present term; ``held`` under ``strict``, which
-    knows no prefixes). None where the backend does not compute it (``RedisBudget``): read ``held``."""
+    knows no prefixes). None where the backend does not compute it (``RedisBudget``): read ``held``.
+    A pinned prefix no live request uses is not in it (the server holds its blocks as free, cached ones:
+    see docs/pinning.md); while one does, it is counted once, with that request."""

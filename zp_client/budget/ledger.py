@@ -324,21 +324,22 @@ class Ledger:
         return self._pins
 
     def pin(self, key: str, blocks: int, now: float, *, margin: int | None = None,
-            cap_fraction: float | None = None) -> PinRecord:
+            cap_fraction: float | None = None, track: bool = True) -> PinRecord:
         """Pin the prefix ``key`` of ``blocks`` full blocks: a lease of its blocks held until
         :meth:`unpin` (id ``pin:<key>``, meta ``pinned``), which the elastic policy counts as a member of
         the prefix's group that never ends, so leases sharing the prefix are not charged for it again.
         Never waits and never revokes: if the pool is full, admission pauses until it fits, as after a
         lowered limit. Idempotent for the same size. Raises :class:`~zp_client.errors.PinRefused` past
         the cap (``cap_fraction`` of the limit, default 20%), :class:`ConfigurationError` for bad
-        arguments. Call :meth:`grant` after :meth:`unpin`."""
+        arguments. ``track=False``: no keep-warm bookkeeping (never due, holds nobody back). Call
+        :meth:`grant` after :meth:`unpin`."""
         if cap_fraction is not None:
             if not isinstance(cap_fraction, (int, float)) or not 0 <= cap_fraction <= 1:
                 raise ConfigurationError(
                     f"cap_fraction must be a share of the limit in [0, 1], got {cap_fraction!r}")
             self._pins.cap_fraction = float(cap_fraction)
         existing = self._pins.get(key) if isinstance(key, str) else None
-        rec = self._pins.add(key, blocks, self._limit, now, margin=margin)
+        rec = self._pins.add(key, blocks, self._limit, now, margin=margin, track=track)
         if existing is None:
             lid = pin_lease_id(key)
             self._now = now
@@ -358,9 +359,11 @@ class Ledger:
         return True
 
     def server_free(self) -> int:
-        """The server's free blocks as this ledger sees them: the limit less what live requests hold
-        (``held_distinct``), idle pinned prefixes not counted (the server holds them as free, cached)."""
-        return self._limit - (self.held_distinct - self._pins.idle_blocks())
+        """The server's free blocks as this ledger sees them: its pool (``pins.server_blocks``, default
+        the limit) less what live requests hold (``held_distinct``), idle pinned prefixes not counted (the
+        server holds them as free, cached)."""
+        pool = self._pins.server_blocks or self._limit
+        return pool - (self.held_distinct - self._pins.idle_blocks())
 
     def lease(self, lease_id: str) -> LeaseRecord | None:
         return self._leases.get(lease_id)
@@ -669,10 +672,12 @@ class Ledger:
                 "starvation_bound_s": self._starvation_bound,
                 "head_starving": head is not None and head_wait >= self._starvation_bound,
                 "bound_sum": self._bound_sum,
-                **({"pins": self._pins.status(), "pinned_blocks": self._pins.pinned_blocks}
-                   if len(self._pins) else {}),
+                **({"pins": self._pins.status(), "pinned_blocks": self._pins.pinned_blocks,
+                    "pinned_idle_blocks": self._pins.idle_blocks()} if len(self._pins) else {}),
             },
-            held_distinct=self.held_distinct,
+            # what the server holds: idle pinned prefixes are free (cached) blocks there, so an adaptive
+            # limit comparing this with the server's KV use does not read them as missing bypass
+            held_distinct=self.held_distinct - self._pins.idle_blocks(),
         )
 
     # ------------------------------------------------------------------ internals

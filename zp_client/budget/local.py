@@ -190,6 +190,8 @@ class LocalBudget(Budget):
     decision (recorded only).
 
     ``pin_cap``: pinned prefixes (:meth:`pin`) may hold at most this share of the limit (default 0.2).
+    ``server_blocks``: the server's usable pool (``num_gpu_blocks - 1``), which a pinned prefix's
+    keep-warm rule counts free blocks from (default: the limit, smaller, so keep-warms come earlier).
     """
 
     # How a parked thread waits; a seam for tests that interrupt a wait.
@@ -206,6 +208,7 @@ class LocalBudget(Budget):
         name: str = "local",
         clock: Clock | None = None,
         pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
+        server_blocks: int | None = None,
     ) -> None:
         self.clock = clock if clock is not None else SYSTEM_CLOCK
         self.block_size = validate_blocks(block_size, "block_size")
@@ -230,6 +233,8 @@ class LocalBudget(Budget):
         if not isinstance(pin_cap, (int, float)) or not 0 <= pin_cap <= 1:
             raise ConfigurationError(f"pin_cap must be a share of the limit in [0, 1], got {pin_cap!r}")
         self._pin_cap = float(pin_cap)
+        if server_blocks is not None:
+            self._ledger.pins.server_blocks = validate_blocks(server_blocks, "server_blocks")
         self._keepwarm_listeners: list[Callable[[], None]] = []
 
     @classmethod
@@ -267,6 +272,7 @@ class LocalBudget(Budget):
         from zp_client.calibration import calibrate  # noqa: PLC0415 - httpx loads only when asked
 
         cal = calibrate(url, headroom=headroom, policy=policy, timeout_s=timeout_s, headers=headers)
+        kwargs.setdefault("server_blocks", cal.usable_blocks)
         budget = cls(cal.limit_blocks, cal.block_size, policy=policy, **kwargs)
         budget.calibration = cal
         return budget
@@ -545,10 +551,10 @@ class LocalBudget(Budget):
     def supports_pins(self) -> bool:
         return True
 
-    async def pin(self, key: str, blocks: int, *, margin: int | None = None) -> None:
-        self.pin_sync(key, blocks, margin=margin)
+    async def pin(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True) -> None:
+        self.pin_sync(key, blocks, margin=margin, track=track)
 
-    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None) -> None:
+    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True) -> None:
         """Blocking form of :meth:`pin` (a short lock). Needs the elastic policy: only it shares a
         prefix's blocks between leases (and sees the first tokens that keep it warm)."""
         if self.policy_name != "elastic":
@@ -556,7 +562,7 @@ class LocalBudget(Budget):
                 f"pinned prefixes need policy='elastic', this budget is {self.policy_name!r}")
         with self._lock:
             self._ledger.pin(key, blocks, self.clock.monotonic(), margin=margin,
-                             cap_fraction=self._pin_cap)
+                             cap_fraction=self._pin_cap, track=track)
         self._wake([])
 
     async def unpin(self, key: str) -> bool:

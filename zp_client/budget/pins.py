@@ -79,7 +79,7 @@ class PinRecord:
     """The book's ``charged`` at the prefix's last release (or at the pin)."""
     free_at_release: int | None = None
     """The server's free blocks at that release; None until a request using the prefix has finished
-    (the prefix is not known to be cached yet: a keep-warm is due at once)."""
+    (the prefix is not known to be cached yet, and no keep-warm is due: its first use warms it)."""
     warming: set[str] = field(default_factory=set)
     """Live leases using the prefix, admitted, first token not seen yet."""
     in_use: set[str] = field(default_factory=set)
@@ -90,6 +90,9 @@ class PinRecord:
     """When a waiter was first held back for this prefix's keep-warm (None: none is)."""
     keepwarms: int = 0
     """Keep-warms claimed so far."""
+    track: bool = True
+    """False: the blocks are held and shared, but no keep-warm is ever due and nobody is held back (a
+    caller that keeps the prefix warm its own way, e.g. on a timer)."""
 
     def line(self) -> int | None:
         """Blocks that may be charged after the last release before the prefix may be evicted, less the
@@ -111,14 +114,24 @@ class PinBook:
     ``cap_fraction``: pinned blocks may total at most this share of the ledger's limit."""
 
     def __init__(self, *, cap_fraction: float = DEFAULT_PIN_CAP_FRACTION,
-                 gate_timeout_s: float = DEFAULT_PIN_GATE_TIMEOUT_S) -> None:
+                 gate_timeout_s: float = DEFAULT_PIN_GATE_TIMEOUT_S, server_blocks: int | None = None,
+                 margin_fraction: float = DEFAULT_PIN_MARGIN_FRACTION) -> None:
         if not isinstance(cap_fraction, (int, float)) or not 0 <= cap_fraction <= 1:
             raise ConfigurationError(
                 f"cap_fraction must be a share of the limit in [0, 1], got {cap_fraction!r}")
         if not isinstance(gate_timeout_s, (int, float)) or not gate_timeout_s > 0:
             raise ConfigurationError(f"gate_timeout_s must be seconds > 0, got {gate_timeout_s!r}")
+        if server_blocks is not None and (
+                isinstance(server_blocks, bool) or not isinstance(server_blocks, int) or server_blocks < 1):
+            raise ConfigurationError(f"server_blocks must be a number of blocks >= 1, got {server_blocks!r}")
+        if not isinstance(margin_fraction, (int, float)) or not 0 <= margin_fraction < 1:
+            raise ConfigurationError(f"margin_fraction must be a share in [0, 1), got {margin_fraction!r}")
         self.cap_fraction = float(cap_fraction)
         self.gate_timeout_s = float(gate_timeout_s)
+        self.server_blocks = server_blocks
+        """The server's usable pool (``num_gpu_blocks - 1``), where its free blocks are counted from;
+        None: the ledger's limit (smaller, so conservative: keep-warms come earlier)."""
+        self.margin_fraction = float(margin_fraction)
         self.charged = 0
         """Blocks charged on the server since the book began: admissions' new blocks and growth."""
         self._pins: dict[str, PinRecord] = {}
@@ -150,7 +163,8 @@ class PinBook:
         return int(self.cap_fraction * limit)
 
     # ------------------------------------------------------------------ pin / unpin
-    def add(self, key: str, blocks: int, limit: int, now: float, *, margin: int | None = None) -> PinRecord:
+    def add(self, key: str, blocks: int, limit: int, now: float, *, margin: int | None = None,
+            track: bool = True) -> PinRecord:
         """Pin ``key`` for ``blocks``; idempotent for the same size. Raises :class:`PinRefused` past the
         cap, :class:`ConfigurationError` for bad arguments or another size of a pinned key."""
         if not isinstance(key, str) or not key:
@@ -159,7 +173,7 @@ class PinBook:
             raise ConfigurationError(f"a pinned prefix must be at least one full block, got {blocks!r}")
         if margin is None:
             # a quarter of the prefix too: the estimator's count of its tokens may be that far off
-            margin = max(16, int(DEFAULT_PIN_MARGIN_FRACTION * limit), blocks // 4)
+            margin = max(16, int(self.margin_fraction * limit), blocks // 4)
         elif isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ConfigurationError(f"margin must be a number of blocks >= 0, got {margin!r}")
         old = self._pins.get(key)
@@ -172,7 +186,8 @@ class PinBook:
         cap = self.cap(limit)
         if self.pinned_blocks + blocks > cap:
             raise PinRefused(blocks, self.pinned_blocks, cap)
-        rec = PinRecord(key=key, blocks=blocks, margin=margin, pinned_at=now, mark=self.charged)
+        rec = PinRecord(key=key, blocks=blocks, margin=margin, pinned_at=now, mark=self.charged,
+                        track=bool(track))
         self._pins[key] = rec
         return rec
 
@@ -202,8 +217,9 @@ class PinBook:
             (rec.in_use if meta.get("first_token") else rec.warming).add(lease_id)
 
     def grew(self, delta: int) -> None:
-        if delta > 0:
-            self.charged += delta
+        """A lease's held blocks changed by ``delta``: growth, or (negative) the server's exact prompt
+        count replacing a larger estimate, which was charged at admission but never allocated."""
+        self.charged += delta
 
     def first_token(self, lease_id: str) -> None:
         key = self._member_of.get(lease_id)
@@ -239,7 +255,7 @@ class PinBook:
         own = meta.get("prefix_key")
         charge = max(0, held - self.shared_blocks(meta, held))
         for rec in self._pins.values():
-            if rec.key == own or rec.in_use:
+            if rec.key == own or rec.in_use or not rec.track:
                 continue
             line = rec.line()
             since = self.charged - rec.mark
@@ -254,16 +270,17 @@ class PinBook:
     def due(self, now: float) -> list[str]:
         """Keys whose keep-warm is due now and not claimed: no request references the prefix nor is on
         its way to, and the blocks charged since its release reached ``line - margin`` (or a waiter is
-        held back for it, or it was never warmed)."""
+        held back for it). A prefix no request has used yet is not due: its first use warms it."""
         out: list[str] = []
         for rec in self._pins.values():
-            if rec.in_use or rec.warming:
+            if rec.in_use or rec.warming or not rec.track:
                 continue
             if rec.claimed_until is not None and rec.claimed_until > now:
                 continue
             line = rec.line()
-            if (line is None or rec.gated_since is not None
-                    or self.charged - rec.mark >= line - rec.margin):
+            if line is None:
+                continue  # never used yet: its first use warms it (a keep-warm would be a cold prefill)
+            if rec.gated_since is not None or self.charged - rec.mark >= line - rec.margin:
                 out.append(rec.key)
         return out
 
