@@ -250,3 +250,90 @@ async def test_keepwarm_keeps_the_prefix_cached_through_three_pools_of_other_tra
         assert st.used == 0 and st.leases == 0
     finally:
         await oc.close()
+
+
+# --------------------------------------------------------------------------------------- the API and its exit paths
+
+
+def test_the_exact_prompt_corrects_what_the_estimate_charged() -> None:
+    led = elastic_ledger(1000)
+    led.pin("K", 100, 0.0)
+    led.enqueue("a", 400, 180, 0, 0.0, meta=member(180))  # estimated 180 prompt blocks
+    led.grant(0.0)
+    assert led.pins.charged == 80
+    led.report_held("a", 170)  # the server's count: 170
+    assert led.pins.charged == 70
+
+
+async def test_pinned_prefix_refuses_what_it_cannot_pin(sim: SimServer) -> None:
+    rng = random.Random(3)
+    system = _system(rng)
+    strict = wrap(openai.AsyncOpenAI(base_url=sim.base_url, api_key="x", max_retries=0),
+                  LocalBudget(SIM_BLOCKS - 1, 16, policy="strict"), settings=Settings(estimator="heuristic"))
+    elastic = wrap(openai.AsyncOpenAI(base_url=sim.base_url, api_key="x", max_retries=0),
+                   LocalBudget(SIM_BLOCKS - 1, 16), settings=Settings(estimator="heuristic"))
+    try:
+        with pytest.raises(ConfigurationError, match="elastic"):
+            PinnedPrefix(strict, model=sim.model, messages=[system])
+        with pytest.raises(ConfigurationError, match="system/developer"):
+            PinnedPrefix(elastic, model=sim.model, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(ConfigurationError, match="shorter than one KV block"):
+            PinnedPrefix(elastic, model=sim.model, messages=[{"role": "system", "content": "be brief"}])
+        with pytest.raises(ConfigurationError, match="zp-admitted"):
+            PinnedPrefix(openai.AsyncOpenAI(base_url=sim.base_url, api_key="x"), model=sim.model,
+                         messages=[system])
+        # the cap: 20% of 511 blocks is 102; the first prefix shares ~50 blocks (the heuristic estimate's
+        # lower bound of its 75), a second of 1,600 tokens ~67 more: refused
+        other = {"role": "system", "content": make_text(1600, rng, "another agent")}
+        async with PinnedPrefix(elastic, model=sim.model, messages=[system]):
+            with pytest.raises(PinRefused, match="cap of 102"):
+                await PinnedPrefix(elastic, model=sim.model, messages=[other]).start()
+        st = await admitted_status(elastic)
+        assert st.leases == 0 and st.used == 0
+    finally:
+        await strict.close()
+        await elastic.close()
+
+
+async def admitted_status(client: Any) -> Any:
+    from zp_client import admitted_budget
+
+    budget = admitted_budget(client)
+    assert budget is not None
+    return await budget.status()
+
+
+async def test_closing_a_pin_mid_keepwarm_leaves_nothing_held(sim: SimServer) -> None:
+    """aclose() while a keep-warm is on the wire: the keep-warm's lease and the pin are both returned;
+    a keep-warm that fails (the server refuses it) is counted and the sender goes on."""
+    rng = random.Random(5)
+    system = _system(rng)
+    budget = LocalBudget(SIM_BLOCKS - 1, 16)
+    oc = wrap(openai.AsyncOpenAI(base_url=sim.base_url, api_key="x", max_retries=0), budget,
+              settings=Settings(estimator="heuristic"))
+    try:
+        pin = await PinnedPrefix(oc, model=sim.model, messages=[system], poll_s=0.05).start()
+        inflight = asyncio.create_task(pin.keep_warm())
+        await asyncio.sleep(0.02)
+        inflight.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await inflight
+        await asyncio.sleep(0.05)
+        st = await budget.status()
+        assert st.leases == 1 and st.extra["pinned_blocks"] == pin.blocks  # only the pin itself
+        await pin.aclose()
+        await pin.aclose()  # idempotent
+        st = await budget.status()
+        assert st.leases == 0 and st.used == 0 and "pins" not in st.extra
+    finally:
+        await oc.close()
+
+
+def test_a_fleet_refuses_pins_clearly() -> None:
+    from zp_client.fleet import Fleet
+
+    fleet = Fleet(["http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"], limit_blocks=100)
+    assert not fleet.supports_pins
+    with pytest.raises(ConfigurationError, match="Fleet does not support pinned prefixes"):
+        fleet.pin_sync("K", 4)
+    assert not fleet.unpin_sync("K")

@@ -115,11 +115,17 @@ class PinnedPrefix:
         body: dict[str, Any] = {"model": model, "messages": self.messages}
         if self.tools:
             body["tools"] = self.tools
-        key, blocks = core.shared_prefix(core.estimator.estimate("/v1/chat/completions", body))
+        est = core.estimator.estimate("/v1/chat/completions", body)
+        key, blocks = core.shared_prefix(est)
         if key is None:
             raise ConfigurationError("the prefix is shorter than one KV block: nothing to pin")
         self.key: str = key
         self.blocks: int = blocks
+        """The prefix's full blocks from the estimate's lower bound: what calls sharing it are not charged."""
+        # and from its upper bound: where the prefix may reach on the server, what the keep-warm rule needs
+        hi = int(core.estimator.reserve_tokens(est))
+        self.span: int = max(blocks, -(-int(est.prefix_tokens) * hi // max(1, int(est.tokens))
+                                       // self.budget.block_size))
         self.keepwarms_sent = 0
         self.keepwarm_errors = 0
         self._task: asyncio.Task[None] | None = None
@@ -133,7 +139,8 @@ class PinnedPrefix:
         budget's pin cap."""
         if self._task is not None:
             return self
-        await self.budget.pin(self.key, self.blocks, margin=self.margin, track=self.period_s is None)
+        await self.budget.pin(self.key, self.blocks, margin=self.margin, track=self.period_s is None,
+                              span=self.span)
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         if self.period_s is None:

@@ -324,14 +324,16 @@ class Ledger:
         return self._pins
 
     def pin(self, key: str, blocks: int, now: float, *, margin: int | None = None,
-            cap_fraction: float | None = None, track: bool = True) -> PinRecord:
+            cap_fraction: float | None = None, track: bool = True, span: int | None = None) -> PinRecord:
         """Pin the prefix ``key`` of ``blocks`` full blocks: a lease of its blocks held until
         :meth:`unpin` (id ``pin:<key>``, meta ``pinned``), which the elastic policy counts as a member of
         the prefix's group that never ends, so leases sharing the prefix are not charged for it again.
         Never waits and never revokes: if the pool is full, admission pauses until it fits, as after a
         lowered limit. Idempotent for the same size. Raises :class:`~zp_client.errors.PinRefused` past
         the cap (``cap_fraction`` of the limit, default 20%), :class:`ConfigurationError` for bad
-        arguments. ``track=False``: no keep-warm bookkeeping (never due, holds nobody back). Call
+        arguments. ``track=False``: no keep-warm bookkeeping (never due, holds nobody back). ``span``:
+        the prefix's blocks on the server, an upper bound (default ``blocks``, which is a lower one:
+        what the leases share); the keep-warm line counts from it. Call
         :meth:`grant` after :meth:`unpin`."""
         if cap_fraction is not None:
             if not isinstance(cap_fraction, (int, float)) or not 0 <= cap_fraction <= 1:
@@ -339,7 +341,7 @@ class Ledger:
                     f"cap_fraction must be a share of the limit in [0, 1], got {cap_fraction!r}")
             self._pins.cap_fraction = float(cap_fraction)
         existing = self._pins.get(key) if isinstance(key, str) else None
-        rec = self._pins.add(key, blocks, self._limit, now, margin=margin, track=track)
+        rec = self._pins.add(key, blocks, self._limit, now, margin=margin, track=track, span=span)
         if existing is None:
             lid = pin_lease_id(key)
             self._now = now

@@ -551,10 +551,12 @@ class LocalBudget(Budget):
     def supports_pins(self) -> bool:
         return True
 
-    async def pin(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True) -> None:
-        self.pin_sync(key, blocks, margin=margin, track=track)
+    async def pin(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
+                  span: int | None = None) -> None:
+        self.pin_sync(key, blocks, margin=margin, track=track, span=span)
 
-    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True) -> None:
+    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
+                 span: int | None = None) -> None:
         """Blocking form of :meth:`pin` (a short lock). Needs the elastic policy: only it shares a
         prefix's blocks between leases (and sees the first tokens that keep it warm)."""
         if self.policy_name != "elastic":
@@ -562,7 +564,7 @@ class LocalBudget(Budget):
                 f"pinned prefixes need policy='elastic', this budget is {self.policy_name!r}")
         with self._lock:
             self._ledger.pin(key, blocks, self.clock.monotonic(), margin=margin,
-                             cap_fraction=self._pin_cap, track=track)
+                             cap_fraction=self._pin_cap, track=track, span=span)
         self._wake([])
 
     async def unpin(self, key: str) -> bool:

@@ -75,6 +75,9 @@ class PinRecord:
     blocks: int
     margin: int
     pinned_at: float
+    span: int = 0
+    """The prefix's blocks on the server, an upper bound (``blocks`` is a lower one: what is shared);
+    the line counts from it."""
     mark: int = 0
     """The book's ``charged`` at the prefix's last release (or at the pin)."""
     free_at_release: int | None = None
@@ -99,11 +102,11 @@ class PinRecord:
         margin; None before the first release."""
         if self.free_at_release is None:
             return None
-        return self.free_at_release - self.blocks - self.margin
+        return self.free_at_release - max(self.blocks, self.span) - self.margin
 
     def as_dict(self, charged: int) -> dict[str, Any]:
         line = self.line()
-        return {"key": self.key, "blocks": self.blocks, "margin": self.margin,
+        return {"key": self.key, "blocks": self.blocks, "span": self.span, "margin": self.margin,
                 "charged_since_release": charged - self.mark, "line": line,
                 "in_use": len(self.in_use), "warming": len(self.warming), "keepwarms": self.keepwarms}
 
@@ -164,7 +167,7 @@ class PinBook:
 
     # ------------------------------------------------------------------ pin / unpin
     def add(self, key: str, blocks: int, limit: int, now: float, *, margin: int | None = None,
-            track: bool = True) -> PinRecord:
+            track: bool = True, span: int | None = None) -> PinRecord:
         """Pin ``key`` for ``blocks``; idempotent for the same size. Raises :class:`PinRefused` past the
         cap, :class:`ConfigurationError` for bad arguments or another size of a pinned key."""
         if not isinstance(key, str) or not key:
@@ -176,6 +179,8 @@ class PinBook:
             margin = max(16, int(self.margin_fraction * limit), blocks // 4)
         elif isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
             raise ConfigurationError(f"margin must be a number of blocks >= 0, got {margin!r}")
+        if span is not None and (isinstance(span, bool) or not isinstance(span, int) or span < blocks):
+            raise ConfigurationError(f"span must be a number of blocks >= blocks ({blocks}), got {span!r}")
         old = self._pins.get(key)
         if old is not None:
             if old.blocks != blocks:
@@ -187,7 +192,7 @@ class PinBook:
         if self.pinned_blocks + blocks > cap:
             raise PinRefused(blocks, self.pinned_blocks, cap)
         rec = PinRecord(key=key, blocks=blocks, margin=margin, pinned_at=now, mark=self.charged,
-                        track=bool(track))
+                        track=bool(track), span=blocks if span is None else span)
         self._pins[key] = rec
         return rec
 

@@ -391,7 +391,8 @@ class Fleet(FleetRouting, LocalBudget):
     def supports_pins(self) -> bool:
         return False  # per-replica pins are not built yet (issue 20)
 
-    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True) -> None:
+    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
+                 span: int | None = None) -> None:
         raise ConfigurationError("a Fleet does not support pinned prefixes yet; pin on a LocalBudget or "
                                  "RedisBudget of one server")
 
