@@ -219,12 +219,12 @@ class Budget(abc.ABC):
         long as it is pinned, and leases sharing it (``meta`` ``prefix_key``) are not charged for it
         again; the budget tracks the blocks allocated on the server since the prefix was last released
         and says when a keep-warm request is due (:meth:`keepwarm_due`). ``margin``: blocks kept between
-        the charged count and the prefix's eviction (default 2% of the limit, at least 16). Idempotent
-        for the same size. ``track=False``: hold and share the blocks only (the caller keeps the prefix
-        warm its own way: nothing is ever due). ``span``: the prefix's blocks on the server, an upper
-        bound (``blocks`` is what leases share, a lower one), which the keep-warm rule counts from. Raises :class:`~zp_client.errors.PinRefused` past the
-        pin cap. Most callers
-        use :meth:`zp_client.AsyncClient.pin`, which computes the key and sends the keep-warms."""
+        the charged count and the prefix's eviction (default 2% of the limit, at least 16 and a quarter
+        of the prefix). Idempotent for the same size. ``track=False``: hold and share the blocks only
+        (the caller keeps the prefix warm its own way: nothing is ever due). ``span``: the prefix's
+        blocks on the server, an upper bound (``blocks`` is what leases share, a lower one), which the
+        keep-warm rule counts from. Raises :class:`~zp_client.errors.PinRefused` past the pin cap. Most
+        callers use :class:`zp_client.PinnedPrefix`, which computes the key and sends the keep-warms."""
         from zp_client.errors import ConfigurationError
 
         raise ConfigurationError(f"{type(self).__name__} does not support pinned prefixes")
