@@ -361,11 +361,14 @@ class Ledger:
         return True
 
     def server_free(self) -> int:
-        """The server's free blocks as this ledger sees them: its pool (``pins.server_blocks``, default
-        the limit) less what live requests hold (``held_distinct``), idle pinned prefixes not counted (the
-        server holds them as free, cached)."""
-        pool = self._pins.server_blocks or self._limit
-        return pool - (self.held_distinct - self._pins.idle_blocks())
+        """The server's free blocks as the keep-warm rule counts them: its pool (``pins.server_blocks``,
+        default the limit) less what the live leases hold (``held_sum``), a pinned prefix's blocks once
+        (its members' shares not again) and not at all while idle (the server holds them as free, cached
+        blocks). Other shared prefixes are counted per lease: conservative (fewer free blocks, earlier
+        keep-warms), and what the Redis port computes too."""
+        pins = self._pins
+        pool = pins.server_blocks or self._limit
+        return pool - (self._held_sum - pins.member_shares - pins.idle_blocks())
 
     def lease(self, lease_id: str) -> LeaseRecord | None:
         return self._leases.get(lease_id)

@@ -139,6 +139,9 @@ class PinBook:
         """Blocks charged on the server since the book began: admissions' new blocks and growth."""
         self._pins: dict[str, PinRecord] = {}
         self._member_of: dict[str, str] = {}  # lease id -> prefix key
+        self._shares: dict[str, int] = {}  # lease id -> blocks of its prompt its pin covers (at admission)
+        self.member_shares = 0
+        """Sum of the live members' shares: what they hold that the pin holds too."""
 
     # ------------------------------------------------------------------ reading
     def __len__(self) -> int:
@@ -197,11 +200,9 @@ class PinBook:
         return rec
 
     def remove(self, key: str) -> PinRecord | None:
-        rec = self._pins.pop(key, None)
-        if rec is not None:
-            for lid in rec.warming | rec.in_use:
-                self._member_of.pop(lid, None)
-        return rec
+        """Drop the pin of ``key``. Its live members keep their share in :attr:`member_shares` until
+        they end (they hold those blocks; the Redis port counts them so too)."""
+        return self._pins.pop(key, None)
 
     # ------------------------------------------------------------------ ledger hooks
     def shared_blocks(self, meta: Mapping[str, Any], held: int) -> int:
@@ -215,10 +216,13 @@ class PinBook:
         """A lease was admitted holding ``held`` blocks."""
         if meta.get("pinned"):
             return
-        self.charged += max(0, held - self.shared_blocks(meta, held))
+        share = self.shared_blocks(meta, held)
+        self.charged += max(0, held - share)
         rec = self._pins.get(meta.get("prefix_key"))  # type: ignore[arg-type]
         if rec is not None:
             self._member_of[lease_id] = rec.key
+            self._shares[lease_id] = share
+            self.member_shares += share
             (rec.in_use if meta.get("first_token") else rec.warming).add(lease_id)
 
     def grew(self, delta: int) -> None:
@@ -239,6 +243,7 @@ class PinBook:
         """A lease ended; ``server_free()``: the server's free blocks after it (the caller's estimate,
         read once this book has taken the lease out)."""
         key = self._member_of.pop(lease_id, None)
+        self.member_shares -= self._shares.pop(lease_id, 0)
         rec = self._pins.get(key) if key is not None else None
         if rec is None:
             return
@@ -259,7 +264,8 @@ class PinBook:
             return False
         own = meta.get("prefix_key")
         charge = max(0, held - self.shared_blocks(meta, held))
-        for rec in self._pins.values():
+        held_back = False
+        for rec in self._pins.values():  # all of them: every pin it would cross is marked gated
             if rec.key == own or rec.in_use or not rec.track:
                 continue
             line = rec.line()
@@ -269,8 +275,8 @@ class PinBook:
             if rec.gated_since is None:
                 rec.gated_since = now
             if now - rec.gated_since < self.gate_timeout_s:
-                return True
-        return False
+                held_back = True
+        return held_back
 
     def due(self, now: float) -> list[str]:
         """Keys whose keep-warm is due now and not claimed: no request references the prefix nor is on

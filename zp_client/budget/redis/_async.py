@@ -247,6 +247,12 @@ class AsyncFace:
                 log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
                 continue
             self.core.after_renew(batch, r, self.leases)
+        for key, args in list(self.core.pins.items()):  # pinned prefixes: renew (or take over) the pin
+            try:
+                await self.eval("pin", args)
+            except CALL_FAILED as exc:
+                log.warning("zp_client: renewing the pin of %s... in Redis budget %r failed: %r", key[:12],
+                            self.core.name, exc)
 
     def lease_dirty(self, lease: RedisLease) -> None:
         if threading.get_ident() == self.thread:

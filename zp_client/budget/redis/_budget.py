@@ -20,6 +20,7 @@ from zp_client.budget.ledger import (
     validate_blocks,
     validate_seconds,
 )
+from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
 from zp_client.budget.redis._async import AsyncFace
 from zp_client.budget.redis._retry import RedisRetryBudget
 from zp_client.budget.redis._script import (
@@ -30,9 +31,10 @@ from zp_client.budget.redis._script import (
     Core,
     RedisBudgetEvent,
     RedisLease,
+    text,
 )
 from zp_client.budget.redis._sync import SyncFace
-from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError
+from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, PinRefused
 
 log = logging.getLogger("zp_client.budget.redis")
 
@@ -98,6 +100,8 @@ class RedisBudget(Budget):
         held_report_blocks: int | None = None,
         sync_client: Any | None = None,
         on_event: Callable[[RedisBudgetEvent], None] | None = None,
+        pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
+        server_blocks: int | None = None,
         **renamed: Any,
     ) -> None:
         if renamed:
@@ -122,6 +126,11 @@ class RedisBudget(Budget):
             )
         if not (0 < local_share <= 1):
             raise ConfigurationError(f"local_share must be in (0, 1], got {local_share!r}")
+        if not isinstance(pin_cap, (int, float)) or not 0 <= pin_cap <= 1:
+            raise ConfigurationError(f"pin_cap must be a share of the limit in [0, 1], got {pin_cap!r}")
+        self._pin_cap = float(pin_cap)
+        self._server_blocks = (None if server_blocks is None
+                               else validate_blocks(server_blocks, "server_blocks"))
         if not isinstance(starvation_bound_s, (int, float)) or not (starvation_bound_s >= 0):
             raise ConfigurationError(f"starvation_bound_s must be seconds >= 0, got {starvation_bound_s!r}")
         poll = float(poll_interval_s)
@@ -344,6 +353,59 @@ class RedisBudget(Budget):
         side = self._get_side()
         r = await side.eval("adaptive", args, init=False, patient=False)
         return list(r)
+
+    # ------------------------------------------------------------------ pinned prefixes
+    @property
+    def supports_pins(self) -> bool:
+        return self._core.fleet is None
+
+    async def pin(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
+                  span: int | None = None) -> None:
+        """As :meth:`Budget.pin`, shared by every process of the budget (pin.lua, common.lua's pins
+        section: the port of :mod:`zp_client.budget.pins`). The pin's blocks are one lease held by the
+        first process that pins the key; this budget renews its pins with its leases, so a pin whose
+        every process died expires with them (another process pinning the same key takes it over at its
+        next renewal). Needs ``policy="elastic"``."""
+        if not isinstance(key, str) or not key or len(key) > 256:
+            raise ConfigurationError(f"a prefix key must be a string of 1..256 characters, got {key!r}")
+        validate_blocks(blocks, "blocks")
+        if span is not None and (isinstance(span, bool) or not isinstance(span, int) or span < blocks):
+            raise ConfigurationError(f"span must be a number of blocks >= blocks ({blocks}), got {span!r}")
+        if margin is not None:
+            validate_blocks(margin, "margin", minimum=0)
+        if self.policy_name != "elastic":
+            raise ConfigurationError(
+                f"pinned prefixes need policy='elastic', this budget is {self.policy_name!r}")
+        core = self._core
+        args: list[Any] = ["pin", key, blocks, blocks if span is None else span,
+                           "" if margin is None else margin, 1 if track else 0, core.owner,
+                           int(core.cfg.lease_ttl_s * 1000), self._pin_cap,
+                           "" if self._server_blocks is None else self._server_blocks]
+        side = self._get_side()
+        r = await side.eval("pin", args)
+        code = text(r[0])
+        if code == "R":
+            raise PinRefused(blocks, int(r[1]), int(r[2]))
+        if code == "E":
+            raise ConfigurationError(
+                f"prefix {key!r} is already pinned with {int(r[1])} blocks, not {blocks}; unpin it first")
+        core.pins[key] = args
+
+    async def unpin(self, key: str) -> bool:
+        """Stop pinning ``key`` in this process; drops the pin if this process holds its lease (True)."""
+        core = self._core
+        if core.pins.pop(key, None) is None:
+            return False
+        side = self._get_side()
+        return bool(int(await side.eval("pin", ["unpin", key, core.owner])))
+
+    async def keepwarm_due(self) -> list[str]:
+        side = self._get_side()
+        return [text(k) for k in await side.eval("pin", ["due"])]
+
+    async def claim_keepwarm(self, key: str, ttl_s: float) -> bool:
+        side = self._get_side()
+        return bool(int(await side.eval("pin", ["claim", key, max(1, int(ttl_s * 1000))])))
 
     async def flush(self) -> None:
         """Send every lease's latest held report now (normally batched; see ``held_report_blocks``)."""

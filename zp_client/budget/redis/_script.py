@@ -43,7 +43,8 @@ HANDLED = (RedisError, OSError)
 POOL_SIZE = 100
 _POOL_FULL_BACKOFF_CAP_S = 0.05
 PRIORITY_RANGE = 4096
-SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status", "adaptive", "fleet")
+SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status", "adaptive", "fleet",
+           "pin")
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 RENEW_BATCH = 200
 MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
@@ -293,6 +294,8 @@ class Core:
         self.warned_limit = False
         self.fleet: FleetHooks | None = None  # set by a RedisFleet: fleet mode of the same scripts
         self.fleet_ok: set[str] = set()  # fleet: leases whose request succeeded (told with the release)
+        self.pins: dict[str, list[Any]] = {}  # prefix key -> pin.lua's arguments (renewed with the leases)
+        self.first_tokens: set[str] = set()  # elastic leases that saw their first token (release.lua)
 
     # ------------------------------------------------------------------ keys and arguments
     def attempts(self, script: str, patient: bool) -> Attempts:
@@ -332,10 +335,14 @@ class Core:
         return [rid, bound, held, prio, order, self._ttl_b, box, self._owner_b, self._wttl_b, meta]
 
     def release_args(self, lid: str) -> list[Any]:
+        # ARGV[4]: the lease saw its first token (a report still batched may not have reached Redis: a
+        # pinned prefix's member must count as touching it, pins.py)
+        f1 = b"1" if lid in self.first_tokens else b""
+        self.first_tokens.discard(lid)
         if self.fleet is not None and lid in self.fleet_ok:
             self.fleet_ok.discard(lid)
-            return [lid, self._owner_b, b"1"]
-        return [lid, self._owner_b]
+            return [lid, self._owner_b, b"1", f1]
+        return [lid, self._owner_b, b"", f1] if f1 else [lid, self._owner_b]
 
     def poll_args(self, ids: Iterable[str]) -> list[Any]:
         return [int(self.cfg.waiter_ttl_s * 1000), *ids]
@@ -629,6 +636,8 @@ class RedisLease(Lease):
                 log.warning("zp_client: ignored progress metadata on lease %s...: %s", self.id[:8], exc)
                 compact = {}
             if compact:
+                if compact.get("f1") == 1:
+                    core.first_tokens.add(self.id)
                 self._meta_pending.update(compact)
                 for k, v in compact.items():
                     if v is None:

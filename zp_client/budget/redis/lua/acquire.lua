@@ -55,7 +55,9 @@ else
   -- bound, and shared prefixes only subtract; so bsum + xsum + nl + bound + excess + 1 <= limit implies
   -- ElasticPolicy.fits without building the projection.
   local fast = false
-  if not FLEET and now >= tonumber(mm[3]) and redis.call('ZCARD', K_LINE) == 0 then
+  -- (not while prefixes are pinned: the grant pass holds back waiters for their keep-warms, pins.py)
+  if not FLEET and now >= tonumber(mm[3]) and redis.call('ZCARD', K_LINE) == 0
+      and redis.call('EXISTS', K_PINS) == 0 then
     if wmeta == nil then
       fast = tonumber(mm[2]) + bound <= limit
     else

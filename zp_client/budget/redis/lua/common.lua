@@ -39,7 +39,8 @@ local PRIO_SPAN = 1099511627776  -- 2^40: ticket orders below this; priorities w
 local MAILBOX_TTL_MS = 60000
 -- elastic only: a mirror of every live lease's projection inputs as one short string (parsing it costs a
 -- third of decoding the lease's cjson record, and a grant pass reads them all):
---   "held bound adm pt tk ft st pb f1 mo pk" with -1 for an absent number and pk as "=<key>" or "-".
+--   "held bound adm pt tk ft st pb f1 mo pk" with -1 for an absent number and pk as "=<key>" or "-"
+--   ("*<key>": a pinned prefix's own lease, meta pn = 1; the pins section below).
 -- A fleet's elastic leases mirror into one hash per replica instead, :em:<replica id> (a placement reads
 -- the leases of the replicas it weighs, not the whole fleet's).
 local K_EM = PREFIX .. ':em'
@@ -74,7 +75,8 @@ local function em_put(id, l)
     if x == 0 then l.x = nil else l.x = x end
   end
   redis.call('HSET', em_key(l), id, table.concat({l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1,
-    m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.pk and ('=' .. m.pk) or '-'}, ' '))
+    m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.pk and ((m.pn == 1 and '*' or '=') .. m.pk) or '-'},
+    ' '))
 end
 
 local function now_ms()
@@ -108,6 +110,159 @@ local function drop_waiter(id, w)
   class_add(w.p, -1, 0 - w.b)
 end
 
+-- ------------------------------------------------------------------------------------------------
+-- pinned prefixes: a port of zp_client/budget/pins.py (PinBook), the Python ledger the model.
+--   pins   HASH  prefix key -> cjson {b=blocks (shared), s=span (the prefix's blocks on the server, an
+--                upper bound), mg=margin, mk=charged count at the last release (mark), f=server's free
+--                blocks then (absent: never used yet), cu=keep-warm claimed until (ms), gs=a waiter held
+--                back since (ms), kw=keep-warms claimed, t=track (1/0), iu=members past their first
+--                token, wu=members before it, gen=the pin lease's admission seq}
+-- meta fields: chg (blocks charged on the server since the first pin: admissions less pinned shares,
+-- growth; counted only while pins exist, which is all the marks need), psh (sum of the live members'
+-- shares), pbsum (pinned blocks), pool (the server's usable pool; absent: the limit).
+-- A pin's own lease is "pin:<key>" with meta {pk, pb, pn = 1}: held by the process that pinned it and
+-- renewed by it (pin.lua again), so a pin whose process died expires with its lease. Members carry
+-- pm ('w' before the first token, 'u' after), ps (share) and pg (the pin's gen) in their lease record.
+local K_PINS = PREFIX .. ':pins'
+local PIN_GATE_MS = 10000  -- pins.DEFAULT_PIN_GATE_TIMEOUT_S
+
+local function p_load()
+  if redis.call('EXISTS', K_PINS) == 0 then return nil end
+  local flat = redis.call('HGETALL', K_PINS)
+  local out = {}
+  for i = 1, #flat, 2 do out[flat[i]] = cjson.decode(flat[i + 1]) end
+  return out
+end
+
+local function p_save(key, p)
+  redis.call('HSET', K_PINS, key, cjson.encode(p))
+end
+
+local function p_share(p, m, h)
+  return math.max(0, math.min(p.b, m.pb or p.b, h))
+end
+
+-- Ledger.server_free: the pool less what live leases hold, a pinned prefix once, an idle one not at all.
+local function p_server_free(pins)
+  local pool = tonumber(redis.call('HGET', K_META, 'pool') or '0') or 0
+  if pool <= 0 then pool = tonumber(redis.call('HGET', K_META, 'limit')) end
+  local idle = 0
+  for _, p in pairs(pins) do
+    if (p.iu or 0) == 0 and (p.wu or 0) == 0 then idle = idle + p.b end
+  end
+  return pool - (tonumber(redis.call('HGET', K_META, 'hsum') or '0') - tonumber(
+    redis.call('HGET', K_META, 'psh') or '0') - idle)
+end
+
+local function p_line(p)
+  if p.f == nil then return nil end
+  return p.f - math.max(p.b, p.s or p.b) - p.mg
+end
+
+-- PinBook.admitted for a lease record about to be written (pins: p_load()'s table, nil: none).
+local function p_admitted(lease, pins)
+  if pins == nil then return end
+  local m = lease.m or {}
+  local p = nil
+  if m.pk ~= nil and m.pn ~= 1 then p = pins[m.pk] end
+  local share = 0
+  if p then share = p_share(p, m, lease.h) end
+  redis.call('HINCRBY', K_META, 'chg', math.max(0, lease.h - share))
+  if p then
+    lease.ps, lease.pg = share, p.gen
+    redis.call('HINCRBY', K_META, 'psh', share)
+    if m.f1 == 1 then
+      lease.pm, p.iu = 'u', (p.iu or 0) + 1
+    else
+      lease.pm, p.wu = 'w', (p.wu or 0) + 1
+    end
+    p_save(m.pk, p)
+  end
+end
+
+-- PinBook.first_token for a lease record whose meta just got f1 = 1 (the caller writes the record).
+local function p_first_token(l)
+  if l.pm ~= 'w' then return end
+  l.pm = 'u'
+  local raw = redis.call('HGET', K_PINS, l.m.pk)
+  if not raw then return end
+  local p = cjson.decode(raw)
+  if p.gen ~= l.pg then return end
+  p.wu = math.max(0, (p.wu or 0) - 1)
+  p.iu = (p.iu or 0) + 1
+  p.cu, p.gs = nil, nil
+  p_save(l.m.pk, p)
+end
+
+-- PinBook.released / remove for a lease record just dropped.
+local function p_dropped(l)
+  local m = l.m or {}
+  if m.pn == 1 then
+    if redis.call('HDEL', K_PINS, m.pk) == 1 then redis.call('HINCRBY', K_META, 'pbsum', 0 - l.b) end
+    return
+  end
+  if l.pm == nil then return end
+  redis.call('HINCRBY', K_META, 'psh', 0 - (l.ps or 0))
+  local raw = redis.call('HGET', K_PINS, m.pk)
+  if not raw then return end
+  local p = cjson.decode(raw)
+  if p.gen ~= l.pg then return end  -- a member of an earlier pin of the same key
+  if l.pm == 'u' then
+    p.iu = math.max(0, (p.iu or 0) - 1)
+    if p.iu == 0 then
+      -- the prefix went back to the free queue's tail: a new count starts
+      p_save(m.pk, p)
+      p.mk = tonumber(redis.call('HGET', K_META, 'chg') or '0')
+      p.f = math.max(0, p_server_free(p_load()))
+      p.gs = nil
+    end
+  else
+    p.wu = math.max(0, (p.wu or 0) - 1)
+  end
+  p_save(m.pk, p)
+end
+
+-- PinBook.holds_back: whether waiter w must wait for a keep-warm's first token (every pin it would
+-- push past its line is marked gated, as the Python ledger walks them all).
+local function p_holds_back(pins, w, now)
+  local m = w.mt or {}
+  local own = m.pk
+  local share = 0
+  if own ~= nil and pins[own] then share = p_share(pins[own], m, w.h) end
+  local charge = math.max(0, w.h - share)
+  local chg = tonumber(redis.call('HGET', K_META, 'chg') or '0')
+  local held = false
+  for k, p in pairs(pins) do
+    local line = p_line(p)
+    if k ~= own and (p.iu or 0) == 0 and p.t == 1 and line ~= nil then
+      local since = chg - p.mk
+      if since ~= 0 and since + charge > line then
+        if p.gs == nil then
+          p.gs = now
+          p_save(k, p)
+        end
+        if now - p.gs < PIN_GATE_MS then held = true end
+      end
+    end
+  end
+  return held
+end
+
+-- PinBook.due: keys whose keep-warm is due and not claimed, sorted.
+local function p_due(pins, now)
+  local out = {}
+  local chg = tonumber(redis.call('HGET', K_META, 'chg') or '0')
+  for k, p in pairs(pins) do
+    local line = p_line(p)
+    if p.t == 1 and (p.iu or 0) == 0 and (p.wu or 0) == 0 and not (p.cu ~= nil and p.cu > now)
+        and line ~= nil and (p.gs ~= nil or chg - p.mk >= line - p.mg) then
+      out[#out + 1] = k
+    end
+  end
+  table.sort(out)
+  return out
+end
+
 local function drop_lease(id, raw)  -- raw: the lease's record when the caller read it already
   raw = raw or redis.call('HGET', K_LEASES, id)
   if not raw then return nil end
@@ -119,6 +274,7 @@ local function drop_lease(id, raw)  -- raw: the lease's record when the caller r
   redis.call('HINCRBY', K_META, 'bsum', 0 - l.b)  -- "0 - x", not "-x": Lua formats -0 as "-0", which HINCRBY rejects
   redis.call('HINCRBY', K_META, 'hsum', 0 - l.h)
   redis.call('HINCRBY', K_META, 'nl', -1)
+  if l.pm ~= nil or (l.m and l.m.pn == 1) then p_dropped(l) end
   if l.r then  -- a fleet lease: its replica's sums
     redis.call('HINCRBY', K_RSUM, 'b' .. l.r, 0 - l.b)
     redis.call('HINCRBY', K_RSUM, 'n' .. l.r, -1)
@@ -169,6 +325,7 @@ end
 -- project(): returns blocks, remaining, grows.
 local FOREVER = 9007199254740992  -- 2^53, elastic.FOREVER
 local function e_project(held, bound, bs, m, candidate)
+  if m.pn == 1 then return bound, FOREVER, false end  -- a pinned prefix: its blocks for as long as pinned
   if m.pt == nil and m.tk == nil and m.ft == nil and m.st == nil and m.pk == nil and m.pb == nil
       and m.f1 == nil then
     -- no metadata: reserved at its bound for its whole life, as strict counts it
@@ -200,12 +357,18 @@ end
 local function e_profile(items, bs)
   local projs = {}
   local active, active_a = {}, {}
+  -- pinned prefixes (elastic._pinned_groups): the pin's term holds the blocks forever; every other lease
+  -- with the key is charged without its share (elastic._pin_share), growing or not
+  local pinned = {}
+  for _, it in ipairs(items) do
+    if it.m.pn == 1 and it.m.pk ~= nil then pinned[it.m.pk] = math.max(0, it.m.pb or 0) end
+  end
   for i, it in ipairs(items) do
     local blocks, rem, grows = e_project(it.h, it.b, bs, it.m, false)
     projs[i] = {blocks, rem, grows}
     local m = it.m
     -- the Python ledger walks leases in admission order: the last qualifying member's prefix wins
-    if m.pk ~= nil and m.f1 == 1 and (m.pb or 0) > 0 then
+    if m.pk ~= nil and pinned[m.pk] == nil and m.f1 == 1 and (m.pb or 0) > 0 then
       local a = it.a or 0
       if active_a[m.pk] == nil or a >= active_a[m.pk] then active[m.pk], active_a[m.pk] = m.pb, a end
     end
@@ -227,7 +390,9 @@ local function e_profile(items, bs)
   for i, it in ipairs(items) do
     local p = projs[i]
     local k = it.m.pk
-    if k ~= nil and active[k] ~= nil and p[3] then
+    if k ~= nil and pinned[k] ~= nil and it.m.pn ~= 1 then
+      add(p[1] - math.max(0, math.min(pinned[k], it.m.pb or pinned[k], p[1])), p[2], p[3])
+    elseif k ~= nil and active[k] ~= nil and p[3] then
       add(p[1] - active[k], p[2], true)
       if gend[k] == nil or p[2] > gend[k] then gend[k] = p[2] end
     else
@@ -239,6 +404,7 @@ local function e_profile(items, bs)
     add(active[k], e, false)
     groups[k] = {active[k], e}
   end
+  for k, b in pairs(pinned) do groups[k] = {b, FOREVER} end
   table.sort(ends)
   local n = #ends
   local sb, sg, values = {}, {}, {}
@@ -295,7 +461,9 @@ local function e_fits(pr, limit, w)
   local xp, xfrom = nil, nil
   local g = nil
   if m.pk ~= nil then g = pr.groups[m.pk] end
-  if g ~= nil and cg then
+  if g ~= nil and g[2] >= FOREVER then
+    cb = cb - math.max(0, math.min(g[1], m.pb or g[1], cb))  -- a pinned prefix: held by its pin
+  elseif g ~= nil and cg then
     local pb = m.pb
     if pb == nil then pb = g[1] end
     pb = math.min(g[1], pb, cb)
@@ -328,7 +496,8 @@ local function e_parse(key)
       string.match(vals[i], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
     local m = {pt = em_opt(pt), tk = em_opt(tk), ft = em_opt(ft), st = em_opt(st), pb = em_opt(pb),
                f1 = em_opt(f1), mo = em_opt(mo)}
-    if string.sub(pk, 1, 1) == '=' then m.pk = string.sub(pk, 2) end
+    local c = string.sub(pk, 1, 1)
+    if c == '=' then m.pk = string.sub(pk, 2) elseif c == '*' then m.pk, m.pn = string.sub(pk, 2), 1 end
     items[i] = {h = tonumber(h), b = tonumber(b), m = m, a = tonumber(a)}
   end
   return items
@@ -832,6 +1001,8 @@ local function grant(now, self_id)
     items = e_items()
     elastic = items ~= nil
   end
+  local pins = nil
+  if is_elastic and not fleet then pins = p_load() end
   local bs = elastic and meta_num('bs') or 0
   -- the walk: line order (records read lazily: a barrier ends the pass early), or longest first
   local walk = {}
@@ -847,8 +1018,14 @@ local function grant(now, self_id)
       elseif fleet then
         ok, matched = f_place(reps, rids, w, now, fcfg, fec, fheld)  -- a replica, false or nil (waits)
       elseif elastic then
-        if prof == nil then prof = e_profile(items, bs) end
-        ok = e_fits(prof, limit, w)
+        if pins ~= nil and p_holds_back(pins, w, now) then
+          ok = false  -- waits for a pinned prefix's keep-warm (pins.py): a barrier like a misfit
+        else
+          if prof == nil then prof = e_profile(items, bs) end
+          ok = e_fits(prof, limit, w)
+        end
+      elseif pins ~= nil and p_holds_back(pins, w, now) then
+        ok = false  -- the strict fallback of a large elastic pass holds back the same waiters
       else
         ok = fits(policy, limit, bsum, w)
       end
@@ -871,6 +1048,10 @@ local function grant(now, self_id)
           if fleet then f_added(fec, ok.id, w, lease.a) end
         end
         if is_elastic then em_put(id, lease) end  -- before the record: it sets lease.x
+        if pins ~= nil then
+          p_admitted(lease, pins)
+          pins = p_load()  -- its counts moved
+        end
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
         redis.call('ZADD', K_LEXP, now + w.l, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)

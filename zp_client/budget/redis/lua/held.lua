@@ -9,6 +9,7 @@ if redis.call('EXISTS', K_META) == 0 then return 0 end
 local owner = ARGV[1]
 local elastic = redis.call('HGET', K_META, 'policy') == 'elastic'
 local n = 0
+local pinned = elastic and redis.call('EXISTS', K_PINS) == 1
 for i = 2, #ARGV, 3 do
   local id = ARGV[i]
   local raw = redis.call('HGET', K_LEASES, id)
@@ -21,12 +22,15 @@ for i = 2, #ARGV, 3 do
         v = math.min(math.max(math.floor(v), 0), l.b)
         if v ~= l.h then
           redis.call('HINCRBY', K_META, 'hsum', v - l.h)
+          if pinned then redis.call('HINCRBY', K_META, 'chg', v - l.h) end  -- PinBook.grew
           l.h = v
           changed = true
         end
       end
       if elastic and ARGV[i + 2] and ARGV[i + 2] ~= '' then
-        merge_meta(l, meta_arg(ARGV[i + 2], true))
+        local upd = meta_arg(ARGV[i + 2], true)
+        merge_meta(l, upd)
+        if upd.f1 == 1 and l.pm == 'w' then p_first_token(l) end
         changed = true
       end
       if changed then

@@ -29,6 +29,7 @@ for i = 3, #ARGV, 7 do
       local h = tonumber(ARGV[i + 3])
       if h and h == math.floor(h) and h >= 0 and h <= l.b and h ~= l.h then
         redis.call('HINCRBY', K_META, 'hsum', h - l.h)
+        if redis.call('EXISTS', K_PINS) == 1 then redis.call('HINCRBY', K_META, 'chg', h - l.h) end
         l.h = h
         if l.a then em_put(id, l) end  -- before the record: it sets l.x
         redis.call('HSET', K_LEASES, id, cjson.encode(l))

@@ -1,0 +1,277 @@
+"""Pinned prefixes on a RedisBudget (pin.lua and common.lua's pins section) against the Python model
+(LocalBudget's ledger and its PinBook): the same calls give the same keep-warm decisions; several
+processes share one pin and one keep-warm; and the keep-warm keeps a prefix cached on the simulator
+through three pools of traffic from 3 processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import random
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import redis
+
+from zp_client import PinnedPrefix, PinRefused, wrap
+from zp_client.bench.workloads import count_chat_tokens, make_text
+from zp_client.budget.local import LocalBudget
+from zp_client.budget.redis import RedisBudget
+from zp_client.config import Settings
+from zp_client.errors import AdmissionTimeout, ConfigurationError
+from zp_client.sim.server import SimServer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _delete(url: str, names: list[str]) -> None:
+    r = redis.Redis.from_url(url)
+    try:
+        for n in names:
+            keys = list(r.scan_iter(match=f"{{zp:{n}}}*", count=1000))
+            if keys:
+                r.delete(*keys)
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def rnames(redis_url: str, redis_prefix: str) -> Iterator[list[str]]:
+    names: list[str] = []
+    yield names
+    _delete(redis_url, names)
+
+
+def member(prompt_blocks: int, key: str = "K", pblocks: int = 100, *, forecast: int = 64) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_blocks * 16, "forecast_tokens": forecast, "streaming": True,
+            "prefix_key": key, "prefix_blocks": pblocks}
+
+
+async def _scenario(budget: Any) -> list[Any]:
+    """The ledger test's keep-warm scenario through the public budget API; returns what was observed."""
+    seen: list[Any] = []
+
+    async def flush() -> None:
+        if hasattr(budget, "flush"):
+            await budget.flush()
+
+    await budget.pin("K", 100, margin=20)
+    seen.append(("due", await budget.keepwarm_due()))
+    kw = await budget.acquire(8, held=7, meta=member(7, forecast=1), priority=-100)
+    kw.report_progress(7, first_token=True)
+    await flush()
+    await kw.release()
+    seen.append(("due", await budget.keepwarm_due()))
+    x = await budget.acquire(600, held=400, meta=member(400, key="X", pblocks=0))
+    x.report_progress(500)
+    await flush()
+    await x.release()
+    y = await budget.acquire(300, held=200, meta=member(200, key="Y", pblocks=0))
+    seen.append(("due", await budget.keepwarm_due()))
+    y.report_progress(290)
+    await flush()
+    await y.release()
+    seen.append(("due", await budget.keepwarm_due()))
+    # 100 more blocks would cross the line (1000 - 100 - 20 = 880 after 790): z waits for a keep-warm
+    z = asyncio.create_task(budget.acquire(120, held=100, meta=member(100, key="Z", pblocks=0)))
+    await asyncio.sleep(0.3)
+    seen.append(("z waits", not z.done()))
+    seen.append(("due", await budget.keepwarm_due()))
+    seen.append(("claim", await budget.claim_keepwarm("K", 5.0), await budget.claim_keepwarm("K", 5.0)))
+    kw2 = await budget.acquire(8, held=7, meta=member(7, forecast=1), priority=-100)
+    await asyncio.sleep(0.3)
+    seen.append(("z waits for the first token", not z.done()))
+    kw2.report_progress(7, first_token=True)
+    await flush()
+    lz = await asyncio.wait_for(z, 5.0)
+    seen.append(("z admitted", True))
+    await kw2.release()
+    await lz.release()
+    st = await budget.status()
+    seen.append(("after", st.used, st.leases))
+    seen.append(("unpin", await budget.unpin("K"), await budget.unpin("K")))
+    st = await budget.status()
+    seen.append(("end", st.used, st.leases))
+    return seen
+
+
+async def test_redis_pins_decide_as_the_python_model(redis_url: str, rnames: list[str],
+                                                     redis_prefix: str) -> None:
+    local = LocalBudget(1000, 16)
+    rnames.append(f"{redis_prefix}-conf")
+    rb = RedisBudget(redis_url, rnames[-1], 1000, 16, recovery_s=0, poll_interval_s=0.05)
+    try:
+        expected = await _scenario(local)
+        got = await _scenario(rb)
+    finally:
+        await rb.aclose()
+    assert got == expected
+    assert ("due", ["K"]) in expected and ("z waits for the first token", True) in expected
+
+
+async def test_redis_pin_cap_sizes_and_policy(redis_url: str, rnames: list[str], redis_prefix: str) -> None:
+    rnames += [f"{redis_prefix}-cap", f"{redis_prefix}-strict"]
+    rb = RedisBudget(redis_url, rnames[0], 1000, 16, recovery_s=0)
+    strict = RedisBudget(redis_url, rnames[1], 1000, 16, recovery_s=0, policy="strict")
+    try:
+        await rb.pin("a", 150)
+        with pytest.raises(PinRefused, match="cap of 200"):
+            await rb.pin("b", 51)
+        await rb.pin("b", 50)
+        await rb.pin("b", 50)  # idempotent (renews)
+        with pytest.raises(ConfigurationError, match="already pinned with 50"):
+            await rb.pin("b", 40)
+        assert (await rb.status()).used == 200
+        with pytest.raises(ConfigurationError, match="elastic"):
+            await strict.pin("a", 10)
+    finally:
+        await rb.aclose()
+        await strict.aclose()
+
+
+async def test_a_pin_is_shared_by_processes_and_expires_with_its_holder(redis_url: str, rnames: list[str],
+                                                                        redis_prefix: str) -> None:
+    """Two budgets (two processes' handles) pin the same key: one lease, one keep-warm claim at a time;
+    when the holder stops renewing, the other takes the pin over at its next renewal."""
+    rnames.append(f"{redis_prefix}-share")
+    a = RedisBudget(redis_url, rnames[0], 1000, 16, recovery_s=0, lease_ttl_s=0.6)
+    b = RedisBudget(redis_url, rnames[0], 1000, 16, recovery_s=0, lease_ttl_s=0.6)
+    try:
+        await a.pin("K", 100)
+        await b.pin("K", 100)
+        assert (await a.status()).used == 100  # held once
+        # warm it once, then make a keep-warm due: both see it, exactly one claims it
+        le = await a.acquire(8, held=7, meta=member(7, forecast=1))
+        le.report_progress(7, first_token=True)
+        await a.flush()
+        await le.release()
+        big = await b.acquire(900, held=850, meta=member(850, key="X", pblocks=0))
+        await big.release()
+        assert await a.keepwarm_due() == ["K"] and await b.keepwarm_due() == ["K"]
+        claims = await asyncio.gather(a.claim_keepwarm("K", 5.0), b.claim_keepwarm("K", 5.0))
+        assert sorted(claims) == [False, True]
+        # a stops (its pin lease is no longer renewed): b's renewal takes the pin over
+        await a.aclose()
+        await asyncio.sleep(1.2)
+        st = await b.status()
+        assert st.used == 100 and st.leases == 1
+        assert await b.unpin("K") and (await b.status()).used == 0
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+# --------------------------------------------------------------------------------------- 3 processes, the simulator's LRU
+
+
+SIM_BLOCKS = 512
+
+
+def _system(seed: int) -> dict[str, str]:
+    return {"role": "system", "content": make_text(1200, random.Random(seed), "pinned agent")}
+
+
+def _worker(url: str, name: str, base_url: str, model: str, seed: int, pinned: bool, target_blocks: int,
+            out: Any) -> None:
+    asyncio.run(_work(url, name, base_url, model, seed, pinned, target_blocks, out))
+
+
+async def _work(url: str, name: str, base_url: str, model: str, seed: int, pinned: bool, target_blocks: int,
+                out: Any) -> None:
+    budget = RedisBudget(url, name, SIM_BLOCKS - 1, 16, recovery_s=0, poll_interval_s=0.05,
+                         server_blocks=SIM_BLOCKS - 1)
+    oc = wrap(openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0), budget,
+              settings=Settings(estimator="heuristic"))
+    pin = None
+    try:
+        if pinned:  # every process pins the same prefix: one pin, one keep-warm at a time
+            pin = await PinnedPrefix(oc, model=model, messages=[_system(7)], poll_s=0.05).start()
+        rng = random.Random(seed)
+        doc = {"role": "system", "content": make_text(320, rng, f"doc {seed}")}
+        sent = 0
+        i = 0
+        while sent < target_blocks:
+            msgs = [{"role": "user", "content": make_text(rng.randint(250, 600), rng, f"other {seed}.{i}")}]
+            if i % 3 == 2:
+                msgs = [doc, *msgs]  # hits the document's blocks in the free queue
+            n_out = rng.randint(40, 160)
+            stream = await oc.chat.completions.create(model=model, messages=msgs, max_tokens=n_out, stream=True,
+                                                      extra_body={"sim_output_tokens": n_out})
+            async for _ in stream:
+                pass
+            sent += (count_chat_tokens(msgs) + n_out) // 16
+            i += 1
+        out.put(("ok", sent, pin.keepwarms_sent if pin else 0))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        out.put(("error", repr(exc), 0))
+    finally:
+        if pin is not None:
+            await pin.aclose()
+        await oc.close()
+        await budget.aclose()
+
+
+async def _probe(oc: Any, sim: SimServer, rid: str) -> int:
+    stream = await oc.chat.completions.create(
+        model=sim.model, messages=[_system(7), {"role": "user", "content": "probe"}], max_tokens=2,
+        stream=True, extra_headers={"X-Request-Id": rid}, extra_body={"sim_output_tokens": 2})
+    async for _ in stream:
+        pass
+    recs = [r for r in sim.stats(requests=True)["requests"] if r["id"] == f"chatcmpl-{rid}"]
+    return int(recs[-1]["cached_tokens"])
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
+async def test_three_processes_keep_the_pinned_prefix_cached(redis_url: str, rnames: list[str],
+                                                             redis_prefix: str, pinned: bool) -> None:
+    rnames.append(f"{redis_prefix}-lru-{uuid.uuid4().hex[:6]}")
+    name = rnames[-1]
+    prefix_full = count_chat_tokens([_system(7)]) // 16 * 16
+    with SimServer(profile="tiny", speedup=5.0) as sim:
+        budget = RedisBudget(redis_url, name, SIM_BLOCKS - 1, 16, recovery_s=0, poll_interval_s=0.05,
+                             server_blocks=SIM_BLOCKS - 1)
+        oc = wrap(openai.AsyncOpenAI(base_url=sim.base_url, api_key="x", max_retries=0), budget,
+                  settings=Settings(estimator="heuristic"))
+        pin = None
+        try:
+            if pinned:
+                pin = await PinnedPrefix(oc, model=sim.model, messages=[_system(7)], poll_s=0.05).start()
+            assert await _probe(oc, sim, "first") == 0  # its first use prefills it
+            ctx = mp.get_context("spawn")
+            out = ctx.Queue()
+            procs = [ctx.Process(target=_worker, args=(redis_url, name, sim.base_url, sim.model, 20 + k,
+                                                       pinned, SIM_BLOCKS, out)) for k in range(3)]
+            for p in procs:
+                p.start()
+            results = [await asyncio.to_thread(out.get, True, 240) for _ in procs]
+            for p in procs:
+                p.join(30)
+            assert all(r[0] == "ok" for r in results), results
+            assert sum(r[1] for r in results) >= 3 * (SIM_BLOCKS - 1)
+            cached = await _probe(oc, sim, "after")
+            kws = [r for r in sim.stats(requests=True)["requests"] if r["id"].startswith("chatcmpl-zp-keepwarm-")]
+            if pinned:
+                assert cached >= 0.9 * prefix_full, (cached, prefix_full, len(kws))
+                assert len(kws) >= 1
+                # one keep-warm at a time across the four processes: none overlaps another
+                spans = sorted((r["arrival_s"], r["finish_s"] or r["arrival_s"]) for r in kws)
+                assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans
+            else:
+                assert cached < 0.5 * prefix_full and not kws
+        finally:
+            if pin is not None:
+                await pin.aclose()
+            await oc.close()
+            with contextlib.suppress(Exception):
+                st = await budget.status()
+                assert st.used == 0 or not pinned
+            await budget.aclose()
