@@ -337,3 +337,16 @@ def test_a_fleet_refuses_pins_clearly() -> None:
     with pytest.raises(ConfigurationError, match="Fleet does not support pinned prefixes"):
         fleet.pin_sync("K", 4)
     assert not fleet.unpin_sync("K")
+
+
+def test_a_member_outliving_its_pin_returns_its_share() -> None:
+    led = elastic_ledger(1000)
+    led.pin("K", 100, 0.0)
+    led.enqueue("a", 400, 160, 0, 0.0, meta=member(160))
+    led.grant(0.0)
+    assert led.pins.member_shares == 100
+    led.unpin("K", 0.1)
+    led.release("a", 0.2)
+    assert led.pins.member_shares == 0 and not led.pins.is_member("a")
+    led.pin("K", 100, 0.3)
+    assert led.server_free() == 1000  # nothing live, the new pin idle

@@ -561,11 +561,10 @@ class Ledger:
         self._version += 1
         self._bound_sum -= lease.bound
         self._held_sum -= lease.held
-        if len(self._pins):
-            if lease.meta.get("pinned"):
-                self._pins.remove(str(lease.meta.get("prefix_key")))
-            else:
-                self._pins.released(lease_id, self.server_free)
+        if lease.meta.get("pinned"):
+            self._pins.remove(str(lease.meta.get("prefix_key")))
+        elif self._pins.is_member(lease_id):  # also after its pin is gone: its share is returned
+            self._pins.released(lease_id, self.server_free)
         return True
 
     def report_held(self, lease_id: str, held: int) -> bool:

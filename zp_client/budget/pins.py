@@ -225,6 +225,10 @@ class PinBook:
             self.member_shares += share
             (rec.in_use if meta.get("first_token") else rec.warming).add(lease_id)
 
+    def is_member(self, lease_id: str) -> bool:
+        """Whether ``lease_id`` was admitted sharing a pinned prefix (and has not been released)."""
+        return lease_id in self._member_of
+
     def grew(self, delta: int) -> None:
         """A lease's held blocks changed by ``delta``: growth, or (negative) the server's exact prompt
         count replacing a larger estimate, which was charged at admission but never allocated."""
