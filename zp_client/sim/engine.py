@@ -66,6 +66,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     #: Step-time model; ``None`` means a fixed ``DEFAULT_STEP_TIME`` per step.
     profile: StepProfile | None = None
+    #: Prefill/decode disaggregation (a decode engine's side of vLLM's NixlConnector): seconds to pull
+    #: one KV block from a prefill engine (0: instant). See :meth:`Engine.add_request` ``remote_kv``.
+    kv_transfer_s_per_block: float = 0.0
 
     @classmethod
     def from_profile(cls, profile: StepProfile, **overrides: Any) -> EngineConfig:
@@ -100,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it)")
+        if not self.kv_transfer_s_per_block >= 0:
+            raise ValueError(f"kv_transfer_s_per_block must be >= 0, got {self.kv_transfer_s_per_block}")
         # vLLM refuses to start when one max_model_len sequence cannot fit in the KV cache;
         # the same check here guarantees a lone request can always be scheduled (no deadlock).
         need = -(-self.max_model_len // self.block_size)
@@ -137,6 +142,10 @@ class StepOutput:
     scheduled: dict[str, int] = field(default_factory=dict)
     #: the id of the token each request produced this step (only requests that produced one)
     token_ids: dict[str, int] = field(default_factory=dict)
+    #: ``remote_kv`` requests admitted this step: their blocks are allocated, their KV is on its way
+    kv_loading: list[str] = field(default_factory=list)
+    #: ``remote_kv`` requests whose KV arrived (found at this step's start): the prefill side may free
+    kv_loaded: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -157,6 +166,9 @@ class EngineStats:
     num_gpu_blocks: int
     #: prefix-cache hit tokens over every admission, resumptions after preemption included
     cache_hit_tokens_all_admissions: int = 0
+    #: P/D: blocks finished ``hold_kv`` requests keep for their decode side, and blocks pulled so far
+    kv_held_blocks: int = 0
+    kv_pulled_blocks_total: int = 0
 
 
 @dataclass
@@ -305,6 +317,8 @@ class _BlockPool:
 
 
 _WAITING, _RUNNING, _PREEMPTED, _FINISHED, _ABORTED = range(5)
+# A remote_kv request's transfer (vLLM's WAITING_FOR_REMOTE_KVS): not yet, on its way, arrived.
+_KV_NONE, _KV_LOADING, _KV_LOADED = range(3)
 
 
 class _Request:
@@ -331,6 +345,10 @@ class _Request:
         "first_token_time",
         "finish_step",
         "finish_time",
+        "hold_kv",
+        "remote_kv",
+        "kv_state",
+        "ready_at",
     )
 
     def __init__(
@@ -364,6 +382,10 @@ class _Request:
         self.first_token_time: float | None = None
         self.finish_step: int | None = None
         self.finish_time: float | None = None
+        self.hold_kv = False
+        self.remote_kv = False
+        self.kv_state = _KV_NONE
+        self.ready_at = 0.0
 
     # vLLM's Request.__lt__ for the priority queue: (priority, arrival_time, request_id).
     def __lt__(self, other: _Request) -> bool:
@@ -449,6 +471,9 @@ class Engine:
         self._hits_all = 0
         self._steps = 0
         self._step_time = self._make_step_time(config.profile)
+        self._held: dict[str, _Request] = {}  # hold_kv requests finished, blocks kept for the peer
+        self._loading: dict[str, _Request] = {}  # remote_kv requests whose KV is on its way
+        self._kv_pulled_blocks = 0
 
     @staticmethod
     def _make_step_time(profile: StepProfile | None) -> Callable[[int, float, int, int], float]:
@@ -467,8 +492,19 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         output_token_ids: Sequence[int] | None = None,
+        hold_kv: bool = False,
+        remote_kv: bool = False,
     ) -> None:
         """Queue a request that will generate exactly ``output_tokens`` tokens.
+
+        Prefill/decode disaggregation (vLLM's NixlConnector): ``hold_kv`` (a prefill engine's request,
+        ``do_remote_decode``): when it finishes its blocks stay allocated, not freed to the prefix cache,
+        until :meth:`free_held` (the decode side read them, aborted, or the lease expired).
+        ``remote_kv`` (a decode engine's, ``do_remote_prefill``): its prompt's KV comes from a peer. The
+        scheduler admits it FCFS when the whole prompt fits, allocates every prompt block, and pulls the
+        blocks its own prefix cache lacks (``kv_transfer_s_per_block`` each) while it waits, skipped by
+        the scheduler as vLLM's WAITING_FOR_REMOTE_KVS is; once they arrived it recomputes the last
+        prompt token and produces the first output token. A preempted one recomputes locally.
 
         Generation also stops when the sequence reaches ``max_model_len`` (vLLM's length stop).
         ``output_token_ids`` optionally fixes the generated ids (at least ``output_tokens`` of
@@ -503,11 +539,14 @@ class Engine:
             priority,
             self.now if arrival_time is None else arrival_time,
         )
+        req.hold_kv = bool(hold_kv)
+        req.remote_kv = bool(remote_kv)
         self._requests[request_id] = req
         self._waiting.add(req)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a waiting or running request and free its blocks now; ``False`` if not live."""
+        """Abort a waiting or running request and free its blocks now; ``False`` if not live (a finished
+        ``hold_kv`` request's blocks: :meth:`free_held`)."""
         req = self._requests.get(request_id)
         if req is None or req.status in (_FINISHED, _ABORTED):
             return False
@@ -515,14 +554,44 @@ class Engine:
             self._running.remove(req)
         else:
             self._waiting.remove(req)
+        self._loading.pop(request_id, None)
         self._free(req)
         req.status = _ABORTED
         req.finish_time = self.now
         return True
 
     def has_unfinished(self) -> bool:
-        """True while any request is running or waiting."""
+        """True while any request is running or waiting (a transfer in flight included)."""
         return bool(self._running) or len(self._waiting) > 0
+
+    def free_held(self, request_id: str) -> int:
+        """Free a finished ``hold_kv`` request's blocks (to the prefix cache, as any finished request's);
+        returns how many (0 if it holds none: unknown, not finished, or freed already)."""
+        req = self._held.pop(request_id, None)
+        if req is None:
+            return 0
+        n = len(req.blocks)
+        self._free(req)
+        return n
+
+    @property
+    def held_kv_ids(self) -> list[str]:
+        """Finished ``hold_kv`` requests whose blocks are still held."""
+        return list(self._held)
+
+    @property
+    def held_kv_blocks(self) -> int:
+        return sum(len(r.blocks) for r in self._held.values())
+
+    def next_kv_ready(self) -> float | None:
+        """When the earliest transfer in flight completes (virtual s), or None: what an idle engine
+        waits for (no step can be scheduled before it)."""
+        return min((r.ready_at for r in self._loading.values()), default=None)
+
+    @property
+    def kv_pulled_blocks_total(self) -> int:
+        """Blocks pulled from peers so far (``remote_kv`` requests' blocks missing from this cache)."""
+        return self._kv_pulled_blocks
 
     def advance_idle(self, t: float) -> None:
         """Move the clock forward to ``t`` (no-op if ``t`` is not later than ``now``)."""
@@ -593,6 +662,8 @@ class Engine:
             num_free_blocks=self._pool.free.num_free,
             num_gpu_blocks=self.config.num_gpu_blocks,
             cache_hit_tokens_all_admissions=self._hits_all,
+            kv_held_blocks=self.held_kv_blocks,
+            kv_pulled_blocks_total=self._kv_pulled_blocks,
         )
 
     @property
@@ -691,6 +762,8 @@ class Engine:
 
     def _preempt(self, req: _Request) -> None:
         self._free(req)
+        req.remote_kv = False  # a preempted remote_kv request recomputes its prompt here (vLLM)
+        req.kv_state = _KV_NONE
         req.status = _PREEMPTED
         req.num_computed = 0
         req.num_preemptions += 1
@@ -780,13 +853,69 @@ class Engine:
 
         # 2. Waiting requests, only if nothing was preempted; stop at the first that won't fit.
         new_hits: dict[str, int] = {}
+        kv_loading: list[str] = []
+        kv_loaded: list[str] = []
+        skipped: list[_Request] = []
         if not preempted:
             waiting = self._waiting
             while len(waiting) and budget > 0:
                 if len(running) >= cfg.max_num_seqs:
                     break
                 req = waiting.peek()
+                if req.remote_kv and req.kv_state != _KV_NONE:
+                    if req.kv_state == _KV_LOADING:
+                        if req.ready_at > start:  # still on its way: skipped, as vLLM skips it
+                            skipped.append(waiting.pop())
+                            continue
+                        # arrived: cached now; the last prompt token is recomputed for the first output
+                        self._loading.pop(req.request_id, None)
+                        req.kv_state = _KV_LOADED
+                        req.num_computed = req.prompt_len - 1
+                        if self._caching:
+                            self._cache_blocks(req, req.prompt_len)
+                        kv_loaded.append(req.request_id)
+                    n = min(len(req.tokens) - req.num_computed, budget)
+                    wm = self._watermark_blocks if running else 0
+                    if not self._allocate(req, n, [], False, wm):
+                        break
+                    waiting.pop()
+                    running.append(req)
+                    req.status = _RUNNING
+                    scheduled[req.request_id] = n
+                    sched_reqs[req.request_id] = req
+                    budget -= n
+                    continue
                 hit = self._find_cache_hit(req) if self._caching else []
+                if req.remote_kv and req.status == _WAITING:
+                    # do_remote_prefill: the whole prompt must fit; its KV is pulled, not computed
+                    wm = self._watermark_blocks if running else 0
+                    if (self._num_blocks_to_allocate(req, len(req.tokens), hit) + wm
+                            > self._pool.free.num_free):
+                        break
+                    if hit:
+                        self._pool.touch(hit)
+                        req.blocks.extend(hit)
+                        req.num_cached_blocks = len(hit)
+                    k = -(-len(req.tokens) // self._bs) - len(req.blocks)
+                    if k > 0:
+                        req.blocks.extend(self._pool.get_new_blocks(k))
+                    num_hit = len(hit) * self._bs
+                    req.num_computed = num_hit
+                    req.num_cached_tokens = num_hit
+                    if self._caching:
+                        self._pc_queries += len(req.tokens)
+                        self._pc_hits += num_hit
+                    self._hits_all += num_hit
+                    missing = max(0, -(-req.prompt_len // self._bs) - len(hit))
+                    self._kv_pulled_blocks += missing
+                    req.kv_state = _KV_LOADING
+                    req.ready_at = start + missing * cfg.kv_transfer_s_per_block
+                    if req.first_scheduled_step is None:
+                        req.first_scheduled_step = self.step_index
+                    self._loading[req.request_id] = req
+                    kv_loading.append(req.request_id)
+                    skipped.append(waiting.pop())
+                    continue
                 num_hit = len(hit) * self._bs
                 n = len(req.tokens) - num_hit
                 if 0 < threshold < n:
@@ -812,6 +941,8 @@ class Engine:
                 sched_reqs[req.request_id] = req
                 new_hits[req.request_id] = num_hit
                 budget -= n
+            for req in reversed(skipped):  # transfers in flight keep their places in line
+                waiting.prepend(req)
 
         if not scheduled:
             return StepOutput(
@@ -823,6 +954,8 @@ class Engine:
                 kv_usage=self.kv_usage,
                 num_running=len(running),
                 num_waiting=len(self._waiting),
+                kv_loading=kv_loading,
+                kv_loaded=kv_loaded,
             )
 
         # 3. The step's duration from the batch composition.
@@ -852,6 +985,8 @@ class Engine:
             scheduled_tokens=total,
             preempted=[r.request_id for r in preempted],
             scheduled=dict(scheduled),
+            kv_loading=kv_loading,
+            kv_loaded=kv_loaded,
         )
         new_tokens = out.new_tokens
         token_ids = out.token_ids
@@ -890,7 +1025,10 @@ class Engine:
                 req.status = _FINISHED
                 req.finish_step = step_no
                 req.finish_time = end
-                self._free(req)
+                if req.hold_kv:
+                    self._held[req.request_id] = req  # kept for the decode side (free_held)
+                else:
+                    self._free(req)
                 out.finished.append(req.request_id)
             done = set(out.finished)
             self._running = running = [r for r in running if r.request_id not in done]
