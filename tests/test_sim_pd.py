@@ -4,9 +4,16 @@ request whose prompt KV is pulled from a peer (``remote_kv``)."""
 
 from __future__ import annotations
 
+import asyncio
+import random
+from typing import Any
+
+import httpx
 import pytest
 
+from zp_client.bench.workloads import make_text
 from zp_client.sim.engine import Engine, EngineConfig
+from zp_client.sim.server import SimServer
 
 BS = 16
 
@@ -126,3 +133,131 @@ def test_a_preempted_remote_kv_request_recomputes_its_prompt_locally() -> None:
 def test_the_transfer_time_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="kv_transfer_s_per_block"):
         engine(per_block=-1.0)
+
+
+# --------------------------------------------------------------------------------------- the HTTP roles
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _body(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "sim-llama", "messages": [{"role": "system", "content": text},
+                                               {"role": "user", "content": "go"}], **extra}
+
+
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+           "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+async def _prefill(c: httpx.AsyncClient, url: str, text: str, rid: str) -> dict[str, Any]:
+    r = await c.post(f"{url}/v1/chat/completions", headers={"X-Request-Id": rid},
+                     json=_body(text, max_tokens=1, stream=False, kv_transfer_params=PREFILL))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.anyio
+async def test_prefill_then_decode_moves_the_kv_and_frees_the_prefill_blocks() -> None:
+    text = make_text(600, random.Random(1), "pd")
+    async with SimServer("tiny", speedup=20.0, role="prefill") as p, \
+            SimServer("tiny", speedup=20.0, role="decode", kv_transfer_s_per_block=0.001) as d, \
+            httpx.AsyncClient(timeout=30) as c:
+        out = await _prefill(c, p.url, text, "req-1")
+        kv = out["kv_transfer_params"]
+        assert kv["do_remote_prefill"] is True and kv["remote_engine_id"] == p.stats()["kv"]["engine_id"]
+        assert kv["remote_host"] == "127.0.0.1" and kv["remote_port"] == p.port
+        held = p.stats()["kv"]["held_blocks"]
+        assert held == len(kv["remote_block_ids"]) > 30 and p.stats()["kv"]["engine_held_blocks"] == held
+        r = await c.post(f"{d.url}/v1/chat/completions", headers={"X-Request-Id": "req-1"},
+                         json=_body(text, max_tokens=20, sim_output_tokens=20, kv_transfer_params=kv))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+        ds, ps = d.stats(), p.stats()
+        assert ds["kv"]["kv_remote"] == 1 and ds["kv"]["pulled_blocks_total"] == held - 1 + 1
+        assert ds["engine"]["recomputed_tokens"] == 0
+        assert ps["kv"]["held_blocks"] == 0 and ps["kv"]["kv_freed_read"] == 1 and ps["kv"]["kv_expired"] == 0
+        assert ps["kv"]["kv_heartbeats"] >= 1
+        metrics = (await c.get(f"{d.url}/metrics")).text
+        assert "vllm:nixl_xfer_time_seconds_count" in metrics
+
+
+@pytest.mark.anyio
+async def test_a_decode_call_without_usable_params_prefills_locally() -> None:
+    text = make_text(300, random.Random(2), "pd")
+    async with SimServer("tiny", speedup=20.0, role="decode") as d, httpx.AsyncClient(timeout=30) as c:
+        for kv in (None, {"do_remote_prefill": True, "remote_engine_id": "nobody", "remote_request_id": "x"}):
+            extra = {} if kv is None else {"kv_transfer_params": kv}
+            r = await c.post(f"{d.url}/v1/chat/completions", json=_body(text, max_tokens=5, **extra))
+            assert r.status_code == 200
+        assert d.stats()["kv"]["kv_remote"] == 0 and d.stats()["kv"]["kv_local_fallback"] == 1
+        assert d.stats()["engine"]["prompt_tokens_total"] > 0
+
+
+@pytest.mark.anyio
+async def test_an_unread_prefill_expires_after_its_lease() -> None:
+    text = make_text(300, random.Random(3), "pd")
+    async with SimServer("tiny", speedup=50.0, role="prefill", kv_lease_s=2.0) as p, \
+            httpx.AsyncClient(timeout=30) as c:
+        await _prefill(c, p.url, text, "req-2")
+        assert p.stats()["kv"]["held_blocks"] > 0
+        for _ in range(100):  # 2 virtual s = 40 ms at speedup 50
+            if p.stats()["kv"]["kv_expired"]:
+                break
+            await asyncio.sleep(0.01)
+        st = p.stats()
+        assert st["kv"]["kv_expired"] == 1 and st["kv"]["held_blocks"] == 0
+        assert st["kv"]["engine_held_blocks"] == 0
+        assert "vllm:nixl_num_kv_expired_reqs_total 1.0" in (await c.get(f"{p.url}/metrics")).text.replace(
+            '{engine="0",model_name="sim-llama"}', "")
+
+
+@pytest.mark.anyio
+async def test_a_decode_that_waits_longer_than_the_lease_keeps_it_alive_by_heartbeats() -> None:
+    """The decode pool is full for longer than the lease: the waiting request heartbeats its prefill
+    server, so nothing expires; it gets its KV once the pool drains."""
+    text = make_text(600, random.Random(4), "pd")  # ~38 blocks
+    busy = [make_text(2600, random.Random(5 + k), f"busy {k}") for k in range(3)]
+    async with SimServer("tiny", speedup=20.0, role="prefill", kv_lease_s=1.0) as p, \
+            SimServer("tiny", speedup=20.0, role="decode") as d, httpx.AsyncClient(timeout=60) as c:
+        kv = (await _prefill(c, p.url, text, "req-3"))["kv_transfer_params"]
+        # three calls of ~2,600 prompt tokens hold ~490 of the 511 blocks, then grow by 500 tokens each
+        # (~3 virtual s of ~5 ms decode steps): the decode call's 38 blocks wait in its scheduler
+        hogs = [asyncio.create_task(c.post(f"{d.url}/v1/chat/completions", json=_body(
+            b, max_tokens=500, sim_output_tokens=500))) for b in busy]
+        await asyncio.sleep(0.02)  # 0.4 virtual s: under the 1 s lease
+        r = await c.post(f"{d.url}/v1/chat/completions", json=_body(text, max_tokens=3, kv_transfer_params=kv))
+        assert r.status_code == 200
+        await asyncio.gather(*hogs)
+        rec = [x for x in d.stats(requests=True)["requests"] if x["prompt_tokens"] < 1000][0]
+        assert rec["first_token_s"] - rec["arrival_s"] > 1.5  # it waited longer than the lease
+        ps = p.stats()["kv"]
+        assert ps["kv_expired"] == 0 and ps["kv_freed_read"] == 1 and ps["kv_heartbeats"] >= 3
+
+
+@pytest.mark.anyio
+async def test_a_decode_call_cancelled_before_its_kv_arrived_frees_the_prefill_at_once() -> None:
+    text = make_text(600, random.Random(6), "pd")
+    async with SimServer("tiny", speedup=1.0, role="prefill") as p, \
+            SimServer("tiny", speedup=1.0, role="decode", kv_transfer_s_per_block=0.2) as d, \
+            httpx.AsyncClient(timeout=30) as c:
+        kv = (await _prefill(c, p.url, text, "req-4"))["kv_transfer_params"]
+        task = asyncio.create_task(c.post(f"{d.url}/v1/chat/completions", json=_body(
+            text, max_tokens=3, kv_transfer_params=kv)))
+        await asyncio.sleep(0.3)  # the pull takes ~8 s at speedup 1
+        assert d.stats()["kv"]["pulling"] == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if p.stats()["kv"]["kv_freed_abort"]:
+                break
+            await asyncio.sleep(0.01)
+        ps = p.stats()["kv"]
+        assert ps["kv_freed_abort"] == 1 and ps["held_blocks"] == 0 and d.stats()["kv"]["pulling"] == 0
+
+
+def test_roles_are_checked() -> None:
+    with pytest.raises(ValueError, match="role"):
+        SimServer("tiny", role="both")

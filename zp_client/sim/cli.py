@@ -52,6 +52,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="T",
                         help="answer 503 (as vLLM) to new requests while the prompts of requests without "
                              "a first token hold T or more tokens (default: no limit)")
+    parser.add_argument("--pd", dest="sim_pd", default=None, metavar="P:D",
+                        help="serve P prefill and D decode servers (vLLM's NixlConnector roles, in this one "
+                             "process: they reach each other in memory) on ports PORT, PORT+1, ...")
+    parser.add_argument("--role", dest="sim_role", choices=["prefill", "decode"], default=None,
+                        help="one P/D role for this server (its peers must live in the same process: "
+                             "use --pd, the Python API or the storm)")
+    parser.add_argument("--kv-lease-s", dest="sim_kv_lease_s", type=float, default=30.0,
+                        help="P/D: how long a prefill's blocks wait for their decode side (vLLM's "
+                             "kv_lease_duration, default 30 virtual s)")
+    parser.add_argument("--kv-transfer-s-per-block", dest="sim_kv_transfer", type=float, default=None,
+                        help="P/D: seconds to pull one KV block from a prefill server "
+                             "(default: the profile's)")
+    parser.add_argument("--long-prefill-token-threshold", dest="sim_long_prefill", type=int, default=None,
+                        help="vLLM's cap on one request's prefill tokens per step (0: off)")
     parser.add_argument("--model", dest="sim_model", default="sim-llama", help="served model name")
     parser.add_argument("--seed", dest="sim_seed", type=int, default=0,
                         help="seed of the default output-length distribution")
@@ -72,17 +86,28 @@ def run(args: argparse.Namespace) -> int:
     from .server import SimServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    roles: list[str | None] = [args.sim_role]
+    if args.sim_pd is not None:
+        try:
+            p, d = (int(x) for x in args.sim_pd.split(":"))
+            if p < 1 or d < 1:
+                raise ValueError
+        except ValueError:
+            print(f"zp-client sim: --pd takes P:D (at least one of each), got {args.sim_pd!r}",
+                  file=sys.stderr)
+            return 2
+        roles = [*(["prefill"] * p), *(["decode"] * d)]
     try:
-        server = SimServer(
+        servers = [SimServer(
             args.sim_profile,
             num_gpu_blocks=args.sim_num_gpu_blocks,
             speedup=args.sim_speedup,
             gateway_timeout_s=args.sim_gateway_timeout,
             policy=args.sim_policy,
-            port=args.sim_port,
+            port=args.sim_port + i if args.sim_port else 0,
             host=args.sim_host,
             model=args.sim_model,
-            seed=args.sim_seed,
+            seed=args.sim_seed + i,
             enable_prefix_caching=not args.sim_no_prefix_caching,
             max_num_seqs=args.sim_max_num_seqs,
             max_num_batched_tokens=args.sim_max_num_batched_tokens,
@@ -90,25 +115,32 @@ def run(args: argparse.Namespace) -> int:
             log_level="info",
             max_num_queued_reqs=args.sim_max_num_queued_reqs,
             max_num_queued_tokens=args.sim_max_num_queued_tokens,
-        )
+            role=role,
+            kv_lease_s=args.sim_kv_lease_s,
+            kv_transfer_s_per_block=args.sim_kv_transfer,
+            long_prefill_token_threshold=args.sim_long_prefill,
+        ) for i, role in enumerate(roles)]
     except ValueError as exc:
         print(f"zp-client sim: {exc}", file=sys.stderr)
         return 2
 
     async def main() -> None:
-        await server.start()
-        print(f"zp-client sim: serving model {server.model!r} (profile {args.sim_profile}, "
-              f"{server.num_gpu_blocks} blocks, max_model_len {server.max_model_len}, "
-              f"speedup {args.sim_speedup:g}) at {server.base_url}", file=sys.stderr, flush=True)
+        for server, role in zip(servers, roles, strict=True):
+            await server.start()
+            what = f"{role} server " if role else ""
+            print(f"zp-client sim: serving model {server.model!r} (profile {args.sim_profile}, "
+                  f"{server.num_gpu_blocks} blocks, max_model_len {server.max_model_len}, "
+                  f"speedup {args.sim_speedup:g}) as {what}at {server.base_url}", file=sys.stderr, flush=True)
         try:
-            await server.wait_closed()
+            await asyncio.gather(*(server.wait_closed() for server in servers))
         finally:
-            await server.aclose()
-            st = server.stats()
-            print(f"zp-client sim: stopped after {st['engine']['steps']} steps, "
-                  f"{st['engine']['preemptions_total']} preemptions, max lag {st['max_lag_s']:.3f} s"
-                  + (" (LAGGING: could not keep up with the speedup)" if st["lagging"] else ""),
-                  file=sys.stderr)
+            for server in servers:
+                await server.aclose()
+                st = server.stats()
+                print(f"zp-client sim: {server.base_url} stopped after {st['engine']['steps']} steps, "
+                      f"{st['engine']['preemptions_total']} preemptions, max lag {st['max_lag_s']:.3f} s"
+                      + (" (LAGGING: could not keep up with the speedup)" if st["lagging"] else ""),
+                      file=sys.stderr)
 
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a foreground server stops
         asyncio.run(main())

@@ -80,6 +80,7 @@ class EngineConfig:
             max_num_batched_tokens=profile.max_num_batched_tokens,
             max_model_len=profile.max_model_len,
             profile=profile,
+            kv_transfer_s_per_block=profile.kv_transfer_s_per_block,
         )
         return replace(base, **overrides)
 
@@ -573,6 +574,11 @@ class Engine:
         n = len(req.blocks)
         self._free(req)
         return n
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The block ids a finished ``hold_kv`` request holds (empty if none)."""
+        req = self._held.get(request_id)
+        return [b.block_id for b in req.blocks] if req is not None else []
 
     @property
     def held_kv_ids(self) -> list[str]:

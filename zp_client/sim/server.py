@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from . import tokenizer as tok
 from .engine import Engine, EngineConfig
+from .pd import DEFAULT_KV_LEASE_S, KVRole, kv_params
 from .profiles import StepProfile, get_profile
 
 __all__ = ["DEFAULT_OUTPUT_MEDIAN", "DEFAULT_OUTPUT_SIGMA", "SimServer", "build_app", "sleep_until"]
@@ -165,6 +166,10 @@ class _Pending:
     first: asyncio.Future[None] = field(default_factory=lambda: _new_future())
     completed: asyncio.Future[None] = field(default_factory=lambda: _new_future())
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # P/D (zp_client/sim/pd.py): the request's kv_transfer_params, and the answer's (a prefill's)
+    kv_in: dict[str, Any] | None = None
+    kv_out: dict[str, Any] | None = None
+    kv_hold: bool = False
 
     @property
     def done(self) -> bool:
@@ -200,6 +205,10 @@ class _Sim:
         timeline_interval_s: float,
         max_num_queued_reqs: int | None = None,
         max_num_queued_tokens: int | None = None,
+        role: str | None = None,
+        kv_lease_s: float = DEFAULT_KV_LEASE_S,
+        kv_transfer_s_per_block: float | None = None,
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
@@ -228,9 +237,15 @@ class _Sim:
                            "using max_model_len=%d", mml, blocks - 1, capacity, capacity)
             mml = capacity
         overrides["max_model_len"] = mml
+        if kv_transfer_s_per_block is not None:
+            overrides["kv_transfer_s_per_block"] = kv_transfer_s_per_block
+        if long_prefill_token_threshold is not None:
+            overrides["long_prefill_token_threshold"] = long_prefill_token_threshold
         self.profile = profile
         self.config = EngineConfig.from_profile(profile, **overrides)
         self.engine = Engine(self.config)
+        self.kv = KVRole(role, lease_s=kv_lease_s, seed=seed)
+        self.kv.bind(self.engine, self.clock)
         self.max_model_len = mml
         self.num_gpu_blocks = blocks
         self.block_size = profile.block_size
@@ -304,12 +319,19 @@ class _Sim:
         last_yield = time.perf_counter()
         try:
             while True:
+                kv_next = self.kv.tick() if self.kv.role is not None else None
                 if not self.engine.has_unfinished():
                     if self._busy_since is not None:
                         self.busy_wall_s += time.perf_counter() - self._busy_since
                         self._busy_since = None
                     self._wake.clear()
-                    await self._wake.wait()
+                    if kv_next is None:
+                        await self._wake.wait()
+                    else:  # a prefill's lease may expire meanwhile
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), max(0.0, self._real_at(kv_next)
+                                                                          - self._time()))
+                        continue
                     self._busy_since = time.perf_counter()
                     continue
                 t0 = time.perf_counter()
@@ -318,7 +340,19 @@ class _Sim:
                 self.real_steps += 1
                 self.real_busy_s += t1 - t0
                 self._sample(out)
+                if out.step is None and (out.kv_loading or out.kv_loaded):
+                    self._deliver(out)  # KV events of a step that computed nothing
                 if out.scheduled_tokens == 0 and out.end_time <= out.start_time:
+                    ready = self.engine.next_kv_ready()
+                    if ready is not None:
+                        # only KV transfers in flight: the engine idles until the first one lands
+                        wake_at = ready if kv_next is None else min(ready, kv_next)
+                        self._wake.clear()
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(),
+                                                   max(0.0, self._real_at(wake_at) - self._time()))
+                        self.engine.advance_idle(min(ready, max(self.engine.now, self._mapped())))
+                        continue
                     # nothing schedulable (should not happen with max_model_len <= pool): wait for a
                     # change instead of spinning
                     self._wake.clear()
@@ -356,6 +390,10 @@ class _Sim:
                 pending.notify(completed=True)
             raise
 
+    def _real_at(self, virtual: float) -> float:
+        """The loop time at which virtual time ``virtual`` is reached (the inverse of _mapped)."""
+        return self._real0 + (virtual - self._virt0) / self.speedup
+
     def _sample(self, out: Any) -> None:
         st = self.engine.stats
         if (self.timeline and self.timeline_interval_s > 0
@@ -366,6 +404,10 @@ class _Sim:
 
     def _deliver(self, out: Any) -> None:
         t = float(out.end_time)
+        for eid in out.kv_loaded:
+            self.kv.loaded(eid)  # read: its prefill server frees the blocks
+        if out.step is None:
+            return
         for eid in out.scheduled:
             entry = self._pending.get(eid)
             if entry is not None and entry[0].record.first_scheduled is None:
@@ -403,6 +445,9 @@ class _Sim:
             pending, idx = entry
             choice = pending.choices[idx]
             choice.finished = True
+            if pending.kv_hold and idx == 0:
+                blocks = self.engine.held_block_ids(eid)
+                pending.kv_out = self.kv.held_now(eid, len(pending.prompt_ids), blocks)
             pending.notify(completed=pending.done)
             if pending.done:
                 self._finish_record(pending.record, t, "finished")
@@ -447,7 +492,17 @@ class _Sim:
         if self.loop_error is not None:
             raise _HTTPError(503, f"the simulated engine is dead: {self.loop_error!r}",
                              "ServiceUnavailableError")
-        self._check_admission(len(pending.choices))
+        pull = self.kv.peer_for(pending.kv_in) if self.kv.role == "decode" else None
+        pending.kv_hold = self.kv.wants_hold(pending.kv_in) and len(pending.choices) == 1
+        try:
+            self._check_admission(len(pending.choices))
+        except _HTTPError:
+            if pull is not None:  # a decode server that rejects tells its prefill server to free
+                pull[0].free(pull[1], "aborted")
+            raise
+        if pull is not None and len(pending.choices) != 1:
+            pull[0].free(pull[1], "aborted")
+            pull = None
         if not self.engine.has_unfinished():
             t = self._mapped()
             if t > self.engine.now:
@@ -458,7 +513,10 @@ class _Sim:
         for choice in pending.choices:
             try:
                 self.engine.add_request(choice.engine_id, pending.prompt_ids, choice.target,
-                                        priority=priority, output_token_ids=choice.token_ids)
+                                        priority=priority, output_token_ids=choice.token_ids,
+                                        hold_kv=pending.kv_hold, remote_kv=pull is not None)
+                if pull is not None:
+                    self.kv.pulling(choice.engine_id, *pull)
             except ValueError as exc:
                 self.abort(pending, "aborted")
                 raise _HTTPError(400, str(exc)) from None
@@ -488,6 +546,7 @@ class _Sim:
         aborted = False
         for choice in pending.choices:
             self._prefill_done(choice.engine_id)
+            self.kv.dropped(choice.engine_id)  # a decode pull not landed yet: its prefill frees now
             if self._pending.pop(choice.engine_id, None) is not None:
                 self.engine.abort(choice.engine_id)
                 aborted = True
@@ -548,6 +607,9 @@ class _Sim:
             "in_flight": len({id(p) for p, _ in self._pending.values()}),
             **self.counts,
         }
+        if self.kv.role is not None:
+            out["kv"] = {**self.kv.stats(), "pulled_blocks_total": st.kv_pulled_blocks_total,
+                         "engine_held_blocks": st.kv_held_blocks}
         if with_requests:
             out["requests"] = [self._record_json(r) for r in self.records.values()]
         return out
@@ -666,6 +728,17 @@ class _EngineCollector:
                                       labels=[*ln, "finished_reason"])
         success.add_metric([*lv, "stop"], sim.counts["finished"])
         yield success
+        if sim.kv.role is not None:
+            yield counter("vllm:nixl_num_kv_expired_reqs",
+                          "Number of requests that had their KV expire (the decode side never read it).",
+                          sim.kv.counts["kv_expired"])
+            xs = sim.kv.xfer_times
+            h = HistogramMetricFamily("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for "
+                                      "NIXL KV cache transfers.", labels=ln)
+            bounds = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+            h.add_metric(lv, [(str(b), float(sum(1 for x in xs if x <= b))) for b in bounds]
+                         + [("+Inf", float(len(xs)))], sum_value=float(sum(xs)))
+            yield h
         labels = sim.cache_config_labels()
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=list(labels))
@@ -834,7 +907,7 @@ class _App:
                          output_tokens=sum(c.target for c in choices),
                          priority=priority, arrival=0.0)
         pending = _Pending(request_id=request_id, kind=kind, created=int(time.time()), model=sim.model,
-                           prompt_ids=prompt_ids, choices=choices, record=record)
+                           prompt_ids=prompt_ids, choices=choices, record=record, kv_in=kv_params(body))
         sim.submit(pending, priority)
         return pending
 
@@ -966,10 +1039,13 @@ class _App:
             else:
                 choices.append({"index": c.index, "text": tok.decode(c.token_ids[:c.generated]),
                                 "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": None})
-        return {"id": pending.request_id,
-                "object": "chat.completion" if pending.kind == "chat" else "text_completion",
-                "created": pending.created, "model": pending.model, "choices": choices,
-                "usage": self._usage(pending)}
+        out = {"id": pending.request_id,
+               "object": "chat.completion" if pending.kind == "chat" else "text_completion",
+               "created": pending.created, "model": pending.model, "choices": choices,
+               "usage": self._usage(pending)}
+        if pending.kv_out is not None:
+            out["kv_transfer_params"] = pending.kv_out  # a prefill server's answer (vLLM's NixlConnector)
+        return out
 
     async def _stream(self, pending: _Pending, include_usage: bool,
                       continuous: bool = False) -> AsyncIterator[bytes]:
@@ -1151,7 +1227,10 @@ class SimServer:
     ``async with SimServer(...) as s`` runs it on the current event loop; ``with SimServer(...) as s``
     (or :meth:`start_in_thread` / :meth:`stop`) runs it on a background thread for synchronous code.
     ``num_gpu_blocks`` etc. default to the profile's values; ``gateway_timeout_s`` (virtual seconds)
-    turns on the gateway emulation; ``port=0`` picks a free port.
+    turns on the gateway emulation; ``port=0`` picks a free port. ``role`` (``"prefill"`` /
+    ``"decode"``, with ``kv_lease_s`` and ``kv_transfer_s_per_block``): a P/D server, see
+    :mod:`zp_client.sim.pd`. ``long_prefill_token_threshold``: vLLM's cap on one request's prefill
+    tokens per step (0: off).
     """
 
     def __init__(
@@ -1174,6 +1253,10 @@ class SimServer:
         log_level: str = "warning",
         max_num_queued_reqs: int | None = None,
         max_num_queued_tokens: int | None = None,
+        role: str | None = None,
+        kv_lease_s: float = DEFAULT_KV_LEASE_S,
+        kv_transfer_s_per_block: float | None = None,
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         self._config: dict[str, Any] = {
             "profile": profile, "num_gpu_blocks": num_gpu_blocks, "speedup": speedup,
@@ -1182,14 +1265,19 @@ class SimServer:
             "seed": seed, "enable_prefix_caching": enable_prefix_caching, "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
             "timeline_interval_s": timeline_interval_s, "log_level": log_level,
-            "max_num_queued_reqs": max_num_queued_reqs, "max_num_queued_tokens": max_num_queued_tokens}
+            "max_num_queued_reqs": max_num_queued_reqs, "max_num_queued_tokens": max_num_queued_tokens,
+            "role": role, "kv_lease_s": kv_lease_s, "kv_transfer_s_per_block": kv_transfer_s_per_block,
+            "long_prefill_token_threshold": long_prefill_token_threshold}
         prof = get_profile(profile) if isinstance(profile, str) else profile
         self._sim = _Sim(prof, num_gpu_blocks=num_gpu_blocks, speedup=speedup,
                          gateway_timeout_s=gateway_timeout_s, policy=policy, model=model, seed=seed,
                          enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          timeline_interval_s=timeline_interval_s, max_num_queued_reqs=max_num_queued_reqs,
-                         max_num_queued_tokens=max_num_queued_tokens)
+                         max_num_queued_tokens=max_num_queued_tokens, role=role, kv_lease_s=kv_lease_s,
+                         kv_transfer_s_per_block=kv_transfer_s_per_block,
+                         long_prefill_token_threshold=long_prefill_token_threshold)
+        self._sim.kv.host = host
         self.app = build_app(self._sim)
         self._host = host
         self._port = port
@@ -1266,6 +1354,7 @@ class SimServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, self._port))
         self._port = sock.getsockname()[1]
+        self._sim.kv.host, self._sim.kv.port = self._host, self._port
         config = uvicorn.Config(self.app, log_level=self._log_level, lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=1)
         self._uvicorn = uvicorn.Server(config)
@@ -1293,6 +1382,7 @@ class SimServer:
         :attr:`url` becomes ``http://HOST:80`` (default ``sim.memory``), a name only such a transport
         resolves (several servers in one run need distinct hosts: ``sim-0.memory``, ...)."""
         self._host, self._port = host, 80
+        self._sim.kv.host, self._sim.kv.port = host, 80
         self._sim.start()
         try:
             yield self
