@@ -44,6 +44,18 @@ _DEFAULTS: dict[str, tuple[str, int | None, int | None, float]] = {
 }
 
 
+def _parse_pd(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigurationError(f"--pd takes P:D, e.g. 1:1, got {text!r}") from None
+    if p < 1 or d < 1:
+        raise ConfigurationError(f"--pd needs at least one prefill and one decode server, got {text!r}")
+    return p, d
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from zp_client.bench.setups import SETUPS
     from zp_client.bench.workloads import WORKLOADS
@@ -89,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a fleet: N fresh simulated servers per setup run, the load scaled by N; the "
                              "default setups become no-admission (round-robin), rr, rr-zp, epp "
                              "(docs/benchmark.md#fleets---replicas-n)")
+    parser.add_argument("--pd", default=None, metavar="P:D",
+                        help="prefill/decode disaggregation: P prefill and D decode servers for the P/D "
+                             "setups (pd-proxy, pd-noadmission), P + D colocated ones for the others; the "
+                             "load scaled by P + D (docs/benchmark.md#prefilldecode---pd-pd)")
     parser.add_argument("--kill-replica", type=float, default=None, metavar="AT_S",
                         help="kill the replica with the most requests in flight AT_S virtual seconds into "
                              "each run, abruptly (connections reset, no drain)")
@@ -172,7 +188,12 @@ def run(args: argparse.Namespace) -> int:
         replicas = int(getattr(args, "replicas", 1) or 1)
         if replicas < 1:
             raise ConfigurationError(f"--replicas takes a positive integer, got {replicas}")
-        setups = parse_setups(args.setups, args.redis, replicas)
+        pd = _parse_pd(getattr(args, "pd", None))
+        if pd is not None:
+            if replicas not in (1, sum(pd)):
+                raise ConfigurationError(f"--pd {pd[0]}:{pd[1]} runs {sum(pd)} servers; drop --replicas")
+            replicas = sum(pd)
+        setups = parse_setups(args.setups, args.redis, replicas, pd=pd is not None)
         loads = _parse_sweep(args.sweep)
         from zp_client.bench.bypass import parse_window
 
@@ -206,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
             speedup=args.speedup or speedup, redis_url=args.redis, time_scale=args.time_scale,
             load_scale=args.load_scale, workers=args.workers, workload_overrides=overrides, clock=clock,
             client_load=args.client_load, bypass=bypass, bypass_window=bypass_window,
-            replicas=replicas, kill_replica_s=getattr(args, "kill_replica", None),
+            replicas=replicas, kill_replica_s=getattr(args, "kill_replica", None), pd=pd,
         )
     except ZPError as exc:
         print(f"zp-client storm: {exc}", file=sys.stderr)

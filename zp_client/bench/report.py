@@ -14,7 +14,7 @@ from typing import Any
 
 from zp_client.bench.loadgen import RequestRecord
 from zp_client.bench.runner import SetupRun
-from zp_client.bench.workloads import ServerFacts, Workload
+from zp_client.bench.workloads import SLO_TPOT_ITL_FACTOR, ServerFacts, Workload
 
 __all__ = [
     "COLLAPSE_DROP",
@@ -224,6 +224,9 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
     makespan = max(ends) if ends else 0.0
     good = [r for r in ok if wl.slo.met(r.ttft, r.tpot, streamed=r.stream, out_tokens=r.out_tokens,
                                         e2e=_e2e(r))]
+    # the tail SLO (issue 20): also every streamed request's largest inter-token gap <= 5x unloaded ITL
+    tail_gap = SLO_TPOT_ITL_FACTOR * facts.unloaded_itl_s
+    good_tail = [r for r in good if not r.stream or max(r.itls(), default=0.0) <= tail_gap]
     st = run.server_stats
     eng = st.get("engine", {})
     reqs = st.get("requests", 0)
@@ -269,6 +272,8 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "goodput_rps": _r(len(good) / makespan if makespan else 0.0),
         "goodput_tps": _r(sum(r.out_tokens for r in good) / makespan if makespan else 0.0, 1),
         "good": len(good),
+        "goodput_tail_rps": _r(len(good_tail) / makespan if makespan else 0.0),
+        "good_tail": len(good_tail),
         "slo_attainment": _r(len(good) / len(sent) if sent else None, 3),
         "attempts_server": attempts_server,
         "attempts_client": sum(r.attempts for r in sent),
@@ -287,6 +292,7 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         **_prefix_metrics(run, wl, facts.block_size),
         **_limit_metrics(run),
         **_fleet_metrics(run),
+        **_pd_metrics(run),
     }
 
 
@@ -325,6 +331,34 @@ def _fleet_metrics(run: SetupRun) -> dict[str, Any]:
         "cut_streams": sum(r.cut_streams for r in run.records),
         "cut_requests": sum(1 for r in run.records if r.cut_streams),
     }
+
+
+def _pd_metrics(run: SetupRun) -> dict[str, Any]:
+    """Per pool of a P/D run (``--pd``; servers whose stats carry ``kv``): preemptions, KV maximum,
+    expired prefill leases, frees on read / abort, heartbeats, KV transfers and the decode calls that
+    prefilled locally. Nothing for a colocated run."""
+    per = run.replica_stats or []
+    if not any(st.get("kv") for st in per):
+        return {}
+    tls = run.replica_timelines or [[] for _ in per]
+    pools: dict[str, dict[str, Any]] = {}
+    for st, tl in zip(per, tls, strict=False):
+        kv = st.get("kv") or {}
+        role = str(kv.get("role"))
+        p = pools.setdefault(role, {"servers": 0, "preemptions": 0, "kv_usage_max": 0.0, "expired": 0,
+                                    "freed_read": 0, "freed_abort": 0, "heartbeats": 0, "remote": 0,
+                                    "local_fallback": 0, "pulled_blocks": 0})
+        p["servers"] += 1
+        p["preemptions"] += int((st.get("engine") or {}).get("preemptions_total") or 0)
+        p["kv_usage_max"] = max(p["kv_usage_max"], max((x[1] for x in tl), default=0.0))
+        for key, src in (("expired", "kv_expired"), ("freed_read", "kv_freed_read"),
+                         ("freed_abort", "kv_freed_abort"), ("heartbeats", "kv_heartbeats"),
+                         ("remote", "kv_remote"), ("local_fallback", "kv_local_fallback"),
+                         ("pulled_blocks", "pulled_blocks_total")):
+            p[key] += int(kv.get(src) or 0)
+    for p in pools.values():
+        p["kv_usage_max"] = _r(p["kv_usage_max"])
+    return {"pd": pools}
 
 
 def _count(items: Any) -> dict[str, int]:
@@ -583,6 +617,13 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
             "replica_timelines": {r.name: [_thin(tl, r.t0) for tl in (r.replica_timelines or [])]
                                   for r in runs},
         }
+    pd = getattr(cfg, "pd", None)
+    if pd is not None:
+        from zp_client.bench.runner import REAL_KV_LEASE_S, kv_lease_s
+
+        report["pd"] = {"prefill": pd[0], "decode": pd[1], "kv_lease_s": kv_lease_s(wl, facts),
+                        "kv_lease_rule": f"vLLM's kv_lease_duration {REAL_KV_LEASE_S:g} s scaled to the "
+                                         "simulator as the gateway timeout is"}
     report["verdict"] = storm_verdict(report)
     return report
 
@@ -686,6 +727,11 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         "(virtual; a non-streamed call must end within TTFT + output x TPOT)",
     ]
     lines.append(MEASURES.format(ttft=slo["ttft_s"], tpot=slo["tpot_s"] * 1000))
+    pdr = report.get("pd")
+    if pdr:
+        lines.append(f"P/D: {pdr['prefill']} prefill + {pdr['decode']} decode servers for the pd-* setups, "
+                     f"the other setups colocated on {pdr['prefill'] + pdr['decode']} plain ones; prefill KV "
+                     f"lease {pdr['kv_lease_s']:g} s virtual ({pdr['kv_lease_rule']})")
     fleet = report.get("fleet")
     if fleet:
         lines.append(f"fleet: {fleet['replicas']} replicas of that server per setup, the load scaled by "
@@ -832,6 +878,16 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
                       f"p99 {h['loop_lag_p99_ms']} ms / max {h['loop_lag_max_ms']} ms (wall), "
                       f"CPU {h['cpu_frac']:.0%} of a core, simulator max lag {m['sim_max_lag_s']} virtual s",
                       highlight=False)
+    if any(m.get("pd") for m in report["setups"]):
+        for m in report["setups"]:
+            line = (f"tail SLO {m['setup']}: {m['good_tail']} of {m['sent']} requests also with every "
+                    f"inter-token gap <= 5x the unloaded ITL: {m['goodput_tail_rps']} good req/s")
+            for role, p in (m.get("pd") or {}).items():
+                line += (f"; {role} pool ({p['servers']}): preempt {p['preemptions']}, KV max "
+                         f"{p['kv_usage_max']}, expired leases {p['expired']}, freed on read "
+                         f"{p['freed_read']} / abort {p['freed_abort']}, pulls {p['remote']} "
+                         f"({p['pulled_blocks']} blocks), local prefills {p['local_fallback']}")
+            console.print(line, highlight=False)
     for m in report["setups"]:
         pf = m.get("prefix")
         if pf:

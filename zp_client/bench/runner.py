@@ -22,7 +22,7 @@ import multiprocessing as mp
 import queue
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -94,8 +94,21 @@ class StormConfig:
     kill_replica_s: float | None = None
     """Kill the replica with the most requests in flight this many virtual seconds after the run starts
     (``--kill-replica AT_S``; abruptly: connections reset, engine gone); None: no kill."""
+    pd: tuple[int, int] | None = None
+    """``(P, D)``: prefill/decode disaggregation (``--pd P:D``): ``replicas`` is P + D; a P/D setup's
+    servers are P prefill and D decode ones (:mod:`zp_client.sim.pd`), every other setup runs colocated
+    on P + D plain ones. None: no P/D."""
 
     def __post_init__(self) -> None:
+        if self.pd is not None:
+            p, d = self.pd
+            if p < 1 or d < 1 or self.replicas != p + d:
+                raise ConfigurationError(f"pd must be (P, D) with P, D >= 1 and replicas = P + D, got "
+                                         f"pd={self.pd!r}, replicas={self.replicas}")
+            if not self.sim_in_process:
+                raise ConfigurationError("--pd needs the simulators in the clients' process (their "
+                                         "prefill and decode servers reach each other in memory): drop "
+                                         "--client-load")
         if self.replicas < 1:
             raise ConfigurationError(f"replicas must be >= 1, got {self.replicas!r}")
         if self.kill_replica_s is not None and self.kill_replica_s < 0:
@@ -187,13 +200,21 @@ def replica_host(cfg: StormConfig, index: int) -> str:
 
 @contextlib.asynccontextmanager
 async def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None,
-                      index: int = 0) -> AsyncIterator[Any]:
-    """A fresh simulator: in memory on the virtual clock, on loopback HTTP on the real one."""
+                      index: int = 0, role: str | None = None, kv_lease_s: float | None = None,
+                      sim_extra: Mapping[str, Any] | None = None) -> AsyncIterator[Any]:
+    """A fresh simulator: in memory on the virtual clock, on loopback HTTP on the real one. ``role``:
+    a P/D server's (with the run's scaled ``kv_lease_s``); ``sim_extra``: a setup's own server settings
+    (``long_prefill_token_threshold``)."""
     from zp_client.sim.server import SimServer
 
+    kw: dict[str, Any] = dict(sim_extra or {})
+    if role is not None:
+        kw["role"] = role
+        if kv_lease_s is not None:
+            kw["kv_lease_s"] = kv_lease_s
     server = SimServer(cfg.profile, num_gpu_blocks=cfg.num_gpu_blocks, speedup=cfg.effective_speedup,
                        gateway_timeout_s=gateway_timeout_s, seed=replica_seed(cfg.seed, index),
-                       max_model_len=cfg.max_model_len)
+                       max_model_len=cfg.max_model_len, **kw)
     if cfg.virtual:
         async with server.in_memory(replica_host(cfg, index)):
             yield server
@@ -206,10 +227,15 @@ async def _sim_server(cfg: StormConfig, gateway_timeout_s: float | None,
 
 
 @contextlib.asynccontextmanager
-async def _sim_fleet(cfg: StormConfig, gateway_timeout_s: float | None) -> AsyncIterator[list[Any]]:
-    """``cfg.replicas`` fresh simulators with the same configuration (seeds: :func:`replica_seed`)."""
+async def _sim_fleet(cfg: StormConfig, gateway_timeout_s: float | None,
+                     roles: list[str | None] | None = None, kv_lease_s: float | None = None,
+                     sim_extra: Mapping[str, Any] | None = None) -> AsyncIterator[list[Any]]:
+    """``cfg.replicas`` fresh simulators with the same configuration (seeds: :func:`replica_seed`), with
+    ``roles`` for a P/D setup."""
+    roles = roles or [None] * cfg.replicas
     async with contextlib.AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(_sim_server(cfg, gateway_timeout_s, i))
+        servers = [await stack.enter_async_context(_sim_server(cfg, gateway_timeout_s, i, roles[i],
+                                                               kv_lease_s, sim_extra))
                    for i in range(cfg.replicas)]
         yield servers
 
@@ -383,7 +409,7 @@ def _plan(cfg: StormConfig, wl: Workload) -> Any:
 
 async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_rps: float | None,
                    progress: Callable[[str, int], None], plan: Any = None,
-                   keepwarm_period_s: float | None = None) -> SetupRun:
+                   keepwarm_period_s: float | None = None, kv_lease_s: float | None = None) -> SetupRun:
     from zp_client.bench.bypass import bypass_applies, open_bypass
 
     spec = SETUPS[name]
@@ -405,7 +431,10 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
     if cfg.kill_replica_s is not None and spec.workers > 1:
         raise ConfigurationError(f"setup {name} runs worker processes, which --kill-replica does not "
                                  "support")
-    async with _sim_fleet(cfg, gateway) as servers:
+    roles: list[str | None] | None = None
+    if cfg.pd is not None and spec.pd:
+        roles = [*(["prefill"] * cfg.pd[0]), *(["decode"] * cfg.pd[1])]
+    async with _sim_fleet(cfg, gateway, roles, kv_lease_s, spec.sim_extra) as servers:
         server = servers[0]
         pool = [await _pool_facts(s, cfg) for s in servers]
         blocks, bs, _, _ = pool[0]
@@ -424,7 +453,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                            replica_apps=[s.app for s in servers],
                            replica_limit_blocks=[zp_limit_blocks(p[0], HEADROOM) for p in pool],
                            network=network, seed=cfg.seed, pin_prefixes=wl.pin_prefixes,
-                           keepwarm_period_s=keepwarm_period_s)
+                           keepwarm_period_s=keepwarm_period_s,
+                           replica_roles=list(roles) if roles else [None] * len(servers))
         clock = _clock_for(server, cfg)
         kill: dict[str, Any] = {}
         moved: int | None = None
@@ -783,6 +813,22 @@ def _run(cfg: StormConfig, main: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(main)
 
 
+#: vLLM's ``kv_lease_duration`` default (seconds on the real deployment).
+REAL_KV_LEASE_S = 30.0
+
+
+def kv_lease_s(wl: Workload, facts: ServerFacts) -> float:
+    """The P/D servers' KV lease, scaled to the simulator by the rule of the gateway timeout (a budget
+    of loaded decode steps): ``REAL_KV_LEASE_S`` x the workload's gateway scale (its gateway timeout /
+    60 s), or x :func:`~zp_client.bench.workloads.gateway_time_scale` for ~4k-token sequences when the
+    workload has no gateway."""
+    from zp_client.bench.workloads import REAL_GATEWAY_TIMEOUT_S, gateway_time_scale
+
+    if wl.gateway_timeout_s:
+        return round(REAL_KV_LEASE_S * wl.gateway_timeout_s / REAL_GATEWAY_TIMEOUT_S, 3)
+    return round(REAL_KV_LEASE_S * gateway_time_scale(facts, 4096.0), 3)
+
+
 def timer_period(run: SetupRun, prefixes: int) -> float | None:
     """The keep-warm period that sends, over ``run``'s span, as many keep-warms as ``run`` (``zp-pinned``)
     sent: ``prefixes`` of them per period. None when it sent none (the timer then uses its default)."""
@@ -812,11 +858,12 @@ def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any
     runs: list[SetupRun] = []
     rate: float | None = None
     period: float | None = None
+    lease = kv_lease_s(wl, facts) if cfg.pd is not None else None
     for name in cfg.setups:
         if prog is not None:
             prog.start(name)
         run = _run(cfg, _run_one(cfg, name, wl, model, rate, prog.advance if prog else (lambda n, k: None),
-                                 plan, period))
+                                 plan, period, lease))
         if name == "no-admission":
             rate = sustainable_rate(run)
         if name == "zp-pinned":

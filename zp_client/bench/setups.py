@@ -71,6 +71,12 @@ class SetupSpec:
     """The fewest replicas the setup makes sense with (:func:`parse_setups` refuses fewer)."""
     fleet_default: bool = True
     """A :attr:`fleet` setup that ``--replicas N`` runs without ``--setups`` (False: only when named)."""
+    pd: bool = False
+    """A prefill/decode setup (``--pd P:D``, :mod:`~zp_client.bench.pd_setups`): its servers are P
+    prefill and D decode ones; every other setup runs colocated on P + D plain servers."""
+    sim_extra: dict[str, Any] | None = None
+    """Server settings of this setup's simulators (``long_prefill_token_threshold``: the knob a vLLM user
+    tries first for ITL)."""
 
 
 SETUPS: dict[str, SetupSpec] = {
@@ -103,14 +109,17 @@ def _module_missing(name: str | None) -> bool:
         return True
 
 
-def parse_setups(text: str | None, redis_url: str | None, replicas: int = 1) -> list[str]:
+def parse_setups(text: str | None, redis_url: str | None, replicas: int = 1, pd: bool = False) -> list[str]:
     """The setups to run, in canonical order; ``no-admission`` is always included (it is the
     denominator and ``rate-limited`` needs its measured rate). Unknown names raise ConfigurationError.
 
     With ``replicas`` > 1 the default setups are the fleet ones (``no-admission``, which then balances
     round-robin, and the :attr:`SetupSpec.fleet` setups); a one-server setup named there runs against
     replica 0 only and is refused, as is a setup whose :attr:`SetupSpec.min_replicas` exceeds ``replicas``."""
-    if not text:
+    if not text and pd:
+        # --pd P:D: the P/D setups and the colocated ones they are measured against
+        names = [n for n, sp in SETUPS.items() if sp.pd] + ["zp-fleet", "zp-fleet-chunk512"]
+    elif not text:
         if replicas > 1:
             names = [n for n, sp in SETUPS.items()
                      if sp.fleet and sp.fleet_default and (redis_url or not sp.needs_redis)]
@@ -136,6 +145,8 @@ def parse_setups(text: str | None, redis_url: str | None, replicas: int = 1) -> 
             raise ConfigurationError(f"setup {', '.join(single)} sends to one server and would reach "
                                      f"replica 0 only: with --replicas {replicas} choose from: "
                                      f"{', '.join(n for n, sp in SETUPS.items() if sp.fleet)}")
+    if not pd and any(SETUPS[n].pd for n in names):
+        raise ConfigurationError(f"setup {', '.join(n for n in names if SETUPS[n].pd)} needs --pd P:D")
     few = [n for n in names if SETUPS[n].min_replicas > replicas]
     if few:
         raise ConfigurationError(f"setup {', '.join(few)} needs --replicas >= "
@@ -189,6 +200,9 @@ class SetupContext:
     keepwarm_period_s: float | None = None
     """``zp-pinned-timer``'s period: set so it sends as many keep-warms as ``zp-pinned`` did in the same
     run (None before ``zp-pinned`` ran: its default)."""
+    replica_roles: list[str | None] = field(default_factory=list)
+    """Each replica's P/D role (``"prefill"``, ``"decode"``; None: colocated), in
+    :attr:`replica_base_urls`' order."""
 
     def __post_init__(self) -> None:
         if not self.replica_base_urls:
@@ -498,3 +512,4 @@ async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
 # The elastic setups (issue 8) register themselves; imported last because they build on this module.
 from zp_client.bench import elastic_setups as _elastic_setups  # noqa: E402,F401 - registers them, needs this module
 from zp_client.bench import fleet_setups as _fleet_setups  # noqa: E402,F401 - registers them, needs this module
+from zp_client.bench import pd_setups as _pd_setups  # noqa: E402,F401 - registers them, needs this module

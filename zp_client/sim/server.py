@@ -593,6 +593,7 @@ class _Sim:
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
             "policy": self.policy,
+            "long_prefill_token_threshold": self.config.long_prefill_token_threshold,
             "gateway_timeout_s": self.gateway_timeout_s,
             "engine": engine_stats,
             "lag_s": self.lag_s,
