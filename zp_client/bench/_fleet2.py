@@ -1,4 +1,5 @@
-"""The httpx2 (openai 3.x) forms of :mod:`zp_client.bench.fleet_setups`' replica routers.
+"""The httpx2 (openai 3.x) forms of :mod:`zp_client.bench.fleet_setups`' replica routers and of
+:mod:`zp_client.bench.pd_setups`' P/D proxy.
 
 Imported only where httpx2 is installed; see :mod:`zp_client.bench.fleet_setups`.
 """
@@ -8,8 +9,9 @@ from __future__ import annotations
 import httpx2
 
 from zp_client.bench.fleet_setups import EndpointPicker, RoundRobin, _WatchedStream
+from zp_client.bench.pd_setups import PDProxy
 
-__all__ = ["Httpx2EndpointPicker", "Httpx2RoundRobin"]
+__all__ = ["Httpx2EndpointPicker", "Httpx2PDProxy", "Httpx2RoundRobin"]
 
 
 class _Httpx2Stream(_WatchedStream, httpx2.AsyncByteStream):
@@ -28,3 +30,9 @@ class Httpx2EndpointPicker(EndpointPicker, httpx2.AsyncBaseTransport):
 
     _lib = httpx2
     _stream_cls = _Httpx2Stream
+
+
+class Httpx2PDProxy(PDProxy, httpx2.AsyncBaseTransport):
+    """:class:`~zp_client.bench.pd_setups.PDProxy` as an ``httpx2`` transport (openai 3.x)."""
+
+    _lib = httpx2

@@ -128,10 +128,7 @@ class HttpxPDProxy(PDProxy, httpx.AsyncBaseTransport):
 def _proxy_class(lib: Any) -> type[PDProxy]:
     if lib is httpx:
         return HttpxPDProxy
-    import httpx2
-
-    class Httpx2PDProxy(PDProxy, httpx2.AsyncBaseTransport):
-        _lib = httpx2
+    from zp_client.bench._fleet2 import Httpx2PDProxy
 
     return Httpx2PDProxy
 
