@@ -63,6 +63,10 @@ _STYLES: dict[str, SetupStyle] = {
     "zp-fleet-strict": SetupStyle(OKABE_ITO["sky_blue"], (0, (3, 3)), "x"),
     "zp-fleet-redis": SetupStyle(OKABE_ITO["blue"], (0, (2, 1, 1, 1)), "+", "\\\\"),
     "zp-fleet-redis-strict": SetupStyle(OKABE_ITO["sky_blue"], (0, (2, 1, 1, 1)), "1", "\\\\"),
+    # the P/D setups (--pd P:D)
+    "pd-proxy": SetupStyle(OKABE_ITO["vermillion"], (0, (1, 2)), "4"),
+    "pd-noadmission": SetupStyle(OKABE_ITO["black"], (0, (4, 1)), "|"),
+    "zp-fleet-chunk512": SetupStyle(OKABE_ITO["bluish_green"], (0, (8, 2)), "_"),
 }
 _FALLBACK_COLORS = ("#999999", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
 _FALLBACK_MARKERS = ("p", "d", "<", ">", "8", "H")
