@@ -25,23 +25,14 @@ from zp_client.config import Settings
 from zp_client.errors import AdmissionTimeout, ConfigurationError
 from zp_client.sim.server import SimServer
 
+from tests.test_redis_elastic import _delete  # the same key cleanup
+
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def _delete(url: str, names: list[str]) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        for n in names:
-            keys = list(r.scan_iter(match=f"{{zp:{n}}}*", count=1000))
-            if keys:
-                r.delete(*keys)
-    finally:
-        r.close()
 
 
 @pytest.fixture
