@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
 import weakref
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from zp_client._clock import SYSTEM_CLOCK, Clock
@@ -23,7 +24,7 @@ from zp_client._release import Holder, watchdog
 from zp_client._sse import BadEvent, Reassembler, Scanner, forecast_hi, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.config import Settings
-from zp_client.errors import ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
+from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
 from zp_client.observe import AdmissionInfo
 from zp_client.observe import active as active_observers
 from zp_client.observe import notify as notify_observers
@@ -95,6 +96,9 @@ class Acquire:
     ticket: Ticket | None
     held: int
     meta: dict[str, Any] | None
+    budget: Any = None
+    """The budget to take it from (None: the core's; a disaggregated fleet's prefill leg names its prefill
+    fleet)."""
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``Budget.acquire``; ``meta`` only when there is some (a backend written
@@ -119,6 +123,9 @@ class ReadAll:
 
     response: Any
     sink: Callable[[bytes], None]
+    on_first: Holder | None = None
+    """Released (shielded) as soon as the first chunk arrived: a prefill leg, whose KV the decode replica
+    has read once it answers."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +147,12 @@ class Close:
 
 @dataclass(frozen=True)
 class Release:
-    """Release the holder's lease (once; shielded from cancellation) -> None."""
+    """Release the holder's lease (once; shielded from cancellation) -> None. ``after_s`` > 0: in that
+    many seconds, without waiting for it (a prefill leg whose KV the prefill replica keeps until vLLM's
+    lease on it expires)."""
 
     holder: Holder
+    after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -655,6 +665,20 @@ class Core:
         if self._claim_pool_check(p):
             yield from self._pool_probe(p, inner)
         plan = self.finish_plan(request, p, est, mml)
+        pd = getattr(self.fleet, "pd", None) if self.fleet is not None else None
+        if pd is None or not p.chat_or_completions or "kv_transfer_params" in p.body:
+            return (yield from self._attempts(request, plan, is_async, None))
+        st = _PDCall(pd, plan, p.body)  # a disaggregated fleet: the two-phase lease (zp_client.fleet.pd)
+        try:
+            resp = yield from self._attempts(request, plan, is_async, st)
+        except BaseException:
+            yield from self._pd_drop(st)
+            raise
+        yield from self._pd_drop(st)
+        return resp
+
+    def _attempts(self, request: Any, plan: Plan, is_async: bool, st: _PDCall | None) -> Steps:
+        """The attempt loop: lease, send, retry; ``st``: a disaggregated request's prefill side."""
         retry = self.retry
         state = (yield NewRetryState(retry)) if retry is not None else None
         ticket: Ticket | None = None
@@ -666,7 +690,20 @@ class Core:
             timeout = self.check_deadline(plan, attempt)
             observers = active_observers()  # () unless the caller is inside observe_admissions()
             asked = self.clock.monotonic() if m is not None or observers else 0.0
-            lease = yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held, plan.meta)
+            reuse = None if st is None else st.reusable_for(self.clock.monotonic())
+            if st is not None and reuse is None:
+                yield from self._pd_drop(st)  # its KV is too old to hand to another decode replica
+                if st.pd.disaggregates(plan.prompt_tokens, self.fleet.best_matched_tokens(plan.meta)):
+                    yield from self._pd_leg(st, plan, is_async)  # the prefill leg first (fleet/pd.py)
+            if reuse is not None and (timeout is None or reuse < timeout):
+                # a prefill leg kept for a decode retry waits for decode room only while its KV is alive
+                try:
+                    lease = yield Acquire(plan.blocks, plan.priority, reuse, ticket, plan.held, plan.meta)
+                except AdmissionTimeout:
+                    yield from self._pd_drop(st)  # type: ignore[arg-type]
+                    continue
+            else:
+                lease = yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held, plan.meta)
             holder = Holder(lease, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock,
                             metrics=m)
             try:
@@ -684,14 +721,22 @@ class Core:
             prefetched = None
             try:
                 url = request.url if fleet is None else fleet.route_url(lease, request.url)
-                resp = yield Send(self.lib.request(request, plan, url))
+                out = plan
+                if st is not None:  # a disaggregated fleet: the prefill phase first
+                    out = yield from self._pd_prefill(st, plan, request, lease, is_async)
+                resp = yield Send(self.lib.request(request, out, url))
+                if st is not None:
+                    yield from self._pd_answered(st, resp)
                 if plan.upstream and self.lib.is_event_stream(resp):
-                    resp = yield from self._consume(plan, request, resp, holder)
+                    resp = yield from self._consume(plan, request, resp, holder,
+                                                    None if st is None else st.holder)
                     assembled = True
                 elif fleet is not None and plan.stream and self.lib.is_event_stream(resp):
                     # on a fleet the stream reaches its caller with its first bytes: a replica that
                     # fails before them moves the request like a refused connection
                     prefetched = yield from self._peek(resp)
+                    if st is not None:  # the decode replica has read the KV: the prefill leg ends
+                        yield from self._pd_drop(st)
             except Exception as exc:
                 yield Release(holder)
                 if fleet is not None and self._move(fleet, lease, exc, moves):
@@ -749,6 +794,101 @@ class Core:
                 yield Close(resp, shield=True)
                 yield Release(holder)
                 raise
+
+    # -- the two-phase lease of a disaggregated fleet (zp_client.fleet.pd) ----------------------------
+    def _pd_leg(self, st: _PDCall, plan: Plan, is_async: bool) -> Steps:
+        """Take the prefill leg: the prompt's blocks (and one) on the prefill fleet, placed by prefix."""
+        pre = st.pd.prefill
+        blocks = max(1, -(-(plan.prompt_tokens + 1) // self.budget.block_size))
+        plea = yield Acquire(blocks, plan.priority, self.remaining(plan), None, blocks,
+                             pre.routing_only(plan.meta), budget=pre)
+        st.holder = Holder(plea, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock)
+        st.kv, st.until, st.reached = None, None, False
+
+    def _pd_prefill(self, st: _PDCall, plan: Plan, request: Any, lease: Lease, is_async: bool) -> Steps:
+        """The prefill phase of one attempt, both legs held (``lease`` the decode leg): returns the plan
+        the decode call sends. Reuses a live prefill's ``kv_transfer_params``; sends a request whose
+        uncached prompt on its decode replica is short (or that took no prefill leg) straight there;
+        otherwise makes the prefill call and passes its ``kv_transfer_params`` on (none: the decode
+        replica prefills locally)."""
+        pd = st.pd
+        counts = pd.counts
+        if st.kv is not None and st.holder is not None and not st.holder.done:
+            counts["reused"] = counts.get("reused", 0) + 1
+            st.reached = False
+            return st.decode_plan(plan)
+        if st.holder is None or not pd.disaggregates(plan.prompt_tokens, self.fleet.matched_tokens(lease)):
+            yield from self._pd_drop(st)  # a leg taken on the best match elsewhere: not needed here
+            counts["direct"] = counts.get("direct", 0) + 1
+            return plan
+        pre = pd.prefill
+        plea = st.holder.lease
+        counts["prefills"] = counts.get("prefills", 0) + 1
+        try:
+            resp = yield Send(self.lib.request(request, st.prefill_plan(plan),
+                                               pre.route_url(plea, request.url)))
+        except Exception as exc:  # noqa: BLE001 - no answer: the decode replica prefills locally
+            yield from self._pd_drop(st)
+            self._pd_failed(pre, plea, exc)
+            counts["prefill_failed"] = counts.get("prefill_failed", 0) + 1
+            return plan
+        # an answer: a finished prefill's blocks stay there until read, aborted or vLLM's lease expires
+        st.until = self.clock.monotonic() + pd.kv_lease_s
+        chunks: list[bytes] = []
+        try:
+            yield ReadAll(resp, chunks.append)
+        except Exception as exc:  # noqa: BLE001 - a cut answer: the decode replica prefills locally
+            yield Close(resp, shield=True)
+            yield from self._pd_drop(st)  # kept until the lease expires: nobody will read it
+            self._pd_failed(pre, plea, exc)
+            counts["prefill_failed"] = counts.get("prefill_failed", 0) + 1
+            return plan
+        except BaseException:
+            yield Close(resp, shield=True)
+            raise
+        if resp.status_code >= 500:
+            pre.note_failure(plea)
+        elif resp.status_code < 400:
+            pre.note_success(plea)
+        kv = st.parse(b"".join(chunks)) if resp.status_code == 200 else None
+        if kv is None:  # nothing held for us there (an error, a server without P/D): prefill locally
+            st.until = None
+            yield from self._pd_drop(st)
+            counts["local"] = counts.get("local", 0) + 1
+            return plan
+        st.kv, st.at = kv, self.clock.monotonic()
+        st.until = st.at + pd.kv_lease_s
+        return st.decode_plan(plan)
+
+    @staticmethod
+    def _pd_failed(pre: Any, lease: Lease, exc: BaseException) -> None:
+        """A prefill call that failed counts against its replica's health (a connection error at once)."""
+        from zp_client.retry import classify_error
+
+        if classify_error(exc) is not None:
+            pre.note_failure(lease, connect=type(exc).__name__ in ("ConnectError", "ConnectTimeout"))
+
+    def _pd_answered(self, st: _PDCall, resp: Any) -> Steps:
+        """A decode replica answered: it has the request (and, on an error, has told the prefill replica
+        to free the KV, which the next attempt then prefills again)."""
+        st.reached = True
+        if resp.status_code >= 400:
+            yield from self._pd_drop(st)
+
+    def _pd_drop(self, st: _PDCall) -> Steps:
+        """End the prefill leg, once: at once when nothing waits on the prefill replica for us (never
+        answered, no KV, or a decode replica has the request), else when vLLM's lease on the KV ends."""
+        h, st.holder = st.holder, None
+        kv_alive = st.until is not None and not st.reached
+        until, st.kv, st.until = st.until, None, None
+        if h is None or h.done:
+            return
+        now = self.clock.monotonic()
+        if kv_alive and until is not None and until > now:
+            st.pd.counts["held_to_expiry"] = st.pd.counts.get("held_to_expiry", 0) + 1
+            yield Release(h, after_s=until - now)
+        else:
+            yield Release(h)
 
     def _move(self, fleet: Any, lease: Lease, exc: BaseException, moves: int) -> bool:
         """Whether a failed attempt on a fleet replica moves to another one: the request never reached
@@ -845,7 +985,8 @@ class Core:
         return self.lib.streamed_response(resp, self, plan, holder, scanner, is_async=is_async,
                                           prefetched=prefetched)
 
-    def _consume(self, plan: Plan, original: Any, resp: Any, holder: Holder) -> Steps:
+    def _consume(self, plan: Plan, original: Any, resp: Any, holder: Holder,
+                 first: Holder | None = None) -> Steps:
         """Read the upstream stream of a non-streamed call to its end, reporting its growth; the lease is
         released once it is consumed. Any other exit (error, cancellation) closes the connection first,
         so the server aborts the request before the blocks return."""
@@ -858,7 +999,7 @@ class Core:
 
         try:
             try:
-                yield ReadAll(resp, sink)
+                yield ReadAll(resp, sink, first)
                 scanner.advance(asm.end(), asm.usage)
             except BadEvent as exc:
                 raise self.lib.module.DecodingError(str(exc), request=original) from None
@@ -930,3 +1071,59 @@ class Core:
         complete)."""
         if scanner.sse and scanner.usage is not None:
             self.observe(plan, scanner)
+
+
+class _PDCall:
+    """One disaggregated request's prefill side across its attempts (see :meth:`Core._pd_prefill`)."""
+
+    __slots__ = ("pd", "body", "holder", "kv", "at", "until", "reached", "_rid", "_n", "_headers")
+
+    def __init__(self, pd: Any, plan: Plan, body: Mapping[str, Any]) -> None:
+        self.pd = pd
+        self.body: dict[str, Any] = json.loads(plan.content) if plan.content else dict(body)
+        self.holder: Holder | None = None
+        """The prefill leg, while held."""
+        self.kv: dict[str, Any] | None = None
+        """The prefill's ``kv_transfer_params``, while its KV may still be read."""
+        self.at = 0.0
+        self.until: float | None = None
+        """When vLLM's lease on the prefill's KV expires (None: the prefill replica holds nothing)."""
+        self.reached = False
+        """A decode replica answered the call that carries ``kv``."""
+        rid = next((v for k, v in plan.headers if k.lower() == b"x-request-id"), None)
+        self._rid = rid.decode("latin-1") if rid else f"zp-pd-{uuid.uuid4().hex}"
+        self._n = 0
+        self._headers: list[tuple[bytes, bytes]] = []
+
+    def reusable_for(self, now: float) -> float | None:
+        """Seconds the KV may still go to another decode replica (None: nothing to reuse)."""
+        if self.kv is None or self.holder is None or self.holder.done:
+            return None
+        left = self.at + self.pd.reuse_s - now
+        return left if left > 0 else None
+
+    def _with_rid(self, plan: Plan, rid: str) -> list[tuple[bytes, bytes]]:
+        return [*((k, v) for k, v in plan.headers if k.lower() != b"x-request-id"),
+                (b"X-Request-Id", rid.encode("latin-1"))]
+
+    def prefill_plan(self, plan: Plan) -> Plan:
+        from zp_client.fleet.pd import prefill_body
+
+        self._n += 1  # one id per prefill, shared with its decode calls
+        rid = self._rid if self._n == 1 else f"{self._rid}-{self._n}"
+        self._headers = self._with_rid(plan, rid)
+        content = json.dumps(prefill_body(self.body), separators=(",", ":"), ensure_ascii=False).encode()
+        return replace(plan, content=content, headers=self._headers)
+
+    def decode_plan(self, plan: Plan) -> Plan:
+        from zp_client.fleet.pd import decode_body
+
+        content = json.dumps(decode_body(self.body, self.kv), separators=(",", ":"),
+                             ensure_ascii=False).encode()
+        return replace(plan, content=content, headers=self._headers or plan.headers)
+
+    @staticmethod
+    def parse(answer: bytes) -> dict[str, Any] | None:
+        from zp_client.fleet.pd import kv_params_of
+
+        return kv_params_of(answer)

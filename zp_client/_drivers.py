@@ -128,10 +128,12 @@ class AsyncDriver(_Driver):
     async def _perform(self, action: Action) -> Any:
         core = self._core
         if isinstance(action, Acquire):
-            return await core.budget.acquire(action.blocks, **action.kwargs())
+            return await (action.budget or core.budget).acquire(action.blocks, **action.kwargs())
         if isinstance(action, Send):
             return await self._inner.handle_async_request(action.request)
         if isinstance(action, Release):
+            if action.after_s > 0:
+                return action.holder.release_later(action.after_s)
             return await action.holder.release()
         if isinstance(action, Decide):
             decide = getattr(action.policy, "decide_async", None)
@@ -146,8 +148,12 @@ class AsyncDriver(_Driver):
                     return await action.response.aclose()
             return await action.response.aclose()
         if isinstance(action, ReadAll):
+            first = action.on_first
             async for chunk in action.response.aiter_bytes():
                 action.sink(chunk)
+                if first is not None:
+                    await first.release()
+                    first = None
             return None
         if isinstance(action, Peek):
             rest = action.response.stream.__aiter__()
@@ -210,10 +216,12 @@ class SyncDriver(_Driver):
     def _perform(self, action: Action) -> Any:
         core = self._core
         if isinstance(action, Acquire):
-            return core.budget.acquire_sync(action.blocks, **action.kwargs())
+            return (action.budget or core.budget).acquire_sync(action.blocks, **action.kwargs())
         if isinstance(action, Send):
             return self._inner.handle_request(action.request)
         if isinstance(action, Release):
+            if action.after_s > 0:
+                return action.holder.release_later(action.after_s)
             return action.holder.release_sync()
         if isinstance(action, Decide):
             return action.policy.decide(action.state, **action.kwargs())
@@ -222,8 +230,12 @@ class SyncDriver(_Driver):
         if isinstance(action, Close):
             return action.response.close()
         if isinstance(action, ReadAll):
+            first = action.on_first
             for chunk in action.response.iter_bytes():
                 action.sink(chunk)
+                if first is not None:
+                    first.release_sync()
+                    first = None
             return None
         if isinstance(action, Peek):
             rest = iter(action.response.stream)

@@ -78,6 +78,25 @@ class Holder:
         except Exception:
             logger.exception("lease release failed")
 
+    def release_later(self, after_s: float) -> None:
+        """Release the lease in ``after_s`` seconds, without waiting (on the event loop it was taken on;
+        from a timer thread without one). Used for a prefill leg whose KV the prefill replica keeps until
+        vLLM's lease on it expires: the budget must hold those blocks as long as the server does."""
+        if self.done:
+            return
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            def fire() -> None:
+                task = loop.create_task(self.release())
+                _pending.add(task)
+                task.add_done_callback(_pending.discard)
+
+            loop.call_later(after_s, fire)
+            return
+        timer = threading.Timer(after_s, self.release_sync)
+        timer.daemon = True
+        timer.start()
+
     def abandon(self) -> None:
         """The caller walked away (garbage collection) or stopped reading (watchdog).
 

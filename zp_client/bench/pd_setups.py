@@ -15,7 +15,7 @@ on import.
 
 Colocated setups (``no-admission``, ``zp-fleet``, ``zp-fleet-chunk512``) run on P + D plain servers:
 every server has the same blocks and step profile, whatever its role. ``zp-pd`` (the client's own
-two-phase lease) is not built yet.
+two-phase lease, :mod:`zp_client.fleet.pd`) runs on the P/D servers.
 """
 
 from __future__ import annotations
@@ -30,40 +30,22 @@ import httpx
 
 from zp_client.bench.fleet_setups import ZPFleetCaller, _zp_fleet
 from zp_client.bench.loadgen import Caller
-from zp_client.bench.setups import AppCaller, SetupContext, SetupSpec, openai_client, register_setup
+from zp_client.bench.setups import (
+    AppCaller,
+    SetupContext,
+    SetupSpec,
+    openai_client,
+    register_setup,
+    zp_client_for,
+)
+from zp_client.fleet.pd import PREFILL_KV_PARAMS, decode_body, prefill_body
 
 __all__ = ["PD_SETUPS", "PREFILL_KV_PARAMS", "PDProxy", "decode_body", "prefill_body"]
 
-PD_SETUPS: tuple[str, ...] = ("pd-proxy", "pd-noadmission")
-
-#: What the toy proxy sends a prefill server.
-PREFILL_KV_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                     "remote_engine_id": None, "remote_block_ids": None,
-                                     "remote_host": None, "remote_port": None}
+PD_SETUPS: tuple[str, ...] = ("pd-proxy", "pd-noadmission", "zp-pd")
 
 #: The chunk ``zp-fleet-chunk512`` gives its servers (vLLM's ``long_prefill_token_threshold``).
 CHUNK_TOKENS = 512
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The toy proxy's prefill request for a caller's body."""
-    out = dict(body)
-    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
-    out["stream"] = False
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
-        out.pop(key, None)
-    return out
-
-
-def decode_body(body: dict[str, Any], kv: Any) -> dict[str, Any]:
-    """The toy proxy's decode request: the caller's body with the prefill's ``kv_transfer_params``."""
-    out = dict(body)
-    if isinstance(kv, dict) and kv:
-        out["kv_transfer_params"] = kv
-    return out
 
 
 class PDProxy:
@@ -171,6 +153,68 @@ async def _zp_fleet_chunk(ctx: SetupContext, stack: contextlib.AsyncExitStack) -
     return caller
 
 
+class ZPPDCaller(ZPFleetCaller):
+    """``zp-pd``'s caller: the decode fleet's counters, the two-phase lease's, and each replica's charged
+    blocks for the held-vs-allocated timeline (in the run's replica order)."""
+
+    def __init__(self, client: Any, model: str, fleet: Any, prefill: Any, roots: list[str],
+                 roles: list[str | None], urls: list[str]) -> None:
+        super().__init__(client, model, fleet, urls)
+        self.prefill = prefill
+        self._order = [(prefill if r == "prefill" else fleet, u) for u, r in zip(urls, roles, strict=True)]
+        self.limit_blocks = fleet.limit + prefill.limit
+
+    @property
+    def pd_counts(self) -> dict[str, int]:
+        return dict(self.fleet.pd.counts)
+
+    @property
+    def replica_requests(self) -> list[int]:
+        out = []
+        for f, u in self._order:
+            reps = f.status_sync().extra["replicas"]
+            out.append(int(reps[u]["placed"]) if u in reps else 0)
+        return out
+
+    def charged_blocks(self) -> list[int]:
+        """Per replica (run order): the blocks its budget counts against it now (the policy's used)."""
+        out = []
+        for f, u in self._order:
+            rep = f.ledger.replicas.get(u)
+            out.append(0 if rep is None else int(rep.ledger.used))
+        return out
+
+
+async def _zp_pd(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
+    """``zp-pd``: the client's own two-phase lease (:mod:`zp_client.fleet.pd`). An elastic
+    :class:`~zp_client.fleet.Fleet` of the decode servers (``zp-fleet``'s settings and limit per replica)
+    disaggregated with a strict Fleet of the prefill servers (the same limit), the run's scaled
+    ``kv_lease_s``; zp's default retries and the app retry, as ``zp-fleet``."""
+    from zp_client.bench.elastic_setups import _forecaster, _limit
+    from zp_client.fleet import Fleet
+
+    limit = _limit(ctx)
+    urls = [u.rstrip("/") for u in ctx.replica_base_urls]
+    roles = ctx.replica_roles
+    pre = [u for u, r in zip(urls, roles, strict=True) if r == "prefill"]
+    dec = [u for u, r in zip(urls, roles, strict=True) if r == "decode"]
+    kw: dict[str, Any] = {}
+    if ctx.elastic.starvation_bound_s is not None:
+        kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
+    caps = {u: ctx.num_gpu_blocks - 1 for u in urls}
+    import os
+    plimit = int(os.environ.get("ZP_PD_PLIMIT", limit))
+    prefill = Fleet(dict.fromkeys(pre, plimit), block_size=ctx.block_size, policy="strict",
+                    capacities={u: caps[u] for u in pre}, clock=ctx.budget_clock(),
+                    name=ctx.budget_name + "-prefill")
+    fleet = Fleet(dict.fromkeys(dec, limit), block_size=ctx.block_size, policy="elastic",
+                  capacities={u: caps[u] for u in dec}, clock=ctx.budget_clock(), name=ctx.budget_name,
+                  **kw).disaggregate(prefill, threshold_tokens=ctx.elastic.pd_threshold_tokens,
+                                     kv_lease_s=ctx.kv_lease_s)
+    client = await zp_client_for(ctx, stack, fleet, forecaster=_forecaster(ctx.elastic))
+    return ZPPDCaller(client, ctx.model, fleet, prefill, ctx.replica_root_urls, list(roles), urls)
+
+
 register_setup(SetupSpec("pd-proxy", True, description="vLLM's toy P/D proxy (round-robin per pool), no "
                          "admission, naive's retries", fleet=True, default=False, fleet_default=False,
                          min_replicas=2, pd=True), _pd_proxy, after="zp-fleet-redis-strict")
@@ -181,3 +225,7 @@ register_setup(SetupSpec("zp-fleet-chunk512", True, description="zp-fleet on ser
                          "prefill chunk (long_prefill_token_threshold)", fleet=True, default=False,
                          fleet_default=False, sim_extra={"long_prefill_token_threshold": CHUNK_TOKENS}),
                _zp_fleet_chunk, after="pd-noadmission")
+register_setup(SetupSpec("zp-pd", True, description="zp's two-phase lease: an elastic decode fleet "
+                         "disaggregated with a strict prefill fleet, conditional on the uncached prompt",
+                         fleet=True, default=False, fleet_default=False, min_replicas=2, pd=True),
+               _zp_pd, after="zp-fleet-chunk512")

@@ -293,6 +293,7 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         **_limit_metrics(run),
         **_fleet_metrics(run),
         **_pd_metrics(run),
+        **_held_metrics(run),
     }
 
 
@@ -358,7 +359,39 @@ def _pd_metrics(run: SetupRun) -> dict[str, Any]:
             p[key] += int(kv.get(src) or 0)
     for p in pools.values():
         p["kv_usage_max"] = _r(p["kv_usage_max"])
-    return {"pd": pools}
+    waits = sorted(w for st in per for w in ((st.get("kv") or {}).get("xfer_waits_s") or []))
+    dec = pools.get("decode")
+    if dec is not None:
+        itls = sorted(x for r in run.records if r.ok for x in r.itls())
+        dec["itl_p50_ms"] = _r(1000 * (_q(itls, 0.5) or 0.0)) if itls else None
+        dec["itl_p99_ms"] = _r(1000 * (_q(itls, 0.99) or 0.0)) if itls else None
+        dec["transfer_wait_p50_s"] = _r(_q(waits, 0.5), 4) if waits else None
+        dec["transfer_wait_p99_s"] = _r(_q(waits, 0.99), 4) if waits else None
+    out: dict[str, Any] = {"pd": pools}
+    counts = getattr(run, "pd_counts", None)
+    if counts is not None:
+        out["pd_counts"] = counts
+    return out
+
+
+def _held_metrics(run: SetupRun) -> dict[str, Any]:
+    """The budget's charged blocks against the simulator's allocated blocks per replica (``zp-pd``):
+    samples where a replica had more allocated than charged (a deficit: blocks the budget did not count),
+    the largest deficit per replica, and what both held after the run (both 0 when every leg was
+    released and every transfer ended)."""
+    tl = run.held_timeline
+    if not tl:
+        return {}
+    n = len(tl[0][1])
+    worst = [0] * n
+    bad = 0
+    for _, charged, alloc in tl:
+        d = [a - c for c, a in zip(charged, alloc, strict=True)]
+        if any(x > 0 for x in d):
+            bad += 1
+        worst = [max(w, x) for w, x in zip(worst, d, strict=True)]
+    return {"held_deficit": {"samples": len(tl), "deficit_samples": bad, "max_deficit_blocks": worst,
+                             "charged_after": tl[-1][1], "allocated_after": tl[-1][2]}}
 
 
 def _count(items: Any) -> dict[str, int]:

@@ -170,6 +170,13 @@ class SetupRun:
     keepwarms: int | None = None
     """Keep-warm requests a pinning setup's caller sent (``zp-pinned``, ``zp-pinned-timer``); None for
     the others."""
+    pd_counts: dict[str, int] | None = None
+    """What ``zp-pd``'s two-phase lease did (:attr:`zp_client.fleet.pd.PDSettings.counts`); None for the
+    other setups."""
+    held_timeline: list[tuple[float, list[int], list[int]]] | None = None
+    """``(virtual s since the run's start, the budget's charged blocks per replica, the simulator's
+    allocated blocks per replica)`` every :data:`HELD_SAMPLE_S`, for a setup whose caller exposes
+    ``charged_blocks()`` (``zp-pd``) on the virtual clock; None otherwise."""
     replicas: int = 1
     """Servers in the run; above 1 ``server_stats`` and ``timeline`` aggregate them (see
     :func:`aggregate_stats`, :func:`fleet_timeline`) and the ``replica_*`` fields hold each one's."""
@@ -454,7 +461,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                            replica_limit_blocks=[zp_limit_blocks(p[0], HEADROOM) for p in pool],
                            network=network, seed=cfg.seed, pin_prefixes=wl.pin_prefixes,
                            keepwarm_period_s=keepwarm_period_s,
-                           replica_roles=list(roles) if roles else [None] * len(servers))
+                           replica_roles=list(roles) if roles else [None] * len(servers),
+                           kv_lease_s=kv_lease_s if roles else None)
         clock = _clock_for(server, cfg)
         kill: dict[str, Any] = {}
         moved: int | None = None
@@ -468,6 +476,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
         granted: int | None = None
         keepwarms: int | None = None
         limit_tl: list[tuple[float, int]] | None = None
+        held_tl: list[tuple[float, list[int], list[int]]] | None = None
+        pd_counts: dict[str, int] | None = None
         async with HarnessMonitor(sample_lag=not cfg.virtual) as mon:
             if spec.workers > 1:
                 records, t0 = await _run_workers(cfg, name, ctx, wl.sessions, clock, done, mon,
@@ -484,14 +494,24 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                     if cfg.kill_replica_s is not None:
                         killer = asyncio.get_running_loop().create_task(
                             _kill_busiest(servers, network, clock, t0 + cfg.kill_replica_s, t0, kill))
+                    sampler = None
+                    if cfg.virtual and callable(getattr(caller, "charged_blocks", None)) and all(
+                            callable(getattr(s, "allocated_blocks", None)) for s in servers):
+                        held_tl = []
+                        sampler = asyncio.get_running_loop().create_task(
+                            _sample_held(caller, servers, clock, t0, held_tl))
                     try:
                         async with load:
                             records = await run_sessions(wl.sessions, run_caller, clock, t0=t0, on_done=done)
                     finally:
-                        if killer is not None:
-                            killer.cancel()
-                            with contextlib.suppress(asyncio.CancelledError):
-                                await killer
+                        for task in (killer, sampler):
+                            if task is not None:
+                                task.cancel()
+                                with contextlib.suppress(asyncio.CancelledError):
+                                    await task
+                    if held_tl is not None:  # one last sample: after the run both pools hold nothing
+                        held_tl.append((clock.now() - t0, list(caller.charged_blocks()),  # type: ignore[attr-defined]
+                                        [s.allocated_blocks() for s in servers]))
                     mon.stop()
                     granted = _leases_granted(caller)
                     limit_tl = _limit_timeline(caller, b0, cfg.effective_speedup)
@@ -499,6 +519,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                     moved = _caller_count(caller, "moved_off_dead")
                     routed = _caller_count(caller, "replica_requests")
                     keepwarms = _caller_count(caller, "keepwarms")
+                    pd_counts = getattr(caller, "pd_counts", None)
         if cfg.redis_url and SETUPS[name].needs_redis:
             await _delete_budget_keys(cfg.redis_url, ctx.budget_name)
         if isinstance(server, _SimProcess):
@@ -542,7 +563,20 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                         bypass=None if plan is None else {**plan.as_dict(), "applies": applies,
                                                           "ids": sorted(plan.ids)},
                         leases_granted=granted, limit_timeline=limit_tl, keepwarms=keepwarms,
-                        **fleet_fields)
+                        held_timeline=held_tl, pd_counts=pd_counts, **fleet_fields)
+
+
+HELD_SAMPLE_S = 0.05
+"""How often (virtual seconds) the held-vs-allocated timeline samples a ``zp-pd`` run."""
+
+
+async def _sample_held(caller: Any, servers: list[Any], clock: Any, t0: float,
+                       out: list[tuple[float, list[int], list[int]]]) -> None:
+    """Every :data:`HELD_SAMPLE_S`: the caller's charged blocks per replica against each simulator's
+    allocated blocks, read at one virtual instant."""
+    while True:
+        out.append((clock.now() - t0, list(caller.charged_blocks()), [s.allocated_blocks() for s in servers]))
+        await asyncio.sleep(HELD_SAMPLE_S)
 
 
 async def _metrics_preemptions(server: Any, cfg: StormConfig) -> float | None:

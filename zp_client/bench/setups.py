@@ -200,6 +200,8 @@ class SetupContext:
     keepwarm_period_s: float | None = None
     """``zp-pinned-timer``'s period: set so it sends as many keep-warms as ``zp-pinned`` did in the same
     run (None before ``zp-pinned`` ran: its default)."""
+    kv_lease_s: float | None = None
+    """A P/D run's (scaled) ``kv_lease_duration`` of its prefill servers (None: not a P/D run)."""
     replica_roles: list[str | None] = field(default_factory=list)
     """Each replica's P/D role (``"prefill"``, ``"decode"``; None: colocated), in
     :attr:`replica_base_urls`' order."""

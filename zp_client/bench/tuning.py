@@ -29,7 +29,8 @@ class ElasticTuning:
     * ``reserve_z``: ``zp-elastic-ureserve``'s spread-sized reserve factor
       (:class:`~zp_client.budget.elastic.ElasticPolicy`'s ``reserve_z``; default
       :data:`~zp_client.bench.elastic_setups.URESERVE_Z`);
-    * ``affinity_wait_s``: ``zp-fleet``'s affinity wait (default the Fleet's).
+    * ``affinity_wait_s``: ``zp-fleet``'s affinity wait (default the Fleet's);
+    * ``pd_threshold_tokens``: ``zp-pd``'s uncached-prompt threshold for disaggregating.
 
     Invalid values raise :class:`~zp_client.ConfigurationError` naming the field.
     """
@@ -43,6 +44,9 @@ class ElasticTuning:
     reserve_z: float | None = None
     affinity_wait_s: float | None = None
     """``zp-fleet``'s :class:`~zp_client.fleet.Fleet` ``affinity_wait_s`` (default the library's)."""
+    pd_threshold_tokens: float | None = None
+    """``zp-pd``'s conditional-disaggregation threshold (``Fleet.disaggregate(threshold_tokens=)``;
+    ``math.inf``: never disaggregate; default the library's)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

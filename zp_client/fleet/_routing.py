@@ -60,6 +60,10 @@ class FleetRouting:
     is_fleet = True
     """What the admission core looks for to route (duck-typed: it never imports this module)."""
 
+    pd: Any = None
+    """The prefill side (a :class:`~zp_client.fleet.pd.PDSettings`) once :meth:`disaggregate` paired this
+    fleet, as the decode pool, with a prefill fleet; None: colocated."""
+
     name: str
     block_size: int
     _path: str
@@ -72,6 +76,55 @@ class FleetRouting:
         """The base URL to give a client of this fleet: ``http://<name>.zp-fleet.invalid/v1`` (the
         replicas' path); the admission transport sends each request to its lease's replica."""
         return f"http://{self.name}.{VIRTUAL_DOMAIN}{self._path}"
+
+    def disaggregate(self, prefill: Any, *, threshold_tokens: float | None = None,
+                     kv_lease_s: float | None = None) -> Any:
+        """Make this fleet the **decode** pool of a prefill/decode deployment whose prefill replicas are
+        the fleet ``prefill`` (docs/pd.md), and return this fleet (give it to the client as usual)::
+
+            fleet = Fleet(decode_urls, limit_blocks=1945).disaggregate(
+                Fleet(prefill_urls, limit_blocks=1945, policy="strict"))
+
+        Each admitted request then takes a two-phase lease (:mod:`zp_client.fleet.pd`): its decode leg
+        here, then its prompt's blocks on ``prefill``, and is served by a prefill call and a decode call
+        with vLLM's ``kv_transfer_params``. ``threshold_tokens``: uncached prompt tokens below which a
+        request skips the prefill pool (default :data:`~zp_client.fleet.pd.DEFAULT_THRESHOLD_TOKENS`;
+        0: never skip; ``math.inf``: never disaggregate). ``kv_lease_s``: the prefill servers'
+        ``kv_lease_duration`` (vLLM's default 30 s)."""
+        from zp_client.fleet.pd import DEFAULT_KV_LEASE_S, DEFAULT_THRESHOLD_TOKENS, PDSettings
+
+        if prefill is self:
+            raise ConfigurationError("a fleet cannot be its own prefill pool: pass a fleet of the prefill "
+                                     "replicas")
+        if getattr(prefill, "pd", None) is not None:
+            raise ConfigurationError("the prefill fleet is itself disaggregated: pass a plain fleet")
+        if getattr(prefill, "policy_name", "strict") != "strict":
+            raise ConfigurationError(
+                f"the prefill fleet's policy must be 'strict' (a prefill leg is its prompt, known at "
+                f"admission, held until the decode replica read it), got {prefill.policy_name!r}")
+        if getattr(prefill, "block_size", self.block_size) != self.block_size:
+            raise ConfigurationError(f"the prefill fleet's block_size ({prefill.block_size}) differs from "
+                                     f"this fleet's ({self.block_size})")
+        self.pd = PDSettings(prefill,
+                             DEFAULT_THRESHOLD_TOKENS if threshold_tokens is None else threshold_tokens,
+                             DEFAULT_KV_LEASE_S if kv_lease_s is None else kv_lease_s)
+        return self
+
+    def matched_tokens(self, lease: Any) -> int:
+        """The tokens of ``lease``'s prompt its replica most likely has cached (the prefix index's match
+        when it was placed; 0 when the fleet does not know)."""
+        ledger = getattr(self, "ledger", None)
+        matched = getattr(ledger, "matched_blocks", None)
+        return 0 if matched is None else int(matched(str(getattr(lease, "id", "")))) * self.block_size
+
+    def best_matched_tokens(self, meta: Mapping[str, Any] | None) -> int:
+        """The most tokens of a request's prompt (its lease meta's prefix keys) any replica most likely
+        has cached (0 when the fleet does not know): before it is placed."""
+        keys = (meta or {}).get(PREFIX_META)
+        index = getattr(getattr(self, "ledger", None), "index", None)
+        if not keys or index is None:
+            return 0
+        return max(index.match(keys).values(), default=0) * self.block_size
 
     def route_url(self, lease: Any, url: Any) -> Any:
         """``url`` (an httpx/httpx2 URL) sent to ``lease``'s replica: its scheme, host and port."""
@@ -111,6 +164,14 @@ class FleetRouting:
         if session is not None:
             meta[SESSION_META] = session
         return meta
+
+    @staticmethod
+    def routing_only(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The prefix keys of a request's lease meta, for its prefill leg on this (prefill) fleet: the
+        replica with its prefix cached prefills it fastest (sessions and avoided replicas are the
+        decode pool's)."""
+        keys = (meta or {}).get(PREFIX_META)
+        return {PREFIX_META: keys} if keys else None
 
     def avoiding(self, meta: Mapping[str, Any] | None, lease: Any) -> dict[str, Any]:
         """``meta`` for the request's next placement: not on ``lease``'s replica, which just failed it

@@ -207,6 +207,7 @@ class FleetLedger:
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.replicas: dict[str, ReplicaState] = {}
         self._where: dict[str, ReplicaState] = {}
+        self._matched: dict[str, int] = {}
         self._held_for: set[str] = set()
         self._policy_name: str | None = None
         self._progress_sensitive = False
@@ -355,8 +356,11 @@ class FleetLedger:
         self._where[w.id] = best
         best.placed += 1
         if keys:
+            hit = min(match.get(best.url, 0), keys[-1][1])
             best.prompt_blocks += max(1, keys[-1][1])
-            best.hit_blocks += min(match.get(best.url, 0), keys[-1][1])
+            best.hit_blocks += hit
+            if hit:
+                self._matched[w.id] = hit
             self.index.insert(best.url, indexed(keys))
         if session is not None:
             self.sessions[session] = best.url
@@ -386,6 +390,11 @@ class FleetLedger:
     def replica_of(self, lease_id: str) -> str | None:
         rep = self._where.get(lease_id)
         return None if rep is None else rep.url
+
+    def matched_blocks(self, lease_id: str) -> int:
+        """The blocks of a live lease's prompt the prefix index expected cached on its replica when it was
+        placed (0: none, or not a live lease)."""
+        return self._matched.get(lease_id, 0)
 
     # ------------------------------------------------------------------ health
     def note_failure(self, url: str, now: float, *, connect: bool = False) -> bool:
@@ -524,6 +533,7 @@ class FleetLedger:
 
     def _release_on(self, rep: ReplicaState, lease_id: str, now: float) -> None:
         self._where.pop(lease_id, None)
+        self._matched.pop(lease_id, None)
         rep.ledger.release(lease_id, now)
         self.line.release(lease_id, now)
         self._forget_if_done(rep)

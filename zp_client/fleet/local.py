@@ -379,6 +379,8 @@ class Fleet(FleetRouting, LocalBudget):
                 self._http = httpx.AsyncClient(timeout=2.0, trust_env=False)
                 self._own_http = True
             self._task = asyncio.get_running_loop().create_task(self._checks(), name=f"zp-fleet-{self.name}")
+        if self.pd is not None and hasattr(self.pd.prefill, "start"):
+            await self.pd.prefill.start()
         return self
 
     async def __aenter__(self) -> Fleet:
@@ -418,6 +420,8 @@ class Fleet(FleetRouting, LocalBudget):
         if self._own_http and self._http is not None:
             await self._http.aclose()
             self._http, self._own_http = None, False
+        if self.pd is not None:  # its prefill pool (disaggregate()) goes with it
+            await self.pd.prefill.aclose()
 
     async def _checks(self) -> None:
         while True:

@@ -448,6 +448,8 @@ class RedisFleet(FleetRouting, RedisBudget):
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
         await super().aclose()
+        if self.pd is not None:  # its prefill pool (disaggregate()) goes with it
+            await self.pd.prefill.aclose()
 
     def __repr__(self) -> str:
         return f"<RedisFleet {self.name} replicas={len(self._urls)}>"

@@ -673,6 +673,12 @@ class Engine:
         )
 
     @property
+    def allocated_blocks(self) -> int:
+        """Blocks some request references now (running, or held for a KV transfer); cached blocks nobody
+        references are free (vLLM)."""
+        return self._usable - self._pool.free.num_free
+
+    @property
     def kv_usage(self) -> float:
         """1 - free / (N - 1); cached blocks nobody references count as free (vLLM)."""
         return 1.0 - self._pool.free.num_free / self._usable

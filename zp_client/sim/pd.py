@@ -169,4 +169,5 @@ class KVRole:
         return {"role": self.role, "engine_id": self.engine_id, "lease_s": self.lease_s,
                 "held_requests": len(self.held),
                 "held_blocks": sum(len(h.blocks) for h in self.held.values()),
-                "pulling": len(self.pulls), **self.counts}
+                "pulling": len(self.pulls), **self.counts,
+                "xfer_waits_s": [round(x, 6) for x in self.xfer_times]}

@@ -1338,6 +1338,10 @@ class SimServer:
         """Virtual seconds now."""
         return self._sim.clock()
 
+    def allocated_blocks(self) -> int:
+        """The engine's referenced blocks now (:attr:`~zp_client.sim.engine.Engine.allocated_blocks`)."""
+        return int(self._sim.engine.allocated_blocks)
+
     def stats(self, requests: bool = False) -> dict[str, Any]:
         """What ``GET /sim/stats`` returns."""
         return self._sim.stats(requests)
