@@ -723,7 +723,7 @@ class Core:
                 url = request.url if fleet is None else fleet.route_url(lease, request.url)
                 out = plan
                 if st is not None:  # a disaggregated fleet: the prefill phase first
-                    out = yield from self._pd_prefill(st, plan, request, lease, is_async)
+                    out = yield from self._pd_prefill(st, plan, request, lease, holder.granted_at)
                 resp = yield Send(self.lib.request(request, out, url))
                 if st is not None:
                     yield from self._pd_answered(st, resp)
@@ -805,7 +805,7 @@ class Core:
         st.holder = Holder(plea, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock)
         st.kv, st.until, st.reached = None, None, False
 
-    def _pd_prefill(self, st: _PDCall, plan: Plan, request: Any, lease: Lease, is_async: bool) -> Steps:
+    def _pd_prefill(self, st: _PDCall, plan: Plan, request: Any, lease: Lease, granted_at: float) -> Steps:
         """The prefill phase of one attempt, both legs held (``lease`` the decode leg): returns the plan
         the decode call sends. Reuses a live prefill's ``kv_transfer_params``; sends a request whose
         uncached prompt on its decode replica is short (or that took no prefill leg) straight there;
@@ -858,6 +858,8 @@ class Core:
             return plan
         st.kv, st.at = kv, self.clock.monotonic()
         st.until = st.at + pd.kv_lease_s
+        # the decode leg's wait for its KV: held on the decode pool, not yet used by the server
+        counts["decode_leg_idle_ms"] = counts.get("decode_leg_idle_ms", 0) + round(1000 * (st.at - granted_at))
         return st.decode_plan(plan)
 
     @staticmethod
@@ -869,11 +871,14 @@ class Core:
             pre.note_failure(lease, connect=type(exc).__name__ in ("ConnectError", "ConnectTimeout"))
 
     def _pd_answered(self, st: _PDCall, resp: Any) -> Steps:
-        """A decode replica answered: it has the request (and, on an error, has told the prefill replica
-        to free the KV, which the next attempt then prefills again)."""
-        st.reached = True
-        if resp.status_code >= 400:
-            yield from self._pd_drop(st)
+        """A decode replica answered: with a success it has the request (it frees the prefill's KV by
+        reading it, or by telling the prefill replica when the request ends first). An error may come
+        from before its scheduler (a proxy, a full queue): the KV may still be there, so the prefill leg
+        stays for a retry to reuse (a decode replica that finds it gone prefills locally)."""
+        if resp.status_code < 400:
+            st.reached = True
+        return
+        yield  # a generator: the core's steps are generators
 
     def _pd_drop(self, st: _PDCall) -> Steps:
         """End the prefill leg, once: at once when nothing waits on the prefill replica for us (never
