@@ -859,7 +859,8 @@ class Core:
         st.kv, st.at = kv, self.clock.monotonic()
         st.until = st.at + pd.kv_lease_s
         # the decode leg's wait for its KV: held on the decode pool, not yet used by the server
-        counts["decode_leg_idle_ms"] = counts.get("decode_leg_idle_ms", 0) + round(1000 * (st.at - granted_at))
+        idle_ms = round(1000 * (st.at - granted_at))
+        counts["decode_leg_idle_ms"] = counts.get("decode_leg_idle_ms", 0) + idle_ms
         return st.decode_plan(plan)
 
     @staticmethod

@@ -3,40 +3,51 @@ proxy speaks it, and the settings of a fleet's prefill pool (docs/pd.md).
 
 A decode fleet paired with a prefill fleet (:meth:`~zp_client.fleet.local.Fleet.disaggregate`) serves
 each admitted request in two calls, under a **two-phase lease** the admission core takes
-(``zp_client._core``):
+(``zp_client._core``), one plan with two legs:
 
-1. **decode leg** first: the request's usual lease on the decode fleet (prompt plus growth, elastic),
-   placed on a decode replica by the fleet's routing;
-2. **prefill leg** second: the prompt's blocks on the prefill fleet, placed on a prefill replica;
-3. the prefill call (:func:`prefill_body`: ``max_tokens`` 1, not streamed, ``kv_transfer_params``
-   asking for a remote decode), then at once the decode call (:func:`decode_body`: the caller's body with
-   the ``kv_transfer_params`` the prefill answered), with one ``X-Request-Id``;
+1. **prefill leg** first: the prompt's blocks (and one) on the prefill fleet (strict), placed on the
+   prefill replica most likely to have its prefix cached;
+2. **decode leg** second: the request's usual lease on the decode fleet (prompt plus growth, elastic),
+   placed by the fleet's routing;
+3. with both held, the prefill call (:func:`prefill_body`: ``max_tokens`` 1, not streamed,
+   ``kv_transfer_params`` asking for a remote decode), then at once the decode call (:func:`decode_body`:
+   the caller's body with the ``kv_transfer_params`` the prefill answered), with one ``X-Request-Id``;
 4. the prefill leg is released when the decode call's first bytes arrive (the decode replica has read
    the KV: vLLM frees the prefill's blocks then), or at once when the prefill call failed or answered
    without ``kv_transfer_params`` (nothing is held there; the decode replica prefills locally, as the
-   proxy does), or when the decode replica answered an error (it tells the prefill replica to free); a
-   request that ends any other way between the two calls (cancelled, the decode call's connection
-   failed) keeps it until vLLM's own lease on those blocks has expired (``kv_lease_s`` after the prefill
-   answered), the latest the prefill replica frees them.
+   proxy does). A request that ends any other way after the prefill answered and before a decode replica
+   accepted the call (cancelled, the decode call's connection failed, the retry gave up) keeps it until
+   vLLM's own lease on those blocks has expired (``kv_lease_s`` after the prefill answered), the latest
+   the prefill replica frees them. The decode leg ends as any lease does, with the response.
 
-Why the decode leg first: the KV the prefill produces must never wait on the prefill replica for decode
-room, and vLLM's lease on it must never expire because zp held the decode call back. With the decode
-room already held, the decode call goes out the moment the prefill answers, and a burst that saturates
-the decode pool waits in zp's line *before* any prefill runs (with nothing on any GPU). The cost: a
-decode leg is held, unused by the server, while its prefill leg waits and its prefill runs (about one
-prefill batch). Both legs are always taken in that order, and a prefill leg never waits for a decode
-leg, so the two lines cannot deadlock.
+**Why this order.** Both legs are held before the prefill call is sent, so the KV a prefill produces
+never waits on the prefill replica for decode room (its decode call goes out the moment the prefill
+answers), and vLLM's lease on it cannot expire because zp held the decode call back: a burst that
+saturates the decode pool waits in zp's lines with nothing on any GPU. Of the two legs, the one taken
+first idles while the second is waited for: the prefill leg (the prefill pool is used one prefill at a
+time and is rarely the scarce one), not the decode leg. The decode leg still idles while its prefill runs
+(the ``decode_leg_idle_ms`` count: on seed-burst at ``--pd 1:1`` about 0.9 s a request, docs/pd.md).
+Every request takes the legs in the same order and a decode leg never waits for a prefill leg, so the two
+lines cannot deadlock; a decode retry that keeps a live prefill leg waits for its new decode leg only
+while the KV may still be read, then drops it.
 
 **Conditional disaggregation.** A request whose *uncached* prompt on its decode replica (the prompt less
 the blocks the decode fleet's prefix index expects cached there) is under ``threshold_tokens`` skips the
 prefill pool: prefilling a short suffix locally costs the decode batch less than a transfer and a second
 call cost the request (Dynamo's ``isl_bounding`` and llm-d's decider make the same call).
 
-**Retries.** A decode attempt whose connection failed (the request never reached a decode replica) moves
-or retries on another decode replica with the same ``kv_transfer_params`` while vLLM's lease on them is
-alive (half of ``kv_lease_s`` since the prefill answered, so the decode replica's first heartbeat comes in
-time), keeping the prefill leg through the backoff; past that, or after a decode replica answered, the
-next attempt prefills again.
+**Retries.** A decode attempt that failed (its connection, or an error answer: a full queue, a proxy's
+504) moves or retries on another decode replica with the same ``kv_transfer_params`` while vLLM's lease
+on them is alive (half of ``kv_lease_s`` since the prefill answered, so the next decode replica's first
+heartbeat comes in time), keeping the prefill leg through the backoff; a decode replica that finds the
+KV gone (the one that rejected it told the prefill replica to free it) prefills locally, as vLLM does.
+Past that window the next attempt prefills again.
+
+**Budgets.** Either fleet may be local (:class:`~zp_client.fleet.Fleet`) or in Redis
+(:class:`~zp_client.fleet.redis.RedisFleet`). With Redis the legs are two scripts, one per fleet, in
+the order above (not one script: the two fleets are separate budgets with separate lines, and the order
+alone rules out a deadlock); the prefix index of a RedisFleet lives in Redis, so the conditional
+decision takes the whole prompt as uncached there.
 """
 
 from __future__ import annotations
