@@ -312,3 +312,45 @@ def test_the_blocking_client_takes_both_legs_too() -> None:
             assert p.stats()["kv"]["kv_freed_read"] == 1
 
     asyncio.run(main())
+
+
+@pytest.mark.anyio
+async def test_both_legs_on_redis_fleets(redis_url: str, redis_prefix: str) -> None:
+    import redis as redis_lib
+
+    from zp_client.fleet.redis import RedisFleet
+
+    names = (f"{redis_prefix}-decode", f"{redis_prefix}-prefill")
+    async with _pd() as (p, d):
+        dec = RedisFleet(redis_url, names[0], [d.base_url], LIMIT, policy="elastic", recovery_s=0)
+        pre = RedisFleet(redis_url, names[1], [p.base_url], LIMIT, policy="strict", recovery_s=0)
+        fleet = dec.disaggregate(pre, threshold_tokens=0)
+        client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
+        try:
+            async def streamed() -> str:
+                out = []
+                stream = await client.chat.completions.create(model="sim-llama", messages=_messages(600, 1),
+                                                              max_tokens=8, stream=True)
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        out.append(chunk.choices[0].delta.content)
+                return "".join(out)
+
+            plain = client.chat.completions.create(model="sim-llama", messages=_messages(600, 2), max_tokens=8)
+            s, r = await asyncio.gather(streamed(), plain)
+            assert s and r.choices[0].message.content
+            assert fleet.pd.counts["prefills"] == 2
+            for f in (dec, pre):
+                st = await f.status()
+                assert st.leases == 0 and st.held == 0, st
+            await _settled(lambda: p.stats()["kv"]["held_blocks"] == 0)
+            assert p.stats()["kv"]["kv_freed_read"] == 2 and d.stats()["kv"]["kv_remote"] == 2
+        finally:
+            await client.close()
+            await fleet.aclose()  # closes its prefill fleet too
+            r = redis_lib.Redis.from_url(redis_url)
+            for name in names:
+                keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
+                if keys:
+                    r.delete(*keys)
+            r.close()
