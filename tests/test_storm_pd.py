@@ -33,21 +33,21 @@ def test_pd_setups_need_pd_and_pd_defaults_to_them_and_the_colocated_fleet() -> 
     with pytest.raises(ConfigurationError, match="needs --pd"):
         parse_setups("pd-proxy", None, 2)
     assert parse_setups(None, None, 2, pd=True) == ["no-admission", "zp-fleet", "pd-proxy", "pd-noadmission",
-                                                     "zp-fleet-chunk512"]
+                                                     "zp-fleet-chunk512", "zp-pd"]
     with pytest.raises(ConfigurationError, match="replicas = P \\+ D"):
         StormConfig(pd=(1, 1), replicas=3)
 
 
 def test_a_pd_storm_moves_every_prompt_and_reports_each_pool() -> None:
     cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "pd-proxy", "pd-noadmission",
-                                                              "zp-fleet-chunk512"],
+                                                              "zp-fleet-chunk512", "zp-pd"],
                       profile="tiny", num_gpu_blocks=None, workload_overrides=dict(SMALL), replicas=2, pd=(1, 1))
     wl, facts, runs = run_storm(cfg)
     report = build_report(wl, facts, runs, cfg, "pytest")
     by = {m["setup"]: m for m in report["setups"]}
     assert report["pd"]["prefill"] == 1 and report["pd"]["kv_lease_s"] > 0
     assert "pd" not in by["no-admission"] and "pd" not in by["zp-fleet-chunk512"]  # colocated
-    for name in ("pd-proxy", "pd-noadmission"):
+    for name in ("pd-proxy", "pd-noadmission", "zp-pd"):
         m = by[name]
         pre, dec = m["pd"]["prefill"], m["pd"]["decode"]
         assert pre["servers"] == 1 and dec["servers"] == 1
@@ -58,6 +58,15 @@ def test_a_pd_storm_moves_every_prompt_and_reports_each_pool() -> None:
         assert run.replica_stats is not None
         assert all((st["kv"]["held_blocks"], st["kv"]["pulling"]) == (0, 0) for st in run.replica_stats)
         assert m["good_tail"] <= m["good"]
+    # zp-pd: every request through the prefill pool (the threshold is below every prompt), and at every
+    # sample each replica's budget charged at least what its server had allocated; nothing after the run
+    zp = by["zp-pd"]
+    assert zp["pd_counts"]["prefills"] == zp["pd"]["prefill"]["freed_read"] > 0
+    assert zp["preemptions"] == 0 and zp["pd"]["prefill"]["expired"] == 0
+    held = zp["held_deficit"]
+    assert held["samples"] > 10 and held["deficit_samples"] == 0 and held["max_deficit_blocks"] == [0, 0]
+    assert held["charged_after"] == [0, 0] and held["allocated_after"] == [0, 0]
+    assert zp["pd"]["decode"]["itl_p99_ms"] > 0 and zp["pd"]["decode"]["transfer_wait_p50_s"] > 0
     assert by["pd-noadmission"]["errors"] == 0
     # the chunk knob reached zp-fleet-chunk512's servers, and only theirs
     for run in runs:
