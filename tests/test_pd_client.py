@@ -122,6 +122,8 @@ async def test_streamed_and_non_streamed_calls_take_both_legs_and_release_both()
             texts = await asyncio.gather(streamed(1), streamed(2), plain(3), plain(4))
             assert all(texts)
             assert fleet.pd.counts["prefills"] == 4 and "direct" not in fleet.pd.counts
+            extra = fleet.status_sync().extra["pd"]
+            assert extra["counts"]["prefills"] == 4 and extra["prefill"]["limit"] == LIMIT
             await _settled(lambda: _idle(fleet), lambda: _idle(pre),
                            lambda: p.stats()["kv"]["held_blocks"] == 0)
             kv_p, kv_d = p.stats()["kv"], d.stats()["kv"]
@@ -340,6 +342,7 @@ async def test_both_legs_on_redis_fleets(redis_url: str, redis_prefix: str) -> N
             s, r = await asyncio.gather(streamed(), plain)
             assert s and r.choices[0].message.content
             assert fleet.pd.counts["prefills"] == 2
+            assert (await fleet.status()).extra["pd"]["prefill"]["leases"] == 0
             for f in (dec, pre):
                 st = await f.status()
                 assert st.leases == 0 and st.held == 0, st

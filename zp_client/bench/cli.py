@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(docs/benchmark.md#fleets---replicas-n)")
     parser.add_argument("--pd", default=None, metavar="P:D",
                         help="prefill/decode disaggregation: P prefill and D decode servers for the P/D "
-                             "setups (pd-proxy, pd-noadmission, zp-pd), P + D colocated ones for the others; the "
-                             "load scaled by P + D (docs/benchmark.md#prefilldecode---pd-pd)")
+                             "setups (pd-proxy, pd-noadmission, zp-pd), P + D colocated ones for the "
+                             "others; the load scaled by P + D (docs/benchmark.md#prefilldecode---pd-pd)")
     parser.add_argument("--kill-replica", type=float, default=None, metavar="AT_S",
                         help="kill the replica with the most requests in flight AT_S virtual seconds into "
                              "each run, abruptly (connections reset, no drain)")

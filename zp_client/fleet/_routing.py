@@ -110,6 +110,16 @@ class FleetRouting:
                              DEFAULT_KV_LEASE_S if kv_lease_s is None else kv_lease_s)
         return self
 
+    def pd_extra(self, prefill_status: Any) -> dict[str, Any]:
+        """``status().extra["pd"]`` of a disaggregated fleet: the two-phase lease's settings and counts,
+        and its prefill fleet's limit, used and held blocks and leases."""
+        pd = self.pd
+        return {"threshold_tokens": pd.threshold_tokens, "kv_lease_s": pd.kv_lease_s,
+                "counts": dict(pd.counts),
+                "prefill": {"limit": prefill_status.limit, "used": prefill_status.used,
+                            "held": prefill_status.held, "leases": prefill_status.leases,
+                            "replicas": prefill_status.extra.get("replicas")}}
+
     def matched_tokens(self, lease: Any) -> int:
         """The tokens of ``lease``'s prompt its replica most likely has cached (the prefix index's match
         when it was placed; 0 when the fleet does not know)."""

@@ -488,8 +488,12 @@ class Fleet(FleetRouting, LocalBudget):
     def status_sync(self) -> BudgetStatus:
         """As LocalBudget's, with ``extra["replicas"]``: per replica its limit, used and held blocks,
         leases, ejection state and prefix hit rate (the share of its prompts' blocks the index expected
-        cached there), and the fleet's moves, index size and sessions."""
-        return super().status_sync()
+        cached there), and the fleet's moves, index size and sessions; disaggregated, ``extra["pd"]``
+        (:meth:`~zp_client.fleet._routing.FleetRouting.pd_extra`)."""
+        st = super().status_sync()
+        if self.pd is not None:
+            st.extra["pd"] = self.pd_extra(self.pd.prefill.status_sync())
+        return st
 
     def __repr__(self) -> str:
         with self._lock:

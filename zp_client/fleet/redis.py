@@ -348,11 +348,17 @@ class RedisFleet(FleetRouting, RedisBudget):
         side = self._get_side()
         line = self._core.status_from(await side.eval("status", [], init=False))
         fl = await side.eval("fleet", ["status", ""], init=False)
-        return self._fleet_status(line, fl)
+        st = self._fleet_status(line, fl)
+        if self.pd is not None:
+            st.extra["pd"] = self.pd_extra(await self.pd.prefill.status())
+        return st
 
     def status_sync(self) -> BudgetStatus:
         line = self._core.status_from(self._sync_face.eval("status", [], init=False))
-        return self._fleet_status(line, self._sync_face.eval("fleet", ["status", ""], init=False))
+        st = self._fleet_status(line, self._sync_face.eval("fleet", ["status", ""], init=False))
+        if self.pd is not None:
+            st.extra["pd"] = self.pd_extra(self.pd.prefill.status_sync())
+        return st
 
     def _fleet_status(self, line: BudgetStatus, fl: Any) -> BudgetStatus:
         if not line.extra.get("exists") or (fl and text(fl[0]) == "I"):
