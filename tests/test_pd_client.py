@@ -357,3 +357,16 @@ async def test_both_legs_on_redis_fleets(redis_url: str, redis_prefix: str) -> N
                 if keys:
                     r.delete(*keys)
             r.close()
+
+
+@pytest.mark.anyio
+async def test_the_drop_in_async_client_takes_both_legs() -> None:
+    from zp_client import AsyncClient
+
+    async with _pd() as (p, d):
+        fleet, pre = _fleets([p.base_url], [d.base_url], threshold_tokens=0)
+        async with AsyncClient(fleet.base_url, api_key="x", budget=fleet) as client:
+            r = await client.chat.completions.create(model="sim-llama", messages=_messages(600), max_tokens=6)
+            assert r.choices[0].message.content
+        assert fleet.pd.counts["prefills"] == 1 and d.stats()["kv"]["kv_remote"] == 1
+        await _settled(lambda: _idle(fleet), lambda: _idle(pre))
