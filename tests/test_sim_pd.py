@@ -214,6 +214,25 @@ async def test_an_unread_prefill_expires_after_its_lease() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_prefill_pool_full_of_held_kv_idles_on_the_wall_clock_until_a_lease_frees_room() -> None:
+    # three held prefills fill the 511-block pool; a fourth waits with nothing schedulable until their
+    # leases expire (2 virtual s). The engine idles meanwhile: its clock must follow the wall clock, not
+    # fall behind it (it would then run the next steps back to back, faster than the profile)
+    texts = [make_text(2600, random.Random(10 + i), "hold") for i in range(4)]
+    async with SimServer("tiny", speedup=20.0, role="prefill", kv_lease_s=2.0) as p, \
+            httpx.AsyncClient(timeout=30) as c:
+        for i in range(3):
+            await _prefill(c, p.url, texts[i], f"h{i}")
+        assert p.stats()["kv"]["held_blocks"] > 400
+        t0 = p.stats()["clock_s"]
+        await _prefill(c, p.url, texts[3], "h3")  # waits for the expiries
+        st = p.stats()
+        assert st["kv"]["kv_expired"] >= 1
+        assert st["clock_s"] - t0 >= 2.0 - 0.2  # it waited the lease out, on the wall clock
+        assert st["max_lag_s"] < 0.1  # and was never behind it
+
+
+@pytest.mark.anyio
 async def test_a_decode_that_waits_longer_than_the_lease_keeps_it_alive_by_heartbeats() -> None:
     """The decode pool is full for longer than the lease: the waiting request heartbeats its prefill
     server, so nothing expires; it gets its KV once the pool drains."""

@@ -73,6 +73,8 @@ class KVRole:
         self.counts = {"kv_expired": 0, "kv_freed_read": 0, "kv_freed_abort": 0, "kv_heartbeats": 0,
                        "kv_remote": 0, "kv_local_fallback": 0}
         self.xfer_times: list[float] = []
+        self.wake: Any = None
+        """Called when held blocks are freed (the server's engine loop may have work it can now do)."""
         if role is not None:
             _PEERS[self.engine_id] = self
 
@@ -104,6 +106,8 @@ class KVRole:
             return False
         self.engine.free_held(eid)
         self.counts["kv_freed_read" if reason == "read" else "kv_freed_abort"] += 1
+        if self.wake is not None:
+            self.wake()
         return True
 
     def expire(self) -> int:

@@ -305,6 +305,10 @@ class _Sim:
         self._time = loop.time
         self._real0 = loop.time()
         self._wake = asyncio.Event()
+        wake = self._wake
+        # a freed prefill (read or aborted, from a decode server's loop: maybe another thread's) may
+        # unblock a step
+        self.kv.wake = lambda: loop.call_soon_threadsafe(wake.set)
         self._loop_task = loop.create_task(self._run_loop(), name="zp-sim-engine")
 
     async def stop(self) -> None:
@@ -353,11 +357,14 @@ class _Sim:
                                                    max(0.0, self._real_at(wake_at) - self._time()))
                         self.engine.advance_idle(min(ready, max(self.engine.now, self._mapped())))
                         continue
-                    # nothing schedulable (should not happen with max_model_len <= pool): wait for a
-                    # change instead of spinning
+                    # nothing schedulable (a prefill pool full of KV held for transfers; else it should
+                    # not happen with max_model_len <= pool): wait for a change instead of spinning.
+                    # The engine idles meanwhile: its clock follows the wall clock, as vLLM's does
+                    # (without this, the steps after the wait would run "in the past", back to back).
                     self._wake.clear()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), 0.05)
+                    self.engine.advance_idle(max(self.engine.now, self._mapped()))
                     continue
                 deadline = self._real0 + (out.end_time - self._virt0) / self.speedup
                 now = self._time()
