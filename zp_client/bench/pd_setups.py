@@ -202,9 +202,7 @@ async def _zp_pd(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     if ctx.elastic.starvation_bound_s is not None:
         kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
     caps = {u: ctx.num_gpu_blocks - 1 for u in urls}
-    import os
-    plimit = int(os.environ.get("ZP_PD_PLIMIT", limit))
-    prefill = Fleet(dict.fromkeys(pre, plimit), block_size=ctx.block_size, policy="strict",
+    prefill = Fleet(dict.fromkeys(pre, limit), block_size=ctx.block_size, policy="strict",
                     capacities={u: caps[u] for u in pre}, clock=ctx.budget_clock(),
                     name=ctx.budget_name + "-prefill")
     fleet = Fleet(dict.fromkeys(dec, limit), block_size=ctx.block_size, policy="elastic",
