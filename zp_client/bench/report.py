@@ -401,6 +401,15 @@ def _count(items: Any) -> dict[str, int]:
     return out
 
 
+def _thin_held(timeline: list[tuple[float, list[int], list[int]]], n: int = 600) -> list[list[Any]]:
+    """A held-vs-allocated timeline (``[t, charged per replica, allocated per replica]``), at most ``n``
+    samples plus the last, and every sample with a deficit."""
+    step = max(1, len(timeline) // n)
+    keep = [i for i, (_, c, a) in enumerate(timeline)
+            if i % step == 0 or i == len(timeline) - 1 or any(x > y for y, x in zip(c, a, strict=True))]
+    return [[round(timeline[i][0], 4), list(timeline[i][1]), list(timeline[i][2])] for i in keep]
+
+
 def _thin(timeline: list[tuple[float, float, int, int, int]], t0: float, n: int = 600) -> list[list[float]]:
     step = max(1, len(timeline) // n)
     return [[round(t - t0, 4), round(kv, 4), p, run, wait] for (t, kv, p, run, wait) in timeline[::step]]
@@ -649,6 +658,7 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
                         "running and waiting requests; replica_timelines: each replica's own",
             "replica_timelines": {r.name: [_thin(tl, r.t0) for tl in (r.replica_timelines or [])]
                                   for r in runs},
+            "held_timelines": {r.name: _thin_held(r.held_timeline) for r in runs if r.held_timeline},
         }
     pd = getattr(cfg, "pd", None)
     if pd is not None:
@@ -920,6 +930,17 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
                          f"{p['kv_usage_max']}, expired leases {p['expired']}, freed on read "
                          f"{p['freed_read']} / abort {p['freed_abort']}, pulls {p['remote']} "
                          f"({p['pulled_blocks']} blocks), local prefills {p['local_fallback']}")
+                if role == "decode" and p.get("itl_p99_ms") is not None:
+                    line += (f", ITL p50/p99 {p['itl_p50_ms']}/{p['itl_p99_ms']} ms, transfer wait p50/p99 "
+                             f"{p['transfer_wait_p50_s']}/{p['transfer_wait_p99_s']} s")
+            held = m.get("held_deficit")
+            if held:
+                line += (f"; budget vs server blocks: {held['deficit_samples']} of {held['samples']} samples "
+                         f"with a replica allocated above charged (largest {held['max_deficit_blocks']}), "
+                         f"after the run charged {held['charged_after']} / allocated "
+                         f"{held['allocated_after']}")
+            if m.get("pd_counts"):
+                line += f"; two-phase lease {m['pd_counts']}"
             console.print(line, highlight=False)
     for m in report["setups"]:
         pf = m.get("prefix")
