@@ -67,6 +67,7 @@ _STYLES: dict[str, SetupStyle] = {
     "pd-proxy": SetupStyle(OKABE_ITO["vermillion"], (0, (1, 2)), "4"),
     "pd-noadmission": SetupStyle(OKABE_ITO["black"], (0, (4, 1)), "|"),
     "zp-fleet-chunk512": SetupStyle(OKABE_ITO["bluish_green"], (0, (8, 2)), "_"),
+    "zp-pd": SetupStyle(OKABE_ITO["blue"], (0, (3, 1, 1, 1, 1, 1)), "."),
 }
 _FALLBACK_COLORS = ("#999999", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
 _FALLBACK_MARKERS = ("p", "d", "<", ">", "8", "H")
