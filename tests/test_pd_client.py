@@ -128,7 +128,7 @@ async def test_streamed_and_non_streamed_calls_take_both_legs_and_release_both()
                            lambda: p.stats()["kv"]["held_blocks"] == 0)
             kv_p, kv_d = p.stats()["kv"], d.stats()["kv"]
             assert kv_p["kv_freed_read"] == 4 and kv_p["kv_expired"] == 0
-            assert kv_d["kv_remote"] == 4 and kv_d["kv_local_fallback"] == 0
+            assert kv_d["kv_remote"] == 4 and kv_d["kv_local_fallback"] == 0 and kv_d["kv_read_freed"] == 0
             # each ~600-token prompt's blocks came from the prefill server (about 37 each)
             assert kv_d["pulled_blocks_total"] >= 4 * 30
         finally:
@@ -174,17 +174,50 @@ async def test_a_prefill_answer_without_kv_transfer_params_is_prefilled_on_the_d
 
 @pytest.mark.anyio
 async def test_a_decode_replica_that_rejects_is_retried_elsewhere_with_the_prefills_params() -> None:
-    async with _pd() as (p, d), SimServer("tiny", speedup=20.0, role="decode", max_num_queued_reqs=0) as full:
+    async with _pd(prefill_kw={"kv_lease_s": 10.0}) as (p, d), \
+            SimServer("tiny", speedup=20.0, role="decode", max_num_queued_reqs=0) as full:
         # the full replica comes first: the two are equally loaded, so it is placed there first
-        fleet, pre = _fleets([p.base_url], [full.base_url, d.base_url], threshold_tokens=0)
+        fleet, pre = _fleets([p.base_url], [full.base_url, d.base_url], threshold_tokens=0, kv_lease_s=0.5)
         client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x", max_retries=0), budget=fleet)
         try:
             r = await client.chat.completions.create(model="sim-llama", messages=_messages(600), max_tokens=6)
             assert r.choices[0].message.content
             assert full.stats()["rejected_queue_full"] == 1
+            # an error answer may come after the scheduler saw the call (the rejecting replica told the
+            # prefill server to free): those parameters are never sent again, the retry prefills again
+            assert fleet.pd.counts["prefills"] == 2 and "reused" not in fleet.pd.counts
+            assert p.stats()["kv"]["kv_freed_abort"] == 1 and p.stats()["kv"]["kv_freed_read"] == 1
+            assert d.stats()["kv"]["kv_remote"] == 1 and d.stats()["kv"]["kv_read_freed"] == 0
+            # its first prefill leg is held until vLLM's lease on that KV would have ended (unknown to zp
+            # whether the replica freed it), then released
+            assert fleet.pd.counts["held_to_expiry"] == 1
+            await _settled(lambda: _idle(fleet), lambda: _idle(pre))
+        finally:
+            await client.close()
+
+
+def _dead_url() -> str:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there: connections are refused
+    return f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.mark.anyio
+async def test_a_decode_call_that_reached_no_replica_reuses_the_prefill_on_another() -> None:
+    async with _pd() as (p, d):
+        fleet, pre = _fleets([p.base_url], [_dead_url(), d.base_url], threshold_tokens=0)
+        client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x", max_retries=0), budget=fleet)
+        try:
+            r = await client.chat.completions.create(model="sim-llama", messages=_messages(600), max_tokens=6)
+            assert r.choices[0].message.content
+            # refused connection: no decode replica had it, so its KV went to the live one unrecomputed
             assert fleet.pd.counts["prefills"] == 1 and fleet.pd.counts["reused"] == 1
-            # the rejecting replica told the prefill server to free: the second one prefilled locally
-            assert p.stats()["kv"]["kv_freed_abort"] == 1 and d.stats()["kv"]["kv_local_fallback"] == 1
+            assert d.stats()["kv"]["kv_remote"] == 1 and d.stats()["kv"]["kv_read_freed"] == 0
+            assert p.stats()["kv"]["kv_freed_read"] == 1
             await _settled(lambda: _idle(fleet), lambda: _idle(pre))
         finally:
             await client.close()

@@ -63,6 +63,7 @@ def test_a_pd_storm_moves_every_prompt_and_reports_each_pool() -> None:
     zp = by["zp-pd"]
     assert zp["pd_counts"]["prefills"] == zp["pd"]["prefill"]["freed_read"] > 0
     assert zp["preemptions"] == 0 and zp["pd"]["prefill"]["expired"] == 0
+    assert zp["pd"]["decode"]["read_freed"] == 0  # no decode call carried the parameters of a freed KV
     held = zp["held_deficit"]
     assert held["samples"] > 10 and held["deficit_samples"] == 0 and held["max_deficit_blocks"] == [0, 0]
     assert held["charged_after"] == [0, 0] and held["allocated_after"] == [0, 0]

@@ -24,7 +24,14 @@ from zp_client._release import Holder, watchdog
 from zp_client._sse import BadEvent, Reassembler, Scanner, forecast_hi, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.config import Settings
-from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, PromptTooLong, ZPError
+from zp_client.errors import (
+    AdmissionTimeout,
+    ConfigurationError,
+    DeadlineExceeded,
+    LeaseTooLarge,
+    PromptTooLong,
+    ZPError,
+)
 from zp_client.observe import AdmissionInfo
 from zp_client.observe import active as active_observers
 from zp_client.observe import notify as notify_observers
@@ -666,7 +673,7 @@ class Core:
             yield from self._pool_probe(p, inner)
         plan = self.finish_plan(request, p, est, mml)
         pd = getattr(self.fleet, "pd", None) if self.fleet is not None else None
-        if pd is None or not p.chat_or_completions or "kv_transfer_params" in p.body:
+        if pd is None or not p.chat_or_completions or "kv_transfer_params" in p.body or plan.n > 1:
             return (yield from self._attempts(request, plan, is_async, None))
         st = _PDCall(pd, plan, p.body)  # a disaggregated fleet: the two-phase lease (zp_client.fleet.pd)
         try:
@@ -695,6 +702,7 @@ class Core:
                 yield from self._pd_drop(st)  # its KV is too old to hand to another decode replica
                 if st.pd.disaggregates(plan.prompt_tokens, self.fleet.best_matched_tokens(plan.meta)):
                     yield from self._pd_leg(st, plan, is_async)  # the prefill leg first (fleet/pd.py)
+                    timeout = self.check_deadline(plan, attempt)  # what is left after that wait
             if reuse is not None and (timeout is None or reuse < timeout):
                 # a prefill leg kept for a decode retry waits for decode room only while its KV is alive
                 try:
@@ -736,9 +744,12 @@ class Core:
                     # fails before them moves the request like a refused connection
                     prefetched = yield from self._peek(resp)
                     if st is not None:  # the decode replica has read the KV: the prefill leg ends
+                        st.reached = True
                         yield from self._pd_drop(st)
             except Exception as exc:
                 yield Release(holder)
+                if st is not None and type(exc).__name__ in ("ConnectError", "ConnectTimeout"):
+                    st.shipped = False  # no decode replica has the request: its KV may go to another
                 if fleet is not None and self._move(fleet, lease, exc, moves):
                     moves += 1  # sent elsewhere, keeping its place: no retry spent, no attempt counted
                     plan.meta = fleet.avoiding(plan.meta, lease)
@@ -800,10 +811,13 @@ class Core:
         """Take the prefill leg: the prompt's blocks (and one) on the prefill fleet, placed by prefix."""
         pre = st.pd.prefill
         blocks = max(1, -(-(plan.prompt_tokens + 1) // self.budget.block_size))
-        plea = yield Acquire(blocks, plan.priority, self.remaining(plan), None, blocks,
-                             pre.routing_only(plan.meta), budget=pre)
+        try:
+            plea = yield Acquire(blocks, plan.priority, self.remaining(plan), None, blocks,
+                                 pre.routing_only(plan.meta), budget=pre)
+        except LeaseTooLarge:  # larger than any prefill replica takes: its decode replica prefills it
+            return
         st.holder = Holder(plea, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock)
-        st.kv, st.until, st.reached = None, None, False
+        st.kv, st.until, st.reached, st.shipped = None, None, False, False
 
     def _pd_prefill(self, st: _PDCall, plan: Plan, request: Any, lease: Lease, granted_at: float) -> Steps:
         """The prefill phase of one attempt, both legs held (``lease`` the decode leg): returns the plan
@@ -815,7 +829,7 @@ class Core:
         counts = pd.counts
         if st.kv is not None and st.holder is not None and not st.holder.done:
             counts["reused"] = counts.get("reused", 0) + 1
-            st.reached = False
+            st.reached, st.shipped = False, True
             return st.decode_plan(plan)
         if st.holder is None or not pd.disaggregates(plan.prompt_tokens, self.fleet.matched_tokens(lease)):
             yield from self._pd_drop(st)  # a leg taken on the best match elsewhere: not needed here
@@ -861,6 +875,7 @@ class Core:
         # the decode leg's wait for its KV: held on the decode pool, not yet used by the server
         idle_ms = round(1000 * (st.at - granted_at))
         counts["decode_leg_idle_ms"] = counts.get("decode_leg_idle_ms", 0) + idle_ms
+        st.shipped = True
         return st.decode_plan(plan)
 
     @staticmethod
@@ -872,11 +887,13 @@ class Core:
             pre.note_failure(lease, connect=type(exc).__name__ in ("ConnectError", "ConnectTimeout"))
 
     def _pd_answered(self, st: _PDCall, resp: Any) -> Steps:
-        """A decode replica answered: with a success it has the request (it frees the prefill's KV by
-        reading it, or by telling the prefill replica when the request ends first). An error may come
-        from before its scheduler (a proxy, a full queue): the KV may still be there, so the prefill leg
-        stays for a retry to reuse (a decode replica that finds it gone prefills locally)."""
-        if resp.status_code < 400:
+        """A decode replica answered the call carrying ``st.kv``. A complete (non-streamed) success means
+        it read the KV; a stream's first bytes do (see the attempt loop). An error answer may come from
+        before its scheduler (a proxy, a full queue) or after (it then told the prefill replica to free):
+        zp cannot tell, so those parameters are never sent again (vLLM's read is one-sided: blocks freed
+        and reused would be read as if they were the prompt's) and the prefill leg stays until vLLM's
+        lease on them has expired; the next attempt prefills again."""
+        if resp.status_code < 400 and not self.lib.is_event_stream(resp):
             st.reached = True
         return
         yield  # a generator: the core's steps are generators
@@ -1082,7 +1099,7 @@ class Core:
 class _PDCall:
     """One disaggregated request's prefill side across its attempts (see :meth:`Core._pd_prefill`)."""
 
-    __slots__ = ("pd", "body", "holder", "kv", "at", "until", "reached", "_rid", "_n", "_headers")
+    __slots__ = ("pd", "body", "holder", "kv", "at", "until", "reached", "shipped", "_rid", "_n", "_headers")
 
     def __init__(self, pd: Any, plan: Plan, body: Mapping[str, Any]) -> None:
         self.pd = pd
@@ -1095,7 +1112,9 @@ class _PDCall:
         self.until: float | None = None
         """When vLLM's lease on the prefill's KV expires (None: the prefill replica holds nothing)."""
         self.reached = False
-        """A decode replica answered the call that carries ``kv``."""
+        """A decode replica has read ``kv`` (its first bytes came)."""
+        self.shipped = False
+        """``kv`` went out in a decode call that may have reached a replica's scheduler: never again."""
         rid = next((v for k, v in plan.headers if k.lower() == b"x-request-id"), None)
         self._rid = rid.decode("latin-1") if rid else f"zp-pd-{uuid.uuid4().hex}"
         self._n = 0
@@ -1103,7 +1122,7 @@ class _PDCall:
 
     def reusable_for(self, now: float) -> float | None:
         """Seconds the KV may still go to another decode replica (None: nothing to reuse)."""
-        if self.kv is None or self.holder is None or self.holder.done:
+        if self.kv is None or self.shipped or self.holder is None or self.holder.done:
             return None
         left = self.at + self.pd.reuse_s - now
         return left if left > 0 else None

@@ -79,13 +79,14 @@ class Holder:
             logger.exception("lease release failed")
 
     def release_later(self, after_s: float) -> None:
-        """Release the lease in ``after_s`` seconds, without waiting (on the event loop it was taken on;
-        from a timer thread without one). Used for a prefill leg whose KV the prefill replica keeps until
-        vLLM's lease on it expires: the budget must hold those blocks as long as the server does."""
+        """Release the lease in ``after_s`` seconds, without waiting. Used for a prefill leg whose KV the
+        prefill replica keeps until vLLM's lease on it expires: the budget must hold those blocks as long
+        as the server does. On the system clock one timer thread for the process does it (it outlives the
+        event loop the lease was taken on); on another clock (a virtual-time loop) the loop does."""
         if self.done:
             return
         loop = self.loop
-        if loop is not None and not loop.is_closed():
+        if self.clock is not SYSTEM_CLOCK and loop is not None and not loop.is_closed():
             def fire() -> None:
                 task = loop.create_task(self.release())
                 _pending.add(task)
@@ -93,9 +94,7 @@ class Holder:
 
             loop.call_later(after_s, fire)
             return
-        timer = threading.Timer(after_s, self.release_sync)
-        timer.daemon = True
-        timer.start()
+        deferred.add(self, after_s)
 
     def abandon(self) -> None:
         """The caller walked away (garbage collection) or stopped reading (watchdog).
@@ -156,6 +155,63 @@ def finalize(holder: Holder) -> None:
     if not holder.done:
         logger.debug("response abandoned without close: closing it and releasing its lease")
         holder.abandon()
+
+
+class DeferredReleases:
+    """One daemon thread for the process: releases leases at a time (:meth:`Holder.release_later`), with
+    the blocking release (every budget has one). ``release_now(budget)`` releases a budget's pending ones
+    at once (its ``aclose()``: the budget is going away)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Holder]] = []
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, holder: Holder, after_s: float) -> None:
+        import heapq
+
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._heap, (SYSTEM_CLOCK.monotonic() + after_s, self._seq, holder))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="zp-deferred-release", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def pending(self) -> int:
+        with self._cond:
+            return sum(1 for _, _, h in self._heap if not h.done)
+
+    def release_now(self, budget: Any) -> int:
+        """Release at once the pending leases taken from ``budget``; returns how many."""
+        with self._cond:
+            mine = [h for _, _, h in self._heap if not h.done and _budget_of(h.lease) is budget]
+        for h in mine:
+            h.release_sync()
+        return len(mine)
+
+    def _run(self) -> None:
+        import heapq
+
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                due, _, holder = self._heap[0]
+                wait = due - SYSTEM_CLOCK.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+            holder.release_sync()
+
+
+def _budget_of(lease: Any) -> Any:
+    return getattr(lease, "_budget", None) or getattr(lease, "_owner", None)
+
+
+deferred = DeferredReleases()
 
 
 class Watchdog:

@@ -348,13 +348,14 @@ def _pd_metrics(run: SetupRun) -> dict[str, Any]:
         role = str(kv.get("role"))
         p = pools.setdefault(role, {"servers": 0, "preemptions": 0, "kv_usage_max": 0.0, "expired": 0,
                                     "freed_read": 0, "freed_abort": 0, "heartbeats": 0, "remote": 0,
-                                    "local_fallback": 0, "pulled_blocks": 0})
+                                    "local_fallback": 0, "read_freed": 0, "pulled_blocks": 0})
         p["servers"] += 1
         p["preemptions"] += int((st.get("engine") or {}).get("preemptions_total") or 0)
         p["kv_usage_max"] = max(p["kv_usage_max"], max((x[1] for x in tl), default=0.0))
         for key, src in (("expired", "kv_expired"), ("freed_read", "kv_freed_read"),
                          ("freed_abort", "kv_freed_abort"), ("heartbeats", "kv_heartbeats"),
                          ("remote", "kv_remote"), ("local_fallback", "kv_local_fallback"),
+                         ("read_freed", "kv_read_freed"),
                          ("pulled_blocks", "pulled_blocks_total")):
             p[key] += int(kv.get(src) or 0)
     for p in pools.values():
@@ -929,7 +930,8 @@ def print_table(report: dict[str, Any], console: Any = None) -> None:
                 line += (f"; {role} pool ({p['servers']}): preempt {p['preemptions']}, KV max "
                          f"{p['kv_usage_max']}, expired leases {p['expired']}, freed on read "
                          f"{p['freed_read']} / abort {p['freed_abort']}, pulls {p['remote']} "
-                         f"({p['pulled_blocks']} blocks), local prefills {p['local_fallback']}")
+                         f"({p['pulled_blocks']} blocks), local prefills {p['local_fallback']}, reads of "
+                         f"freed KV {p.get('read_freed', 0)}")
                 if role == "decode" and p.get("itl_p99_ms") is not None:
                     line += (f", ITL p50/p99 {p['itl_p50_ms']}/{p['itl_p99_ms']} ms, transfer wait p50/p99 "
                              f"{p['transfer_wait_p50_s']}/{p['transfer_wait_p99_s']} s")

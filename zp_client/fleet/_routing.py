@@ -4,6 +4,7 @@ where an attempt goes, where metadata is read, the routing meta of a request. Du
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -131,10 +132,19 @@ class FleetRouting:
         """The most tokens of a request's prompt (its lease meta's prefix keys) any replica most likely
         has cached (0 when the fleet does not know): before it is placed."""
         keys = (meta or {}).get(PREFIX_META)
-        index = getattr(getattr(self, "ledger", None), "index", None)
+        ledger: Any = getattr(self, "ledger", None)
+        index = getattr(ledger, "index", None)
         if not keys or index is None:
             return 0
-        return max(index.match(keys).values(), default=0) * self.block_size
+        # only where it may be placed: not a replica it avoids (that failed it, whose index holds its own
+        # prompt from that placement), nor an ejected or draining one
+        avoid = set((meta or {}).get(AVOID_META) or ())
+        usable = {u for u, r in tuple(ledger.replicas.items())
+                  if not r.draining and not r.ejected and u not in avoid}
+        lock = getattr(self, "_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            matched = index.match(keys)
+        return max((b for u, b in matched.items() if u in usable), default=0) * self.block_size
 
     def route_url(self, lease: Any, url: Any) -> Any:
         """``url`` (an httpx/httpx2 URL) sent to ``lease``'s replica: its scheme, host and port."""

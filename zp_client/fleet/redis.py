@@ -451,8 +451,12 @@ class RedisFleet(FleetRouting, RedisBudget):
         await super()._release_lease(lease)
 
     async def aclose(self) -> None:
+        from zp_client._release import deferred
+
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
+        if deferred.pending():  # prefill legs kept for their KV's lease (fleet/pd.py): the fleet goes away
+            await asyncio.to_thread(deferred.release_now, self)
         await super().aclose()
         if self.pd is not None:  # its prefill pool (disaggregate()) goes with it
             await self.pd.prefill.aclose()

@@ -71,7 +71,7 @@ class KVRole:
         # decode: engine id -> (prefill peer, its request id, next heartbeat, pull start)
         self.pulls: dict[str, tuple[KVRole, str, float, float]] = {}
         self.counts = {"kv_expired": 0, "kv_freed_read": 0, "kv_freed_abort": 0, "kv_heartbeats": 0,
-                       "kv_remote": 0, "kv_local_fallback": 0}
+                       "kv_remote": 0, "kv_local_fallback": 0, "kv_read_freed": 0}
         self.xfer_times: list[float] = []
         self.wake: Any = None
         """Called when held blocks are freed (the server's engine loop may have work it can now do)."""
@@ -126,7 +126,14 @@ class KVRole:
             return None
         peer = _PEERS.get(str(kv.get("remote_engine_id")))
         rid = kv.get("remote_request_id")
-        if peer is None or not isinstance(rid, str) or rid not in peer.held:
+        if peer is not None and isinstance(rid, str) and rid not in peer.held:
+            # parameters of a KV its prefill server freed already (read, aborted, expired): vLLM's read is
+            # one-sided, so it would read whatever those blocks hold now (the prefill side only logs
+            # "Potentially invalid KV blocks"). Counted as the client's error; prefilled locally here.
+            self.counts["kv_read_freed"] += 1
+            self.counts["kv_local_fallback"] += 1
+            return None
+        if peer is None or not isinstance(rid, str):
             self.counts["kv_local_fallback"] += 1
             return None
         return peer, rid
