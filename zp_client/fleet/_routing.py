@@ -86,9 +86,9 @@ class FleetRouting:
             fleet = Fleet(decode_urls, limit_blocks=1945).disaggregate(
                 Fleet(prefill_urls, limit_blocks=1945, policy="strict"))
 
-        Each admitted request then takes a two-phase lease (:mod:`zp_client.fleet.pd`): its decode leg
-        here, then its prompt's blocks on ``prefill``, and is served by a prefill call and a decode call
-        with vLLM's ``kv_transfer_params``. ``threshold_tokens``: uncached prompt tokens below which a
+        Each admitted request then takes a two-phase lease (:mod:`zp_client.fleet.pd`): its prompt's
+        blocks on ``prefill``, then its decode leg here, and is served by a prefill call and a decode
+        call with vLLM's ``kv_transfer_params``. ``threshold_tokens``: uncached prompt tokens below which a
         request skips the prefill pool (default :data:`~zp_client.fleet.pd.DEFAULT_THRESHOLD_TOKENS`;
         0: never skip; ``math.inf``: never disaggregate). ``kv_lease_s``: the prefill servers'
         ``kv_lease_duration`` (vLLM's default 30 s)."""

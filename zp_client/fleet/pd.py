@@ -13,12 +13,14 @@ each admitted request in two calls, under a **two-phase lease** the admission co
    ``kv_transfer_params`` asking for a remote decode), then at once the decode call (:func:`decode_body`:
    the caller's body with the ``kv_transfer_params`` the prefill answered), with one ``X-Request-Id``;
 4. the prefill leg is released when the decode call's first bytes arrive (the decode replica has read
-   the KV: vLLM frees the prefill's blocks then), or at once when the prefill call failed or answered
-   without ``kv_transfer_params`` (nothing is held there; the decode replica prefills locally, as the
-   proxy does). A request that ends any other way after the prefill answered and before a decode replica
-   accepted the call (cancelled, the decode call's connection failed, the retry gave up) keeps it until
-   vLLM's own lease on those blocks has expired (``kv_lease_s`` after the prefill answered), the latest
-   the prefill replica frees them. The decode leg ends as any lease does, with the response.
+   the KV: vLLM frees the prefill's blocks then; a call not streamed upstream holds it to its answer),
+   or at once when the prefill call failed without an answer or answered without
+   ``kv_transfer_params`` (nothing is held there; the decode replica prefills locally, as the proxy
+   does). A request that ends any other way after the prefill answered and before a decode replica sent
+   its first bytes (cancelled, a cut prefill answer, a decode call that failed or answered an error)
+   keeps it until vLLM's own lease on those blocks has expired (``kv_lease_s`` after the prefill
+   answered), the latest the prefill replica frees them. The decode leg ends as any lease does, with the
+   response.
 
 **Why this order.** Both legs are held before the prefill call is sent, so the KV a prefill produces
 never waits on the prefill replica for decode room (its decode call goes out the moment the prefill
@@ -33,15 +35,18 @@ while the KV may still be read, then drops it.
 
 **Conditional disaggregation.** A request whose *uncached* prompt on its decode replica (the prompt less
 the blocks the decode fleet's prefix index expects cached there) is under ``threshold_tokens`` skips the
-prefill pool: prefilling a short suffix locally costs the decode batch less than a transfer and a second
+prefill pool (decided before the legs on the best match among the decode replicas it may be placed on,
+and again on the one it is placed on): prefilling a short suffix locally costs the decode batch less than a transfer and a second
 call cost the request (Dynamo's ``isl_bounding`` and llm-d's decider make the same call).
 
-**Retries.** A decode attempt that failed (its connection, or an error answer: a full queue, a proxy's
-504) moves or retries on another decode replica with the same ``kv_transfer_params`` while vLLM's lease
-on them is alive (half of ``kv_lease_s`` since the prefill answered, so the next decode replica's first
-heartbeat comes in time), keeping the prefill leg through the backoff; a decode replica that finds the
-KV gone (the one that rejected it told the prefill replica to free it) prefills locally, as vLLM does.
-Past that window the next attempt prefills again.
+**Retries.** A decode attempt whose connection was refused (no decode replica has the request) moves
+or retries on another decode replica with the same ``kv_transfer_params`` while the KV may still be read
+(half of ``kv_lease_s`` since the prefill answered, so the next replica's first heartbeat is in time),
+keeping the prefill leg through the backoff. Any other failure (an error answer, a cut stream, a timeout)
+may have reached a decode replica's scheduler, which then tells the prefill replica to free the KV; and
+vLLM's read is one-sided (a decode replica handed the parameters of freed, reused blocks would read them
+as the prompt's), so those parameters are never sent again: the next attempt prefills again, and the old
+prefill leg stays until vLLM's lease on its KV has expired.
 
 **Budgets.** Either fleet may be local (:class:`~zp_client.fleet.Fleet`) or in Redis
 (:class:`~zp_client.fleet.redis.RedisFleet`). With Redis the legs are two scripts, one per fleet, in
