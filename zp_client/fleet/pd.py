@@ -36,8 +36,9 @@ while the KV may still be read, then drops it.
 **Conditional disaggregation.** A request whose *uncached* prompt on its decode replica (the prompt less
 the blocks the decode fleet's prefix index expects cached there) is under ``threshold_tokens`` skips the
 prefill pool (decided before the legs on the best match among the decode replicas it may be placed on,
-and again on the one it is placed on): prefilling a short suffix locally costs the decode batch less than a transfer and a second
-call cost the request (Dynamo's ``isl_bounding`` and llm-d's decider make the same call).
+and again on the one it is placed on): prefilling a short suffix locally costs the decode batch less
+than a transfer and a second call cost the request (Dynamo's ``isl_bounding`` and llm-d's decider make
+the same call).
 
 **Retries.** A decode attempt whose connection was refused (no decode replica has the request) moves
 or retries on another decode replica with the same ``kv_transfer_params`` while the KV may still be read
