@@ -308,7 +308,11 @@ class _Sim:
         wake = self._wake
         # a freed prefill (read or aborted, from a decode server's loop: maybe another thread's) may
         # unblock a step
-        self.kv.wake = lambda: loop.call_soon_threadsafe(wake.set)
+        def wake_soon() -> None:
+            if not loop.is_closed():  # a stopped server's loop: nothing to wake
+                loop.call_soon_threadsafe(wake.set)
+
+        self.kv.wake = wake_soon
         self._loop_task = loop.create_task(self._run_loop(), name="zp-sim-engine")
 
     async def stop(self) -> None:
