@@ -196,6 +196,11 @@ def validate_seconds(value: object, what: str) -> float:
     return float(value)
 
 
+def _fits_nobody(view: LedgerView, candidate: WaiterRecord) -> bool:
+    """The fit of a grant pass on an exhausted pool (see :meth:`Ledger.grant`)."""
+    return False
+
+
 class Ledger:
     """Leases, the fair line, expiry and limit changes; see docs/admission.md#the-ledger for the rules.
 
@@ -491,7 +496,12 @@ class Ledger:
         fits = policy.fits
         exhausted = getattr(policy, "exhausted", None)
         if exhausted is not None and exhausted(self):
-            return granted
+            if not len(self._pins):
+                return granted
+            # nobody fits, but the walk still marks the pinned prefixes a waiter would push past their
+            # lines (their keep-warms are then due), as the Redis grant pass does
+            exhausted = None
+            fits = _fits_nobody
         bound_s = self._starvation_bound
         walk = getattr(policy, "walk", None)
         if len(self._pins):
