@@ -413,8 +413,10 @@ def test_redis_pins_conform_to_the_pin_book(redis_url: str, redis_prefix: str) -
                     p.span), (p, q)
 
     try:
+        # derandomized: the same runs every time (a random draw can miss the due and gated states the
+        # last assertion asks for: seed 35 reached neither in 2,127 steps)
         run_state_machine_as_test(PinMachine, settings=settings(
-            max_examples=60, stateful_step_count=30, deadline=None,
+            max_examples=60, stateful_step_count=30, deadline=None, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
         ))
     finally:
