@@ -15,6 +15,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.test_fleet import _dead_url  # a port nothing listens on
 from zp_client import Fleet, wrap
 from zp_client.bench.workloads import make_text
 from zp_client.errors import ConfigurationError
@@ -48,6 +49,16 @@ async def _settled(*checks: Any, timeout: float = 5.0) -> None:
             return
         await asyncio.sleep(0.02)
     assert all(c() for c in checks), [c() for c in checks]
+
+
+async def _streamed_text(client: openai.AsyncOpenAI, messages: list[dict[str, str]], max_tokens: int) -> str:
+    out = []
+    stream = await client.chat.completions.create(model="sim-llama", messages=messages,
+                                                  max_tokens=max_tokens, stream=True)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            out.append(chunk.choices[0].delta.content)
+    return "".join(out)
 
 
 def _idle(fleet: Fleet) -> bool:
@@ -105,14 +116,8 @@ async def test_streamed_and_non_streamed_calls_take_both_legs_and_release_both()
         fleet, pre = _fleets([p.base_url], [d.base_url], threshold_tokens=256)
         client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
         try:
-            async def streamed(i: int) -> str:
-                out = []
-                stream = await client.chat.completions.create(model="sim-llama", messages=_messages(600, i),
-                                                              max_tokens=12, stream=True)
-                async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        out.append(chunk.choices[0].delta.content)
-                return "".join(out)
+            def streamed(i: int) -> Any:
+                return _streamed_text(client, _messages(600, i), 12)
 
             async def plain(i: int) -> str:
                 r = await client.chat.completions.create(model="sim-llama", messages=_messages(600, i),
@@ -194,16 +199,6 @@ async def test_a_decode_replica_that_rejects_is_retried_elsewhere_with_the_prefi
             await _settled(lambda: _idle(fleet), lambda: _idle(pre))
         finally:
             await client.close()
-
-
-def _dead_url() -> str:
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there: connections are refused
-    return f"http://127.0.0.1:{port}/v1"
 
 
 @pytest.mark.anyio
@@ -362,17 +357,8 @@ async def test_both_legs_on_redis_fleets(redis_url: str, redis_prefix: str) -> N
         fleet = dec.disaggregate(pre, threshold_tokens=0)
         client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
         try:
-            async def streamed() -> str:
-                out = []
-                stream = await client.chat.completions.create(model="sim-llama", messages=_messages(600, 1),
-                                                              max_tokens=8, stream=True)
-                async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        out.append(chunk.choices[0].delta.content)
-                return "".join(out)
-
             plain = client.chat.completions.create(model="sim-llama", messages=_messages(600, 2), max_tokens=8)
-            s, r = await asyncio.gather(streamed(), plain)
+            s, r = await asyncio.gather(_streamed_text(client, _messages(600, 1), 8), plain)
             assert s and r.choices[0].message.content
             assert fleet.pd.counts["prefills"] == 2
             assert (await fleet.status()).extra["pd"]["prefill"]["leases"] == 0
