@@ -75,6 +75,19 @@ async def _pd(prefill_kw: dict[str, Any] | None = None, decode_kw: dict[str, Any
         yield p, d
 
 
+@contextlib.asynccontextmanager
+async def _pd_client(threshold_tokens: float = 0, **fleet_kw: Any
+                     ) -> AsyncIterator[tuple[SimServer, SimServer, Fleet, Fleet, openai.AsyncOpenAI]]:
+    """A prefill and a decode simulator, the disaggregated fleet over them and a wrapped openai client."""
+    async with _pd() as (p, d):
+        fleet, pre = _fleets([p.base_url], [d.base_url], threshold_tokens=threshold_tokens, **fleet_kw)
+        client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
+        try:
+            yield p, d, fleet, pre, client
+        finally:
+            await client.close()
+
+
 def test_the_bodies_are_the_example_proxys() -> None:
     body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 3}
@@ -112,53 +125,44 @@ def test_disaggregate_checks_its_arguments() -> None:
 
 @pytest.mark.anyio
 async def test_streamed_and_non_streamed_calls_take_both_legs_and_release_both() -> None:
-    async with _pd() as (p, d):
-        fleet, pre = _fleets([p.base_url], [d.base_url], threshold_tokens=256)
-        client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
-        try:
-            def streamed(i: int) -> Any:
-                return _streamed_text(client, _messages(600, i), 12)
+    async with _pd_client(threshold_tokens=256) as (p, d, fleet, pre, client):
+        def streamed(i: int) -> Any:
+            return _streamed_text(client, _messages(600, i), 12)
 
-            async def plain(i: int) -> str:
-                r = await client.chat.completions.create(model="sim-llama", messages=_messages(600, i),
-                                                         max_tokens=12)
-                return r.choices[0].message.content or ""
+        async def plain(i: int) -> str:
+            r = await client.chat.completions.create(model="sim-llama", messages=_messages(600, i),
+                                                     max_tokens=12)
+            return r.choices[0].message.content or ""
 
-            texts = await asyncio.gather(streamed(1), streamed(2), plain(3), plain(4))
-            assert all(texts)
-            assert fleet.pd.counts["prefills"] == 4 and "direct" not in fleet.pd.counts
-            extra = fleet.status_sync().extra["pd"]
-            assert extra["counts"]["prefills"] == 4 and extra["prefill"]["limit"] == LIMIT
-            await _settled(lambda: _idle(fleet), lambda: _idle(pre),
-                           lambda: p.stats()["kv"]["held_blocks"] == 0)
-            kv_p, kv_d = p.stats()["kv"], d.stats()["kv"]
-            assert kv_p["kv_freed_read"] == 4 and kv_p["kv_expired"] == 0
-            assert kv_d["kv_remote"] == 4 and kv_d["kv_local_fallback"] == 0 and kv_d["kv_read_freed"] == 0
-            # each ~600-token prompt's blocks came from the prefill server (about 37 each)
-            assert kv_d["pulled_blocks_total"] >= 4 * 30
-        finally:
-            await client.close()
+        texts = await asyncio.gather(streamed(1), streamed(2), plain(3), plain(4))
+        assert all(texts)
+        assert fleet.pd.counts["prefills"] == 4 and "direct" not in fleet.pd.counts
+        extra = fleet.status_sync().extra["pd"]
+        assert extra["counts"]["prefills"] == 4 and extra["prefill"]["limit"] == LIMIT
+        await _settled(lambda: _idle(fleet), lambda: _idle(pre),
+                       lambda: p.stats()["kv"]["held_blocks"] == 0)
+        kv_p, kv_d = p.stats()["kv"], d.stats()["kv"]
+        assert kv_p["kv_freed_read"] == 4 and kv_p["kv_expired"] == 0
+        assert kv_d["kv_remote"] == 4 and kv_d["kv_local_fallback"] == 0
+        assert kv_d["kv_read_freed"] == 0
+        # each ~600-token prompt's blocks came from the prefill server (about 37 each)
+        assert kv_d["pulled_blocks_total"] >= 4 * 30
 
 
 @pytest.mark.anyio
 async def test_a_short_uncached_prompt_goes_straight_to_its_decode_replica() -> None:
-    async with _pd() as (p, d):
-        fleet, pre = _fleets([p.base_url], [d.base_url], threshold_tokens=256)
-        client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
-        try:
-            r = await client.chat.completions.create(model="sim-llama", messages=_messages(40), max_tokens=5)
-            assert r.choices[0].message.content
-            assert fleet.pd.counts == {"direct": 1} and p.stats()["engine"]["prompt_tokens_total"] == 0
-            # a long prompt whose prefix the decode replica has cached: only the uncached suffix counts
-            long = _messages(600, 7)
-            await client.chat.completions.create(model="sim-llama", messages=long, max_tokens=5)
-            assert fleet.pd.counts["prefills"] == 1
-            long[-1]["content"] = "go on"
-            await client.chat.completions.create(model="sim-llama", messages=long, max_tokens=5)
-            assert fleet.pd.counts["direct"] == 2 and fleet.pd.counts["prefills"] == 1
-            await _settled(lambda: _idle(fleet), lambda: _idle(pre))
-        finally:
-            await client.close()
+    async with _pd_client(threshold_tokens=256) as (p, d, fleet, pre, client):
+        r = await client.chat.completions.create(model="sim-llama", messages=_messages(40), max_tokens=5)
+        assert r.choices[0].message.content
+        assert fleet.pd.counts == {"direct": 1} and p.stats()["engine"]["prompt_tokens_total"] == 0
+        # a long prompt whose prefix the decode replica has cached: only the uncached suffix counts
+        long = _messages(600, 7)
+        await client.chat.completions.create(model="sim-llama", messages=long, max_tokens=5)
+        assert fleet.pd.counts["prefills"] == 1
+        long[-1]["content"] = "go on"
+        await client.chat.completions.create(model="sim-llama", messages=long, max_tokens=5)
+        assert fleet.pd.counts["direct"] == 2 and fleet.pd.counts["prefills"] == 1
+        await _settled(lambda: _idle(fleet), lambda: _idle(pre))
 
 
 @pytest.mark.anyio
@@ -242,21 +246,16 @@ async def test_cancelled_before_the_prefill_answered_releases_both_legs_and_the_
 
 @pytest.mark.anyio
 async def test_cancelled_mid_decode_stream_releases_both_legs_once() -> None:
-    async with _pd() as (p, d):
-        fleet, pre = _fleets([p.base_url], [d.base_url], threshold_tokens=0)
-        client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
-        try:
-            stream = await client.chat.completions.create(model="sim-llama", messages=_messages(600),
-                                                          max_tokens=400, stream=True)
-            async for _ in stream:
-                break  # first bytes: the decode replica has read the KV, the prefill leg is gone
-            assert _idle(pre) and fleet.status_sync().leases == 1
-            await stream.close()
-            assert _idle(fleet)
-            await _settled(lambda: d.stats()["engine"]["num_running"] == 0)
-            assert p.stats()["kv"]["kv_freed_read"] == 1 and p.stats()["kv"]["held_blocks"] == 0
-        finally:
-            await client.close()
+    async with _pd_client(threshold_tokens=0) as (p, d, fleet, pre, client):
+        stream = await client.chat.completions.create(model="sim-llama", messages=_messages(600),
+                                                      max_tokens=400, stream=True)
+        async for _ in stream:
+            break  # first bytes: the decode replica has read the KV, the prefill leg is gone
+        assert _idle(pre) and fleet.status_sync().leases == 1
+        await stream.close()
+        assert _idle(fleet)
+        await _settled(lambda: d.stats()["engine"]["num_running"] == 0)
+        assert p.stats()["kv"]["kv_freed_read"] == 1 and p.stats()["kv"]["held_blocks"] == 0
 
 
 @pytest.mark.anyio
@@ -310,8 +309,9 @@ async def test_a_decode_pool_saturated_longer_than_the_lease_expires_no_prefill_
         client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
         try:
             async def one(i: int) -> None:
-                r = await client.chat.completions.create(model="sim-llama", messages=_messages(1200, i),
-                                                         max_tokens=500, extra_body={"sim_output_tokens": 500})
+                r = await client.chat.completions.create(
+                    model="sim-llama", messages=_messages(1200, i), max_tokens=500,
+                    extra_body={"sim_output_tokens": 500})
                 assert r.usage is not None and r.usage.completion_tokens == 500
 
             await asyncio.gather(*(one(i) for i in range(4)))
@@ -357,7 +357,8 @@ async def test_both_legs_on_redis_fleets(redis_url: str, redis_prefix: str) -> N
         fleet = dec.disaggregate(pre, threshold_tokens=0)
         client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
         try:
-            plain = client.chat.completions.create(model="sim-llama", messages=_messages(600, 2), max_tokens=8)
+            plain = client.chat.completions.create(model="sim-llama", messages=_messages(600, 2),
+                                                   max_tokens=8)
             s, r = await asyncio.gather(_streamed_text(client, _messages(600, 1), 8), plain)
             assert s and r.choices[0].message.content
             assert fleet.pd.counts["prefills"] == 2
