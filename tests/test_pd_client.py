@@ -390,3 +390,34 @@ async def test_the_drop_in_async_client_takes_both_legs() -> None:
             assert r.choices[0].message.content
         assert fleet.pd.counts["prefills"] == 1 and d.stats()["kv"]["kv_remote"] == 1
         await _settled(lambda: _idle(fleet), lambda: _idle(pre))
+
+
+@pytest.mark.anyio
+async def test_a_kept_prefill_waits_for_decode_room_only_while_its_kv_lives_then_prefills_again() -> None:
+    # the decode call's first replica refuses connections (ejected at once); the other is full (a lease
+    # the test holds), so the decode leg that would reuse the prefill's KV waits only while that KV may
+    # still be read (kv_lease_s / 2), then the prefill leg goes (held until the KV's lease ends) and the
+    # request prefills again once room comes
+    async with _pd(prefill_kw={"kv_lease_s": 8.0}) as (p, d):  # 0.4 s real at speedup 20
+        dead = _dead_url()
+        pre = Fleet([p.base_url], limit_blocks=LIMIT, policy="strict")
+        fleet = Fleet({dead: 100, d.base_url: LIMIT}, policy="elastic").disaggregate(
+            pre, threshold_tokens=0, kv_lease_s=0.4)
+        blocker = await fleet.acquire(LIMIT - 10)  # too large for the dead replica's 100: on the live one
+        assert getattr(blocker, "replica", None) == d.base_url.rstrip("/")
+        client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x", max_retries=0), budget=fleet)
+        try:
+            task = asyncio.create_task(client.chat.completions.create(
+                model="sim-llama", messages=_messages(600), max_tokens=6))
+            await _settled(lambda: fleet.pd.counts.get("held_to_expiry", 0) == 1)
+            assert fleet.pd.counts["prefills"] == 1 and "reused" not in fleet.pd.counts
+            assert not task.done()
+            await blocker.release()
+            r = await task
+            assert r.choices[0].message.content
+            assert fleet.pd.counts["prefills"] == 2
+            assert d.stats()["kv"]["kv_remote"] == 1 and d.stats()["kv"]["kv_read_freed"] == 0
+            await _settled(lambda: _idle(fleet), lambda: _idle(pre),
+                           lambda: p.stats()["kv"]["kv_expired"] == 1)  # the first KV, never read
+        finally:
+            await client.close()
