@@ -421,3 +421,19 @@ async def test_a_kept_prefill_waits_for_decode_room_only_while_its_kv_lives_then
                            lambda: p.stats()["kv"]["kv_expired"] == 1)  # the first KV, never read
         finally:
             await client.close()
+
+
+@pytest.mark.anyio
+async def test_the_deadline_bounds_both_legs_waits() -> None:
+    from zp_client.errors import AdmissionTimeout
+
+    async with _pd_client(threshold_tokens=0) as (p, d, fleet, pre, client):
+        blocker = await pre.acquire(LIMIT)  # the prefill pool is full: the prefill leg waits
+        try:
+            with pytest.raises(AdmissionTimeout):  # DeadlineExceeded is one
+                await client.chat.completions.create(model="sim-llama", messages=_messages(600), max_tokens=6,
+                                                     extra_headers={"X-ZP-Deadline": "0.3"})
+        finally:
+            await blocker.release()
+        assert _idle(fleet) and _idle(pre) and fleet.pd.counts == {}
+        assert p.stats()["engine"]["prompt_tokens_total"] == 0 and d.stats()["engine"]["prompt_tokens_total"] == 0
