@@ -436,4 +436,5 @@ async def test_the_deadline_bounds_both_legs_waits() -> None:
         finally:
             await blocker.release()
         assert _idle(fleet) and _idle(pre) and fleet.pd.counts == {}
-        assert p.stats()["engine"]["prompt_tokens_total"] == 0 and d.stats()["engine"]["prompt_tokens_total"] == 0
+        for server in (p, d):  # neither was sent anything
+            assert server.stats()["engine"]["prompt_tokens_total"] == 0
