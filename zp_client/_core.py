@@ -734,7 +734,7 @@ class Core:
                     out = yield from self._pd_prefill(st, plan, request, lease, holder.granted_at)
                 resp = yield Send(self.lib.request(request, out, url))
                 if st is not None:
-                    yield from self._pd_answered(st, resp)
+                    self._pd_answered(st, resp)
                 if plan.upstream and self.lib.is_event_stream(resp):
                     resp = yield from self._consume(plan, request, resp, holder,
                                                     None if st is None else st.holder)
@@ -828,23 +828,23 @@ class Core:
         pd = st.pd
         counts = pd.counts
         if st.kv is not None and st.holder is not None and not st.holder.done:
-            counts["reused"] = counts.get("reused", 0) + 1
+            counts["reused"] += 1
             st.reached, st.shipped = False, True
             return st.decode_plan(plan)
         if st.holder is None or not pd.disaggregates(plan.prompt_tokens, self.fleet.matched_tokens(lease)):
             yield from self._pd_drop(st)  # a leg taken on the best match elsewhere: not needed here
-            counts["direct"] = counts.get("direct", 0) + 1
+            counts["direct"] += 1
             return plan
         pre = pd.prefill
         plea = st.holder.lease
-        counts["prefills"] = counts.get("prefills", 0) + 1
+        counts["prefills"] += 1
         try:
             resp = yield Send(self.lib.request(request, st.prefill_plan(plan),
                                                pre.route_url(plea, request.url)))
         except Exception as exc:  # noqa: BLE001 - no answer: the decode replica prefills locally
             yield from self._pd_drop(st)
             self._pd_failed(pre, plea, exc)
-            counts["prefill_failed"] = counts.get("prefill_failed", 0) + 1
+            counts["prefill_failed"] += 1
             return plan
         # an answer: a finished prefill's blocks stay there until read, aborted or vLLM's lease expires
         st.until = self.clock.monotonic() + pd.kv_lease_s
@@ -855,7 +855,7 @@ class Core:
             yield Close(resp, shield=True)
             yield from self._pd_drop(st)  # kept until the lease expires: nobody will read it
             self._pd_failed(pre, plea, exc)
-            counts["prefill_failed"] = counts.get("prefill_failed", 0) + 1
+            counts["prefill_failed"] += 1
             return plan
         except BaseException:
             yield Close(resp, shield=True)
@@ -868,13 +868,13 @@ class Core:
         if kv is None:  # nothing held for us there (an error, a server without P/D): prefill locally
             st.until = None
             yield from self._pd_drop(st)
-            counts["local"] = counts.get("local", 0) + 1
+            counts["local"] += 1
             return plan
         st.kv, st.at = kv, self.clock.monotonic()
         st.until = st.at + pd.kv_lease_s
         # the decode leg's wait for its KV: held on the decode pool, not yet used by the server
         idle_ms = round(1000 * (st.at - granted_at))
-        counts["decode_leg_idle_ms"] = counts.get("decode_leg_idle_ms", 0) + idle_ms
+        counts["decode_leg_idle_ms"] += idle_ms
         st.shipped = True
         return st.decode_plan(plan)
 
@@ -886,7 +886,7 @@ class Core:
         if classify_error(exc) is not None:
             pre.note_failure(lease, connect=type(exc).__name__ in ("ConnectError", "ConnectTimeout"))
 
-    def _pd_answered(self, st: _PDCall, resp: Any) -> Steps:
+    def _pd_answered(self, st: _PDCall, resp: Any) -> None:
         """A decode replica answered the call carrying ``st.kv``. A complete (non-streamed) success means
         it read the KV; a stream's first bytes do (see the attempt loop). An error answer may come from
         before its scheduler (a proxy, a full queue) or after (it then told the prefill replica to free):
@@ -895,8 +895,6 @@ class Core:
         lease on them has expired; the next attempt prefills again."""
         if resp.status_code < 400 and not self.lib.is_event_stream(resp):
             st.reached = True
-        return
-        yield  # a generator: the core's steps are generators
 
     def _pd_drop(self, st: _PDCall) -> Steps:
         """End the prefill leg, once: at once when nothing waits on the prefill replica for us (never
@@ -908,7 +906,7 @@ class Core:
             return
         now = self.clock.monotonic()
         if kv_alive and until is not None and until > now:
-            st.pd.counts["held_to_expiry"] = st.pd.counts.get("held_to_expiry", 0) + 1
+            st.pd.counts["held_to_expiry"] += 1
             yield Release(h, after_s=until - now)
         else:
             yield Release(h)

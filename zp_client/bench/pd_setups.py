@@ -157,8 +157,8 @@ class ZPPDCaller(ZPFleetCaller):
     """``zp-pd``'s caller: the decode fleet's counters, the two-phase lease's, and each replica's charged
     blocks for the held-vs-allocated timeline (in the run's replica order)."""
 
-    def __init__(self, client: Any, model: str, fleet: Any, prefill: Any, roots: list[str],
-                 roles: list[str | None], urls: list[str]) -> None:
+    def __init__(self, client: Any, model: str, fleet: Any, prefill: Any, roles: list[str | None],
+                 urls: list[str]) -> None:
         super().__init__(client, model, fleet, urls)
         self.prefill = prefill
         self._order = [(prefill if r == "prefill" else fleet, u) for u, r in zip(urls, roles, strict=True)]
@@ -210,7 +210,7 @@ async def _zp_pd(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
                   **kw).disaggregate(prefill, threshold_tokens=ctx.elastic.pd_threshold_tokens,
                                      kv_lease_s=ctx.kv_lease_s)
     client = await zp_client_for(ctx, stack, fleet, forecaster=_forecaster(ctx.elastic))
-    return ZPPDCaller(client, ctx.model, fleet, prefill, ctx.replica_root_urls, list(roles), urls)
+    return ZPPDCaller(client, ctx.model, fleet, prefill, list(roles), urls)
 
 
 register_setup(SetupSpec("pd-proxy", True, description="vLLM's toy P/D proxy (round-robin per pool), no "

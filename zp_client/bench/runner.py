@@ -510,8 +510,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                                 with contextlib.suppress(asyncio.CancelledError):
                                     await task
                     if held_tl is not None:  # one last sample: after the run both pools hold nothing
-                        held_tl.append((clock.now() - t0, list(caller.charged_blocks()),  # type: ignore[attr-defined]
-                                        [s.allocated_blocks() for s in servers]))
+                        held_tl.append(_held_sample(caller, servers, clock, t0))
                     mon.stop()
                     granted = _leases_granted(caller)
                     limit_tl = _limit_timeline(caller, b0, cfg.effective_speedup)
@@ -575,8 +574,14 @@ async def _sample_held(caller: Any, servers: list[Any], clock: Any, t0: float,
     """Every :data:`HELD_SAMPLE_S`: the caller's charged blocks per replica against each simulator's
     allocated blocks, read at one virtual instant."""
     while True:
-        out.append((clock.now() - t0, list(caller.charged_blocks()), [s.allocated_blocks() for s in servers]))
+        out.append(_held_sample(caller, servers, clock, t0))
         await asyncio.sleep(HELD_SAMPLE_S)
+
+
+def _held_sample(caller: Any, servers: list[Any], clock: Any,
+                 t0: float) -> tuple[float, list[int], list[int]]:
+    """One sample: virtual s since ``t0``, the caller's charged blocks and each server's allocated."""
+    return clock.now() - t0, list(caller.charged_blocks()), [s.allocated_blocks() for s in servers]
 
 
 async def _metrics_preemptions(server: Any, cfg: StormConfig) -> float | None:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,7 +132,7 @@ class PDSettings:
     prefill: Any
     threshold_tokens: float = DEFAULT_THRESHOLD_TOKENS
     kv_lease_s: float = DEFAULT_KV_LEASE_S
-    counts: dict[str, int] = field(default_factory=dict, compare=False)
+    counts: Counter[str] = field(default_factory=Counter, compare=False)
     """What the two-phase lease did, by kind: ``prefills`` (prefill calls made), ``direct`` (requests
     sent straight to their decode replica), ``local`` (a prefill answered without
     ``kv_transfer_params``), ``prefill_failed``, ``reused`` (a decode retry with a live prefill's
