@@ -183,10 +183,12 @@ async def test_a_prefill_answer_without_kv_transfer_params_is_prefilled_on_the_d
 
 @pytest.mark.anyio
 async def test_a_decode_replica_that_rejects_is_retried_elsewhere_with_the_prefills_params() -> None:
-    async with _pd(prefill_kw={"kv_lease_s": 10.0}) as (p, d), \
+    # a 2 s lease (40 virtual s at speedup 20): longer than the first retry's backoff (at most 0.5 s), so
+    # the first prefill leg is dropped before its KV's lease ends and is held to it
+    async with _pd(prefill_kw={"kv_lease_s": 40.0}) as (p, d), \
             SimServer("tiny", speedup=20.0, role="decode", max_num_queued_reqs=0) as full:
         # the full replica comes first: the two are equally loaded, so it is placed there first
-        fleet, pre = _fleets([p.base_url], [full.base_url, d.base_url], threshold_tokens=0, kv_lease_s=0.5)
+        fleet, pre = _fleets([p.base_url], [full.base_url, d.base_url], threshold_tokens=0, kv_lease_s=2.0)
         client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x", max_retries=0), budget=fleet)
         try:
             r = await client.chat.completions.create(model="sim-llama", messages=_messages(600), max_tokens=6)
@@ -275,9 +277,9 @@ async def test_cancelled_between_the_two_calls_holds_the_prefill_leg_until_vllms
 
     server = await asyncio.start_server(never, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    async with SimServer("tiny", speedup=20.0, role="prefill", kv_lease_s=10.0) as p:  # 0.5 s real
+    async with SimServer("tiny", speedup=20.0, role="prefill", kv_lease_s=40.0) as p:  # 2 s real
         fleet, pre = _fleets([p.base_url], [f"http://127.0.0.1:{port}/v1"], threshold_tokens=0,
-                             kv_lease_s=0.5)
+                             kv_lease_s=2.0)
         client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x", max_retries=0), budget=fleet)
         try:
             task = asyncio.create_task(client.chat.completions.create(
@@ -289,7 +291,7 @@ async def test_cancelled_between_the_two_calls_holds_the_prefill_leg_until_vllms
                 await task
             assert _idle(fleet) and pre.status_sync().leases == 1  # the KV is still on the prefill server
             assert fleet.pd.counts["held_to_expiry"] == 1
-            await _settled(lambda: _idle(pre), timeout=3.0)
+            await _settled(lambda: _idle(pre))
             await _settled(lambda: p.stats()["kv"]["kv_expired"] == 1)
             assert p.stats()["kv"]["held_blocks"] == 0
         finally:
@@ -398,11 +400,11 @@ async def test_a_kept_prefill_waits_for_decode_room_only_while_its_kv_lives_then
     # the test holds), so the decode leg that would reuse the prefill's KV waits only while that KV may
     # still be read (kv_lease_s / 2), then the prefill leg goes (held until the KV's lease ends) and the
     # request prefills again once room comes
-    async with _pd(prefill_kw={"kv_lease_s": 8.0}) as (p, d):  # 0.4 s real at speedup 20
+    async with _pd(prefill_kw={"kv_lease_s": 20.0}) as (p, d):  # 1 s real at speedup 20
         dead = _dead_url()
         pre = Fleet([p.base_url], limit_blocks=LIMIT, policy="strict")
         fleet = Fleet({dead: 100, d.base_url: LIMIT}, policy="elastic").disaggregate(
-            pre, threshold_tokens=0, kv_lease_s=0.4)
+            pre, threshold_tokens=0, kv_lease_s=1.0)
         blocker = await fleet.acquire(LIMIT - 10)  # too large for the dead replica's 100: on the live one
         assert getattr(blocker, "replica", None) == d.base_url.rstrip("/")
         client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x", max_retries=0), budget=fleet)
