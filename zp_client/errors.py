@@ -14,6 +14,7 @@ __all__ = [
     "AdmissionTimeout",
     "DeadlineExceeded",
     "PromptTooLong",
+    "InvalidRequest",
     "BudgetUnavailable",
     "LeaseLost",
     "PinRefused",
@@ -71,6 +72,20 @@ class PromptTooLong(AdmissionError):
             f"prompt is about {prompt_tokens} tokens but the model's maximum context length is "
             f"{max_model_len} tokens; shorten the prompt (nothing was sent)"
         )
+
+
+class InvalidRequest(AdmissionError, ValueError):
+    """A request's own zp input is malformed (a header, a per-call option or a setting it reads): a target
+    or deadline that is not a positive finite number of seconds, a priority that is not an integer, ...
+
+    Raised before any lease is taken, so nothing is held and nothing reached the server. It is a
+    ``ValueError`` so that agent frameworks' default retry predicates treat it as permanent. ``field``
+    names the header or setting at fault (e.g. ``"X-ZP-TTFT-Target"``).
+    """
+
+    def __init__(self, message: str, *, field: str = "") -> None:
+        self.field = field
+        super().__init__(message)
 
 
 class BudgetUnavailable(AdmissionError):
