@@ -15,7 +15,7 @@ import pytest
 
 from tests._asgi_server import MAX_MODEL_LEN, LoopbackServer
 from zp_client.config import Settings
-from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge, PromptTooLong
+from zp_client.errors import AdmissionTimeout, ConfigurationError, InvalidRequest, LeaseTooLarge, PromptTooLong
 from zp_client.transport import admission_transport_for, transport_classes
 
 from zp_client.budget.local import LocalBudget as _Budget
@@ -320,8 +320,9 @@ async def test_priority_and_deadline_headers(server: LoopbackServer) -> None:
         assert "x-zp-priority" not in hdrs and "x-zp-deadline" not in hdrs
         await c.post("/chat/completions", json={**CHAT, "priority": 7})
         assert server.llm_requests()[-1]["body"]["priority"] == 7
-        with pytest.raises(ConfigurationError):
+        with pytest.raises(InvalidRequest) as bad:  # a request's bad zp input (was ConfigurationError)
             await c.post("/chat/completions", json=CHAT, headers={"X-ZP-Priority": "high"})
+        assert bad.value.field == "X-ZP-Priority"
     assert seen == [-2, 7]
 
 

@@ -57,6 +57,8 @@ _EXPORTS: dict[str, str] = {
     "PRIORITY_HEADER": "zp_client.transport",
     "DEADLINE_HEADER": "zp_client.transport",
     "ROUTE_HEADER": "zp_client.transport",
+    "TTFT_TARGET_HEADER": "zp_client.transport",
+    "TPOT_TARGET_HEADER": "zp_client.transport",
     # what the agent-framework integrations (langchain_zp, autogen_zp) build on
     "AdmissionOptions": "zp_client._integration",
     "openai_http_client": "zp_client._integration",
@@ -125,6 +127,8 @@ __all__ = [
     "StreamCut",
     "summarize_admissions",
     "Ticket",
+    "TPOT_TARGET_HEADER",
+    "TTFT_TARGET_HEADER",
     "wrap",
     "ZPError",
     "ZPMetrics",
@@ -183,6 +187,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         DEADLINE_HEADER,
         PRIORITY_HEADER,
         ROUTE_HEADER,
+        TPOT_TARGET_HEADER,
+        TTFT_TARGET_HEADER,
         AdmissionTransport,
         AsyncAdmissionTransport,
     )

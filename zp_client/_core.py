@@ -19,7 +19,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from zp_client._clock import SYSTEM_CLOCK, Clock
-from zp_client._plan import Parsed, Plan, api_base, read_headers
+from zp_client._plan import (
+    AGE_META,
+    TPOT_TARGET_META,
+    TTFT_TARGET_META,
+    Options,
+    Parsed,
+    Plan,
+    api_base,
+    read_headers,
+)
 from zp_client._release import Holder, watchdog
 from zp_client._sse import BadEvent, Reassembler, Scanner, forecast_hi, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
@@ -372,12 +381,13 @@ class Core:
             return None
         if not isinstance(body, dict):
             return None
-        opts = read_headers(request.headers.raw)
+        opts = read_headers(request.headers.raw)  # a bad zp header: InvalidRequest, before anything is held
         headers, auth, route, priority = opts.headers, opts.auth, opts.route, opts.priority
         deadline_s = opts.deadline_s if opts.deadline_s is not None else self.settings.deadline_s
         if priority is None:
             bp = body.get("priority")
             priority = bp if isinstance(bp, int) and not isinstance(bp, bool) else 0
+        arrival = self.clock.monotonic()
 
         path = request.url.path.rstrip("/")
         changed = False
@@ -428,12 +438,13 @@ class Core:
         if self.fleet is not None:  # metadata comes from a replica, not the fleet's own name
             base, root = self.fleet.metadata_base(base, root)
         model = body.get("model") if isinstance(body.get("model"), str) else None
+        ttft, tpot = self._targets(opts, route or model or "default", priority)
         return Parsed(
             body=body,
             changed=changed,
             headers=headers,
             priority=priority,
-            deadline=None if deadline_s is None else self.clock.monotonic() + deadline_s,
+            deadline=None if deadline_s is None else arrival + deadline_s,
             stream=stream,
             strip_usage=strip_usage,
             max_tokens=max_tokens,
@@ -445,7 +456,22 @@ class Core:
             upstream=upstream,
             session=opts.session,
             chat_or_completions=not path.endswith("/responses"),
+            arrival=arrival,
+            ttft_target_s=ttft,
+            tpot_target_s=tpot,
         )
+
+    def _targets(self, opts: Options, route: str, priority: int) -> tuple[float | None, float | None]:
+        """The request's (TTFT, TPOT) targets in seconds: its header, else its route's setting, else its
+        class's, else the global one (docs/admission.md#targets); None where none is set."""
+        s = self.settings
+        ttft = opts.ttft_target_s
+        if ttft is None:
+            ttft = s.ttft_route_targets.get(route, s.ttft_targets.get(priority, s.ttft_target_s))
+        tpot = opts.tpot_target_s
+        if tpot is None:
+            tpot = s.tpot_route_targets.get(route, s.tpot_targets.get(priority, s.tpot_target_s))
+        return ttft, tpot
 
     def shared_prefix(self, est: Any, low: int | None = None) -> tuple[str | None, int]:
         """``(prefix_key, full blocks)`` of a prompt estimate's shared preamble (leading system messages
@@ -511,6 +537,13 @@ class Core:
                 meta["prefix_blocks"] = pblocks
         if self.fleet is not None:
             meta = {**(meta or {}), **self.fleet.routing_meta(p.body, prompt, p.session)}
+        targeted = p.ttft_target_s is not None or p.tpot_target_s is not None
+        if targeted:  # what the budget's line orders by; age_s is added at each acquire (_lease_meta)
+            meta = dict(meta or {})
+            if p.ttft_target_s is not None:
+                meta[TTFT_TARGET_META] = p.ttft_target_s
+            if p.tpot_target_s is not None:
+                meta[TPOT_TARGET_META] = p.tpot_target_s
         content = request.content
         if p.changed:
             content = json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode()
@@ -536,7 +569,21 @@ class Core:
             upstream=p.upstream,
             continuous=continuous,
             strip_continuous=strip_continuous,
+            arrival=p.arrival,
+            targeted=targeted,
         )
+
+    def _lease_meta(self, plan: Plan, meta: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``meta`` as this acquire sends it: with a target, plus the request's ``age_s`` now (seconds
+        since its first arrival, so a retry keeps its original arrival) and the targets themselves."""
+        if not plan.targeted:
+            return meta
+        out = dict(meta or {})
+        for key in (TTFT_TARGET_META, TPOT_TARGET_META):
+            if plan.meta is not None and key in plan.meta:
+                out[key] = plan.meta[key]
+        out[AGE_META] = max(0.0, self.clock.monotonic() - plan.arrival)
+        return out
 
     def _continuous_usage(self, p: Parsed) -> bool:
         """Whether to ask for vLLM's ``continuous_usage_stats`` (``Settings.continuous_usage``; under
@@ -706,12 +753,14 @@ class Core:
             if reuse is not None and (timeout is None or reuse < timeout):
                 # a prefill leg kept for a decode retry waits for decode room only while its KV is alive
                 try:
-                    lease = yield Acquire(plan.blocks, plan.priority, reuse, ticket, plan.held, plan.meta)
+                    lease = yield Acquire(plan.blocks, plan.priority, reuse, ticket, plan.held,
+                                          self._lease_meta(plan, plan.meta))
                 except AdmissionTimeout:
                     yield from self._pd_drop(st)  # type: ignore[arg-type]
                     continue
             else:
-                lease = yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held, plan.meta)
+                lease = yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held,
+                                      self._lease_meta(plan, plan.meta))
             holder = Holder(lease, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock,
                             metrics=m)
             try:
@@ -813,7 +862,7 @@ class Core:
         blocks = max(1, -(-(plan.prompt_tokens + 1) // self.budget.block_size))
         try:
             plea = yield Acquire(blocks, plan.priority, self.remaining(plan), None, blocks,
-                                 pre.routing_only(plan.meta), budget=pre)
+                                 self._lease_meta(plan, pre.routing_only(plan.meta)), budget=pre)
         except LeaseTooLarge:  # larger than any prefill replica takes: its decode replica prefills it
             return
         st.holder = Holder(plea, self.settings.idle_stream_timeout_s, is_async=is_async, clock=self.clock)

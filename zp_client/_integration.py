@@ -7,6 +7,7 @@ openai's private layout (openai has no public accessor for either). See docs/int
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -16,7 +17,13 @@ from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
 from zp_client.metrics import ZPMetrics, as_metrics
-from zp_client.transport import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER
+from zp_client.transport import (
+    DEADLINE_HEADER,
+    PRIORITY_HEADER,
+    ROUTE_HEADER,
+    TPOT_TARGET_HEADER,
+    TTFT_TARGET_HEADER,
+)
 
 __all__ = ["AdmissionOptions", "openai_client_of", "openai_http_client"]
 
@@ -31,8 +38,11 @@ class AdmissionOptions:
     ``retry``: a :class:`~zp_client.RetryPolicy`; None (default) builds one from ``settings`` on the
     budget's shared retry budget; False turns retrying off. ``max_retries`` (default 0) are the openai
     SDK's own retries, which run around zp's. ``metrics``: a :class:`~zp_client.ZPMetrics` that records
-    every call's admission (default None: nothing recorded; docs/admission.md#metrics). Invalid values
-    raise :class:`~zp_client.ConfigurationError`.
+    every call's admission (default None: nothing recorded; docs/admission.md#metrics). ``ttft_target`` /
+    ``tpot_target``: the calls' TTFT / TPOT targets in seconds (``X-ZP-TTFT-Target`` /
+    ``X-ZP-TPOT-Target``; docs/admission.md#targets). Invalid values (a deadline or target that is not a
+    positive finite number of seconds, ...) raise :class:`~zp_client.ConfigurationError` here, at
+    construction.
     """
 
     budget: Budget
@@ -45,6 +55,8 @@ class AdmissionOptions:
     route: str | None = None
     max_retries: int = 0
     metrics: ZPMetrics | None = None
+    ttft_target: float | None = None
+    tpot_target: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, Budget):
@@ -52,8 +64,10 @@ class AdmissionOptions:
                 "budget must be a zp_client Budget (LocalBudget, RedisBudget), "
                 f"got {type(self.budget).__name__}"
             )
-        if self.deadline is not None and not self.deadline > 0:
-            raise ConfigurationError(f"deadline must be a positive number of seconds, got {self.deadline!r}")
+        for name in ("deadline", "ttft_target", "tpot_target"):
+            value = getattr(self, name)
+            if value is not None and not _positive_seconds(value):
+                raise ConfigurationError(f"{name} must be a positive finite number of seconds, got {value!r}")
         if self.max_retries < 0:
             raise ConfigurationError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.metrics is not None:
@@ -68,6 +82,10 @@ class AdmissionOptions:
             out[DEADLINE_HEADER] = repr(float(self.deadline))
         if self.route is not None:
             out[ROUTE_HEADER] = self.route
+        if self.ttft_target is not None:
+            out[TTFT_TARGET_HEADER] = repr(float(self.ttft_target))
+        if self.tpot_target is not None:
+            out[TPOT_TARGET_HEADER] = repr(float(self.tpot_target))
         return out
 
     def admit(self, client: C) -> C:
@@ -101,6 +119,12 @@ class AdmissionOptions:
             # wrap() accepted ``client``, so it is an openai client, which has with_options
             new = cast(C, cast(Any, new).with_options(**extra))
         return new
+
+
+def _positive_seconds(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value > 0 and math.isfinite(value)
 
 
 def _openai_clients() -> tuple[type, ...]:

@@ -8,16 +8,24 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from zp_client.errors import ConfigurationError
+from zp_client.errors import InvalidRequest
 
-__all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "SESSION_HEADER", "is_admitted", "Plan",
-           "Parsed", "Options",
-           "read_headers", "api_base"]
+__all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "SESSION_HEADER", "TTFT_TARGET_HEADER",
+           "TPOT_TARGET_HEADER", "TTFT_TARGET_META", "TPOT_TARGET_META", "AGE_META", "is_admitted", "Plan",
+           "Parsed", "Options", "read_headers", "api_base", "seconds"]
 
 PRIORITY_HEADER = "x-zp-priority"
 DEADLINE_HEADER = "x-zp-deadline"
 ROUTE_HEADER = "x-zp-route"
 SESSION_HEADER = "x-zp-session"
+TTFT_TARGET_HEADER = "x-zp-ttft-target"
+TPOT_TARGET_HEADER = "x-zp-tpot-target"
+# Lease meta keys of a request's targets (docs/admission.md#targets): seconds to its first token counted
+# from the logical request's first arrival, seconds per output token after it, and the request's age at
+# this enqueue (its first arrival is the first attempt's start, on the core's clock: a retry keeps it).
+TTFT_TARGET_META = "ttft_target_s"
+TPOT_TARGET_META = "tpot_target_s"
+AGE_META = "age_s"
 ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
 
 
@@ -42,7 +50,7 @@ class Plan:
     n: int
     estimate: Any
     meta: dict[str, Any] | None = None
-    """Lease metadata for an elastic budget (None under strict)."""
+    """Lease metadata: an elastic budget's, a fleet's routing, the targets (None when none of them)."""
     route: str = "default"
     """The forecaster's key."""
     max_tokens: int = 0
@@ -61,6 +69,10 @@ class Plan:
     """zp asked vLLM for ``continuous_usage_stats``: every chunk carries the exact counts so far."""
     strip_continuous: bool = False
     """...and the caller did not: the per-chunk usage is removed from what it reads."""
+    arrival: float = 0.0
+    """When the logical request first arrived (monotonic, the core's clock): its targets count from it."""
+    targeted: bool = False
+    """``meta`` holds a TTFT or TPOT target: each acquire sends the request's ``age_s`` with it."""
 
 
 @dataclass
@@ -82,6 +94,10 @@ class Parsed:
     session: str | None = None
     chat_or_completions: bool = True
     """``/chat/completions`` or ``/completions`` (not ``/responses``, whose events carry no such usage)."""
+    arrival: float = 0.0
+    """When the request arrived (monotonic, the core's clock)."""
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
 
 
 def api_base(url: Any) -> tuple[str, str]:
@@ -122,11 +138,46 @@ class Options:
     route: str | None = None
     session: str | None = None
     """``X-ZP-Session``: a fleet keeps the requests of one session on one replica."""
+    ttft_target_s: float | None = None
+    """``X-ZP-TTFT-Target``: seconds from the request's arrival to its first token."""
+    tpot_target_s: float | None = None
+    """``X-ZP-TPOT-Target``: seconds per output token after the first."""
+
+
+def seconds(value: Any, field: str, kind: str = "header") -> float:
+    """``value`` as a positive finite number of seconds, else :class:`~zp_client.InvalidRequest` whose
+    ``field`` is ``field`` (a header's or an option's name; ``kind`` says which in the message). Takes
+    numbers and their text (bytes: ASCII); refuses bools, nan, inf, 0 and negatives."""
+    got = value
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"{kind} {field} must be a positive number of seconds, got bytes that are "
+                                 f"not text: {bytes(got)!r}", field=field) from None
+        got = value
+    try:
+        out = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        out = math.nan
+    if not (out > 0 and math.isfinite(out)):
+        raise InvalidRequest(f"{kind} {field} must be a positive finite number of seconds, got {got!r}",
+                             field=field)
+    return out
+
+
+def _text(v: bytes, name: str) -> str:
+    try:
+        return v.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"header {name} is not UTF-8 text: {v!r}", field=name) from None
 
 
 def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
-    """Read ``X-ZP-Priority`` / ``X-ZP-Deadline`` / ``X-ZP-Route`` (stripped) from raw headers; a bad
-    value raises :class:`~zp_client.ConfigurationError`."""
+    """Read ``X-ZP-Priority`` / ``X-ZP-Deadline`` / ``X-ZP-TTFT-Target`` / ``X-ZP-TPOT-Target`` /
+    ``X-ZP-Route`` / ``X-ZP-Session`` (stripped) from raw headers. A bad value (a priority that is not an
+    integer, a deadline or target that is not a positive finite number of seconds, bytes that are not
+    text) raises :class:`~zp_client.InvalidRequest` naming the header, before anything is taken or sent."""
     opts = Options(headers=[], auth={})
     for k, v in raw:
         lk = k.lower()
@@ -135,22 +186,20 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
         elif lk == _SESSION:
             opts.session = v.decode("utf-8", "replace").strip() or None
         elif lk == _PRIORITY:
+            text = _text(v, "X-ZP-Priority")
             try:
-                opts.priority = int(v.decode().strip())
+                opts.priority = int(text)
             except ValueError:
-                raise ConfigurationError(
-                    f"header X-ZP-Priority must be an integer (lower = earlier), got {v.decode()!r}"
+                raise InvalidRequest(
+                    f"header X-ZP-Priority must be an integer (lower = earlier), got {text!r}",
+                    field="X-ZP-Priority",
                 ) from None
         elif lk == _DEADLINE:
-            try:
-                deadline_s = float(v.decode().strip())
-            except ValueError:
-                deadline_s = -1.0
-            if not (deadline_s > 0 and math.isfinite(deadline_s)):
-                raise ConfigurationError(
-                    f"header X-ZP-Deadline must be a positive number of seconds, got {v.decode()!r}"
-                )
-            opts.deadline_s = deadline_s
+            opts.deadline_s = seconds(v, "X-ZP-Deadline")
+        elif lk == _TTFT:
+            opts.ttft_target_s = seconds(v, "X-ZP-TTFT-Target")
+        elif lk == _TPOT:
+            opts.tpot_target_s = seconds(v, "X-ZP-TPOT-Target")
         elif lk not in (b"content-length", b"transfer-encoding"):  # those are recomputed for the body sent
             if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
                 opts.auth[k.decode("latin-1")] = v.decode("latin-1")
@@ -160,3 +209,4 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
 
 _ROUTE, _PRIORITY, _DEADLINE = ROUTE_HEADER.encode(), PRIORITY_HEADER.encode(), DEADLINE_HEADER.encode()
 _SESSION = SESSION_HEADER.encode()
+_TTFT, _TPOT = TTFT_TARGET_HEADER.encode(), TPOT_TARGET_HEADER.encode()

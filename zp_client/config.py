@@ -8,12 +8,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
+
+# A target in seconds: positive and finite (nan, inf, 0 and negatives are refused at construction).
+_Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class Settings(BaseSettings):
@@ -60,7 +63,38 @@ class Settings(BaseSettings):
 
     # --- requests ---------------------------------------------------------------------------------
     deadline_s: float | None = Field(
-        None, gt=0, description="Default deadline per logical request (queue wait, attempts, backoff)."
+        None, gt=0, allow_inf_nan=False,
+        description="Default deadline per logical request (queue wait, attempts, backoff).",
+    )
+    # Targets (docs/admission.md#targets): what the budget's line may order waiters by. A request's target
+    # is its X-ZP-TTFT-Target header, else its route's, else its priority class's, else the global one;
+    # none of them set (the default): no target, and the request's lease meta carries none.
+    ttft_target_s: _Seconds | None = Field(
+        None,
+        description="Default TTFT target in seconds, counted from the logical request's first arrival "
+        "(a retry keeps it); overridden per class (ttft_targets), per route (ttft_route_targets) and per "
+        "call (header X-ZP-TTFT-Target). None (default): no target.",
+    )
+    ttft_targets: dict[int, _Seconds] = Field(
+        default_factory=dict,
+        description="TTFT target in seconds per priority class, e.g. {0: 1.0, 1: 30.0} (env: JSON, "
+        "ZP_TTFT_TARGETS='{\"0\": 1, \"1\": 30}'); wins over ttft_target_s.",
+    )
+    ttft_route_targets: dict[str, _Seconds] = Field(
+        default_factory=dict,
+        description="TTFT target in seconds per route (the X-ZP-Route header, else the request's model); "
+        "wins over the class's and the global target, loses to the call's header.",
+    )
+    tpot_target_s: _Seconds | None = Field(
+        None,
+        description="Default TPOT target (seconds per output token after the first); overridden like "
+        "ttft_target_s by tpot_targets, tpot_route_targets and header X-ZP-TPOT-Target. None: no target.",
+    )
+    tpot_targets: dict[int, _Seconds] = Field(
+        default_factory=dict, description="TPOT target in seconds per priority class (env: JSON)."
+    )
+    tpot_route_targets: dict[str, _Seconds] = Field(
+        default_factory=dict, description="TPOT target in seconds per route (env: JSON)."
     )
     idle_stream_timeout_s: float = Field(
         300.0, gt=0, description="A stream the caller stops reading for this long releases its lease."

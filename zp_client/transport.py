@@ -18,7 +18,14 @@ import httpx
 from zp_client._core import default_retry, forecaster_for
 from zp_client._drivers import AsyncDriver, SyncDriver
 from zp_client._httplib import HTTPX, module_of
-from zp_client._plan import DEADLINE_HEADER, PRIORITY_HEADER, ROUTE_HEADER, is_admitted
+from zp_client._plan import (
+    DEADLINE_HEADER,
+    PRIORITY_HEADER,
+    ROUTE_HEADER,
+    TPOT_TARGET_HEADER,
+    TTFT_TARGET_HEADER,
+    is_admitted,
+)
 from zp_client.budget.base import Budget
 from zp_client.errors import ConfigurationError
 
@@ -35,6 +42,8 @@ __all__ = [
     "PRIORITY_HEADER",
     "DEADLINE_HEADER",
     "ROUTE_HEADER",
+    "TTFT_TARGET_HEADER",
+    "TPOT_TARGET_HEADER",
     "forecaster_for",
 ]
 

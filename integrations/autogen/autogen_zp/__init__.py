@@ -105,7 +105,8 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
     zp options are keywords beside the configuration: ``budget`` (required: a LocalBudget or
     RedisBudget), ``zp_settings``, ``zp_retry`` (a :class:`~zp_client.RetryPolicy`; default: built from
     ``zp_settings`` on the budget's shared retry budget; ``False``: no retries), ``zp_estimator``,
-    ``zp_forecaster``, and ``zp_priority`` / ``zp_deadline`` / ``zp_route`` (default ``X-ZP-*`` headers;
+    ``zp_forecaster``, and ``zp_priority`` / ``zp_deadline`` / ``zp_route`` / ``zp_ttft_target`` /
+    ``zp_tpot_target`` (default ``X-ZP-*`` headers; the targets in seconds, docs/admission.md#targets;
     per call ``extra_create_args={"extra_headers": {...}}`` overrides them), ``zp_metrics`` (a
     :class:`~zp_client.ZPMetrics` recording every call's admission). ``max_retries`` defaults to 0.
     Load a dumped component admitted with :meth:`from_component`. Every lease grant of a call is logged
@@ -124,12 +125,14 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
         zp_deadline: float | None = None,
         zp_route: str | None = None,
         zp_metrics: ZPMetrics | None = None,
+        zp_ttft_target: float | None = None,
+        zp_tpot_target: float | None = None,
         **config: Any,
     ) -> None:
         opts = AdmissionOptions(budget=budget, settings=zp_settings, estimator=zp_estimator, retry=zp_retry,
                                 forecaster=zp_forecaster, priority=zp_priority, deadline=zp_deadline,
                                 route=zp_route, max_retries=config.get("max_retries") or 0,
-                                metrics=zp_metrics)
+                                metrics=zp_metrics, ttft_target=zp_ttft_target, tpot_target=zp_tpot_target)
         super().__init__(**config)
         self._zp_options = opts
         self._zp_original = self._client

@@ -117,6 +117,8 @@ def _options(model: Any) -> AdmissionOptions:
         route=model.zp_route,
         max_retries=model.max_retries or 0,
         metrics=model.zp_metrics,
+        ttft_target=model.zp_ttft_target,
+        tpot_target=model.zp_tpot_target,
     )
 
 
@@ -404,8 +406,10 @@ class ZPChatOpenAI(ChatOpenAI):
     Fields beyond ChatOpenAI's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
     (:class:`~zp_client.Settings`), ``zp_retry`` (:class:`~zp_client.RetryPolicy`), ``zp_estimator``,
     ``zp_forecaster`` (elastic budgets), ``zp_priority`` (lower = earlier), ``zp_deadline`` (seconds for
-    queueing plus every attempt), ``zp_route`` (the forecaster's key) and ``zp_metrics`` (a
-    :class:`~zp_client.ZPMetrics` recording every call's admission). ``max_retries`` defaults to 0.
+    queueing plus every attempt), ``zp_route`` (the forecaster's key), ``zp_ttft_target`` /
+    ``zp_tpot_target`` (the calls' TTFT / TPOT targets in seconds, which the budget's line may order by;
+    docs/admission.md#targets) and ``zp_metrics`` (a :class:`~zp_client.ZPMetrics` recording every call's
+    admission). ``max_retries`` defaults to 0. A per-call ``extra_headers`` wins over these defaults.
 
     Every call reports its admission: a ``"zp_admission"`` custom event per lease grant to the run's
     callbacks, and ``response_metadata["zp_admission"]`` / ``generation_info`` (see the module doc).
@@ -417,9 +421,11 @@ class ZPChatOpenAI(ChatOpenAI):
     zp_estimator: Any | None = Field(default=None, exclude=True)
     zp_forecaster: Any | None = Field(default=None, exclude=True)
     zp_priority: int | None = Field(default=None, exclude=True)
-    zp_deadline: float | None = Field(default=None, gt=0, exclude=True)
+    zp_deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
     zp_route: str | None = Field(default=None, exclude=True)
     zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
+    zp_ttft_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
+    zp_tpot_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
     max_retries: int | None = 0
     """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
 
@@ -506,9 +512,11 @@ class ZPOpenAI(OpenAI):
     zp_estimator: Any | None = Field(default=None, exclude=True)
     zp_forecaster: Any | None = Field(default=None, exclude=True)
     zp_priority: int | None = Field(default=None, exclude=True)
-    zp_deadline: float | None = Field(default=None, gt=0, exclude=True)
+    zp_deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
     zp_route: str | None = Field(default=None, exclude=True)
     zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
+    zp_ttft_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
+    zp_tpot_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
     max_retries: int = 0
     """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
 
@@ -557,13 +565,16 @@ def admit_langchain(
     route: str | None = None,
     max_retries: int = 0,
     metrics: ZPMetrics | None = None,
+    ttft_target: float | None = None,
+    tpot_target: float | None = None,
     **setting_overrides: Any,
 ) -> M:
     """A copy of ``model`` (``ChatOpenAI``, ``AzureChatOpenAI``, ``OpenAI``, ...) admitted on ``budget``.
 
     Like :func:`zp_client.wrap` for openai clients: ``settings`` (or keyword overrides of its fields,
     e.g. ``default_max_tokens=1024``), ``estimator``, ``retry`` and ``forecaster`` configure the
-    admission transport; ``priority`` / ``deadline`` / ``route`` become default zp headers; ``metrics`` (a
+    admission transport; ``priority`` / ``deadline`` / ``route`` / ``ttft_target`` / ``tpot_target``
+    become default zp headers (docs/admission.md#targets); ``metrics`` (a
     :class:`~zp_client.ZPMetrics`) records every call's admission. The copy's
     ``max_retries`` is ``max_retries`` (default 0, leaving retries to zp). ``model`` is not modified and
     shares its connection pool with the copy. The copy is of ``model``'s own class, so it does not report
@@ -584,7 +595,8 @@ def admit_langchain(
             raise ConfigurationError(f"invalid zp option for admit_langchain(): {exc}") from None
     opts = AdmissionOptions(budget=budget, settings=settings, estimator=estimator, retry=retry,
                             forecaster=forecaster, priority=priority, deadline=deadline, route=route,
-                            max_retries=max_retries, metrics=metrics)
+                            max_retries=max_retries, metrics=metrics, ttft_target=ttft_target,
+                            tpot_target=tpot_target)
     # model_copy returns Self, which mypy widens to M's bound for a type variable
     copy = cast(M, model.model_copy(update={"max_retries": max_retries}))
     if isinstance(copy, BaseChatOpenAI):
