@@ -17,6 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests._asgi_server import LoopbackServer
+from tests._meta_spy import MetaSpy, targets
 from zp_client import (
     TPOT_TARGET_HEADER,
     TTFT_TARGET_HEADER,
@@ -46,38 +47,6 @@ def server() -> Iterator[LoopbackServer]:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class MetaSpy(LocalBudget):
-    """A LocalBudget that records what each acquire call was given: (meta or None, ticket)."""
-
-    def __init__(self, **kw: Any) -> None:
-        kw.setdefault("limit_blocks", 1000)
-        super().__init__(**kw)
-        self.calls: list[tuple[dict[str, Any] | None, Any]] = []
-
-    def _seen(self, kw: dict[str, Any]) -> None:
-        meta = kw.get("meta")
-        self.calls.append((None if meta is None else dict(meta), kw.get("ticket")))
-
-    async def acquire(self, blocks: int, **kw: Any) -> Any:
-        self._seen(kw)
-        return await super().acquire(blocks, **kw)
-
-    def acquire_sync(self, blocks: int, **kw: Any) -> Any:
-        self._seen(kw)
-        return super().acquire_sync(blocks, **kw)
-
-    @property
-    def metas(self) -> list[dict[str, Any] | None]:
-        return [m for m, _ in self.calls]
-
-    def granted(self) -> int:
-        return int(self.status_sync().extra["granted"])
-
-
-def targets(meta: dict[str, Any] | None) -> dict[str, Any]:
-    return {k: v for k, v in (meta or {}).items() if k in ("ttft_target_s", "tpot_target_s")}
 
 
 def awrapped(server: LoopbackServer, b: Any, **settings: Any) -> Any:
