@@ -107,7 +107,8 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
     ``zp_settings`` on the budget's shared retry budget; ``False``: no retries), ``zp_estimator``,
     ``zp_forecaster``, and ``zp_priority`` / ``zp_deadline`` / ``zp_route`` / ``zp_ttft_target`` /
     ``zp_tpot_target`` (default ``X-ZP-*`` headers; the targets in seconds, docs/admission.md#targets;
-    per call ``extra_create_args={"extra_headers": {...}}`` overrides them), ``zp_metrics`` (a
+    they win over the same headers in the configuration's ``default_headers``; AutoGen's ``create``
+    takes no per-call headers: ``extra_create_args`` refuses ``extra_headers``), ``zp_metrics`` (a
     :class:`~zp_client.ZPMetrics` recording every call's admission). ``max_retries`` defaults to 0.
     Load a dumped component admitted with :meth:`from_component`. Every lease grant of a call is logged
     as a :class:`ZPAdmissionEvent` on autogen_core's ``EVENT_LOGGER_NAME`` logger.
