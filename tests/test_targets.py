@@ -301,3 +301,39 @@ async def test_admission_options_targets_reach_the_budget_and_a_call_header_wins
     await c.close()
     await raw.close()
 
+
+
+# ------------------------------------------------------------------------------------------ RedisBudget
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("policy", ["strict", "elastic"])
+def test_the_targets_reach_a_redis_budget(server: LoopbackServer, redis_url: str, redis_prefix: str,
+                                          policy: str) -> None:
+    import redis
+
+    from zp_client import RedisBudget
+
+    calls: list[dict[str, Any] | None] = []
+
+    class RedisSpy(RedisBudget):
+        def acquire_sync(self, blocks: int, **kw: Any) -> Any:
+            calls.append(kw.get("meta"))
+            return super().acquire_sync(blocks, **kw)
+
+    b = RedisSpy(redis_url, redis_prefix, 1000, 16, policy=policy, recovery_s=0)
+    try:
+        c = swrapped(server, b, tpot_target_s=0.05)
+        reply = c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8,
+                                          extra_headers={TTFT_TARGET_HEADER: "2"})
+        assert reply.choices[0].message.content
+        assert len(calls) == 1 and targets(calls[0]) == {"ttft_target_s": 2.0, "tpot_target_s": 0.05}
+        assert calls[0] is not None and calls[0]["age_s"] >= 0
+        assert b.status_sync().used == 0
+    finally:
+        b.close_sync()
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
