@@ -337,3 +337,34 @@ def test_the_targets_reach_a_redis_budget(server: LoopbackServer, redis_url: str
         if keys:
             r.delete(*keys)
         r.close()
+
+
+# ------------------------------------------------------------------------------------------ disaggregated
+
+
+async def test_the_prefill_leg_of_a_disaggregated_fleet_carries_the_targets() -> None:
+    from zp_client.sim.server import SimServer
+
+    prefill_metas: list[dict[str, Any] | None] = []
+
+    class PrefillSpy(Fleet):
+        async def acquire(self, blocks: int, **kw: Any) -> Any:
+            prefill_metas.append(kw.get("meta"))
+            return await super().acquire(blocks, **kw)
+
+    async with SimServer("tiny", speedup=20.0, role="prefill") as p, \
+            SimServer("tiny", speedup=20.0, role="decode", kv_transfer_s_per_block=0.001) as d:
+        pre = PrefillSpy([p.base_url], limit_blocks=480, policy="strict")
+        dec = Fleet([d.base_url], limit_blocks=480, policy="elastic").disaggregate(pre, threshold_tokens=0)
+        client = wrap(openai.AsyncOpenAI(base_url=dec.base_url, api_key="x"), budget=dec,
+                      settings=Settings(estimator="heuristic", ttft_target_s=1.25))
+        try:
+            reply = await client.chat.completions.create(
+                model="sim-llama", max_tokens=4, messages=[{"role": "user", "content": "word " * 300}])
+            assert reply.choices[0].message.content is not None
+        finally:
+            await client.close()
+    assert dec.pd is not None and dec.pd.counts["prefills"] == 1  # it took the prefill leg
+    assert len(prefill_metas) == 1
+    meta = prefill_metas[0]
+    assert targets(meta) == {"ttft_target_s": 1.25} and meta is not None and meta["age_s"] >= 0
