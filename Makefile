@@ -14,7 +14,10 @@ EDITABLE_INTEGRATIONS = $(addprefix -e ,$(INTEGRATIONS))
 # What `make lint` and `make typecheck` check; integration paths are skipped until they exist. mypy
 # gets the integration packages, not their tests folders (two `tests`/`conftest` modules would clash).
 LINT_PATHS      ?= zp_client $(wildcard integrations)
-TYPECHECK_PATHS ?= zp_client $(wildcard integrations/*/*_zp integrations/*/src/*_zp)
+TYPECHECK_PATHS ?= zp_client $(filter-out $(OA2_ONLY)/%,$(wildcard integrations/*/*_zp integrations/*/src/*_zp))
+# llama-index-llms-zp: LlamaIndex's openai integration needs openai < 3, so it is installed, tested and
+# type-checked (mypy reading that environment's packages) in the openai 2.x environment only.
+OA2_ONLY = integrations/llama-index
 
 .PHONY: test test-main test-openai2 lint typecheck demo bench clean
 
@@ -26,10 +29,10 @@ $(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
 	touch $@
 
 # A second, small environment: openai 2.x (built on httpx), for the tests marked openai_compat.
-$(OA2)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
+$(OA2)/.installed: pyproject.toml $(INTEGRATION_PROJECTS) $(OA2_ONLY)/pyproject.toml
 	$(PYTHON) -m venv $(OA2)
 	$(PY2) -m pip install -q --upgrade pip
-	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" $(EDITABLE_INTEGRATIONS) "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
+	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" $(EDITABLE_INTEGRATIONS) -e $(OA2_ONLY) "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
 	touch $@
 
 # The gates run first: a lint or type finding fails `make test` before the suite starts.
@@ -40,13 +43,15 @@ test-main: $(VENV)/.installed
 
 test-openai2: $(OA2)/.installed
 	$(PY2) -m pytest -m openai_compat $(PYTEST_ARGS)
+	$(PY2) -m pytest $(OA2_ONLY)/tests $(PYTEST_ARGS)
 
 # Gates (rules in pyproject.toml: [tool.ruff.lint], [tool.mypy]).
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 
-typecheck: $(VENV)/.installed
+typecheck: $(VENV)/.installed $(OA2)/.installed
 	$(VENV)/bin/mypy $(TYPECHECK_PATHS)
+	$(VENV)/bin/mypy --follow-imports=silent --python-executable $(PY2) $(OA2_ONLY)/llama_index_zp
 
 # The main job: the storm benchmark on the simulator, with and without zp-client.
 demo: $(VENV)/.installed
