@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 pytest.importorskip("llama_index.llms.openai_like")
 
-from _budget_probes import granted
+from _budget_probes import granted, wait_until
 from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released, zp_error_in
 from llama_index.core.agent.workflow import AgentStream, FunctionAgent
 from llama_index.core.llms import ChatMessage
@@ -121,6 +121,29 @@ def test_zp_options_become_the_clients_headers_and_both_clients_share_the_budget
     assert fresh._get_client() is not fresh._get_client()
     assert admitted_budget(fresh._get_client()) is budget and admitted_budget(fresh._get_aclient()) is budget
     assert fresh.chat(user("hi")).message.content and released(budget)
+
+
+def test_a_cancelled_async_stream_gives_its_lease_back(proxy: FailProxy) -> None:
+    budget = LocalBudget(limit_blocks=400, policy="strict")
+    llm = llm_of(proxy, budget, max_tokens=400, additional_kwargs={"extra_body": {"sim_output_tokens": 300}})
+
+    async def run() -> None:
+        first = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in await llm.astream_chat(user("a long answer")):
+                first.set()
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.wait_for(first.wait(), 30)
+        assert budget.status_sync().used > 0  # mid-stream: the lease is held
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: released(budget), "the cancelled stream's lease to be released")
+
+    asyncio.run(run())
+    assert granted(budget) == 1
 
 
 # ----------------------------------------------------------------------------------- failing paths
