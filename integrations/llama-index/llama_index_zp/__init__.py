@@ -58,7 +58,7 @@ class ZPOpenAILike(OpenAILike):  # type: ignore[misc]  # OpenAILike is untyped (
     zp_estimator: Any | None = Field(default=None, exclude=True)
     zp_forecaster: Any | None = Field(default=None, exclude=True)
     zp_priority: int | None = Field(default=None, exclude=True)
-    zp_deadline: float | None = Field(default=None, gt=0, exclude=True)
+    zp_deadline: float | None = Field(default=None, exclude=True)  # > 0: AdmissionOptions says so
     zp_route: str | None = Field(default=None, exclude=True)
     zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
 

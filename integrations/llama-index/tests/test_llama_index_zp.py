@@ -212,6 +212,8 @@ def test_bad_input_says_so(proxy: FailProxy) -> None:
                                                                           api_key="sk-test"), budget))
     with pytest.raises(ConfigurationError, match="budget"):
         llm_of(proxy, "not a budget")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="deadline"):
+        llm_of(proxy, budget, zp_deadline=0)
     # an unwrapped client of the caller's is admitted on the budget
     mine = llm_of(proxy, budget, openai_client=plain)
     assert mine.chat(user("hi")).message.content and granted(budget) == 1 and released(budget)
