@@ -4,6 +4,8 @@ VENV   ?= .venv
 OA2    ?= .venv-openai2
 PY      = $(VENV)/bin/python
 PY2     = $(OA2)/bin/python
+CREWAI ?= .venv-crewai
+PY3     = $(CREWAI)/bin/python
 PYTEST_ARGS ?=
 # The agent-framework integrations: separate distributions in this repository (langchain-zp, autogen-zp),
 # installed editable into both environments; their tests are in pyproject.toml's testpaths.
@@ -14,9 +16,12 @@ EDITABLE_INTEGRATIONS = $(addprefix -e ,$(INTEGRATIONS))
 # What `make lint` and `make typecheck` check; integration paths are skipped until they exist. mypy
 # gets the integration packages, not their tests folders (two `tests`/`conftest` modules would clash).
 LINT_PATHS      ?= zp_client $(wildcard integrations)
-TYPECHECK_PATHS ?= zp_client $(wildcard integrations/*/*_zp integrations/*/src/*_zp)
+TYPECHECK_PATHS ?= zp_client $(filter-out $(OA2_ONLY)/% integrations/crewai/%,$(wildcard integrations/*/*_zp integrations/*/src/*_zp))
+# llama-index-llms-zp: LlamaIndex's openai integration needs openai < 3, so it is installed, tested and
+# type-checked (mypy reading that environment's packages) in the openai 2.x environment only.
+OA2_ONLY = integrations/llama-index
 
-.PHONY: test test-main test-openai2 lint typecheck demo bench clean
+.PHONY: test test-main test-openai2 test-crewai lint typecheck demo bench clean
 
 # The main environment: openai 3.x (built on httpx2) and every extra.
 $(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
@@ -26,27 +31,40 @@ $(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
 	touch $@
 
 # A second, small environment: openai 2.x (built on httpx), for the tests marked openai_compat.
-$(OA2)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
+$(OA2)/.installed: pyproject.toml $(INTEGRATION_PROJECTS) $(OA2_ONLY)/pyproject.toml
 	$(PYTHON) -m venv $(OA2)
 	$(PY2) -m pip install -q --upgrade pip
-	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" $(EDITABLE_INTEGRATIONS) "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
+	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" $(EDITABLE_INTEGRATIONS) -e $(OA2_ONLY) "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
+	touch $@
+
+# A third environment for crewai-zp: CrewAI 1.15 pins openai<3, httpx~=0.28 and pydantic<2.13.
+$(CREWAI)/.installed: pyproject.toml integrations/crewai/pyproject.toml
+	$(PYTHON) -m venv $(CREWAI)
+	$(PY3) -m pip install -q --upgrade pip
+	$(PY3) -m pip install -q -e ".[sim]" -e integrations/crewai "pytest>=8" "pytest-timeout>=2.3"
 	touch $@
 
 # The gates run first: a lint or type finding fails `make test` before the suite starts.
-test: lint typecheck test-main test-openai2
+test: lint typecheck test-main test-openai2 test-crewai
 
 test-main: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-openai2: $(OA2)/.installed
 	$(PY2) -m pytest -m openai_compat $(PYTEST_ARGS)
+	$(PY2) -m pytest $(OA2_ONLY)/tests $(PYTEST_ARGS)
+
+test-crewai: $(CREWAI)/.installed
+	$(PY3) -m pytest integrations/crewai/tests $(PYTEST_ARGS)
 
 # Gates (rules in pyproject.toml: [tool.ruff.lint], [tool.mypy]).
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 
-typecheck: $(VENV)/.installed
+typecheck: $(VENV)/.installed $(OA2)/.installed $(CREWAI)/.installed
 	$(VENV)/bin/mypy $(TYPECHECK_PATHS)
+	$(VENV)/bin/mypy --follow-imports=silent --python-executable $(PY2) $(OA2_ONLY)/llama_index_zp
+	$(VENV)/bin/mypy --follow-imports=silent --python-executable $(PY3) integrations/crewai/crewai_zp
 
 # The main job: the storm benchmark on the simulator, with and without zp-client.
 demo: $(VENV)/.installed
@@ -56,4 +74,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_budget.py
 
 clean:
-	rm -rf $(VENV) $(OA2) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) $(OA2) $(CREWAI) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

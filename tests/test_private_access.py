@@ -11,7 +11,13 @@ import openai
 import pytest
 
 from zp_client._httplib import module_of
-from zp_client._private import has_read_body, http_mounts, http_transport, sdk_http_client
+from zp_client._private import (
+    has_read_body,
+    http_mounts,
+    http_transport,
+    replace_crewai_clients,
+    sdk_http_client,
+)
 from zp_client.errors import ConfigurationError
 
 try:
@@ -52,6 +58,19 @@ def test_a_renamed_attribute_raises_a_configuration_error() -> None:
     for fn, attr in ((sdk_http_client, "_client"), (http_transport, "_transport"), (http_mounts, "_mounts")):
         with pytest.raises(ConfigurationError, match=attr):
             fn(Renamed())
+    with pytest.raises(ConfigurationError, match="_client"):
+        replace_crewai_clients(Renamed(), lambda c: c)
+
+
+def test_replace_crewai_clients_replaces_the_clients_built_and_leaves_the_others() -> None:
+    # CrewAI's own class is checked in integrations/crewai/tests (its environment); this is the contract
+    class LLM:
+        _client: object | None = "sync"
+        _async_client: object | None = None
+
+    llm = LLM()
+    replace_crewai_clients(llm, lambda c: ("admitted", c))
+    assert llm._client == ("admitted", "sync") and llm._async_client is None
 
 
 @pytest.mark.openai_compat

@@ -1,17 +1,19 @@
 """Every private attribute of another library zp reads, each owned by one function.
 
-openai and httpx/httpx2 offer no public accessor for these; if a release renames one, the function
-raises :class:`~zp_client.ConfigurationError` saying which, and tests/test_private_access.py fails.
-See docs/integrations.md.
+openai and httpx/httpx2 (and CrewAI, for its LLM's clients) offer no public accessor for these; if a
+release renames one, the function raises :class:`~zp_client.ConfigurationError` saying which, and
+tests/test_private_access.py (integrations/crewai/tests for CrewAI) fails. See docs/integrations.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from zp_client.errors import ConfigurationError
 
-__all__ = ["sdk_http_client", "resource_client", "http_transport", "http_mounts", "has_read_body"]
+__all__ = ["sdk_http_client", "resource_client", "http_transport", "http_mounts", "has_read_body",
+           "replace_crewai_clients"]
 
 
 def _missing(obj: Any, attr: str) -> ConfigurationError:
@@ -57,3 +59,17 @@ def has_read_body(resp: Any) -> bool:
     """Whether an ``httpx`` / ``httpx2`` response already holds its whole body (``Response._content``,
     set by ``read()`` or by a response built with ``content=``; httpx has no public flag for it)."""
     return hasattr(resp, "_content")
+
+
+def replace_crewai_clients(llm: Any, replace: Callable[[Any], Any]) -> None:
+    """Set the openai clients a CrewAI native OpenAI LLM (``crewai.llms.providers.openai.completion.
+    OpenAICompletion``) keeps, ``llm._client`` and ``llm._async_client``, to ``replace(client)``; one it
+    has not built (None) stays None. CrewAI has no public hook for them (its ``interceptor`` sees single
+    HTTP requests, not a call and its retries)."""
+    for attr in ("_client", "_async_client"):
+        try:
+            current = getattr(llm, attr)
+        except AttributeError:
+            raise _missing(llm, attr) from None
+        if current is not None:
+            setattr(llm, attr, replace(current))

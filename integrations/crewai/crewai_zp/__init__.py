@@ -1,0 +1,100 @@
+"""crewai-zp: CrewAI's native OpenAI LLM, admission-gated on a zp budget.
+
+    llm = ZPLLM(model="m", base_url="http://localhost:8000/v1", api_key="x", budget=budget)
+    agent = Agent(role=..., goal=..., backstory=..., llm=llm)
+
+:class:`ZPLLM` is CrewAI's ``OpenAICompletion`` (what ``crewai.LLM(model="openai/...")`` builds) whose sync
+and async openai clients are passed through :func:`zp_client.wrap` on the one ``budget`` when the model is
+built: every LLM call of an agent, crew or flow takes a lease first. CrewAI has no public hook for those
+clients; they are replaced in one place, ``zp_client._private.replace_crewai_clients``, whose test fails
+if CrewAI renames them. ``max_retries`` (the openai SDK's retries; CrewAI's default is 2) defaults to 0.
+Install: ``pip install -e . -e integrations/crewai`` (CrewAI 1.15 needs openai < 3, httpx 0.28, pydantic
+< 2.13). What callers may rely on: docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from zp_client import AdmissionOptions, Budget, Settings
+from zp_client._private import replace_crewai_clients
+from zp_client.errors import ConfigurationError, MissingIntegration
+from zp_client.metrics import ZPMetrics
+
+try:
+    from crewai.llms.providers.openai.completion import OpenAICompletion
+except ImportError as _exc:  # the missing-framework test hides it from sys.modules
+    raise MissingIntegration(
+        f"crewai_zp needs crewai ({_exc.name or _exc} could not be imported): install crewai-zp again "
+        "(pip install -e integrations/crewai)"
+    ) from _exc
+
+if sys.version_info >= (3, 11):
+    from typing import Self
+else:
+    from typing_extensions import Self
+
+__all__ = ["ZPLLM"]
+
+
+class ZPLLM(OpenAICompletion):
+    """CrewAI's ``OpenAICompletion`` whose every call is admitted on ``budget`` (see the module doc).
+
+    Fields beyond CrewAI's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
+    (:class:`~zp_client.Settings`), ``zp_retry`` (:class:`~zp_client.RetryPolicy`, or False for one
+    attempt), ``zp_estimator``, ``zp_forecaster`` (elastic budgets), ``zp_priority`` (lower = earlier),
+    ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route`` and ``zp_metrics``, as in
+    langchain-zp. ``max_retries`` defaults to 0; an explicit value is honoured (the SDK's retries then run
+    around zp's). Both clients are built and admitted at construction, so ``api_key`` (any string, for
+    vLLM) must be given or in ``OPENAI_API_KEY``: without it, a :class:`~zp_client.ConfigurationError`.
+    Clients CrewAI built already admitted on another budget are a ConfigurationError too.
+    """
+
+    budget: Budget = Field(exclude=True)
+    zp_settings: Settings | None = Field(default=None, exclude=True)
+    zp_retry: Any | None = Field(default=None, exclude=True)
+    zp_estimator: Any | None = Field(default=None, exclude=True)
+    zp_forecaster: Any | None = Field(default=None, exclude=True)
+    zp_priority: int | None = Field(default=None, exclude=True)
+    zp_deadline: float | None = Field(default=None, exclude=True)  # > 0: AdmissionOptions says so
+    zp_route: str | None = Field(default=None, exclude=True)
+    zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
+    max_retries: int = Field(default=0, ge=0)
+    """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            # pydantic wraps a validator's ValueError (ConfigurationError is one): give the caller zp's own
+            for err in exc.errors():
+                cause = (err.get("ctx") or {}).get("error")
+                if isinstance(cause, ConfigurationError):
+                    raise cause from None
+            raise
+
+    # A unique name: after validators run parent-first, so OpenAICompletion's _init_clients has built the
+    # clients (or left them None, without an API key) when this runs.
+    @model_validator(mode="after")
+    def _zp_admit_clients(self) -> Self:
+        opts = AdmissionOptions(
+            budget=self.budget, settings=self.zp_settings, estimator=self.zp_estimator, retry=self.zp_retry,
+            forecaster=self.zp_forecaster, priority=self.zp_priority, deadline=self.zp_deadline,
+            route=self.zp_route, max_retries=self.max_retries, metrics=self.zp_metrics)
+        built: list[Any] = []
+
+        def admit(client: Any) -> Any:
+            built.append(client)
+            return opts.admit(client)
+
+        replace_crewai_clients(self, admit)
+        if len(built) != 2:
+            # CrewAI would build them lazily, unadmitted, on the first call
+            raise ConfigurationError(
+                "ZPLLM could not build its openai clients at construction: pass api_key= (any string for "
+                "vLLM) or set OPENAI_API_KEY"
+            )
+        return self
