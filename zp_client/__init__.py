@@ -34,6 +34,9 @@ _EXPORTS: dict[str, str] = {
     "PinRefused": "zp_client.errors",
     "StreamCut": "zp_client.errors",
     "RetryBudgetExhausted": "zp_client.errors",
+    "ServerUnreachable": "zp_client.errors",
+    "retry_on": "zp_client.errors",
+    "unwrap_error": "zp_client.errors",
     "MissingIntegration": "zp_client.errors",
     # configuration
     "Settings": "zp_client.config",
@@ -119,12 +122,15 @@ __all__ = [
     "RedisBudget",
     "RetryBudgetExhausted",
     "RetryPolicy",
+    "retry_on",
     "ROUTE_HEADER",
     "ServerInfo",
+    "ServerUnreachable",
     "Settings",
     "StreamCut",
     "summarize_admissions",
     "Ticket",
+    "unwrap_error",
     "wrap",
     "ZPError",
     "ZPMetrics",
@@ -168,8 +174,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         PinRefused,
         PromptTooLong,
         RetryBudgetExhausted,
+        ServerUnreachable,
         StreamCut,
         ZPError,
+        retry_on,
+        unwrap_error,
     )
     from zp_client.estimate import Estimator
     from zp_client.fleet import Fleet, HealthRules
