@@ -803,11 +803,11 @@ class Core:
                 logger.info("attempt %d failed (%s): retrying in %.3f s", attempt + 1, d.reason, d.delay_s)
                 if fleet is not None:
                     plan.meta = fleet.avoiding(plan.meta, lease)
-                if m is not None:
-                    m.retried(None, exc)
                 yield Sleep(retry, d.delay_s)
                 if d.budget_owed:
                     yield WaitBudget(retry, state, self.remaining(plan))
+                if m is not None:  # granted now
+                    m.retried(None, exc)
                 attempt += 1
                 continue
             except BaseException:
@@ -834,11 +834,11 @@ class Core:
                         )
                         if fleet is not None:
                             plan.meta = fleet.avoiding(plan.meta, lease)
-                        if m is not None:
-                            m.retried(resp.status_code, None)
                         yield Sleep(retry, d.delay_s)
                         if d.budget_owed:
                             yield WaitBudget(retry, state, self.remaining(plan))
+                        if m is not None:  # granted now
+                            m.retried(resp.status_code, None)
                         attempt += 1
                         continue
                 if assembled:  # consumed, observed and released already
