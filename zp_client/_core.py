@@ -9,6 +9,7 @@ only here. Time comes from an injectable :class:`~zp_client._clock.Clock`. See d
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import threading
@@ -32,6 +33,7 @@ from zp_client.errors import (
     PromptTooLong,
     ServerUnreachable,
     ZPError,
+    error_chain,
 )
 from zp_client.observe import AdmissionInfo
 from zp_client.observe import active as active_observers
@@ -250,7 +252,8 @@ def unreachable(request: Any, exc: BaseException, attempts: int) -> ServerUnreac
         url = str(request.url)
     if type(exc).__name__ == "ConnectTimeout":
         reason = "timed out connecting"
-    elif "refused" in str(exc).lower():
+    elif any(isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED
+             or "refused" in str(e).lower() for e in error_chain(exc)):
         reason = "connection refused"
     else:
         reason = f"could not connect ({exc})" if str(exc) else "could not connect"

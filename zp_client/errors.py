@@ -223,7 +223,7 @@ _TRANSIENT_NAMES = frozenset({
 })
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def error_chain(exc: BaseException) -> list[BaseException]:
     """``exc`` and what it was raised from or during, breadth-first, each once (chains can be cycles)."""
     seen: set[int] = set()
     out: list[BaseException] = []
@@ -257,7 +257,7 @@ def unwrap_error(exc: BaseException) -> ZPError | None:
             if isinstance(zp, zp_client.LeaseTooLarge):
                 ...
     """
-    for e in _chain(exc):
+    for e in error_chain(exc):
         if isinstance(e, ZPError):
             return e
     return None
@@ -299,7 +299,7 @@ def retry_on(exc: BaseException) -> bool:
         if status is not None:
             return status in _TRANSIENT_STATUSES or status >= 500
         return True
-    for e in _chain(exc):
+    for e in error_chain(exc):
         status = _status_of(e)
         if status is not None:
             return status in _TRANSIENT_STATUSES or status >= 500
