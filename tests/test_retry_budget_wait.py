@@ -237,3 +237,38 @@ async def test_through_wrap_an_exhausted_wait_is_a_valueerror_the_caller_can_cat
     assert isinstance(err, openai.OpenAIError) and isinstance(err, ValueError)
     assert "stayed spent" in str(err)
     assert (await kv.status()).used == 0
+
+
+@pytest.mark.redis
+def test_a_waiting_retry_on_a_redis_budget_takes_the_retry_another_process_earned(
+    redis_url: str, redis_prefix: str
+) -> None:
+    from zp_client.budget.redis import RedisRetryBudget
+
+    async def main() -> tuple[int, tuple[int, int, float]]:
+        mine = RedisRetryBudget(redis_prefix, url=redis_url, ratio=1.0, floor_per_s=0.0, window_s=10.0,
+                                flush_interval_s=0)
+        other = RedisRetryBudget(redis_prefix, url=redis_url, ratio=1.0, floor_per_s=0.0, window_s=10.0,
+                                 flush_interval_s=0)  # the same name: another process's view
+        policy = RetryPolicy(budget=mine, budget_wait_s=20.0)
+        try:
+            state = policy.new_request()
+            d = await _failed(policy, state)
+            assert d.budget_owed  # nothing answered anywhere yet
+
+            async def elsewhere() -> None:
+                await anyio.sleep(0.3)
+                await RetryPolicy(budget=other).decide_async(  # an answer there earns one retry
+                    RetryPolicy(budget=other).new_request(), status=200, headers={}, error=None,
+                    delivered=False, remaining_s=None)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(elsewhere)
+                await policy.wait_for_budget_async(state, remaining_s=None)
+            return state.retries, await mine.snapshot_async()
+        finally:
+            await mine.aclose()
+            await other.aclose()
+
+    retries, (requests, spent, _) = anyio.run(main)
+    assert retries == 1 and (requests, spent) == (1, 1)
