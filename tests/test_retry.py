@@ -296,9 +296,9 @@ def test_deadline_exceeded_is_an_admission_timeout() -> None:
 # --- local retry budget -----------------------------------------------------------------------------
 
 
-def test_local_budget_defaults_are_ratio_0_5_floor_0_5_per_s_window_10_s() -> None:
+def test_local_budget_defaults_are_ratio_0_5_floor_0_5_per_s_window_20_s() -> None:
     b = LocalRetryBudget()
-    assert (b.ratio, b.floor_per_s, b.window_s) == (0.5, 0.5, 10.0)
+    assert (b.ratio, b.floor_per_s, b.window_s) == (0.5, 0.5, 20.0)
     assert isinstance(RetryPolicy().budget, LocalRetryBudget)
     assert RetryPolicy().budget is not RetryPolicy().budget  # no budget shared by accident
 
@@ -533,7 +533,7 @@ def test_retry_budget_for_a_redis_budget_is_fleet_wide_under_its_hash_tag(
 
 def test_retry_budget_for_any_other_budget_is_local() -> None:
     rb = retry_budget_for(object(), ratio=0.2)
-    assert isinstance(rb, LocalRetryBudget) and rb.ratio == 0.2 and rb.window_s == 10.0
+    assert isinstance(rb, LocalRetryBudget) and rb.ratio == 0.2 and rb.window_s == 20.0  # the default window
 
 
 def test_redis_budget_with_only_an_async_client_refuses_sync_calls_clearly() -> None:

@@ -175,7 +175,7 @@ def test_connect_errors_are_not_charged_to_the_retry_budget() -> None:
 def test_settings_default_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Settings()
     assert (s.retry_budget_ratio, s.retry_budget_floor_per_s, s.retry_budget_window_s,
-            s.retry_budget_wait_s) == (0.5, 0.5, 10.0, 30.0)
+            s.retry_budget_wait_s) == (0.5, 0.5, 20.0, 30.0)
     monkeypatch.setenv("ZP_RETRY_BUDGET_WAIT_S", "7.5")
     assert RetryPolicy.from_settings(Settings()).budget_wait_s == 7.5
 

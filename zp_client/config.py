@@ -116,7 +116,10 @@ class Settings(BaseSettings):
     retry_budget_floor_per_s: float = Field(
         0.5, ge=0, description="Retry budget: retries allowed per second regardless of traffic."
     )
-    retry_budget_window_s: float = Field(10.0, gt=0, description="Retry budget: sliding window length.")
+    retry_budget_window_s: float = Field(
+        20.0, gt=0,
+        description="Retry budget: sliding window length; floor_per_s x window_s is the reserve a burst of "
+        "failures may use at once (10 retries by default).")
     retry_budget_wait_s: float = Field(
         30.0, ge=0,
         description="How long a retry the spent retry budget refuses waits for it (holding no KV lease) "

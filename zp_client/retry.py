@@ -53,7 +53,7 @@ DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({429, 502, 503, 529})
 # answered requests + FLOOR_PER_S x WINDOW_S over a sliding window of WINDOW_S seconds.
 DEFAULT_BUDGET_RATIO = 0.5
 DEFAULT_BUDGET_FLOOR_PER_S = 0.5
-DEFAULT_BUDGET_WINDOW_S = 10.0
+DEFAULT_BUDGET_WINDOW_S = 20.0
 DEFAULT_BUDGET_WAIT_S = 30.0
 
 
@@ -254,8 +254,8 @@ class LocalRetryBudget:
 
     Counted over a sliding window of ``window_s`` seconds made of ``buckets`` fixed buckets (so the
     window really spans between ``window_s - window_s/buckets`` and ``window_s``). Defaults: ratio 0.5
-    (one retry per two answered requests), floor 0.5 retry per second, window 10 s, i.e. when nothing is
-    answered (a server that fails everything) 5 retries per 10 s still go through. Retries refused now
+    (one retry per two answered requests), floor 0.5 retry per second, window 20 s, i.e. when nothing is
+    answered (a server that fails everything) 10 retries per 20 s still go through. Retries refused now
     become possible as the window slides (old retries age out) or as answers arrive: the policy waits for
     that (docs/retries.md#the-retry-budget). Thread-safe; ``clock`` (monotonic seconds) is for tests.
     """
@@ -334,7 +334,7 @@ def retry_budget_for(
     """A new retry budget matching a KV budget: fleet-wide for a ``RedisBudget``, per process otherwise.
 
     Calls the budget's public :meth:`~zp_client.Budget.new_retry_budget`; anything that is not a budget
-    gets a :class:`LocalRetryBudget`. Defaults: ratio 0.5, floor 0.5/s, window 10 s. Front ends share
+    gets a :class:`LocalRetryBudget`. Defaults: ratio 0.5, floor 0.5/s, window 20 s. Front ends share
     :meth:`~zp_client.Budget.retry_budget` (one per KV budget) instead.
     """
     factory = getattr(budget, "new_retry_budget", None)
@@ -451,7 +451,7 @@ class RetryPolicy:
     * ``retry_on_504=False``: also retry 504 — only when the upstream aborts abandoned requests.
     * ``retry_read_timeouts=None``: retry read timeouts / read errors; ``None`` follows ``retry_on_504``.
     * ``budget``: a :class:`RetryBudget`; default a new :class:`LocalRetryBudget` (ratio 0.5, floor 0.5/s,
-      window 10 s) per policy; ``None`` disables the retry budget.
+      window 20 s) per policy; ``None`` disables the retry budget.
     * ``budget_wait_s=30.0``: how long a retry the budget refuses waits for it (holding no lease) when
       the request has no deadline; with a deadline, the deadline bounds the wait instead. Then the request
       fails with :class:`~zp_client.RetryBudgetExhausted`. Connect errors (nothing reached a server) are

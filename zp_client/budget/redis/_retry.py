@@ -37,7 +37,7 @@ class RedisRetryBudget:
     """The fleet-wide retry budget: every process using the same ``name`` shares one window in Redis.
 
     Same rule and defaults as :class:`LocalRetryBudget` (retries <= ratio 0.5 x answered requests +
-    floor 0.5/s x window 10 s, 10 buckets), counted by ``budget/redis/lua/retry_budget.lua`` with Redis
+    floor 0.5/s x window 20 s, 10 buckets), counted by ``budget/redis/lua/retry_budget.lua`` with Redis
     ``TIME``, in one hash ``{<prefix>:<name>}:retry_budget`` — the same hash tag as the RedisBudget of
     that name, so it works on Redis Cluster. Idle budgets expire one window after their last use.
 
