@@ -272,3 +272,18 @@ def test_a_waiting_retry_on_a_redis_budget_takes_the_retry_another_process_earne
 
     retries, (requests, spent, _) = anyio.run(main)
     assert retries == 1 and (requests, spent) == (1, 1)
+
+
+@pytest.mark.openai_compat
+def test_through_a_wrapped_sync_client_the_wait_blocks_then_fails_with_the_reason() -> None:
+    kv = LocalBudget(limit_blocks=100)
+    policy = RetryPolicy(budget=LocalRetryBudget(ratio=0.0, floor_per_s=0.0), budget_wait_s=0.2,
+                         backoff_initial_s=0.01)
+    with RetryUpstream() as upstream, openai.OpenAI(base_url=upstream.base_url, api_key="x") as original:
+        client = wrap(original, kv, retry=policy, max_model_len=4096, stream_upstream=False)
+        with pytest.raises(RetryBudgetExhausted) as info:
+            client.chat.completions.create(**_ask("503-d"))
+        users = upstream.users()
+    assert users == ["503-d#1"]
+    assert "retry_budget_wait_s (0.2 s) ran out" in str(info.value)
+    assert isinstance(info.value, openai.OpenAIError)

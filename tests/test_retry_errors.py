@@ -225,3 +225,28 @@ def test_zp_sync_client_against_a_closed_port() -> None:
         client.chat.completions.create(**_ask())
     _assert_bare(info.value, url)
     assert isinstance(info.value, APIConnectionError)
+
+
+@pytest.mark.anyio
+@pytest.mark.openai_compat
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_real_lease_too_large_is_a_value_error_through_wrap_and_zp_clients(
+    anyio_backend: str,
+) -> None:
+    from _retry_upstream import RetryUpstream
+
+    ask = {**_ask(), "max_tokens": 1000}  # 63 blocks of 16 tokens, over a 10-block budget
+    with RetryUpstream() as upstream:
+        async with openai.AsyncOpenAI(base_url=upstream.base_url, api_key="x") as original:
+            client = wrap(original, LocalBudget(limit_blocks=10), max_model_len=4096)
+            with pytest.raises(ValueError) as via_wrap:
+                await client.chat.completions.create(**ask)
+        async with AsyncClient(base_url=upstream.base_url, api_key="x", budget=LocalBudget(limit_blocks=10),
+                               settings=zp_client.Settings(max_model_len=4096)) as zp:
+            with pytest.raises(ValueError) as via_zp:
+                await zp.chat.completions.create(**ask)
+        arrivals = upstream.users()
+    for err in (via_wrap.value, via_zp.value):
+        assert isinstance(err, LeaseTooLarge) and not retry_on(err) and unwrap_error(err) is err
+    assert isinstance(via_wrap.value, openai.OpenAIError)
+    assert arrivals == []  # refused before sending
