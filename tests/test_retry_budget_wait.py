@@ -287,3 +287,28 @@ def test_through_a_wrapped_sync_client_the_wait_blocks_then_fails_with_the_reaso
     assert users == ["503-d#1"]
     assert "retry_budget_wait_s (0.2 s) ran out" in str(info.value)
     assert isinstance(info.value, openai.OpenAIError)
+
+
+@pytest.mark.redis
+def test_local_and_redis_retry_budgets_grant_the_same_sequence(redis_url: str, redis_prefix: str) -> None:
+    from zp_client.budget.redis import RedisRetryBudget
+
+    # a 60 s window: the whole sequence falls in it, whatever the machine's speed
+    local = LocalRetryBudget(ratio=0.5, floor_per_s=0.05, window_s=60.0)
+    shared = RedisRetryBudget(redis_prefix, url=redis_url, ratio=0.5, floor_per_s=0.05, window_s=60.0,
+                              flush_interval_s=0)
+    steps = ["spend"] * 4 + ["answer"] * 3 + ["spend"] * 3 + ["answer"] + ["spend"] * 2
+    try:
+        seen = []
+        for budget in (local, shared):
+            out = []
+            for step in steps:
+                if step == "answer":
+                    budget.record_request()
+                else:
+                    out.append(budget.try_spend())
+            seen.append(out)
+        assert seen[0] == seen[1] == [True, True, True, False, True, False, False, True, False]
+        assert shared.snapshot()[:2] == local.snapshot() == (4, 5)
+    finally:
+        shared.close()
