@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -141,6 +142,29 @@ def test_the_quick_start_with_an_oversized_budget_warns_once(sim_root: str, tmp_
     warned = [line for line in proc.stderr.splitlines() if "larger than the KV pool" in line]
     assert len(warned) == 1, proc.stderr
     assert "limit_blocks=25000" in warned[0] and "511 usable blocks" in warned[0], warned[0]
+
+
+def test_the_quick_start_against_a_stopped_server_says_it_is_unreachable(tmp_path: Path) -> None:
+    """No simulator listening: the program ends in ServerUnreachable naming the URL, with no chained
+    errors, at most 3 frames of zp_client, and no word of overload (issue 31)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    root = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nothing listens there: connections are refused
+    proc = run_snippet(quick_start_code(), root, tmp_path)
+    assert proc.returncode != 0
+    said = (f"zp_client.errors.ServerUnreachable: the server at {root}/v1/chat/completions is unreachable: "
+            "connection refused")
+    assert any(line.startswith(said) for line in proc.stderr.splitlines()), proc.stderr
+    assert "During handling" not in proc.stderr and "direct cause" not in proc.stderr, proc.stderr
+    assert "overload" not in proc.stderr
+    # each traceback printed (the program's, and asyncio's for a gathered task nobody awaited) is short
+    tracebacks = proc.stderr.split("Traceback (most recent call last):")[1:]
+    assert tracebacks, proc.stderr
+    for tb in tracebacks:
+        zp_frames = [line for line in tb.splitlines()
+                     if line.strip().startswith("File ") and f"{os.sep}zp_client{os.sep}" in line]
+        assert 1 <= len(zp_frames) <= 3, tb
 
 
 def test_the_install_lines_name_extras_that_exist() -> None:

@@ -202,8 +202,9 @@ async def test_a_herd_of_default_retries_on_a_redis_budget_is_retried_not_refuse
         return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "ok"}}],
                                          "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
 
-    # ratio 1: every request earns a retry, so only a broken retry budget can refuse one
-    settings = Settings(retry_budget_ratio=1.0, max_model_len=1024, stream_upstream=False)
+    # floor 40/s x 10 s = 400 retries in the window, one for each request (all first attempts fail, so
+    # answers earn nothing until retries succeed): only a broken retry budget can refuse one
+    settings = Settings(retry_budget_floor_per_s=40.0, max_model_len=1024, stream_upstream=False)
     # room for all 400 at once: their 400 retry decisions then reach Redis together
     budget = RedisBudget(redis_url, keys_cleanup, limit_blocks=1_000, recovery_s=0, policy="strict")
     transport = AsyncAdmissionTransport(httpx.MockTransport(upstream), budget=budget, settings=settings)

@@ -245,7 +245,7 @@ def test_nothing_is_retried_after_bytes_reached_the_caller(outcome: dict[str, An
     policy = RetryPolicy(budget=budget)
     d = decide(policy, delivered=True, **outcome)
     assert not d.retry and d.error is None and "delivered" in d.reason
-    assert budget.snapshot() == (1, 0)  # the request was recorded, no retry was spent
+    assert budget.snapshot() == (0, 0)  # a failure earns nothing (only answers deposit), no retry was spent
 
 
 def test_max_attempts_bounds_the_attempts() -> None:
@@ -296,9 +296,9 @@ def test_deadline_exceeded_is_an_admission_timeout() -> None:
 # --- local retry budget -----------------------------------------------------------------------------
 
 
-def test_local_budget_defaults_are_ratio_0_1_floor_1_per_s_window_10_s() -> None:
+def test_local_budget_defaults_are_ratio_0_5_floor_0_5_per_s_window_20_s() -> None:
     b = LocalRetryBudget()
-    assert (b.ratio, b.floor_per_s, b.window_s) == (0.1, 1.0, 10.0)
+    assert (b.ratio, b.floor_per_s, b.window_s) == (0.5, 0.5, 20.0)
     assert isinstance(RetryPolicy().budget, LocalRetryBudget)
     assert RetryPolicy().budget is not RetryPolicy().budget  # no budget shared by accident
 
@@ -325,18 +325,22 @@ def test_local_budget_window_slides() -> None:
     assert [budget.try_spend() for _ in range(3)] == [True, True, False]
 
 
-def test_spent_budget_fails_fast_with_retry_budget_exhausted() -> None:
+def test_spent_budget_fails_fast_with_retry_budget_exhausted_when_not_asked_to_wait() -> None:
+    # decide(wait_for_budget=False), the policy API's default: no waiting (the transports ask to wait,
+    # tests/test_retry_budget_wait.py)
     gave_up: list[RetryDetails] = []
     budget = LocalRetryBudget(ratio=0.5, floor_per_s=0, window_s=10, clock=FakeClock())
     policy = RetryPolicy(budget=budget, on_give_up=[gave_up.append])
-    original = httpx.ConnectError("refused")
-    s1, s2 = policy.new_request(), policy.new_request()  # 2 requests x 0.5 = 1 retry
+    original = httpx.RemoteProtocolError("peer closed")
+    for _ in range(2):  # 2 answered requests x 0.5 = 1 retry
+        assert not decide(policy, policy.new_request(), status=200, headers={}).retry
+    s1, s2 = policy.new_request(), policy.new_request()
     assert decide(policy, s1, status=503, headers={}).retry
     d = decide(policy, s2, error=original)
     assert not d.retry and d.delay_s == 0.0
     assert isinstance(d.error, RetryBudgetExhausted) and d.error.__cause__ is original
     assert "retry budget exhausted" in d.reason
-    assert "0.5 x requests" in str(d.error)
+    assert "0.5 x answered requests" in str(d.error)
     assert gave_up[-1].give_up_error is d.error
 
 
@@ -463,7 +467,10 @@ def test_redis_budget_async_path_shares_the_window_with_the_sync_path(
                                   flush_interval_s=0)
         policy = RetryPolicy(budget=budget)
         try:
-            states = [await policy.new_request_async() for _ in range(4)]  # 4 x 0.5 = 2 retries
+            for _ in range(4):  # 4 answered requests x 0.5 = 2 retries
+                await policy.decide_async(await policy.new_request_async(), status=200, headers={},
+                                          error=None, delivered=False, remaining_s=None)
+            states = [await policy.new_request_async() for _ in range(3)]
             out = []
             for state in states[:3]:
                 d = await policy.decide_async(state, status=503, headers={}, error=None, delivered=False,
@@ -526,7 +533,7 @@ def test_retry_budget_for_a_redis_budget_is_fleet_wide_under_its_hash_tag(
 
 def test_retry_budget_for_any_other_budget_is_local() -> None:
     rb = retry_budget_for(object(), ratio=0.2)
-    assert isinstance(rb, LocalRetryBudget) and rb.ratio == 0.2 and rb.window_s == 10.0
+    assert isinstance(rb, LocalRetryBudget) and rb.ratio == 0.2 and rb.window_s == 20.0  # the default window
 
 
 def test_redis_budget_with_only_an_async_client_refuses_sync_calls_clearly() -> None:

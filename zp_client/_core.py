@@ -9,6 +9,7 @@ only here. Time comes from an injectable :class:`~zp_client._clock.Clock`. See d
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import threading
@@ -39,7 +40,9 @@ from zp_client.errors import (
     DeadlineExceeded,
     LeaseTooLarge,
     PromptTooLong,
+    ServerUnreachable,
     ZPError,
+    error_chain,
 )
 from zp_client.observe import AdmissionInfo
 from zp_client.observe import active as active_observers
@@ -184,7 +187,17 @@ class Decide:
 
     def kwargs(self) -> dict[str, Any]:
         return {"status": self.status, "headers": self.headers, "error": self.error, "delivered": False,
-                "remaining_s": self.remaining_s}
+                "remaining_s": self.remaining_s, "wait_for_budget": True}
+
+
+@dataclass(frozen=True)
+class WaitBudget:
+    """Wait, holding no lease, until the retry budget grants the retry a decision said it owes -> None
+    (or raises RetryBudgetExhausted)."""
+
+    policy: Any
+    state: Any
+    remaining_s: float | None
 
 
 @dataclass(frozen=True)
@@ -196,7 +209,7 @@ class Sleep:
 
 
 Action = (Estimate | ModelLen | PoolSize | NewRetryState | Acquire | Send | ReadAll | Peek | Close | Release
-          | Decide | Sleep)
+          | Decide | Sleep | WaitBudget)
 Steps = Generator[Action, Any, Any]
 
 
@@ -231,6 +244,31 @@ class Machine:
             return self._steps.throw(error)
         except StopIteration as stop:
             return Done(stop.value)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """An httpx/httpx2 connect error or connect timeout: the attempt reached no server."""
+    from zp_client.retry import is_unreachable as _is
+
+    return _is(exc)
+
+
+def unreachable(request: Any, exc: BaseException, attempts: int) -> ServerUnreachable:
+    """The :class:`ServerUnreachable` for a request whose last attempt could not connect."""
+    try:
+        url = str(request.url.copy_with(query=None))
+    except Exception:  # noqa: BLE001 - any URL type: its text is enough
+        url = str(request.url)
+    if type(exc).__name__ == "ConnectTimeout":
+        reason = "timed out connecting"
+    elif any(isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED
+             or "refused" in str(e).lower() for e in error_chain(exc)):
+        reason = "connection refused"
+    else:
+        reason = f"could not connect ({exc})" if str(exc) else "could not connect"
+    err = ServerUnreachable(url, reason, attempts)
+    err.request = request  # type: ignore[attr-defined]  # what openai.APIConnectionError carries
+    return err
 
 
 # --------------------------------------------------------------------------------------------------
@@ -804,18 +842,24 @@ class Core:
                     plan.meta = fleet.avoiding(plan.meta, lease)
                     continue
                 if state is None:
+                    if is_unreachable(exc):
+                        raise unreachable(request, exc, attempt + 1) from None
                     raise
                 d = yield Decide(retry, state, None, None, exc, self.remaining(plan))
                 if not d.retry:
                     if d.error is not None and d.error is not exc:
                         raise d.error from exc
+                    if is_unreachable(exc):  # no server answered: say so, not "overloaded"
+                        raise unreachable(request, exc, attempt + 1) from None
                     raise
                 logger.info("attempt %d failed (%s): retrying in %.3f s", attempt + 1, d.reason, d.delay_s)
                 if fleet is not None:
                     plan.meta = fleet.avoiding(plan.meta, lease)
-                if m is not None:
-                    m.retried(None, exc)
                 yield Sleep(retry, d.delay_s)
+                if d.budget_owed:
+                    yield WaitBudget(retry, state, self.remaining(plan))
+                if m is not None:  # granted now
+                    m.retried(None, exc)
                 attempt += 1
                 continue
             except BaseException:
@@ -829,7 +873,7 @@ class Core:
                         fleet.note_failure(lease)
                     else:
                         fleet.note_success(lease)
-                if state is not None and resp.status_code >= 400:
+                if state is not None:  # successes too: an answer is the retry budget's deposit
                     d = yield Decide(retry, state, resp.status_code, resp.headers, None, self.remaining(plan))
                     if d.retry or d.error is not None:
                         yield Close(resp, shield=False)
@@ -842,9 +886,11 @@ class Core:
                         )
                         if fleet is not None:
                             plan.meta = fleet.avoiding(plan.meta, lease)
-                        if m is not None:
-                            m.retried(resp.status_code, None)
                         yield Sleep(retry, d.delay_s)
+                        if d.budget_owed:
+                            yield WaitBudget(retry, state, self.remaining(plan))
+                        if m is not None:  # granted now
+                            m.retried(resp.status_code, None)
                         attempt += 1
                         continue
                 if assembled:  # consumed, observed and released already

@@ -29,12 +29,13 @@ from zp_client._core import (
     Release,
     Send,
     Sleep,
+    WaitBudget,
 )
 from zp_client._httplib import POOL_CHECK_S, HttpLib
 from zp_client._plan import is_admitted
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
-from zp_client.errors import ServerInfoError, ZPError
+from zp_client.errors import ServerInfoError, ServerUnreachable, ZPError
 
 __all__ = ["AsyncDriver", "SyncDriver"]
 
@@ -110,6 +111,9 @@ class AsyncDriver(_Driver):
             return await self._run(machine)
         except ZPError as exc:
             surfaced = self._surface(exc)
+            if isinstance(exc, ServerUnreachable):
+                # the whole story is in its message: no chained transport errors, no frames of the loop
+                raise surfaced.with_traceback(None) from None
             if surfaced is exc:
                 raise
             raise surfaced from exc
@@ -142,6 +146,8 @@ class AsyncDriver(_Driver):
             return action.policy.decide(action.state, **action.kwargs())
         if isinstance(action, Sleep):
             return await action.policy.sleep(action.seconds)
+        if isinstance(action, WaitBudget):
+            return await action.policy.wait_for_budget_async(action.state, remaining_s=action.remaining_s)
         if isinstance(action, Close):
             if action.shield:
                 with anyio.CancelScope(shield=True):
@@ -198,6 +204,9 @@ class SyncDriver(_Driver):
             return self._run(machine)
         except ZPError as exc:
             surfaced = self._surface(exc)
+            if isinstance(exc, ServerUnreachable):
+                # the whole story is in its message: no chained transport errors, no frames of the loop
+                raise surfaced.with_traceback(None) from None
             if surfaced is exc:
                 raise
             raise surfaced from exc
@@ -227,6 +236,8 @@ class SyncDriver(_Driver):
             return action.policy.decide(action.state, **action.kwargs())
         if isinstance(action, Sleep):
             return action.policy.sleep_sync(action.seconds)
+        if isinstance(action, WaitBudget):
+            return action.policy.wait_for_budget(action.state, remaining_s=action.remaining_s)
         if isinstance(action, Close):
             return action.response.close()
         if isinstance(action, ReadAll):

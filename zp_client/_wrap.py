@@ -14,7 +14,7 @@ from zp_client._httplib import module_of
 from zp_client._private import http_mounts, http_transport, sdk_http_client
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
-from zp_client.errors import ConfigurationError, ZPError
+from zp_client.errors import ConfigurationError, ServerUnreachable, ZPError
 from zp_client.transport import transport_classes
 
 __all__ = ["wrap", "openai_compatible_error", "admitted_budget"]
@@ -31,6 +31,9 @@ def openai_compatible_error(err: ZPError) -> ZPError:
 
     openai passes ``OpenAIError`` through its request loop untouched (anything else becomes
     ``APIConnectionError``), so this is how a zp refusal reaches the caller with its own type.
+    :class:`~zp_client.ServerUnreachable` becomes an ``openai.APIConnectionError`` too (with ``message``
+    and ``request`` set, as openai's own has them), so code and frameworks that handle openai's
+    connection errors handle it.
     """
     import openai
 
@@ -39,12 +42,17 @@ def openai_compatible_error(err: ZPError) -> ZPError:
     cls = type(err)
     compat = _compat_classes.get(cls)
     if compat is None:
-        compat = type(cls.__name__, (cls, openai.OpenAIError), {"__module__": cls.__module__,
-                                                                 "__doc__": cls.__doc__})
+        base: type = openai.APIConnectionError if isinstance(err, ServerUnreachable) else openai.OpenAIError
+        compat = type(cls.__name__, (cls, base), {"__module__": cls.__module__, "__doc__": cls.__doc__})
         compat.__qualname__ = cls.__qualname__
         _compat_classes[cls] = compat
     new: ZPError = compat.__new__(compat, *err.args)  # the built-in base (e.g. OSError) must make it
     new.__dict__.update(err.__dict__)
+    if isinstance(new, openai.APIError):
+        # openai.APIError's attributes, which its __init__ (not called: it takes other arguments) sets
+        for name, value in (("message", str(err)), ("request", None), ("body", None), ("code", None),
+                            ("param", None), ("type", None)):
+            new.__dict__.setdefault(name, value)
     new.__cause__ = err.__cause__
     new.__context__ = err.__context__
     new.__suppress_context__ = err.__suppress_context__

@@ -26,7 +26,7 @@ from pydantic import BaseModel, SecretStr
 
 from zp_client._private import http_transport
 from zp_client.config import Settings
-from zp_client.errors import ConfigurationError, ZPError
+from zp_client.errors import ConfigurationError, ServerUnreachable, ZPError
 from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,6 +123,24 @@ class APIConnectionError(APIError):
 
 class APITimeoutError(APIConnectionError):
     """The HTTP request timed out (``timeout=``)."""
+
+
+class _ServerUnreachable(ServerUnreachable, APIConnectionError):
+    """:class:`~zp_client.ServerUnreachable` as this client raises it: also its :class:`APIConnectionError`
+    (``message`` is the text, ``body`` None), so one ``except APIConnectionError`` handles both."""
+
+
+_ServerUnreachable.__name__ = _ServerUnreachable.__qualname__ = "ServerUnreachable"
+
+
+def _client_error(err: ZPError) -> ZPError:
+    """The error this client's caller sees for a zp error (the admission transport's convert_error)."""
+    if not isinstance(err, ServerUnreachable) or isinstance(err, APIConnectionError):
+        return err
+    new = _ServerUnreachable.__new__(_ServerUnreachable, *err.args)
+    new.__dict__.update(err.__dict__)
+    new.message, new.body = str(err), None
+    return new
 
 
 _STATUS_ERRORS: dict[int, type[APIStatusError]] = {
@@ -417,11 +435,14 @@ def _admitted(cls: type[Any], default_inner: Callable[[], Any],
     """The admission transport of a client: over ``http_client``'s transport (the caller owns and closes
     it; one already admitting is used as it is) or a new one of ``default_inner``."""
     if http_client is None:
-        return cls(default_inner(), budget=budget, settings=settings, close_inner=True, **options)
-    inner = http_transport(http_client)
-    if isinstance(inner, cls):
-        return inner
-    return cls(inner, budget=budget, settings=settings, close_inner=False, **options)
+        transport = cls(default_inner(), budget=budget, settings=settings, close_inner=True, **options)
+    else:
+        inner = http_transport(http_client)
+        if isinstance(inner, cls):
+            return inner
+        transport = cls(inner, budget=budget, settings=settings, close_inner=False, **options)
+    transport.core.convert_error = _client_error
+    return transport
 
 
 def _not_found(url: str) -> httpx.Response:

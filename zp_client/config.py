@@ -143,8 +143,19 @@ class Settings(BaseSettings):
         0.5, ge=0,
         description="Least time an attempt needs; a retry that cannot fit it in the deadline fails.",
     )
-    retry_budget_ratio: float = Field(0.1, ge=0, description="Retry budget: retries earned per request.")
+    retry_budget_ratio: float = Field(
+        0.5, ge=0,
+        description="Retry budget: retries earned per answered request (a status below 500 that is not "
+        "retryable); failures earn nothing, so a server failing everything gets only the floor.")
     retry_budget_floor_per_s: float = Field(
-        1.0, ge=0, description="Retry budget: retries allowed per second regardless of traffic."
+        0.5, ge=0, description="Retry budget: retries allowed per second regardless of traffic."
     )
-    retry_budget_window_s: float = Field(10.0, gt=0, description="Retry budget: sliding window length.")
+    retry_budget_window_s: float = Field(
+        20.0, gt=0,
+        description="Retry budget: sliding window length; floor_per_s x window_s is the reserve a burst of "
+        "failures may use at once (10 retries by default).")
+    retry_budget_wait_s: float = Field(
+        30.0, ge=0,
+        description="How long a retry the spent retry budget refuses waits for it (holding no KV lease) "
+        "when the request has no deadline (a deadline bounds the wait instead); then the request fails "
+        "with RetryBudgetExhausted. 0: fail at once.")

@@ -6,6 +6,8 @@ Messages say what happened and what to do about it. They never contain API keys 
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ZPError",
     "ConfigurationError",
@@ -20,9 +22,12 @@ __all__ = [
     "PinRefused",
     "StreamCut",
     "RetryBudgetExhausted",
+    "ServerUnreachable",
     "MissingIntegration",
     "ServerInfoError",
     "CalibrationError",
+    "retry_on",
+    "unwrap_error",
 ]
 
 
@@ -38,10 +43,12 @@ class AdmissionError(ZPError):
     """zp-client refused to send a request. Nothing reached the server."""
 
 
-class LeaseTooLarge(AdmissionError):
+class LeaseTooLarge(AdmissionError, ValueError):
     """The request's KV bound exceeds the budget's whole limit, so it could never be admitted.
 
-    Lower ``max_tokens``, shorten the prompt, or raise the budget's ``limit_blocks``.
+    Lower ``max_tokens``, shorten the prompt, or raise the budget's ``limit_blocks``. A permanent refusal:
+    also a ``ValueError``, which agent frameworks' default retry predicates treat as permanent
+    (docs/retries.md#zp-errors-and-framework-retries).
     """
 
     def __init__(self, blocks: int, limit: int, detail: str = "") -> None:
@@ -62,8 +69,10 @@ class DeadlineExceeded(AdmissionTimeout):
     """The logical request's deadline left no time for (another) attempt."""
 
 
-class PromptTooLong(AdmissionError):
-    """The prompt alone is longer than the server's ``max_model_len``: the server would answer 400."""
+class PromptTooLong(AdmissionError, ValueError):
+    """The prompt alone is longer than the server's ``max_model_len``: the server would answer 400.
+
+    A permanent refusal: also a ``ValueError`` (see :class:`LeaseTooLarge`)."""
 
     def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
         self.prompt_tokens = prompt_tokens
@@ -121,8 +130,38 @@ class StreamCut(ZPError):
     replica: str | None = None
 
 
-class RetryBudgetExhausted(ZPError):
-    """The shared retry budget is spent: the request failed and is not retried, to avoid a retry storm."""
+class RetryBudgetExhausted(ZPError, ValueError):
+    """The shared retry budget stayed spent for as long as the request could wait for it
+    (its deadline, else ``Settings.retry_budget_wait_s``): the request failed and is not retried, to avoid
+    a retry storm. ``__cause__`` is the last attempt's error when there was one.
+
+    Also a ``ValueError``, so that agent frameworks' default retry predicates do not retry it: a framework
+    retry is exactly the extra load the budget refused (docs/retries.md).
+    """
+
+
+class ServerUnreachable(ZPError):
+    """No attempt reached the server: every connection was refused or timed out.
+
+    ``url`` is the address that was tried, ``reason`` ``"connection refused"`` or ``"timed out"``,
+    ``attempts`` how many attempts were made. The message names both; the transport errors behind it are
+    not chained (they say nothing more). Never counted as overload: the retry budget is not spent on it.
+    Through ``wrap()`` it is also an ``openai.APIConnectionError``; through zp's own ``Client`` /
+    ``AsyncClient`` also a :class:`zp_client.client.APIConnectionError`.
+    """
+
+    def __init__(self, url: str, reason: str, attempts: int = 1) -> None:
+        self.url = url
+        self.reason = reason
+        self.attempts = attempts
+        tries = f" ({attempts} attempts)" if attempts > 1 else ""
+        super().__init__(
+            f"the server at {url} is unreachable: {reason}{tries}; check that it is running and that the "
+            "base URL is right"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ServerUnreachable, (self.url, self.reason, self.attempts))
 
 
 class ServerInfoError(ZPError):
@@ -164,3 +203,108 @@ class CalibrationError(ServerInfoError):
 class MissingIntegration(ConfigurationError, ImportError):
     """An optional part is not installed: an agent-framework integration or the framework it needs, or an
     extra's packages (``RedisBudget`` without ``zp-client[redis]``); the message says what to install."""
+
+
+# --------------------------------------------------------------------------------------------------
+# for frameworks' retry predicates
+# --------------------------------------------------------------------------------------------------
+
+# Refusals a retry cannot fix (same request, same answer) or must not try (the budget refused the load).
+_PERMANENT: tuple[type[BaseException], ...] = (
+    ConfigurationError, InvalidRequest, LeaseTooLarge, PromptTooLong, RetryBudgetExhausted, DeadlineExceeded,
+    PinRefused, MissingIntegration,
+)
+# HTTP statuses a retry may fix (openai's own rule: 408, 409, 429 and every 5xx).
+_TRANSIENT_STATUSES = frozenset({408, 409, 429})
+# Transport errors by class name (httpx, httpx2, requests, aiohttp...): nothing to import.
+_TRANSIENT_NAMES = frozenset({
+    "ConnectError", "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout", "ReadError", "WriteError",
+    "RemoteProtocolError", "APIConnectionError", "APITimeoutError",
+})
+
+
+def error_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from or during, breadth-first, each once (chains can be cycles)."""
+    seen: set[int] = set()
+    out: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        nxt: list[Any] = [e.__cause__, e.__context__]
+        # an exception group (anyio task groups, asyncio.TaskGroup) holds the failures of its tasks
+        nxt.extend(getattr(e, "exceptions", None) or ())
+        todo.extend(x for x in nxt if isinstance(x, BaseException))
+    return out
+
+
+def unwrap_error(exc: BaseException) -> ZPError | None:
+    """The zp-client error behind ``exc``: ``exc`` itself if it is one, else the first :class:`ZPError`
+    found by walking ``__cause__``, ``__context__`` (and the members of an exception group), each
+    exception once, so a cyclic chain ends. ``None`` when there is none.
+
+    Frameworks that re-raise an LLM error as their own type keep the original in that chain: LiteLLM's
+    ``InternalServerError`` (raised while handling the openai error, so ``__context__``), Microsoft
+    Agent Framework's ``ChatClientException`` (``raise ... from``). Imports no framework::
+
+        try:
+            await agent.run(...)
+        except Exception as exc:
+            zp = zp_client.unwrap_error(exc)
+            if isinstance(zp, zp_client.LeaseTooLarge):
+                ...
+    """
+    for e in error_chain(exc):
+        if isinstance(e, ZPError):
+            return e
+    return None
+
+
+def _status_of(exc: BaseException) -> int | None:
+    status = getattr(exc, "status_code", None)
+    if status is None:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def retry_on(exc: BaseException) -> bool:
+    """Whether retrying the call that raised ``exc`` may help: a retry predicate for agent frameworks.
+
+    Usable as LangGraph's ``RetryPolicy(retry_on=zp_client.retry_on)``, tenacity's
+    ``retry=retry_if_exception(zp_client.retry_on)`` and the like. It looks through the framework's own
+    wrapping (:func:`unwrap_error`):
+
+    * ``False`` for zp's permanent refusals (:class:`LeaseTooLarge`, :class:`PromptTooLong`,
+      :class:`InvalidRequest`, :class:`ConfigurationError`, :class:`PinRefused`), for
+      :class:`RetryBudgetExhausted` (a retry is the load the budget just refused) and
+      :class:`DeadlineExceeded` (the caller's time is up);
+    * ``True`` for the other zp errors (:class:`AdmissionTimeout`, :class:`ServerUnreachable`,
+      :class:`BudgetUnavailable`, :class:`LeaseLost`, :class:`StreamCut`...): a later call may succeed;
+    * otherwise by the HTTP status when the error carries one (``status_code`` or ``response.status_code``):
+      408, 409, 429 and 5xx, openai's rule; by type for transport errors (connect/read/write errors and
+      timeouts, Python's ``ConnectionError`` / ``TimeoutError``); ``False`` for anything else (a bug is
+      not fixed by running it again).
+
+    zp already retried what it could inside the call (docs/retries.md): a framework retry on top only
+    helps after the condition has passed.
+    """
+    zp = unwrap_error(exc)
+    if zp is not None:
+        if isinstance(zp, _PERMANENT):
+            return False
+        status = _status_of(zp)
+        if status is not None:
+            return status in _TRANSIENT_STATUSES or status >= 500
+        return True
+    for e in error_chain(exc):
+        status = _status_of(e)
+        if status is not None:
+            return status in _TRANSIENT_STATUSES or status >= 500
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
+            return True
+    return False

@@ -13,6 +13,7 @@ import dataclasses
 import email.utils
 import logging
 import math
+import random
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -47,6 +48,13 @@ __all__ = [
 log = logging.getLogger("zp_client.retry")
 
 DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({429, 502, 503, 529})
+
+# The retry budget's defaults (Settings.retry_budget_*; docs/retries.md#the-retry-budget): retries <= RATIO x
+# answered requests + FLOOR_PER_S x WINDOW_S over a sliding window of WINDOW_S seconds.
+DEFAULT_BUDGET_RATIO = 0.5
+DEFAULT_BUDGET_FLOOR_PER_S = 0.5
+DEFAULT_BUDGET_WINDOW_S = 20.0
+DEFAULT_BUDGET_WAIT_S = 30.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,11 +222,12 @@ def _classify_error(error: BaseException) -> str | None:
 
 @runtime_checkable
 class RetryBudget(Protocol):
-    """A cap on retries relative to requests, shared by the policy's users.
+    """A cap on retries relative to answered requests, shared by the policy's users.
 
-    ``record_request()`` is called once per logical request, ``try_spend()`` once per retry the policy
-    would like to make; it returns ``False`` when the retry must not happen. Both are synchronous and
-    cheap. A budget doing network I/O also offers ``async record_request_async()`` /
+    ``record_request()`` is called once per logical request the server answered (a status that is neither
+    5xx nor a retryable one: a deposit), ``try_spend()`` once per retry the policy would like to make; it
+    returns ``False`` when the retry may not happen now (the policy then waits and asks again). Both are
+    synchronous and cheap. A budget doing network I/O also offers ``async record_request_async()`` /
     ``async try_spend_async()``, which :meth:`RetryPolicy.new_request_async` / ``decide_async`` use.
     """
 
@@ -241,19 +250,21 @@ def validate_retry_budget_params(ratio: float, floor_per_s: float, window_s: flo
 
 
 class LocalRetryBudget:
-    """An in-process retry budget: retries <= ``ratio`` x requests + ``floor_per_s`` x ``window_s``.
+    """An in-process retry budget: retries <= ``ratio`` x answered requests + ``floor_per_s`` x ``window_s``.
 
     Counted over a sliding window of ``window_s`` seconds made of ``buckets`` fixed buckets (so the
-    window really spans between ``window_s - window_s/buckets`` and ``window_s``). Defaults: ratio 0.1
-    (one retry per ten requests), floor 1 retry per second, window 10 s, i.e. with no traffic at all
-    10 retries per 10 s are still allowed. Thread-safe; ``clock`` (monotonic seconds) is for tests.
+    window really spans between ``window_s - window_s/buckets`` and ``window_s``). Defaults: ratio 0.5
+    (one retry per two answered requests), floor 0.5 retry per second, window 20 s, i.e. when nothing is
+    answered (a server that fails everything) 10 retries per 20 s still go through. Retries refused now
+    become possible as the window slides (old retries age out) or as answers arrive: the policy waits for
+    that (docs/retries.md#the-retry-budget). Thread-safe; ``clock`` (monotonic seconds) is for tests.
     """
 
     def __init__(
         self,
-        ratio: float = 0.1,
-        floor_per_s: float = 1.0,
-        window_s: float = 10.0,
+        ratio: float = DEFAULT_BUDGET_RATIO,
+        floor_per_s: float = DEFAULT_BUDGET_FLOOR_PER_S,
+        window_s: float = DEFAULT_BUDGET_WINDOW_S,
         *,
         buckets: int = 10,
         clock: Callable[[], float] = SYSTEM_CLOCK.monotonic,
@@ -263,6 +274,8 @@ class LocalRetryBudget:
         self.floor_per_s = float(floor_per_s)
         self.window_s = float(window_s)
         self._bucket_s = self.window_s / buckets
+        self.bucket_s = self._bucket_s
+        """Length of one bucket of the window: how often a refused retry asks again."""
         self._nbuckets = buckets
         self._clock = clock
         self._lock = threading.Lock()
@@ -276,7 +289,7 @@ class LocalRetryBudget:
         return current
 
     def record_request(self) -> None:
-        """Count one logical request (a deposit that earns ``ratio`` of a retry)."""
+        """Count one answered logical request (a deposit that earns ``ratio`` of a retry)."""
         with self._lock:
             self._counts.setdefault(self._current(), [0, 0])[0] += 1
 
@@ -315,12 +328,13 @@ def __getattr__(name: str) -> Any:
 
 
 def retry_budget_for(
-    budget: Any, *, ratio: float = 0.1, floor_per_s: float = 1.0, window_s: float = 10.0
+    budget: Any, *, ratio: float = DEFAULT_BUDGET_RATIO, floor_per_s: float = DEFAULT_BUDGET_FLOOR_PER_S,
+    window_s: float = DEFAULT_BUDGET_WINDOW_S,
 ) -> RetryBudget:
     """A new retry budget matching a KV budget: fleet-wide for a ``RedisBudget``, per process otherwise.
 
     Calls the budget's public :meth:`~zp_client.Budget.new_retry_budget`; anything that is not a budget
-    gets a :class:`LocalRetryBudget`. Defaults: ratio 0.1, floor 1/s, window 10 s. Front ends share
+    gets a :class:`LocalRetryBudget`. Defaults: ratio 0.5, floor 0.5/s, window 20 s. Front ends share
     :meth:`~zp_client.Budget.retry_budget` (one per KV budget) instead.
     """
     factory = getattr(budget, "new_retry_budget", None)
@@ -339,8 +353,11 @@ def retry_budget_for(
 class RetryDecision:
     """What the transport does after an attempt.
 
-    ``retry``: sleep ``delay_s`` (lease released), re-acquire with the original ticket, send again.
-    Otherwise: if ``error`` is set, raise it (zp-client's own :class:`~zp_client.RetryBudgetExhausted` or
+    ``retry``: sleep ``delay_s`` (lease released), re-acquire with the original ticket, send again. When
+    ``budget_owed`` is set the retry budget has not granted it yet: after the sleep the transport calls
+    :meth:`RetryPolicy.wait_for_budget` / ``wait_for_budget_async`` (still holding no lease), which
+    returns once the budget grants it or raises :class:`~zp_client.RetryBudgetExhausted`. Otherwise: if
+    ``error`` is set, raise it (zp-client's own :class:`~zp_client.RetryBudgetExhausted` or
     :class:`~zp_client.DeadlineExceeded`, chained to the attempt's error via ``__cause__`` when there was
     one); if ``error`` is ``None``, return the response / re-raise the original error unchanged.
     """
@@ -349,6 +366,7 @@ class RetryDecision:
     delay_s: float
     reason: str
     error: BaseException | None = None
+    budget_owed: bool = False
 
 
 @dataclass
@@ -368,6 +386,8 @@ class RetryState:
     last_reason: str = ""
     ticket: Any = None
     now: Callable[[], float] = field(default=SYSTEM_CLOCK.monotonic, repr=False, compare=False)
+    owed: Any = field(default=None, repr=False, compare=False)
+    """The retry a ``budget_owed`` decision still waits to be granted (internal)."""
     """The clock ``started_at`` and :attr:`elapsed_s` read (the policy's ``clock.monotonic``)."""
 
     @property
@@ -402,6 +422,19 @@ class _Pending:
     delay_s: float
     reason: str
     details: RetryDetails
+    free: bool = False
+    """A retry that cannot add load (the connection was refused or never opened): not charged to the
+    retry budget."""
+
+
+# Connection failures that never reached a server: retrying them adds no load, so they do not spend the
+# retry budget, and when they end a request it fails with ServerUnreachable (never "overloaded").
+UNREACHABLE_ERROR_NAMES = ("ConnectError", "ConnectTimeout")
+
+
+def is_unreachable(error: BaseException | None) -> bool:
+    """Whether ``error`` is an httpx/httpx2 connect error or connect timeout (no server reached)."""
+    return error is not None and isinstance(error, _exception_classes(UNREACHABLE_ERROR_NAMES))
 
 
 class RetryPolicy:
@@ -417,8 +450,12 @@ class RetryPolicy:
       busy"; treated like 503).
     * ``retry_on_504=False``: also retry 504 — only when the upstream aborts abandoned requests.
     * ``retry_read_timeouts=None``: retry read timeouts / read errors; ``None`` follows ``retry_on_504``.
-    * ``budget``: a :class:`RetryBudget`; default a new :class:`LocalRetryBudget` (ratio 0.1, floor 1/s,
-      window 10 s) per policy; ``None`` disables the retry budget.
+    * ``budget``: a :class:`RetryBudget`; default a new :class:`LocalRetryBudget` (ratio 0.5, floor 0.5/s,
+      window 20 s) per policy; ``None`` disables the retry budget.
+    * ``budget_wait_s=30.0``: how long a retry the budget refuses waits for it (holding no lease) when
+      the request has no deadline; with a deadline, the deadline bounds the wait instead. Then the request
+      fails with :class:`~zp_client.RetryBudgetExhausted`. Connect errors (nothing reached a server) are
+      not charged to the budget.
     * ``on_retry``, ``on_give_up``: hook lists, each called with a :class:`RetryDetails`. A hook that
       raises is logged and ignored. ``on_give_up`` fires when a retryable failure is not retried
       (attempts, Retry-After cap, deadline, budget), not for successes or non-retryable outcomes.
@@ -444,6 +481,7 @@ class RetryPolicy:
         on_give_up: Iterable[Hook] = (),
         min_attempt_s: float = 0.5,
         clock: Clock | None = None,
+        budget_wait_s: float = DEFAULT_BUDGET_WAIT_S,
     ) -> None:
         if not isinstance(max_attempts, int) or max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
@@ -459,6 +497,8 @@ class RetryPolicy:
             raise ConfigurationError(f"retry_after_cap_s must be >= 0, got {retry_after_cap_s!r}")
         if not (min_attempt_s >= 0 and math.isfinite(min_attempt_s)):
             raise ConfigurationError(f"min_attempt_s must be a finite number >= 0, got {min_attempt_s!r}")
+        if not (budget_wait_s >= 0 and math.isfinite(budget_wait_s)):
+            raise ConfigurationError(f"budget_wait_s must be a finite number >= 0, got {budget_wait_s!r}")
         statuses = frozenset(int(s) for s in retry_statuses)
         if any(not 100 <= s <= 599 for s in statuses):
             raise ConfigurationError(f"retry_statuses must be HTTP status codes, got {sorted(statuses)}")
@@ -476,6 +516,7 @@ class RetryPolicy:
         self.on_retry: list[Hook] = list(on_retry)
         self.on_give_up: list[Hook] = list(on_give_up)
         self.min_attempt_s = float(min_attempt_s)
+        self.budget_wait_s = float(budget_wait_s)
         # tenacity's "Full Jitter": uniform(0, min(max, multiplier * 2 ** (attempt_number - 1))).
         self._wait = tenacity.wait_random_exponential(multiplier=self.backoff_initial_s,
                                                       max=self.backoff_max_s)
@@ -491,6 +532,7 @@ class RetryPolicy:
             "retry_after_cap_s": settings.retry_after_cap_s,
             "retry_on_504": settings.retry_on_504,
             "min_attempt_s": settings.retry_min_attempt_s,
+            "budget_wait_s": settings.retry_budget_wait_s,
             "budget": LocalRetryBudget(
                 ratio=settings.retry_budget_ratio,
                 floor_per_s=settings.retry_budget_floor_per_s,
@@ -513,12 +555,8 @@ class RetryPolicy:
     # -- per request ---------------------------------------------------------------------------------
 
     def new_request(self) -> RetryState:
-        """Start a logical request: records it in the retry budget (its deposit). Never raises."""
-        if self.budget is not None:
-            try:
-                self.budget.record_request()
-            except Exception:
-                log.warning("retry budget: could not record a request", exc_info=True)
+        """Start a logical request. Deposits nothing: the retry budget earns from answers
+        (:meth:`decide` deposits when an attempt is answered). Never raises."""
         return self._new_state()
 
     def _new_state(self) -> RetryState:
@@ -526,7 +564,21 @@ class RetryPolicy:
         return RetryState(started_at=now(), now=now)
 
     async def new_request_async(self) -> RetryState:
-        """:meth:`new_request` for async transports (no blocking network I/O on the event loop)."""
+        """:meth:`new_request` for async transports."""
+        return self._new_state()
+
+    def _answered(self, status: int | None, error: BaseException | None) -> bool:
+        # An answer the server gave on purpose (2xx-4xx, not an overload status): it earns retries.
+        return error is None and status is not None and status < 500 and status not in self.retry_statuses
+
+    def _deposit(self) -> None:
+        if self.budget is not None:
+            try:
+                self.budget.record_request()
+            except Exception:
+                log.warning("retry budget: could not record an answered request", exc_info=True)
+
+    async def _deposit_async(self) -> None:
         if self.budget is not None:
             try:
                 fn = getattr(self.budget, "record_request_async", None)
@@ -535,8 +587,7 @@ class RetryPolicy:
                 else:
                     self.budget.record_request()
             except Exception:
-                log.warning("retry budget: could not record a request", exc_info=True)
-        return self._new_state()
+                log.warning("retry budget: could not record an answered request", exc_info=True)
 
     def decide(
         self,
@@ -547,22 +598,33 @@ class RetryPolicy:
         error: BaseException | None,
         delivered: bool,
         remaining_s: float | None,
+        wait_for_budget: bool = False,
     ) -> RetryDecision:
         """Decide after one finished attempt (call exactly once per attempt).
 
         ``status``/``headers``: the response's, when one arrived; ``error``: the exception the attempt
         raised, if any; ``delivered``: whether any response bytes already reached the caller;
         ``remaining_s``: what is left of the logical request's deadline (``None``: no deadline).
-        May spend from the retry budget (a round trip for :class:`RedisRetryBudget`).
+        Call it for successes too: an answered attempt is the retry budget's deposit. May spend from the
+        retry budget (a round trip for :class:`RedisRetryBudget`). ``wait_for_budget``: when the budget
+        refuses the retry now, answer ``RetryDecision(retry=True, budget_owed=True)`` and let the caller
+        wait for it with :meth:`wait_for_budget` (the transports do); ``False`` (the default) gives up at
+        once with :class:`~zp_client.RetryBudgetExhausted`.
         """
         step = self._rules(state, status, headers, error, delivered, remaining_s)
         if isinstance(step, RetryDecision):
+            if self._answered(status, error):
+                self._deposit()
             return step
+        if step.free or self.budget is None:
+            return self._finish(state, step, True)
         try:
-            granted = self.budget.try_spend() if self.budget is not None else True
+            granted = self.budget.try_spend()
         except Exception:  # any RetryBudget's failure (Redis down...): logged with its traceback
             log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=True)
             return self._budget_failed(step)
+        if not granted and wait_for_budget:
+            return self._owe(state, step)
         return self._finish(state, step, granted)
 
     async def decide_async(
@@ -574,21 +636,123 @@ class RetryPolicy:
         error: BaseException | None,
         delivered: bool,
         remaining_s: float | None,
+        wait_for_budget: bool = False,
     ) -> RetryDecision:
         """:meth:`decide` for async transports: the retry budget's I/O does not block the event loop."""
         step = self._rules(state, status, headers, error, delivered, remaining_s)
         if isinstance(step, RetryDecision):
+            if self._answered(status, error):
+                await self._deposit_async()
             return step
+        if step.free or self.budget is None:
+            return self._finish(state, step, True)
         try:
-            if self.budget is None:
-                granted = True
-            else:
-                fn = getattr(self.budget, "try_spend_async", None)
-                granted = bool(await fn()) if fn is not None else self.budget.try_spend()
+            granted = await self._try_spend_async()
         except Exception:  # any RetryBudget's failure (Redis down...): logged with its traceback
             log.warning("retry budget unavailable; not retrying (%s)", step.reason, exc_info=True)
             return self._budget_failed(step)
+        if not granted and wait_for_budget:
+            return self._owe(state, step)
         return self._finish(state, step, granted)
+
+    async def _try_spend_async(self) -> bool:
+        assert self.budget is not None
+        fn = getattr(self.budget, "try_spend_async", None)
+        return bool(await fn()) if fn is not None else self.budget.try_spend()
+
+    # -- waiting for the retry budget ----------------------------------------------------------------
+
+    def _owe(self, state: RetryState, step: _Pending) -> RetryDecision:
+        state.owed = step
+        reason = f"{step.reason}; waiting for the retry budget"
+        log.debug("attempt %d: retry budget spent, the retry waits for it", step.details.attempt)
+        return RetryDecision(True, step.delay_s, reason, budget_owed=True)
+
+    def _wait_bound(self, remaining_s: float | None) -> tuple[float, str]:
+        if remaining_s is not None:
+            return remaining_s - self.min_attempt_s, "the request's deadline left no room for another attempt"
+        return self.budget_wait_s, f"retry_budget_wait_s ({self.budget_wait_s:g} s) ran out"
+
+    def _poll_s(self) -> float:
+        # Ask again about once per bucket of the window (when old retries age out), jittered so that
+        # waiters spread out instead of polling in step.
+        bucket = getattr(self.budget, "bucket_s", None)
+        if not isinstance(bucket, (int, float)) or not bucket > 0:
+            bucket = 1.0
+        return min(float(bucket), 1.0) * random.uniform(0.5, 1.0)
+
+    def wait_for_budget(self, state: RetryState, *, remaining_s: float | None) -> None:
+        """Blocking form of :meth:`wait_for_budget_async`."""
+        step = self._take_owed(state)
+        if step is None:
+            return
+        bound, why = self._wait_bound(remaining_s)
+        started, slept = self.clock.monotonic(), 0.0
+        while True:
+            try:
+                granted = self.budget.try_spend() if self.budget is not None else True
+            except Exception as exc:
+                log.warning("retry budget unavailable while waiting; not retrying (%s)", step.reason,
+                            exc_info=True)
+                raise self._exhausted(step, max(slept, self.clock.monotonic() - started),
+                                      f"the retry budget could not be read ({type(exc).__name__})") from None
+            if granted:
+                self._finish(state, step, True)
+                return
+            waited = max(slept, self.clock.monotonic() - started)
+            if waited >= bound:
+                raise self._exhausted(step, waited, why)
+            pause = min(bound - waited, self._poll_s())
+            self.sleep_sync(pause)
+            slept += pause
+
+    async def wait_for_budget_async(self, state: RetryState, *, remaining_s: float | None) -> None:
+        """Wait until the retry budget grants the retry a ``budget_owed`` decision announced (the caller
+        holds no lease meanwhile), asking again about once per bucket of the budget's window. Bounded by
+        ``remaining_s`` minus ``min_attempt_s`` when the request has a deadline, else by
+        ``budget_wait_s``; then raises :class:`~zp_client.RetryBudgetExhausted` (``__cause__``: the
+        failed attempt's error, if any). Cancellable at any point; returns at once when nothing is owed.
+        """
+        step = self._take_owed(state)
+        if step is None:
+            return
+        bound, why = self._wait_bound(remaining_s)
+        started, slept = self.clock.monotonic(), 0.0
+        while True:
+            try:
+                granted = await self._try_spend_async() if self.budget is not None else True
+            except Exception as exc:
+                log.warning("retry budget unavailable while waiting; not retrying (%s)", step.reason,
+                            exc_info=True)
+                raise self._exhausted(step, max(slept, self.clock.monotonic() - started),
+                                      f"the retry budget could not be read ({type(exc).__name__})") from None
+            if granted:
+                self._finish(state, step, True)
+                return
+            # Time waited: the clock's, or the sleeps asked for when testing mode skips them.
+            waited = max(slept, self.clock.monotonic() - started)
+            if waited >= bound:
+                raise self._exhausted(step, waited, why)
+            pause = min(bound - waited, self._poll_s())
+            await self.sleep(pause)
+            slept += pause
+
+    @staticmethod
+    def _take_owed(state: RetryState) -> _Pending | None:
+        step, state.owed = state.owed, None
+        return step if isinstance(step, _Pending) else None
+
+    def _exhausted(self, step: _Pending, waited: float, why: str) -> RetryBudgetExhausted:
+        err = RetryBudgetExhausted(
+            f"the retry budget stayed spent for {waited:.3g} s (retries are capped at {self._budget_rule()}) "
+            f"until {why}, so the failed attempt {step.details.attempt} ({step.reason}) is not retried; "
+            "most of this budget's recent attempts failed, so the server is failing or overloaded — slow "
+            "down, or raise the retry budget's ratio/floor or retry_budget_wait_s"
+        )
+        err.__cause__ = step.details.error
+        self._give_up(dataclasses.replace(step.details, reason=f"{step.reason}; retry budget exhausted",
+                                          delay_s=0.0), err)
+        return err
 
     # -- sleeping ------------------------------------------------------------------------------------
 
@@ -686,14 +850,15 @@ class RetryPolicy:
             )
             err.__cause__ = error
             return self._give_up(details(f"{reason}; deadline"), err)
-        return _Pending(delay, reason, details(reason, delay))
+        return _Pending(delay, reason, details(reason, delay), free=is_unreachable(error))
 
     def _finish(self, state: RetryState, step: _Pending, granted: bool) -> RetryDecision:
         if not granted:
             err = RetryBudgetExhausted(
                 f"the retry budget is spent (retries are capped at {self._budget_rule()}), so the failed "
-                f"attempt {step.details.attempt} ({step.reason}) is not retried; the server is likely "
-                "overloaded — slow down, or raise the retry budget's ratio/floor"
+                f"attempt {step.details.attempt} ({step.reason}) is not retried; most of this budget's "
+                "recent attempts failed, so the server is failing or overloaded — slow down, or raise the "
+                "retry budget's ratio/floor"
             )
             err.__cause__ = step.details.error
             return self._give_up(
@@ -723,7 +888,7 @@ class RetryPolicy:
                                 getattr(b, "window_s", None))
         if ratio is None or floor is None or window is None:
             return "the budget's rule"
-        return f"{ratio:g} x requests + {floor:g}/s x {window:g} s"
+        return f"{ratio:g} x answered requests + {floor:g}/s x {window:g} s"
 
     def _give_up(self, details: RetryDetails, error: BaseException | None) -> RetryDecision:
         final = dataclasses.replace(details, delay_s=0.0, give_up_error=error)

@@ -253,7 +253,7 @@ class Budget(abc.ABC):
         """Release background resources. Live leases are not released."""
 
     def new_retry_budget(
-        self, *, ratio: float = 0.1, floor_per_s: float = 1.0, window_s: float = 10.0
+        self, *, ratio: float = 0.5, floor_per_s: float = 0.5, window_s: float = 20.0
     ) -> RetryBudget:
         """A new retry budget matching this KV budget, with these parameters.
 

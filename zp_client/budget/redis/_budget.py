@@ -254,7 +254,7 @@ class RedisBudget(Budget):
             return self._forecaster
 
     def new_retry_budget(
-        self, *, ratio: float = 0.1, floor_per_s: float = 1.0, window_s: float = 10.0
+        self, *, ratio: float = 0.5, floor_per_s: float = 0.5, window_s: float = 20.0
     ) -> RedisRetryBudget:
         """A :class:`~zp_client.budget.redis.RedisRetryBudget` with this budget's name (so the same
         ``{zp:<name>}`` hash tag) on the same Redis: one retry budget for the whole fleet. Made from the

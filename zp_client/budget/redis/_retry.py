@@ -19,7 +19,12 @@ from redis.exceptions import MaxConnectionsError, RedisError
 from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.redis._script import POOL_SIZE, load_lua
 from zp_client.errors import ConfigurationError
-from zp_client.retry import validate_retry_budget_params
+from zp_client.retry import (
+    DEFAULT_BUDGET_FLOOR_PER_S,
+    DEFAULT_BUDGET_RATIO,
+    DEFAULT_BUDGET_WINDOW_S,
+    validate_retry_budget_params,
+)
 
 # A full pool (only a caller's non-blocking one: the budget's own pools block) is back-pressure: waited
 # out for up to ~10 s in growing steps before it counts as a failure like any other Redis error.
@@ -31,18 +36,19 @@ log = logging.getLogger("zp_client.retry")
 class RedisRetryBudget:
     """The fleet-wide retry budget: every process using the same ``name`` shares one window in Redis.
 
-    Same rule and defaults as :class:`LocalRetryBudget` (ratio 0.1, floor 1/s, window 10 s, 10
-    buckets), counted by ``budget/redis/lua/retry_budget.lua`` with Redis ``TIME``, in one hash
-    ``{<prefix>:<name>}:retry_budget`` — the same hash tag as the RedisBudget of that name, so it works
-    on Redis Cluster. Idle budgets expire one window after their last use.
+    Same rule and defaults as :class:`LocalRetryBudget` (retries <= ratio 0.5 x answered requests +
+    floor 0.5/s x window 20 s, 10 buckets), counted by ``budget/redis/lua/retry_budget.lua`` with Redis
+    ``TIME``, in one hash ``{<prefix>:<name>}:retry_budget`` — the same hash tag as the RedisBudget of
+    that name, so it works on Redis Cluster. Idle budgets expire one window after their last use.
 
     Clients: pass ``url=`` (a sync and an async client are made lazily), or ``client=`` (a
     ``redis.Redis``) and/or ``async_client=`` (a ``redis.asyncio.Redis``). Without an async client the
     async methods run the sync ones in a worker thread; without a sync client the sync methods raise
     :class:`~zp_client.ConfigurationError`.
 
-    Deposits are batched: ``record_request()`` counts locally and writes to Redis at most every
-    ``flush_interval_s`` seconds (and with every ``try_spend``), so a request costs no round trip.
+    Deposits (answered requests; the policy makes them) are batched: ``record_request()`` counts locally
+    and writes to Redis at most every ``flush_interval_s`` seconds (and with every ``try_spend``), so an
+    answer costs no round trip.
     Undeposited requests only make the budget stricter, never looser. ``flush_interval_s=0`` writes
     through. If Redis fails, ``try_spend`` raises the redis error (the policy then does not retry) and
     deposits stay pending for the next flush.
@@ -55,9 +61,9 @@ class RedisRetryBudget:
         url: str | None = None,
         client: Any = None,
         async_client: Any = None,
-        ratio: float = 0.1,
-        floor_per_s: float = 1.0,
-        window_s: float = 10.0,
+        ratio: float = DEFAULT_BUDGET_RATIO,
+        floor_per_s: float = DEFAULT_BUDGET_FLOOR_PER_S,
+        window_s: float = DEFAULT_BUDGET_WINDOW_S,
         buckets: int = 10,
         prefix: str = "zp",
         flush_interval_s: float = 1.0,
@@ -77,6 +83,8 @@ class RedisRetryBudget:
         self.key = f"{{{prefix}:{name}}}:retry_budget"
         self._window_ms = max(1, int(round(self.window_s * 1000)))
         self._bucket_ms = max(1, self._window_ms // buckets)
+        self.bucket_s = self._bucket_ms / 1000.0
+        """Length of one bucket of the window: how often a refused retry asks again."""
         self._url = url
         self._client = client
         self._async_client = async_client
@@ -158,7 +166,7 @@ class RedisRetryBudget:
     # -- sync ----------------------------------------------------------------------------------------
 
     def record_request(self) -> None:
-        """Count one logical request; written to Redis with the next flush (see the class docstring)."""
+        """Count one answered logical request; written to Redis with the next flush (class docstring)."""
         with self._lock:
             self._pending += 1
         deposits = self._take_pending(force=False)

@@ -1,6 +1,7 @@
 -- retry_budget.lua: the fleet-wide retry budget (gRPC / Finagle style) of one zp-client budget.
 --
--- One job: record logical requests (deposits) and, when asked, grant one retry if
+-- One job: record answered logical requests (deposits; the policy makes one per answer) and, when
+-- asked, grant one retry if
 --     retries_in_window + 1 <= ratio * requests_in_window + floor_per_s * window_s
 -- over a sliding window made of fixed buckets. Time is Redis TIME, never a client clock, so every
 -- host of the fleet agrees on which bucket is current.
