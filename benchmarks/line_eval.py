@@ -73,7 +73,8 @@ def workload(kind: str, load: float, duration: float, seed: int) -> list[Req]:
     return reqs
 
 
-def simulate(reqs: list[Req], line: str, late_bound_s: float, starvation_bound_s: float = 2.0) -> dict[str, float]:
+def simulate(reqs: list[Req], line: str, late_bound_s: float,
+             starvation_bound_s: float = 2.0) -> dict[str, float]:
     led = Ledger(LIMIT, line=line, late_bound_s=late_bound_s,  # type: ignore[arg-type]
                  starvation_bound_s=starvation_bound_s)
     by_id = {r.rid: r for r in reqs}

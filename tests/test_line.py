@@ -208,13 +208,13 @@ class SloLineMachine(RuleBasedStateMachine):
                 if w.priority < gw.priority:
                     # priority: never granted while a more urgent waiter that fits waits; backfill past a
                     # more urgent one only while it is younger than the starvation bound
-                    assert not fits, f"{g} (class {gw.priority}) granted while {w.id} (class {w.priority}) fits"
+                    assert not fits, f"{g} (class {gw.priority}) granted while {w.id} ({w.priority}) fits"
                     assert waited < self.starve, f"{g} passed the starving {w.id} of a more urgent class"
-                elif w.priority == gw.priority and (w.ticket.order, w.seq) < (gw.ticket.order, gw.seq):
+                elif (w.priority == gw.priority and (w.ticket.order, w.seq) < (gw.ticket.order, gw.seq)
+                      and waited >= self.late):
                     # no starvation: passed by a later arrival for at most late_bound_s; after that only
                     # by backfill (it does not fit) while younger than the starvation bound
-                    if waited >= self.late:
-                        assert not fits and waited < self.starve, f"{g} overtook late-bound {w.id}"
+                    assert not fits and waited < self.starve, f"{g} overtook late-bound {w.id}"
             used += gw.bound
         assert used == self._used() and (not granted or used <= self.limit)
         # the grant follows the documented order within each class

@@ -225,7 +225,8 @@ def validate_seconds(value: object, what: str) -> float:
 
 
 def validate_line(line: object) -> LineName:
-    """Return ``line`` if it names a line discipline of :data:`LINES`; else raise :class:`ConfigurationError`."""
+    """Return ``line`` if it names a line discipline of :data:`LINES`; else raise
+    :class:`ConfigurationError`."""
     if line not in LINES:
         raise ConfigurationError(f"line must be one of {', '.join(map(repr, LINES))}, got {line!r}")
     return line

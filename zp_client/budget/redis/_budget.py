@@ -78,10 +78,11 @@ class RedisBudget(Budget):
     (``"elastic"`` or ``"strict"``; the budget's creator chooses), ``lease_ttl_s`` (a lease not renewed
     for this long is reclaimed), ``poll_interval_s`` (the bound on a lost wake-up), ``waiter_ttl_s``
     (default ``3 * poll_interval_s + 1``), ``starvation_bound_s``, ``longest_first_s``, ``line`` and
-    ``late_bound_s`` (the line's rules, as in LocalBudget; the budget's creator chooses), ``recovery_s`` (default ``lease_ttl_s``: a budget created from scratch
-    admits nothing new for this long), ``on_unavailable`` with ``unavailable_timeout_s`` and
-    ``local_share``, ``held_report_blocks``, ``sync_client``, ``on_event``. Semantics (safety, recovery,
-    wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
+    ``late_bound_s`` (the line's rules, as in LocalBudget; the budget's creator chooses), ``recovery_s``
+    (default ``lease_ttl_s``: a budget created from scratch admits nothing new for this long),
+    ``on_unavailable`` with ``unavailable_timeout_s`` and ``local_share``, ``held_report_blocks``,
+    ``sync_client``, ``on_event``. Semantics (safety, recovery, wake-ups, renewal, unavailability, the
+    elastic policy in Lua, keys): docs/redis.md.
     """
 
     def __init__(
@@ -481,7 +482,7 @@ class RedisBudget(Budget):
             fallback = self._fallback = LocalBudget(
                 share, self.block_size, starvation_bound_s=cfg.starvation_bound_s,
                 name=f"{self.name}-local-fallback", policy=core.policy, longest_first_s=cfg.longest_first_s,
-                line=cfg.line, late_bound_s=cfg.late_bound_s)
+                line=validate_line(cfg.line), late_bound_s=cfg.late_bound_s)
         core.counters["fallback_local"] += 1
         if core.fallback_logged:
             return fallback
