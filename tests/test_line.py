@@ -388,3 +388,55 @@ def test_redis_rejects_bad_targets_before_any_lease(redis_url: str, redis_prefix
         if keys:
             r.delete(*keys)
         r.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("late_bound_s", [0.3, 1e9])
+def test_redis_late_bound_waiter_goes_ahead_of_earlier_deadlines(late_bound_s: float, redis_url: str,
+                                                                 redis_prefix: str) -> None:
+    """A waiter that has waited late_bound_s (on Redis TIME) is tried before the deadlines still ahead."""
+    from zp_client.budget.redis import RedisBudget
+
+    async def main() -> str:
+        b = RedisBudget(redis_url, redis_prefix, 10, policy="strict", recovery_s=0, line="slo",
+                        late_bound_s=late_bound_s, starvation_bound_s=0.0)
+        try:
+            hold = await b.acquire(10)
+            old = asyncio.create_task(b.acquire(10))  # no target
+            await asyncio.sleep(0.5)  # at least: old has waited past a 0.3 s late bound by any clock
+            new = asyncio.create_task(b.acquire(10, meta=_t(100.0)))
+            while sum(c.waiters for c in (await b.status()).waiters.values()) < 2:
+                await asyncio.sleep(0.01)
+            await hold.release()
+            done, _p = await asyncio.wait([old, new], return_when=asyncio.FIRST_COMPLETED, timeout=20)
+            first = "old" if old in done else "new"
+            lease = (old if old in done else new).result()
+            await lease.release()
+            await (await asyncio.wait_for(new if first == "old" else old, 20)).release()
+            return first
+        finally:
+            await b.aclose()
+
+    try:
+        assert asyncio.run(main()) == ("old" if late_bound_s < 1 else "new")
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+@pytest.mark.redis
+def test_redis_budget_reads_the_line_from_settings(redis_url: str) -> None:
+    from zp_client.budget.redis import RedisBudget
+
+    b = RedisBudget.from_settings(redis_url, "zp-test-line-settings", 10,
+                                  Settings(line="slo", late_bound_s=12.5))
+    assert (b.config.line, b.config.late_bound_s) == ("slo", 12.5)
+    assert b._core.init_args()[8:] == ["slo", 12500]  # ARGV[9], ARGV[10] of init.lua
+    b.close_sync()
+    with pytest.raises(ConfigurationError):
+        RedisBudget(redis_url, "zp-test-line-bad", 10, line="edf")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError):
+        RedisBudget(redis_url, "zp-test-line-bad", 10, late_bound_s=-1)
