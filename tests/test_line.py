@@ -440,3 +440,53 @@ def test_redis_budget_reads_the_line_from_settings(redis_url: str) -> None:
         RedisBudget(redis_url, "zp-test-line-bad", 10, line="edf")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError):
         RedisBudget(redis_url, "zp-test-line-bad", 10, late_bound_s=-1)
+
+
+# ----------------------------------------------------------------------------- fleets
+
+
+def test_fleet_ledger_runs_the_slo_line() -> None:
+    from zp_client.fleet.ledger import FleetLedger, default_factory
+
+    for line, want in (("fifo", "slow"), ("slo", "fast")):
+        fl = FleetLedger({"http://a:8000/v1": 10}, default_factory("strict", 16), line=line)  # type: ignore[arg-type]
+        fl.enqueue("hold", 10, None, 0, 0.0)
+        assert fl.grant(0.0) == ["hold"]
+        fl.enqueue("slow", 6, None, 0, 0.0, meta=_t(300.0))
+        fl.enqueue("fast", 6, None, 0, 0.1, meta=_t(100.0))
+        fl.release("hold", 1.0)
+        assert fl.grant(1.0) == [want]
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("line", ["fifo", "slo"])
+def test_redis_fleet_runs_the_slo_line(line: str, redis_url: str, redis_prefix: str) -> None:
+    from zp_client.fleet.redis import RedisFleet
+
+    async def main() -> str:
+        f = RedisFleet(redis_url, redis_prefix, ["http://a:8000/v1"], 10, recovery_s=0, line=line)
+        try:
+            hold = await f.acquire(10)
+            slow = asyncio.create_task(f.acquire(6, meta=_t(300.0)))
+            while sum(c.waiters for c in (await f.status()).waiters.values()) < 1:
+                await asyncio.sleep(0.01)
+            fast = asyncio.create_task(f.acquire(6, meta=_t(100.0)))
+            while sum(c.waiters for c in (await f.status()).waiters.values()) < 2:
+                await asyncio.sleep(0.01)
+            await hold.release()
+            done, _p = await asyncio.wait([slow, fast], return_when=asyncio.FIRST_COMPLETED, timeout=20)
+            first = "fast" if fast in done else "slow"
+            await (fast if fast in done else slow).result().release()
+            await (await asyncio.wait_for(slow if first == "fast" else fast, 20)).release()
+            return first
+        finally:
+            await f.aclose()
+
+    try:
+        assert asyncio.run(main()) == ("fast" if line == "slo" else "slow")
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()

@@ -1092,7 +1092,7 @@ local function grant(now, self_id)
   local walk = {}
   for i, m in ipairs(members) do walk[i] = {id = string.sub(m, 14), m = m} end
   local lpt = is_elastic and meta_num('lpt') or 0
-  if not fleet and redis.call('HGET', K_META, 'line') == 'slo' then
+  if redis.call('HGET', K_META, 'line') == 'slo' then  -- a fleet's line too
     walk = l_walk(walk, now, meta_num('lb'), lpt, starve)
   elseif lpt > 0 and starve > 0 and not fleet then
     walk = e_walk(walk, now, lpt)
