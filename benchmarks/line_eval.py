@@ -7,8 +7,8 @@ line plus its prefill time; it is *in SLO* when that is within its class's targe
 served (nothing is refused), so the disciplines differ only in order. No server, no HTTP: this measures
 what the order alone can buy, before the storm benchmark's full stack (docs/admission.md#the-slo-aware-line).
 
-    python benchmarks/line_eval.py                       # loads 0.5,1,2,4; seeds 0-2; two workloads
-    python benchmarks/line_eval.py --loads 2 --late 5,10,30,inf --seeds 0-5
+    python benchmarks/line_eval.py                       # loads 0.5,1,2,4; seeds 0-4; two workloads
+    python benchmarks/line_eval.py --duration 300 --late 10,60,120,inf   # sustained overload
 """
 
 from __future__ import annotations
@@ -118,9 +118,9 @@ def _seeds(spec: str) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loads", default="0.5,1,2,4")
-    ap.add_argument("--late", default="10,30,inf", help="late_bound_s values for the slo line")
-    ap.add_argument("--seeds", default="0-2")
-    ap.add_argument("--duration", type=float, default=300.0, help="virtual seconds of arrivals")
+    ap.add_argument("--late", default="10,60,inf", help="late_bound_s values for the slo line")
+    ap.add_argument("--seeds", default="0-4")
+    ap.add_argument("--duration", type=float, default=60.0, help="virtual seconds of arrivals")
     ap.add_argument("--workloads", default="one,mixed")
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
