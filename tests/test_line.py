@@ -490,3 +490,41 @@ def test_redis_fleet_runs_the_slo_line(line: str, redis_url: str, redis_prefix: 
         if keys:
             r.delete(*keys)
         r.close()
+
+
+@pytest.mark.redis
+def test_redis_finds_a_deadline_deep_in_the_line(redis_url: str, redis_prefix: str) -> None:
+    """A grant pass scans 64 waiters at the head of the line; the :dl sorted set finds a waiter whose
+    deadline is ahead however far behind them it stands."""
+    from zp_client.budget.redis import RedisBudget
+
+    async def main() -> bool:
+        b = RedisBudget(redis_url, redis_prefix, 10, policy="strict", recovery_s=0, line="slo",
+                        starvation_bound_s=0.0)
+        try:
+            hold = await b.acquire(10)
+            crowd = [asyncio.create_task(b.acquire(10)) for _ in range(70)]  # no targets
+            while sum(c.waiters for c in (await b.status()).waiters.values()) < len(crowd):
+                await asyncio.sleep(0.02)
+            urgent = asyncio.create_task(b.acquire(10, meta=_t(100.0)))
+            while sum(c.waiters for c in (await b.status()).waiters.values()) < len(crowd) + 1:
+                await asyncio.sleep(0.02)
+            await hold.release()
+            lease = await asyncio.wait_for(urgent, 20)
+            ok = not any(t.done() for t in crowd)
+            for t in crowd:
+                t.cancel()
+            await asyncio.gather(*crowd, return_exceptions=True)
+            await lease.release()
+            return ok
+        finally:
+            await b.aclose()
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
