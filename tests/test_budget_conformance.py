@@ -8,7 +8,11 @@ tickets), which were refused, and the status snapshot (limit, used, held, live l
 their weight per class).
 
 The starvation bound is 0 (pure FIFO: every non-fitting waiter is a barrier) or effectively infinite
-(unbounded backfill), so the outcome never depends on timing. Expiry is time-based and is tested per
+(unbounded backfill), so the outcome never depends on timing. Under the SLO-aware line (``line="slo"``)
+requests carry TTFT targets 1,000 s and more apart (every deadline stays ahead for the whole run, in
+the same order on every clock), targets already missed (an ``age_s`` far beyond the target) or none,
+and the late bound is effectively infinite: the order (earliest deadline first, then the rest in line
+order) is the ledger's, on the backend's own clock. Expiry is time-based and is tested per
 backend (tests/test_redis_budget.py, tests/test_redis_multiprocess.py).
 """
 
@@ -33,22 +37,28 @@ LIMIT = 12
 NO_BACKFILL = 0.0
 FULL_BACKFILL = 1e9  # seconds; no wait in a test comes near it
 
-BudgetFactory = Callable[[int, float], Budget]
+NEVER_LATE = 1e9  # late_bound_s of the SLO runs: no waiter of a test gets near it
+
+BudgetFactory = Callable[[int, float, str], Budget]
+#: a drawn target: None (no target), "missed" (a deadline long past) or k (TTFT target ~k x 1,000 s)
+_TARGETS = st.sampled_from([None, "missed", 1, 2, 3, 4, 5, 6])
 
 
-def _local_factory(limit: int, starvation: float) -> Budget:
+def _local_factory(limit: int, starvation: float, line: str) -> Budget:
     from zp_client.budget.local import LocalBudget
 
-    return LocalBudget(limit, starvation_bound_s=starvation)
+    return LocalBudget(limit, starvation_bound_s=starvation, line=line, late_bound_s=NEVER_LATE)  # type: ignore[arg-type]
 
 
-def _make_machine(factory: BudgetFactory, starvation: float, cleanup: Callable[[], None]) -> type:
+def _make_machine(factory: BudgetFactory, starvation: float, cleanup: Callable[[], None],
+                  line: str = "fifo") -> type:
     class BudgetMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.loop = asyncio.new_event_loop()
-            self.model = Ledger(LIMIT, starvation_bound_s=starvation)
-            self.budget = factory(LIMIT, starvation)
+            self.model = Ledger(LIMIT, starvation_bound_s=starvation, line=line,  # type: ignore[arg-type]
+                                late_bound_s=NEVER_LATE)
+            self.budget = factory(LIMIT, starvation, line)
             self.labels = itertools.count()
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
             self.leases: dict[str, Lease] = {}
@@ -92,17 +102,25 @@ def _make_machine(factory: BudgetFactory, starvation: float, cleanup: Callable[[
             assert got.waiters == want.waiters
 
         # ----------------------------------------------------------------- rules
-        @rule(blocks=st.integers(1, LIMIT + 2), priority=st.integers(0, 2), retry=st.booleans())
-        def acquire(self, blocks: int, priority: int, retry: bool) -> None:
+        @rule(blocks=st.integers(1, LIMIT + 2), priority=st.integers(0, 2), retry=st.booleans(),
+              goal=_TARGETS)
+        def acquire(self, blocks: int, priority: int, retry: bool, goal: int | str | None) -> None:
             ticket = self.tickets.pop(0) if retry and self.tickets else None
-            lbl = f"r{next(self.labels)}"
+            n = next(self.labels)
+            lbl = f"r{n}"
+            # Targets k x 1,000 s (+ n s: no two deadlines tie, whichever clock): the model's clock stays
+            # at 0, the backend's runs for the few seconds of a run, so the order of deadlines is the same.
+            meta: dict[str, float] | None = (
+                None if goal is None else {"ttft_target_s": 1.0, "age_s": 1e6} if goal == "missed"
+                else {"ttft_target_s": 1000.0 * int(goal) + n})
             try:
-                self.model.enqueue(lbl, blocks, None, priority, 0.0, ticket)
+                self.model.enqueue(lbl, blocks, None, priority, 0.0, ticket, meta=meta)
             except LeaseTooLarge:
                 with pytest.raises(LeaseTooLarge):
-                    self.run(self.budget.acquire(blocks, priority=priority, ticket=ticket))
+                    self.run(self.budget.acquire(blocks, priority=priority, ticket=ticket, meta=meta))
                 return
-            self.tasks[lbl] = self.loop.create_task(self.budget.acquire(blocks, priority=priority, ticket=ticket))
+            self.tasks[lbl] = self.loop.create_task(
+                self.budget.acquire(blocks, priority=priority, ticket=ticket, meta=meta))
             self.run(asyncio.sleep(0))  # let it reach the backend before the model grants
             self.run(self._until_registered(lbl))
             self.model.grant(0.0)
@@ -204,26 +222,41 @@ _SETTINGS = settings(
 )
 
 
-@pytest.mark.parametrize("starvation", [NO_BACKFILL, FULL_BACKFILL], ids=["fifo", "backfill"])
-def test_local_budget_conforms_to_the_ledger(starvation: float) -> None:
+# The SLO line reorders only once several waiters queue behind a full pool: longer runs reach that often.
+_SLO_SETTINGS = settings(_SETTINGS, stateful_step_count=45)
+
+
+def _settings(line: str) -> settings:
+    return _SLO_SETTINGS if line == "slo" else _SETTINGS
+
+
+_LINES = pytest.mark.parametrize(("starvation", "line"), [
+    (NO_BACKFILL, "fifo"), (FULL_BACKFILL, "fifo"), (NO_BACKFILL, "slo"), (FULL_BACKFILL, "slo")],
+    ids=["fifo", "backfill", "slo", "slo-backfill"])
+
+
+@_LINES
+def test_local_budget_conforms_to_the_ledger(starvation: float, line: str) -> None:
     pytest.importorskip("zp_client.budget.local")
-    machine = _make_machine(_local_factory, starvation, lambda: None)
-    run_state_machine_as_test(machine, settings=_SETTINGS)
+    machine = _make_machine(_local_factory, starvation, lambda: None, line)
+    run_state_machine_as_test(machine, settings=_settings(line))
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize("starvation", [NO_BACKFILL, FULL_BACKFILL], ids=["fifo", "backfill"])
-def test_redis_budget_conforms_to_the_ledger(starvation: float, redis_url: str, redis_prefix: str) -> None:
+@_LINES
+def test_redis_budget_conforms_to_the_ledger(starvation: float, line: str, redis_url: str,
+                                             redis_prefix: str) -> None:
     from zp_client.budget.redis import RedisBudget
 
     names: list[str] = []
     counter = itertools.count()
 
-    def factory(limit: int, starve: float) -> Budget:
+    def factory(limit: int, starve: float, line: str) -> Budget:
         name = f"{redis_prefix}-{next(counter)}"
         names.append(name)
         # recovery_s=0: a fresh budget would otherwise admit nothing for one lease TTL (tested elsewhere)
-        return RedisBudget(redis_url, name, limit, recovery_s=0, starvation_bound_s=starve, held_report_blocks=1)
+        return RedisBudget(redis_url, name, limit, recovery_s=0, starvation_bound_s=starve, held_report_blocks=1,
+                           line=line, late_bound_s=NEVER_LATE)  # type: ignore[arg-type]
 
     def cleanup() -> None:
         r = redis.Redis.from_url(redis_url)
@@ -235,5 +268,5 @@ def test_redis_budget_conforms_to_the_ledger(starvation: float, redis_url: str, 
         finally:
             r.close()
 
-    machine = _make_machine(factory, starvation, cleanup)
-    run_state_machine_as_test(machine, settings=_SETTINGS)
+    machine = _make_machine(factory, starvation, cleanup, line)
+    run_state_machine_as_test(machine, settings=_settings(line))

@@ -710,5 +710,5 @@ def test_longest_first_is_validated_and_read_from_settings(redis_url: str) -> No
     with pytest.raises(ConfigurationError, match="longest_first_s"):
         RedisBudget(redis_url, "zp-test-lpt-invalid", 10, longest_first_s=-1)
     b = RedisBudget.from_settings(redis_url, "zp-test-lpt-settings", 10, Settings(longest_first_s=4.0))
-    assert b.config.longest_first_s == 4.0 and b._core.init_args()[-1] == 4000
+    assert b.config.longest_first_s == 4.0 and b._core.init_args()[6] == 4000  # ARGV[7] of init.lua
     b.close_sync()

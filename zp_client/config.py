@@ -39,6 +39,19 @@ class Settings(BaseSettings):
         "(admission tries the younger waiters longest first; 0 = off, line order). Trades tail TTFT for "
         "makespan and median TTFT; see docs/elastic.md#longest-first.",
     )
+    line: Literal["fifo", "slo"] = Field(
+        "fifo",
+        description="The budget's line discipline: 'fifo' (arrival order within a priority class) or 'slo' "
+        "(waiters that can still meet their TTFT target go first, earliest deadline first; see "
+        "docs/admission.md#the-slo-aware-line).",
+    )
+    late_bound_s: float = Field(
+        60.0,
+        ge=0,
+        description="Under line='slo': how long a waiter may be passed by waiters of its class with an "
+        "earlier deadline; after that it is tried in arrival order ahead of them (and, past the starvation "
+        "bound, becomes a barrier).",
+    )
     lease_ttl_s: float = Field(30.0, gt=0, description="Lease time-to-live for backends that expire leases.")
 
     # --- estimation -------------------------------------------------------------------------------

@@ -10,25 +10,35 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 from zp_client.budget.pins import PinBook, PinRecord, pin_lease_id
-from zp_client.errors import ConfigurationError, LeaseTooLarge
+from zp_client.errors import ConfigurationError, InvalidRequest, LeaseTooLarge
 
 __all__ = [
+    "AGE_KEY",
+    "DEFAULT_LATE_BOUND_S",
+    "DEFAULT_LINE",
     "DEFAULT_LONGEST_FIRST_S",
     "DEFAULT_STARVATION_BOUND_S",
     "Expired",
+    "LINES",
+    "TPOT_TARGET_KEY",
+    "TTFT_TARGET_KEY",
     "LeaseRecord",
     "Ledger",
     "LedgerView",
+    "LineName",
     "ReservationPolicy",
     "StrictPolicy",
     "WaiterRecord",
+    "line_deadline",
+    "slo_walk",
     "validate_blocks",
+    "validate_line",
     "validate_seconds",
 ]
 
@@ -39,6 +49,22 @@ DEFAULT_LONGEST_FIRST_S = 0.0
 """Default longest-first window of the elastic walk: off (docs/admission.md#the-fair-line; measured in
 docs/elastic.md#longest-first: 15 s cut seed-burst's makespan and TTFT p50 but made agentic's TTFT p99
 1.4-3.9x longer)."""
+
+LineName = Literal["fifo", "slo"]
+#: The line disciplines a ledger runs (docs/admission.md#the-slo-aware-line).
+LINES: tuple[LineName, ...] = ("fifo", "slo")
+DEFAULT_LINE: LineName = "fifo"
+"""The default discipline: FIFO within a class (the SLO-aware line is opt-in until it is measured to win)."""
+
+DEFAULT_LATE_BOUND_S = 60.0
+"""How long the SLO-aware line may let other waiters of a class go first (docs/admission.md#the-slo-aware-line
+for why 60 s)."""
+
+#: Waiter metadata the SLO-aware line reads (seconds): the request's TTFT target, relative to the logical
+#: request's first arrival; its TPOT target (carried, not yet read by the order); and how old the logical
+#: request already is at this enqueue (a retry's age, on the caller's clock). The deadline is computed
+#: on the backend's clock from them (:func:`line_deadline`), so no two clocks are ever compared.
+TTFT_TARGET_KEY, TPOT_TARGET_KEY, AGE_KEY = "ttft_target_s", "tpot_target_s", "age_s"
 
 
 @dataclass(slots=True)
@@ -56,6 +82,8 @@ class WaiterRecord:
     """Arrival sequence; breaks ties between waiters that reuse the same ticket."""
     expires_at: float | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    deadline: float | None = None
+    """The TTFT deadline on the ledger's clock (:func:`line_deadline`), None without a target."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -196,6 +224,66 @@ def validate_seconds(value: object, what: str) -> float:
     return float(value)
 
 
+def validate_line(line: object) -> LineName:
+    """Return ``line`` if it names a line discipline of :data:`LINES`; else raise
+    :class:`ConfigurationError`."""
+    if line not in LINES:
+        raise ConfigurationError(f"line must be one of {', '.join(map(repr, LINES))}, got {line!r}")
+    return line
+
+
+def _target(meta: Mapping[str, Any], key: str, *, positive: bool) -> float | None:
+    v = meta.get(key)
+    if v is None:
+        return None
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            or not (v > 0 if positive else v >= 0)):
+        what = "a positive" if positive else "a non-negative"
+        raise InvalidRequest(f"meta {key} must be {what} finite number of seconds, got {v!r}", field=key)
+    return float(v)
+
+
+def line_deadline(meta: Mapping[str, Any] | None, now: float) -> float | None:
+    """A waiter's TTFT deadline on the backend's clock: ``now - age_s + ttft_target_s`` (``now`` is the
+    enqueue time), None when ``meta`` has no ``ttft_target_s``. Also checks ``tpot_target_s``.
+
+    Raises :class:`~zp_client.errors.InvalidRequest` (naming the key) for a target that is not a
+    positive finite number of seconds or an age that is negative or not finite."""
+    if not meta:
+        return None
+    ttft = _target(meta, TTFT_TARGET_KEY, positive=True)
+    _target(meta, TPOT_TARGET_KEY, positive=True)
+    age = _target(meta, AGE_KEY, positive=False)
+    if ttft is None:
+        return None
+    return now - (age or 0.0) + ttft
+
+
+def slo_walk(waiters: Sequence[WaiterRecord], now: float, late_bound_s: float) -> list[int] | None:
+    """The SLO-aware order in which a grant tries one priority class's waiters (indices into
+    ``waiters``, which is in line order), or None for the class's plain walk.
+
+    Three groups: the waiters that have waited at least ``late_bound_s`` ("late-bound", in line order);
+    then the waiters whose deadline is still ahead (``deadline > now``), earliest deadline first (line
+    order among equal deadlines); then the rest (a deadline already passed, or no target) in line order.
+    When no young waiter has a deadline ahead the answer is None: the class walks as under ``fifo``, so a
+    line without targets is exactly the FIFO line. The ledger's barrier rule applies in this order."""
+    old: list[int] = []
+    edf: list[int] = []
+    rest: list[int] = []
+    for i, w in enumerate(waiters):
+        if now - w.since >= late_bound_s:
+            old.append(i)
+        elif w.deadline is not None and w.deadline > now:
+            edf.append(i)
+        else:
+            rest.append(i)
+    if not edf:
+        return None
+    edf.sort(key=lambda i: (waiters[i].deadline, i))
+    return old + edf + rest
+
+
 def _fits_nobody(view: LedgerView, candidate: WaiterRecord) -> bool:
     """The fit of a grant pass on an exhausted pool (see :meth:`Ledger.grant`)."""
     return False
@@ -225,8 +313,12 @@ class Ledger:
         policy: ReservationPolicy | None = None,
         starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
         longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
+        line: LineName = DEFAULT_LINE,
+        late_bound_s: float = DEFAULT_LATE_BOUND_S,
     ) -> None:
         self._limit = validate_blocks(limit, "limit", minimum=0)
+        self._line: LineName = validate_line(line)
+        self._late_bound = validate_seconds(late_bound_s, "late_bound_s")
         self._policy = _check_policy(StrictPolicy() if policy is None else policy)
         self._progress_sensitive = bool(getattr(self._policy, "progress_sensitive", False))
         self._version = 0
@@ -274,6 +366,17 @@ class Ledger:
     @property
     def longest_first_s(self) -> float:
         return self._longest_first
+
+    @property
+    def line_discipline(self) -> LineName:
+        """The line discipline: ``"fifo"`` or ``"slo"`` (docs/admission.md#the-slo-aware-line)."""
+        return self._line
+
+    @property
+    def late_bound_s(self) -> float:
+        """Under the SLO-aware line: how long a waiter may be passed by waiters of its class with an
+        earlier deadline before it is tried in line order ahead of them."""
+        return self._late_bound
 
     @property
     def version(self) -> int:
@@ -418,11 +521,14 @@ class Ledger:
         priority class wins over ``priority``. ``expires_at`` lets a backend drop waiters whose owner died
         (see :meth:`renew`, :meth:`expire`); ``None`` never expires. A granted lease keeps the waiter's
         expiry, so a backend that heartbeats waiters keeps heartbeating the lease under the same id.
-        ``meta`` travels from the waiter to its lease, for policies that need more than weights.
+        ``meta`` travels from the waiter to its lease, for policies that need more than weights; its
+        ``ttft_target_s`` / ``age_s`` give the waiter its deadline (:func:`line_deadline`), which the
+        SLO-aware line orders by.
 
         Raises :class:`ConfigurationError` for a weight that is not a positive int, ``held`` outside
         ``[0, bound]``, a non-int priority or a duplicate id, and :class:`LeaseTooLarge` when ``bound``
-        exceeds the limit (it could never be admitted).
+        exceeds the limit (it could never be admitted), :class:`~zp_client.errors.InvalidRequest` for a
+        target or age in ``meta`` that is not a finite number of seconds (positive; the age >= 0).
         """
         validate_blocks(bound, "blocks")
         if held is None:
@@ -436,6 +542,7 @@ class Ledger:
             raise ConfigurationError(f"id {waiter_id!r} is already waiting or holding a lease in this ledger")
         if bound > self.size_limit:
             raise LeaseTooLarge(bound, self.size_limit)
+        deadline = line_deadline(meta, now)
         if ticket is None:
             ticket = Ticket(priority, self._next_order)
             self._next_order += 1
@@ -456,6 +563,7 @@ class Ledger:
             seq=self._seq,
             expires_at=expires_at,
             meta=dict(meta) if meta else {},
+            deadline=deadline,
         )
         prepare = getattr(self._policy, "admission_meta", None)
         if prepare is not None and w.meta:
@@ -504,13 +612,17 @@ class Ledger:
             fits = _fits_nobody
         bound_s = self._starvation_bound
         walk = getattr(policy, "walk", None)
+        slo = self._line == "slo"
         if len(self._pins):
             fits = self._gated(fits, now)
         for p in list(self._class_order):
             cls = self._classes[p]
             admitted_here: list[int] = []  # indices into cls
             stop = False
-            for i in range(len(cls)) if walk is None else walk(cls, now, bound_s, self._longest_first):
+            order: Iterable[int] | None = slo_walk(cls, now, self._late_bound) if slo else None
+            if order is None:
+                order = range(len(cls)) if walk is None else walk(cls, now, bound_s, self._longest_first)
+            for i in order:
                 w = cls[i]
                 if fits(self, w):
                     admitted_here.append(i)
@@ -684,6 +796,8 @@ class Ledger:
             block_size=block_size,
             extra={
                 "starvation_bound_s": self._starvation_bound,
+                "line": self._line,
+                **({"late_bound_s": self._late_bound} if self._line == "slo" else {}),
                 "head_starving": head is not None and head_wait >= self._starvation_bound,
                 "bound_sum": self._bound_sum,
                 **({"pins": self._pins.status(), "pinned_blocks": self._pins.pinned_blocks,
@@ -734,7 +848,7 @@ class Ledger:
     def __repr__(self) -> str:
         return (
             f"Ledger(limit={self._limit}, used={self.used}, leases={len(self._leases)}, "
-            f"waiters={len(self._waiters)}, policy={self._policy!r})"
+            f"waiters={len(self._waiters)}, policy={self._policy!r}, line={self._line!r})"
         )
 
 

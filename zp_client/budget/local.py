@@ -26,9 +26,12 @@ from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import (
+    DEFAULT_LATE_BOUND_S,
+    DEFAULT_LINE,
     DEFAULT_LONGEST_FIRST_S,
     DEFAULT_STARVATION_BOUND_S,
     Ledger,
+    LineName,
     ReservationPolicy,
     validate_blocks,
 )
@@ -172,7 +175,10 @@ class LocalBudget(Budget):
     docs/admission.md#choosing-limit_blocks.
     ``starvation_bound_s`` bounds backfill (default 2.0 s, as ``Settings.starvation_bound_s``; see
     :mod:`zp_client.budget.ledger`); ``longest_first_s`` is the elastic walk's longest-first window
-    (default 0: off, line order; ``Settings.longest_first_s``). ``policy`` is ``"elastic"`` (the
+    (default 0: off, line order; ``Settings.longest_first_s``). ``line`` is the line discipline,
+    ``"fifo"`` (default) or ``"slo"`` (waiters whose ``meta`` ``ttft_target_s`` can still be met go first,
+    earliest deadline first; a waiter is passed so for at most ``late_bound_s``): see
+    docs/admission.md#the-slo-aware-line. ``policy`` is ``"elastic"`` (the
     default: admit on the projected peak of the pool; :mod:`zp_client.budget.elastic`; a lease without
     metadata is reserved at its bound, as strict would), ``"strict"`` (reserve every lease's bound:
     preemption impossible by construction) or a :class:`~zp_client.budget.ledger.ReservationPolicy`
@@ -205,6 +211,8 @@ class LocalBudget(Budget):
         starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
         policy: str | ReservationPolicy = "elastic",
         longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
+        line: LineName = DEFAULT_LINE,
+        late_bound_s: float = DEFAULT_LATE_BOUND_S,
         name: str = "local",
         clock: Clock | None = None,
         pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
@@ -224,6 +232,8 @@ class LocalBudget(Budget):
             policy=make_policy(policy, block_size=self.block_size),
             starvation_bound_s=starvation_bound_s,
             longest_first_s=longest_first_s,
+            line=line,
+            late_bound_s=late_bound_s,
         )
         self._lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
@@ -239,14 +249,16 @@ class LocalBudget(Budget):
 
     @classmethod
     def from_settings(cls, limit_blocks: int, settings: Settings | None = None, **kwargs: Any) -> LocalBudget:
-        """A budget using ``block_size``, ``starvation_bound_s`` and ``longest_first_s`` from
-        :class:`~zp_client.Settings`."""
+        """A budget using ``block_size``, ``starvation_bound_s``, ``longest_first_s``, ``line`` and
+        ``late_bound_s`` from :class:`~zp_client.Settings`."""
         if settings is None:
             from zp_client.config import Settings  # noqa: PLC0415 - pydantic-settings loads only when a caller asks for Settings
 
             settings = Settings()
         kwargs.setdefault("starvation_bound_s", settings.starvation_bound_s)
         kwargs.setdefault("longest_first_s", settings.longest_first_s)
+        kwargs.setdefault("line", settings.line)
+        kwargs.setdefault("late_bound_s", settings.late_bound_s)
         return cls(limit_blocks, settings.block_size, **kwargs)
 
     @classmethod

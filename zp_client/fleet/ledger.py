@@ -39,9 +39,12 @@ from typing import Any
 
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 from zp_client.budget.ledger import (
+    DEFAULT_LATE_BOUND_S,
+    DEFAULT_LINE,
     LeaseRecord,
     Ledger,
     LedgerView,
+    LineName,
     ReservationPolicy,
     WaiterRecord,
     validate_blocks,
@@ -197,6 +200,8 @@ class FleetLedger:
         max_prefix_entries: int = DEFAULT_MAX_ENTRIES,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         capacities: Mapping[str, int] | None = None,
+        line: LineName = DEFAULT_LINE,
+        late_bound_s: float = DEFAULT_LATE_BOUND_S,
     ) -> None:
         self._factory = policy_factory
         self.affinity_wait_s = validate_seconds(affinity_wait_s, "affinity_wait_s")
@@ -216,7 +221,9 @@ class FleetLedger:
         # The line never stops at a barrier itself: a starving waiter holds one replica (the one it will
         # fit on soonest) for itself instead, so the other replicas keep admitting (see place()).
         self._starvation_bound = validate_seconds(starvation_bound_s, "starvation_bound_s")
-        self.line = Ledger(0, policy=_Placement(self), starvation_bound_s=math.inf)
+        # line="slo": the line tries waiters in the SLO-aware order (docs/admission.md#the-slo-aware-line)
+        self.line = Ledger(0, policy=_Placement(self), starvation_bound_s=math.inf, line=line,
+                           late_bound_s=late_bound_s)
         if not replicas:
             raise ConfigurationError("a fleet needs at least one replica")
         for url, limit in replicas.items():

@@ -27,6 +27,9 @@ import anyio
 from zp_client._clock import Clock
 from zp_client.budget.base import Lease, Ticket
 from zp_client.budget.ledger import (
+    DEFAULT_LATE_BOUND_S,
+    DEFAULT_LINE,
+    LineName,
     ReservationPolicy,
     validate_blocks,
     validate_seconds,
@@ -82,6 +85,8 @@ class Fleet(FleetRouting, LocalBudget):
     ``replicas``: base URLs (``http://host:port/v1``, all with the same path), each leased up to
     ``limit_blocks``, or a mapping of URL to its own limit (replicas with different pools).
     ``policy``: each replica's reservation policy (a name, as LocalBudget's; a fresh one per replica).
+    ``line`` / ``late_bound_s``: the fleet line's discipline, as LocalBudget's (``"slo"``: the SLO-aware
+    line, docs/admission.md#the-slo-aware-line).
     ``affinity_wait_s`` / ``min_affinity_blocks``: how long a request waits for the replica that holds
     its prefix (or its session) when another one has room, and what match is worth it.
     ``health``: the outlier-detection rules (:class:`~zp_client.fleet.ledger.HealthRules`).
@@ -113,6 +118,8 @@ class Fleet(FleetRouting, LocalBudget):
         check_interval_s: float = 5.0,
         resolver: Resolver | None = None,
         dns_url: str | None = None,
+        line: LineName = DEFAULT_LINE,
+        late_bound_s: float = DEFAULT_LATE_BOUND_S,
     ) -> None:
         super().__init__(1, block_size, starvation_bound_s=starvation_bound_s, policy="strict", name=name,
                          clock=clock)
@@ -124,7 +131,7 @@ class Fleet(FleetRouting, LocalBudget):
         self._ledger = FleetLedger(  # type: ignore[assignment]  # the Ledger surface LocalBudget drives
             limits, default_factory(policy, self.block_size), starvation_bound_s=starvation_bound_s,
             affinity_wait_s=affinity_wait_s, min_affinity_blocks=min_affinity_blocks, health=health,
-            max_prefix_entries=max_prefix_entries, capacities=caps,
+            max_prefix_entries=max_prefix_entries, capacities=caps, line=line, late_bound_s=late_bound_s,
         )
         self._path = urlsplit(next(iter(limits))).path
         self.check_interval_s = validate_seconds(check_interval_s, "check_interval_s")

@@ -122,7 +122,8 @@ class RedisFleet(FleetRouting, RedisBudget):
     prefix index, the replicas and their counters) expire this long after their last write or lease
     renewal; the replicas are registered again from the configuration when they expired. The rest are
     :class:`~zp_client.RedisBudget`'s keyword arguments (``lease_ttl_s``, ``poll_interval_s``,
-    ``recovery_s``, ``on_unavailable``...).
+    ``recovery_s``, ``on_unavailable``..., and ``line`` / ``late_bound_s``: the fleet's line runs the
+    SLO-aware order too).
     """
 
     def __init__(

@@ -15,9 +15,13 @@ import redis.asyncio as redis_async
 
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.ledger import (
+    DEFAULT_LATE_BOUND_S,
+    DEFAULT_LINE,
     DEFAULT_LONGEST_FIRST_S,
     DEFAULT_STARVATION_BOUND_S,
+    LineName,
     validate_blocks,
+    validate_line,
     validate_seconds,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
@@ -73,11 +77,12 @@ class RedisBudget(Budget):
     Parameters (seconds end in ``_s``, as in LocalBudget and :class:`~zp_client.Settings`): ``policy``
     (``"elastic"`` or ``"strict"``; the budget's creator chooses), ``lease_ttl_s`` (a lease not renewed
     for this long is reclaimed), ``poll_interval_s`` (the bound on a lost wake-up), ``waiter_ttl_s``
-    (default ``3 * poll_interval_s + 1``), ``starvation_bound_s`` and ``longest_first_s`` (the line's
-    rules, as in LocalBudget), ``recovery_s`` (default ``lease_ttl_s``: a budget created from scratch
-    admits nothing new for this long), ``on_unavailable`` with ``unavailable_timeout_s`` and
-    ``local_share``, ``held_report_blocks``, ``sync_client``, ``on_event``. Semantics (safety, recovery,
-    wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
+    (default ``3 * poll_interval_s + 1``), ``starvation_bound_s``, ``longest_first_s``, ``line`` and
+    ``late_bound_s`` (the line's rules, as in LocalBudget; the budget's creator chooses), ``recovery_s``
+    (default ``lease_ttl_s``: a budget created from scratch admits nothing new for this long),
+    ``on_unavailable`` with ``unavailable_timeout_s`` and ``local_share``, ``held_report_blocks``,
+    ``sync_client``, ``on_event``. Semantics (safety, recovery, wake-ups, renewal, unavailability, the
+    elastic policy in Lua, keys): docs/redis.md.
     """
 
     def __init__(
@@ -93,6 +98,8 @@ class RedisBudget(Budget):
         waiter_ttl_s: float | None = None,
         starvation_bound_s: float = DEFAULT_STARVATION_BOUND_S,
         longest_first_s: float = DEFAULT_LONGEST_FIRST_S,
+        line: LineName = DEFAULT_LINE,
+        late_bound_s: float = DEFAULT_LATE_BOUND_S,
         recovery_s: float | None = None,
         on_unavailable: Literal["fail_closed", "fail_local"] = "fail_closed",
         unavailable_timeout_s: float = 10.0,
@@ -144,6 +151,8 @@ class RedisBudget(Budget):
             waiter_ttl_s=float(waiter_ttl_s) if waiter_ttl_s is not None else 3 * poll + 1.0,
             starvation_bound_s=float(starvation_bound_s),
             longest_first_s=validate_seconds(longest_first_s, "longest_first_s"),
+            line=validate_line(line),
+            late_bound_s=validate_seconds(late_bound_s, "late_bound_s"),
             policy=policy,
             recovery_s=float(lease_ttl_s) if recovery_s is None else float(recovery_s),
             on_unavailable=on_unavailable,
@@ -169,14 +178,17 @@ class RedisBudget(Budget):
     def from_settings(
         cls, url_or_client: str | Any, name: str, limit_blocks: int, settings: Any = None, **kwargs: Any
     ) -> RedisBudget:
-        """A budget using ``block_size``, ``starvation_bound_s``, ``longest_first_s`` and ``lease_ttl_s`` from
-        :class:`~zp_client.Settings` (explicit keyword arguments win)."""
+        """A budget using ``block_size``, ``starvation_bound_s``, ``longest_first_s``, ``line``,
+        ``late_bound_s`` and ``lease_ttl_s`` from :class:`~zp_client.Settings` (explicit keyword arguments
+        win)."""
         if settings is None:
             from zp_client.config import Settings
 
             settings = Settings()
         kwargs.setdefault("starvation_bound_s", settings.starvation_bound_s)
         kwargs.setdefault("longest_first_s", settings.longest_first_s)
+        kwargs.setdefault("line", settings.line)
+        kwargs.setdefault("late_bound_s", settings.late_bound_s)
         kwargs.setdefault("lease_ttl_s", settings.lease_ttl_s)
         return cls(url_or_client, name, limit_blocks, settings.block_size, **kwargs)
 
@@ -469,7 +481,8 @@ class RedisBudget(Budget):
             share = max(1, int(core.limit * cfg.local_share))
             fallback = self._fallback = LocalBudget(
                 share, self.block_size, starvation_bound_s=cfg.starvation_bound_s,
-                name=f"{self.name}-local-fallback", policy=core.policy, longest_first_s=cfg.longest_first_s)
+                name=f"{self.name}-local-fallback", policy=core.policy, longest_first_s=cfg.longest_first_s,
+                line=validate_line(cfg.line), late_bound_s=cfg.late_bound_s)
         core.counters["fallback_local"] += 1
         if core.fallback_logged:
             return fallback

@@ -29,6 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.elastic import admission_meta
+from zp_client.budget.ledger import AGE_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
 from zp_client.errors import BudgetUnavailable, ConfigurationError, LeaseTooLarge, ZPError
 
 log = logging.getLogger("zp_client.budget.redis")
@@ -86,6 +87,26 @@ def compact_meta(meta: Mapping[str, Any], *, update: bool) -> dict[str, Any]:
                 raise ConfigurationError(
                     f"meta {k} must be a number of tokens/blocks in [0, 1e12], got {v!r}")
             out[short] = int(v)
+    return out
+
+
+#: The line's fields (zp_client.budget.ledger: TTFT_TARGET_KEY...), sent in milliseconds under any policy.
+_LINE_KEYS = {TTFT_TARGET_KEY: "tt", TPOT_TARGET_KEY: "tp", AGE_KEY: "ag"}
+
+
+def line_meta(meta: Mapping[str, Any]) -> dict[str, int]:
+    """The SLO-aware line's fields of ``meta`` in whole milliseconds, short keys ``tt`` (TTFT target),
+    ``tp`` (TPOT target) and ``ag`` (the request's age at this enqueue); acquire.lua computes the
+    waiter's deadline ``now - ag + tt`` on Redis TIME. Raises
+    :class:`~zp_client.errors.InvalidRequest` as :func:`~zp_client.budget.ledger.line_deadline` does.
+    A target is rounded up to at least 1 ms (it is positive)."""
+    line_deadline(meta, 0.0)  # validates
+    out: dict[str, int] = {}
+    for k, short in _LINE_KEYS.items():
+        v = meta.get(k)
+        if v is not None:
+            ms = min(round(float(v) * 1000), 10**12)
+            out[short] = ms if short == "ag" else max(1, ms)
     return out
 
 
@@ -181,6 +202,8 @@ class Config:
     waiter_ttl_s: float
     starvation_bound_s: float
     longest_first_s: float
+    line: str
+    late_bound_s: float
     policy: str
     recovery_s: float
     on_unavailable: str
@@ -325,6 +348,8 @@ class Core:
         out: dict[str, Any] = {}
         if self.policy == "elastic" and meta:
             out = compact_meta(admission_meta(meta, bound, self.cfg.block_size), update=False)
+        if meta:
+            out.update(line_meta(meta))
         if self.fleet is not None:
             out.update(self.fleet.route_arg(meta))
         return meta_json(out)
@@ -353,8 +378,8 @@ class Core:
         lpt_ms = math.ceil(min(cfg.longest_first_s, 1e12) * 1000)  # never rounded down to "off"
         args: list[Any] = [cfg.limit, cfg.block_size, secrets.token_urlsafe(12), int(cfg.recovery_s * 1000),
                            cfg.policy, starve_ms, lpt_ms]
-        if self.fleet is not None:
-            args.append(self.fleet.init_arg())
+        args.append(self.fleet.init_arg() if self.fleet is not None else "")
+        args += [cfg.line, int(min(cfg.late_bound_s, 1e12) * 1000)]  # inf: never late-bound
         return args
 
     def renew_args(self, batch: list[RedisLease]) -> list[Any]:

@@ -1,7 +1,8 @@
 -- acquire.lua: enqueue a waiter (Ledger.enqueue) and run a grant pass (Ledger.grant). Idempotent per
 -- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
---       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none)
+--       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none; under any policy its tt / tp / ag
+--       fields give the waiter its deadline, common.lua's SLO-aware line section)
 -- Fleet mode (meta fleet = 1, see common.lua): ARGV[10] also carries the waiter's routing ({"k": prefix
 -- keys, "s": session, "a": replicas to avoid}, beside the compact meta fields under elastic); the
 -- fleet's fast path places the waiter (common.lua's f_place) when nobody waits;
@@ -121,9 +122,15 @@ else
   end
   local arrival = redis.call('HINCRBY', K_META, 'arr', 1)
   local member = string.format('%012d', arrival) .. '|' .. id
+  local lf = l_arg(ARGV[10])
+  local dl = nil
+  if lf ~= nil then dl = now - lf.ag + lf.tt end  -- the deadline on Redis TIME (ledger.line_deadline)
   redis.call('HSET', K_WAIT, id, cjson.encode({b = bound, h = held, p = prio, o = order, s = now,
-    m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta, rt = route}))
+    m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta, rt = route, d = dl, tp = lf and lf.tp}))
   redis.call('ZADD', K_LINE, prio * PRIO_SPAN + order, member)
+  if dl ~= nil and redis.call('HGET', K_META, 'line') == 'slo' then
+    redis.call('ZADD', K_DL, l_score(prio, dl, meta_num('t0')), member)
+  end
   redis.call('ZADD', K_WEXP, now + wttl, id)
   class_add(prio, 1, bound)
 end

@@ -13,7 +13,8 @@
 -- and the elastic mirror: fewer arguments per call). All share the hash tag {zp:<name>}, so a budget
 -- lives in one Cluster slot and the declared key routes every call there:
 --   1 meta   HASH  limit, bs, epoch, rec (recovery ends, ms), starve (ms), lpt (longest-first window, ms;
---                  absent in budgets made before it: 0, off), policy, ver (limit version),
+--                  absent in budgets made before it: 0, off), line ('slo' for the SLO-aware line, absent:
+--                  fifo), lb (its late bound, ms), t0 (its deadline scores' origin, ms), policy, ver (limit version),
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
 --                  nl (live leases), adm (elastic admission counter), xsum (elastic: sum of the live
 --                  leases' excess blocks beyond their bounds, e_excess; absent: 0)
@@ -23,7 +24,8 @@
 --   3 lexp   ZSET  lease id -> expiry (ms)
 --   4 line   ZSET  member (arrival seq, zero padded, "|" id) -> priority * 2^40 + ticket order
 --   5 wait   HASH  waiter id -> cjson {b, h, p, o, s=since ms, m=line member, x=mailbox, w=owner, l=lease ttl,
---                  mt=meta (elastic only)}
+--                  mt=meta (elastic only), d=TTFT deadline ms and tp=TPOT target ms (with a TTFT target;
+--                  the SLO-aware line's section)}
 --   6 wexp   ZSET  waiter id -> heartbeat expiry (ms)
 --   7 cls    HASH  "n<prio>" -> waiters of the class, "w<prio>" -> their weight (status without scans)
 -- Mailboxes ({zp:<name>}:mb:<x>) are lists in the same slot; a grant RPUSHes the lease id to the
@@ -103,11 +105,37 @@ local function class_add(p, n, w)
   if cn <= 0 then redis.call('HDEL', K_CLS, 'n' .. p, 'w' .. p) end
 end
 
+-- The SLO-aware line (zp_client/budget/ledger.py: line_deadline, slo_walk; meta fields line = 'slo',
+-- lb = late bound ms, t0 = a time origin 2^39 ms before the budget's creation). A waiter whose acquire
+-- meta carries tt (TTFT target ms) has record field d = its deadline on Redis TIME, now - ag + tt (ag:
+-- the request's age ms, a retry's; tp, the TPOT target ms, is kept beside it); under line = 'slo' its
+-- line member is also in :dl, scored priority * 2^40 + (d - t0) (clamped to the span), so a grant pass
+-- finds a class's waiters whose deadline is ahead, earliest first, in one bounded ZRANGEBYSCORE.
+local K_DL = PREFIX .. ':dl'
+
+local function l_score(p, d, t0)
+  local rel = math.min(math.max(d - t0, 0), PRIO_SPAN - 1)
+  return string.format('%.0f', p * PRIO_SPAN + rel)
+end
+
 local function drop_waiter(id, w)
   redis.call('HDEL', K_WAIT, id)
   redis.call('ZREM', K_WEXP, id)
   redis.call('ZREM', K_LINE, w.m)
+  if w.d ~= nil then redis.call('ZREM', K_DL, w.m) end
   class_add(w.p, -1, 0 - w.b)
+end
+
+-- The line's fields of acquire's meta argument (_script.line_meta): {tt, tp, ag} in ms, or nil without
+-- a TTFT target. A malformed object is meta_arg's / f_route_arg's to report (strict ignores it: nil).
+local function l_arg(raw)
+  if raw == nil or raw == '' then return nil end
+  local ok, m = pcall(cjson.decode, raw)
+  if not ok or type(m) ~= 'table' or m.tt == nil or m.tt == cjson.null then return nil end
+  local out = {tt = int_arg(m.tt, 'meta tt (TTFT target ms)', 1, 1e12),
+               ag = int_arg(m.ag or 0, 'meta ag (age ms)', 0, 1e12)}
+  if m.tp ~= nil and m.tp ~= cjson.null then out.tp = int_arg(m.tp, 'meta tp (TPOT target ms)', 1, 1e12) end
+  return out
 end
 
 -- ------------------------------------------------------------------------------------------------
@@ -633,6 +661,62 @@ local function e_walk(members, now, lpt)
   return out
 end
 
+-- Ledger.slo_walk over the scanned members (each priority class is contiguous in line order): per class,
+-- the waiters that have waited >= lb (late-bound) in line order, then the young waiters whose deadline
+-- is ahead (d > now), earliest first (ticket order, then arrival, among equal deadlines), then the rest
+-- in line order. A class with no young waiter whose deadline is ahead walks as under fifo (e_walk when
+-- lpt is on). The deadline-ordered waiters come from :dl (SCAN_MAX at most per pass, over all classes),
+-- so one whose class is cut by the line scan is still found; the rest of a class is the scanned part.
+local function l_walk(members, now, lb, lpt, starve)
+  local entries = {}
+  for _, e in ipairs(members) do
+    if load_waiter(e) then entries[#entries + 1] = e end
+  end
+  local t0 = meta_num('t0')
+  local out, i, n, left = {}, 1, #entries, SCAN_MAX
+  while i <= n do
+    local p, j = entries[i].w.p, i
+    while j < n and entries[j + 1].w.p == p do j = j + 1 end
+    local edf, seen = {}, {}
+    if left > 0 then
+      local lo = p * PRIO_SPAN + math.min(math.max(now - t0, 0), PRIO_SPAN - 1)
+      local got = redis.call('ZRANGEBYSCORE', K_DL, '(' .. string.format('%.0f', lo),
+        string.format('%.0f', p * PRIO_SPAN + PRIO_SPAN - 1), 'LIMIT', 0, left)
+      left = left - #got
+      for _, m in ipairs(got) do
+        local e = {id = string.sub(m, 14), m = m}
+        local w = load_waiter(e)
+        if w and w.d ~= nil and w.d > now and now - w.s < lb then
+          edf[#edf + 1] = e
+          seen[m] = true
+        end
+      end
+    end
+    if #edf == 0 then
+      local cls = {}
+      for k = i, j do cls[#cls + 1] = entries[k] end
+      if lpt > 0 and starve > 0 then cls = e_walk(cls, now, lpt) end
+      for _, e in ipairs(cls) do out[#out + 1] = e end
+    else
+      table.sort(edf, function(a, b)
+        if a.w.d ~= b.w.d then return a.w.d < b.w.d end
+        if a.w.o ~= b.w.o then return a.w.o < b.w.o end
+        return a.m < b.m
+      end)
+      for k = i, j do
+        if now - entries[k].w.s >= lb then out[#out + 1] = entries[k] end
+      end
+      for _, e in ipairs(edf) do out[#out + 1] = e end
+      for k = i, j do
+        local e = entries[k]
+        if now - e.w.s < lb and not seen[e.m] then out[#out + 1] = e end
+      end
+    end
+    i = j + 1
+  end
+  return out
+end
+
 -- ------------------------------------------------------------------------------------------------
 -- fleet mode: one line for a fleet of replicas, a budget per replica under the budget's policy
 -- (strict: the replica's sum of bounds; elastic: the projected peak of the replica's own leases),
@@ -1008,7 +1092,11 @@ local function grant(now, self_id)
   local walk = {}
   for i, m in ipairs(members) do walk[i] = {id = string.sub(m, 14), m = m} end
   local lpt = is_elastic and meta_num('lpt') or 0
-  if lpt > 0 and starve > 0 and not fleet then walk = e_walk(walk, now, lpt) end
+  if redis.call('HGET', K_META, 'line') == 'slo' then  -- a fleet's line too
+    walk = l_walk(walk, now, meta_num('lb'), lpt, starve)
+  elseif lpt > 0 and starve > 0 and not fleet then
+    walk = e_walk(walk, now, lpt)
+  end
   for _, e in ipairs(walk) do
     local id, w = e.id, load_waiter(e)
     if w then

@@ -1,5 +1,6 @@
 -- init.lua: create the budget if its state is absent (a fresh Redis, or one that lost its state).
--- ARGV: limit, block_size, epoch (fresh random token), recovery_ms, policy, starvation_ms, longest_first_ms
+-- ARGV: limit, block_size, epoch (fresh random token), recovery_ms, policy, starvation_ms, longest_first_ms,
+--       [8] fleet settings ('' for none, below), [9] line ('fifo' / 'slo'), [10] late_bound_ms
 -- The first creator's limit wins; a budget created here starts in recovery for recovery_ms (one lease
 -- TTL): it admits nothing new while holders that survived a restart re-adopt their leases.
 -- ARGV[8] (optional): a fleet's settings, JSON {aff, mab, cf, be, me, pxmax, smax, fttl (ms / counts,
@@ -19,8 +20,12 @@ if redis.call('EXISTS', K_META) == 0 then
   if ARGV[5] ~= 'strict' and ARGV[5] ~= 'elastic' then
     error({err = 'ERR zp: unknown policy ' .. tostring(ARGV[5])})
   end
+  local line = ARGV[9] or 'fifo'
+  if line ~= 'fifo' and line ~= 'slo' then error({err = 'ERR zp: unknown line ' .. tostring(line)}) end
+  local lb = int_arg(ARGV[10] or '0', 'late_bound_ms', 0, 1e15)
   redis.call('HSET', K_META, 'limit', limit, 'bs', bs, 'epoch', ARGV[3], 'rec', now + rec,
     'starve', starve, 'lpt', lpt, 'policy', ARGV[5], 'ver', 1, 'seq', 0, 'arr', 0, 'bsum', 0, 'hsum', 0, 'nl', 0, 'adm', 0)
+  if line == 'slo' then redis.call('HSET', K_META, 'line', line, 'lb', lb, 't0', now - 549755813888) end
   created = 1
 end
 if ARGV[8] and ARGV[8] ~= '' then
