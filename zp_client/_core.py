@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client._plan import (
     AGE_META,
+    FAIL_FAST_META,
     TPOT_TARGET_META,
     TTFT_TARGET_META,
     Options,
@@ -497,6 +498,8 @@ class Core:
             arrival=arrival,
             ttft_target_s=ttft,
             tpot_target_s=tpot,
+            fail_fast=(self.settings.fail_fast if opts.fail_fast is None else opts.fail_fast)
+            and deadline_s is not None,
         )
 
     def _targets(self, opts: Options, route: str, priority: int) -> tuple[float | None, float | None]:
@@ -609,11 +612,14 @@ class Core:
             strip_continuous=strip_continuous,
             arrival=p.arrival,
             targeted=targeted,
+            fail_fast=p.fail_fast,
         )
 
     def _lease_meta(self, plan: Plan, meta: dict[str, Any] | None) -> dict[str, Any] | None:
         """``meta`` as this acquire sends it: with a target, plus the request's ``age_s`` now (seconds
         since its first arrival, so a retry keeps its original arrival) and the targets themselves."""
+        if plan.fail_fast:  # the budget refuses at enqueue when it predicts the wait past the deadline
+            meta = {**(meta or {}), FAIL_FAST_META: True}
         if not plan.targeted:
             return meta
         out = dict(meta or {})
@@ -804,6 +810,9 @@ class Core:
             try:
                 if m is not None:
                     m.waited(plan.priority, holder.granted_at - asked)
+                    predicted = getattr(lease, "predicted_wait_s", None)
+                    if predicted is not None:
+                        m.predicted(plan.priority, predicted, holder.granted_at - asked)
                 if observers:
                     self._notify(observers, plan, lease, holder.granted_at - asked, attempt)
             except BaseException:  # an observer's KeyboardInterrupt / SystemExit: the lease goes back
@@ -1074,6 +1083,7 @@ class Core:
             route=plan.route,
             lease_id=str(getattr(lease, "id", "")),
             replica=getattr(lease, "replica", None),
+            predicted_wait_s=getattr(lease, "predicted_wait_s", None),
         )
         notify_observers(observers, info)
 

@@ -11,8 +11,9 @@ from typing import Any
 from zp_client.errors import InvalidRequest
 
 __all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "SESSION_HEADER", "TTFT_TARGET_HEADER",
-           "TPOT_TARGET_HEADER", "TTFT_TARGET_META", "TPOT_TARGET_META", "AGE_META", "is_admitted", "Plan",
-           "Parsed", "Options", "read_headers", "api_base", "seconds"]
+           "TPOT_TARGET_HEADER", "FAIL_FAST_HEADER", "TTFT_TARGET_META", "TPOT_TARGET_META", "AGE_META",
+           "FAIL_FAST_META", "is_admitted", "Plan", "Parsed", "Options", "read_headers", "api_base",
+           "seconds"]
 
 PRIORITY_HEADER = "x-zp-priority"
 DEADLINE_HEADER = "x-zp-deadline"
@@ -20,12 +21,15 @@ ROUTE_HEADER = "x-zp-route"
 SESSION_HEADER = "x-zp-session"
 TTFT_TARGET_HEADER = "x-zp-ttft-target"
 TPOT_TARGET_HEADER = "x-zp-tpot-target"
+FAIL_FAST_HEADER = "x-zp-fail-fast"
 # Lease meta keys of a request's targets (docs/admission.md#targets): seconds to its first token counted
 # from the logical request's first arrival, seconds per output token after it, and the request's age at
 # this enqueue (its first arrival is the first attempt's start, on the core's clock: a retry keeps it).
 TTFT_TARGET_META = "ttft_target_s"
 TPOT_TARGET_META = "tpot_target_s"
 AGE_META = "age_s"
+# Lease meta key: the caller opted into fail-fast (zp_client.budget.predict.FAIL_FAST_KEY, the same string).
+FAIL_FAST_META = "fail_fast"
 ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")
 
 
@@ -73,6 +77,9 @@ class Plan:
     """When the logical request first arrived (monotonic, the core's clock): its targets count from it."""
     targeted: bool = False
     """``meta`` holds a TTFT or TPOT target: each acquire sends the request's ``age_s`` with it."""
+    fail_fast: bool = False
+    """Refuse at enqueue when the budget predicts the wait past the deadline
+    (docs/admission.md#predicted-wait-and-fail-fast)."""
 
 
 @dataclass
@@ -94,6 +101,7 @@ class Parsed:
     session: str | None = None
     chat_or_completions: bool = True
     """``/chat/completions`` or ``/completions`` (not ``/responses``, whose events carry no such usage)."""
+    fail_fast: bool = False
     arrival: float = 0.0
     """When the request arrived (monotonic, the core's clock)."""
     ttft_target_s: float | None = None
@@ -140,6 +148,8 @@ class Options:
     """``X-ZP-Session``: a fleet keeps the requests of one session on one replica."""
     ttft_target_s: float | None = None
     """``X-ZP-TTFT-Target``: seconds from the request's arrival to its first token."""
+    fail_fast: bool | None = None
+    """``X-ZP-Fail-Fast``: ``1``/``true`` or ``0``/``false`` (None: Settings.fail_fast decides)."""
     tpot_target_s: float | None = None
     """``X-ZP-TPOT-Target``: seconds per output token after the first."""
 
@@ -200,6 +210,12 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
             opts.ttft_target_s = seconds(v, "X-ZP-TTFT-Target")
         elif lk == _TPOT:
             opts.tpot_target_s = seconds(v, "X-ZP-TPOT-Target")
+        elif lk == _FAIL_FAST:
+            flag = _text(v, "X-ZP-Fail-Fast").lower()
+            if flag not in _FLAGS:
+                raise InvalidRequest(f"header X-ZP-Fail-Fast must be 1/0 or true/false, got {flag!r}",
+                                     field="X-ZP-Fail-Fast")
+            opts.fail_fast = _FLAGS[flag]
         elif lk not in (b"content-length", b"transfer-encoding"):  # those are recomputed for the body sent
             if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
                 opts.auth[k.decode("latin-1")] = v.decode("latin-1")
@@ -210,3 +226,5 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
 _ROUTE, _PRIORITY, _DEADLINE = ROUTE_HEADER.encode(), PRIORITY_HEADER.encode(), DEADLINE_HEADER.encode()
 _SESSION = SESSION_HEADER.encode()
 _TTFT, _TPOT = TTFT_TARGET_HEADER.encode(), TPOT_TARGET_HEADER.encode()
+_FAIL_FAST = FAIL_FAST_HEADER.encode()
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}

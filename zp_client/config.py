@@ -79,6 +79,13 @@ class Settings(BaseSettings):
         None, gt=0, allow_inf_nan=False,
         description="Default deadline per logical request (queue wait, attempts, backoff).",
     )
+    fail_fast: bool = Field(
+        False,
+        description="Fail-fast (opt-in): a request with a deadline (X-ZP-Deadline or deadline_s) whose wait "
+        "in line the budget predicts to exceed what is left of it is refused at once with "
+        "DeadlineExceeded (predicted_wait_s, retry_after_s) instead of waiting; per call: header "
+        "X-ZP-Fail-Fast: 1/0. LocalBudget only (docs/admission.md#predicted-wait-and-fail-fast).",
+    )
     # Targets (docs/admission.md#targets): what the budget's line may order waiters by. A request's target
     # is its X-ZP-TTFT-Target header, else its route's, else its priority class's, else the global one;
     # none of them set (the default): no target, and the request's lease meta carries none.

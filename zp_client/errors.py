@@ -66,7 +66,27 @@ class AdmissionTimeout(AdmissionError, TimeoutError):
 
 
 class DeadlineExceeded(AdmissionTimeout):
-    """The logical request's deadline left no time for (another) attempt."""
+    """The logical request's deadline left no time for (another) attempt, or (fail-fast, opt-in) the
+    budget predicted its wait in line to exceed what is left of the deadline and refused it at enqueue.
+
+    ``predicted_wait_s``: the predicted wait in seconds when the refusal is a fail-fast one (else None);
+    ``retry_after_s``: a hint, the seconds after which a new call's wait is predicted to fit the same
+    deadline (``predicted_wait_s - time left``; None when not a fail-fast refusal). See
+    docs/admission.md#predicted-wait-and-fail-fast."""
+
+    def __init__(self, message: str = "", *, predicted_wait_s: float | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.predicted_wait_s = predicted_wait_s
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_deadline_exceeded, (str(self), self.predicted_wait_s, self.retry_after_s))
+
+
+def _deadline_exceeded(message: str, predicted_wait_s: float | None,
+                       retry_after_s: float | None) -> DeadlineExceeded:
+    return DeadlineExceeded(message, predicted_wait_s=predicted_wait_s, retry_after_s=retry_after_s)
 
 
 class PromptTooLong(AdmissionError, ValueError):

@@ -29,7 +29,7 @@ from zp_client.budget.base import Budget, BudgetStatus
 from zp_client.errors import ConfigurationError
 
 __all__ = ["ZPMetrics", "as_metrics", "retry_reason", "QUEUE_WAIT_BUCKETS", "LEASE_HOLD_BUCKETS",
-           "FORECAST_ERROR_BUCKETS"]
+           "FORECAST_ERROR_BUCKETS", "PREDICTION_ERROR_BUCKETS"]
 
 logger = logging.getLogger("zp_client.metrics")
 
@@ -42,6 +42,9 @@ LEASE_HOLD_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 #: Observed minus forecast output tokens per choice (negative: the forecast was too high).
 FORECAST_ERROR_BUCKETS: tuple[float, ...] = (-4096.0, -1024.0, -256.0, -64.0, -16.0, -1.0, 0.0, 16.0, 64.0,
                                              256.0, 1024.0, 4096.0)
+#: Actual minus predicted wait, seconds (negative: admitted sooner than predicted).
+PREDICTION_ERROR_BUCKETS: tuple[float, ...] = (-30.0, -10.0, -5.0, -2.0, -1.0, -0.5, -0.1, 0.0, 0.1, 0.5,
+                                               1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 def retry_reason(status: int | None, error: BaseException | None) -> str:
@@ -124,6 +127,10 @@ class _BudgetGauges(Collector):
         leases = GaugeMetricFamily(f"{ns}_budget_leases", "Live leases.", labels=["budget"])
         waiters = GaugeMetricFamily(f"{ns}_budget_waiters", "Requests waiting in line, per priority class.",
                                     labels=["budget", "priority"])
+        predicted = GaugeMetricFamily(
+            f"{ns}_budget_predicted_wait_seconds",
+            "Predicted wait of each priority class's head of line (LocalBudget; "
+            "docs/admission.md#predicted-wait-and-fail-fast).", labels=["budget", "priority"])
         with self._lock:
             budgets = list(self._budgets.items())
         for budget, name in budgets:
@@ -137,7 +144,9 @@ class _BudgetGauges(Collector):
             leases.add_metric([name], float(status.leases))
             for prio, cls in sorted(status.waiters.items()):
                 waiters.add_metric([name, str(prio)], float(cls.waiters))
-        yield from (limit, used, held, leases, waiters)
+            for prio, wait in sorted(getattr(status, "predicted_wait_s", {}).items()):
+                predicted.add_metric([name, str(prio)], float(wait))
+        yield from (limit, used, held, leases, waiters, predicted)
 
 
 class ZPMetrics:
@@ -187,6 +196,11 @@ class ZPMetrics:
         self.limit_changes = Counter(
             "limit_changes", "Run-time limit changes reported to limit_changed(), by direction.",
             ["budget", "direction"], namespace=namespace, registry=reg)
+        self.prediction_error = Histogram(
+            "predicted_wait_error_seconds",
+            "Actual minus predicted wait in line per attempt whose wait the budget predicted "
+            "(docs/admission.md#predicted-wait-and-fail-fast).",
+            ["priority"], namespace=namespace, registry=reg, buckets=PREDICTION_ERROR_BUCKETS)
         self._gauges = _BudgetGauges(namespace, remote_status_ttl_s)
         reg.register(self._gauges)
 
@@ -198,6 +212,10 @@ class ZPMetrics:
     def waited(self, priority: int, seconds: float) -> None:
         """An attempt was granted its lease after ``seconds`` in line."""
         self.queue_wait.labels(str(priority)).observe(max(0.0, seconds))
+
+    def predicted(self, priority: int, predicted_s: float, actual_s: float) -> None:
+        """An attempt whose wait the budget predicted at ``predicted_s`` waited ``actual_s``."""
+        self.prediction_error.labels(str(priority)).observe(actual_s - predicted_s)
 
     def held(self, priority: int, seconds: float) -> None:
         """A lease was released ``seconds`` after its grant."""

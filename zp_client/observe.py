@@ -57,6 +57,10 @@ class AdmissionInfo:
     """The lease's id in the budget."""
     replica: str | None = None
     """The replica the attempt went to (a :class:`~zp_client.fleet.Fleet`'s lease), else None."""
+    predicted_wait_s: float | None = None
+    """The wait the budget predicted for this attempt when it queued, to set beside ``queue_wait_s``
+    (None: granted at once, or the budget did not predict: see
+    docs/admission.md#predicted-wait-and-fail-fast)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (for event payloads and run metadata)."""

@@ -63,3 +63,13 @@ class BudgetStatus:
     knows no prefixes). None where the backend does not compute it (``RedisBudget``): read ``held``.
     A pinned prefix no live request uses is not in it (the server holds its blocks as free, cached ones:
     see docs/pinning.md); while one does, it is counted once, with that request."""
+    predicted_wait_s: dict[int, float] = field(default_factory=dict)
+    """Per priority class with waiters, its head's predicted wait in seconds from now (a replay of the
+    ledger on the live leases' projections: docs/admission.md#predicted-wait-and-fail-fast). Empty with
+    nobody waiting and where the backend does not predict (``RedisBudget``, fleets); a class whose head
+    the bounded replay does not reach is absent."""
+
+    @property
+    def head_predicted_wait_s(self) -> float | None:
+        """The predicted wait of the most urgent class's head (None: not predicted)."""
+        return self.predicted_wait_s[min(self.predicted_wait_s)] if self.predicted_wait_s else None

@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -36,7 +37,8 @@ from zp_client.budget.ledger import (
     validate_blocks,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
-from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge
+from zp_client.budget.predict import FAIL_FAST_KEY, predict_wait_of, predict_waits
+from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, LeaseTooLarge
 
 if TYPE_CHECKING:
     from zp_client.config import Settings
@@ -50,7 +52,7 @@ logger = logging.getLogger("zp_client.budget.local")
 class _LocalLease(Lease):
     """A lease granted by a :class:`LocalBudget`."""
 
-    __slots__ = ("id", "bound", "priority", "ticket", "_budget", "_held", "_released")
+    __slots__ = ("id", "bound", "priority", "ticket", "_budget", "_held", "_released", "predicted_wait_s")
 
     def __init__(self, budget: LocalBudget, lease_id: str, bound: int, held: int, priority: int,
                  ticket: Ticket) -> None:
@@ -61,6 +63,9 @@ class _LocalLease(Lease):
         self._budget = budget
         self._held = held
         self._released = False
+        self.predicted_wait_s: float | None = None
+        """The wait the budget predicted for this lease when it queued (seconds; None: granted at once
+        or not predicted), see docs/admission.md#predicted-wait-and-fail-fast."""
 
     @property
     def held(self) -> int:
@@ -217,8 +222,14 @@ class LocalBudget(Budget):
         clock: Clock | None = None,
         pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
         server_blocks: int | None = None,
+        predict: bool = False,
     ) -> None:
         self.clock = clock if clock is not None else SYSTEM_CLOCK
+        self.predict = bool(predict)
+        """Predict every queued waiter's wait at enqueue (``lease.predicted_wait_s``, read by
+        ``observe_admissions()`` and the metrics): one bounded replay of the ledger per waiting enqueue.
+        A fail-fast waiter is predicted regardless."""
+        self._predicted: dict[str, float] = {}
         self.block_size = validate_blocks(block_size, "block_size")
         self.name = name
         pbs = getattr(policy, "block_size", None)
@@ -324,6 +335,8 @@ class LocalBudget(Budget):
         for gid in granted:
             lease = self._new_lease(gid)
             self._granted_total += 1
+            if self._predicted:
+                lease.predicted_wait_s = self._predicted.pop(gid, None)
             if gid == own:
                 mine = lease
                 continue
@@ -385,6 +398,7 @@ class LocalBudget(Budget):
             if waiter.lease is not None or waiter.error is not None:
                 return waiter.lease
             self._waiters.pop(waiter.id, None)
+            self._predicted.pop(waiter.id, None)
             self._ledger.cancel(waiter.id)
             # Removing a waiter (say a starving head) may let the ones behind it in.
             _, to_wake = self._hand_out(self._ledger.grant(now))
@@ -398,18 +412,56 @@ class LocalBudget(Budget):
     def _queue(
         self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
         meta: Mapping[str, Any] | None, parking: Callable[[], tuple[Callable[[], None], Any]],
+        timeout: float | None = None,
     ) -> tuple[Lease | None, Any]:
         """Enter the line (what ``acquire`` and ``acquire_sync`` share): ``(lease, None)`` when granted at
-        once, else ``(None, waiter)`` with the waiter parked on ``parking()``'s ``(wake, event)``."""
+        once, else ``(None, waiter)`` with the waiter parked on ``parking()``'s ``(wake, event)``. A
+        fail-fast waiter (meta ``fail_fast``) whose predicted wait exceeds ``timeout`` leaves the line at
+        once with :class:`~zp_client.errors.DeadlineExceeded`."""
         waiter = None
+        refused: DeadlineExceeded | None = None
         with self._lock:
             wid, mine, to_wake = self._enter(blocks, priority, ticket, held, meta)
             if mine is None:
+                refused = self._predict_enqueued(wid, meta, timeout)
+            if refused is not None:
+                self._ledger.cancel(wid)
+                _, more = self._hand_out(self._ledger.grant(self.clock.monotonic()))
+                to_wake += more
+            elif mine is None:
                 wake, event = parking()
                 waiter = _Waiter(wid, blocks, wake, event)
                 self._waiters[wid] = waiter
         self._wake(to_wake)
+        if refused is not None:
+            raise refused
         return mine, waiter
+
+    def _predict_enqueued(self, wid: str, meta: Mapping[str, Any] | None,
+                          timeout: float | None) -> DeadlineExceeded | None:
+        """Predict a waiter that just queued (caller holds the lock): record its wait for its lease, and
+        return the refusal when it opted into fail-fast and the prediction exceeds ``timeout`` (its
+        remaining deadline, on this budget's clock). A lower-bound prediction refuses too: the waiter is
+        admitted no earlier. Fleets (no single ledger to replay) never predict."""
+        fail_fast = bool(meta and meta.get(FAIL_FAST_KEY)) and timeout is not None
+        if not (fail_fast or self.predict) or not isinstance(self._ledger, Ledger):
+            return None
+        now = self.clock.monotonic()
+        pred = predict_wait_of(self._ledger, wid, now, block_size=self.block_size)
+        if pred is None:
+            return None
+        if pred.exact:
+            self._predicted[wid] = pred.wait_s
+        if fail_fast and timeout is not None and pred.wait_s > timeout:
+            self._predicted.pop(wid, None)
+            over = "" if pred.exact else "at least "
+            return DeadlineExceeded(
+                f"predicted wait {over}{pred.wait_s:.3f} s exceeds the {timeout:.3f} s left before the "
+                "request's deadline: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
+                predicted_wait_s=pred.wait_s,
+                retry_after_s=max(0.0, pred.wait_s - timeout),
+            )
+        return None
 
     def _sync_parking(self) -> tuple[Callable[[], None], threading.Event]:
         event = self._new_sync_event()
@@ -426,7 +478,7 @@ class LocalBudget(Budget):
         meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         timeout = _check_timeout(timeout)
-        mine, waiter = self._queue(blocks, priority, ticket, held, meta, _async_parking)
+        mine, waiter = self._queue(blocks, priority, ticket, held, meta, _async_parking, timeout)
         if mine is not None:
             return mine
         try:
@@ -450,7 +502,7 @@ class LocalBudget(Budget):
         meta: Mapping[str, Any] | None = None,
     ) -> Lease:
         timeout = _check_timeout(timeout)
-        mine, waiter = self._queue(blocks, priority, ticket, held, meta, self._sync_parking)
+        mine, waiter = self._queue(blocks, priority, ticket, held, meta, self._sync_parking, timeout)
         if mine is not None:
             return mine
         try:
@@ -501,12 +553,25 @@ class LocalBudget(Budget):
         ``granted`` (leases granted so far), besides the ledger's facts.
         """
         with self._lock:
-            s = self._ledger.status(self.clock.monotonic(), block_size=self.block_size)
+            now = self.clock.monotonic()
+            s = self._ledger.status(now, block_size=self.block_size)
             s.extra.update({"wakeups": self._wakeups, "granted": self._granted_total, "name": self.name})
+            if len(self._ledger) and isinstance(self._ledger, Ledger):
+                s = replace(s, predicted_wait_s=self._class_heads_predicted(now))
         ctl = self.adaptive
         if ctl is not None:
             s.extra["adaptive"] = ctl.state()
         return s
+
+    def _class_heads_predicted(self, now: float) -> dict[int, float]:
+        """Per priority class, its head's predicted wait (one bounded replay; caller holds the lock).
+        A class whose head the replay does not reach is absent."""
+        waits = predict_waits(self._ledger, now, block_size=self.block_size)
+        out: dict[int, float] = {}
+        for w in self._ledger.line():
+            if w.priority not in out and w.id in waits:
+                out[w.priority] = waits[w.id]
+        return out
 
     async def set_limit(self, limit: int) -> None:
         self.set_limit_sync(limit)

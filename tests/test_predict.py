@@ -1,0 +1,283 @@
+"""Predicted wait and fail-fast (issue 30; docs/admission.md#predicted-wait-and-fail-fast): the predictor
+on hand-built ledgers (virtual time: every ``now`` is given), fail-fast refusing at once with its fields
+and nothing held, and the opt-in: without it nothing changes."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import openai
+import pytest
+
+from tests._asgi_server import LoopbackServer
+from tests._meta_spy import MetaSpy
+from zp_client import LocalBudget, Settings, observe_admissions, wrap
+from zp_client._plan import FAIL_FAST_META, read_headers
+from zp_client.budget.elastic import make_policy
+from zp_client.budget.ledger import Ledger
+from zp_client.budget.predict import (
+    DEFAULT_STEP_S,
+    FAIL_FAST_KEY,
+    pool_timing,
+    predict_wait_of,
+    predict_waits,
+)
+from zp_client.errors import AdmissionTimeout, DeadlineExceeded, InvalidRequest
+
+pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
+
+BS = 16
+
+
+def meta(prompt: int = 80, forecast: int = 160, **kw: Any) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "forecast_tokens": forecast, "streaming": True, **kw}
+
+
+def elastic(limit: int) -> Ledger:
+    return Ledger(limit, policy=make_policy("elastic", block_size=BS))
+
+
+def run_lease(led: Ledger, lid: str, *, at: float, generated: int, prompt: int = 80,
+              forecast: int = 160) -> None:
+    """A lease granted at ``at`` that has reported ``generated`` output tokens."""
+    led.enqueue(lid, 15, prompt // BS, 0, at, meta=meta(prompt, forecast))
+    assert led.grant(at) == [lid]
+    led.update_meta(lid, tokens=prompt + 1, first_token=True)
+    led.update_meta(lid, tokens=prompt + generated)
+    led.report_held(lid, -(-(prompt + generated) // BS))
+
+
+class ManualClock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def monotonic(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+        await anyio.sleep(0)
+
+    def sleep_sync(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+
+
+# ------------------------------------------------------------------------------------------ predictor
+
+
+def test_a_waiter_is_predicted_at_the_end_of_the_lease_it_waits_for() -> None:
+    led = elastic(20)
+    run_lease(led, "a", at=0.0, generated=100)  # 100 tokens in 10 s: 0.1 s a token, 60 left
+    led.enqueue("b", 15, 5, 0, 0.0, meta=meta())
+    assert led.grant(10.0) == []
+    t = pool_timing(led.leases, 10.0)
+    assert t.step_s == pytest.approx(0.1) and t.samples == 1
+    p = predict_wait_of(led, "b", 10.0, block_size=BS)
+    assert p is not None and p.exact and p.wait_s == pytest.approx(6.0)
+    # the ledger itself is untouched by the replay
+    assert list(led.leases) == ["a"] and led.waiter("b") is not None and led.leases["a"].held == 12
+
+
+def test_the_line_ahead_adds_the_leases_it_will_take() -> None:
+    led = elastic(20)
+    run_lease(led, "a", at=0.0, generated=100)
+    led.enqueue("b", 15, 5, 0, 1.0, meta=meta())
+    led.enqueue("c", 15, 5, 0, 2.0, meta=meta())
+    led.grant(10.0)
+    waits = predict_waits(led, 10.0, block_size=BS)
+    # b: when a ends (6 s); c: when b ends, its first token (no fitted ttft with one sample: 0) and 160
+    # output tokens at 0.1 s later
+    assert waits["b"] == pytest.approx(6.0)
+    assert waits["c"] == pytest.approx(6.0 + 160 * 0.1)
+    only_c = predict_wait_of(led, "c", 10.0, block_size=BS)
+    assert only_c is not None and only_c.exact and only_c.wait_s == pytest.approx(waits["c"])
+
+
+def test_a_more_urgent_class_goes_first_in_the_replay() -> None:
+    led = elastic(20)
+    run_lease(led, "a", at=0.0, generated=100)
+    led.enqueue("low", 15, 5, 1, 1.0, meta=meta())
+    led.enqueue("high", 15, 5, 0, 2.0, meta=meta())
+    led.grant(10.0)
+    waits = predict_waits(led, 10.0, block_size=BS)
+    assert waits["high"] == pytest.approx(6.0)
+    assert waits["low"] > waits["high"] + 10
+
+
+def test_the_step_time_is_fitted_on_the_live_leases() -> None:
+    led = elastic(1000)
+    # ttft 0.5 s and 0.05 s a token: age = 0.5 + 0.05 x generated
+    for i, gen in enumerate((20, 60, 100, 140)):
+        age = 0.5 + 0.05 * gen
+        run_lease(led, f"l{i}", at=10.0 - age, generated=gen)
+    t = pool_timing(led.leases, 10.0)
+    assert t.samples == 4
+    assert t.step_s == pytest.approx(0.05) and t.ttft_s == pytest.approx(0.5)
+    assert pool_timing({}, 10.0).step_s == DEFAULT_STEP_S
+
+
+def test_a_lease_without_projection_gives_a_lower_bound() -> None:
+    led = Ledger(20)  # strict, no meta: the lease holds its bound for as long as the ledger can tell
+    led.enqueue("a", 15, 15, 0, 0.0)
+    led.grant(0.0)
+    led.enqueue("b", 15, 5, 0, 0.0)
+    led.grant(1.0)
+    p = predict_wait_of(led, "b", 1.0)
+    assert p is not None and not p.exact and p.wait_s == 0.0
+    assert predict_waits(led, 1.0) == {}
+    assert predict_wait_of(led, "nobody", 1.0) is None
+
+
+# ------------------------------------------------------------------------------------------ LocalBudget
+
+
+def budget_with_a_busy_lease(**kw: Any) -> tuple[LocalBudget, ManualClock, Any]:
+    clock = ManualClock()
+    b = LocalBudget(20, BS, clock=clock, **kw)
+    lease = b.acquire_sync(15, held=5, meta=meta())
+    lease.report_progress(6, tokens=81, first_token=True)
+    clock.t = 10.0
+    lease.report_progress(12, tokens=180)  # 0.1 s a token, 60 tokens (6 s) left
+    return b, clock, lease
+
+
+def test_fail_fast_refuses_at_once_with_its_fields_and_holds_nothing() -> None:
+    b, clock, lease = budget_with_a_busy_lease()
+    before = b.status_sync()
+    assert before.leases == 1 and not before.waiters
+    with pytest.raises(DeadlineExceeded) as info:
+        b.acquire_sync(15, held=5, timeout=2.0, meta=meta(**{FAIL_FAST_KEY: True}))
+    err = info.value
+    assert isinstance(err, AdmissionTimeout) and isinstance(err, TimeoutError)
+    assert err.predicted_wait_s == pytest.approx(6.0)
+    assert err.retry_after_s == pytest.approx(4.0)
+    assert clock.t == 10.0  # refused at enqueue: no time passed
+    after = b.status_sync()
+    assert after.leases == 1 and not after.waiters and after.used == before.used
+    assert b.status_sync().extra["granted"] == 1
+    # the fields survive pickling (a worker process hands errors back pickled)
+    again = pickle.loads(pickle.dumps(err))
+    assert again.predicted_wait_s == err.predicted_wait_s and again.retry_after_s == err.retry_after_s
+
+
+async def test_fail_fast_waits_when_the_deadline_allows_it() -> None:
+    b, clock, lease = budget_with_a_busy_lease()
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.append(await b.acquire(15, held=5, timeout=8.0, meta=meta(**{FAIL_FAST_KEY: True})))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await anyio.sleep(0.05)
+        assert b.status_sync().waiters[0].waiters == 1
+        st = b.status_sync()
+        assert st.predicted_wait_s == {0: pytest.approx(6.0)}
+        assert st.head_predicted_wait_s == pytest.approx(6.0)
+        clock.t = 16.0
+        lease.release_sync()
+    assert got[0].predicted_wait_s == pytest.approx(6.0)
+    got[0].release_sync()
+
+
+def test_without_fail_fast_nothing_is_predicted_or_refused() -> None:
+    b, clock, lease = budget_with_a_busy_lease()
+    # the same call without the opt-in waits its whole timeout and ends as before: a plain AdmissionTimeout
+    with pytest.raises(AdmissionTimeout) as info:
+        b.acquire_sync(15, held=5, timeout=0.01, meta=meta())
+    assert type(info.value) is AdmissionTimeout
+    assert b._predicted == {}
+    # fail_fast without a timeout (no deadline) cannot be refused either
+    b2, _, lease2 = budget_with_a_busy_lease()
+    with pytest.raises(AdmissionTimeout) as info2:
+        b2.acquire_sync(15, held=5, timeout=0.01, meta=meta(**{FAIL_FAST_KEY: False}))
+    assert type(info2.value) is AdmissionTimeout
+
+
+def test_predict_records_the_wait_beside_the_actual_one() -> None:
+    b, clock, lease = budget_with_a_busy_lease(predict=True)
+    done: list[Any] = []
+
+    def take() -> None:
+        done.append(b.acquire_sync(15, held=5, timeout=60, meta=meta()))
+
+    th = threading.Thread(target=take)
+    th.start()
+    while not b.status_sync().waiters:
+        th.join(0.01)
+    clock.t = 16.0
+    lease.release_sync()
+    th.join(10)
+    assert done and done[0].predicted_wait_s == pytest.approx(6.0)
+
+
+# ------------------------------------------------------------------------------------------ through wrap()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LoopbackServer]:
+    with LoopbackServer() as s:
+        yield s
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+MSGS = [{"role": "user", "content": "hello there"}]
+
+
+def test_the_fail_fast_header_and_setting_reach_the_budget_only_with_a_deadline(
+        server: LoopbackServer) -> None:
+    assert FAIL_FAST_META == FAIL_FAST_KEY
+    b = MetaSpy(policy="elastic")
+    c = wrap(openai.OpenAI(base_url=server.base_url, api_key="x", timeout=30), budget=b,
+             settings=Settings(estimator="heuristic"))
+    c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8)
+    c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8, extra_headers={"X-ZP-Deadline": "30"})
+    c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8, extra_headers={"X-ZP-Fail-Fast": "1"})
+    c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8,
+                              extra_headers={"X-ZP-Fail-Fast": "true", "X-ZP-Deadline": "30"})
+    flags = [bool(m and m.get(FAIL_FAST_KEY)) for m in b.metas]
+    assert flags == [False, False, False, True]  # opt-in, and only with a deadline to refuse on
+    c2 = wrap(openai.OpenAI(base_url=server.base_url, api_key="x", timeout=30), budget=b,
+              settings=Settings(estimator="heuristic", fail_fast=True, deadline_s=30))
+    c2.chat.completions.create(model="ok", messages=MSGS, max_tokens=8)
+    c2.chat.completions.create(model="ok", messages=MSGS, max_tokens=8, extra_headers={"X-ZP-Fail-Fast": "0"})
+    assert [bool(m and m.get(FAIL_FAST_KEY)) for m in b.metas[4:]] == [True, False]
+    assert b.status_sync().used == 0
+
+
+def test_a_bad_fail_fast_header_is_invalid_request() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        read_headers([(b"X-ZP-Fail-Fast", b"maybe")])
+    assert info.value.field == "X-ZP-Fail-Fast"
+    assert read_headers([(b"x-zp-fail-fast", b" Yes ")]).fail_fast is True
+    assert read_headers([]).fail_fast is None
+
+
+def test_settings_fail_fast_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().fail_fast is False
+    monkeypatch.setenv("ZP_FAIL_FAST", "true")
+    assert Settings().fail_fast is True
+
+
+async def test_a_refused_call_through_wrap_is_deadline_exceeded_with_its_prediction(
+        server: LoopbackServer) -> None:
+    b, clock, lease = budget_with_a_busy_lease()
+    c = wrap(openai.AsyncOpenAI(base_url=server.base_url, api_key="x", timeout=30), budget=b,
+             settings=Settings(estimator="heuristic", default_max_tokens=8))
+    sent_before = len(server.llm_requests())
+    with observe_admissions() as seen, pytest.raises(DeadlineExceeded) as info:
+        await c.chat.completions.create(model="ok", messages=MSGS, max_tokens=200,
+                                        extra_headers={"X-ZP-Deadline": "1", "X-ZP-Fail-Fast": "1"})
+    assert info.value.predicted_wait_s is not None and info.value.predicted_wait_s > 1
+    assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
+    assert seen == [] and len(server.llm_requests()) == sent_before  # no lease, nothing sent
+    assert b.status_sync().leases == 1 and not b.status_sync().waiters
+    lease.release_sync()
