@@ -97,6 +97,23 @@ def test_the_line_ahead_adds_the_leases_it_will_take() -> None:
     assert only_c is not None and only_c.exact and only_c.wait_s == pytest.approx(waits["c"])
 
 
+def test_a_waiter_ahead_that_gives_up_leaves_the_replay_at_its_timeout() -> None:
+    led = elastic(20)
+    run_lease(led, "a", at=0.0, generated=100)
+    led.enqueue("b", 15, 5, 0, 1.0, meta=meta())
+    led.enqueue("c", 15, 5, 0, 2.0, meta=meta())
+    led.grant(10.0)
+    # b gives up at 12 s, before a ends at 16 s: c takes a's place
+    p = predict_wait_of(led, "c", 10.0, block_size=BS, leave_at={"b": 12.0})
+    assert p is not None and p.exact and p.wait_s == pytest.approx(6.0)
+    # b gives up after a ends: it is admitted first, c waits for it as before
+    waits = predict_waits(led, 10.0, block_size=BS, leave_at={"b": 30.0})
+    assert waits["c"] == pytest.approx(6.0 + 16.0)
+    # the target itself giving up first: a lower bound at its own give-up time
+    own = predict_wait_of(led, "c", 10.0, block_size=BS, leave_at={"c": 13.0})
+    assert own is not None and not own.exact and own.wait_s == pytest.approx(3.0)
+
+
 def test_a_more_urgent_class_goes_first_in_the_replay() -> None:
     led = elastic(20)
     run_lease(led, "a", at=0.0, generated=100)

@@ -230,6 +230,9 @@ class LocalBudget(Budget):
         ``observe_admissions()`` and the metrics): one bounded replay of the ledger per waiting enqueue.
         A fail-fast waiter is predicted regardless."""
         self._predicted: dict[str, float] = {}
+        # waiter id -> when its acquire times out (this budget's clock): the predictor takes it out of
+        # line then, as the waiter will leave
+        self._leave_at: dict[str, float] = {}
         self.block_size = validate_blocks(block_size, "block_size")
         self.name = name
         pbs = getattr(policy, "block_size", None)
@@ -337,6 +340,8 @@ class LocalBudget(Budget):
             self._granted_total += 1
             if self._predicted:
                 lease.predicted_wait_s = self._predicted.pop(gid, None)
+            if self._leave_at:
+                self._leave_at.pop(gid, None)
             if gid == own:
                 mine = lease
                 continue
@@ -399,6 +404,7 @@ class LocalBudget(Budget):
                 return waiter.lease
             self._waiters.pop(waiter.id, None)
             self._predicted.pop(waiter.id, None)
+            self._leave_at.pop(waiter.id, None)
             self._ledger.cancel(waiter.id)
             # Removing a waiter (say a starving head) may let the ones behind it in.
             _, to_wake = self._hand_out(self._ledger.grant(now))
@@ -423,8 +429,11 @@ class LocalBudget(Budget):
         with self._lock:
             wid, mine, to_wake = self._enter(blocks, priority, ticket, held, meta)
             if mine is None:
+                if timeout is not None:
+                    self._leave_at[wid] = self.clock.monotonic() + timeout
                 refused = self._predict_enqueued(wid, meta, timeout)
             if refused is not None:
+                self._leave_at.pop(wid, None)
                 self._ledger.cancel(wid)
                 _, more = self._hand_out(self._ledger.grant(self.clock.monotonic()))
                 to_wake += more
@@ -447,7 +456,10 @@ class LocalBudget(Budget):
         if not (fail_fast or self.predict) or not isinstance(self._ledger, Ledger):
             return None
         now = self.clock.monotonic()
-        pred = predict_wait_of(self._ledger, wid, now, block_size=self.block_size)
+        # the others give up at their timeouts; this one is predicted as if it waited for good, so the
+        # refusal compares its whole predicted wait with its timeout
+        others = {k: v for k, v in self._leave_at.items() if k != wid}
+        pred = predict_wait_of(self._ledger, wid, now, block_size=self.block_size, leave_at=others)
         if pred is None:
             return None
         if pred.exact:
@@ -566,7 +578,7 @@ class LocalBudget(Budget):
     def _class_heads_predicted(self, now: float) -> dict[int, float]:
         """Per priority class, its head's predicted wait (one bounded replay; caller holds the lock).
         A class whose head the replay does not reach is absent."""
-        waits = predict_waits(self._ledger, now, block_size=self.block_size)
+        waits = predict_waits(self._ledger, now, block_size=self.block_size, leave_at=self._leave_at)
         out: dict[int, float] = {}
         for w in self._ledger.line():
             if w.priority not in out and w.id in waits:
@@ -615,6 +627,8 @@ class LocalBudget(Budget):
             failed: list[_Waiter] = []
             for wid in rejected:
                 waiter = self._waiters.pop(wid)
+                self._leave_at.pop(wid, None)
+                self._predicted.pop(wid, None)
                 waiter.error = LeaseTooLarge(waiter.bound, limit, "the limit was lowered while it waited")
                 failed.append(waiter)
             _, to_wake = self._hand_out(self._ledger.grant(now))

@@ -83,6 +83,7 @@ class _Run:
     admitted: dict[str, float] = field(default_factory=dict)
     horizon: float = 0.0
     done: bool = False
+    left: str | None = None
 
 
 def _num(v: Any) -> float | None:
@@ -163,7 +164,7 @@ def _advance(sim: Ledger, rec: LeaseRecord, generated: int, block_size: int) -> 
 
 
 def _replay(ledger: Ledger, now: float, block_size: int, targets: set[str] | None,
-            max_events: int) -> _Run:
+            max_events: int, leave_at: Mapping[str, float] | None) -> _Run:
     run = _Run(horizon=now)
     if not len(ledger):
         run.done = True
@@ -190,22 +191,32 @@ def _replay(ledger: Ledger, now: float, block_size: int, targets: set[str] | Non
         track(sim.leases[gid], now)
     pending = set(targets) if targets is not None else {w.id for w in sim.line()}
     pending -= run.admitted.keys()
+    # waiters that give up (their acquire's timeout) leave the line then, unless admitted before
+    leaving = sorted((t, wid) for wid, t in (leave_at or {}).items() if wid in sim and sim.waiter(wid))
     t = now
     for _ in range(max_events):
         if not pending or not len(sim):
             run.done = True
             break
         live = [(e, lid) for lid, e in ends.items() if lid in sim.leases]
-        if not live:
-            break
-        t_next = min(e for e, _ in live)
-        if math.isinf(t_next):
+        t_next = min((e for e, _ in live), default=math.inf)
+        while leaving and sim.waiter(leaving[0][1]) is None:
+            leaving.pop(0)  # admitted meanwhile
+        if leaving and leaving[0][0] <= t_next:
+            t, wid = leaving.pop(0)
+            t = max(t, now)
+            if wid in pending:
+                run.left = wid  # a target gives up before the replay admits it
+                break
+            sim.cancel(wid)
+        elif math.isinf(t_next):
             break  # only leases that never end hold the pool
-        t = t_next
-        for e, lid in live:
-            if e <= t:
-                sim.release(lid, t)
-                ends.pop(lid, None)
+        else:
+            t = t_next
+            for e, lid in live:
+                if e <= t:
+                    sim.release(lid, t)
+                    ends.pop(lid, None)
         for lid, rec in sim.leases.items():  # the rest grew meanwhile
             t0, k0 = start.get(lid, (t, 0.0))
             if t > t0 and not math.isinf(ends.get(lid, math.inf)):
@@ -221,21 +232,26 @@ def _replay(ledger: Ledger, now: float, block_size: int, targets: set[str] | Non
 
 
 def predict_waits(ledger: Ledger, now: float, *, block_size: int = 16,
-                  max_events: int = DEFAULT_MAX_EVENTS) -> dict[str, float]:
+                  max_events: int = DEFAULT_MAX_EVENTS,
+                  leave_at: Mapping[str, float] | None = None) -> dict[str, float]:
     """Predicted wait from ``now`` (seconds) of every waiter the bounded replay admits, by waiter id.
-    Waiters it does not reach are absent. The ledger is not changed."""
-    run = _replay(ledger, now, block_size, None, max_events)
+    Waiters it does not reach are absent. ``leave_at``: waiter id -> when it gives up (its acquire's
+    timeout on the same clock); the replay takes it out of line then. The ledger is not changed."""
+    run = _replay(ledger, now, block_size, None, max_events, leave_at)
     return {wid: t - now for wid, t in run.admitted.items() if wid in ledger}
 
 
 def predict_wait_of(ledger: Ledger, waiter_id: str, now: float, *, block_size: int = 16,
-                    max_events: int = DEFAULT_MAX_EVENTS) -> Prediction | None:
+                    max_events: int = DEFAULT_MAX_EVENTS,
+                    leave_at: Mapping[str, float] | None = None) -> Prediction | None:
     """The predicted wait of one waiter (None if it is not waiting): exact when the replay admits it,
-    else a lower bound (:class:`Prediction`). Only the line up to it matters; the replay stops once it
-    is admitted. The ledger is not changed."""
+    else a lower bound (:class:`Prediction`): also when ``leave_at`` has the waiter itself give up
+    before the replay admits it (then the bound is its own give-up time). Only the line up to it
+    matters; the replay stops once it is admitted. ``leave_at``: see :func:`predict_waits`. The ledger
+    is not changed."""
     if waiter_id not in ledger or ledger.waiter(waiter_id) is None:
         return None
-    run = _replay(ledger, now, block_size, {waiter_id}, max_events)
+    run = _replay(ledger, now, block_size, {waiter_id}, max_events, leave_at)
     t = run.admitted.get(waiter_id)
     if t is not None:
         return Prediction(t - now, True)
