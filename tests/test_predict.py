@@ -181,6 +181,19 @@ def test_fail_fast_refuses_at_once_with_its_fields_and_holds_nothing() -> None:
     assert again.predicted_wait_s == err.predicted_wait_s and again.retry_after_s == err.retry_after_s
 
 
+def test_fail_fast_does_not_refuse_on_a_guessed_pace() -> None:
+    clock = ManualClock()
+    b = LocalBudget(20, BS, clock=clock)
+    lease = b.acquire_sync(15, held=5, meta=meta())  # no token reported yet: the pace is the defaults'
+    clock.t = 1.0
+    with pytest.raises(AdmissionTimeout) as info:
+        b.acquire_sync(15, held=5, timeout=0.01, meta=meta(**{FAIL_FAST_KEY: True}))
+    assert type(info.value) is AdmissionTimeout  # it waited its timeout, as without fail-fast
+    st = b.status_sync()
+    assert not st.waiters and st.leases == 1
+    lease.release_sync()
+
+
 async def test_fail_fast_waits_when_the_deadline_allows_it() -> None:
     b, clock, lease = budget_with_a_busy_lease()
     got: list[Any] = []

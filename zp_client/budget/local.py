@@ -37,7 +37,7 @@ from zp_client.budget.ledger import (
     validate_blocks,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
-from zp_client.budget.predict import FAIL_FAST_KEY, predict_wait_of, predict_waits
+from zp_client.budget.predict import FAIL_FAST_KEY, PoolTiming, predict_wait_of, predict_waits
 from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, LeaseTooLarge
 
 if TYPE_CHECKING:
@@ -233,6 +233,8 @@ class LocalBudget(Budget):
         # waiter id -> when its acquire times out (this budget's clock): the predictor takes it out of
         # line then, as the waiter will leave
         self._leave_at: dict[str, float] = {}
+        # the pace last measured on the live leases: the prediction's fallback while none has reported
+        self._timing: PoolTiming | None = None
         self.block_size = validate_blocks(block_size, "block_size")
         self.name = name
         pbs = getattr(policy, "block_size", None)
@@ -459,12 +461,17 @@ class LocalBudget(Budget):
         # the others give up at their timeouts; this one is predicted as if it waited for good, so the
         # refusal compares its whole predicted wait with its timeout
         others = {k: v for k, v in self._leave_at.items() if k != wid}
-        pred = predict_wait_of(self._ledger, wid, now, block_size=self.block_size, leave_at=others)
+        pred = predict_wait_of(self._ledger, wid, now, block_size=self.block_size, leave_at=others,
+                               fallback=self._timing)
         if pred is None:
             return None
+        measured = pred.timing is not None and pred.timing.samples > 0
+        if measured:
+            self._timing = pred.timing
         if pred.exact:
             self._predicted[wid] = pred.wait_s
-        if fail_fast and timeout is not None and pred.wait_s > timeout:
+        # refused only on a measured pace: before any lease has reported tokens the pace is a guess
+        if fail_fast and timeout is not None and measured and pred.wait_s > timeout:
             self._predicted.pop(wid, None)
             over = "" if pred.exact else "at least "
             return DeadlineExceeded(
@@ -578,7 +585,8 @@ class LocalBudget(Budget):
     def _class_heads_predicted(self, now: float) -> dict[int, float]:
         """Per priority class, its head's predicted wait (one bounded replay; caller holds the lock).
         A class whose head the replay does not reach is absent."""
-        waits = predict_waits(self._ledger, now, block_size=self.block_size, leave_at=self._leave_at)
+        waits = predict_waits(self._ledger, now, block_size=self.block_size, leave_at=self._leave_at,
+                              fallback=self._timing)
         out: dict[int, float] = {}
         for w in self._ledger.line():
             if w.priority not in out and w.id in waits:

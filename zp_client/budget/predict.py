@@ -76,6 +76,8 @@ class Prediction:
     exact: bool
     """False: the replay stopped before admitting the waiter (see the module doc), ``wait_s`` is the time
     it reached: the waiter is admitted no earlier."""
+    timing: PoolTiming | None = None
+    """The pace the replay ran at; ``samples == 0``: the defaults (nothing measured), a guess."""
 
 
 @dataclass
@@ -84,6 +86,7 @@ class _Run:
     horizon: float = 0.0
     done: bool = False
     left: str | None = None
+    timing: PoolTiming | None = None
 
 
 def _num(v: Any) -> float | None:
@@ -164,13 +167,16 @@ def _advance(sim: Ledger, rec: LeaseRecord, generated: int, block_size: int) -> 
 
 
 def _replay(ledger: Ledger, now: float, block_size: int, targets: set[str] | None,
-            max_events: int, leave_at: Mapping[str, float] | None) -> _Run:
+            max_events: int, leave_at: Mapping[str, float] | None, fallback: PoolTiming | None) -> _Run:
     run = _Run(horizon=now)
     if not len(ledger):
         run.done = True
         return run
     sim = copy.deepcopy(ledger)
     timing = pool_timing(sim.leases, now)
+    if timing.samples == 0 and fallback is not None:
+        timing = fallback
+    run.timing = timing
     step = timing.step_s
     ends: dict[str, float] = {}
     # lease id -> (the time its output is counted from, output tokens then)
@@ -233,26 +239,30 @@ def _replay(ledger: Ledger, now: float, block_size: int, targets: set[str] | Non
 
 def predict_waits(ledger: Ledger, now: float, *, block_size: int = 16,
                   max_events: int = DEFAULT_MAX_EVENTS,
-                  leave_at: Mapping[str, float] | None = None) -> dict[str, float]:
+                  leave_at: Mapping[str, float] | None = None,
+                  fallback: PoolTiming | None = None) -> dict[str, float]:
     """Predicted wait from ``now`` (seconds) of every waiter the bounded replay admits, by waiter id.
     Waiters it does not reach are absent. ``leave_at``: waiter id -> when it gives up (its acquire's
-    timeout on the same clock); the replay takes it out of line then. The ledger is not changed."""
-    run = _replay(ledger, now, block_size, None, max_events, leave_at)
+    timeout on the same clock); the replay takes it out of line then. ``fallback``: the pace to assume
+    when no live lease has reported tokens (e.g. the last one measured), instead of the defaults. The
+    ledger is not changed."""
+    run = _replay(ledger, now, block_size, None, max_events, leave_at, fallback)
     return {wid: t - now for wid, t in run.admitted.items() if wid in ledger}
 
 
 def predict_wait_of(ledger: Ledger, waiter_id: str, now: float, *, block_size: int = 16,
                     max_events: int = DEFAULT_MAX_EVENTS,
-                    leave_at: Mapping[str, float] | None = None) -> Prediction | None:
+                    leave_at: Mapping[str, float] | None = None,
+                    fallback: PoolTiming | None = None) -> Prediction | None:
     """The predicted wait of one waiter (None if it is not waiting): exact when the replay admits it,
     else a lower bound (:class:`Prediction`): also when ``leave_at`` has the waiter itself give up
     before the replay admits it (then the bound is its own give-up time). Only the line up to it
-    matters; the replay stops once it is admitted. ``leave_at``: see :func:`predict_waits`. The ledger
-    is not changed."""
+    matters; the replay stops once it is admitted. ``leave_at``, ``fallback``: see
+    :func:`predict_waits`. The ledger is not changed."""
     if waiter_id not in ledger or ledger.waiter(waiter_id) is None:
         return None
-    run = _replay(ledger, now, block_size, {waiter_id}, max_events, leave_at)
+    run = _replay(ledger, now, block_size, {waiter_id}, max_events, leave_at, fallback)
     t = run.admitted.get(waiter_id)
     if t is not None:
-        return Prediction(t - now, True)
-    return Prediction(max(0.0, run.horizon - now), False)
+        return Prediction(t - now, True, run.timing)
+    return Prediction(max(0.0, run.horizon - now), False, run.timing)
