@@ -585,13 +585,13 @@ class LocalBudget(Budget):
     def _class_heads_predicted(self, now: float) -> dict[int, float]:
         """Per priority class, its head's predicted wait (one bounded replay; caller holds the lock).
         A class whose head the replay does not reach is absent."""
-        waits = predict_waits(self._ledger, now, block_size=self.block_size, leave_at=self._leave_at,
-                              fallback=self._timing)
-        out: dict[int, float] = {}
+        heads: dict[int, str] = {}
         for w in self._ledger.line():
-            if w.priority not in out and w.id in waits:
-                out[w.priority] = waits[w.id]
-        return out
+            heads.setdefault(w.priority, w.id)
+        # the replay stops once every head is admitted: the lock is held for the line up to them only
+        waits = predict_waits(self._ledger, now, block_size=self.block_size, leave_at=self._leave_at,
+                              fallback=self._timing, only=heads.values())
+        return {p: waits[wid] for p, wid in heads.items() if wid in waits}
 
     async def set_limit(self, limit: int) -> None:
         self.set_limit_sync(limit)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,13 +240,16 @@ def _replay(ledger: Ledger, now: float, block_size: int, targets: set[str] | Non
 def predict_waits(ledger: Ledger, now: float, *, block_size: int = 16,
                   max_events: int = DEFAULT_MAX_EVENTS,
                   leave_at: Mapping[str, float] | None = None,
-                  fallback: PoolTiming | None = None) -> dict[str, float]:
-    """Predicted wait from ``now`` (seconds) of every waiter the bounded replay admits, by waiter id.
+                  fallback: PoolTiming | None = None,
+                  only: Iterable[str] | None = None) -> dict[str, float]:
+    """Predicted wait from ``now`` (seconds) of every waiter the bounded replay admits, by waiter id
+    (``only``: the replay stops once these are admitted; others admitted by then are in the answer too).
     Waiters it does not reach are absent. ``leave_at``: waiter id -> when it gives up (its acquire's
     timeout on the same clock); the replay takes it out of line then. ``fallback``: the pace to assume
     when no live lease has reported tokens (e.g. the last one measured), instead of the defaults. The
     ledger is not changed."""
-    run = _replay(ledger, now, block_size, None, max_events, leave_at, fallback)
+    run = _replay(ledger, now, block_size, None if only is None else set(only), max_events, leave_at,
+                  fallback)
     return {wid: t - now for wid, t in run.admitted.items() if wid in ledger}
 
 
