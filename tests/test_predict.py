@@ -311,3 +311,28 @@ async def test_a_refused_call_through_wrap_is_deadline_exceeded_with_its_predict
     assert seen == [] and len(server.llm_requests()) == sent_before  # no lease, nothing sent
     assert b.status_sync().leases == 1 and not b.status_sync().waiters
     lease.release_sync()
+
+
+def test_metrics_export_the_head_prediction_and_the_prediction_error() -> None:
+    from prometheus_client import generate_latest
+
+    from zp_client.metrics import ZPMetrics
+
+    b, clock, lease = budget_with_a_busy_lease()
+    m = ZPMetrics()
+    m.track(b)
+    assert b"predicted_wait_seconds{" not in generate_latest(m.registry)  # nobody waits: no sample
+    got: list[Any] = []
+    th = threading.Thread(target=lambda: got.append(b.acquire_sync(15, held=5, timeout=30, meta=meta())))
+    th.start()
+    while not b.status_sync().waiters:
+        th.join(0.01)
+    text = generate_latest(m.registry).decode()
+    assert 'zp_budget_predicted_wait_seconds{budget="local",priority="0"} 6.0' in text
+    lease.release_sync()
+    th.join(10)
+    got[0].release_sync()
+    m.predicted(0, 6.0, 4.5)
+    text = generate_latest(m.registry).decode()
+    assert 'zp_predicted_wait_error_seconds_count{priority="0"} 1.0' in text
+    assert 'zp_predicted_wait_error_seconds_bucket{le="-1.0",priority="0"} 1.0' in text

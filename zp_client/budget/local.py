@@ -431,7 +431,7 @@ class LocalBudget(Budget):
         with self._lock:
             wid, mine, to_wake = self._enter(blocks, priority, ticket, held, meta)
             if mine is None:
-                if timeout is not None:
+                if timeout is not None and isinstance(self._ledger, Ledger):  # what the replay reads
                     self._leave_at[wid] = self.clock.monotonic() + timeout
                 refused = self._predict_enqueued(wid, meta, timeout)
             if refused is not None:
