@@ -273,6 +273,7 @@ def test_the_fail_fast_header_and_setting_reach_the_budget_only_with_a_deadline(
     c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8, extra_headers={"X-ZP-Fail-Fast": "1"})
     c.chat.completions.create(model="ok", messages=MSGS, max_tokens=8,
                               extra_headers={"X-ZP-Fail-Fast": "true", "X-ZP-Deadline": "30"})
+    assert not any(k.startswith("x-zp-") for k in server.llm_requests()[-1]["headers"])  # consumed
     flags = [bool(m and m.get(FAIL_FAST_KEY)) for m in b.metas]
     assert flags == [False, False, False, True]  # opt-in, and only with a deadline to refuse on
     c2 = wrap(openai.OpenAI(base_url=server.base_url, api_key="x", timeout=30), budget=b,
