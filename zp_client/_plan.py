@@ -151,7 +151,9 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
                     f"header X-ZP-Deadline must be a positive number of seconds, got {v.decode()!r}"
                 )
             opts.deadline_s = deadline_s
-        elif lk not in (b"content-length", b"transfer-encoding"):  # those are recomputed for the body sent
+        elif lk in _NOT_SENT:  # the body lengths are recomputed; X-ZP-Call is zp's (zp_client._repeat)
+            continue
+        else:
             if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
                 opts.auth[k.decode("latin-1")] = v.decode("latin-1")
             opts.headers.append((k, v))
@@ -160,3 +162,4 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
 
 _ROUTE, _PRIORITY, _DEADLINE = ROUTE_HEADER.encode(), PRIORITY_HEADER.encode(), DEADLINE_HEADER.encode()
 _SESSION = SESSION_HEADER.encode()
+_NOT_SENT = (b"content-length", b"transfer-encoding", b"x-zp-call")

@@ -109,6 +109,12 @@ class Settings(BaseSettings):
         0.5, ge=0,
         description="Least time an attempt needs; a retry that cannot fit it in the deadline fails.",
     )
+    repeat_window_s: float = Field(
+        60.0, ge=0,
+        description="One retry loop: for this long after zp gave up on a call, the same call again from "
+        "the same context (an SDK or agent-framework retry) gets zp's last error without being sent "
+        "(zp_client._repeat); 0 turns it off.",
+    )
     retry_budget_ratio: float = Field(0.1, ge=0, description="Retry budget: retries earned per request.")
     retry_budget_floor_per_s: float = Field(
         1.0, ge=0, description="Retry budget: retries allowed per second regardless of traffic."
