@@ -2,10 +2,9 @@
 integrations/litellm/tests).
 
 * :class:`FailProxy`: an HTTP proxy in front of ``upstream`` (e.g. the simulator, ``zp_client.sim``)
-  that answers 503 to every chat request whose ``user`` starts with ``fail`` (``slow``: after 5 s) and
-  forwards everything else
-  (streams too). Without an upstream it answers a fixed OK itself. Records each chat arrival's ``user``
-  and headers.
+  that answers 503 to every chat request whose ``user`` (without one: ``model``) starts with ``fail``
+  (``slow``: after 5 s) and forwards everything else (streams too). Without an upstream it answers a
+  fixed OK itself. Records each chat arrival's ``user`` (or ``model``) and headers.
 * :class:`DropServer`: a TCP server that reads each request and closes the connection without an
   answer (the client sees ``RemoteProtocolError``, a transport error); counts the requests.
 """
@@ -46,7 +45,7 @@ class FailProxy(ThreadedApp):
         raw = await request.body()
         if request.method == "POST" and request.url.path.endswith("/chat/completions"):
             body = json.loads(raw)
-            user = str(body.get("user", ""))
+            user = str(body.get("user") or body.get("model") or "")  # LiteLLM drops ``user``: the model then
             self.arrivals.append(user)
             self.headers.append(dict(request.headers))
             if user.startswith("slow"):  # a call to cancel while it is upstream
