@@ -28,8 +28,8 @@ litellm = pytest.importorskip("litellm")
 pytest.importorskip("litellm_zp", reason="not installed: pip install -e integrations/litellm")
 
 from _fail_proxy import FailProxy  # noqa: E402
-from litellm_zp import _TTFT, ZPLiteLLM, zp_error_of  # noqa: E402
 
+from litellm_zp import _TTFT, ZPLiteLLM, zp_error_of  # noqa: E402
 from zp_client import LocalBudget, Settings, observe_admissions, wrap  # noqa: E402
 from zp_client.errors import ConfigurationError, LeaseTooLarge, RetryBudgetExhausted, ZPError  # noqa: E402
 from zp_client.retry import LocalRetryBudget, RetryPolicy, testing  # noqa: E402
