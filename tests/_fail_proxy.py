@@ -33,6 +33,7 @@ class FailProxy(ThreadedApp):
         self.upstream = upstream.rstrip("/") if upstream else None
         self.arrivals: list[str] = []
         self.headers: list[dict[str, str]] = []
+        self.bodies: list[bytes] = []
         self._client: httpx.AsyncClient | None = None
         super().__init__(Starlette(routes=[
             Route("/{path:path}", self._any, methods=["GET", "POST"]),
@@ -48,6 +49,7 @@ class FailProxy(ThreadedApp):
             user = str(body.get("user") or body.get("model") or "")  # LiteLLM drops ``user``: the model then
             self.arrivals.append(user)
             self.headers.append(dict(request.headers))
+            self.bodies.append(raw)
             if user.startswith("slow"):  # a call to cancel while it is upstream
                 await asyncio.sleep(5)
             if user.startswith(("fail", "slow")):

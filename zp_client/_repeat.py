@@ -30,14 +30,20 @@ Why a context variable, and what its copy semantics give:
   with its own context);
 * a task created *after* a failure in its creator's context inherits the token: a repeat of that call
   from there is a repeat;
-* a framework that runs each attempt in a fresh copy of a context taken *before* the first attempt
+* a framework that runs each *call* in a task or context copy of its own (LangChain's ``agenerate``
+  gathers one task per prompt, AutoGen's ``create`` one task per request) records the failure where its
+  caller never looks: its adapter calls :func:`call_scope` at its entry point, in the caller's context,
+  which puts a shared, mutable scope there that the copies record into (langchain-zp and autogen-zp do);
+  in a shared scope a call is a repeat only if it started after the identical call failed;
+* a framework that runs each *attempt* in a fresh copy of a context taken *before* the first attempt
   (LangGraph's node runner does) gives each attempt a clean context: its attempts are not recognised by
   the context key; an adapter passes ``X-ZP-Call`` (e.g. the framework's task id) for them.
 
 Memory is bounded: at most :data:`CAP` failures are remembered process-wide (oldest dropped first), each
 for its window only (expired ones are dropped as new ones arrive or when looked up); a remembered failure
 holds the exception (traceback dropped) or an error answer of at most :data:`MAX_ANSWER_BYTES` (a larger
-one is handed over but not remembered). The context variable holds only an integer token.
+one is handed over but not remembered). The context variables hold an integer token and, in a
+:func:`call_scope`, a map of at most :data:`SCOPE_CAP` fingerprints to tokens.
 """
 
 from __future__ import annotations
@@ -58,7 +64,9 @@ from zp_client._private import has_read_body
 if TYPE_CHECKING:
     from zp_client._core import Core
 
-__all__ = ["CAP", "MAX_ANSWER_BYTES", "CALL_HEADER", "RETRY_COUNT_HEADER", "one_loop", "remembered"]
+__all__ = ["CAP", "SCOPE_CAP", "MAX_ANSWER_BYTES", "CALL_HEADER", "RETRY_COUNT_HEADER", "call_scope",
+           "one_loop",
+           "remembered"]
 
 logger = logging.getLogger("zp_client.transport")
 
@@ -75,6 +83,49 @@ _DROPPED = frozenset({b"content-length", b"content-encoding", b"transfer-encodin
 
 _last_failed: ContextVar[int | None] = ContextVar("zp_client_last_failed_call", default=None)
 _tokens = itertools.count(1)
+SCOPE_CAP = 256
+"""Most failed calls one scope keeps track of (the oldest is forgotten first)."""
+
+
+class _Scope:
+    """One caller's failed calls, by fingerprint: shared by every context copied from the one that entered
+    it (see :func:`call_scope`), so a failure recorded in a task a framework spawned for one call is seen
+    by that caller's next call."""
+
+    __slots__ = ("failed", "lock")
+
+    def __init__(self) -> None:
+        self.failed: OrderedDict[bytes, int] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, fp: bytes) -> int | None:
+        with self.lock:
+            return self.failed.get(fp)
+
+    def put(self, fp: bytes, key: int) -> None:
+        with self.lock:
+            self.failed.pop(fp, None)
+            self.failed[fp] = key
+            while len(self.failed) > SCOPE_CAP:
+                self.failed.popitem(last=False)
+
+    def drop(self, fp: bytes) -> None:
+        with self.lock:
+            self.failed.pop(fp, None)
+
+
+_scope: ContextVar[_Scope | None] = ContextVar("zp_client_call_scope", default=None)
+
+
+def call_scope() -> None:
+    """Make the current context one caller's scope, if it is not in one yet (it stays for the rest of the
+    context: the task or thread). A framework adapter calls it at its entry point, in its caller's context,
+    when the framework runs each call in a task (or context copy) of its own: a failure recorded in that
+    task is then seen by the caller's next identical call, its retry. Contexts copied from here share the
+    scope, so two identical calls are still independent while both are in flight (only a call that starts
+    after an identical one failed repeats it)."""
+    if _scope.get() is None:
+        _scope.set(_Scope())
 
 
 @dataclass(frozen=True)
@@ -161,14 +212,19 @@ def _copy(exc: BaseException) -> BaseException:
 class _Guard:
     """One admitted call's view of the mechanism."""
 
-    __slots__ = ("fp", "key", "explicit", "sdk_retry", "core")
+    __slots__ = ("fp", "key", "explicit", "sdk_retry", "core", "scope", "started")
 
     def __init__(self, core: Core, request: Any) -> None:
         self.core = core
         self.fp = _fingerprint(core, request)
+        self.started = core.clock.monotonic()
         explicit = request.headers.get(CALL_HEADER)
         self.explicit = bool(explicit)
-        self.key: Hashable | None = ("call", id(core), explicit) if explicit else _last_failed.get()
+        self.scope = None if explicit else _scope.get()
+        key: Hashable | None = ("call", id(core), explicit) if explicit else None
+        if key is None and self.scope is not None:
+            key = self.scope.get(self.fp)
+        self.key = key if key is not None else _last_failed.get()
         try:
             self.sdk_retry = int(request.headers.get(RETRY_COUNT_HEADER, "0")) > 0
         except ValueError:
@@ -178,7 +234,8 @@ class _Guard:
         if self.key is None:
             return None
         f = _registry.get(self.key)
-        return f if f is not None and f.fingerprint == self.fp else None
+        # a call already in flight when an identical one failed is its own (concurrent siblings)
+        return f if f is not None and f.fingerprint == self.fp and f.ended <= self.started else None
 
     def failed(self, error: BaseException | None,
                answer: tuple[int, list[tuple[bytes, bytes]], bytes] | None) -> None:
@@ -189,9 +246,14 @@ class _Guard:
         _registry.put(key, _Failure(self.fp, core.clock.monotonic(), core.settings.repeat_window_s,
                                     core.clock, error, answer))
         if not self.explicit:
-            _last_failed.set(key)  # type: ignore[arg-type]  # an int token when not explicit
+            assert isinstance(key, int)
+            _last_failed.set(key)
+            if self.scope is not None:
+                self.scope.put(self.fp, key)
 
     def succeeded(self) -> None:
+        if self.scope is not None:
+            self.scope.drop(self.fp)
         if self.key is None:
             return
         if self.explicit:
