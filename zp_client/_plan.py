@@ -200,7 +200,9 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
             opts.ttft_target_s = seconds(v, "X-ZP-TTFT-Target")
         elif lk == _TPOT:
             opts.tpot_target_s = seconds(v, "X-ZP-TPOT-Target")
-        elif lk not in (b"content-length", b"transfer-encoding"):  # those are recomputed for the body sent
+        elif lk in _NOT_SENT:  # the body lengths are recomputed; X-ZP-Call is zp's (zp_client._repeat)
+            continue
+        else:
             if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
                 opts.auth[k.decode("latin-1")] = v.decode("latin-1")
             opts.headers.append((k, v))
@@ -210,3 +212,4 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
 _ROUTE, _PRIORITY, _DEADLINE = ROUTE_HEADER.encode(), PRIORITY_HEADER.encode(), DEADLINE_HEADER.encode()
 _SESSION = SESSION_HEADER.encode()
 _TTFT, _TPOT = TTFT_TARGET_HEADER.encode(), TPOT_TARGET_HEADER.encode()
+_NOT_SENT = (b"content-length", b"transfer-encoding", b"x-zp-call")
