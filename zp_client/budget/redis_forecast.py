@@ -16,6 +16,7 @@ from typing import Any
 from redis.exceptions import NoScriptError, RedisError
 
 from zp_client._clock import SYSTEM_CLOCK
+from zp_client._redact import check_redis_url
 from zp_client.errors import ConfigurationError
 from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
 
@@ -101,6 +102,8 @@ class RedisLengthForecaster(LengthForecaster):
                 f"sync_interval_s must be a positive number of seconds, got {sync_interval_s!r}")
         if isinstance(client, str):
             import redis as redis_sync
+
+            check_redis_url(client)
 
             client, self._owns = redis_sync.Redis.from_url(client), True
         else:
