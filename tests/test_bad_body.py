@@ -28,7 +28,8 @@ BAD_LIMITS = ["100", "abc", 1.5, True, False, -1, 0, [8], {"n": 8}]
 # (field, value) pairs of a chat body that must be refused, whatever the front.
 BAD_CHAT = ([("max_tokens", v) for v in BAD_LIMITS] + [("max_completion_tokens", v) for v in BAD_LIMITS]
             + [("n", "2"), ("n", 0), ("n", 1.0), ("n", True), ("stream", "true"), ("stream", 1),
-               ("priority", "5"), ("priority", 1.5)])
+               ("priority", "5"), ("priority", 1.5), ("stream_options", "include_usage"),
+               ("stream_options", True)])
 
 BAD_CLIENT = BAD_CHAT + [("messages", "hello"), ("messages", {"role": "user"})]
 
@@ -50,7 +51,7 @@ def _settings() -> Settings:
 
 def _params(field: str, value: Any) -> dict[str, Any]:
     """openai's keyword for a field it names, ``extra_body`` for one it does not (``priority``)."""
-    if field in ("max_tokens", "max_completion_tokens", "n", "stream"):
+    if field in ("max_tokens", "max_completion_tokens", "n", "stream", "stream_options"):
         return {"max_tokens": 8, field: value}
     return {"max_tokens": 8, "extra_body": {field: value}}
 

@@ -180,9 +180,9 @@ def read_body(body: dict[str, Any], responses: bool) -> int | None:
     """Check the body fields zp reads and return the output-token limit the request sets (None: it sets
     none). Each is taken as given or refused with :class:`~zp_client.InvalidRequest` naming the field,
     never rewritten: ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` / ``n`` /
-    ``best_of`` must be positive integers (bools refused), ``stream`` a bool, ``priority`` an integer,
-    ``messages`` a list of objects, ``prompt`` a string or a list of strings, of token ids or of
-    token-id lists. ``null`` counts as absent (the OpenAI SDKs send it for "not given")."""
+    ``best_of`` must be positive integers (bools refused), ``stream`` a bool, ``stream_options`` an object,
+    ``priority`` an integer, ``messages`` a list of objects, ``prompt`` a string or a list of strings, of
+    token ids or of token-id lists. ``null`` counts as absent (the OpenAI SDKs send it for "not given")."""
     if responses:
         out = _positive_int(body, "max_output_tokens")
     else:
@@ -194,6 +194,9 @@ def read_body(body: dict[str, Any], responses: bool) -> int | None:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest(f"stream must be true or false, got {stream!r}", field="stream")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):  # would be replaced by zp's {"include_usage": true}
+        raise InvalidRequest(f"stream_options must be an object, got {_short(so)}", field="stream_options")
     prio = body.get("priority")
     if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int)):
         raise InvalidRequest(f"priority must be an integer (lower = earlier), got {prio!r}", field="priority")
