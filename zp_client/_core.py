@@ -28,6 +28,7 @@ from zp_client._plan import (
     Parsed,
     Plan,
     api_base,
+    read_body,
     read_headers,
 )
 from zp_client._release import Holder, watchdog
@@ -432,7 +433,7 @@ class Core:
         changed = False
         responses = path.endswith("/responses")
         keys = ("max_output_tokens",) if responses else ("max_completion_tokens", "max_tokens")
-        max_tokens = next((body[k] for k in keys if isinstance(body.get(k), int)), None)
+        max_tokens = read_body(body, responses)  # a field zp reads that is malformed: InvalidRequest
         if max_tokens is None:
             max_tokens = self.settings.default_max_tokens
             body[keys[-1]] = max_tokens
