@@ -10,7 +10,9 @@ PYTEST_ARGS ?=
 # The agent-framework integrations: separate distributions in this repository (langchain-zp, autogen-zp),
 # installed editable into both environments; their tests are in pyproject.toml's testpaths.
 INTEGRATIONS = integrations/langchain integrations/autogen
-INTEGRATION_PROJECTS = $(addsuffix /pyproject.toml,$(INTEGRATIONS))
+# Installed into the main environment only (litellm is large; its tests run there): litellm-zp.
+MAIN_ONLY_INTEGRATIONS = integrations/litellm
+INTEGRATION_PROJECTS = $(addsuffix /pyproject.toml,$(INTEGRATIONS) $(MAIN_ONLY_INTEGRATIONS))
 EDITABLE_INTEGRATIONS = $(addprefix -e ,$(INTEGRATIONS))
 
 # What `make lint` and `make typecheck` check; integration paths are skipped until they exist. mypy
@@ -27,7 +29,7 @@ OA2_ONLY = integrations/llama-index
 $(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]" $(EDITABLE_INTEGRATIONS)
+	$(PY) -m pip install -q -e ".[dev]" $(EDITABLE_INTEGRATIONS) $(addprefix -e ,$(MAIN_ONLY_INTEGRATIONS))
 	touch $@
 
 # A second, small environment: openai 2.x (built on httpx), for the tests marked openai_compat.

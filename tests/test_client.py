@@ -34,7 +34,7 @@ from zp_client.client import (
     Stream,
 )
 from zp_client.config import Settings
-from zp_client.errors import ConfigurationError, LeaseTooLarge
+from zp_client.errors import ConfigurationError, InvalidRequest, LeaseTooLarge
 from zp_client.sim.server import SimServer
 from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion
 
@@ -201,8 +201,13 @@ def test_sync_client(sim: SimServer) -> None:
         next(iter(long))
         long.close()
         assert _used(budget) == 0
-        with pytest.raises(BadRequestError, match="max_tokens must be at least 1") as exc:
+        # max_tokens=0 is refused before anything is sent (issue 33): the server's 400 comes from a field
+        # only the simulator reads.
+        with pytest.raises(InvalidRequest, match="max_tokens"):
             client.chat.completions.create(model=sim.model, messages=MSGS, max_tokens=0)
+        with pytest.raises(BadRequestError, match="sim_output_tokens must be at least 1") as exc:
+            client.chat.completions.create(model=sim.model, messages=MSGS, max_tokens=3,
+                                           extra_body={"sim_output_tokens": 0})
         assert exc.value.status_code == 400
     assert _used(budget) == 0
 
@@ -213,10 +218,11 @@ def test_server_errors_are_typed_with_the_servers_message(sim: SimServer) -> Non
     async def main() -> None:
         async with AsyncClient(sim.base_url, budget=budget) as client:
             with pytest.raises(BadRequestError) as exc:
-                await client.chat.completions.create(model=sim.model, messages=MSGS, max_tokens=0)
+                await client.chat.completions.create(model=sim.model, messages=MSGS, max_tokens=3,
+                                                     extra_body={"sim_output_tokens": 0})
             assert exc.value.status_code == 400
-            assert exc.value.message == "max_tokens must be at least 1, got 0."
-            assert exc.value.body["error"]["param"] == "max_tokens"
+            assert exc.value.message == "sim_output_tokens must be at least 1, got 0."
+            assert exc.value.body["error"]["param"] == "sim_output_tokens"
             with pytest.raises(NotFoundError, match="does not exist"):
                 await client.chat.completions.create(model="no-such-model", messages=MSGS, max_tokens=3, stream=True)
 

@@ -66,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "AdmissionOptions": "zp_client._integration",
     "openai_http_client": "zp_client._integration",
     "openai_client_of": "zp_client._integration",
+    "call_scope": "zp_client._repeat",
     "AsyncAdmissionTransport": "zp_client.transport",
     "AdmissionTransport": "zp_client.transport",
     "Estimator": "zp_client.estimate",
@@ -98,6 +99,7 @@ __all__ = [
     "Budget",
     "BudgetStatus",
     "BudgetUnavailable",
+    "call_scope",
     "Client",
     "ConfigurationError",
     "DEADLINE_HEADER",
@@ -157,6 +159,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from zp_client._integration import AdmissionOptions, openai_client_of, openai_http_client
+    from zp_client._repeat import call_scope
     from zp_client._wrap import admitted_budget, wrap
     from zp_client.adaptive import AdaptiveLimit
     from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket

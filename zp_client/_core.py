@@ -29,9 +29,11 @@ from zp_client._plan import (
     Parsed,
     Plan,
     api_base,
+    read_body,
     read_headers,
 )
 from zp_client._release import Holder, watchdog
+from zp_client._repeat import one_loop
 from zp_client._sse import BadEvent, Reassembler, Scanner, forecast_hi, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.config import Settings
@@ -432,7 +434,7 @@ class Core:
         changed = False
         responses = path.endswith("/responses")
         keys = ("max_output_tokens",) if responses else ("max_completion_tokens", "max_tokens")
-        max_tokens = next((body[k] for k in keys if isinstance(body.get(k), int)), None)
+        max_tokens = read_body(body, responses)  # a field zp reads that is malformed: InvalidRequest
         if max_tokens is None:
             max_tokens = self.settings.default_max_tokens
             body[keys[-1]] = max_tokens
@@ -740,6 +742,8 @@ class Core:
     def admit(self, request: Any, inner: Any, *, is_async: bool) -> Machine:
         """The state machine of one admitted request (already read), for a driver to run."""
         steps = self._admit(request, inner, is_async)
+        if self.retry is not None and self.settings.repeat_window_s > 0:
+            steps = one_loop(self, request, steps)  # zp's loop is the only one (zp_client._repeat)
         return Machine(steps if self.metrics is None else self._metered(steps))
 
     def _metered(self, steps: Steps) -> Steps:

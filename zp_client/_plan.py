@@ -12,8 +12,8 @@ from zp_client.errors import InvalidRequest
 
 __all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "SESSION_HEADER", "TTFT_TARGET_HEADER",
            "TPOT_TARGET_HEADER", "FAIL_FAST_HEADER", "TTFT_TARGET_META", "TPOT_TARGET_META", "AGE_META",
-           "FAIL_FAST_META", "is_admitted", "Plan", "Parsed", "Options", "read_headers", "api_base",
-           "seconds"]
+           "FAIL_FAST_META", "is_admitted", "Plan", "Parsed", "Options", "read_headers", "read_body",
+           "api_base", "seconds"]
 
 PRIORITY_HEADER = "x-zp-priority"
 DEADLINE_HEADER = "x-zp-deadline"
@@ -176,6 +176,70 @@ def seconds(value: Any, field: str, kind: str = "header") -> float:
     return out
 
 
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        # Never coerced: "100" or 1.5 read as "absent" once sent 4096 while the server read 100.
+        raise InvalidRequest(f"{key} must be a positive integer, got {v!r}", field=key)
+    return v
+
+
+def read_body(body: dict[str, Any], responses: bool) -> int | None:
+    """Check the body fields zp reads and return the output-token limit the request sets (None: it sets
+    none). Each is taken as given or refused with :class:`~zp_client.InvalidRequest` naming the field,
+    never rewritten: ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` / ``n`` /
+    ``best_of`` must be positive integers (bools refused), ``stream`` a bool, ``stream_options`` an object,
+    ``priority`` an integer, ``messages`` a list of objects, ``prompt`` a string or a list of strings, of
+    token ids or of token-id lists. ``null`` counts as absent (the OpenAI SDKs send it for "not given")."""
+    if responses:
+        out = _positive_int(body, "max_output_tokens")
+    else:
+        out = _positive_int(body, "max_completion_tokens")
+        fallback = _positive_int(body, "max_tokens")
+        out = fallback if out is None else out
+    _positive_int(body, "n")
+    _positive_int(body, "best_of")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest(f"stream must be true or false, got {stream!r}", field="stream")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):  # would be replaced by zp's {"include_usage": true}
+        raise InvalidRequest(f"stream_options must be an object, got {_short(so)}", field="stream_options")
+    prio = body.get("priority")
+    if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int)):
+        raise InvalidRequest(f"priority must be an integer (lower = earlier), got {prio!r}", field="priority")
+    if "messages" in body:
+        msgs = body["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+            raise InvalidRequest("messages must be a list of message objects, got "
+                                 f"{_short(msgs)}", field="messages")
+    if "prompt" in body and not _prompt_shape(body["prompt"]):
+        raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
+                             f"token-id lists, got {_short(body['prompt'])}", field="prompt")
+    return out
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _prompt_shape(p: Any) -> bool:
+    if isinstance(p, str):
+        return True
+    if not isinstance(p, list):
+        return False
+    if all(isinstance(x, str) for x in p):
+        return True
+    return _ids(p) or all(isinstance(x, list) and _ids(x) for x in p)
+
+
+def _ids(xs: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in xs)
+
+
 def _text(v: bytes, name: str) -> str:
     try:
         return v.decode("utf-8").strip()
@@ -216,7 +280,9 @@ def read_headers(raw: list[tuple[bytes, bytes]]) -> Options:
                 raise InvalidRequest(f"header X-ZP-Fail-Fast must be 1/0 or true/false, got {flag!r}",
                                      field="X-ZP-Fail-Fast")
             opts.fail_fast = _FLAGS[flag]
-        elif lk not in (b"content-length", b"transfer-encoding"):  # those are recomputed for the body sent
+        elif lk in _NOT_SENT:  # the body lengths are recomputed; X-ZP-Call is zp's (zp_client._repeat)
+            continue
+        else:
             if lk in (b"authorization", b"api-key", b"x-api-key") or lk.startswith(b"openai-"):
                 opts.auth[k.decode("latin-1")] = v.decode("latin-1")
             opts.headers.append((k, v))
@@ -228,3 +294,4 @@ _SESSION = SESSION_HEADER.encode()
 _TTFT, _TPOT = TTFT_TARGET_HEADER.encode(), TPOT_TARGET_HEADER.encode()
 _FAIL_FAST = FAIL_FAST_HEADER.encode()
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+_NOT_SENT = (b"content-length", b"transfer-encoding", b"x-zp-call")

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
@@ -26,7 +26,7 @@ from pydantic import BaseModel, SecretStr
 
 from zp_client._private import http_transport
 from zp_client.config import Settings
-from zp_client.errors import ConfigurationError, ServerUnreachable, ZPError
+from zp_client.errors import ConfigurationError, InvalidRequest, ServerUnreachable, ZPError
 from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -357,14 +357,32 @@ def _chat_body(
 ) -> dict[str, Any]:
     """The JSON body of ``chat.completions.create`` (both clients): the named OpenAI parameters in this
     order, then the others, then ``extra_body`` merged in."""
-    body = _body(dict(model=model, messages=list(messages), max_tokens=max_tokens,
+    body = _body(dict(model=model, messages=_messages(messages), max_tokens=max_tokens,
                       max_completion_tokens=max_completion_tokens, temperature=temperature, top_p=top_p,
                       n=n, stop=stop, seed=seed, tools=tools, tool_choice=tool_choice,
                       response_format=response_format, stream_options=stream_options, **params),
                  extra_body)
-    if stream:
+    if _stream(stream):
         body["stream"] = True
     return body
+
+
+def _stream(stream: Any) -> bool:
+    # Not truthiness: stream="false" once asked for a stream.
+    if not isinstance(stream, bool):
+        raise InvalidRequest(f"stream must be True or False, got {stream!r:.80}", field="stream")
+    return stream
+
+
+def _messages(messages: Any) -> Any:
+    # A list as given; any other sequence of messages becomes one. A string or a single message object is
+    # refused: list("hello") once sent ['h', 'e', ...].
+    if isinstance(messages, list):
+        return messages
+    if isinstance(messages, (str, bytes, bytearray, Mapping)) or not isinstance(messages, Iterable):
+        raise InvalidRequest(f"messages must be a list of message objects, got {type(messages).__name__}: "
+                             f"{messages!r:.80}", field="messages")
+    return list(messages)
 
 
 def _completion_body(
@@ -386,7 +404,7 @@ def _completion_body(
     body = _body(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                       top_p=top_p, n=n, stop=stop, seed=seed, stream_options=stream_options, **params),
                  extra_body)
-    if stream:
+    if _stream(stream):
         body["stream"] = True
     return body
 

@@ -163,6 +163,12 @@ class Settings(BaseSettings):
         0.5, ge=0,
         description="Least time an attempt needs; a retry that cannot fit it in the deadline fails.",
     )
+    repeat_window_s: float = Field(
+        60.0, ge=0,
+        description="One retry loop: for this long after zp gave up on a call, the same call again from "
+        "the same context (an SDK or agent-framework retry) gets zp's last error without being sent "
+        "(zp_client._repeat); 0 turns it off.",
+    )
     retry_budget_ratio: float = Field(
         0.5, ge=0,
         description="Retry budget: retries earned per answered request (a status below 500 that is not "

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from zp_client.errors import ConfigurationError
 
 __all__ = [
-    "BUCKET_RATIO", "DEFAULT_Q", "DEFAULT_Q_BLIND", "DEFAULT_Q_SPREAD", "DEFAULT_Q_TAIL", "LengthForecaster",
-    "LengthHistogram", "Prior",
+    "BUCKET_RATIO", "DEFAULT_MAX_KEYS", "DEFAULT_Q", "DEFAULT_Q_BLIND", "DEFAULT_Q_SPREAD", "DEFAULT_Q_TAIL",
+    "LengthForecaster", "LengthHistogram", "Prior",
 ]
 
 BUCKET_RATIO = 1.15
@@ -43,6 +44,8 @@ DEFAULT_Q_TAIL = 0.5
 #: ``forecast_hi`` so that an elastic policy with a spread-sized reserve (``ElasticPolicy(reserve_z=...)``)
 #: can size the pool's reserve from the live leases' forecast uncertainty (docs/elastic.md).
 DEFAULT_Q_SPREAD = 0.9
+#: Most keys (routes) a forecaster keeps a histogram for; the least recently used goes first.
+DEFAULT_MAX_KEYS = 1000
 _MAX_LEN = 1 << 20
 # Bucket edges: [0, 1), [1, 2), then geometric. Edge i is the lower bound of bucket i.
 _EDGES: list[float] = [0.0, 1.0]
@@ -173,6 +176,9 @@ class LengthForecaster:
     ``q_blind`` the one for requests whose growth is not seen (``streaming=False``; default: the larger
     of ``q`` and :data:`DEFAULT_Q_BLIND`); higher is safer (fewer surprises for the elastic policy) and
     admits less.
+
+    ``max_keys``: most keys with a histogram in memory (default :data:`DEFAULT_MAX_KEYS`; keys come from
+    per-call ``X-ZP-Route`` headers); past it the least recently used is dropped and starts from its prior.
     """
 
     def __init__(
@@ -185,7 +191,10 @@ class LengthForecaster:
         q_blind: float | None = None,
         q_tail: float | None = None,
         q_spread: float = DEFAULT_Q_SPREAD,
+        max_keys: int = DEFAULT_MAX_KEYS,
     ) -> None:
+        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
+            raise ConfigurationError(f"max_keys must be a positive integer, got {max_keys!r}")
         if not 0.0 < q < 1.0:
             raise ConfigurationError(f"forecast quantile q must be in (0, 1), got {q!r}")
         if q_blind is None:
@@ -205,13 +214,20 @@ class LengthForecaster:
         self.prior = prior if prior is not None else Prior()
         self._priors = dict(priors or {})
         self._half_life = half_life
-        self._hists: dict[str, LengthHistogram] = {}
+        # Keys come from per-call headers (X-ZP-Route): at most max_keys histograms, least recently used
+        # dropped first (a dropped key starts again from its prior).
+        self._max_keys = max_keys
+        self._hists: OrderedDict[str, LengthHistogram] = OrderedDict()
         self._lock = threading.Lock()
 
     def _hist(self, key: str) -> LengthHistogram:
         h = self._hists.get(key)
         if h is None:
             h = self._hists[key] = LengthHistogram(self._priors.get(key, self.prior), self._half_life)
+            while len(self._hists) > self._max_keys:
+                self._hists.popitem(last=False)
+        else:
+            self._hists.move_to_end(key)
         return h
 
     def observe(self, key: str, completion_tokens: int) -> None:

@@ -29,7 +29,7 @@ from zp_client.budget.base import Budget, BudgetStatus
 from zp_client.errors import ConfigurationError
 
 __all__ = ["ZPMetrics", "as_metrics", "retry_reason", "QUEUE_WAIT_BUCKETS", "LEASE_HOLD_BUCKETS",
-           "FORECAST_ERROR_BUCKETS", "PREDICTION_ERROR_BUCKETS"]
+           "FORECAST_ERROR_BUCKETS", "MAX_PRIORITY_LABELS", "OTHER_PRIORITY", "PREDICTION_ERROR_BUCKETS"]
 
 logger = logging.getLogger("zp_client.metrics")
 
@@ -45,6 +45,35 @@ FORECAST_ERROR_BUCKETS: tuple[float, ...] = (-4096.0, -1024.0, -256.0, -64.0, -1
 #: Actual minus predicted wait, seconds (negative: admitted sooner than predicted).
 PREDICTION_ERROR_BUCKETS: tuple[float, ...] = (-30.0, -10.0, -5.0, -2.0, -1.0, -0.5, -0.1, 0.0, 0.1, 0.5,
                                                1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+#: Most distinct values of the ``priority`` label, ``other`` included: a priority comes from a per-call
+#: header, and every label value is a time series kept for the life of the process.
+MAX_PRIORITY_LABELS = 16
+#: The ``priority`` label of every priority past the first ``MAX_PRIORITY_LABELS - 1`` seen.
+OTHER_PRIORITY = "other"
+
+
+class _PriorityLabels:
+    """The bounded ``priority`` label of a priority: its own text for the first ``limit - 1`` distinct
+    priorities seen (first come, kept for the life of the process), :data:`OTHER_PRIORITY` for the rest."""
+
+    def __init__(self, limit: int = MAX_PRIORITY_LABELS) -> None:
+        self._own = limit - 1
+        self._seen: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, priority: int) -> str:
+        got = self._seen.get(priority)
+        if got is not None:
+            return got
+        with self._lock:
+            got = self._seen.get(priority)
+            if got is None:
+                if len(self._seen) >= self._own:
+                    return OTHER_PRIORITY
+                got = self._seen[priority] = str(priority)
+            return got
 
 
 def retry_reason(status: int | None, error: BaseException | None) -> str:
@@ -73,8 +102,10 @@ class _BudgetGauges(Collector):
     call at all. A status read that fails is logged at debug level; that scrape then has only the limit.
     """
 
-    def __init__(self, namespace: str, remote_status_ttl_s: float | None) -> None:
+    def __init__(self, namespace: str, remote_status_ttl_s: float | None,
+                 priority_label: _PriorityLabels | None = None) -> None:
         self._ns = namespace
+        self._priority = priority_label or _PriorityLabels()
         self._ttl = remote_status_ttl_s
         self._lock = threading.Lock()
         self._budgets: weakref.WeakKeyDictionary[Budget, str] = weakref.WeakKeyDictionary()
@@ -142,10 +173,18 @@ class _BudgetGauges(Collector):
             used.add_metric([name], float(status.used))
             held.add_metric([name], float(status.held))
             leases.add_metric([name], float(status.leases))
+            per_label: dict[str, float] = {}
             for prio, cls in sorted(status.waiters.items()):
-                waiters.add_metric([name, str(prio)], float(cls.waiters))
+                label = self._priority(prio)
+                per_label[label] = per_label.get(label, 0.0) + float(cls.waiters)
+            for label, count in per_label.items():
+                waiters.add_metric([name, label], count)
+            per_wait: dict[str, float] = {}  # classes sharing a label ("other"): the longest wait
             for prio, wait in sorted(getattr(status, "predicted_wait_s", {}).items()):
-                predicted.add_metric([name, str(prio)], float(wait))
+                label = self._priority(prio)
+                per_wait[label] = max(per_wait.get(label, 0.0), float(wait))
+            for label, wait in per_wait.items():
+                predicted.add_metric([name, label], wait)
         yield from (limit, used, held, leases, waiters, predicted)
 
 
@@ -159,7 +198,9 @@ class ZPMetrics:
     may serve many front ends and budgets; the gauges carry a ``budget`` label (the budget's name).
     ``remote_status_ttl_s``: how long a scrape reuses the status of a budget that is not in-process
     (RedisBudget: one Redis call per that many seconds at most; None: export only its limit, no call).
-    The bucket arguments replace the default histogram buckets.
+    The bucket arguments replace the default histogram buckets. The ``priority`` label takes at most
+    :data:`MAX_PRIORITY_LABELS` values: the first 15 priorities seen have their own, the rest share
+    ``other`` (a priority comes from a per-call header; each label value is a series kept forever).
     """
 
     def __init__(
@@ -201,7 +242,8 @@ class ZPMetrics:
             "Actual minus predicted wait in line per attempt whose wait the budget predicted "
             "(docs/admission.md#predicted-wait-and-fail-fast).",
             ["priority"], namespace=namespace, registry=reg, buckets=PREDICTION_ERROR_BUCKETS)
-        self._gauges = _BudgetGauges(namespace, remote_status_ttl_s)
+        self._priority = _PriorityLabels()
+        self._gauges = _BudgetGauges(namespace, remote_status_ttl_s, self._priority)
         reg.register(self._gauges)
 
     # -- what the admission core calls ------------------------------------------------------------
@@ -211,15 +253,15 @@ class ZPMetrics:
 
     def waited(self, priority: int, seconds: float) -> None:
         """An attempt was granted its lease after ``seconds`` in line."""
-        self.queue_wait.labels(str(priority)).observe(max(0.0, seconds))
+        self.queue_wait.labels(self._priority(priority)).observe(max(0.0, seconds))
 
     def predicted(self, priority: int, predicted_s: float, actual_s: float) -> None:
         """An attempt whose wait the budget predicted at ``predicted_s`` waited ``actual_s``."""
-        self.prediction_error.labels(str(priority)).observe(actual_s - predicted_s)
+        self.prediction_error.labels(self._priority(priority)).observe(actual_s - predicted_s)
 
     def held(self, priority: int, seconds: float) -> None:
         """A lease was released ``seconds`` after its grant."""
-        self.lease_hold.labels(str(priority)).observe(max(0.0, seconds))
+        self.lease_hold.labels(self._priority(priority)).observe(max(0.0, seconds))
 
     def retried(self, status: int | None, error: BaseException | None) -> None:
         """The retry policy granted a retry of an attempt that got ``status`` or raised ``error``."""

@@ -341,14 +341,8 @@ def _int_or_none(v: float | None) -> int | None:
 
 
 def _redact(url: str) -> str:
-    """The URL without a password (a status line must never print credentials)."""
-    from urllib.parse import urlsplit, urlunsplit
+    """The URL without a password, in its userinfo or its query (a status line must never print
+    credentials)."""
+    from zp_client._redact import redact_url
 
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + host))
+    return redact_url(url)

@@ -13,9 +13,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from zp_client._clock import SYSTEM_CLOCK
+from zp_client._redact import check_redis_url
 from zp_client.errors import ConfigurationError
 from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
 
@@ -23,12 +24,27 @@ __all__ = ["RedisLengthForecaster"]
 
 log = logging.getLogger("zp_client.budget.redis_forecast")
 
-# KEYS: counts hash, keys set. ARGV: key name, halve-at total, max keys, then pairs bucket, weight.
-# Field "t" holds the total. Bounded: one HINCRBYFLOAT per distinct bucket of the batch, a halving
-# rewrites at most the ~100 buckets of one key.
+# KEYS: counts hash, keys set. ARGV: key name, halve-at total, max keys, TTL seconds, counts-hash prefix, then
+# pairs bucket, weight. Field "t" holds the total. Keys come from per-call headers (X-ZP-Route), so what
+# they leave in Redis is bounded: a key outside a full set writes nothing (its observations stay local),
+# and both hashes and set expire TTL seconds after their last write. A full set first drops up to 8
+# members whose counts already expired. Bounded: one HINCRBYFLOAT per distinct bucket of the batch, a
+# halving rewrites at most the ~100 buckets of one key.
 _ADD_LUA = """
+local ttl = tonumber(ARGV[4])
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 0 then
+  local cap_keys = tonumber(ARGV[3])
+  if redis.call('SCARD', KEYS[2]) >= cap_keys then
+    for _, k in ipairs(redis.call('SRANDMEMBER', KEYS[2], 8)) do
+      if redis.call('EXISTS', ARGV[5] .. k) == 0 then redis.call('SREM', KEYS[2], k) end
+    end
+    if redis.call('SCARD', KEYS[2]) >= cap_keys then return 0 end
+  end
+  redis.call('SADD', KEYS[2], ARGV[1])
+end
+redis.call('EXPIRE', KEYS[2], ttl)
 local total = 0
-for i = 4, #ARGV, 2 do
+for i = 6, #ARGV, 2 do
   redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
   total = total + tonumber(ARGV[i + 1])
 end
@@ -40,16 +56,23 @@ if cap > 0 and t > cap then
     redis.call('HSET', KEYS[1], flat[i], tonumber(flat[i + 1]) / 2)
   end
 end
-if redis.call('SCARD', KEYS[2]) < tonumber(ARGV[3]) then redis.call('SADD', KEYS[2], ARGV[1]) end
+redis.call('EXPIRE', KEYS[1], ttl)
 return 1
 """
+
+_FLUSH_CHUNK = 256
+
+#: Seconds a forecaster's Redis hash (and its key set) outlives its last write: 7 days.
+DEFAULT_KEY_TTL_S = 7 * 24 * 3600
 
 
 class RedisLengthForecaster(LengthForecaster):
     """Per-key length distributions learned by the whole fleet; see docs/redis.md#the-shared-forecaster.
 
     ``client`` is a sync ``redis.Redis`` (or ``RedisCluster``) or a URL; ``name`` the budget's name (its
-    hash tag ``{zp:<name>}``). Thread-safe. Call :meth:`close` to send what is pending and stop the
+    hash tag ``{zp:<name>}``). ``max_keys``: most keys kept, in memory (least recently used dropped) and in
+    Redis (a key past it stays local); ``key_ttl_s``: a key's Redis hash expires that long after its last
+    write (default 7 days). Thread-safe. Call :meth:`close` to send what is pending and stop the
     thread (a :class:`RedisBudget` does it in ``aclose``/``close_sync``).
     """
 
@@ -68,13 +91,19 @@ class RedisLengthForecaster(LengthForecaster):
         batch: int = 64,
         max_keys: int = 1000,
         max_pending: int = 100_000,
+        key_ttl_s: int = DEFAULT_KEY_TTL_S,
     ) -> None:
-        super().__init__(q=q, q_blind=q_blind, q_tail=q_tail, prior=prior, half_life=None, priors=priors)
+        super().__init__(q=q, q_blind=q_blind, q_tail=q_tail, prior=prior, half_life=None, priors=priors,
+                         max_keys=max_keys)
+        if isinstance(key_ttl_s, bool) or not isinstance(key_ttl_s, int) or key_ttl_s < 1:
+            raise ConfigurationError(f"key_ttl_s must be a positive integer of seconds, got {key_ttl_s!r}")
         if not (isinstance(sync_interval_s, (int, float)) and sync_interval_s > 0):
             raise ConfigurationError(
                 f"sync_interval_s must be a positive number of seconds, got {sync_interval_s!r}")
         if isinstance(client, str):
             import redis as redis_sync
+
+            check_redis_url(client)
 
             client, self._owns = redis_sync.Redis.from_url(client), True
         else:
@@ -85,7 +114,7 @@ class RedisLengthForecaster(LengthForecaster):
         self._halve_at = 2.0 * half_life if half_life else 0.0
         self._interval = float(sync_interval_s)
         self._batch = max(1, int(batch))
-        self._max_keys = int(max_keys)
+        self._key_ttl_s = key_ttl_s
         self._max_pending = int(max_pending)
         self._pending: dict[str, dict[int, float]] = {}
         self._n_pending = 0
@@ -133,12 +162,17 @@ class RedisLengthForecaster(LengthForecaster):
         with self._plock:
             pending, self._pending, self._n_pending = self._pending, {}, 0
         try:
-            for key, buckets in pending.items():
-                args: list[Any] = [key, self._halve_at, self._max_keys]
-                for b, w in buckets.items():
-                    args += [b, w]
-                self._script(keys=[self._hkey(key), self._keys_key], args=args)
-                buckets.clear()
+            # Pipelined in chunks: a burst of distinct keys costs a round trip per chunk, not per key.
+            items = list(pending.items())
+            for start in range(0, len(items), _FLUSH_CHUNK):
+                chunk = items[start:start + _FLUSH_CHUNK]
+                try:
+                    self._send(chunk)
+                except NoScriptError:  # a cluster pipeline loads no script; a restarted Redis lost it
+                    self._client.script_load(_ADD_LUA)  # every key is in one slot: nothing was applied
+                    self._send(chunk)
+                for _, buckets in chunk:
+                    buckets.clear()
         except Exception:
             with self._plock:  # put back what was not sent
                 for key, buckets in pending.items():
@@ -147,6 +181,15 @@ class RedisLengthForecaster(LengthForecaster):
                         d[b] = d.get(b, 0.0) + w
                         self._n_pending += int(w)
             raise
+
+    def _send(self, chunk: list[tuple[str, dict[int, float]]]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for key, buckets in chunk:
+            args: list[Any] = [key, self._halve_at, self._max_keys, self._key_ttl_s, self._hkey("")]
+            for b, w in buckets.items():
+                args += [b, w]
+            self._script(keys=[self._hkey(key), self._keys_key], args=args, client=pipe)
+        pipe.execute()
 
     def _pull(self) -> None:
         keys = [k.decode() if isinstance(k, bytes) else str(k) for k in self._client.smembers(self._keys_key)]

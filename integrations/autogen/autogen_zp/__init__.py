@@ -25,6 +25,7 @@ from zp_client import (
     AdmissionOptions,
     Budget,
     Settings,
+    call_scope,
     observe_admissions,
     openai_http_client,
 )
@@ -150,6 +151,7 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
     async def create(self, *args: Any, **kwargs: Any) -> CreateResult:
         """``OpenAIChatCompletionClient.create``; each lease grant is logged as a
         :class:`ZPAdmissionEvent`."""
+        call_scope()  # the caller's retry of a call zp gave up on is recognised across AutoGen's task
         with observe_admissions(_log_admission):  # AutoGen sends from a task it makes here, with this context
             return await super().create(*args, **kwargs)
 
@@ -161,6 +163,7 @@ class ZPOpenAIChatCompletionClient(OpenAIChatCompletionClient):
         the token keeps that read, and so the open response, alive: the lease would be held until the
         token is dropped or the idle-stream timeout. Closing the response here releases it at once.
         """
+        call_scope()  # as in create()
         inner = super().create_stream(*args, **kwargs)
         opened: list[Any] = []
         try:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar, cast
 
 from pydantic import Field, model_validator
 
-from zp_client import AdmissionInfo, AdmissionOptions, Budget, Settings, openai_client_of
+from zp_client import AdmissionInfo, AdmissionOptions, Budget, Settings, call_scope, openai_client_of
 from zp_client.errors import ConfigurationError, MissingIntegration
 from zp_client.metrics import ZPMetrics
 from zp_client.observe import observe_admissions, summarize_admissions
@@ -440,6 +440,16 @@ class ZPChatOpenAI(ChatOpenAI):
         _admit_chat(self, _options(self))
         return self
 
+    # -- one retry loop: LangChain sends each prompt from a task of its own (agenerate gathers them), so
+    # the caller's context is made a call scope first: a retry of a call zp gave up on is recognised
+    def generate(self, *args: Any, **kwargs: Any) -> LLMResult:
+        call_scope()
+        return super().generate(*args, **kwargs)
+
+    async def agenerate(self, *args: Any, **kwargs: Any) -> LLMResult:
+        call_scope()
+        return await super().agenerate(*args, **kwargs)
+
     # -- visibility (see the module docstring): each entry point that makes the HTTP call is wrapped
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -466,11 +476,13 @@ class ZPChatOpenAI(ChatOpenAI):
     # astream_events) call _stream without the run manager: they leave the run's target for it
     def stream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
                stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
+        call_scope()  # as in generate()
         config, target = _Target.for_stream(self, config, is_async=False)
         return _with_target(super().stream(input, config, stop=stop, **kwargs), target)
 
     def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
                 stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+        call_scope()  # as in generate()
         config, target = _Target.for_stream(self, config, is_async=True)
         return _awith_target(super().astream(input, config, stop=stop, **kwargs), target)
 
@@ -528,6 +540,15 @@ class ZPOpenAI(OpenAI):
     def _zp_admit_clients(self) -> Self:
         _admit_llm(self, _options(self))
         return self
+
+    # -- one retry loop: as in ZPChatOpenAI
+    def generate(self, *args: Any, **kwargs: Any) -> LLMResult:
+        call_scope()
+        return super().generate(*args, **kwargs)
+
+    async def agenerate(self, *args: Any, **kwargs: Any) -> LLMResult:
+        call_scope()
+        return await super().agenerate(*args, **kwargs)
 
     # -- visibility (see the module docstring); BaseLLM passes the run manager everywhere
     def _generate(self, prompts: list[str], stop: list[str] | None = None,

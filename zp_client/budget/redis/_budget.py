@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import redis.asyncio as redis_async
 
+from zp_client._redact import check_redis_url
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
@@ -162,6 +163,8 @@ class RedisBudget(Budget):
         )
         self.name = name
         self.block_size = cfg.block_size
+        if isinstance(url_or_client, str):
+            check_redis_url(url_or_client)  # before redis-py's ValueError can print a piece of a password
         self._core = Core(cfg, url_or_client if isinstance(url_or_client, str) else None)
         if on_event is not None:
             self._core.hooks.append(on_event)
