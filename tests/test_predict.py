@@ -337,3 +337,28 @@ def test_metrics_export_the_head_prediction_and_the_prediction_error() -> None:
     text = generate_latest(m.registry).decode()
     assert 'zp_predicted_wait_error_seconds_count{priority="0"} 1.0' in text
     assert 'zp_predicted_wait_error_seconds_bucket{le="-1.0",priority="0"} 1.0' in text
+
+
+def test_a_policy_the_replay_cannot_copy_costs_the_prediction_only() -> None:
+    from zp_client.budget.ledger import StrictPolicy
+
+    class Uncopyable(StrictPolicy):
+        def __deepcopy__(self, memo: Any) -> Any:
+            raise TypeError("holds a lock")
+
+    clock = ManualClock()
+    b = LocalBudget(20, BS, clock=clock, policy=Uncopyable(), predict=True)
+    lease = b.acquire_sync(15)
+    with pytest.raises(AdmissionTimeout) as info:  # waited as without a prediction, not refused
+        b.acquire_sync(15, timeout=0.01, meta={FAIL_FAST_KEY: True})
+    assert type(info.value) is AdmissionTimeout
+    got: list[Any] = []
+    th = threading.Thread(target=lambda: got.append(b.acquire_sync(15, timeout=30)))
+    th.start()
+    while not b.status_sync().waiters:
+        th.join(0.01)
+    assert b.status_sync().predicted_wait_s == {}  # status still answers
+    lease.release_sync()
+    th.join(10)
+    assert got and got[0].predicted_wait_s is None
+    got[0].release_sync()

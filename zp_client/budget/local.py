@@ -461,8 +461,12 @@ class LocalBudget(Budget):
         # the others give up at their timeouts; this one is predicted as if it waited for good, so the
         # refusal compares its whole predicted wait with its timeout
         others = {k: v for k, v in self._leave_at.items() if k != wid}
-        pred = predict_wait_of(self._ledger, wid, now, block_size=self.block_size, leave_at=others,
-                               fallback=self._timing)
+        try:
+            pred = predict_wait_of(self._ledger, wid, now, block_size=self.block_size, leave_at=others,
+                                   fallback=self._timing)
+        except Exception:  # noqa: BLE001 - a prediction (say a custom policy that cannot be copied)
+            logger.debug("wait prediction failed; the waiter waits as without it", exc_info=True)
+            return None  # must never fail the enqueue
         if pred is None:
             return None
         measured = pred.timing is not None and pred.timing.samples > 0
@@ -589,8 +593,12 @@ class LocalBudget(Budget):
         for w in self._ledger.line():
             heads.setdefault(w.priority, w.id)
         # the replay stops once every head is admitted: the lock is held for the line up to them only
-        waits = predict_waits(self._ledger, now, block_size=self.block_size, leave_at=self._leave_at,
-                              fallback=self._timing, only=heads.values())
+        try:
+            waits = predict_waits(self._ledger, now, block_size=self.block_size, leave_at=self._leave_at,
+                                  fallback=self._timing, only=heads.values())
+        except Exception:  # noqa: BLE001 - status must answer even when the replay cannot run
+            logger.debug("wait prediction failed; status has none", exc_info=True)
+            return {}
         return {p: waits[wid] for p, wid in heads.items() if wid in waits}
 
     async def set_limit(self, limit: int) -> None:
