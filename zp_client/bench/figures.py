@@ -55,6 +55,12 @@ _STYLES: dict[str, SetupStyle] = {
     "clairvoyant": SetupStyle(OKABE_ITO["reddish_purple"], (0, (6, 1.5, 1, 1.5, 1, 1.5)), "P"),
     "zp-redis": SetupStyle(OKABE_ITO["sky_blue"], (0, (1, 1)), "h", "//"),
     "zp-redis-elastic": SetupStyle(OKABE_ITO["blue"], (0, (1, 1)), "*", "//"),
+    # issue 30 (goodput under overload): letter markers, every other marker is taken
+    "zp-slo": SetupStyle(OKABE_ITO["blue"], (0, (8, 1, 2, 1)), "$S$"),
+    "zp-oracle-h1": SetupStyle(OKABE_ITO["bluish_green"], (0, (1, 1, 4, 1)), "$H$"),
+    "zp-oracle-slo": SetupStyle(OKABE_ITO["bluish_green"], (0, (8, 1, 2, 1)), "$O$"),
+    "vllm-priority": SetupStyle(OKABE_ITO["reddish_purple"], (0, (3, 1, 1, 1)), "$P$"),
+    "vllm-queue-cap": SetupStyle(OKABE_ITO["orange"], (0, (5, 2, 1, 2)), "$Q$"),
     # the fleet setups (--replicas N)
     "rr": SetupStyle(OKABE_ITO["vermillion"], (0, (2, 1)), "<"),
     "rr-zp": SetupStyle(OKABE_ITO["sky_blue"], (0, (6, 1, 1, 1)), ">"),

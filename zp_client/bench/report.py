@@ -1296,13 +1296,12 @@ def sweep_verdict(sweep: dict[str, Any]) -> list[str]:
         lines.append("preemptions per load (" + " / ".join(map(_load, xs)) + "): " + "; ".join(
             f"{n} " + "/".join("-" if v is None else str(v) for v in met[n]["preemptions"])
             for n in [focus, *[r for r in _REFERENCES if r in met]]))
-    lines += best_per_load(sweep)
     others = [n for n in sweep["setups"] if n != "naive"]
     if others:
         lines.append(COLLAPSE_RULE + ": " + ", ".join(
             f"{n} " + ("none" if col[n]["collapse_load"] is None
                        else f"at {_load(col[n]['collapse_load'])} (-{col[n]['drop']:.0%})") for n in others))
-    return lines
+    return lines + best_per_load(sweep)
 
 
 def best_at(sweep: dict[str, Any], i: int, key: str, *, lowest: bool = False) -> tuple[list[str], Any]:
@@ -1340,7 +1339,6 @@ def best_per_load(sweep: dict[str, Any]) -> list[str]:
 
 
 _SWEEP_COLUMNS = [
-    ("in SLO / late / failed", "in_slo", "split"),
     ("good req/s", "goodput_rps", "{:.3f}"),
     ("x no-adm", "goodput_vs_no_admission", "{:.2f}x"),
     ("x naive", "goodput_vs_naive", "{:.2f}x"),
@@ -1351,6 +1349,7 @@ _SWEEP_COLUMNS = [
     ("TTFT p50", "ttft_p50", "{:.2f}"),
     ("TTFT p99", "ttft_p99", "{:.2f}"),
     ("makespan s", "makespan", "{:.1f}"),
+    ("in SLO / late / failed", "in_slo", "split"),
 ]
 
 
