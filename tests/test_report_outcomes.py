@@ -56,7 +56,8 @@ def test_each_request_is_scored_against_its_own_class() -> None:
         _rec("b4", "batch", None, sent=False, root="c1"),     # failed (never sent)
     ]
     split = outcome_counts(recs, wl)
-    assert (split["in_slo"], split["late"], split["failed"], split["errors"], split["unsent"]) == (3, 3, 2, 1, 1)
+    got = (split["in_slo"], split["late"], split["failed"], split["errors"], split["unsent"])
+    assert got == (3, 3, 2, 1, 1)
     assert split["late_ttft_max"] == 31.0
     report = build_report(wl, FACTS, [_setup_run("zp-elastic", recs, 40.0)], _cfg(), "pytest")
     m = report["setups"][0]
@@ -70,6 +71,8 @@ def test_each_request_is_scored_against_its_own_class() -> None:
     assert (m["conversations"], m["conversations_completed"]) == (2, 1)
     assert m["conversation_time_p50"] == m["conversation_time_p99"] == round(29.0 + 4 * 0.5, 3)
     assert report["classes"]["batch"] == {"ttft_s": 30.0, "tpot_s": None, "priority": 1}
+    assert "interactive in SLO / late / failed: zp-elastic 1 / 2 / 0" in report["verdict"]
+    assert "batch in SLO / late / failed: zp-elastic 2 / 1 / 2" in report["verdict"]
     # the same records on a one-class workload (SLO 5 s, 40 ms): no per-class breakdown
     one = build_report(_wl(classes=False), FACTS, [_setup_run("zp-elastic", recs, 40.0)], _cfg(), "pytest")
     m1 = one["setups"][0]

@@ -637,6 +637,10 @@ def storm_verdict(report: dict[str, Any]) -> list[str]:
                      + f"; {_pct(f['slo_attainment'])} of requests within SLO" + (f" ({slo})" if slo else ""))
         if report.get("bypass") and f.get("bypass"):
             lines.append(_bypass_verdict(report["bypass"], f, base))
+    for cname in report.get("classes") or {}:
+        lines.append(f"{cname} in SLO / late / failed: " + ", ".join(
+            f"{m['setup']} {_split(m['classes'][cname])}" for m in setups
+            if cname in (m.get("classes") or {})))
     if base is not None and base.get("goodput_rps"):
         others = [m for m in setups if m["setup"] not in ("no-admission", focus)]
         vs_naive = naive is not None and bool(naive.get("goodput_rps"))
