@@ -31,8 +31,8 @@ def test_the_new_setups_are_registered_named_only_and_described() -> None:
     assert SETUPS["vllm-priority"].sim_extra == {"policy": "priority"}
     assert not SETUPS["vllm-priority"].gateway  # no-admission's client: no gateway, no retries
     assert SETUPS["vllm-queue-cap"].gateway and SETUPS["vllm-queue-cap"].sim_for is not None
-    assert parse_setups(",".join(NEW), None) == ["no-admission", "vllm-priority", "vllm-queue-cap", "zp-slo",
-                                                 "zp-oracle-h1", "zp-oracle-slo"]
+    assert parse_setups(",".join(NEW), None) == ["no-admission", "vllm-priority", "vllm-queue-cap",
+                                                 "zp-oracle-h1", "zp-slo", "zp-oracle-slo"]
 
 
 def test_the_slo_line_is_asked_for_only_where_the_budget_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -537,4 +537,3 @@ async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
 from zp_client.bench import elastic_setups as _elastic_setups  # noqa: E402,F401 - registers them, needs this module
 from zp_client.bench import fleet_setups as _fleet_setups  # noqa: E402,F401 - registers them, needs this module
 from zp_client.bench import pd_setups as _pd_setups  # noqa: E402,F401 - registers them, needs this module
-from zp_client.bench import slo_setups as _slo_setups  # noqa: E402,F401 - registers them, needs this module

@@ -154,10 +154,10 @@ register_setup(SetupSpec("zp-oracle-h1", True, default=False,
 register_setup(SetupSpec("zp-slo", True, default=False,
                          description="zp-elastic + the app sends each class's TTFT target "
                                      "(X-ZP-TTFT-Target), budget line='slo'"),
-               _zp_slo, after="zp-elastic")
+               _zp_slo, after="zp-oracle-h1")
 register_setup(SetupSpec("zp-oracle-slo", True, default=False,
                          description="zp-oracle-h1 + targets sent, line='slo' (the bound on ordering)"),
-               _zp_oracle_slo, after="zp-oracle-h1")
+               _zp_oracle_slo, after="zp-slo")
 register_setup(SetupSpec(PRIORITY_SETUP, False, default=False, sim_extra={"policy": "priority"},
                          description="no admission; server --scheduling-policy priority, body priority "
                                      "per class"),
