@@ -106,6 +106,16 @@ def test_the_sweep_verdict_names_the_best_setup_per_load_by_in_slo_count_and_by_
                                           if line.startswith("| naive | 2x |"))
 
 
+def test_a_queue_caps_503s_count_as_requests_that_reached_the_server() -> None:
+    recs = [_rec(f"r{i}", None, 0.5, kind="stream") for i in range(4)]
+    run = _setup_run("vllm-queue-cap", recs, 10.0)
+    run.server_stats["rejected_queue_full"] = 6  # six attempts answered 503: the server keeps no record
+    m = build_report(_wl(classes=False), FACTS, [run], _cfg(), "pytest")["setups"][0]
+    assert (m["rejected_503"], m["attempts_server"], m["amplification"]) == (6, 10, 2.5)
+    fig = figures.storm_figure(build_report(_wl(classes=False), FACTS, [run], _cfg(), "pytest"))
+    assert "4 / 0 / 0; 504s 0, 503s 6, ampl 2.50" in [t.get_text() for ax in fig.axes for t in ax.texts]
+
+
 def test_the_storm_figure_draws_the_outcome_panel(tmp_path) -> None:
     recs = [_rec("i0", "interactive", 0.5, kind="interactive"), _rec("b0", "batch", 40.0, root="c0"),
             _rec("b1", "batch", None, ok=False, root="c1")]

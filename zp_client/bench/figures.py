@@ -155,8 +155,9 @@ def _outcome_bars(ax: Any, setups: list[dict[str, Any]]) -> None:
     for y, m in zip(ys, setups, strict=True):
         n = sum(int(m.get(k) or 0) for k, _, _ in _OUTCOMES)
         amp = m.get("amplification")
+        rej = f", 503s {m['rejected_503']}" if m.get("rejected_503") else ""
         text = (f"{m.get('in_slo', '?')} / {m.get('late', '?')} / {m.get('failed', '?')}; "
-                f"504s {m.get('gateway_504', 0)}, ampl {'-' if amp is None else f'{amp:.2f}'}")
+                f"504s {m.get('gateway_504', 0)}{rej}, ampl {'-' if amp is None else f'{amp:.2f}'}")
         ax.text(n + total * 0.01, y, text, va="center", ha="left", fontsize=8.5, zorder=4,
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.85})
     ax.set_yticks(ys, [_setup_label(m) for m in setups])

@@ -296,6 +296,9 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
     reqs = st.get("requests", 0)
     # with ?requests=1 the count is replaced by the per-request records (one per HTTP request)
     attempts_server = len(reqs) if isinstance(reqs, list) else int(reqs)
+    # a queue cap's 503s reached the server too, but it keeps no record of them, only their count
+    rejected = int(st.get("rejected_queue_full") or 0)
+    attempts_server += rejected
     kv = [s[1] for s in run.timeline]
     itl_p99 = _q(itls, 0.99)
     reasons = []
@@ -340,6 +343,7 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "good_tail": len(good_tail),
         "slo_attainment": _r(len(good) / len(sent) if sent else None, 3),
         "attempts_server": attempts_server,
+        "rejected_503": rejected,
         "attempts_client": sum(r.attempts for r in sent),
         "amplification": _r(attempts_server / len(sent) if sent else None, 3),
         "gateway_504": int(st.get("gateway_504", 0)),
