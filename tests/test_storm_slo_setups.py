@@ -150,10 +150,19 @@ def test_the_report_splits_every_setup_and_class_into_in_slo_late_and_failed(tin
     assert "convs done" in table
 
 
-def test_a_one_class_workload_says_vllm_priority_sends_zero(tiny_mixed: Any) -> None:
-    from test_report_figures import _report, _run  # synthetic runs, the report built by the real code
+def test_a_one_class_workload_says_vllm_priority_sends_zero() -> None:
+    from test_report_figures import FACTS, _cfg, _report, _run  # synthetic runs, the real report code
 
-    report = _report([_run("no-admission", 10), _run("vllm-priority", 9, late=1)])
+    from zp_client.bench.workloads import SLO, Session, Turn, Workload
+
+    runs = [_run("no-admission", 10), _run("vllm-priority", 9, late=1)]
+    report = _report(runs)
     assert report["setup_notes"]["vllm-priority"] == "one class: every request sends priority 0"
     assert "vllm-priority (one class: every request sends priority 0)" in markdown_table(report)
     assert "one class here: every request sends 0" in "\n".join(header_lines(report))
+    # a trace whose requests carry their own priority sends those: no such note
+    turn = Turn([], 10, 8, 8, priority=-1)
+    trace = Workload("trace:t.jsonl", "synthetic", [Session("a", 0.0, "trace", [turn])], SLO(5.0, 0.04), None)
+    own = build_report(trace, FACTS, runs, _cfg(), "pytest")
+    assert "vllm-priority" not in own["setup_notes"]
+    assert "one class here" not in "\n".join(header_lines(own))

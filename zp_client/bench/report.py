@@ -760,7 +760,7 @@ def _setup_notes(wl: Workload, facts: ServerFacts, metrics: list[dict[str, Any]]
 
     names = {m["setup"] for m in metrics}
     notes: dict[str, str] = {}
-    if PRIORITY_SETUP in names and not wl.classes:
+    if PRIORITY_SETUP in names and not wl.classes and all(t.priority is None for t in wl.iter_turns()):
         notes[PRIORITY_SETUP] = "one class: every request sends priority 0"
     if QUEUE_CAP_SETUP in names:
         cap = next((m.get("sim_settings") or {} for m in metrics if m["setup"] == QUEUE_CAP_SETUP), {})
@@ -797,9 +797,10 @@ def setup_lines(report: dict[str, Any]) -> list[str]:
                      f"{srv.get('prefill_tokens_per_s', 0):.0f} tokens/s (an ~8k-token prompt alone: prompt "
                      "tokens / TTFT); 503 when full, no Retry-After (as vLLM); naive's retries")
     if PRIORITY_SETUP in by:
+        one = PRIORITY_SETUP in (report.get("setup_notes") or {})
         lines.append(f"{PRIORITY_SETUP}: server --scheduling-policy priority, no client admission; body "
-                     "priority = the request's class's" + (
-                         "" if classes else " (one class here: every request sends 0, i.e. arrival order)"))
+                     "priority = the request's class's (a trace's own where it gives one)"
+                     + (" (one class here: every request sends 0, i.e. arrival order)" if one else ""))
     ran = [n for n in SLO_SETUPS if n in by]
     if ran:
         note = report.get("setup_notes", {}).get(ran[0])
