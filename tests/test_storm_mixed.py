@@ -61,6 +61,12 @@ def test_mixed_is_agentic_plus_an_interactive_class_with_its_own_targets() -> No
                             span_s=20.0)
     assert sum(s.kind == "agent" for s in double.sessions) == 8
     assert double.params["interactive_rate_per_s"] == 4.0
+    # x2 is twice the interactive rate over the same span (agentic's own window grows with its count)
+    default = build_workload("mixed", FACTS, seed=3, conversations=4)
+    default2 = build_workload("mixed", FACTS, seed=3, load_scale=2.0, conversations=4)
+    assert default.params["interactive_span_s"] == default2.params["interactive_span_s"] == pytest.approx(
+        2 * 4 * 400 * FACTS.unloaded_itl_s)
+    assert 1.6 < default2.params["interactive_calls"] / default.params["interactive_calls"] < 2.4
     assert wl.params["interactive_tokens_per_s"] == pytest.approx(
         sum(s.turns[0].prompt_tokens + s.turns[0].true_out for s in inter) / 20.0, abs=0.1)
 

@@ -574,7 +574,8 @@ def mixed(facts: ServerFacts, seed: int, *, rate_per_s: float = 1.0, span_s: flo
     * **interactive** (priority 0, TTFT target :data:`MIXED_INTERACTIVE_TTFT_S` = 1 s, TPOT
       :data:`MIXED_INTERACTIVE_TPOT_S` = 40 ms): single streamed calls arriving as a Poisson process at
       ``rate_per_s`` x ``scale`` over ``span_s`` (default twice the conversations' arrival window, so they
-      keep arriving while the conversations run), each with a unique prompt (lognormal, median
+      keep arriving while the conversations run; the one-x window's, whatever ``scale``: agentic's grows
+      with its conversations), each with a unique prompt (lognormal, median
       ``prompt_median`` = 500 tokens, 250-1000), ``max_tokens`` = ``out_max`` (256) and a true output
       lognormal median ``out_median`` (120) capped at 256. They are drawn from their own RNG, so the
       batch class is agentic's, request for request.
@@ -587,8 +588,10 @@ def mixed(facts: ServerFacts, seed: int, *, rate_per_s: float = 1.0, span_s: flo
     """
     batch = agentic(facts, seed, scale=scale, **agentic_kw)
     _set_class(batch.sessions, "batch")
-    window = float(batch.params["window_s"])
-    span = span_s if span_s is not None else 2.0 * window
+    # agentic's own default window grows with its conversations (scale x: x times as many over x times
+    # the window); the interactive span is the one-x window's, so that scale x is x times their rate
+    base = int(agentic_kw.get("conversations", _AGENTIC_CONVERSATIONS))
+    span = span_s if span_s is not None else 2.0 * base * 400 * facts.unloaded_itl_s
     rng = random.Random(f"{seed}:mixed-interactive")
     rate = rate_per_s * scale
     sessions: list[Session] = []
@@ -925,6 +928,7 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
         if time_scale is not None and "window_s" not in overrides:
             n = int(overrides.get("conversations", _AGENTIC_CONVERSATIONS))
             overrides["window_s"] = round(n * (load_scale or 1.0)) * 400 * facts.unloaded_itl_s * time_scale
+            overrides.setdefault("span_s", 2 * n * 400 * facts.unloaded_itl_s * time_scale)
         return mixed(facts, seed, **overrides)
     if name == "agent-types":
         if load_scale is not None:
