@@ -36,6 +36,7 @@ __all__ = ["add_arguments", "run"]
 _DEFAULTS: dict[str, tuple[str, int | None, int | None, float]] = {
     "seed-burst": ("llama3-70b-fp8-8xh100", 8193, None, 2.0),
     "agentic": ("llama3-70b-fp8-8xh100", 2049, 32768, 3.0),
+    "mixed": ("llama3-70b-fp8-8xh100", 2049, 32768, 3.0),  # agentic's server, shared by both classes
     "agent-types": ("llama3-70b-fp8-8xh100", 8193, 32768, 2.0),
     "azure-code": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),
     "azure-conv": ("llama3-70b-fp8-8xh100", 2049, None, 3.0),

@@ -55,6 +55,12 @@ _STYLES: dict[str, SetupStyle] = {
     "clairvoyant": SetupStyle(OKABE_ITO["reddish_purple"], (0, (6, 1.5, 1, 1.5, 1, 1.5)), "P"),
     "zp-redis": SetupStyle(OKABE_ITO["sky_blue"], (0, (1, 1)), "h", "//"),
     "zp-redis-elastic": SetupStyle(OKABE_ITO["blue"], (0, (1, 1)), "*", "//"),
+    # issue 30 (goodput under overload): letter markers, every other marker is taken
+    "zp-slo": SetupStyle(OKABE_ITO["blue"], (0, (8, 1, 2, 1)), "$S$"),
+    "zp-oracle-h1": SetupStyle(OKABE_ITO["bluish_green"], (0, (1, 1, 4, 1)), "$H$"),
+    "zp-oracle-slo": SetupStyle(OKABE_ITO["bluish_green"], (0, (8, 1, 2, 1)), "$O$"),
+    "vllm-priority": SetupStyle(OKABE_ITO["reddish_purple"], (0, (3, 1, 1, 1)), "$P$"),
+    "vllm-queue-cap": SetupStyle(OKABE_ITO["orange"], (0, (5, 2, 1, 2)), "$Q$"),
     # the fleet setups (--replicas N)
     "rr": SetupStyle(OKABE_ITO["vermillion"], (0, (2, 1)), "<"),
     "rr-zp": SetupStyle(OKABE_ITO["sky_blue"], (0, (6, 1, 1, 1)), ">"),
@@ -96,12 +102,6 @@ def _new_figure(figsize: tuple[float, float]) -> Any:
     return fig
 
 
-def _percent(ax: Any) -> None:
-    from matplotlib.ticker import FuncFormatter
-
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0%}"))
-
-
 def _setup_label(m: dict[str, Any]) -> str:
     return str(m["setup"]) + ("" if m.get("valid", True) else " (SATURATED)")
 
@@ -133,6 +133,45 @@ def _bars(ax: Any, setups: list[dict[str, Any]], values: list[float | None], lab
     for y, m in zip(ys, setups, strict=True):
         ax.get_yticklabels()[y].set_color(setup_style(m["setup"]).color if m["setup"] != "no-admission"
                                           else "black")
+
+
+#: The outcome panel's segments: (metrics key, label, hatch); colours are greys so that the setups' own
+#: colours stay theirs, the hatches tell the segments apart without colour.
+_OUTCOMES = (("in_slo", "in SLO", ""), ("late", "completed late", "///"), ("failed", "failed", "xx"))
+_OUTCOME_GREYS = ("0.35", "0.7", "0.95")
+
+
+def _outcome_bars(ax: Any, setups: list[dict[str, Any]]) -> None:
+    """One stacked bar per setup: its requests within the SLO, completed late and failed (counts), each
+    labelled with the three counts, the gateway's 504s and the amplification."""
+    ys = list(range(len(setups)))
+    total = max([sum(int(m.get(k) or 0) for k, _, _ in _OUTCOMES) for m in setups] + [1])
+    for (key, label, hatch), grey in zip(_OUTCOMES, _OUTCOME_GREYS, strict=True):
+        lefts = [sum(int(m.get(k) or 0) for k, _, _ in _OUTCOMES[:[o[0] for o in _OUTCOMES].index(key)])
+                 for m in setups]
+        widths = [int(m.get(key) or 0) for m in setups]
+        ax.barh(ys, widths, left=lefts, color=grey, edgecolor="black", linewidth=0.6, hatch=hatch or None,
+                label=label)
+    for y, m in zip(ys, setups, strict=True):
+        n = sum(int(m.get(k) or 0) for k, _, _ in _OUTCOMES)
+        amp = m.get("amplification")
+        rej = f", 503s {m['rejected_503']}" if m.get("rejected_503") else ""
+        text = (f"{m.get('in_slo', '?')} / {m.get('late', '?')} / {m.get('failed', '?')}; "
+                f"504s {m.get('gateway_504', 0)}{rej}, ampl {'-' if amp is None else f'{amp:.2f}'}")
+        ax.text(n + total * 0.01, y, text, va="center", ha="left", fontsize=8.5, zorder=4,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.6, "alpha": 0.85})
+    ax.set_yticks(ys, [_setup_label(m) for m in setups])
+    for y, m in zip(ys, setups, strict=True):
+        ax.get_yticklabels()[y].set_color(setup_style(m["setup"]).color if m["setup"] != "no-admission"
+                                          else "black")
+    ax.set_ylim(len(setups) - 0.5, -0.5)
+    ax.set_xlim(0, total * 1.75)
+    ax.set_title("requests: in SLO / completed late / failed; gateway 504s, amplification", fontsize=10,
+                 loc="left")
+    # the key in the axis label: a legend box would cover the last bar's numbers
+    ax.set_xlabel("logical requests, each scored against its own class's SLO\n"
+                  "dark = in SLO, /// = completed late, xx = failed (or never sent)", fontsize=8.5)
+    ax.grid(axis="x", alpha=0.3)
 
 
 def _preemption_lanes(ax: Any, report: dict[str, Any], setups: list[dict[str, Any]]) -> None:
@@ -227,7 +266,8 @@ def _draw_header(fig: Any, title: list[str], body: list[str], note: str, width_i
 
 
 def storm_figure(report: dict[str, Any], verdict: list[str] | None = None) -> Any:
-    """One storm run as a matplotlib ``Figure``: goodput and share within SLO per setup (bars),
+    """One storm run as a matplotlib ``Figure``: goodput per setup (bars), its requests in SLO / completed
+    late / failed (stacked bars, with the gateway's 504s and the amplification),
     preemptions over time (one lane per setup), TTFT ECDFs (log axis); ``verdict`` (default
     ``report["verdict"]``) is the title: its first line the (bold) suptitle, the others below it."""
     setups = report["setups"]
@@ -260,15 +300,7 @@ def storm_figure(report: dict[str, Any], verdict: list[str] | None = None) -> An
           "goodput: requests that met the SLO per virtual second",
           "good requests / virtual s (in brackets: x no-admission's); vertical lines: no-admission, naive",
           refs("goodput_rps"))
-    s_labels = [("-" if m.get("slo_attainment") is None else f"{m['slo_attainment']:.0%}")
-                + f"  ({m.get('good', '?')}/{m.get('sent', '?')})" for m in setups]
-    _bars(ax_s, setups, [m.get("slo_attainment") for m in setups], s_labels,
-          "share of requests within the SLO", "requests that met the SLO / requests sent; vertical lines: "
-          "no-admission, naive",
-          refs("slo_attainment"))
-    ax_s.set_xlim(0, 1.3)
-    ax_s.set_xticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
-    _percent(ax_s)
+    _outcome_bars(ax_s, setups)
     _preemption_lanes(ax_p, report, setups)
     _ttft_ecdf(ax_t, report, setups)
 

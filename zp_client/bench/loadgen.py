@@ -104,6 +104,12 @@ class RequestRecord:
     stream: bool = True
     bypass: bool = False
     """Sent straight to the server around the setup's zp budget (``--bypass``, :mod:`.bypass`)."""
+    slo_class: str | None = None
+    """The request's class (:attr:`~zp_client.bench.workloads.Turn.slo_class`), scored against its own
+    SLO; None: the workload's one class."""
+    root: str = ""
+    """The id of the top-level session (conversation) the request belongs to (its own session for a
+    top-level turn; the parent conversation for a sub-agent's)."""
     token_times: list[float] = field(default_factory=list, repr=False)
     cut_streams: int = field(default=0, repr=False)
     """Attempts whose stream delivered content to the caller and then failed (a connection reset, a
@@ -127,7 +133,8 @@ class RequestRecord:
         return [b - a for a, b in zip(tt, tt[1:], strict=False)]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        extra = {} if self.slo_class is None else {"class": self.slo_class}
+        return {**extra,
             "id": self.id, "session": self.session, "kind": self.kind,
             "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens, "true_out": self.true_out,
             # full precision: two runs of one seed on the virtual clock give equal floats
@@ -257,24 +264,27 @@ async def run_sessions(
     """
     records: list[RequestRecord] = []
 
-    def unsent(session: Session, from_turn: int) -> None:
+    def unsent(session: Session, from_turn: int, root: str) -> None:
         for k, turn in enumerate(session.turns[from_turn:], start=from_turn):
             rec = RequestRecord(f"{session.id}/t{k}", session.id, session.kind, turn.prompt_tokens,
-                                turn.max_tokens, turn.true_out, error="conversation stopped")
+                                turn.max_tokens, turn.true_out, error="conversation stopped",
+                                slo_class=turn.slo_class, root=root)
             records.append(rec)
             if on_done:
                 on_done(rec)
             for child in turn.children:
-                unsent(child, 0)
+                unsent(child, 0, root)
 
-    async def run_session(session: Session, start: float | None) -> None:
+    async def run_session(session: Session, start: float | None, root: str = "") -> None:
+        root = root or session.id
         if start is not None:
             await clock.sleep_until(t0 + start)
         for k, turn in enumerate(session.turns):
             if turn.delay_s:
                 await clock.sleep(turn.delay_s)
             rec = RequestRecord(f"{session.id}/t{k}", session.id, session.kind, turn.prompt_tokens,
-                                turn.max_tokens, turn.true_out, sent=True, stream=turn.stream)
+                                turn.max_tokens, turn.true_out, sent=True, stream=turn.stream,
+                                slo_class=turn.slo_class, root=root)
             records.append(rec)
             rec.t_submit = clock.now()
             try:
@@ -289,13 +299,13 @@ async def run_sessions(
                 on_done(rec)
             if not rec.ok:
                 for child in turn.children:
-                    unsent(child, 0)
-                unsent(session, k + 1)
+                    unsent(child, 0, root)
+                unsent(session, k + 1, root)
                 return
             if turn.children:
                 async with anyio.create_task_group() as tg:
                     for child in turn.children:
-                        tg.start_soon(run_session, child, None)
+                        tg.start_soon(run_session, child, None, root)
 
     async with anyio.create_task_group() as tg:
         for s in sessions:

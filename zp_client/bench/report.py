@@ -95,14 +95,79 @@ GROUP_METRICS = ("requests", "sent", "ok", "errors", "good", "slo_attainment", "
                  "ttft_p50", "ttft_p99")
 
 
+def in_slo(wl: Workload, r: RequestRecord) -> bool:
+    """Whether ``r`` succeeded within its own class's SLO (:meth:`Workload.slo_of`)."""
+    return r.ok and wl.slo_of(r.slo_class).met(r.ttft, r.tpot, streamed=r.stream, out_tokens=r.out_tokens,
+                                               e2e=_e2e(r))
+
+
+def outcome_counts(recs: list[RequestRecord], wl: Workload) -> dict[str, Any]:
+    """How ``recs`` split: ``in_slo`` (succeeded within their class's SLO), ``late`` (succeeded outside it),
+    ``failed`` (every other request: an error surfaced to the app, or never sent because its conversation
+    had stopped after one; ``errors`` and ``unsent`` count those two), so in_slo + late + failed =
+    ``requests``; and the TTFT p99 / max of the late ones."""
+    good = [r for r in recs if in_slo(wl, r)]
+    late = [r for r in recs if r.sent and r.ok and not in_slo(wl, r)]
+    late_ttfts = [r.ttft for r in late if r.ttft is not None]
+    return {"requests": len(recs), "in_slo": len(good), "late": len(late),
+            "failed": len(recs) - len(good) - len(late),
+            "errors": sum(1 for r in recs if r.sent and not r.ok),
+            "unsent": sum(1 for r in recs if not r.sent),
+            "late_ttft_p99": _r(_q(late_ttfts, 0.99)), "late_ttft_max": _r(max(late_ttfts, default=None))}
+
+
+def _class_metrics(recs: list[RequestRecord], wl: Workload) -> dict[str, Any]:
+    """Per request class of a workload with several (``mixed``): its targets and priority, the split of
+    :func:`outcome_counts` and its TTFT p50 / p99 over successful requests. Nothing for one class."""
+    if not wl.classes:
+        return {}
+    out: dict[str, Any] = {}
+    for name, c in wl.classes.items():
+        mine = [r for r in recs if r.slo_class == name]
+        ttfts = [r.ttft for r in mine if r.ok and r.ttft is not None]
+        sent = sum(1 for r in mine if r.sent)
+        split = outcome_counts(mine, wl)
+        out[name] = {"ttft_target_s": c.slo.ttft_s, "tpot_target_s": c.slo.tpot_s, "priority": c.priority,
+                     **split, "sent": sent, "slo_attainment": _r(split["in_slo"] / sent if sent else None, 3),
+                     "ttft_p50": _r(_q(ttfts, 0.5)), "ttft_p99": _r(_q(ttfts, 0.99))}
+    return {"classes": out}
+
+
+#: Sessions of these kinds are conversations (``agentic``'s, and ``mixed``'s batch class): the report
+#: counts those completed (every request of the conversation and of its sub-agents succeeded) and their
+#: time (first submit to last end).
+CONVERSATION_KINDS = ("agent",)
+
+
+def _conversation_metrics(recs: list[RequestRecord]) -> dict[str, Any]:
+    """Conversations (top-level sessions of :data:`CONVERSATION_KINDS`, their sub-agents included):
+    ``conversations``, ``conversations_completed`` and, over the completed ones, ``conversation_time_p50``
+    / ``_p99`` (virtual s from the first request's submit to the last one's end). Nothing for a workload
+    without conversations."""
+    roots = {r.root for r in recs if r.kind in CONVERSATION_KINDS and r.root}
+    if not roots:
+        return {}
+    by: dict[str, list[RequestRecord]] = {}
+    for r in recs:
+        if r.root in roots:
+            by.setdefault(r.root, []).append(r)
+    times = []
+    for rs in by.values():
+        if all(r.ok for r in rs):
+            start = min(r.t_submit for r in rs if r.t_submit is not None)
+            end = max(r.t_end for r in rs if r.t_end is not None)
+            times.append(end - start)
+    return {"conversations": len(roots), "conversations_completed": len(times),
+            "conversation_time_p50": _r(_q(times, 0.5), 3), "conversation_time_p99": _r(_q(times, 0.99), 3)}
+
+
 def _group(recs: list[RequestRecord], wl: Workload, makespan: float) -> dict[str, Any]:
     """One group's goodput and TTFT over the WHOLE run's makespan (so the groups' goodputs add up to the
     setup's)."""
     sent = [r for r in recs if r.sent]
     ok = [r for r in sent if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
-    good = [r for r in ok if wl.slo.met(r.ttft, r.tpot, streamed=r.stream, out_tokens=r.out_tokens,
-                                        e2e=_e2e(r))]
+    good = [r for r in ok if in_slo(wl, r)]
     return {
         "requests": len(recs), "sent": len(sent), "ok": len(ok), "errors": len(sent) - len(ok),
         "good": len(good), "slo_attainment": _r(len(good) / len(sent) if sent else None, 3),
@@ -222,8 +287,7 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
     itls = [g for r in ok for g in r.itls()]
     ends = [r.t_end for r in sent if r.t_end is not None]
     makespan = max(ends) if ends else 0.0
-    good = [r for r in ok if wl.slo.met(r.ttft, r.tpot, streamed=r.stream, out_tokens=r.out_tokens,
-                                        e2e=_e2e(r))]
+    good = [r for r in ok if in_slo(wl, r)]
     # the tail SLO (issue 20): also every streamed request's largest inter-token gap <= 5x unloaded ITL
     tail_gap = SLO_TPOT_ITL_FACTOR * facts.unloaded_itl_s
     good_tail = [r for r in good if not r.stream or max(r.itls(), default=0.0) <= tail_gap]
@@ -232,6 +296,9 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
     reqs = st.get("requests", 0)
     # with ?requests=1 the count is replaced by the per-request records (one per HTTP request)
     attempts_server = len(reqs) if isinstance(reqs, list) else int(reqs)
+    # a queue cap's 503s reached the server too, but it keeps no record of them, only their count
+    rejected = int(st.get("rejected_queue_full") or 0)
+    attempts_server += rejected
     kv = [s[1] for s in run.timeline]
     itl_p99 = _q(itls, 0.99)
     reasons = []
@@ -276,6 +343,7 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "good_tail": len(good_tail),
         "slo_attainment": _r(len(good) / len(sent) if sent else None, 3),
         "attempts_server": attempts_server,
+        "rejected_503": rejected,
         "attempts_client": sum(r.attempts for r in sent),
         "amplification": _r(attempts_server / len(sent) if sent else None, 3),
         "gateway_504": int(st.get("gateway_504", 0)),
@@ -288,6 +356,10 @@ def compute_metrics(run: SetupRun, wl: Workload, facts: ServerFacts, speedup: fl
         "effective_speedup": _r(effective, 3),
         "sim_lagging": bool(st.get("lagging")),
         "leases_granted": run.leases_granted,
+        "sim_settings": run.sim_settings,
+        **{k: v for k, v in outcome_counts(recs, wl).items() if k not in ("requests", "errors", "unsent")},
+        **_class_metrics(recs, wl),
+        **_conversation_metrics(recs),
         **_bypass_metrics(run, wl, makespan),
         **_prefix_metrics(run, wl, facts.block_size),
         **_limit_metrics(run),
@@ -569,6 +641,10 @@ def storm_verdict(report: dict[str, Any]) -> list[str]:
                      + f"; {_pct(f['slo_attainment'])} of requests within SLO" + (f" ({slo})" if slo else ""))
         if report.get("bypass") and f.get("bypass"):
             lines.append(_bypass_verdict(report["bypass"], f, base))
+    for cname in report.get("classes") or {}:
+        lines.append(f"{cname} in SLO / late / failed: " + ", ".join(
+            f"{m['setup']} {_split(m['classes'][cname])}" for m in setups
+            if cname in (m.get("classes") or {})))
     if base is not None and base.get("goodput_rps"):
         others = [m for m in setups if m["setup"] not in ("no-admission", focus)]
         vs_naive = naive is not None and bool(naive.get("goodput_rps"))
@@ -632,13 +708,16 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
                      "time_scale": cfg.time_scale, "load_scale": cfg.load_scale,
                      "gateway_timeout_s": wl.gateway_timeout_s},
         "slo": {"ttft_s": wl.slo.ttft_s, "tpot_s": wl.slo.tpot_s},
+        "classes": {n: {"ttft_s": c.slo.ttft_s, "tpot_s": c.slo.tpot_s, "priority": c.priority}
+                    for n, c in wl.classes.items()},
         "elastic_tuning": cfg.elastic.as_dict() if getattr(cfg, "elastic", None) is not None else {},
         "server": {"profile": cfg.profile, "num_gpu_blocks": facts.num_gpu_blocks,
                    "block_size": facts.block_size,
                    "max_model_len": facts.max_model_len, "speedup": cfg.speedup,
                    "clock": getattr(cfg, "clock", "real"),
                    "unloaded_itl_s": round(facts.unloaded_itl_s, 6),
-                   "unloaded_ttft_s": round(facts.unloaded_ttft_s, 6)},
+                   "unloaded_ttft_s": round(facts.unloaded_ttft_s, 6),
+                   "prefill_tokens_per_s": round(facts.prefill_tokens_per_s, 1)},
         "valid": all(m["valid"] for m in metrics),
         "setups": metrics,
         "ratios": ratios,
@@ -668,8 +747,67 @@ def build_report(wl: Workload, facts: ServerFacts, runs: list[SetupRun], cfg: An
         report["pd"] = {"prefill": pd[0], "decode": pd[1], "kv_lease_s": kv_lease_s(wl, facts),
                         "kv_lease_rule": f"vLLM's kv_lease_duration {REAL_KV_LEASE_S:g} s scaled to the "
                                          "simulator as the gateway timeout is"}
+    report["setup_notes"] = _setup_notes(wl, facts, metrics, runs)
     report["verdict"] = storm_verdict(report)
     return report
+
+
+def _setup_notes(wl: Workload, facts: ServerFacts, metrics: list[dict[str, Any]],
+                 runs: list[SetupRun]) -> dict[str, str]:
+    """What the table must say next to a setup's name (``vllm-priority`` on a one-class workload, the
+    ``*-slo`` setups' line) and the lines the header prints for the issue-30 setups."""
+    from zp_client.bench.slo_setups import PRIORITY_SETUP, QUEUE_CAP_SETUP, SLO_SETUPS, slo_line_kwargs
+
+    names = {m["setup"] for m in metrics}
+    notes: dict[str, str] = {}
+    if PRIORITY_SETUP in names and not wl.classes and all(t.priority is None for t in wl.iter_turns()):
+        notes[PRIORITY_SETUP] = "one class: every request sends priority 0"
+    if QUEUE_CAP_SETUP in names:
+        cap = next((m.get("sim_settings") or {} for m in metrics if m["setup"] == QUEUE_CAP_SETUP), {})
+        if cap.get("max_num_queued_tokens") is not None:
+            notes[QUEUE_CAP_SETUP] = f"cap {cap['max_num_queued_tokens']} tokens"
+    if not slo_line_kwargs():
+        for n in SLO_SETUPS:
+            if n in names:
+                notes[n] = "FIFO line: this LocalBudget takes no line="
+    return notes
+
+
+def setup_lines(report: dict[str, Any]) -> list[str]:
+    """Header lines for the issue-30 setups that ran: the queue cap and its rule, the priority policy, the
+    SLO line; and, for a workload with classes, each class's targets."""
+    from zp_client.bench.slo_setups import PRIORITY_SETUP, QUEUE_CAP_SETUP, SLO_SETUPS, TARGET_HEADER
+
+    lines: list[str] = []
+    by = {m["setup"]: m for m in report["setups"]}
+    classes = report.get("classes") or {}
+    srv = report.get("server", {})
+    if classes:
+        lines.append("classes (each request scored against its own): " + "; ".join(
+            f"{n}: TTFT <= {c['ttft_s']:g} s"
+            + (f", TPOT <= {c['tpot_s'] * 1000:.0f} ms" if c.get("tpot_s") is not None
+               else ", no TPOT target")
+            + f", priority {c['priority']}" for n, c in classes.items()))
+    q = by.get(QUEUE_CAP_SETUP)
+    if q and (q.get("sim_settings") or {}).get("max_num_queued_tokens") is not None:
+        ttft = min([c["ttft_s"] for c in classes.values()] or [report["slo"]["ttft_s"]])
+        cap = q["sim_settings"]["max_num_queued_tokens"]
+        lines.append(f"{QUEUE_CAP_SETUP}: --max-num-queued-tokens {cap} = "
+                     f"TTFT target {ttft:g} s x measured prefill throughput "
+                     f"{srv.get('prefill_tokens_per_s', 0):.0f} tokens/s (an ~8k-token prompt alone: prompt "
+                     "tokens / TTFT); 503 when full, no Retry-After (as vLLM); naive's retries")
+    if PRIORITY_SETUP in by:
+        one = PRIORITY_SETUP in (report.get("setup_notes") or {})
+        lines.append(f"{PRIORITY_SETUP}: server --scheduling-policy priority, no client admission; body "
+                     "priority = the request's class's (a trace's own where it gives one)"
+                     + (" (one class here: every request sends 0, i.e. arrival order)" if one else ""))
+    ran = [n for n in SLO_SETUPS if n in by]
+    if ran:
+        note = report.get("setup_notes", {}).get(ran[0])
+        lines.append(f"{', '.join(ran)}: the app sends each request's class TTFT target as {TARGET_HEADER}"
+                     + (" and its priority as X-ZP-Priority" if classes else "") + "; budget line "
+                     + ("FIFO (the installed LocalBudget takes no line=)" if note else "'slo'"))
+    return lines
 
 
 def _bypass_plan(runs: list[SetupRun]) -> dict[str, Any] | None:
@@ -694,6 +832,7 @@ _COLUMNS = [
     ("ITL p99 ms", "itl_p99", "ms"),
     ("p99 ITL/unl", "itl_p99_vs_unloaded", "{:.1f}x"),
     ("in SLO", "slo_attainment", "pct"),
+    ("in SLO / late / failed", "outcome", "split"),
     ("good req/s", "goodput_rps", "{:.3f}"),
     ("good tok/s", "goodput_tps", "{:.0f}"),
     ("vs naive", "goodput_vs_naive", "{:.2f}x"),
@@ -727,12 +866,44 @@ _FLEET_COLUMNS = [
 ]
 
 
+#: Extra columns of a storm whose workload has conversations (``agentic``, ``mixed``) or classes.
+_CONVERSATION_COLUMNS: list[tuple[str, str, str | None]] = [
+    ("convs done", "conversations_completed", None),
+    ("conv time p50", "conversation_time_p50", "{:.1f}"),
+    ("conv time p99", "conversation_time_p99", "{:.1f}"),
+]
+_CLASS_COLUMNS: list[tuple[str, str, str | None]] = [
+    ("per class in SLO / late / failed", "classes", "classes")]
+
+
+def _split(m: dict[str, Any]) -> str:
+    """``in SLO / late / failed`` of a metrics dictionary (a setup's or a class's)."""
+    if m.get("in_slo") is None:
+        return "-"
+    return f"{m['in_slo']} / {m['late']} / {m['failed']}"
+
+
 def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     columns = _COLUMNS + (_FLEET_COLUMNS if report.get("fleet") else [])
+    setups = report["setups"]
+    if any(m.get("conversations") for m in setups):
+        columns = columns + _CONVERSATION_COLUMNS
+    if any(m.get("classes") for m in setups):
+        columns = columns + _CLASS_COLUMNS
+    notes = report.get("setup_notes") or {}
     head = [c[0] for c in columns]
     rows = []
-    for m in report["setups"]:
-        row = [_fmt(m.get(k), f) for _, k, f in columns]
+    for m in setups:
+        row = []
+        for _, k, f in columns:
+            if f == "split":
+                row.append(_split(m))
+            elif f == "classes":
+                row.append("; ".join(f"{n} {_split(c)}" for n, c in (m.get("classes") or {}).items()) or "-")
+            else:
+                row.append(_fmt(m.get(k), f))
+        if m["setup"] in notes:
+            row[0] += f" ({notes[m['setup']]})"
         if not m["valid"]:
             row[0] += " (SATURATED)"
         rows.append(row)
@@ -751,7 +922,9 @@ def _eff(w: dict[str, Any], key: str, alt: str | None = None) -> str:
 #: The headline: what the demo measures, printed with every run.
 MEASURES = ("measured: goodput = logical requests that succeeded within the SLO (TTFT <= {ttft:g} s, "
             "TPOT <= {tpot:.1f} ms) per virtual second of makespan; in SLO = those / requests sent; "
-            "preemptions = the server's count; ampl = HTTP requests reaching the server / logical requests")
+            "preemptions = the server's count; ampl = HTTP requests reaching the server / logical requests; "
+            "in SLO / late / failed = requests that succeeded within their class's SLO / succeeded outside "
+            "it / failed or were never sent (their conversation stopped after an error)")
 
 
 def header_lines(report: dict[str, Any]) -> list[str]:
@@ -771,6 +944,7 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         "(virtual; a non-streamed call must end within TTFT + output x TPOT)",
     ]
     lines.append(MEASURES.format(ttft=slo["ttft_s"], tpot=slo["tpot_s"] * 1000))
+    lines += setup_lines(report)
     pdr = report.get("pd")
     if pdr:
         lines.append(f"P/D: {pdr['prefill']} prefill + {pdr['decode']} decode servers for the pd-* setups, "
@@ -1015,7 +1189,9 @@ COLLAPSE_RULE = (f"collapse = the first offered load whose goodput is more than 
 SWEEP_METRICS = ("goodput_rps", "goodput_tps", "slo_attainment", "amplification", "preemptions",
                  "gateway_504", "ttft_p50", "ttft_p99", "makespan", "errors", "sent", "good", "valid",
                  "bypass_sent", "admitted_goodput_rps", "admitted_ttft_p99", "bypass_goodput_rps",
-                 "bypass_ttft_p99")
+                 "bypass_ttft_p99", "in_slo", "late", "failed", "late_ttft_p99", "late_ttft_max",
+                 "conversations", "conversations_completed", "conversation_time_p50", "conversation_time_p99",
+                 "classes")
 
 
 def collapse_point(loads: list[float], goodputs: list[float | None]) -> dict[str, Any]:
@@ -1134,7 +1310,41 @@ def sweep_verdict(sweep: dict[str, Any]) -> list[str]:
         lines.append(COLLAPSE_RULE + ": " + ", ".join(
             f"{n} " + ("none" if col[n]["collapse_load"] is None
                        else f"at {_load(col[n]['collapse_load'])} (-{col[n]['drop']:.0%})") for n in others))
-    return lines
+    return lines + best_per_load(sweep)
+
+
+def best_at(sweep: dict[str, Any], i: int, key: str, *, lowest: bool = False) -> tuple[list[str], Any]:
+    """The setups with the best ``key`` at load index ``i`` (the highest, or the lowest with ``lowest``;
+    several on a tie) and that value; ``([], None)`` when no setup has it there."""
+    vals = {n: sweep["metrics"][n][key][i] for n in sweep["setups"]
+            if key in sweep["metrics"][n] and sweep["metrics"][n][key][i] is not None}
+    if not vals:
+        return [], None
+    best = min(vals.values()) if lowest else max(vals.values())
+    return [n for n in sweep["setups"] if vals.get(n) == best], best
+
+
+def best_per_load(sweep: dict[str, Any]) -> list[str]:
+    """The verdict's lines naming, per load, the best setup by requests within the SLO (count) and by
+    makespan (shortest), with their values."""
+    xs = sweep["loads"]
+    by_slo, by_span = [], []
+    for i, x in enumerate(xs):
+        names, v = best_at(sweep, i, "in_slo")
+        if not names:
+            names, v = best_at(sweep, i, "good")
+        if names:
+            sent = sweep["metrics"][names[0]]["sent"][i]
+            by_slo.append(f"{_load(x)} {' = '.join(names)} ({v}" + (f" / {sent})" if sent else ")"))
+        names, v = best_at(sweep, i, "makespan", lowest=True)
+        if names:
+            by_span.append(f"{_load(x)} {' = '.join(names)} ({v:.1f} s)")
+    out = []
+    if by_slo:
+        out.append("best by requests within SLO: " + "; ".join(by_slo))
+    if by_span:
+        out.append("best by makespan: " + "; ".join(by_span))
+    return out
 
 
 _SWEEP_COLUMNS = [
@@ -1148,6 +1358,7 @@ _SWEEP_COLUMNS = [
     ("TTFT p50", "ttft_p50", "{:.2f}"),
     ("TTFT p99", "ttft_p99", "{:.2f}"),
     ("makespan s", "makespan", "{:.1f}"),
+    ("in SLO / late / failed", "in_slo", "split"),
 ]
 
 
@@ -1175,7 +1386,9 @@ def sweep_rows(sweep: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             if m["goodput_rps"][i] is None and m["sent"][i] is None:
                 continue
             label = n + ("" if m["valid"][i] in (True, None) else " (SATURATED)")
-            rows.append([label, _load(x)] + [_fmt(m[k][i], f) for _, k, f in columns])
+            rows.append([label, _load(x)] + [
+                _split({k2: m.get(k2, [None] * (i + 1))[i] for k2 in ("in_slo", "late", "failed")})
+                if f == "split" else _fmt(m[k][i], f) for _, k, f in columns])
     return head, rows
 
 

@@ -191,6 +191,9 @@ class SetupRun:
     """Requests the setup moved off a failed replica (its caller's ``moved_off_dead``); None: not exposed."""
     replica_requests: list[int] | None = None
     """HTTP requests the setup's router sent to each replica (its caller's ``replica_requests``), or None."""
+    sim_settings: dict[str, Any] | None = None
+    """The setup's own server settings (:attr:`~zp_client.bench.setups.SetupSpec.sim_extra` and
+    ``sim_for``: ``policy``, ``max_num_queued_tokens``...), or None: the run's defaults."""
 
 
 def replica_seed(seed: int, index: int) -> int:
@@ -359,12 +362,34 @@ async def measure_unloaded(cfg: StormConfig) -> tuple[ServerFacts, str]:
                            elastic=cfg.elastic, clock=cfg.clock, app=server.app)
         async with open_caller("no-admission", ctx) as caller:
             recs = await run_sessions([Session("probe", 0.0, "probe", [turn])], caller, clock, t0=clock.now())
-        rec = recs[0]
-        if not rec.ok:
-            raise RuntimeError(f"the unloaded probe request failed: {rec.error}")
+            rec = recs[0]
+            if not rec.ok:
+                raise RuntimeError(f"the unloaded probe request failed: {rec.error}")
+            # the prefill throughput: one long prompt alone (after the first probe ended), its prompt
+            # tokens over its TTFT (chunked prefill at the server's token budget, the first token included)
+            n = max(64, min(PREFILL_PROBE_TOKENS, mml - 80))
+            long_msgs = [{"role": "user", "content": make_text(n, random.Random(cfg.seed), "prefill probe")}]
+            long_turn = Turn(long_msgs, count_chat_tokens(long_msgs), 1, 1)
+            longs = await run_sessions([Session("prefill-probe", 0.0, "probe", [long_turn])], caller, clock,
+                                       t0=clock.now())
         itls = sorted(rec.itls())
         itl = itls[len(itls) // 2]
-        return ServerFacts(blocks, bs, mml, itl, rec.ttft or 0.0), model
+        lp = longs[0]
+        tps = long_turn.prompt_tokens / lp.ttft if lp.ok and lp.ttft else 0.0
+        return ServerFacts(blocks, bs, mml, itl, rec.ttft or 0.0, tps), model
+
+
+#: The prompt length (tokens, capped to the context) of the probe measuring the prefill throughput.
+PREFILL_PROBE_TOKENS = 8000
+
+
+def slo_classes(wl: Workload) -> dict[str, tuple[float, float | None, int]]:
+    """The workload's request classes as setups see them: ``{class: (TTFT target s, TPOT target s or None,
+    priority)}``, the workload's one class under the key ``""``."""
+    out: dict[str, tuple[float, float | None, int]] = {"": (wl.slo.ttft_s, wl.slo.tpot_s, 0)}
+    for name, c in wl.classes.items():
+        out[name] = (c.slo.ttft_s, c.slo.tpot_s, c.priority)
+    return out
 
 
 def _leases_granted(caller: Any) -> int | None:
@@ -416,7 +441,8 @@ def _plan(cfg: StormConfig, wl: Workload) -> Any:
 
 async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_rps: float | None,
                    progress: Callable[[str, int], None], plan: Any = None,
-                   keepwarm_period_s: float | None = None, kv_lease_s: float | None = None) -> SetupRun:
+                   keepwarm_period_s: float | None = None, kv_lease_s: float | None = None,
+                   facts: ServerFacts | None = None) -> SetupRun:
     from zp_client.bench.bypass import bypass_applies, open_bypass
 
     spec = SETUPS[name]
@@ -441,7 +467,12 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
     roles: list[str | None] | None = None
     if cfg.pd is not None and spec.pd:
         roles = [*(["prefill"] * cfg.pd[0]), *(["decode"] * cfg.pd[1])]
-    async with _sim_fleet(cfg, gateway, roles, kv_lease_s, spec.sim_extra) as servers:
+    sim_extra = dict(spec.sim_extra or {})
+    if spec.sim_for is not None:  # server settings derived from the workload and the measured server
+        if facts is None:
+            raise ConfigurationError(f"setup {name} sizes its server from the measured one: pass facts")
+        sim_extra.update(spec.sim_for(wl, facts))
+    async with _sim_fleet(cfg, gateway, roles, kv_lease_s, sim_extra) as servers:
         server = servers[0]
         pool = [await _pool_facts(s, cfg) for s in servers]
         blocks, bs, _, _ = pool[0]
@@ -462,7 +493,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                            network=network, seed=cfg.seed, pin_prefixes=wl.pin_prefixes,
                            keepwarm_period_s=keepwarm_period_s,
                            replica_roles=list(roles) if roles else [None] * len(servers),
-                           kv_lease_s=kv_lease_s if roles else None)
+                           kv_lease_s=kv_lease_s if roles else None,
+                           slo_classes=slo_classes(wl))
         clock = _clock_for(server, cfg)
         kill: dict[str, Any] = {}
         moved: int | None = None
@@ -555,6 +587,7 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
             harness.update(client_load=cfg.client_load, client_load_bursts=load.bursts,
                            client_load_busy_s=round(load.busy_s, 3))
         return SetupRun(name, records, stats, timeline, t0, harness, gateway,
+                        sim_settings=sim_extra or None,
                         limit_blocks=limit if name.startswith("zp") or name == "clairvoyant"
                         else fleet_limit,
                         rate_rps=rate_rps if name == "rate-limited" else None,
@@ -902,7 +935,7 @@ def run_storm(cfg: StormConfig, progress_factory: Callable[[list[str], int], Any
         if prog is not None:
             prog.start(name)
         run = _run(cfg, _run_one(cfg, name, wl, model, rate, prog.advance if prog else (lambda n, k: None),
-                                 plan, period, lease))
+                                 plan, period, lease, facts))
         if name == "no-admission":
             rate = sustainable_rate(run)
         if name == "zp-pinned":

@@ -76,7 +76,12 @@ class SetupSpec:
     prefill and D decode ones; every other setup runs colocated on P + D plain servers."""
     sim_extra: dict[str, Any] | None = None
     """Server settings of this setup's simulators (``long_prefill_token_threshold``: the knob a vLLM user
-    tries first for ITL)."""
+    tries first for ITL; ``policy``: vLLM's ``--scheduling-policy``)."""
+    sim_for: Callable[[Any, Any], dict[str, Any]] | None = None
+    """Server settings derived from the run: ``sim_for(workload, facts)`` (the
+    :class:`~zp_client.bench.workloads.Workload` and the measured
+    :class:`~zp_client.bench.workloads.ServerFacts`), merged over :attr:`sim_extra` (``vllm-queue-cap``'s
+    ``max_num_queued_tokens``)."""
 
 
 SETUPS: dict[str, SetupSpec] = {
@@ -205,6 +210,17 @@ class SetupContext:
     replica_roles: list[str | None] = field(default_factory=list)
     """Each replica's P/D role (``"prefill"``, ``"decode"``; None: colocated), in
     :attr:`replica_base_urls`' order."""
+    slo_classes: dict[str, tuple[float, float | None, int]] = field(default_factory=dict)
+    """The workload's request classes, ``{class: (TTFT target s, TPOT target s or None, priority)}``, its
+    one class under ``""`` (:func:`~zp_client.bench.runner.slo_classes`): what an app knows of its own
+    requests (``zp-slo`` sends the target, ``vllm-priority`` the priority)."""
+
+    def slo_class(self, name: str | None) -> tuple[float, float | None, int]:
+        """The targets and priority of class ``name`` (the workload's one class for None or an unknown
+        name; TTFT 5 s, no TPOT, priority 0 when the context has no classes)."""
+        if name is not None and name in self.slo_classes:
+            return self.slo_classes[name]
+        return self.slo_classes.get("", (5.0, None, 0))
 
     def __post_init__(self) -> None:
         if not self.replica_base_urls:
@@ -296,17 +312,23 @@ class AppCaller:
         self.budget = budget
         self.block_size = block_size
 
+    def request_extra(self, turn: Turn) -> dict[str, Any]:
+        """What the app adds to ``turn``'s call (``extra_headers``, ``extra_body``); nothing by default
+        (a subclass sends a class's target or priority: :mod:`zp_client.bench.slo_setups`)."""
+        return {}
+
     async def _attempt(self, turn: Turn, rec: RequestRecord, clock: VirtualClock) -> None:
         rec.attempts += 1
         if self.limiter is not None:
             await self.limiter.aacquire()
+        extra = self.request_extra(turn)
         if self.budget is not None:
             bs = self.block_size
             blocks = math.ceil((turn.prompt_tokens + turn.true_out) / bs)
             async with self.budget.lease(blocks, held=math.ceil(turn.prompt_tokens / bs)):
-                await stream_chat(self.client, self.model, turn, rec, clock)
+                await stream_chat(self.client, self.model, turn, rec, clock, **extra)
         else:
-            await stream_chat(self.client, self.model, turn, rec, clock)
+            await stream_chat(self.client, self.model, turn, rec, clock, **extra)
 
     async def __call__(self, turn: Turn, rec: RequestRecord, clock: VirtualClock) -> None:
         if not self.app_retry:

@@ -20,7 +20,11 @@ from typing import Any
 from zp_client.errors import ConfigurationError
 
 __all__ = [
+    "MIXED_BATCH_TTFT_S",
+    "MIXED_INTERACTIVE_TPOT_S",
+    "MIXED_INTERACTIVE_TTFT_S",
     "REAL_GATEWAY_TIMEOUT_S",
+    "RequestClass",
     "SEED_CASE_PROFILE",
     "SLO",
     "SLO_TPOT_ITL_FACTOR",
@@ -39,6 +43,7 @@ __all__ = [
     "interactive_slo",
     "loaded_step_s",
     "make_text",
+    "mixed",
     "seed_burst",
     "trace_replay",
 ]
@@ -71,6 +76,9 @@ class Turn:
     priority: int | None = None
     """The request's priority (lower = more urgent, as zp's ``X-ZP-Priority`` header and vLLM's
     ``priority`` field), from a trace file's ``priority``; None: the caller's default."""
+    slo_class: str | None = None
+    """The request's class (a key of :attr:`Workload.classes`: its own SLO targets and priority); None:
+    the workload's one class (:attr:`Workload.slo`)."""
 
 
 @dataclass
@@ -100,16 +108,29 @@ class SLO:
     """A logical request counts toward goodput when it succeeded with TTFT (client queue wait included)
     <= ``ttft_s`` and mean time per output token after the first <= ``tpot_s`` (virtual seconds).
     A non-streamed request must finish within ``ttft_s + output_tokens x tpot_s`` (when a streamed
-    request meeting both limits would have finished)."""
+    request meeting both limits would have finished). ``tpot_s`` None: no TPOT target (a non-streamed
+    request must then finish within ``ttft_s``)."""
 
     ttft_s: float
-    tpot_s: float
+    tpot_s: float | None
 
     def met(self, ttft: float | None, tpot: float | None, *, streamed: bool = True,
             e2e: float | None = None, out_tokens: int = 0) -> bool:
         if not streamed:
-            return e2e is not None and e2e <= self.ttft_s + out_tokens * self.tpot_s
-        return ttft is not None and ttft <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
+            return e2e is not None and e2e <= self.ttft_s + out_tokens * (self.tpot_s or 0.0)
+        return (ttft is not None and ttft <= self.ttft_s
+                and (tpot is None or self.tpot_s is None or tpot <= self.tpot_s))
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    """A class of requests sharing one server with others: its own SLO targets (each request is scored
+    against its class's) and the priority an app sends for it (lower = more urgent, as vLLM's body
+    ``priority`` and zp's ``X-ZP-Priority``)."""
+
+    name: str
+    slo: SLO
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +142,9 @@ class ServerFacts:
     max_model_len: int
     unloaded_itl_s: float
     unloaded_ttft_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    """The server's measured prefill throughput: the prompt tokens of one long unloaded request over its
+    TTFT (0: not measured). ``vllm-queue-cap`` sizes ``--max-num-queued-tokens`` from it."""
 
     @property
     def usable_blocks(self) -> int:
@@ -140,6 +164,24 @@ class Workload:
     pin_prefixes: list[list[Message]] = field(default_factory=list, repr=False)
     """Prefixes a setup may pin (``zp-pinned``): each the leading system messages some turns start with;
     a session of kind ``"type<i>"`` uses prefix ``i`` (see :func:`agent_types`). Not in ``params``."""
+    classes: dict[str, RequestClass] = field(default_factory=dict)
+    """The request classes of a workload with several (``mixed``), by name; a turn's
+    :attr:`Turn.slo_class` names its own. Empty: one class, :attr:`slo`, priority 0."""
+
+    def slo_of(self, slo_class: str | None) -> SLO:
+        """The SLO a request of ``slo_class`` is scored against (the workload's :attr:`slo` for None or a
+        class it does not define)."""
+        c = self.classes.get(slo_class) if slo_class is not None else None
+        return c.slo if c is not None else self.slo
+
+    def priority_of(self, slo_class: str | None) -> int:
+        """The priority an app sends for ``slo_class`` (0 for the workload's one class)."""
+        c = self.classes.get(slo_class) if slo_class is not None else None
+        return c.priority if c is not None else 0
+
+    def tightest_ttft_s(self) -> float:
+        """The smallest TTFT target of the workload's classes (its :attr:`slo`'s with one class)."""
+        return min([c.slo.ttft_s for c in self.classes.values()] or [self.slo.ttft_s])
 
     def iter_turns(self) -> list[Turn]:
         out: list[Turn] = []
@@ -505,6 +547,87 @@ def agentic(facts: ServerFacts, seed: int, *, conversations: int = _AGENTIC_CONV
     )
 
 
+# --------------------------------------------------------------------------------------- mixed
+
+
+#: ``mixed``'s interactive class: TTFT target 1 s, TPOT 40 ms (5x the 70B profile's unloaded ITL).
+MIXED_INTERACTIVE_TTFT_S = 1.0
+MIXED_INTERACTIVE_TPOT_S = 0.04
+#: ``mixed``'s batch agent class: TTFT target 30 s, no TPOT target.
+MIXED_BATCH_TTFT_S = 30.0
+
+
+def _set_class(sessions: Sequence[Session], slo_class: str) -> None:
+    for s in sessions:
+        for t in s.turns:
+            t.slo_class = slo_class
+            _set_class(t.children, slo_class)
+
+
+def mixed(facts: ServerFacts, seed: int, *, rate_per_s: float = 1.0, span_s: float | None = None,
+          prompt_median: int = 500, out_median: int = 120, out_max: int = 256, scale: float = 1.0,
+          **agentic_kw: Any) -> Workload:
+    """Two classes on one server: ``interactive`` chat calls and ``batch`` agent conversations.
+
+    * **batch** (priority 1, TTFT target :data:`MIXED_BATCH_TTFT_S` = 30 s, no TPOT target): exactly
+      :func:`agentic`'s conversations for the same ``seed`` and ``scale`` (``agentic_kw`` reach it).
+    * **interactive** (priority 0, TTFT target :data:`MIXED_INTERACTIVE_TTFT_S` = 1 s, TPOT
+      :data:`MIXED_INTERACTIVE_TPOT_S` = 40 ms): single streamed calls arriving as a Poisson process at
+      ``rate_per_s`` x ``scale`` over ``span_s`` (default twice the conversations' arrival window, so they
+      keep arriving while the conversations run; the one-x window's, whatever ``scale``: agentic's grows
+      with its conversations), each with a unique prompt (lognormal, median
+      ``prompt_median`` = 500 tokens, 250-1000), ``max_tokens`` = ``out_max`` (256) and a true output
+      lognormal median ``out_median`` (120) capped at 256. They are drawn from their own RNG, so the
+      batch class is agentic's, request for request.
+
+    Calibration (``tests/test_storm_mixed.py`` measures both on the storm at 1x): without admission the
+    server preempts (agentic alone preempts ~20-40 times per run), and the interactive class alone offers
+    under 30% of the tokens the server computes per second in that run (``params['interactive_tokens_per_s']``
+    is its offer: prompt + true output tokens per second of its span). The workload's :attr:`Workload.slo`
+    is the interactive class's (the tightest); each request is scored against its own class's.
+    """
+    batch = agentic(facts, seed, scale=scale, **agentic_kw)
+    _set_class(batch.sessions, "batch")
+    # agentic's own default window grows with its conversations (scale x: x times as many over x times
+    # the window); the interactive span is the one-x window's, so that scale x is x times their rate
+    base = int(agentic_kw.get("conversations", _AGENTIC_CONVERSATIONS))
+    span = span_s if span_s is not None else 2.0 * base * 400 * facts.unloaded_itl_s
+    rng = random.Random(f"{seed}:mixed-interactive")
+    rate = rate_per_s * scale
+    sessions: list[Session] = []
+    t = rng.expovariate(rate) if rate > 0 else span
+    offered = 0
+    i = 0
+    while t < span:
+        prompt = _lognormal_int(rng, prompt_median, 2 * prompt_median * 0.95, prompt_median // 2,
+                                2 * prompt_median)
+        msgs = [{"role": "user", "content": make_text(prompt - 8, rng, f"chat {i}")}]
+        out = _lognormal_int(rng, out_median, out_max, 1, out_max)
+        turn = Turn(msgs, count_chat_tokens(msgs), out_max, out, slo_class="interactive")
+        offered += turn.prompt_tokens + out
+        sessions.append(Session(f"chat-{i}", round(t, 4), "interactive", [turn]))
+        i += 1
+        t += rng.expovariate(rate)
+    inter = RequestClass("interactive", SLO(MIXED_INTERACTIVE_TTFT_S, MIXED_INTERACTIVE_TPOT_S), priority=0)
+    batch_class = RequestClass("batch", SLO(MIXED_BATCH_TTFT_S, None), priority=1)
+    merged = sorted(batch.sessions + sessions, key=lambda s: s.start_s)
+    params = {**batch.params, "interactive_calls": len(sessions), "interactive_rate_per_s": round(rate, 4),
+              "interactive_span_s": round(span, 3), "interactive_prompt_median": prompt_median,
+              "interactive_out": [out_median, out_max],
+              "interactive_tokens_per_s": round(offered / span, 1) if span > 0 else 0.0,
+              "classes": {"interactive": {"ttft_s": MIXED_INTERACTIVE_TTFT_S,
+                                          "tpot_s": MIXED_INTERACTIVE_TPOT_S, "priority": 0},
+                          "batch": {"ttft_s": MIXED_BATCH_TTFT_S, "tpot_s": None, "priority": 1}}}
+    return Workload(
+        "mixed",
+        f"{len(sessions)} interactive calls (prompt ~{prompt_median}, output <= {out_max} tokens, "
+        f"{rate:.2f}/s over {span:.1f}s; TTFT <= {MIXED_INTERACTIVE_TTFT_S:g} s, TPOT <= "
+        f"{MIXED_INTERACTIVE_TPOT_S * 1000:.0f} ms, priority 0) + {batch.description} (batch: TTFT <= "
+        f"{MIXED_BATCH_TTFT_S:g} s, priority 1)",
+        merged, inter.slo, None, params, classes={"interactive": inter, "batch": batch_class},
+    )
+
+
 # --------------------------------------------------------------------------------------- agent-types
 
 
@@ -764,7 +887,8 @@ def trace_replay(source: str | Path, facts: ServerFacts, seed: int, *, trace_for
     return Workload(name, description, sessions, slo, None, params)
 
 
-WORKLOADS: tuple[str, ...] = ("seed-burst", "agentic", "agent-types", "azure-code", "azure-conv", "mooncake")
+WORKLOADS: tuple[str, ...] = ("seed-burst", "agentic", "mixed", "agent-types", "azure-code", "azure-conv",
+                               "mooncake")
 
 
 def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: float | None = None,
@@ -782,7 +906,7 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
         raise ConfigurationError(f"replicas must be >= 1, got {replicas!r}")
     if replicas > 1:
         base = load_scale if load_scale is not None else 1.0
-        if name == "agentic" and "window_s" not in overrides:
+        if name in ("agentic", "mixed") and "window_s" not in overrides:
             n = int(overrides.get("conversations", _AGENTIC_CONVERSATIONS))
             overrides["window_s"] = round(n * base) * 400 * facts.unloaded_itl_s * (
                 time_scale if time_scale is not None else 1.0)
@@ -798,6 +922,14 @@ def build_workload(name: str, facts: ServerFacts, seed: int, *, time_scale: floa
             n = int(overrides.get("conversations", _AGENTIC_CONVERSATIONS))
             overrides["window_s"] = round(n * (load_scale or 1.0)) * 400 * facts.unloaded_itl_s * time_scale
         return agentic(facts, seed, **overrides)
+    if name == "mixed":
+        if load_scale is not None:
+            overrides.setdefault("scale", load_scale)
+        if time_scale is not None and "window_s" not in overrides:
+            n = int(overrides.get("conversations", _AGENTIC_CONVERSATIONS))
+            overrides["window_s"] = round(n * (load_scale or 1.0)) * 400 * facts.unloaded_itl_s * time_scale
+            overrides.setdefault("span_s", 2 * n * 400 * facts.unloaded_itl_s * time_scale)
+        return mixed(facts, seed, **overrides)
     if name == "agent-types":
         if load_scale is not None:
             overrides.setdefault("scale", load_scale)
