@@ -3,7 +3,6 @@ and the report fields they are judged by, end to end on the virtual clock agains
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -35,22 +34,9 @@ def test_the_new_setups_are_registered_named_only_and_described() -> None:
                                                  "zp-oracle-h1", "zp-slo", "zp-oracle-slo"]
 
 
-def test_the_slo_line_is_asked_for_only_where_the_budget_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    has_line = "line" in inspect.signature(local_budget.LocalBudget).parameters
-    assert slo_line_kwargs() == ({"line": "slo"} if has_line else {})
-
-    class WithLine(local_budget.LocalBudget):
-        def __init__(self, *args: Any, line: str = "fifo", **kw: Any) -> None:
-            super().__init__(*args, **kw)
-
-    class WithoutLine:
-        def __init__(self, limit_blocks: int) -> None:
-            pass
-
-    monkeypatch.setattr(local_budget, "LocalBudget", WithLine)
+def test_the_slo_setups_build_their_budget_on_the_slo_line() -> None:
     assert slo_line_kwargs() == {"line": "slo"}
-    monkeypatch.setattr(local_budget, "LocalBudget", WithoutLine)
-    assert slo_line_kwargs() == {}
+    assert local_budget.LocalBudget(limit_blocks=100, **slo_line_kwargs())._ledger.line_discipline == "slo"
 
 
 @pytest.fixture(scope="module")

@@ -756,7 +756,7 @@ def _setup_notes(wl: Workload, facts: ServerFacts, metrics: list[dict[str, Any]]
                  runs: list[SetupRun]) -> dict[str, str]:
     """What the table must say next to a setup's name (``vllm-priority`` on a one-class workload, the
     ``*-slo`` setups' line) and the lines the header prints for the issue-30 setups."""
-    from zp_client.bench.slo_setups import PRIORITY_SETUP, QUEUE_CAP_SETUP, SLO_SETUPS, slo_line_kwargs
+    from zp_client.bench.slo_setups import PRIORITY_SETUP, QUEUE_CAP_SETUP
 
     names = {m["setup"] for m in metrics}
     notes: dict[str, str] = {}
@@ -766,10 +766,6 @@ def _setup_notes(wl: Workload, facts: ServerFacts, metrics: list[dict[str, Any]]
         cap = next((m.get("sim_settings") or {} for m in metrics if m["setup"] == QUEUE_CAP_SETUP), {})
         if cap.get("max_num_queued_tokens") is not None:
             notes[QUEUE_CAP_SETUP] = f"cap {cap['max_num_queued_tokens']} tokens"
-    if not slo_line_kwargs():
-        for n in SLO_SETUPS:
-            if n in names:
-                notes[n] = "FIFO line: this LocalBudget takes no line="
     return notes
 
 

@@ -14,15 +14,13 @@
   runs with ``--max-num-queued-tokens`` = the workload's (tightest) TTFT target x the measured prefill
   throughput, and answers 503 when its prefill backlog is full.
 
-The SLO line is passed only where the installed :class:`~zp_client.budget.local.LocalBudget` takes a
-``line`` argument (:func:`slo_line_kwargs`); without it the two ``*-slo`` setups run the FIFO line and
-differ from their FIFO counterparts only by the headers they send. See docs/benchmark.md#setups.
+The two ``*-slo`` setups build their budget with ``line="slo"`` (:func:`slo_line_kwargs`, the one place
+they get their line from). See docs/benchmark.md#setups.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from typing import Any
 
@@ -51,15 +49,8 @@ QUEUE_CAP_SETUP = "vllm-queue-cap"
 
 
 def slo_line_kwargs() -> dict[str, Any]:
-    """``{"line": "slo"}`` when the installed ``LocalBudget`` accepts a ``line`` argument, else ``{}``
-    (the FIFO line). The one place the ``*-slo`` setups' budgets get their line from."""
-    from zp_client.budget.local import LocalBudget
-
-    try:
-        params = inspect.signature(LocalBudget).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"line": "slo"} if "line" in params else {}
+    """The ``*-slo`` setups' budget arguments: the SLO-aware line (docs/admission.md#the-slo-aware-line)."""
+    return {"line": "slo"}
 
 
 def _fmt_s(x: float) -> str:
