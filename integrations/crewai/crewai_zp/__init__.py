@@ -46,8 +46,9 @@ class ZPLLM(OpenAICompletion):
     Fields beyond CrewAI's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
     (:class:`~zp_client.Settings`), ``zp_retry`` (:class:`~zp_client.RetryPolicy`, or False for one
     attempt), ``zp_estimator``, ``zp_forecaster`` (elastic budgets), ``zp_priority`` (lower = earlier),
-    ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route`` and ``zp_metrics``, as in
-    langchain-zp. ``max_retries`` defaults to 0; an explicit value is honoured (the SDK's retries then run
+    ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route``, ``zp_ttft_target`` /
+    ``zp_tpot_target`` (TTFT / TPOT targets in seconds, docs/admission.md#targets) and ``zp_metrics``, as
+    in langchain-zp. ``max_retries`` defaults to 0; an explicit value is honoured (the SDK's retries then run
     around zp's). Both clients are built and admitted at construction, so ``api_key`` (any string, for
     vLLM) must be given or in ``OPENAI_API_KEY``: without it, a :class:`~zp_client.ConfigurationError`.
     Clients CrewAI built already admitted on another budget are a ConfigurationError too.
@@ -61,6 +62,8 @@ class ZPLLM(OpenAICompletion):
     zp_priority: int | None = Field(default=None, exclude=True)
     zp_deadline: float | None = Field(default=None, exclude=True)  # > 0: AdmissionOptions says so
     zp_route: str | None = Field(default=None, exclude=True)
+    zp_ttft_target: float | None = Field(default=None, exclude=True)  # seconds > 0: AdmissionOptions says so
+    zp_tpot_target: float | None = Field(default=None, exclude=True)
     zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
     max_retries: int = Field(default=0, ge=0)
     """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
@@ -83,7 +86,8 @@ class ZPLLM(OpenAICompletion):
         opts = AdmissionOptions(
             budget=self.budget, settings=self.zp_settings, estimator=self.zp_estimator, retry=self.zp_retry,
             forecaster=self.zp_forecaster, priority=self.zp_priority, deadline=self.zp_deadline,
-            route=self.zp_route, max_retries=self.max_retries, metrics=self.zp_metrics)
+            route=self.zp_route, ttft_target=self.zp_ttft_target, tpot_target=self.zp_tpot_target,
+            max_retries=self.max_retries, metrics=self.zp_metrics)
         built: list[Any] = []
 
         def admit(client: Any) -> Any:
