@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from zp_client import AdmissionOptions, Budget, Settings
 from zp_client._private import replace_crewai_clients
+from zp_client._repeat import call_key
 from zp_client.errors import ConfigurationError, MissingIntegration
 from zp_client.metrics import ZPMetrics
 
@@ -79,6 +80,24 @@ class ZPLLM(OpenAICompletion):
                     raise cause from None
             raise
 
+    # CrewAI's agent retries a failed task (max_retry_limit, default 2) by running its executor again,
+    # whose LLM calls start in a fresh context copy (its flow runtime): the failure zp recorded is not in
+    # it. The agent and task CrewAI passes to every call are stable across those retries: they key the
+    # call (zp_client._repeat.call_key), so the retry of a call zp gave up on gets its failure again and
+    # makes no upstream attempt. Marked as wrapped: BaseLLM already runs CrewAI's rate-limit retry around
+    # OpenAICompletion.call, which these call.
+    def call(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        with call_key(_crew_key(kwargs)):
+            return super().call(messages, *args, **kwargs)
+
+    call._crewai_rate_limit_wrapped = True  # type: ignore[attr-defined]
+
+    async def acall(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        with call_key(_crew_key(kwargs)):
+            return await super().acall(messages, *args, **kwargs)
+
+    acall._crewai_rate_limit_wrapped = True  # type: ignore[attr-defined]
+
     # A unique name: after validators run parent-first, so OpenAICompletion's _init_clients has built the
     # clients (or left them None, without an API key) when this runs.
     @model_validator(mode="after")
@@ -102,3 +121,12 @@ class ZPLLM(OpenAICompletion):
                 "vLLM) or set OPENAI_API_KEY"
             )
         return self
+
+
+def _crew_key(kwargs: dict[str, Any]) -> str | None:
+    """A logical-call key stable across CrewAI's task retries: the agent and task of the call, when CrewAI
+    says (None for a direct ``llm.call``: its retries run in its own context, where zp sees them)."""
+    agent, task = kwargs.get("from_agent"), kwargs.get("from_task")
+    if agent is None and task is None:
+        return None
+    return f"crewai:{id(agent)}:{id(task)}"
