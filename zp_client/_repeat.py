@@ -313,6 +313,8 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Gener
         who = "the openai SDK's retry" if guard.sdk_retry else "a repeat"
         logger.info("%s of a call zp gave up on %.3f s ago: its failure again, nothing sent "
                     "(Settings.repeat_window_s)", who, core.clock.monotonic() - hit.ended)
+        if core.metrics is not None:
+            core.metrics.repeated(hit.error, hit.answer[0] if hit.answer is not None else None)
         if hit.error is not None:
             raise _copy(hit.error)
         assert hit.answer is not None
