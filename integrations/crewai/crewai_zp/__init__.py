@@ -49,10 +49,11 @@ class ZPLLM(OpenAICompletion):
     attempt), ``zp_estimator``, ``zp_forecaster`` (elastic budgets), ``zp_priority`` (lower = earlier),
     ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route``, ``zp_ttft_target`` /
     ``zp_tpot_target`` (TTFT / TPOT targets in seconds, docs/admission.md#targets) and ``zp_metrics``, as
-    in langchain-zp. ``max_retries`` defaults to 0; an explicit value is honoured (the SDK's retries then run
-    around zp's). Both clients are built and admitted at construction, so ``api_key`` (any string, for
-    vLLM) must be given or in ``OPENAI_API_KEY``: without it, a :class:`~zp_client.ConfigurationError`.
-    Clients CrewAI built already admitted on another budget are a ConfigurationError too.
+    in langchain-zp. ``max_retries`` defaults to 0; an explicit value is honoured and adds no upstream
+    attempt (zp's one retry loop: docs/retries.md#framework-retries). Both clients are built and admitted
+    at construction, so ``api_key`` (any string, for vLLM) must be given or in ``OPENAI_API_KEY``: without
+    it, a :class:`~zp_client.ConfigurationError`. Clients CrewAI built already admitted on another budget
+    are a ConfigurationError too.
     """
 
     budget: Budget = Field(exclude=True)
@@ -67,7 +68,7 @@ class ZPLLM(OpenAICompletion):
     zp_tpot_target: float | None = Field(default=None, exclude=True)
     zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
     max_retries: int = Field(default=0, ge=0)
-    """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
+    """Retries of the openai SDK; a retry of a call zp gave up on gets zp's failure again (no attempt)."""
 
     def __init__(self, **data: Any) -> None:
         try:
