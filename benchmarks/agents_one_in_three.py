@@ -107,12 +107,17 @@ async def runs(client: openai.AsyncOpenAI, model: str, n: int) -> tuple[int, flo
 
     t0 = time.monotonic()
     ok = await asyncio.gather(*(one(i) for i in range(n)))
-    return sum(ok), time.monotonic() - t0
+    wall = time.monotonic() - t0
+    await client.close()  # on this event loop (one collected later would close on a closed loop)
+    return sum(ok), wall
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--limit-blocks", type=int, default=480,
+                    help="the KV budget (480: about the simulator's pool of 512 blocks)")
+    ap.add_argument("--estimator", default="heuristic")
     ap.add_argument("--trials", type=int, default=3, help="each client this many times, alternating; medians")
     args = ap.parse_args()
     labels = ("plain openai (max_retries=2)", "zp wrap() (defaults)")
@@ -122,13 +127,14 @@ def main() -> None:
             for label in (labels if t % 2 == 0 else labels[::-1]):  # alternate: neither always goes first
                 with OneInThree(sim.url) as proxy:
                     raw = openai.AsyncOpenAI(base_url=proxy.base_url, api_key="x", max_retries=2)
-                    budget = LocalBudget(limit_blocks=480)
+                    budget = LocalBudget(limit_blocks=args.limit_blocks)
                     client: Any = raw if label.startswith("plain") else wrap(
-                        raw, budget, settings=Settings(estimator="heuristic"))
+                        raw, budget, settings=Settings(estimator=args.estimator))
                     done, wall = asyncio.run(runs(client, sim.model, args.runs))
                     seen[label].append((done, wall, proxy.attempts))
     base = statistics.median(w for _, w, _ in seen[labels[0]])
-    print(f"{args.runs} concurrent tool runs, {args.trials} trials each (median wall time)")
+    print(f"{args.runs} concurrent tool runs, {args.trials} trials each (median wall time); zp: "
+          f"limit_blocks={args.limit_blocks}, estimator={args.estimator}")
     print("| client | runs finished (each trial) | wall time, median (each) | vs plain openai | "
           "upstream attempts (each) |")
     print("|---|---|---|---|---|")
