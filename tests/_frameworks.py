@@ -96,21 +96,3 @@ def released(budget: LocalBudget) -> bool:
     """Every lease given back: no block used, none held."""
     status = budget.status_sync()
     return status.used == 0 and status.leases == 0
-
-
-def zp_error_in(exc: BaseException) -> BaseException | None:
-    """The zp error a framework's exception carries, itself or along ``__cause__`` / ``__context__``
-    (what ``zp_client.unwrap_error`` will do once it exists; None if there is none)."""
-    from zp_client.errors import ZPError
-
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, ZPError):
-            return e
-        todo += [e.__cause__, e.__context__]
-    return None

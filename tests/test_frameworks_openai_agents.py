@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("agents")
 
 from _budget_probes import granted
-from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released, zp_error_in
+from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released
 from agents import (
     Agent,
     ModelSettings,
@@ -27,7 +27,7 @@ from agents import (
 from openai.types.responses import ResponseTextDeltaEvent
 
 from zp_client import AdmissionOptions, LocalBudget, RetryPolicy, Settings, admitted_budget, wrap
-from zp_client.errors import LeaseTooLarge, ZPError
+from zp_client.errors import LeaseTooLarge, ZPError, unwrap_error
 from zp_client.retry import testing
 from zp_client.sim.server import SimServer
 
@@ -121,5 +121,5 @@ def test_a_refusal_reaches_the_caller_as_zps_type_after_one_acquire(proxy: FailP
     before = proxy.forwarded[CHAT]
     with pytest.raises(ZPError) as info:
         Runner.run_sync(agent_of(proxy, budget, max_tokens=1000), "what is the weather in Paris?")
-    assert isinstance(zp_error_in(info.value), LeaseTooLarge) and budget.acquires == 1
+    assert isinstance(unwrap_error(info.value), LeaseTooLarge) and budget.acquires == 1
     assert proxy.forwarded[CHAT] == before and released(budget)

@@ -16,14 +16,14 @@ import pytest
 pytest.importorskip("pydantic_ai.models.openai")
 
 from _budget_probes import granted
-from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released, zp_error_in
+from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released
 from pydantic_ai import Agent
 from pydantic_ai.exceptions import ModelHTTPError
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 from zp_client import AdmissionOptions, LocalBudget, RetryPolicy, Settings, admitted_budget, wrap
-from zp_client.errors import LeaseTooLarge, ZPError
+from zp_client.errors import LeaseTooLarge, ZPError, unwrap_error
 from zp_client.retry import testing
 from zp_client.sim.server import SimServer
 
@@ -120,5 +120,5 @@ def test_a_refusal_reaches_the_caller_as_zps_type_after_one_acquire(proxy: FailP
     before = proxy.forwarded[CHAT]
     with pytest.raises(ZPError) as info:
         agent.run_sync("what is the weather in Paris?")
-    assert isinstance(zp_error_in(info.value), LeaseTooLarge) and budget.acquires == 1
+    assert isinstance(unwrap_error(info.value), LeaseTooLarge) and budget.acquires == 1
     assert proxy.forwarded[CHAT] == before and released(budget)

@@ -742,9 +742,11 @@ class Core:
     def admit(self, request: Any, inner: Any, *, is_async: bool) -> Machine:
         """The state machine of one admitted request (already read), for a driver to run."""
         steps = self._admit(request, inner, is_async)
+        if self.metrics is not None:
+            steps = self._metered(steps)  # inside one_loop: a replayed refusal is a repeat, not a new refusal
         if self.retry is not None and self.settings.repeat_window_s > 0:
             steps = one_loop(self, request, steps)  # zp's loop is the only one (zp_client._repeat)
-        return Machine(steps if self.metrics is None else self._metered(steps))
+        return Machine(steps)
 
     def _metered(self, steps: Steps) -> Steps:
         """``steps`` counting the zp error that ends the request, if one does (refusals by type)."""

@@ -37,7 +37,9 @@ class AdmissionOptions:
 
     ``retry``: a :class:`~zp_client.RetryPolicy`; None (default) builds one from ``settings`` on the
     budget's shared retry budget; False turns retrying off. ``max_retries`` (default 0) are the openai
-    SDK's own retries, which run around zp's. ``metrics``: a :class:`~zp_client.ZPMetrics` that records
+    SDK's own retries: with zp's retry policy on they add no upstream attempt (zp's error answers say
+    ``x-should-retry: false`` and an SDK retry of a call zp gave up on gets zp's failure again:
+    docs/retries.md#framework-retries). ``metrics``: a :class:`~zp_client.ZPMetrics` that records
     every call's admission (default None: nothing recorded; docs/admission.md#metrics). ``ttft_target`` /
     ``tpot_target``: the calls' TTFT / TPOT targets in seconds (``X-ZP-TTFT-Target`` /
     ``X-ZP-TPOT-Target``; docs/admission.md#targets). Invalid values (a deadline or target that is not a

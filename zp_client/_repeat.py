@@ -54,7 +54,8 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Generator, Hashable
+from collections.abc import Generator, Hashable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,8 +66,8 @@ from zp_client._private import has_read_body
 if TYPE_CHECKING:
     from zp_client._core import Core
 
-__all__ = ["CAP", "SCOPE_CAP", "MAX_ANSWER_BYTES", "CALL_HEADER", "RETRY_COUNT_HEADER", "call_scope",
-           "one_loop",
+__all__ = ["CAP", "SCOPE_CAP", "MAX_ANSWER_BYTES", "CALL_HEADER", "RETRY_COUNT_HEADER", "call_key",
+           "call_scope", "one_loop",
            "remembered"]
 
 logger = logging.getLogger("zp_client.transport")
@@ -116,6 +117,26 @@ class _Scope:
 
 
 _scope: ContextVar[_Scope | None] = ContextVar("zp_client_call_scope", default=None)
+_call_key: ContextVar[str | None] = ContextVar("zp_client_call_key", default=None)
+
+
+@contextmanager
+def call_key(key: str | None) -> Iterator[None]:
+    """Calls made inside carry ``key`` as their logical-call key, as if each request had ``X-ZP-Call:
+    key`` (a request's own header wins; None leaves the key as it is). For an adapter whose framework runs
+    each *attempt* in a fresh copy of a context taken before the first one (LangGraph's ``RetryPolicy``)
+    or whose retries start from a context where the failure was never recorded (CrewAI's agent loop): it
+    passes something stable across those attempts (LangGraph's task id, CrewAI's agent and task). Two
+    calls with one key are still two calls unless their fingerprints match and one started after the
+    other failed."""
+    if key is None:
+        yield
+        return
+    token = _call_key.set(key)
+    try:
+        yield
+    finally:
+        _call_key.reset(token)
 
 
 def call_scope() -> None:
@@ -222,7 +243,7 @@ class _Guard:
         self.core = core
         self.fp = _fingerprint(core, request)
         self.started = core.clock.monotonic()
-        explicit = request.headers.get(CALL_HEADER)
+        explicit = request.headers.get(CALL_HEADER) or _call_key.get()
         self.explicit = bool(explicit)
         self.scope = None if explicit else _scope.get()
         key: Hashable | None = ("call", id(core), explicit) if explicit else None
@@ -292,6 +313,8 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Gener
         who = "the openai SDK's retry" if guard.sdk_retry else "a repeat"
         logger.info("%s of a call zp gave up on %.3f s ago: its failure again, nothing sent "
                     "(Settings.repeat_window_s)", who, core.clock.monotonic() - hit.ended)
+        if core.metrics is not None:
+            core.metrics.repeated(hit.error, hit.answer[0] if hit.answer is not None else None)
         if hit.error is not None:
             raise _copy(hit.error)
         assert hit.answer is not None

@@ -230,6 +230,10 @@ class ZPMetrics:
         self.refusals = Counter(
             "refusals", "Requests ended by zp-client's own error (LeaseTooLarge, AdmissionTimeout, ...).",
             ["error"], namespace=namespace, registry=reg)
+        self.repeats = Counter(
+            "repeats", "Calls answered with the failure of the identical call zp gave up on, replayed "
+            "without a lease or an upstream attempt (a retry from above zp), by error or http_<status>.",
+            ["error"], namespace=namespace, registry=reg)
         self.forecast_error = Histogram(
             "forecast_error_tokens",
             "Observed minus forecast output tokens per choice, per request of an elastic budget.",
@@ -270,6 +274,11 @@ class ZPMetrics:
     def refused(self, error: BaseException) -> None:
         """A request ended with zp-client's own ``error``."""
         self.refusals.labels(type(error).__name__).inc()
+
+    def repeated(self, error: BaseException | None, status: int | None) -> None:
+        """A call was a repeat of one zp gave up on: its ``error`` (or error answer's ``status``) replayed.
+        Not counted in ``refusals`` again: those count calls zp itself ended."""
+        self.repeats.labels(type(error).__name__ if error is not None else f"http_{status}").inc()
 
     def forecast_missed(self, observed: int, forecast: int) -> None:
         """A request produced ``observed`` output tokens per choice where ``forecast`` were forecast."""

@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from zp_client import AdmissionOptions, Budget, Settings
 from zp_client._private import replace_crewai_clients
+from zp_client._repeat import call_key
 from zp_client.errors import ConfigurationError, MissingIntegration
 from zp_client.metrics import ZPMetrics
 
@@ -46,11 +47,13 @@ class ZPLLM(OpenAICompletion):
     Fields beyond CrewAI's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
     (:class:`~zp_client.Settings`), ``zp_retry`` (:class:`~zp_client.RetryPolicy`, or False for one
     attempt), ``zp_estimator``, ``zp_forecaster`` (elastic budgets), ``zp_priority`` (lower = earlier),
-    ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route`` and ``zp_metrics``, as in
-    langchain-zp. ``max_retries`` defaults to 0; an explicit value is honoured (the SDK's retries then run
-    around zp's). Both clients are built and admitted at construction, so ``api_key`` (any string, for
-    vLLM) must be given or in ``OPENAI_API_KEY``: without it, a :class:`~zp_client.ConfigurationError`.
-    Clients CrewAI built already admitted on another budget are a ConfigurationError too.
+    ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route``, ``zp_ttft_target`` /
+    ``zp_tpot_target`` (TTFT / TPOT targets in seconds, docs/admission.md#targets) and ``zp_metrics``, as
+    in langchain-zp. ``max_retries`` defaults to 0; an explicit value is honoured and adds no upstream
+    attempt (zp's one retry loop: docs/retries.md#framework-retries). Both clients are built and admitted
+    at construction, so ``api_key`` (any string, for vLLM) must be given or in ``OPENAI_API_KEY``: without
+    it, a :class:`~zp_client.ConfigurationError`. Clients CrewAI built already admitted on another budget
+    are a ConfigurationError too.
     """
 
     budget: Budget = Field(exclude=True)
@@ -61,9 +64,11 @@ class ZPLLM(OpenAICompletion):
     zp_priority: int | None = Field(default=None, exclude=True)
     zp_deadline: float | None = Field(default=None, exclude=True)  # > 0: AdmissionOptions says so
     zp_route: str | None = Field(default=None, exclude=True)
+    zp_ttft_target: float | None = Field(default=None, exclude=True)  # seconds > 0: AdmissionOptions says so
+    zp_tpot_target: float | None = Field(default=None, exclude=True)
     zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
     max_retries: int = Field(default=0, ge=0)
-    """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
+    """Retries of the openai SDK; a retry of a call zp gave up on gets zp's failure again (no attempt)."""
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -76,6 +81,24 @@ class ZPLLM(OpenAICompletion):
                     raise cause from None
             raise
 
+    # CrewAI's agent retries a failed task (max_retry_limit, default 2) by running its executor again,
+    # whose LLM calls start in a fresh context copy (its flow runtime): the failure zp recorded is not in
+    # it. The agent and task CrewAI passes to every call are stable across those retries: they key the
+    # call (zp_client._repeat.call_key), so the retry of a call zp gave up on gets its failure again and
+    # makes no upstream attempt. Marked as wrapped: BaseLLM already runs CrewAI's rate-limit retry around
+    # OpenAICompletion.call, which these call.
+    def call(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        with call_key(_crew_key(kwargs)):
+            return super().call(messages, *args, **kwargs)
+
+    call._crewai_rate_limit_wrapped = True  # type: ignore[attr-defined]
+
+    async def acall(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        with call_key(_crew_key(kwargs)):
+            return await super().acall(messages, *args, **kwargs)
+
+    acall._crewai_rate_limit_wrapped = True  # type: ignore[attr-defined]
+
     # A unique name: after validators run parent-first, so OpenAICompletion's _init_clients has built the
     # clients (or left them None, without an API key) when this runs.
     @model_validator(mode="after")
@@ -83,7 +106,8 @@ class ZPLLM(OpenAICompletion):
         opts = AdmissionOptions(
             budget=self.budget, settings=self.zp_settings, estimator=self.zp_estimator, retry=self.zp_retry,
             forecaster=self.zp_forecaster, priority=self.zp_priority, deadline=self.zp_deadline,
-            route=self.zp_route, max_retries=self.max_retries, metrics=self.zp_metrics)
+            route=self.zp_route, ttft_target=self.zp_ttft_target, tpot_target=self.zp_tpot_target,
+            max_retries=self.max_retries, metrics=self.zp_metrics)
         built: list[Any] = []
 
         def admit(client: Any) -> Any:
@@ -98,3 +122,12 @@ class ZPLLM(OpenAICompletion):
                 "vLLM) or set OPENAI_API_KEY"
             )
         return self
+
+
+def _crew_key(kwargs: dict[str, Any]) -> str | None:
+    """A logical-call key stable across CrewAI's task retries: the agent and task of the call, when CrewAI
+    says (None for a direct ``llm.call``: its retries run in its own context, where zp sees them)."""
+    agent, task = kwargs.get("from_agent"), kwargs.get("from_task")
+    if agent is None and task is None:
+        return None
+    return f"crewai:{id(agent)}:{id(task)}"

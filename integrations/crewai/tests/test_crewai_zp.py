@@ -27,13 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 pytest.importorskip("crewai")
 
 from _budget_probes import granted
-from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released, zp_error_in
+from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released
+from _meta_spy import MetaSpy, targets
 from crewai import Agent, Crew, Task
 from crewai.llms.providers.openai.completion import OpenAICompletion
 from crewai.tools import tool
 
 from crewai_zp import ZPLLM
-from zp_client import LocalBudget, RetryPolicy, Settings, admitted_budget
+from zp_client import LocalBudget, RetryPolicy, Settings, admitted_budget, unwrap_error
 from zp_client._private import replace_crewai_clients
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, ZPError
 from zp_client.retry import testing
@@ -150,8 +151,38 @@ def test_a_refusal_reaches_the_caller_as_zps_type(proxy: FailProxy) -> None:
     assert isinstance(info.value, LeaseTooLarge) and budget.acquires == 1
     with pytest.raises(Exception) as crew_info:  # noqa: PT011 - what the caller sees, checked below
         crew_of(llm, "What is the weather in Paris?", max_retry_limit=0).kickoff()
-    assert isinstance(zp_error_in(crew_info.value), LeaseTooLarge), repr(crew_info.value)
+    assert isinstance(unwrap_error(crew_info.value), LeaseTooLarge), repr(crew_info.value)
     assert budget.acquires == 2 and proxy.forwarded[CHAT] == before and released(budget)
+
+
+def test_crewais_default_agent_retries_are_one_loop(proxy: FailProxy) -> None:
+    # CrewAI's default agent (max_retry_limit=2) retries a failed task with a fresh LLM call of the same
+    # messages: each is a repeat of the call zp gave up on (zp_client._repeat), not new upstream attempts
+    # (measured 9 attempts and 3 acquires for a refusal before the repeat detection)
+    assert Agent(role="r", goal="g", backstory="b", llm=llm_of(proxy, LocalBudget(limit_blocks=400))
+                 ).max_retry_limit == 2
+    budget = LocalBudget(limit_blocks=400, policy="strict")
+    with testing(), pytest.raises(openai.InternalServerError):
+        crew_of(llm_of(proxy, budget), FAIL_MARK + "crew-default").kickoff()
+    assert 1 <= proxy.attempts["crew-default"] <= ZP_ATTEMPTS
+    assert granted(budget) == proxy.attempts["crew-default"] and released(budget)
+    refusing = CountingBudget(limit_blocks=8, policy="strict")
+    with pytest.raises(Exception) as info:  # noqa: PT011 - what the caller sees, checked below
+        crew_of(llm_of(proxy, refusing, max_tokens=1000), "What is the weather in Oslo?").kickoff()
+    assert isinstance(unwrap_error(info.value), LeaseTooLarge), repr(info.value)
+    assert refusing.acquires == 1 and released(refusing)
+
+
+def test_zp_targets_reach_the_budgets_acquire_meta(proxy: FailProxy) -> None:
+    spy = MetaSpy(policy="elastic")
+    llm = llm_of(proxy, spy, zp_ttft_target=1.5, zp_tpot_target=0.05)
+    assert llm.call("hello")
+    assert targets(spy.metas[-1]) == {"ttft_target_s": 1.5, "tpot_target_s": 0.05}
+    assert asyncio.run(llm.acall("hello"))
+    assert targets(spy.metas[-1]) == {"ttft_target_s": 1.5, "tpot_target_s": 0.05}
+    assert len(spy.calls) == 2 and released(spy)
+    with pytest.raises(ConfigurationError, match="tpot_target"):
+        llm_of(proxy, spy, zp_tpot_target=-1.0)
 
 
 # ------------------------------------------------------------------------------------- bad input

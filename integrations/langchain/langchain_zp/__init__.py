@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 from pydantic import Field, model_validator
 
 from zp_client import AdmissionInfo, AdmissionOptions, Budget, Settings, call_scope, openai_client_of
+from zp_client._repeat import call_key
 from zp_client.errors import ConfigurationError, MissingIntegration
 from zp_client.metrics import ZPMetrics
 from zp_client.observe import observe_admissions, summarize_admissions
@@ -48,6 +49,7 @@ try:
         LLMResult,
     )
     from langchain_core.runnables import RunnableConfig, ensure_config
+    from langchain_core.runnables.config import var_child_runnable_config
     from langchain_openai import ChatOpenAI, OpenAI
     from langchain_openai.chat_models.base import BaseChatOpenAI
     from langchain_openai.llms.base import BaseOpenAI
@@ -204,13 +206,14 @@ _run_target: contextvars.ContextVar[_Target | None] = contextvars.ContextVar("zp
 _reporting: contextvars.ContextVar[bool] = contextvars.ContextVar("zp_lc_reporting", default=False)
 
 
-def _with_target(inner: Iterator[Any], target: _Target) -> Iterator[Any]:
-    """``inner``, each step run with ``target`` as the run in progress."""
+def _with_target(inner: Iterator[Any], target: _Target, key: str | None = None) -> Iterator[Any]:
+    """``inner``, each step run with ``target`` as the run in progress (and ``key`` as its call key)."""
     try:
         while True:
             token = _run_target.set(target)
             try:
-                item = next(inner)
+                with call_key(key):
+                    item = next(inner)
             except StopIteration:
                 return
             finally:
@@ -222,12 +225,14 @@ def _with_target(inner: Iterator[Any], target: _Target) -> Iterator[Any]:
             close()
 
 
-async def _awith_target(inner: AsyncIterator[Any], target: _Target) -> AsyncIterator[Any]:
+async def _awith_target(inner: AsyncIterator[Any], target: _Target,
+                        key: str | None = None) -> AsyncIterator[Any]:
     try:
         while True:
             token = _run_target.set(target)
             try:
-                item = await inner.__anext__()
+                with call_key(key):
+                    item = await inner.__anext__()
             except StopAsyncIteration:
                 return
             finally:
@@ -237,6 +242,18 @@ async def _awith_target(inner: AsyncIterator[Any], target: _Target) -> AsyncIter
         aclose = getattr(inner, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def _graph_key(config: RunnableConfig | None = None) -> str | None:
+    """The logical-call key of a call made from a LangGraph node: its task id, the same for every attempt
+    of the node that LangGraph's ``RetryPolicy`` makes (each attempt runs in a fresh copy of the context
+    taken before the first, where zp's record of the failed attempt is not: zp_client._repeat). None
+    outside LangGraph. Read from the run's config (LangChain's context variable when none is passed)."""
+    for cfg in (config, var_child_runnable_config.get()):
+        task = ((cfg or {}).get("configurable") or {}).get("__pregel_task_id")
+        if task:
+            return f"langgraph:{task}"
+    return None
 
 
 def _annotate(generation: Generation, summary: dict[str, Any]) -> None:
@@ -444,11 +461,13 @@ class ZPChatOpenAI(ChatOpenAI):
     # the caller's context is made a call scope first: a retry of a call zp gave up on is recognised
     def generate(self, *args: Any, **kwargs: Any) -> LLMResult:
         call_scope()
-        return super().generate(*args, **kwargs)
+        with call_key(_graph_key()):
+            return super().generate(*args, **kwargs)
 
     async def agenerate(self, *args: Any, **kwargs: Any) -> LLMResult:
         call_scope()
-        return await super().agenerate(*args, **kwargs)
+        with call_key(_graph_key()):
+            return await super().agenerate(*args, **kwargs)
 
     # -- visibility (see the module docstring): each entry point that makes the HTTP call is wrapped
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -478,13 +497,15 @@ class ZPChatOpenAI(ChatOpenAI):
                stop: list[str] | None = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
         call_scope()  # as in generate()
         config, target = _Target.for_stream(self, config, is_async=False)
-        return _with_target(super().stream(input, config, stop=stop, **kwargs), target)
+        key = _graph_key(config)
+        return _with_target(super().stream(input, config, stop=stop, **kwargs), target, key)
 
     def astream(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,
                 stop: list[str] | None = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
         call_scope()  # as in generate()
         config, target = _Target.for_stream(self, config, is_async=True)
-        return _awith_target(super().astream(input, config, stop=stop, **kwargs), target)
+        key = _graph_key(config)
+        return _awith_target(super().astream(input, config, stop=stop, **kwargs), target, key)
 
     def _generate_with_cache(self, messages: list[BaseMessage], stop: list[str] | None = None,
                              run_manager: CallbackManagerForLLMRun | None = None,
@@ -544,11 +565,13 @@ class ZPOpenAI(OpenAI):
     # -- one retry loop: as in ZPChatOpenAI
     def generate(self, *args: Any, **kwargs: Any) -> LLMResult:
         call_scope()
-        return super().generate(*args, **kwargs)
+        with call_key(_graph_key()):
+            return super().generate(*args, **kwargs)
 
     async def agenerate(self, *args: Any, **kwargs: Any) -> LLMResult:
         call_scope()
-        return await super().agenerate(*args, **kwargs)
+        with call_key(_graph_key()):
+            return await super().agenerate(*args, **kwargs)
 
     # -- visibility (see the module docstring); BaseLLM passes the run manager everywhere
     def _generate(self, prompts: list[str], stop: list[str] | None = None,

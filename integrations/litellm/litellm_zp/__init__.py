@@ -18,8 +18,8 @@ users know it (callbacks, cost tracking, ``stream=True``, tools), plus:
   ``PromptTooLong``, ``RetryBudgetExhausted``, ``AdmissionTimeout``, ...) works; through ``wrap()`` it is
   also an ``openai.OpenAIError``. An upstream HTTP error keeps LiteLLM's type
   (``litellm.ServiceUnavailableError`` for a 503 zp gave up on).
-* The options of langchain-zp: ``zp_priority``, ``zp_deadline``, ``zp_route`` (and ``zp_ttft_target``
-  where :class:`zp_client.AdmissionOptions` has ``ttft_target``), per adapter and per call.
+* The options of langchain-zp: ``zp_priority``, ``zp_deadline``, ``zp_route``, ``zp_ttft_target``,
+  ``zp_tpot_target``, per adapter and per call.
 
 LiteLLM's ``Router`` is not supported: it builds and caches its own openai clients per deployment and
 runs its own retries and fallbacks around them. Install: ``pip install -e . -e integrations/litellm``.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zp_client import AdmissionOptions, Budget, Settings
+from zp_client import AdmissionOptions, Budget, Settings, unwrap_error
 from zp_client.errors import ConfigurationError, MissingIntegration, ZPError
 from zp_client.metrics import ZPMetrics
 
@@ -44,33 +44,12 @@ except ImportError as _exc:  # the missing-framework case: say what to install
         "pip install 'litellm>=1.110', or install litellm-zp again (pip install -e integrations/litellm)"
     ) from _exc
 
-__all__ = ["ZPLiteLLM", "zp_error_of"]
+__all__ = ["ZPLiteLLM"]
 
-_TTFT = "ttft_target" in {f.name for f in dataclasses.fields(AdmissionOptions)}
-"""Whether this zp_client has TTFT targets (``AdmissionOptions.ttft_target``): ``zp_ttft_target`` is
-accepted only then."""
-_CALL_OPTIONS = ("zp_priority", "zp_deadline", "zp_route", "zp_ttft_target")
+_CALL_OPTIONS = ("zp_priority", "zp_deadline", "zp_route", "zp_ttft_target", "zp_tpot_target")
 _FIELDS = {"zp_priority": "priority", "zp_deadline": "deadline", "zp_route": "route",
-           "zp_ttft_target": "ttft_target"}
+           "zp_ttft_target": "ttft_target", "zp_tpot_target": "tpot_target"}
 _ADAPTER_ONLY = ("client", "base_url", "api_base")
-
-
-def zp_error_of(exc: BaseException) -> ZPError | None:
-    """The zp error ``exc`` is or was raised from (its ``__cause__`` / ``__context__`` chain, causes
-    first, each exception visited once), or None. Imports no framework."""
-    stack: list[BaseException] = [exc]
-    seen: set[int] = set()
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, ZPError):
-            return e
-        for nxt in (e.__context__, e.__cause__):  # popped last-in first: the cause is looked at first
-            if nxt is not None:
-                stack.append(nxt)
-    return None
 
 
 def _reraisable(err: ZPError) -> ZPError:
@@ -93,8 +72,8 @@ class ZPLiteLLM:
     a :class:`~zp_client.ConfigurationError`). ``settings`` (or keyword overrides of its fields),
     ``estimator``, ``retry``, ``forecaster`` and ``metrics`` are :func:`zp_client.wrap`'s; ``zp_priority``
     (lower = earlier), ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route`` (the
-    forecaster's key) and ``zp_ttft_target`` (only with a zp_client that has TTFT targets) apply to every
-    call; a call's own ``zp_*`` keyword arguments win.
+    forecaster's key), ``zp_ttft_target`` / ``zp_tpot_target`` (the calls' TTFT / TPOT targets in seconds,
+    docs/admission.md#targets) apply to every call; a call's own ``zp_*`` keyword arguments win.
     """
 
     def __init__(
@@ -113,6 +92,7 @@ class ZPLiteLLM:
         zp_deadline: float | None = None,
         zp_route: str | None = None,
         zp_ttft_target: float | None = None,
+        zp_tpot_target: float | None = None,
         metrics: ZPMetrics | None = None,
         **setting_overrides: Any,
     ) -> None:
@@ -124,8 +104,8 @@ class ZPLiteLLM:
                 raise ConfigurationError(f"invalid zp option for ZPLiteLLM(): {exc}") from None
         kw: dict[str, Any] = {"budget": budget, "settings": settings, "estimator": estimator, "retry": retry,
                               "forecaster": forecaster, "priority": zp_priority, "deadline": zp_deadline,
-                              "route": zp_route, "metrics": metrics}
-        kw.update(_ttft(zp_ttft_target))
+                              "route": zp_route, "metrics": metrics, "ttft_target": zp_ttft_target,
+                              "tpot_target": zp_tpot_target}
         self.options = AdmissionOptions(**kw)
         if client is None and async_client is None and api_base is None:
             raise ConfigurationError("ZPLiteLLM needs api_base (the server's URL, e.g. http://host:8000/v1) "
@@ -180,8 +160,6 @@ class ZPLiteLLM:
                 f"custom_llm_provider={provider!r}: ZPLiteLLM calls the server through LiteLLM's openai "
                 "provider (any OpenAI-compatible server, vLLM included); the model name is sent as it is")
         per_call = {_FIELDS[k]: kwargs.pop(k) for k in _CALL_OPTIONS if k in kwargs}
-        if "ttft_target" in per_call:
-            per_call.update(_ttft(per_call.pop("ttft_target")))  # raises without TTFT targets
         headers = dict(kwargs.pop("extra_headers", None) or {})
         if per_call:  # validated as the adapter's own options are (AdmissionOptions.__post_init__)
             headers = {**dataclasses.replace(self.options, **per_call).headers(), **headers}
@@ -197,7 +175,7 @@ class ZPLiteLLM:
         try:
             return litellm.completion(**call)
         except Exception as exc:
-            zp = zp_error_of(exc)
+            zp = unwrap_error(exc)
             if zp is None:
                 raise
             raise _reraisable(zp) from None
@@ -209,18 +187,8 @@ class ZPLiteLLM:
         try:
             return await litellm.acompletion(**call)
         except Exception as exc:
-            zp = zp_error_of(exc)
+            zp = unwrap_error(exc)
             if zp is None:
                 raise
             raise _reraisable(zp) from None
 
-
-def _ttft(value: float | None) -> dict[str, Any]:
-    """``{"ttft_target": value}`` for AdmissionOptions; a value with a zp_client that has no TTFT targets
-    is a :class:`~zp_client.ConfigurationError` (never silently dropped)."""
-    if value is None:
-        return {}
-    if not _TTFT:
-        raise ConfigurationError("zp_ttft_target needs a zp_client with TTFT targets (AdmissionOptions."
-                                 "ttft_target); this one has none: upgrade zp-client or leave it out")
-    return {"ttft_target": value}

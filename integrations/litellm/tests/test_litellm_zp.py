@@ -28,9 +28,10 @@ litellm = pytest.importorskip("litellm")
 pytest.importorskip("litellm_zp", reason="not installed: pip install -e integrations/litellm")
 
 from _fail_proxy import FailProxy  # noqa: E402
+from _meta_spy import MetaSpy, targets  # noqa: E402
 
-from litellm_zp import _TTFT, ZPLiteLLM, zp_error_of  # noqa: E402
-from zp_client import LocalBudget, Settings, observe_admissions, wrap  # noqa: E402
+from litellm_zp import ZPLiteLLM  # noqa: E402
+from zp_client import LocalBudget, Settings, observe_admissions, unwrap_error, wrap  # noqa: E402
 from zp_client.errors import ConfigurationError, LeaseTooLarge, RetryBudgetExhausted, ZPError  # noqa: E402
 from zp_client.retry import LocalRetryBudget, RetryPolicy, testing  # noqa: E402
 from zp_client.sim.server import SimServer  # noqa: E402
@@ -212,7 +213,7 @@ async def test_without_the_adapter_a_refusal_is_litellms_but_carries_zps(proxy: 
     with pytest.raises(Exception) as err:
         await litellm.acompletion(model=f"openai/{sim.model}", client=client, messages=MSGS, max_tokens=1000)
     assert not isinstance(err.value, ZPError)  # LiteLLM's mapping (litellm.InternalServerError)
-    assert isinstance(zp_error_of(err.value), LeaseTooLarge)
+    assert isinstance(unwrap_error(err.value), LeaseTooLarge)
     await close_clients()
 
 
@@ -234,13 +235,21 @@ async def test_options_become_each_calls_admission(proxy: FailProxy, sim: SimSer
         await llm.acompletion(model=sim.model, messages=MSGS, max_tokens=8, zp_priority=5)
     assert [i.priority for i in seen] == [2, 5]
     assert not any(k.startswith("x-zp-") for h in proxy.headers for k in h)  # zp's headers stay here
-    if _TTFT:
-        await llm.acompletion(model=sim.model, messages=MSGS, max_tokens=8, zp_ttft_target=2.0)
-    else:
-        with pytest.raises(ConfigurationError, match="TTFT"):
-            await llm.acompletion(model=sim.model, messages=MSGS, max_tokens=8, zp_ttft_target=2.0)
-        with pytest.raises(ConfigurationError, match="TTFT"):
-            adapter(proxy, b, zp_ttft_target=2.0)
+    await close_clients()
+
+
+async def test_targets_reach_the_budgets_acquire_meta(proxy: FailProxy, sim: SimServer) -> None:
+    spy = MetaSpy(policy="elastic")
+    llm = adapter(proxy, spy, zp_ttft_target=1.5, zp_tpot_target=0.05)
+    await llm.acompletion(model=sim.model, messages=MSGS, max_tokens=8)
+    assert targets(spy.metas[-1]) == {"ttft_target_s": 1.5, "tpot_target_s": 0.05}
+    llm.completion(model=sim.model, messages=MSGS, max_tokens=8, zp_ttft_target=0.25)  # a call's own wins
+    assert targets(spy.metas[-1]) == {"ttft_target_s": 0.25, "tpot_target_s": 0.05}
+    with pytest.raises(ConfigurationError, match="tpot_target"):
+        await llm.acompletion(model=sim.model, messages=MSGS, max_tokens=8, zp_tpot_target=-1)
+    with pytest.raises(ConfigurationError, match="ttft_target"):
+        adapter(proxy, spy, zp_ttft_target=0)
+    assert len(spy.calls) == 2 and spy.status_sync().used == 0  # bad targets: refused before any lease
     await close_clients()
 
 

@@ -41,7 +41,8 @@ class ZPOpenAILike(OpenAILike):  # type: ignore[misc]  # OpenAILike is untyped (
     Fields beyond OpenAILike's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
     (:class:`~zp_client.Settings`), ``zp_retry`` (:class:`~zp_client.RetryPolicy`, or False for one
     attempt), ``zp_estimator``, ``zp_forecaster`` (elastic budgets), ``zp_priority`` (lower = earlier),
-    ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route`` (the forecaster's key) and
+    ``zp_deadline`` (seconds for queueing plus every attempt), ``zp_route`` (the forecaster's key),
+    ``zp_ttft_target`` / ``zp_tpot_target`` (TTFT / TPOT targets in seconds, docs/admission.md#targets) and
     ``zp_metrics`` (a :class:`~zp_client.ZPMetrics`), as in langchain-zp. ``max_retries`` is 0 and must
     stay 0 (LlamaIndex's retries would run around zp's: a value > 0 is a
     :class:`~zp_client.ConfigurationError`).
@@ -60,6 +61,8 @@ class ZPOpenAILike(OpenAILike):  # type: ignore[misc]  # OpenAILike is untyped (
     zp_priority: int | None = Field(default=None, exclude=True)
     zp_deadline: float | None = Field(default=None, exclude=True)  # > 0: AdmissionOptions says so
     zp_route: str | None = Field(default=None, exclude=True)
+    zp_ttft_target: float | None = Field(default=None, exclude=True)  # seconds > 0: AdmissionOptions says so
+    zp_tpot_target: float | None = Field(default=None, exclude=True)
     zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
 
     max_retries: int = Field(default=0, ge=0, le=0, description="Always 0: zp does the retrying (zp_retry).")
@@ -92,7 +95,8 @@ class ZPOpenAILike(OpenAILike):  # type: ignore[misc]  # OpenAILike is untyped (
         self._zp_options = AdmissionOptions(
             budget=self.budget, settings=self.zp_settings, estimator=self.zp_estimator, retry=self.zp_retry,
             forecaster=self.zp_forecaster, priority=self.zp_priority, deadline=self.zp_deadline,
-            route=self.zp_route, metrics=self.zp_metrics)
+            route=self.zp_route, ttft_target=self.zp_ttft_target, tpot_target=self.zp_tpot_target,
+            metrics=self.zp_metrics)
         # Both clients now, from the one budget: OpenAI's lazy _get_client would build unadmitted ones.
         self._client = self._zp_options.admit(openai_client or OpenAI(**self._get_credential_kwargs()))
         self._aclient = self._zp_options.admit(

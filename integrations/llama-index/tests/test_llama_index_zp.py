@@ -21,14 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 pytest.importorskip("llama_index.llms.openai_like")
 
 from _budget_probes import granted, wait_until
-from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released, zp_error_in
+from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released
+from _meta_spy import MetaSpy, targets
 from llama_index.core.agent.workflow import AgentStream, FunctionAgent
 from llama_index.core.llms import ChatMessage
 from llama_index.core.tools import FunctionTool
 from llama_index.llms.openai_like import OpenAILike
 
 from llama_index_zp import ZPOpenAILike
-from zp_client import LocalBudget, RetryPolicy, Settings, wrap
+from zp_client import LocalBudget, RetryPolicy, Settings, unwrap_error, wrap
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, ZPError
 from zp_client.retry import testing
 from zp_client.sim.server import SimServer
@@ -123,6 +124,18 @@ def test_zp_options_become_the_clients_headers_and_both_clients_share_the_budget
     assert fresh.chat(user("hi")).message.content and released(budget)
 
 
+def test_zp_targets_reach_the_budgets_acquire_meta_sync_and_async(proxy: FailProxy) -> None:
+    spy = MetaSpy(policy="elastic")
+    llm = llm_of(proxy, spy, zp_ttft_target=1.5, zp_tpot_target=0.05)
+    assert llm.chat(user("hi")).message.content
+    assert targets(spy.metas[-1]) == {"ttft_target_s": 1.5, "tpot_target_s": 0.05}
+    assert asyncio.run(llm.acomplete("hi")).text
+    assert targets(spy.metas[-1]) == {"ttft_target_s": 1.5, "tpot_target_s": 0.05}
+    assert len(spy.calls) == 2 and released(spy)
+    with pytest.raises(ConfigurationError, match="ttft_target"):
+        llm_of(proxy, spy, zp_ttft_target=0.0)
+
+
 def test_a_cancelled_async_stream_gives_its_lease_back(proxy: FailProxy) -> None:
     budget = LocalBudget(limit_blocks=400, policy="strict")
     llm = llm_of(proxy, budget, max_tokens=400, additional_kwargs={"extra_body": {"sim_output_tokens": 300}})
@@ -191,7 +204,7 @@ def test_a_refusal_reaches_the_caller_as_zps_type_after_one_acquire(proxy: FailP
         raise AssertionError("the agent ran although its call can never be admitted")
 
     seen = asyncio.run(agent_run())
-    assert isinstance(zp_error_in(seen), LeaseTooLarge), repr(seen)
+    assert isinstance(unwrap_error(seen), LeaseTooLarge), repr(seen)
     assert budget.acquires == 2  # the agent's one LLM call asked once: nobody retried the refusal
     assert proxy.forwarded[CHAT] == before and released(budget)
 
