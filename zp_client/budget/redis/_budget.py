@@ -26,7 +26,7 @@ from zp_client.budget.ledger import (
     validate_seconds,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
-from zp_client.budget.redis._async import AsyncFace
+from zp_client.budget.redis._async import AsyncFace, renewal_client
 from zp_client.budget.redis._retry import RedisRetryBudget
 from zp_client.budget.redis._script import (
     POLICIES,
@@ -296,7 +296,7 @@ class RedisBudget(Budget):
             side = self._get_side()
             if timeout is None:
                 return await side.acquire(bound, held_v, prio, order, meta_json)
-            return await asyncio.wait_for(side.acquire(bound, held_v, prio, order, meta_json), timeout)
+            return await self._acquire_within(side, (bound, held_v, prio, order, meta_json), timeout)
         except asyncio.TimeoutError as exc:
             if isinstance(exc, AdmissionTimeout):
                 raise
@@ -309,6 +309,29 @@ class RedisBudget(Budget):
                 raise
             return await self._local().acquire(bound, priority=prio, timeout=timeout, ticket=ticket,
                                                held=held_v, meta=meta)
+
+    @staticmethod
+    async def _acquire_within(side: AsyncFace, args: tuple[int, int, int, int, str], timeout: float) -> Lease:
+        """``side.acquire(*args)`` bounded by ``timeout`` (raises ``asyncio.TimeoutError``).
+
+        Not ``asyncio.wait_for``: on Python 3.10/3.11 it returns the inner result when its caller is
+        cancelled just as the inner call finishes, so a caller's ``task.cancel()`` could be lost. Here a
+        caller's cancellation always raises, and a lease the abandoned acquire still returns is released.
+        """
+        task = asyncio.ensure_future(side.acquire(*args))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                # it unwinds at its next await (every Redis call on its path is shielded) or was granted
+                await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            side.release_when_done(task)
+            raise
+        if task.cancelled():
+            raise asyncio.TimeoutError
+        return task.result()  # a grant that landed as the timeout fired is the caller's
 
     def acquire_sync(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
@@ -512,13 +535,15 @@ class RedisBudget(Budget):
                     "RedisBudget per event loop (redis.asyncio clients are bound to their loop)"
                 )
         if self._given_client is not None:
-            self._side = AsyncFace(self, self._core, self._given_client, owns_client=False)
+            self._side = AsyncFace(self, self._core, self._given_client, owns_client=False,
+                                   renew_client=renewal_client(None, self._given_client))
         else:
             url = self._core.url
             if url is None:  # unreachable: a budget is given a URL or a client
                 raise ConfigurationError(f"RedisBudget {self.name!r} has neither a URL nor a client")
             pool = redis_async.BlockingConnectionPool.from_url(url, max_connections=POOL_SIZE, timeout=None)
-            self._side = AsyncFace(self, self._core, redis_async.Redis.from_pool(pool), owns_client=True)
+            self._side = AsyncFace(self, self._core, redis_async.Redis.from_pool(pool), owns_client=True,
+                                   renew_client=renewal_client(url, None))
         return self._side
 
     # LeaseOwner: what a RedisLease calls back

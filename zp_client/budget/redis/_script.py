@@ -507,11 +507,23 @@ class Core:
             },
         )
 
-    def after_renew(self, batch: list[RedisLease], r: list[Any], registry: dict[str, RedisLease]) -> None:
+    def after_renew(
+        self, batch: list[RedisLease], r: list[Any], registry: dict[str, RedisLease]
+    ) -> list[RedisLease]:
+        """Read renew.lua's reply for ``batch``; returns the leases whose holder released them while the
+        renewal was in flight but which the renewal re-adopted (release them again)."""
         epoch = text(r[0])
         self.epoch = epoch
+        again: list[RedisLease] = []
         for le, code in zip(batch, r[1:], strict=False):
             code = int(code)
+            if le._released:
+                # Released by its holder while this renewal was in flight: the release may have reached
+                # Redis first, so "not found" here is that release, not a loss (no lease_lost). A lease
+                # the renewal re-adopted meanwhile (new epoch) would be counted again: release it again.
+                if code == 2:
+                    again.append(le)
+                continue
             if code == 2:
                 le.epoch = epoch
                 le._sent_held = le._held
@@ -531,6 +543,7 @@ class Core:
                           "holder ran: event loop or process paused longer than lease_ttl_s?)",
                           le.id[:8], le.bound, self.name)
                 self.emit("lease_lost", le.id, bound=le.bound)
+        return again
 
     # ------------------------------------------------------------------ errors, availability, events
     def credentials_error(self, exc: BaseException) -> ConfigurationError:

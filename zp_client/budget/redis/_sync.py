@@ -284,7 +284,12 @@ class SyncFace:
                 log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
                 continue
             with self.lock:
-                self.core.after_renew(batch, r, self.leases)
+                again = self.core.after_renew(batch, r, self.leases)
+            for le in again:  # released while the renewal re-adopted it: release it again
+                try:
+                    self.eval("release", self.core.release_args(le.id), init=False, patient=False)
+                except CALL_FAILED as exc:
+                    self._retry_later(le.id, exc)
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
