@@ -176,6 +176,45 @@ class RedisBudget(Budget):
         self._closed = False
         self._fallback: Budget | None = None
         self._forecaster: Any = None
+        self.created: bool | None = None
+        """Set by :meth:`create`: True if it created the state, False if the budget already existed."""
+
+    @classmethod
+    async def create(
+        cls, url_or_client: str | Any, name: str, limit_blocks: int, block_size: int = 16, **kwargs: Any
+    ) -> RedisBudget:
+        """Create the budget's state in Redis now, explicitly, and return the budget (use it, or
+        ``aclose()`` it). Arguments as for the constructor.
+
+        A budget whose state is absent when a process first uses it starts in recovery: it admits nothing
+        new for ``recovery_s`` (one ``lease_ttl_s``), because Redis cannot tell a name never used from a
+        budget whose state a restart or failover wiped while holders still run. Creating it explicitly is
+        the operator's statement that no lease of it exists: the state is written with no recovery window,
+        so the first request is admitted at once. Run it once when you provision a budget (a deploy
+        step, ``zp-client budget create``), not at every process start: after a Redis restart it would
+        skip the window that protects the survivors' leases.
+
+        When the state already exists nothing changes (the stored limit and settings win, a recovery in
+        progress goes on); :attr:`created` says which happened.
+        """
+        budget = cls(url_or_client, name, limit_blocks, block_size, **kwargs)
+        core = budget._core
+        r = await budget._get_side().eval("init", core.init_args(recovery_s=0.0), init=False)
+        core.after_init(r)
+        budget.created = bool(int(r[0]))
+        return budget
+
+    @classmethod
+    def create_sync(
+        cls, url_or_client: str | Any, name: str, limit_blocks: int, block_size: int = 16, **kwargs: Any
+    ) -> RedisBudget:
+        """Blocking form of :meth:`create` (needs a URL or ``sync_client``); ``close_sync()`` it when done."""
+        budget = cls(url_or_client, name, limit_blocks, block_size, **kwargs)
+        core = budget._core
+        r = budget._sync_face.eval("init", core.init_args(recovery_s=0.0), init=False)
+        core.after_init(r)
+        budget.created = bool(int(r[0]))
+        return budget
 
     @classmethod
     def from_settings(
