@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import start_redis_server
 
 from zp_client import AdmissionTimeout, RedisBudget
 from zp_client.budget.redis import RedisBudgetEvent
 from zp_client.budget.redis._script import RENEW_BATCH
 from zp_client.cli import main as cli_main
-
-from conftest import start_redis_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis, pytest.mark.faults]
 
