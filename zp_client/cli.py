@@ -1,8 +1,8 @@
 """The ``zp-client`` command. Each subcommand lives with the code it drives and loads on demand.
 
 A subcommand whose extra is not installed (``sim``: ``zp-client[sim]``, ``storm``: ``zp-client[bench]``,
-``status --redis`` and ``budget``: ``zp-client[redis]``; ``calibrate`` needs none) ends with one line naming the extra and
-exit status 2.
+``status --redis`` and ``budget``: ``zp-client[redis]``; ``calibrate`` needs none) ends with one line naming
+the extra and exit status 2.
 """
 
 from __future__ import annotations
