@@ -224,3 +224,38 @@ async def test_a_redis_restart_after_an_explicit_create_still_waits(own_redis: A
         await second.release()
     finally:
         await b.aclose()
+
+
+@pytest.mark.slow
+def test_sync_renewals_do_not_wait_behind_a_saturated_pool_of_the_callers_client(
+    redis_url: str, cleanup: str
+) -> None:
+    """The blocking face: the caller's own ``redis.Redis`` (a pool of 2 here) is jammed for longer than
+    the lease TTL; the keeper thread renews on a clone with its own connections, so nothing is lost."""
+    import threading
+
+    import redis.asyncio as redis_async
+
+    pool = redis.BlockingConnectionPool.from_url(redis_url, max_connections=2, timeout=None)
+    sync_client = redis.Redis.from_pool(pool)
+    b = RedisBudget(redis_async.Redis.from_url(redis_url), cleanup, 1000, recovery_s=0, lease_ttl_s=0.45,
+                    sync_client=sync_client)
+    try:
+        held = [b.acquire_sync(1) for _ in range(5)]
+        jam_key = f"{{zp:{cleanup}}}:jam"
+        jam = [threading.Thread(target=sync_client.blpop, args=([jam_key],), kwargs={"timeout": 1.5})
+               for _ in range(2)]
+        for t in jam:
+            t.start()
+        for t in jam:
+            t.join(timeout=20)
+        b._sync_face._renew_round()  # one more round after the jam: every holder still holds
+        lost = [le for le in held if le.lost]
+        st = b.status_sync()
+        for le in held:
+            le.release_sync()
+    finally:
+        b.close_sync()
+        sync_client.close()
+    assert not lost and b.counters["lease_lost"] == 0, f"{len(lost)} of 5 live leases lost"
+    assert st.leases == 5, st
