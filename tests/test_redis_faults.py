@@ -259,3 +259,51 @@ def test_sync_renewals_do_not_wait_behind_a_saturated_pool_of_the_callers_client
         sync_client.close()
     assert not lost and b.counters["lease_lost"] == 0, f"{len(lost)} of 5 live leases lost"
     assert st.leases == 5, st
+
+
+@pytest.mark.slow
+async def test_a_wrapped_call_cancelled_within_a_millisecond_raises_and_leaves_no_lease(
+    redis_url: str, cleanup: str
+) -> None:
+    """The same through ``wrap()`` on a real server on loopback: each accepted ``task.cancel()`` in the
+    first millisecond of a call raises ``CancelledError``, and no lease is left."""
+    import openai
+
+    from tests._asgi_server import LoopbackServer
+    from zp_client import Settings, wrap
+
+    b = RedisBudget(redis_url, cleanup, 10_000, recovery_s=0, lease_ttl_s=30)
+    loop = asyncio.get_running_loop()
+    rng = random.Random(1)
+    accepted = completed = 0
+    with LoopbackServer() as server:
+        c = wrap(openai.AsyncOpenAI(base_url=server.base_url, api_key="sk-test", timeout=30), budget=b,
+                 settings=Settings(estimator="heuristic"))
+        msgs = [{"role": "user", "content": "hello"}]
+        try:
+            await c.chat.completions.create(model="ok", messages=msgs, max_tokens=4)  # warm up
+            for _ in range(300):
+                t = asyncio.ensure_future(c.chat.completions.create(model="ok", messages=msgs, max_tokens=4))
+                took: list[bool] = []
+                loop.call_later(rng.uniform(0, 0.001), lambda t=t, took=took: took.append(t.cancel()))
+                try:
+                    await t
+                except asyncio.CancelledError:
+                    pass
+                else:
+                    completed += took == [True]
+                    if not took:
+                        await asyncio.sleep(0.002)
+                accepted += took == [True]
+                if accepted >= 20:
+                    break
+            side = b._side
+            assert side is not None
+            while side.background:
+                await asyncio.gather(*list(side.background), return_exceptions=True)
+            st = await b.status()
+        finally:
+            await b.aclose()
+    assert accepted >= 20, f"only {accepted} cancellations landed while the call ran"
+    assert completed == 0, f"{completed} of {accepted} accepted cancellations were ignored"
+    assert st.leases == 0 and st.used == 0 and not st.waiters, st
