@@ -169,8 +169,7 @@ class AsyncFace:
         """Release ``rid`` (lease or waiter) once ``call``, an acquire still in flight, has landed."""
 
         async def undo() -> None:
-            with contextlib.suppress(BaseException):  # its outcome does not matter: undo it either way
-                await call
+            await asyncio.wait({call})  # its outcome does not matter (nor is it raised): undo it either way
             await self.release_id(rid)
 
         task = self.loop.create_task(undo())
