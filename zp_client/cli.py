@@ -1,8 +1,8 @@
 """The ``zp-client`` command. Each subcommand lives with the code it drives and loads on demand.
 
 A subcommand whose extra is not installed (``sim``: ``zp-client[sim]``, ``storm``: ``zp-client[bench]``,
-``status --redis``: ``zp-client[redis]``; ``calibrate`` needs none) ends with one line naming the extra and
-exit status 2.
+``status --redis`` and ``budget``: ``zp-client[redis]``; ``calibrate`` needs none) ends with one line naming
+the extra and exit status 2.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
               "the storm benchmark: the same burst with and without zp-client", "bench"),
     "status": ("zp_client.status_cli",
                "print a server's KV pool and suggested limit, or a shared budget's status", "redis"),
+    "budget": ("zp_client.budget_cli",
+               "manage a shared RedisBudget: 'budget create' makes one with no first-use wait", "redis"),
     # core dependencies only (httpx, prometheus-client): no extra
     "calibrate": ("zp_client.calibrate_cli",
                   "size limit_blocks from a server's /metrics and say how it was reached", "core"),

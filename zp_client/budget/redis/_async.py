@@ -42,13 +42,18 @@ class _Waiter:
 class AsyncFace:
     """State bound to the event loop a RedisBudget is used from (redis.asyncio clients are loop-bound)."""
 
-    def __init__(self, owner: LeaseOwner, core: Core, client: Any, owns_client: bool) -> None:
+    def __init__(self, owner: LeaseOwner, core: Core, client: Any, owns_client: bool,
+                 renew_client: Any = None) -> None:
         self.owner = owner
         self.core = core
         self.loop = asyncio.get_running_loop()
         self.thread = threading.get_ident()
         self.client = client
         self.owns_client = owns_client
+        # The keeper's own connection (renewals, retried releases, pins): a renewal must never queue for a
+        # connection behind a burst of acquires in the shared pool, or live leases expire (issue 33).
+        # None: a caller's client we cannot clone (a cluster): renewals share it.
+        self.renew_client = renew_client
         self.waiters: dict[str, _Waiter] = {}
         self.leases: dict[str, RedisLease] = {}
         self.dirty: set[str] = set()
@@ -72,42 +77,58 @@ class AsyncFace:
             ]
 
     # ------------------------------------------------------------------ one script call
-    async def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True) -> Any:
+    async def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True,
+                   client: Any = None) -> Any:
         """Run a script by SHA (loading it on NOSCRIPT); create the budget on an ``{'I'}`` reply. Errors
-        are those of :class:`~zp_client.budget.redis._script.Attempts`."""
+        are those of :class:`~zp_client.budget.redis._script.Attempts`. ``client``: another client of the
+        same server (the renewal client), default the shared one."""
         core = self.core
+        client = self.client if client is None else client
         sha = core.sha(script)
         tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
         while True:
             try:
                 if tries is not None and tries.load:
-                    await self.client.script_load(tries.text)
-                r = await self.client.evalsha(sha, *core.key_args, *args)
+                    await client.script_load(tries.text)
+                r = await client.evalsha(sha, *core.key_args, *args)
             except HANDLED as exc:
                 tries = tries or core.attempts(script, patient)
                 await asyncio.sleep(tries.after(exc))
                 continue
             if init and core.needs_init(r):
-                core.after_init(await self.eval("init", core.init_args(), init=False, patient=patient))
+                core.after_init(await self.eval("init", core.init_args(), init=False, patient=patient,
+                                                client=client))
                 continue
             core.mark_available(True)
             return r
 
     # ------------------------------------------------------------------ acquire
+    def _start(self, script: str, args: list[Any], **kw: Any) -> asyncio.Task[Any]:
+        """One script call on the acquire path, run as its own task: the caller awaits it through
+        :func:`asyncio.shield` so that the caller's cancellation always raises.
+
+        redis-py runs each command under ``asyncio.wait_for``, which on Python 3.10/3.11 returns the reply
+        instead of raising when the caller is cancelled just as the reply arrives (fixed in 3.12): the
+        cancellation would be lost and the acquire would go on. A shielded task's awaiter gets its
+        cancellation whatever the task does; the call itself goes on, so a cancelled caller lets it land
+        before undoing it (:meth:`_undo_after`)."""
+        return self.loop.create_task(self.eval(script, args, **kw))
+
     async def acquire(self, bound: int, held: int, prio: int, order: int, meta_json: str) -> RedisLease:
         core = self.core
         if not core.policy_known:
-            core.learn_status(await self.eval("status", [], init=False))
+            core.learn_status(await asyncio.shield(self._start("status", [], init=False)))
         rid = secrets.token_urlsafe(18)
         fut: asyncio.Future[str] = self.loop.create_future()
         w = _Waiter(rid, fut, order)
         self.waiters[rid] = w  # registered before the call so a mailbox grant cannot be missed
         args = core.acquire_args(rid, bound, held, prio, order, core.owner, meta_json)
+        call: asyncio.Task[Any] | None = None
         try:
             while True:
                 # fail_local degrades at once instead of waiting out unavailable_timeout_s
-                r = core.acquire_reply(await self.eval(
-                    "acquire", args, patient=core.cfg.on_unavailable == "fail_closed"), bound)
+                call = self._start("acquire", args, patient=core.cfg.on_unavailable == "fail_closed")
+                r = core.acquire_reply(await asyncio.shield(call), bound)
                 if r.granted:
                     return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
                 args[4] = w.order = r.ticket.order  # a re-enqueue (after 'N') keeps the place in line
@@ -122,7 +143,8 @@ class AsyncFace:
                     if core.fleet is not None:  # 'G@<replica id>'; unknown here: ask (idempotent acquire)
                         replica = core.fleet.replica_url(res[2:]) if res.startswith("G@") else None
                         if replica is None:
-                            r = core.acquire_reply(await self.eval("acquire", args), bound)
+                            call = self._start("acquire", args)
+                            r = core.acquire_reply(await asyncio.shield(call), bound)
                             replica = r.replica
                     return self._new_lease(rid, bound, held, r.ticket, core.epoch or r.epoch, meta_json,
                                            replica)
@@ -133,11 +155,40 @@ class AsyncFace:
                 w.fut = fut
         except BaseException:
             self.waiters.pop(rid, None)
-            # Leave no trace: remove the waiter, or release a grant that raced the cancellation.
-            await self.release_id(rid)
+            # Leave no trace: remove the waiter, or release a grant that raced the cancellation. A call
+            # still in flight (its caller was cancelled) may yet grant: release after it lands.
+            if call is not None and not call.done():
+                self._undo_after(call, rid)
+            else:
+                await self.release_id(rid)
             raise
         finally:
             self.waiters.pop(rid, None)
+
+    def _undo_after(self, call: asyncio.Task[Any], rid: str) -> None:
+        """Release ``rid`` (lease or waiter) once ``call``, an acquire still in flight, has landed."""
+
+        async def undo() -> None:
+            await asyncio.wait({call})  # its outcome does not matter (nor is it raised): undo it either way
+            await self.release_id(rid)
+
+        task = self.loop.create_task(undo())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def release_when_done(self, task: asyncio.Task[Any]) -> None:
+        """``task`` (an :meth:`acquire`) was abandoned by a cancelled caller: release the lease it may
+        still return."""
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if t.cancelled() or t.exception() is not None:
+                return  # it left no trace (acquire's own clean-up)
+            lease = t.result()
+            rel = self.loop.create_task(lease.release())
+            self.background.add(rel)
+            rel.add_done_callback(self.background.discard)
+
+        task.add_done_callback(done)
 
     def _new_lease(
         self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str,
@@ -230,7 +281,8 @@ class AsyncFace:
                     self.retry_releases.pop(lid, None)  # it has expired by TTL anyway
                     continue
                 try:
-                    await self.eval("release", self.core.release_args(lid), init=False, patient=False)
+                    await self.eval("release", self.core.release_args(lid), init=False, patient=False,
+                                    client=self.renew_client)
                     self.retry_releases.pop(lid, None)
                 except CALL_FAILED as exc:
                     log.debug("zp_client: retried release of %s... failed again: %r", lid[:8], exc)
@@ -242,14 +294,15 @@ class AsyncFace:
         for i in range(0, len(leases), RENEW_BATCH):
             batch = leases[i : i + RENEW_BATCH]
             try:
-                r = await self.eval("renew", self.core.renew_args(batch))
+                r = await self.eval("renew", self.core.renew_args(batch), client=self.renew_client)
             except CALL_FAILED as exc:
                 log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
                 continue
-            self.core.after_renew(batch, r, self.leases)
+            for le in self.core.after_renew(batch, r, self.leases):
+                self._release_in_background(le.id)  # released while the renewal re-adopted it
         for key, args in list(self.core.pins.items()):  # pinned prefixes: renew (or take over) the pin
             try:
-                await self.eval("pin", args)
+                await self.eval("pin", args, client=self.renew_client)
             except CALL_FAILED as exc:
                 log.warning("zp_client: renewing the pin of %s... in Redis budget %r failed: %r", key[:12],
                             self.core.name, exc)
@@ -344,6 +397,12 @@ class AsyncFace:
                 await self.client.aclose()
             except CALL_FAILED as exc:
                 log.debug("zp_client: closing the Redis client of budget %r failed: %r", self.core.name, exc)
+        if self.renew_client is not None:  # always ours (made from the URL or cloned from the caller's)
+            try:
+                await self.renew_client.aclose()
+            except CALL_FAILED as exc:
+                log.debug("zp_client: closing the renewal client of budget %r failed: %r", self.core.name,
+                          exc)
 
     async def _drain_releases(self, budget_s: float = 2.0) -> None:
         """Before the tasks go, within ``budget_s``: let releases finishing in the background (their
@@ -369,3 +428,24 @@ class AsyncFace:
                     self.eval("release", self.core.release_args(lid), init=False, patient=False), left)
             except (*CALL_FAILED, asyncio.TimeoutError) as exc:  # the lease expires by its TTL
                 log.debug("zp_client: last release attempt of %s... failed: %r", lid[:8], exc)
+
+
+RENEW_POOL_SIZE = 2  # the keeper runs one call at a time; a second connection covers a reconnect
+
+
+def renewal_client(url: str | None, client: Any | None) -> Any | None:
+    """A client with its own small pool for the keeper (renewals), made from ``url`` or cloned from the
+    caller's ``redis.asyncio.Redis`` (same connection settings); None for a client that cannot be cloned
+    (e.g. ``RedisCluster``: renewals then share its pool)."""
+    import redis.asyncio as redis_async
+
+    if url is not None:
+        pool = redis_async.BlockingConnectionPool.from_url(url, max_connections=RENEW_POOL_SIZE, timeout=None)
+        return redis_async.Redis.from_pool(pool)
+    if type(client) is not redis_async.Redis:
+        return None
+    src = client.connection_pool
+    pool = redis_async.BlockingConnectionPool(
+        connection_class=src.connection_class, max_connections=RENEW_POOL_SIZE, timeout=None,
+        **src.connection_kwargs)
+    return redis_async.Redis.from_pool(pool)

@@ -26,7 +26,7 @@ from zp_client.budget.ledger import (
     validate_seconds,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
-from zp_client.budget.redis._async import AsyncFace
+from zp_client.budget.redis._async import AsyncFace, renewal_client
 from zp_client.budget.redis._retry import RedisRetryBudget
 from zp_client.budget.redis._script import (
     POLICIES,
@@ -176,6 +176,45 @@ class RedisBudget(Budget):
         self._closed = False
         self._fallback: Budget | None = None
         self._forecaster: Any = None
+        self.created: bool | None = None
+        """Set by :meth:`create`: True if it created the state, False if the budget already existed."""
+
+    @classmethod
+    async def create(
+        cls, url_or_client: str | Any, name: str, limit_blocks: int, block_size: int = 16, **kwargs: Any
+    ) -> RedisBudget:
+        """Create the budget's state in Redis now, explicitly, and return the budget (use it, or
+        ``aclose()`` it). Arguments as for the constructor.
+
+        A budget whose state is absent when a process first uses it starts in recovery: it admits nothing
+        new for ``recovery_s`` (one ``lease_ttl_s``), because Redis cannot tell a name never used from a
+        budget whose state a restart or failover wiped while holders still run. Creating it explicitly is
+        the operator's statement that no lease of it exists: the state is written with no recovery window,
+        so the first request is admitted at once. Run it once when you provision a budget (a deploy
+        step, ``zp-client budget create``), not at every process start: after a Redis restart it would
+        skip the window that protects the survivors' leases.
+
+        When the state already exists nothing changes (the stored limit and settings win, a recovery in
+        progress goes on); :attr:`created` says which happened.
+        """
+        budget = cls(url_or_client, name, limit_blocks, block_size, **kwargs)
+        core = budget._core
+        r = await budget._get_side().eval("init", core.init_args(recovery_s=0.0), init=False)
+        core.after_init(r)
+        budget.created = bool(int(r[0]))
+        return budget
+
+    @classmethod
+    def create_sync(
+        cls, url_or_client: str | Any, name: str, limit_blocks: int, block_size: int = 16, **kwargs: Any
+    ) -> RedisBudget:
+        """Blocking form of :meth:`create` (needs a URL or ``sync_client``); ``close_sync()`` it when done."""
+        budget = cls(url_or_client, name, limit_blocks, block_size, **kwargs)
+        core = budget._core
+        r = budget._sync_face.eval("init", core.init_args(recovery_s=0.0), init=False)
+        core.after_init(r)
+        budget.created = bool(int(r[0]))
+        return budget
 
     @classmethod
     def from_settings(
@@ -296,7 +335,7 @@ class RedisBudget(Budget):
             side = self._get_side()
             if timeout is None:
                 return await side.acquire(bound, held_v, prio, order, meta_json)
-            return await asyncio.wait_for(side.acquire(bound, held_v, prio, order, meta_json), timeout)
+            return await self._acquire_within(side, (bound, held_v, prio, order, meta_json), timeout)
         except asyncio.TimeoutError as exc:
             if isinstance(exc, AdmissionTimeout):
                 raise
@@ -309,6 +348,29 @@ class RedisBudget(Budget):
                 raise
             return await self._local().acquire(bound, priority=prio, timeout=timeout, ticket=ticket,
                                                held=held_v, meta=meta)
+
+    @staticmethod
+    async def _acquire_within(side: AsyncFace, args: tuple[int, int, int, int, str], timeout: float) -> Lease:
+        """``side.acquire(*args)`` bounded by ``timeout`` (raises ``asyncio.TimeoutError``).
+
+        Not ``asyncio.wait_for``: on Python 3.10/3.11 it returns the inner result when its caller is
+        cancelled just as the inner call finishes, so a caller's ``task.cancel()`` could be lost. Here a
+        caller's cancellation always raises, and a lease the abandoned acquire still returns is released.
+        """
+        task = asyncio.ensure_future(side.acquire(*args))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                # it unwinds at its next await (every Redis call on its path is shielded) or was granted
+                await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            side.release_when_done(task)
+            raise
+        if task.cancelled():
+            raise asyncio.TimeoutError
+        return task.result()  # a grant that landed as the timeout fired is the caller's
 
     def acquire_sync(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
@@ -512,13 +574,15 @@ class RedisBudget(Budget):
                     "RedisBudget per event loop (redis.asyncio clients are bound to their loop)"
                 )
         if self._given_client is not None:
-            self._side = AsyncFace(self, self._core, self._given_client, owns_client=False)
+            self._side = AsyncFace(self, self._core, self._given_client, owns_client=False,
+                                   renew_client=renewal_client(None, self._given_client))
         else:
             url = self._core.url
             if url is None:  # unreachable: a budget is given a URL or a client
                 raise ConfigurationError(f"RedisBudget {self.name!r} has neither a URL nor a client")
             pool = redis_async.BlockingConnectionPool.from_url(url, max_connections=POOL_SIZE, timeout=None)
-            self._side = AsyncFace(self, self._core, redis_async.Redis.from_pool(pool), owns_client=True)
+            self._side = AsyncFace(self, self._core, redis_async.Redis.from_pool(pool), owns_client=True,
+                                   renew_client=renewal_client(url, None))
         return self._side
 
     # LeaseOwner: what a RedisLease calls back

@@ -372,11 +372,14 @@ class Core:
     def poll_args(self, ids: Iterable[str]) -> list[Any]:
         return [int(self.cfg.waiter_ttl_s * 1000), *ids]
 
-    def init_args(self) -> list[Any]:
+    def init_args(self, recovery_s: float | None = None) -> list[Any]:
+        """init.lua's arguments; ``recovery_s`` overrides the configured recovery window (0 for an explicit
+        create: see :meth:`RedisBudget.create <zp_client.budget.redis.RedisBudget.create>`)."""
         cfg = self.cfg
+        rec_s = cfg.recovery_s if recovery_s is None else recovery_s
         starve_ms = int(min(cfg.starvation_bound_s, 1e12) * 1000)  # inf: unbounded backfill
         lpt_ms = math.ceil(min(cfg.longest_first_s, 1e12) * 1000)  # never rounded down to "off"
-        args: list[Any] = [cfg.limit, cfg.block_size, secrets.token_urlsafe(12), int(cfg.recovery_s * 1000),
+        args: list[Any] = [cfg.limit, cfg.block_size, secrets.token_urlsafe(12), int(rec_s * 1000),
                            cfg.policy, starve_ms, lpt_ms]
         args.append(self.fleet.init_arg() if self.fleet is not None else "")
         args += [cfg.line, int(min(cfg.late_bound_s, 1e12) * 1000)]  # inf: never late-bound
@@ -445,11 +448,17 @@ class Core:
         self.learn_policy(policy)
         if created:
             self.warned_limit = True  # our own limit is the stored one
-            log.warning(
-                "zp_client: created Redis budget %r (limit %d blocks); recovery: admitting nothing new for "
-                "%.3g s while holders that survived a Redis restart re-adopt their leases",
-                self.name, limit, rec_left / 1000,
-            )
+            if rec_left > 0:
+                log.warning(
+                    "zp_client: created Redis budget %r (limit %d blocks) as its state was absent (a new "
+                    "name, or Redis lost it); recovery: admitting nothing new for %.3g s while holders that "
+                    "survived a Redis restart re-adopt their leases. A new budget skips this wait when "
+                    "created explicitly first: RedisBudget.create(...) or 'zp-client budget create'",
+                    self.name, limit, rec_left / 1000,
+                )
+            else:
+                log.info("zp_client: created Redis budget %r (limit %d blocks) with no recovery window",
+                         self.name, limit)
             self.emit("created", recovery_s=rec_left / 1000)
         else:
             self.learn_limit(limit)
@@ -507,11 +516,23 @@ class Core:
             },
         )
 
-    def after_renew(self, batch: list[RedisLease], r: list[Any], registry: dict[str, RedisLease]) -> None:
+    def after_renew(
+        self, batch: list[RedisLease], r: list[Any], registry: dict[str, RedisLease]
+    ) -> list[RedisLease]:
+        """Read renew.lua's reply for ``batch``; returns the leases whose holder released them while the
+        renewal was in flight but which the renewal re-adopted (release them again)."""
         epoch = text(r[0])
         self.epoch = epoch
+        again: list[RedisLease] = []
         for le, code in zip(batch, r[1:], strict=False):
             code = int(code)
+            if le._released:
+                # Released by its holder while this renewal was in flight: the release may have reached
+                # Redis first, so "not found" here is that release, not a loss (no lease_lost). A lease
+                # the renewal re-adopted meanwhile (new epoch) would be counted again: release it again.
+                if code == 2:
+                    again.append(le)
+                continue
             if code == 2:
                 le.epoch = epoch
                 le._sent_held = le._held
@@ -531,6 +552,7 @@ class Core:
                           "holder ran: event loop or process paused longer than lease_ttl_s?)",
                           le.id[:8], le.bound, self.name)
                 self.emit("lease_lost", le.id, bound=le.bound)
+        return again
 
     # ------------------------------------------------------------------ errors, availability, events
     def credentials_error(self, exc: BaseException) -> ConfigurationError:

@@ -59,6 +59,9 @@ class SyncFace:
         self.pump: threading.Thread | None = None
         self.pump_wake = threading.Event()
         self.closed = False
+        # The keeper thread's own connection (renewals, retried releases): never queued behind a burst of
+        # threads' acquires in the shared pool (see AsyncFace.renew_client). Made with the client.
+        self.renew_client: Any = None
 
     def get_client(self) -> Any:
         if self.client is None:
@@ -75,10 +78,30 @@ class SyncFace:
                     self.owns_client = True
         return self.client
 
+    def get_renew_client(self) -> Any:
+        """The keeper's client: its own pool of 2 from the URL or cloned from the caller's ``redis.Redis``
+        (same connection settings); the shared client for one that cannot be cloned (a cluster)."""
+        client = self.get_client()
+        with self.lock:
+            if self.renew_client is None:
+                if self.core.url is not None:
+                    pool = redis_sync.BlockingConnectionPool.from_url(self.core.url, max_connections=2,
+                                                                      timeout=None)
+                elif type(client) is redis_sync.Redis:
+                    src = client.connection_pool
+                    pool = redis_sync.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+                        connection_class=src.connection_class, max_connections=2, timeout=None,
+                        **src.connection_kwargs)
+                else:
+                    return client
+                self.renew_client = redis_sync.Redis.from_pool(pool)
+            return self.renew_client
+
     # ------------------------------------------------------------------ one script call
-    def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True) -> Any:
+    def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True,
+             client: Any = None) -> Any:
         """Blocking form of :meth:`AsyncFace.eval <zp_client.budget.redis._async.AsyncFace.eval>`."""
-        client, core = self.get_client(), self.core
+        client, core = client or self.get_client(), self.core
         sha = core.sha(script)
         tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
         while True:
@@ -91,7 +114,8 @@ class SyncFace:
                 SYSTEM_CLOCK.sleep_sync(tries.after(exc))
                 continue
             if init and core.needs_init(r):
-                core.after_init(self.eval("init", core.init_args(), init=False, patient=patient))
+                core.after_init(self.eval("init", core.init_args(), init=False, patient=patient,
+                                          client=client))
                 continue
             core.mark_available(True)
             return r
@@ -253,7 +277,8 @@ class SyncFace:
             for lid, give_up in retry:
                 try:
                     if SYSTEM_CLOCK.monotonic() <= give_up:
-                        self.eval("release", self.core.release_args(lid), init=False, patient=False)
+                        self.eval("release", self.core.release_args(lid), init=False, patient=False,
+                                  client=self.get_renew_client())
                     with self.lock:
                         self.retry.pop(lid, None)
                 except CALL_FAILED as exc:
@@ -279,12 +304,18 @@ class SyncFace:
         for i in range(0, len(leases), RENEW_BATCH):
             batch = leases[i : i + RENEW_BATCH]
             try:
-                r = self.eval("renew", self.core.renew_args(batch), patient=False)
+                r = self.eval("renew", self.core.renew_args(batch), patient=False,
+                              client=self.get_renew_client())
             except CALL_FAILED as exc:
                 log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
                 continue
             with self.lock:
-                self.core.after_renew(batch, r, self.leases)
+                again = self.core.after_renew(batch, r, self.leases)
+            for le in again:  # released while the renewal re-adopted it: release it again
+                try:
+                    self.eval("release", self.core.release_args(le.id), init=False, patient=False)
+                except CALL_FAILED as exc:
+                    self._retry_later(le.id, exc)
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
@@ -310,3 +341,10 @@ class SyncFace:
                 log.debug("zp_client: closing the Redis client of budget %r failed: %r", self.core.name, exc)
             self.client = None
             self.owns_client = False
+        renew, self.renew_client = self.renew_client, None
+        if renew is not None:  # always ours
+            try:
+                renew.close()
+            except CALL_FAILED as exc:
+                log.debug("zp_client: closing the renewal client of budget %r failed: %r", self.core.name,
+                          exc)
