@@ -290,8 +290,7 @@ class _Guard:
 def _repeat_answer(core: Core, f: _Failure, status: int, headers: list[tuple[bytes, bytes]],
                    content: bytes) -> Any:
     ago = core.clock.monotonic() - f.ended
-    return core.lib.module.Response(status, headers=[*headers, (b"x-zp-repeat", f"{ago:.3f}".encode())],
-                                    content=content)
+    return _answer(core, status, [*headers, (b"x-zp-repeat", f"{ago:.3f}".encode())], content, {})
 
 
 def _failed_status(core: Core, status: int) -> bool:
@@ -343,4 +342,13 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Gener
     else:
         guard.succeeded()  # a verdict about the request itself (4xx): sent again if asked again
     extensions = {k: v for k, v in resp.extensions.items() if k != "network_stream"}  # the body was read
-    return core.lib.module.Response(status, headers=headers, content=content, extensions=extensions)
+    return _answer(core, status, headers, content, extensions)
+
+
+def _answer(core: Core, status: int, headers: list[tuple[bytes, bytes]], content: bytes,
+            extensions: dict[str, Any]) -> Any:
+    """An error answer handed over from bytes already read. Built on a byte *stream*, not ``content=``: a
+    response made from ``content`` counts as already streamed, so a caller reading it raw (``aiter_raw``,
+    ``iter_raw``) would get ``StreamConsumed``."""
+    mod = core.lib.module
+    return mod.Response(status, headers=headers, stream=mod.ByteStream(content), extensions=extensions)
