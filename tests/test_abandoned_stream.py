@@ -1,0 +1,186 @@
+"""An abandoned stream releases its lease at once, without the garbage collector (issue 33, item 2).
+
+openai's ``Stream`` / ``AsyncStream`` hold their own iterator, whose frame holds the stream: a
+reference cycle, so a stream its caller dropped (``del``, a ``break`` out of ``async for`` and
+returning, a task cancelled between two chunks) kept its connection and its lease until the garbage
+collector ran, or the 300 s idle watchdog. Every test here runs with ``gc.disable()`` against real HTTP
+on loopback (tests/_asgi_server.py's ``slow`` model streams a chunk every 20 ms until the client goes
+away), through ``wrap()`` and zp's own clients."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import openai
+import pytest
+from _asgi_server import LoopbackServer
+
+from zp_client import AsyncClient, Client, wrap
+from zp_client.budget.local import LocalBudget
+from zp_client.config import Settings
+
+pytestmark = [pytest.mark.anyio, pytest.mark.openai_compat]
+
+MSGS = [{"role": "user", "content": "q"}]
+SETTINGS = Settings(estimator="heuristic", max_model_len=4096)
+N = 50
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LoopbackServer]:
+    with LoopbackServer() as s:
+        yield s
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    gc.collect()  # what earlier tests left: not ours to count
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def _released_within(budget: LocalBudget, seconds: float) -> float:
+    """Seconds until the budget holds no lease (polled), or fails after ``seconds``."""
+    start = time.monotonic()
+    while (st := await budget.status()).leases:
+        if time.monotonic() - start > seconds:
+            raise AssertionError(f"{st.leases} leases ({st.used} blocks) still held {seconds} s after "
+                                 "abandonment")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def _server_aborted(server: LoopbackServer) -> None:
+    deadline = time.monotonic() + 10
+    while server.slow_streams_open and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert server.slow_streams_open == 0
+
+
+def _async_wrapped(server: LoopbackServer, budget: LocalBudget) -> Any:
+    return wrap(openai.AsyncOpenAI(base_url=server.base_url, api_key="x", timeout=30), budget=budget,
+                settings=SETTINGS)
+
+
+@pytest.mark.parametrize("how", ["del", "break", "never-read"])
+async def test_fifty_dropped_openai_streams_are_released_at_once(server: LoopbackServer, no_gc: None,
+                                                                 how: str) -> None:
+    budget = LocalBudget(limit_blocks=100_000)
+    client = _async_wrapped(server, budget)
+
+    async def one() -> None:
+        stream = await client.chat.completions.create(model="slow", max_tokens=3000, stream=True,
+                                                     messages=MSGS)  # type: ignore[arg-type]
+        if how != "never-read":
+            async for _ in stream:
+                break  # no close(): the caller walks away
+        if how == "del":
+            del stream
+
+    try:
+        await asyncio.gather(*(one() for _ in range(N)))
+        await _released_within(budget, 1.0)
+        await _server_aborted(server)  # the connection was closed: the server stopped generating
+    finally:
+        await client.close()
+
+
+async def test_a_dropped_sync_openai_stream_is_released_at_once(server: LoopbackServer, no_gc: None) -> None:
+    budget = LocalBudget(limit_blocks=100_000)
+    client = wrap(openai.OpenAI(base_url=server.base_url, api_key="x", timeout=30), budget=budget,
+                  settings=SETTINGS)
+
+    def one() -> None:
+        stream = client.chat.completions.create(model="slow", max_tokens=3000, stream=True,
+                                               messages=MSGS)  # type: ignore[arg-type]
+        for _ in stream:
+            break
+
+    try:
+        for _ in range(5):
+            await anyio.to_thread.run_sync(one)
+        await _released_within(budget, 1.0)
+        await _server_aborted(server)
+    finally:
+        client.close()
+
+
+async def test_zp_clients_dropped_streams_are_released_at_once(server: LoopbackServer, no_gc: None) -> None:
+    budget = LocalBudget(limit_blocks=100_000)
+    aclient = AsyncClient(base_url=server.base_url, api_key="x", budget=budget, settings=SETTINGS)
+    sclient = Client(base_url=server.base_url, api_key="x", budget=budget, settings=SETTINGS)
+
+    async def one_async() -> None:
+        stream = await aclient.chat.completions.create(model="slow", max_tokens=3000, stream=True,
+                                                      messages=MSGS)
+        async for _ in stream:
+            break
+
+    def one_sync() -> None:
+        stream = sclient.chat.completions.create(model="slow", max_tokens=3000, stream=True, messages=MSGS)
+        for _ in stream:
+            break
+
+    try:
+        await asyncio.gather(*(one_async() for _ in range(10)))
+        await anyio.to_thread.run_sync(one_sync)
+        await _released_within(budget, 1.0)
+        await _server_aborted(server)
+    finally:
+        await aclient.aclose()
+        sclient.close()
+
+
+async def test_randomly_cancelled_requests_leak_nothing_without_the_collector(server: LoopbackServer,
+                                                                               no_gc: None) -> None:
+    """Tasks cancelled at random points (waiting for the answer, inside a read, between two reads while
+    the caller does its own work) and streams dropped half-read: nothing stays held, and the requests
+    nobody cancelled complete."""
+    rng = random.Random(33)
+    budget = LocalBudget(limit_blocks=100_000)
+    client = _async_wrapped(server, budget)
+    done: list[int] = []
+
+    async def one(i: int) -> None:
+        model = "slow" if i % 2 else "ok"
+        stream = await client.chat.completions.create(model=model, max_tokens=6, stream=True,
+                                                     messages=MSGS)  # type: ignore[arg-type]
+        got = 0
+        async for _ in stream:
+            got += 1
+            await asyncio.sleep(rng.random() * 0.01)  # the caller's own work between two chunks
+            if model == "slow" and got >= 3:
+                return  # a half-read stream, dropped
+        done.append(i)
+
+    try:
+        tasks = [asyncio.ensure_future(one(i)) for i in range(200)]
+        cancelled = set(rng.sample(range(200), 100))
+        for i in sorted(cancelled, key=lambda _: rng.random()):
+            await asyncio.sleep(rng.random() * 0.002)
+            tasks[i].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(r is None or isinstance(r, asyncio.CancelledError) for r in results), results
+        finished_ok = {i for i in range(0, 200, 2) if i not in cancelled}
+        assert finished_ok <= set(done)  # the ones nobody cancelled got their whole answer
+        # a cancelled task's error holds its frames (and the stream in them): the caller lets go of them
+        del results, tasks
+        await _released_within(budget, 1.0)
+        assert (await budget.status()).used == 0
+        await _server_aborted(server)
+    finally:
+        await client.close()
