@@ -184,3 +184,54 @@ async def test_randomly_cancelled_requests_leak_nothing_without_the_collector(se
         await _server_aborted(server)
     finally:
         await client.close()
+
+
+_DIRECT = r"""
+import asyncio, gc, sys, time
+import httpx, openai
+from _asgi_server import LoopbackServer
+from zp_client.budget.local import LocalBudget
+from zp_client.config import Settings
+from zp_client.transport import transport_classes
+from zp_client._httplib import module_of
+
+async def main():
+    gc.disable()
+    with LoopbackServer() as server:
+        budget = LocalBudget(limit_blocks=100_000)
+        probe = openai.AsyncOpenAI(api_key="x")
+        mod = module_of(probe._client)
+        t = transport_classes(mod).AsyncAdmissionTransport(
+            budget=budget, settings=Settings(estimator="heuristic", max_model_len=4096))
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="x",
+                                    http_client=mod.AsyncClient(transport=t, timeout=30))
+        for _ in range(10):
+            stream = await client.chat.completions.create(model="slow", max_tokens=3000, stream=True,
+                                                         messages=[{"role": "user", "content": "q"}])
+            async for _ in stream:
+                break
+            del stream
+        start = time.monotonic()
+        while (await budget.status()).leases and time.monotonic() - start < 1.0:
+            await asyncio.sleep(0.01)
+        print("held", (await budget.status()).leases)
+
+asyncio.run(main())
+"""
+
+
+def test_an_openai_client_over_the_transport_without_wrap_releases_dropped_streams_too() -> None:
+    """The documented other way in (``AsyncAdmissionTransport`` as an openai client's transport, no
+    ``wrap()``), in a fresh interpreter: no earlier ``wrap()`` has prepared openai's streams there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _DIRECT], capture_output=True, text=True, timeout=60,
+                          env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "held 0", proc.stdout

@@ -51,6 +51,8 @@ class _Body:
         self._prefetched = prefetched
         self._completed = False
         weakref.finalize(self, finalize, holder).atexit = False
+        if not _sdk_watched:  # an openai client over this transport without wrap(): the same release
+            _watch_loaded_sdk()
 
     def _end(self) -> bytes:
         """The body ended: the rest to hand over; learn from its usage."""
@@ -58,6 +60,18 @@ class _Body:
         self._completed = True
         self._core.observe(self._plan, self._scanner)
         return tail
+
+
+_sdk_watched = False
+
+
+def _watch_loaded_sdk() -> None:
+    """:func:`watch_sdk_streams` once openai is imported (it is before any of its streams exists)."""
+    global _sdk_watched
+    openai_module = sys.modules.get("openai")
+    if openai_module is not None:
+        _sdk_watched = True
+        watch_sdk_streams(openai_module)
 
 
 def adopt_sdk_stream(stream: Any) -> None:
