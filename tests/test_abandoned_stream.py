@@ -235,3 +235,31 @@ def test_an_openai_client_over_the_transport_without_wrap_releases_dropped_strea
                           env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "held 0", proc.stdout
+
+
+@pytest.mark.skipif(not getattr(__import__("select"), "POLLRDHUP", 0),
+                    reason="needs poll()'s POLLRDHUP (Linux)")
+async def test_a_connection_the_server_ended_releases_an_unread_stream(server: LoopbackServer,
+                                                                        no_gc: None) -> None:
+    """The ``reset`` model sends two chunks, then the server drops the connection: the server holds no KV
+    for the request any more. Fifty callers still hold their streams but read no further: the leases go
+    back anyway (the idle watchdog would wait 300 s), and what was sent stays readable."""
+    budget = LocalBudget(limit_blocks=100_000)
+    client = _async_wrapped(server, budget)
+    streams = []
+    try:
+        for _ in range(N):
+            stream = await client.chat.completions.create(model="reset", max_tokens=100, stream=True,
+                                                         messages=MSGS)  # type: ignore[arg-type]
+            streams.append(stream)
+        await _released_within(budget, 1.0)
+        got = []
+        with pytest.raises(Exception) as info:  # the cut still surfaces to whoever reads on  # noqa: PT011
+            async for chunk in streams[0]:
+                got.append(chunk)
+        # openai 3.x says APIConnectionError; 2.x passes the transport's error on as it is
+        assert type(info.value).__name__ in ("APIConnectionError", "RemoteProtocolError"), info.value
+        assert got  # the chunks the server sent before it ended
+        assert len(streams) == N  # all still referenced: released because the server ended them
+    finally:
+        await client.close()
