@@ -81,3 +81,48 @@ def test_has_read_body_tells_a_read_response_from_a_stream(mod: ModuleType) -> N
     assert not has_read_body(streamed)
     streamed.read()
     assert has_read_body(streamed)
+
+
+@pytest.mark.openai_compat
+@pytest.mark.parametrize("cls_name", ["Stream", "AsyncStream"])
+def test_detach_sdk_stream_breaks_the_streams_cycle(cls_name: str) -> None:
+    """openai's stream holds ``_iterator = self.__stream__()`` (its frame holds the stream): after
+    ``detach_sdk_stream`` the iterator runs on a twin and nothing refers back to the stream."""
+    import gc
+    import weakref
+
+    from zp_client._private import detach_sdk_stream, response_body_stream
+
+    is_async = cls_name == "AsyncStream"
+    client = (openai.AsyncOpenAI if is_async else openai.OpenAI)(base_url="http://127.0.0.1:9/v1",
+                                                                 api_key="k")
+    mod = module_of(sdk_http_client(client))
+    given: list[Any] = []
+
+    def handler(request: Any) -> Any:
+        answer = mod.Response(200, content=b"data: [DONE]\n\n")
+        given.append(answer.stream)  # the client rebinds answer.stream to its own wrapper
+        return answer
+
+    with mod.Client(transport=mod.MockTransport(handler)) as http:
+        resp = http.send(http.build_request("POST", "http://127.0.0.1:9/v1"), stream=True)
+        assert response_body_stream(resp) is given[0] is not resp.stream  # under the client's bound stream
+    stream = getattr(openai, cls_name)(cast_to=dict, response=resp, client=client)
+    frame = stream._iterator.ag_frame if is_async else stream._iterator.gi_frame
+    assert frame.f_locals["self"] is stream  # the cycle openai makes
+    detach_sdk_stream(stream)
+    frame = stream._iterator.ag_frame if is_async else stream._iterator.gi_frame
+    assert frame.f_locals["self"] is not stream
+    gone = weakref.ref(stream)
+    gc.disable()
+    try:
+        del stream
+        assert gone() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+    class Renamed:
+        pass
+
+    with pytest.raises(ConfigurationError, match="__stream__"):
+        detach_sdk_stream(Renamed())

@@ -856,6 +856,8 @@ class Core:
                     moves += 1  # sent elsewhere, keeping its place: no retry spent, no attempt counted
                     plan.meta = fleet.avoiding(plan.meta, lease)
                     continue
+                if getattr(exc, "_zp_answered", False):  # the server answered: only its caller may retry
+                    raise
                 if state is None:
                     if is_unreachable(exc):
                         raise unreachable(request, exc, attempt + 1) from None
@@ -1125,8 +1127,11 @@ class Core:
         lease = holder.lease
         scanner = Scanner(plan, self.budget.block_size, lease.bound, lease, True, self.forecaster)
         asm = Reassembler(plan.chat)
+        answered = False  # a body byte arrived: the server works on this request (no retry from here)
 
         def sink(chunk: bytes) -> None:
+            nonlocal answered
+            answered = answered or bool(chunk)
             scanner.advance(asm.feed(chunk), asm.usage)
 
         try:
@@ -1135,6 +1140,10 @@ class Core:
                 scanner.advance(asm.end(), asm.usage)
             except BadEvent as exc:
                 raise self.lib.module.DecodingError(str(exc), request=original) from None
+            except Exception as exc:
+                if answered:
+                    raise self._cut_answer(original, exc) from exc
+                raise
         except BaseException:
             yield Close(resp, shield=True)
             raise
@@ -1147,11 +1156,34 @@ class Core:
                 request=original,
             )
             incomplete._zp_incomplete = True  # not a failed connection: a fleet does not move it
+            incomplete._zp_answered = answered  # the server generated it: not retried either
             raise incomplete
         else:
             self.observe(plan, scanner)
             status, payload = 200, asm.body()
         return self.lib.reassembled_response(resp, status, payload)
+
+    def _cut_answer(self, original: Any, exc: Exception) -> Exception:
+        """A transport error while reading a non-streamed call's upstream stream after its first byte: the
+        server was generating the answer, so the attempt is not retried (a retry would run the whole
+        generation again, docs/retries.md) and a fleet does not move it. A timeout stays the library's
+        timeout (openai: ``APITimeoutError``); a cut becomes its ``RemoteProtocolError`` (openai:
+        ``APIConnectionError``) saying so, the original as ``__cause__``."""
+        from zp_client.retry import classify_error
+
+        if classify_error(exc) is None:
+            return exc  # not a transport error: it surfaces as it is (the policy retries only those)
+        if "Timeout" in type(exc).__name__:
+            out: Exception = exc
+        else:
+            out = self.lib.module.RemoteProtocolError(
+                f"the server's answer was cut after it started ({type(exc).__name__}: {exc}); the answer "
+                "is incomplete and is not retried (the server had started generating it)",
+                request=original,
+            )
+        out._zp_incomplete = True  # type: ignore[attr-defined]
+        out._zp_answered = True  # type: ignore[attr-defined]
+        return out
 
     # -- watching the body and learning from it -----------------------------------------------------
     def scanner_for(self, plan: Plan, resp: Any, lease: Lease) -> Scanner:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from zp_client._private import has_read_body
+from zp_client._private import detach_sdk_stream, has_read_body, response_body_stream
 from zp_client._release import Holder, finalize
 from zp_client._sse import REASSEMBLY_DROPPED_HEADERS, Scanner
 from zp_client.config import Settings
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from zp_client._core import Core
     from zp_client._plan import Plan
 
-__all__ = ["HttpLib", "HTTPX", "AsyncBody", "SyncBody", "module_of"]
+__all__ = ["HttpLib", "HTTPX", "AsyncBody", "SyncBody", "module_of", "watch_sdk_streams"]
 
 logger = logging.getLogger("zp_client.transport")
 
@@ -51,6 +51,8 @@ class _Body:
         self._prefetched = prefetched
         self._completed = False
         weakref.finalize(self, finalize, holder).atexit = False
+        if not _sdk_watched:  # an openai client over this transport without wrap(): the same release
+            _watch_loaded_sdk()
 
     def _end(self) -> bytes:
         """The body ended: the rest to hand over; learn from its usage."""
@@ -58,6 +60,59 @@ class _Body:
         self._completed = True
         self._core.observe(self._plan, self._scanner)
         return tail
+
+
+_sdk_watched = False
+
+
+def _watch_loaded_sdk() -> None:
+    """:func:`watch_sdk_streams` once openai is imported (it is before any of its streams exists)."""
+    global _sdk_watched
+    openai_module = sys.modules.get("openai")
+    if openai_module is not None:
+        _sdk_watched = True
+        watch_sdk_streams(openai_module)
+
+
+def adopt_sdk_stream(stream: Any) -> None:
+    """An openai ``Stream`` / ``AsyncStream`` over a body of ours: its caller dropping it abandons the
+    body at once (closes the connection, so the server aborts, then releases the lease) instead of when
+    the garbage collector finds the stream's reference cycle, which it breaks (``detach_sdk_stream``).
+    Streams over other bodies (a client zp does not admit) are left as they are."""
+    body = response_body_stream(getattr(stream, "response", None))
+    if not isinstance(body, _Body) or body._holder.done:
+        return
+    try:
+        detach_sdk_stream(stream)
+    except ConfigurationError:  # a newer openai: the garbage collector (or the watchdog) releases it
+        logger.debug("cannot detach an openai stream's iterator", exc_info=True)
+        return
+    weakref.finalize(stream, finalize, body._holder).atexit = False
+
+
+def watch_sdk_streams(openai_module: ModuleType) -> None:
+    """Make every openai ``Stream`` / ``AsyncStream`` built from now on call :func:`adopt_sdk_stream`
+    (once per process; a no-op for streams that zp did not admit). Idempotent."""
+    for name in ("Stream", "AsyncStream"):
+        cls = getattr(openai_module, name, None)
+        init = getattr(cls, "__init__", None)
+        if cls is None or init is None or getattr(init, "_zp_adopts", False):
+            continue
+        cls.__init__ = _adopting(init)
+
+
+def _adopting(init: Any) -> Any:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        try:
+            adopt_sdk_stream(self)
+        except Exception:  # never break the caller's stream for this; the GC path still releases
+            logger.debug("adopting an openai stream failed", exc_info=True)
+
+    __init__._zp_adopts = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    __init__.__doc__ = init.__doc__
+    return __init__
 
 
 class AsyncBody(_Body):

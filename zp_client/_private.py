@@ -7,13 +7,14 @@ tests/test_private_access.py (integrations/crewai/tests for CrewAI) fails. See d
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
 from zp_client.errors import ConfigurationError
 
 __all__ = ["sdk_http_client", "resource_client", "http_transport", "http_mounts", "has_read_body",
-           "replace_crewai_clients"]
+           "replace_crewai_clients", "response_body_stream", "detach_sdk_stream"]
 
 
 def _missing(obj: Any, attr: str) -> ConfigurationError:
@@ -59,6 +60,35 @@ def has_read_body(resp: Any) -> bool:
     """Whether an ``httpx`` / ``httpx2`` response already holds its whole body (``Response._content``,
     set by ``read()`` or by a response built with ``content=``; httpx has no public flag for it)."""
     return hasattr(resp, "_content")
+
+
+def response_body_stream(resp: Any) -> Any:
+    """The body stream a transport returned, under an ``httpx`` / ``httpx2`` client's response: the client
+    wraps it in its ``BoundAsyncStream`` / ``BoundSyncStream`` as ``_stream``; a response built without a
+    client holds it as ``stream`` itself."""
+    stream: Any = getattr(resp, "stream", None)
+    if type(stream).__name__ in ("BoundAsyncStream", "BoundSyncStream"):
+        if not hasattr(stream, "_stream"):
+            raise _missing(stream, "_stream")
+        return stream._stream
+    return stream
+
+
+def detach_sdk_stream(stream: Any) -> None:
+    """Let an ``openai.Stream`` / ``AsyncStream`` be freed as soon as its caller drops it.
+
+    openai builds its iterator as ``self._iterator = self.__stream__()``: a generator whose frame holds
+    the stream, a reference cycle, so a dropped stream (and the connection and lease under it) waits for
+    the garbage collector. The iterator is rebuilt on a shallow copy of the stream (the same response,
+    decoder and client) that does not hold it: nothing then refers back to the stream. Raises
+    :class:`~zp_client.ConfigurationError` when openai renamed either attribute."""
+    make = getattr(type(stream), "__stream__", None)
+    if make is None or not hasattr(stream, "_iterator"):
+        raise _missing(stream, "_iterator" if make is not None else "__stream__")
+    twin = copy.copy(stream)
+    twin._iterator = None  # the twin never iterates itself: only the stream does, through the new one
+    # the one openai made was never started: dropping it is free (no finalizer runs for it)
+    stream._iterator = make(twin)
 
 
 def replace_crewai_clients(llm: Any, replace: Callable[[Any], Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,19 @@ class Holder:
             return
         deferred.add(self, after_s)
 
+    def server_ended(self) -> None:
+        """The server ended the connection under a body its caller is not reading: it holds no KV for
+        the request any more, so the lease goes back now. The response is not closed (what the server
+        sent before it ended stays readable). Callable from any thread."""
+        if self.done:
+            return
+        loop = self.loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            self.release_sync()
+            return
+        self._mark_done()
+        asyncio.run_coroutine_threadsafe(_release_only(self.lease), loop)
+
     def abandon(self) -> None:
         """The caller walked away (garbage collection) or stopped reading (watchdog).
 
@@ -146,6 +160,55 @@ async def _abandon_async(resp: Any, lease: Lease) -> None:
             await lease.release()
         except Exception:
             logger.exception("lease release failed")
+
+
+async def _release_only(lease: Lease) -> None:
+    try:
+        await lease.release()
+    except Exception:
+        logger.exception("lease release failed")
+
+
+#: How often the watchdog looks for connections the server ended under unread bodies (Linux: poll()'s
+#: POLLRDHUP says the peer shut its side even while data it sent is still unread).
+HANGUP_CHECK_S = 0.25
+_RDHUP = getattr(select, "POLLRDHUP", 0)
+
+
+def _socket_of(resp: Any) -> Any:
+    """The socket under an httpcore response (its ``network_stream`` extension), or None."""
+    try:
+        stream = resp.extensions.get("network_stream")
+        return None if stream is None else stream.get_extra_info("socket")
+    except (AttributeError, TypeError, KeyError):  # not httpcore's: no socket to look at
+        return None
+
+
+def hung_up(holders: list[Holder]) -> list[Holder]:
+    """Those of ``holders`` (bodies nobody is reading) whose connection the server ended: shut down
+    (POLLRDHUP, POLLHUP) or already closed under them. Empty where poll() has no POLLRDHUP."""
+    if not _RDHUP or not holders:
+        return []
+    poller = select.poll()
+    by_fd: dict[int, Holder] = {}
+    ended: list[Holder] = []
+    for h in holders:
+        sock = _socket_of(h.resp)
+        if sock is None:
+            continue
+        try:
+            fd = sock.fileno()
+        except (AttributeError, OSError):
+            continue
+        if fd < 0:  # closed under a body still held: the connection ended (ours would have released)
+            ended.append(h)
+        elif fd not in by_fd:
+            by_fd[fd] = h
+            poller.register(fd, _RDHUP | select.POLLHUP)
+    for fd, events in poller.poll(0):
+        if events & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL):
+            ended.append(by_fd[fd])
+    return ended
 
 
 _pending: set[asyncio.Task[None]] = set()
@@ -215,7 +278,9 @@ deferred = DeferredReleases()
 
 
 class Watchdog:
-    """One daemon thread for the process: releases leases of streams nobody has read for a while."""
+    """One daemon thread for the process: releases leases of streams nobody has read for a while, and
+    (every :data:`HANGUP_CHECK_S`, where poll() can tell) of bodies nobody is reading whose connection
+    the server ended (it aborted or finished the request: it holds no KV for it any more)."""
 
     def __init__(self) -> None:
         self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
@@ -223,6 +288,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._interval = 5.0
+        # True while the thread sleeps past HANGUP_CHECK_S (no body was open): the next one wakes it
+        self._sleeping_long = False
 
     def add(self, holder: Holder) -> None:
         with self._lock:
@@ -232,7 +299,8 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._run, name="zp-idle-watchdog", daemon=True)
                 self._thread.start()
                 return
-            wake = holder.idle_timeout / 4 < self._interval
+            wake = holder.idle_timeout / 4 < self._interval or self._sleeping_long
+            self._sleeping_long = False
         if wake:
             # Only a shorter timeout than any seen needs an earlier check; waking the thread on every
             # request would cost a GIL hand-off per request.
@@ -245,6 +313,18 @@ class Watchdog:
                 if holders:
                     self._interval = max(0.01, min(h.idle_timeout for h in holders) / 4)
                 interval = self._interval
+                self._sleeping_long = bool(_RDHUP) and not holders and interval > HANGUP_CHECK_S
+            if holders and _RDHUP:
+                interval = min(interval, HANGUP_CHECK_S)
+                try:
+                    unread = [h for h in holders if not h.done and not h.waiting and h.resp is not None]
+                    ended = hung_up(unread)
+                except Exception:  # never let this check stop the watchdog
+                    logger.debug("checking for ended connections failed", exc_info=True)
+                    ended = []
+                for h in ended:
+                    logger.debug("the server ended the connection of an unread body: releasing its lease")
+                    h.server_ended()
             for h in holders:
                 if not h.done and not h.waiting and h.clock.monotonic() - h.last_activity > h.idle_timeout:
                     logger.warning(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, TypeVar, cast
 
-from zp_client._httplib import module_of
+from zp_client._httplib import module_of, watch_sdk_streams
 from zp_client._private import http_mounts, http_transport, sdk_http_client
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
@@ -108,6 +108,7 @@ def wrap(
     transport = cls(http_transport(http), budget=budget, settings=settings, estimator=estimator, retry=retry,
                     close_inner=False, forecaster=forecaster, metrics=metrics)
     transport.core.convert_error = openai_compatible_error
+    watch_sdk_streams(openai)  # a dropped stream releases its lease at once (no reference cycle left)
     mounts: dict[str, Any] = {}
     for pattern, inner in http_mounts(http).items():
         if inner is None:

@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from zp_client.errors import MissingIntegration
+from zp_client.errors import MissingIntegration, install_hint
 
 # subcommand -> (module exposing ``add_arguments(parser)`` and ``run(args) -> int``, help, its extra)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -63,7 +63,7 @@ def missing_extra(command: str, extra: str, exc: ImportError) -> str | None:
     if not module or module not in _EXTRA_MODULES.get(extra, frozenset()):
         return None
     return (f"zp-client {command} needs the '{extra}' extra (no module named {module!r}): "
-            f"pip install 'zp-client[{extra}]' (in a clone: pip install -e '.[{extra}]')")
+            f"{install_hint(extra)}")
 
 
 def build_parser() -> argparse.ArgumentParser:

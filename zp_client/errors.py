@@ -225,6 +225,25 @@ class MissingIntegration(ConfigurationError, ImportError):
     extra's packages (``RedisBudget`` without ``zp-client[redis]``); the message says what to install."""
 
 
+def install_hint(extra: str) -> str:
+    """The command that installs zp-client's ``extra``, for a message: from the clone this zp-client runs
+    from when it runs from one (an editable install or a source tree: ``pip install 'zp-client[x]'``
+    there would fetch another copy from PyPI), else from PyPI; the other way is named after it."""
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        clone = 'name = "zp-client"' in (root / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        clone = False
+    pypi = f"pip install 'zp-client[{extra}]'"
+    if clone:
+        clone_cmd = f"pip install -e {shlex.quote(f'{root}[{extra}]')}"
+        return f"{clone_cmd} (zp-client runs from the clone at {root}; from PyPI: {pypi})"
+    return f"{pypi} (from a clone: pip install -e '.[{extra}]')"
+
+
 # --------------------------------------------------------------------------------------------------
 # for frameworks' retry predicates
 # --------------------------------------------------------------------------------------------------

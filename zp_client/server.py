@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from zp_client._clock import SYSTEM_CLOCK
-from zp_client.errors import ConfigurationError, ServerInfoError
+from zp_client.errors import ConfigurationError, ServerInfoError, install_hint
 
 if TYPE_CHECKING:  # pragma: no cover
     from zp_client.config import Settings
@@ -121,7 +121,8 @@ def parse_metrics(text: str) -> ServerMetrics:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConfigurationError(
-            "reading /metrics needs prometheus-client: pip install 'zp-client[sim]' (or prometheus-client)"
+            f"reading /metrics needs prometheus-client: {install_hint('sim')} "
+            "(or pip install prometheus-client)"
         ) from exc
     samples: dict[str, float] = {}
     maxima: dict[str, float] = {}

@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-scale", type=float, default=None,
                         help="trace replays: keep/replicate requests x this; "
                              "seed-burst/agentic: sessions x this")
-    parser.add_argument("--profile", default=None, help="simulator profile (see zp_client.sim.profiles)")
+    parser.add_argument("--profile", default=None, metavar="NAME",
+                        help="simulator profile (see zp_client.sim.profiles; default: the workload's)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the profile's pool size")
     parser.add_argument("--max-model-len", type=int, default=None, help="override the context length")
     parser.add_argument("--workers", type=int, default=3, help="zp-redis worker processes (default 3)")
@@ -118,6 +119,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompt_tokens, max_tokens, ...), or an Azure CSV / Mooncake JSONL trace")
     parser.add_argument("--trace-format", default="auto", choices=TRACE_FORMATS,
                         help="format of --trace (default: auto, from the extension and the first record)")
+
+
+def _check_profile(name: str | None) -> None:
+    """A ``--profile`` the simulator knows (checked before anything starts: a one-line error, not a
+    traceback from the first simulated server)."""
+    from zp_client.sim.profiles import PROFILES
+
+    if name is not None and name not in PROFILES:
+        raise ConfigurationError(f"unknown simulator profile {name!r} (--profile); choose one of: "
+                                 f"{', '.join(sorted(PROFILES))}")
 
 
 def _trace_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             replicas = sum(pd)
         setups = parse_setups(args.setups, args.redis, replicas, pd=pd is not None)
         loads = _parse_sweep(args.sweep)
+        _check_profile(args.profile)
         from zp_client.bench.bypass import parse_window
 
         bypass = float(getattr(args, "bypass", 0.0) or 0.0)

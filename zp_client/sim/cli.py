@@ -25,25 +25,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     # Serve options use their own dests (sim_*) so the replay subparser's options of the same
     # spelling (--num-gpu-blocks, --policy...) never clash in the shared namespace.
-    parser.add_argument("--host", dest="sim_host", default="127.0.0.1",
+    parser.add_argument("--host", dest="sim_host", default="127.0.0.1", metavar="HOST",
                         help="interface to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", dest="sim_port", type=int, default=8000,
+    parser.add_argument("--port", dest="sim_port", type=int, default=8000, metavar="PORT",
                         help="port (default 8000; 0 = any)")
     parser.add_argument("--profile", dest="sim_profile", default="tiny", choices=sorted(PROFILES),
                         help="GPU profile: pool size, limits and step-time constants (default tiny)")
-    parser.add_argument("--num-gpu-blocks", dest="sim_num_gpu_blocks", type=int, default=None,
+    parser.add_argument("--num-gpu-blocks", dest="sim_num_gpu_blocks", type=int, default=None, metavar="N",
                         help="KV pool size in blocks, including the null block (default: the profile's)")
-    parser.add_argument("--speedup", dest="sim_speedup", type=float, default=1.0,
+    parser.add_argument("--speedup", dest="sim_speedup", type=float, default=1.0, metavar="K",
                         help="virtual seconds per real second (default 1)")
     parser.add_argument("--gateway-timeout", dest="sim_gateway_timeout", type=float, default=None,
                         metavar="S",
                         help="answer 504 to requests without a first byte after S virtual seconds")
     parser.add_argument("--policy", dest="sim_policy", choices=["fcfs", "priority"], default="fcfs",
                         help="scheduling policy (vLLM's --scheduling-policy)")
-    parser.add_argument("--max-num-seqs", dest="sim_max_num_seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", dest="sim_max_num_batched_tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", dest="sim_max_model_len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", dest="sim_no_prefix_caching", action="store_true")
+    parser.add_argument("--max-num-seqs", dest="sim_max_num_seqs", type=int, default=None, metavar="N",
+                        help="most requests running at once (vLLM's --max-num-seqs; default: the profile's)")
+    parser.add_argument("--max-num-batched-tokens", dest="sim_max_num_batched_tokens", type=int, default=None,
+                        metavar="T",
+                        help="most tokens per engine step (vLLM's --max-num-batched-tokens; default: the "
+                             "profile's)")
+    parser.add_argument("--max-model-len", dest="sim_max_model_len", type=int, default=None, metavar="T",
+                        help="context length in tokens (vLLM's --max-model-len; default: the profile's)")
+    parser.add_argument("--no-prefix-caching", dest="sim_no_prefix_caching", action="store_true",
+                        help="turn automatic prefix caching off (vLLM's --no-enable-prefix-caching)")
     parser.add_argument("--max-num-queued-reqs", dest="sim_max_num_queued_reqs", type=int, default=None,
                         metavar="N",
                         help="answer 503 (as vLLM) to a request that would make more than N requests "
@@ -58,16 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", dest="sim_role", choices=["prefill", "decode"], default=None,
                         help="one P/D role for this server (its peers must live in the same process: "
                              "use --pd, the Python API or the storm)")
-    parser.add_argument("--kv-lease-s", dest="sim_kv_lease_s", type=float, default=30.0,
+    parser.add_argument("--kv-lease-s", dest="sim_kv_lease_s", type=float, default=30.0, metavar="S",
                         help="P/D: how long a prefill's blocks wait for their decode side (vLLM's "
                              "kv_lease_duration, default 30 virtual s)")
     parser.add_argument("--kv-transfer-s-per-block", dest="sim_kv_transfer", type=float, default=None,
+                        metavar="S",
                         help="P/D: seconds to pull one KV block from a prefill server "
                              "(default: the profile's)")
     parser.add_argument("--long-prefill-token-threshold", dest="sim_long_prefill", type=int, default=None,
+                        metavar="T",
                         help="vLLM's cap on one request's prefill tokens per step (0: off)")
-    parser.add_argument("--model", dest="sim_model", default="sim-llama", help="served model name")
-    parser.add_argument("--seed", dest="sim_seed", type=int, default=0,
+    parser.add_argument("--model", dest="sim_model", default="sim-llama", metavar="NAME",
+                        help="served model name (default sim-llama)")
+    parser.add_argument("--seed", dest="sim_seed", type=int, default=0, metavar="N",
                         help="seed of the default output-length distribution")
     sub = parser.add_subparsers(dest="sim_command", metavar="{replay}")
     replay = sub.add_parser("replay", help="replay a JSONL workload in virtual time and print JSON",

@@ -9,11 +9,11 @@ script layer written once (keys, Lua, arguments, replies, error mapping, the lea
 try:
     import redis as _redis  # noqa: F401 - the 'redis' extra: without it, one line saying so
 except ModuleNotFoundError as _exc:
-    from zp_client.errors import MissingIntegration
+    from zp_client.errors import MissingIntegration, install_hint
 
     raise MissingIntegration(
         f"RedisBudget needs the 'redis' extra (no module named {(_exc.name or 'redis').split('.')[0]!r}): "
-        "pip install 'zp-client[redis]' (in a clone: pip install -e '.[redis]')"
+        + install_hint("redis")
     ) from _exc
 
 from zp_client.budget.redis._budget import RedisBudget
