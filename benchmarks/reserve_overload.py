@@ -145,6 +145,14 @@ def run_cell(workload: str, load: float, seed: int, variants: list[str], need_ba
         wl, facts, runs = run_storm(cfg)
         m = build_report(wl, facts, runs, cfg, "reserve_overload")["setups"][-1]
         row = {k: m.get(k) for k in KEEP}
+        run = runs[-1]
+        # when the server preempted (virtual s since the run's start), from its per-step timeline
+        at, last = [], 0
+        for t, _kv, p, _r, _w in run.timeline:
+            if p > last:
+                at.extend([round(t - run.t0, 2)] * (p - last))
+                last = p
+        row["preempt_at"] = at
         row.update(workload=workload, load=load, seed=seed, variant=spec,
                    wall_s=round(time.monotonic() - wall, 1))
         rows.append(row)
@@ -155,7 +163,7 @@ def run_cell(workload: str, load: float, seed: int, variants: list[str], need_ba
 def yield_row(row: dict[str, Any]) -> None:
     print(f"{row['workload']} x{row['load']:g} seed {row['seed']} {row['variant']}: preempt "
           f"{row['preemptions']} good {row['good']}/{row['sent']} makespan {row['makespan']} "
-          f"TTFT p50 {row['ttft_p50']} ({row['wall_s']} s)", flush=True)
+          f"TTFT p50 {row['ttft_p50']} at {row.get('preempt_at')} ({row['wall_s']} s)", flush=True)
 
 
 def _med(xs: list[float]) -> float | None:
@@ -192,7 +200,8 @@ def report(rows: list[dict[str, Any]]) -> str:
 
         bad = sum(1 for r in rs if not r.get("valid", True) or r.get("errors"))
         note = f" ({bad} with errors/invalid)" if bad else ""
-        out.append(f"| {wl} | {load:g} | {var}{note} | {len(rs)} (seeds {seeds}) | {sum(1 for p in pre if p)} | "
+        hit = sum(1 for p in pre if p)
+        out.append(f"| {wl} | {load:g} | {var}{note} | {len(rs)} (seeds {seeds}) | {hit} | "
                    f"{sum(pre)} ({max(pre)}) | {f(_med(good), '{:g}')} ({f(_med(gr))}x) | {f(_med(ms))}x | "
                    f"{f(_med(p50), '{:.2f}')}x | {f(_med(gp))}x |")
     return "\n".join(out)
@@ -206,6 +215,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="*", default=["-"])
     ap.add_argument("--out", default="reserve_overload.jsonl")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--no-base", action="store_true", help="do not run no-admission where it is missing")
     ap.add_argument("--filter", default=None, help="report only variants containing this text")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -218,7 +228,7 @@ def main() -> int:
             for load in args.loads:
                 for seed in args.seeds:
                     todo = [v for v in args.variants if (wl, load, seed, v) not in have]
-                    need_base = (wl, load, seed, "no-admission") not in have
+                    need_base = not args.no_base and (wl, load, seed, "no-admission") not in have
                     if not todo and not need_base:
                         continue
                     new = run_cell(wl, load, seed, todo, need_base)
