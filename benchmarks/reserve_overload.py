@@ -13,7 +13,12 @@ library's defaults):
 * ``q=``, ``qt=``: the forecaster's quantile and tail quantile;
 * ``scale=0.741``: the prompt estimate scaled by this factor before calibration (a scaled estimator:
   every estimate off by ``scale - 1``; calibration and the error bound work as shipped);
-* ``nocal=1``: with ``scale``, calibration off as well (the estimate stays off for every request);
+* ``truth=0.741``: the raw estimate is this share of the prompt's TRUE length (the simulator's own count,
+  chat template included): off by ``truth - 1`` against the server, whatever cl100k's own bias on the
+  simulator's text (``scale`` compounds with that bias: on seed-burst's text the plain estimate is
+  already ~20% short before calibration);
+* ``nocal=1``: with ``scale`` or ``truth``, calibration off as well (the estimate stays off for every
+  request, and the reservation is the error bound's share above it);
 * ``oracle=1``: each request's true output length as its forecast (``zp-oracle``);
 * any other key is passed to :class:`~zp_client.budget.elastic.ElasticPolicy` as a keyword (floats).
 
@@ -58,7 +63,7 @@ def _parse(spec: str) -> dict[str, str]:
     return out
 
 
-def _estimator(scale: float, calibrate: bool) -> Any:
+def _estimator(scale: float, calibrate: bool, truth: float | None = None) -> Any:
     from dataclasses import replace
 
     from zp_client.config import Settings
@@ -71,6 +76,10 @@ def _estimator(scale: float, calibrate: bool) -> Any:
             est = super().estimate(path, body)
             if est.exact or est.tokens <= 0:
                 return est
+            if truth is not None and isinstance(body.get("messages"), list):
+                from zp_client.bench.workloads import count_chat_tokens
+
+                return replace(est, tokens=max(1, int(count_chat_tokens(body["messages"]) * truth)))
             return replace(est, tokens=max(1, int(est.tokens * scale)))
 
         def observe(self, est: Any, prompt_tokens: int) -> None:
@@ -92,6 +101,8 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
     v = dict(_VARIANT)
     h = float(v.pop("h", ELASTIC_HEADROOM))
     scale = float(v.pop("scale", 1.0))
+    truth = float(v["truth"]) if "truth" in v else None
+    v.pop("truth", None)
     nocal = bool(float(v.pop("nocal", 0)))
     oracle = bool(float(v.pop("oracle", 0)))
     fkw: dict[str, Any] = {}
@@ -109,8 +120,8 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
         wrap_kw["forecaster"] = LengthForecaster(**fkw)
     if oracle:
         wrap_kw["forecaster"] = SimOracleForecaster(wrap_kw.get("forecaster") or forecaster_for(budget))
-    if scale != 1.0:
-        wrap_kw["estimator"] = _estimator(scale, not nocal)
+    if scale != 1.0 or truth is not None:
+        wrap_kw["estimator"] = _estimator(scale, not nocal, truth)
     client = await zp_client_for(ctx, stack, budget, **wrap_kw)
     return AppCaller(client, ctx.model, app_retry=True)
 
