@@ -20,6 +20,8 @@ library's defaults):
 * ``nocal=1``: with ``scale`` or ``truth``, calibration off as well (the estimate stays off for every
   request, and the reservation is the error bound's share above it);
 * ``oracle=1``: each request's true output length as its forecast (``zp-oracle``);
+* ``cold=0.15``: a label only (rows run with the estimator's cold error bound at 0.15, issue 30's
+  ``Estimator._prior_dev``; the earlier rows of a file ran with tiktoken's 0.05);
 * any other key is passed to :class:`~zp_client.budget.elastic.ElasticPolicy` as a keyword (floats).
 
 Rows are appended to ``--out`` (JSON lines; a rerun skips what is there) and the script prints per
@@ -101,6 +103,7 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
     v = dict(_VARIANT)
     h = float(v.pop("h", ELASTIC_HEADROOM))
     scale = float(v.pop("scale", 1.0))
+    v.pop("cold", None)  # a label (see the module docstring)
     truth = float(v["truth"]) if "truth" in v else None
     v.pop("truth", None)
     nocal = bool(float(v.pop("nocal", 0)))
