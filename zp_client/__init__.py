@@ -4,7 +4,7 @@ Quick start::
 
     from zp_client import AsyncClient, LocalBudget
 
-    budget = LocalBudget(limit_blocks=485)  # `zp-client status --server URL` suggests it from the pool
+    budget = LocalBudget(limit_blocks=459)  # `zp-client status --server URL` suggests it from the pool
     client = AsyncClient(base_url="http://localhost:8000/v1", budget=budget)
     reply = await client.chat.completions.create(model="sim-llama", messages=[...], max_tokens=256)
 

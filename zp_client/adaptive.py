@@ -112,8 +112,8 @@ DEFAULT_FLOOR_FRACTION = 0.5
 #: before it drain in a few request lifetimes), and no increase happens.
 DEFAULT_COOLDOWN_S = 5.0
 #: KV use beyond the live leases' held blocks, as a share of the usable pool, that counts as bypass: the
-#: calibrated limit's own reserve (1 - 0.95) absorbs less, and held reports lag the server by a block or
-#: two per stream.
+#: less is absorbed by the calibrated limit's own reserve (1 - ELASTIC_HEADROOM), and held reports lag the
+#: server by a block or two per stream.
 DEFAULT_BYPASS_MARGIN = 0.05
 #: The bypass ceiling follows the largest bypass measured over this many seconds of polls, not the last
 #: one alone: foreign traffic comes and goes between two of its requests (an agent's tool call, the next

@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``calibrate`` options to ``parser``."""
     parser.add_argument("url", metavar="URL", help="the server: http://host:8000 or http://host:8000/v1")
     parser.add_argument("--headroom", type=float, default=None,
-                        help="share of the usable KV pool to lease, in (0, 1] (default: the policy's, 0.95); "
-                             "lower it when clients outside zp share the server")
+                        help="share of the usable KV pool to lease, in (0, 1] (default: the policy's, "
+                             "elastic 0.90, strict 0.95); lower it when clients outside zp share the server")
     parser.add_argument("--policy", choices=("elastic", "strict"), default="elastic",
                         help="the budget's policy, whose default headroom applies (default elastic)")
     parser.add_argument("--timeout", type=float, default=5.0,

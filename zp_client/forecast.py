@@ -23,13 +23,16 @@ __all__ = [
 BUCKET_RATIO = 1.15
 
 #: Default quantile for a lease whose growth the client sees (a stream). Chosen by measurement on the
-#: storm (benchmarks/elastic_frontier.py, tuning seeds 1-3 of ``agentic`` and ``seed-burst``; docs/elastic.md,
-#: "The defaults and why"): the elastic policy sums one forecast per live lease, and a sum of per-lease 0.9
-#: quantiles is far above the 0.9 quantile of the sum, so q=0.9 over-reserved (TTFT p50 1.5x
-#: no-admission on ``agentic``) while the median gave 0 preemptions with TTFT p50 1.06x. The tail risk
-#: is carried by the pool (the budget's headroom below the server's pool) and by re-forecasting: a
-#: stream that reaches its forecast is re-forecast given its length so far, and admission tightens at once.
-DEFAULT_Q = 0.5
+#: storm: the elastic policy sums one forecast per live lease, and a sum of per-lease 0.9 quantiles is far
+#: above the 0.9 quantile of the sum, so q=0.9 over-reserved (TTFT p50 1.5x no-admission on ``agentic``,
+#: benchmarks/elastic_frontier.py). The median (0.5, the default until issue 30) ran short under overload:
+#: when one route mixes short calls and long streams, every long stream admitted together is forecast at the
+#: short calls' median and they outgrow it together (seed-burst at 2x: 30 streams of 1,024 tokens took the
+#: pool from the 0.90 limit to 0.999 and preempted once, on 2 of 4 seeds). 0.7 with the 0.90 headroom held
+#: 0 preemptions at every load up to 4x (docs/elastic.md#the-reserve-under-overload,
+#: benchmarks/reserve_overload.py); the tail beyond it is carried by the headroom and by re-forecasting
+#: (a stream that reaches its forecast is re-forecast given its length so far, and admission tightens).
+DEFAULT_Q = 0.7
 
 #: Default quantile for a lease whose growth the client cannot see (non-streamed, or n > 1): nothing
 #: corrects its forecast before it completes, so it keeps the safer quantile.
@@ -168,7 +171,7 @@ class LengthForecaster:
 
     Example::
 
-        fc = LengthForecaster(q=0.5)
+        fc = LengthForecaster()                 # q=0.7 (DEFAULT_Q)
         fc.observe("llama-70b", 180)
         end = fc.forecast("llama-70b", generated=0, max_tokens=4096)   # total output tokens expected
 

@@ -1,6 +1,6 @@
 """``zp-client status``: what a server's KV pool and a shared budget look like right now.
 
-    zp-client status --server http://127.0.0.1:8000/v1 [--headroom 0.95]
+    zp-client status --server http://127.0.0.1:8000/v1 [--headroom 0.90]
     zp-client status --redis redis://127.0.0.1:6379/0 --name NAME [--json]
     zp-client status ... --watch [--interval S]     (a live view until Ctrl-C; needs rich, the bench extra)
 
@@ -30,9 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", metavar="URL",
                         help="the server's base URL (http://host:8000/v1 or http://host:8000); "
                         "reads /metrics")
-    parser.add_argument("--headroom", type=float, default=0.95,
-                        help="fraction of the usable KV pool to suggest as limit_blocks (default 0.95, both "
-                             "policies' default; lower when clients outside zp share the server)")
+    parser.add_argument("--headroom", type=float, default=None,
+                        help="fraction of the usable KV pool to suggest as limit_blocks (default: the "
+                             "elastic policy's, zp_client.server.ELASTIC_HEADROOM = 0.90; lower when clients "
+                             "outside zp share the server)")
     parser.add_argument("--redis", metavar="URL", help="Redis URL of a shared budget (redis://host:6379/0)")
     parser.add_argument("--name", help="the RedisBudget's name (with --redis)")
     parser.add_argument("--timeout", type=float, default=5.0,
@@ -47,11 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)
 
 
-def server_status(url: str, headroom: float = 0.95, timeout: float = 5.0) -> dict[str, Any]:
-    """Read ``url``'s ``/metrics`` and summarise its KV pool. Raises a ZPError subclass on failure."""
+def server_status(url: str, headroom: float | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """Read ``url``'s ``/metrics`` and summarise its KV pool. Raises a ZPError subclass on failure.
+    ``headroom`` None: the elastic policy's default (:data:`~zp_client.server.ELASTIC_HEADROOM`)."""
     import httpx
 
-    from zp_client.server import ServerInfo, resolve_url, suggest_limit_blocks
+    from zp_client.server import ELASTIC_HEADROOM, ServerInfo, resolve_url, suggest_limit_blocks
+
+    if headroom is None:
+        headroom = ELASTIC_HEADROOM
 
     base = url.rstrip("/")
 
@@ -136,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.server and not args.redis:
         print("zp-client status: give --server URL and/or --redis URL --name NAME", file=sys.stderr)
         return 2
-    if not 0 < args.headroom <= 1:
+    if args.headroom is not None and not 0 < args.headroom <= 1:
         print(f"zp-client status: --headroom must be in (0, 1], got {args.headroom}", file=sys.stderr)
         return 2
     if not args.timeout > 0:
