@@ -54,8 +54,8 @@ LineName = Literal["fifo", "slo"]
 #: The line disciplines a ledger runs (docs/admission.md#the-slo-aware-line).
 LINES: tuple[LineName, ...] = ("fifo", "slo")
 DEFAULT_LINE: LineName = "slo"
-"""The default discipline: the SLO-aware line (docs/admission.md#the-slo-aware-line). With no targets sent it
-is exactly the FIFO line; with targets it won the storm benchmark (docs/benchmark.md#the-slo-aware-line-in-the-storm)."""
+"""The default discipline: the SLO-aware line (docs/admission.md#the-slo-aware-line). With no targets sent
+it is exactly the FIFO line; with targets it won the storm (docs/benchmark.md, "Goodput under overload")."""
 
 DEFAULT_LATE_BOUND_S = 60.0
 """How long the SLO-aware line may let other waiters of a class go first (docs/admission.md#the-slo-aware-line
