@@ -49,7 +49,7 @@ def test_earliest_deadline_first_then_missed_and_untargeted_in_line_order() -> N
 
 
 def test_fifo_line_ignores_targets() -> None:
-    led = Ledger(10, starvation_bound_s=0.0)
+    led = Ledger(10, line="fifo", starvation_bound_s=0.0)
     _full(led)
     led.enqueue("slow", 10, None, 0, 0.0, meta=_t(30.0))
     led.enqueue("fast", 10, None, 0, 0.0, meta=_t(2.0))
@@ -133,7 +133,8 @@ def test_line_settings_are_checked() -> None:
     for bad_s in (-1.0, math.nan, "3"):
         with pytest.raises(ConfigurationError):
             Ledger(10, late_bound_s=bad_s)  # type: ignore[arg-type]
-    assert Ledger(10).line_discipline == "fifo" and Ledger(10).late_bound_s == DEFAULT_LATE_BOUND_S
+    assert Ledger(10).line_discipline == "slo" and Ledger(10).late_bound_s == DEFAULT_LATE_BOUND_S == 60.0
+    assert Settings().line == "slo" and Settings().late_bound_s == DEFAULT_LATE_BOUND_S
 
 
 def test_settings_carry_the_line_to_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,7 +304,7 @@ _OPS = st.lists(st.tuples(st.sampled_from(["arrive", "release", "cancel", "advan
 @given(ops=_OPS, starve=st.sampled_from([0.0, 1.0, 1e9]), late=st.sampled_from([0.0, 2.0, math.inf]))
 def test_without_targets_the_slo_line_is_the_fifo_line(ops: list[tuple[str, int, int, float]], starve: float,
                                                        late: float) -> None:
-    fifo = Ledger(12, starvation_bound_s=starve)
+    fifo = Ledger(12, line="fifo", starvation_bound_s=starve)
     slo = Ledger(12, starvation_bound_s=starve, line="slo", late_bound_s=late)
     now, n = 0.0, 0
     for op, bound, prio, dt in ops:

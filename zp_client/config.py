@@ -40,10 +40,10 @@ class Settings(BaseSettings):
         "makespan and median TTFT; see docs/elastic.md#longest-first.",
     )
     line: Literal["fifo", "slo"] = Field(
-        "fifo",
-        description="The budget's line discipline: 'fifo' (arrival order within a priority class) or 'slo' "
-        "(waiters that can still meet their TTFT target go first, earliest deadline first; see "
-        "docs/admission.md#the-slo-aware-line).",
+        "slo",
+        description="The budget's line discipline: 'slo' (default: waiters that can still meet their TTFT "
+        "target go first, earliest deadline first; with no targets set it is exactly 'fifo'; see "
+        "docs/admission.md#the-slo-aware-line) or 'fifo' (arrival order within a priority class).",
     )
     late_bound_s: float = Field(
         60.0,

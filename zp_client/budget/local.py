@@ -181,8 +181,9 @@ class LocalBudget(Budget):
     ``starvation_bound_s`` bounds backfill (default 2.0 s, as ``Settings.starvation_bound_s``; see
     :mod:`zp_client.budget.ledger`); ``longest_first_s`` is the elastic walk's longest-first window
     (default 0: off, line order; ``Settings.longest_first_s``). ``line`` is the line discipline,
-    ``"fifo"`` (default) or ``"slo"`` (waiters whose ``meta`` ``ttft_target_s`` can still be met go first,
-    earliest deadline first; a waiter is passed so for at most ``late_bound_s``): see
+    ``"slo"`` (default: waiters whose ``meta`` ``ttft_target_s`` can still be met go first, earliest
+    deadline first; a waiter is passed so for at most ``late_bound_s``; without targets exactly FIFO) or
+    ``"fifo"``: see
     docs/admission.md#the-slo-aware-line. ``policy`` is ``"elastic"`` (the
     default: admit on the projected peak of the pool; :mod:`zp_client.budget.elastic`; a lease without
     metadata is reserved at its bound, as strict would), ``"strict"`` (reserve every lease's bound:
