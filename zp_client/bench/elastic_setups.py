@@ -73,7 +73,8 @@ def _local_elastic(ctx: SetupContext, *, policy: Any = "elastic", limit: int | N
         kw["starvation_bound_s"] = ctx.elastic.starvation_bound_s
     if ctx.elastic.longest_first_s is not None:
         kw["longest_first_s"] = ctx.elastic.longest_first_s
-    return LocalBudget(limit_blocks=_limit(ctx) if limit is None else limit, block_size=ctx.block_size,
+    ctx.built_limit = _limit(ctx) if limit is None else limit
+    return LocalBudget(limit_blocks=ctx.built_limit, block_size=ctx.block_size,
                        policy=policy, clock=ctx.budget_clock(), **kw)
 
 
@@ -218,7 +219,8 @@ async def _zp_redis_elastic(ctx: SetupContext, stack: contextlib.AsyncExitStack)
 
     if not ctx.redis_url:
         raise ConfigurationError("zp-redis-elastic needs --redis URL")
-    budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=_limit(ctx),
+    ctx.built_limit = _limit(ctx)
+    budget = RedisBudget(ctx.redis_url, ctx.budget_name, limit_blocks=ctx.built_limit,
                          block_size=ctx.block_size, recovery_s=0.0, policy="elastic")
     client = await zp_client_for(ctx, stack, budget, forecaster=_forecaster(ctx.elastic))
     return AppCaller(client, ctx.model, app_retry=True)

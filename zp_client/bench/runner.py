@@ -588,8 +588,8 @@ async def _run_one(cfg: StormConfig, name: str, wl: Workload, model: str, rate_r
                            client_load_busy_s=round(load.busy_s, 3))
         return SetupRun(name, records, stats, timeline, t0, harness, gateway,
                         sim_settings=sim_extra or None,
-                        limit_blocks=limit if name.startswith("zp") or name == "clairvoyant"
-                        else fleet_limit,
+                        limit_blocks=(ctx.built_limit or limit)
+                        if name.startswith("zp") or name == "clairvoyant" else fleet_limit,
                         rate_rps=rate_rps if name == "rate-limited" else None,
                         metrics_preemptions=mp_total,
                         bypass=None if plan is None else {**plan.as_dict(), "applies": applies,

@@ -194,6 +194,9 @@ class SetupContext:
     """Each replica's ASGI app (virtual clock; never pickled)."""
     replica_limit_blocks: list[int] = field(default_factory=list)
     """The zp limit of each replica's pool (:func:`zp_limit_blocks` of its /metrics ``num_gpu_blocks``)."""
+    built_limit: int | None = None
+    """The limit of the budget the setup built, where it is not ``limit_blocks`` (the elastic setups' own
+    headroom): what the run reports as its limit."""
     network: Any = field(default=None, repr=False, compare=False)
     """A fleet on the virtual clock: the :class:`~zp_client.bench.memory.MemoryNetwork` of the replicas'
     hosts (what :meth:`http_client` and :meth:`metrics_client` reach, and what a kill resets); None with
