@@ -157,3 +157,27 @@ def test_sync_call_ends_at_its_deadline_in_any_state(server: Misbehaving, stream
             for _ in out:  # type: ignore[union-attr]
                 pass
     _check(server, budget, info, time.monotonic() - t0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+def test_settings_deadline_ends_a_plain_httpx_call_with_deadline_exceeded(server: Misbehaving,
+                                                                          stream: bool) -> None:
+    """Without wrap(): ``Settings.deadline_s`` the same, and the caller gets zp's own DeadlineExceeded."""
+    import httpx
+
+    from zp_client.transport import AdmissionTransport
+
+    budget = LocalBudget(limit_blocks=1000)
+    settings = Settings(estimator="heuristic", max_model_len=4096, deadline_s=DEADLINE_S)
+    body = {"model": "m", "messages": MSGS, "max_tokens": 20, "stream": stream}
+    t0 = time.monotonic()
+    c = httpx.Client(transport=AdmissionTransport(budget=budget, settings=settings), timeout=20)
+    try:
+        with pytest.raises(DeadlineExceeded) as info, \
+                c.stream("POST", server.url + "/chat/completions", json=body) as r:
+            for _ in r.iter_raw():
+                pass
+    finally:
+        c.close()
+    assert not isinstance(info.value, openai.OpenAIError)
+    _check(server, budget, info, time.monotonic() - t0)
