@@ -137,6 +137,9 @@ class Send:
     """Send the request through the inner transport -> its response (headers read, body not)."""
 
     request: Any
+    deadline: float | None = None
+    """The call's deadline (monotonic): the driver ends the wait for the headers there with
+    :class:`DeadlineExceeded` (the deadline bounds the whole call up to its last byte)."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class ReadAll:
     on_first: Holder | None = None
     """Released (shielded) as soon as the first chunk arrived: a prefill leg, whose KV the decode replica
     has read once it answers."""
+    deadline: float | None = None
+    """As :attr:`Send.deadline`: the whole read ends there (idle or trickling alike)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,8 @@ class Peek:
     first bytes came: a replica that fails before them is not the caller's problem)."""
 
     response: Any
+    deadline: float | None = None
+    """As :attr:`Send.deadline`."""
 
 
 @dataclass(frozen=True)
@@ -834,7 +841,7 @@ class Core:
                 out = plan
                 if st is not None:  # a disaggregated fleet: the prefill phase first
                     out = yield from self._pd_prefill(st, plan, request, lease, holder.granted_at)
-                resp = yield Send(self.lib.request(request, out, url))
+                resp = yield Send(self.lib.request(request, out, url), plan.deadline)
                 if st is not None:
                     self._pd_answered(st, resp)
                 if plan.upstream and self.lib.is_event_stream(resp):
@@ -844,7 +851,7 @@ class Core:
                 elif fleet is not None and plan.stream and self.lib.is_event_stream(resp):
                     # on a fleet the stream reaches its caller with its first bytes: a replica that
                     # fails before them moves the request like a refused connection
-                    prefetched = yield from self._peek(resp)
+                    prefetched = yield from self._peek(resp, plan.deadline)
                     if st is not None:  # the decode replica has read the KV: the prefill leg ends
                         st.reached = True
                         yield from self._pd_drop(st)
@@ -1095,11 +1102,11 @@ class Core:
         )
         notify_observers(observers, info)
 
-    def _peek(self, resp: Any) -> Steps:
+    def _peek(self, resp: Any, deadline: float | None = None) -> Steps:
         """The body's first chunk and the rest (:class:`Peek`); on failure the response is closed first
         (the server sees the disconnect) and the error goes on to the attempt loop."""
         try:
-            return (yield Peek(resp))
+            return (yield Peek(resp, deadline))
         except BaseException:
             yield Close(resp, shield=True)
             raise
@@ -1136,7 +1143,7 @@ class Core:
 
         try:
             try:
-                yield ReadAll(resp, sink, first)
+                yield ReadAll(resp, sink, first, plan.deadline)
                 scanner.advance(asm.end(), asm.usage)
             except BadEvent as exc:
                 raise self.lib.module.DecodingError(str(exc), request=original) from None

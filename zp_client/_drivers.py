@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import anyio
 
-from zp_client._clock import Clock
+from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client._core import (
     Acquire,
     Action,
@@ -33,11 +33,34 @@ from zp_client._core import (
 )
 from zp_client._httplib import POOL_CHECK_S, HttpLib
 from zp_client._plan import is_admitted
+from zp_client._release import alarms, cut_connection, deadline_exceeded
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ServerInfoError, ServerUnreachable, ZPError
 
 __all__ = ["AsyncDriver", "SyncDriver"]
+
+#: A transport error this close to (or past) a call's deadline is the deadline's doing (a per-phase timeout
+#: capped to it, or the connection cut at it): the caller gets DeadlineExceeded.
+DEADLINE_SLACK_S = 0.05
+_WAITING = "while waiting for the server's answer"
+_READING = "while reading the server's answer"
+
+
+def _sys_now() -> float:
+    return SYSTEM_CLOCK.monotonic()
+
+
+def capped_timeouts(request: Any, remaining: float) -> None:
+    """Cap ``request``'s per-phase timeouts (connect, read, write, pool) at ``remaining`` seconds: a
+    blocking attempt cannot wait past its call's deadline for headers. A new extensions dict: the
+    caller's request shares the old one."""
+    ext = request.extensions
+    old = ext.get("timeout") or {}
+    rem = max(0.001, remaining)
+    capped = {k: rem if old.get(k) is None or old[k] > rem else old[k]
+              for k in ("connect", "read", "write", "pool")}
+    request.extensions = {**ext, "timeout": capped}
 
 
 class _Driver:
@@ -134,7 +157,11 @@ class AsyncDriver(_Driver):
         if isinstance(action, Acquire):
             return await (action.budget or core.budget).acquire(action.blocks, **action.kwargs())
         if isinstance(action, Send):
-            return await self._inner.handle_async_request(action.request)
+            if action.deadline is None:
+                return await self._inner.handle_async_request(action.request)
+            with anyio.move_on_after(max(0.0, action.deadline - core.clock.monotonic())):
+                return await self._inner.handle_async_request(action.request)
+            raise deadline_exceeded(_WAITING)
         if isinstance(action, Release):
             if action.after_s > 0:
                 return action.holder.release_later(action.after_s)
@@ -154,17 +181,21 @@ class AsyncDriver(_Driver):
                     return await action.response.aclose()
             return await action.response.aclose()
         if isinstance(action, ReadAll):
-            first = action.on_first
-            async for chunk in action.response.aiter_bytes():
-                action.sink(chunk)
-                if first is not None:
-                    await first.release()
-                    first = None
-            return None
+            if action.deadline is None:
+                return await self._read_all(action)
+            with anyio.move_on_after(max(0.0, action.deadline - core.clock.monotonic())):
+                return await self._read_all(action)
+            raise deadline_exceeded(_READING)
         if isinstance(action, Peek):
             rest = action.response.stream.__aiter__()
             try:
-                first = await rest.__anext__()
+                if action.deadline is None:
+                    first = await rest.__anext__()
+                else:
+                    with anyio.move_on_after(max(0.0, action.deadline - core.clock.monotonic())):
+                        first = await rest.__anext__()
+                        return first, rest
+                    raise deadline_exceeded(_WAITING)
             except StopAsyncIteration:
                 first = None
             return first, rest
@@ -183,6 +214,15 @@ class AsyncDriver(_Driver):
             if scope.cancelled_caught:
                 raise ServerInfoError("/metrics", 0, f"no answer within {POOL_CHECK_S:g} s")
         raise TypeError(f"unknown action {action!r}")
+
+    @staticmethod
+    async def _read_all(action: ReadAll) -> None:
+        first = action.on_first
+        async for chunk in action.response.aiter_bytes():
+            action.sink(chunk)
+            if first is not None:
+                await first.release()
+                first = None
 
     async def aclose(self) -> None:
         if self._close_inner:
@@ -227,7 +267,14 @@ class SyncDriver(_Driver):
         if isinstance(action, Acquire):
             return (action.budget or core.budget).acquire_sync(action.blocks, **action.kwargs())
         if isinstance(action, Send):
-            return self._inner.handle_request(action.request)
+            if action.deadline is None:
+                return self._inner.handle_request(action.request)
+            capped_timeouts(action.request, action.deadline - core.clock.monotonic())
+            try:
+                return self._inner.handle_request(action.request)
+            except Exception as exc:
+                self._check_deadline(action.deadline, exc, _WAITING)
+                raise
         if isinstance(action, Release):
             if action.after_s > 0:
                 return action.holder.release_later(action.after_s)
@@ -242,15 +289,32 @@ class SyncDriver(_Driver):
             return action.response.close()
         if isinstance(action, ReadAll):
             first = action.on_first
-            for chunk in action.response.iter_bytes():
-                action.sink(chunk)
-                if first is not None:
-                    first.release_sync()
-                    first = None
+            token = self._alarm(action.deadline, action.response)
+            try:
+                for chunk in action.response.iter_bytes():
+                    self._check_deadline(action.deadline, None, _READING)  # a trickle ends there too
+                    action.sink(chunk)
+                    if first is not None:
+                        first.release_sync()
+                        first = None
+            except Exception as exc:
+                self._check_deadline(action.deadline, exc, _READING)
+                raise
+            finally:
+                if token is not None:
+                    alarms.cancel(token)
             return None
         if isinstance(action, Peek):
             rest = iter(action.response.stream)
-            return next(rest, None), rest
+            token = self._alarm(action.deadline, action.response)
+            try:
+                return next(rest, None), rest
+            except Exception as exc:
+                self._check_deadline(action.deadline, exc, _WAITING)
+                raise
+            finally:
+                if token is not None:
+                    alarms.cancel(token)
         if isinstance(action, NewRetryState):
             return action.policy.new_request()
         if isinstance(action, Estimate):
@@ -260,6 +324,23 @@ class SyncDriver(_Driver):
         if isinstance(action, PoolSize):
             return action.server.metrics_sync()
         raise TypeError(f"unknown action {action!r}")
+
+    def _alarm(self, deadline: float | None, resp: Any) -> int | None:
+        """At ``deadline``, cut ``resp``'s connection (a blocking read in progress then returns)."""
+        if deadline is None:
+            return None
+        return alarms.at(deadline - self._core.clock.monotonic() + _sys_now(), lambda: cut_connection(resp))
+
+    def _check_deadline(self, deadline: float | None, exc: BaseException | None, where: str) -> None:
+        """Raise DeadlineExceeded (from ``exc``) when ``deadline`` has passed (a transport error within
+        :data:`DEADLINE_SLACK_S` of it counts: the capped timeout or the cut connection was the cause)."""
+        if deadline is None:
+            return
+        left = deadline - self._core.clock.monotonic()
+        if left <= 0 or (exc is not None and left <= DEADLINE_SLACK_S):
+            if exc is None:
+                raise deadline_exceeded(where)
+            raise deadline_exceeded(where) from exc
 
     def close(self) -> None:
         if self._close_inner:

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
+from zp_client._clock import SYSTEM_CLOCK
 from zp_client._private import detach_sdk_stream, has_read_body, response_body_stream
-from zp_client._release import Holder, finalize
+from zp_client._release import Holder, alarms, cut_connection, deadline_exceeded, finalize
 from zp_client._sse import REASSEMBLY_DROPPED_HEADERS, Scanner
 from zp_client.config import Settings
-from zp_client.errors import ConfigurationError
+from zp_client.errors import ConfigurationError, DeadlineExceeded
 
 if TYPE_CHECKING:
     from zp_client._core import Core
@@ -123,13 +124,18 @@ class AsyncBody(_Body):
             holder.waiting = True
             try:
                 # the upstream stream itself unless a fleet's peek read its first chunk (no extra layer)
-                async for chunk in (self._resp.stream if self._prefetched is None else self._source()):
+                source = self._resp.stream if self._prefetched is None else self._source()
+                if self._plan.deadline is not None:  # each read bounded by what is left of the deadline
+                    source = _until(source, self._plan.deadline, mono)
+                async for chunk in source:
                     holder.waiting = False
                     holder.last_activity = mono()
                     if out := feed(chunk):
                         yield out
                         holder.last_activity = mono()
                     holder.waiting = True
+            except DeadlineExceeded as exc:
+                raise self._core.surface(exc) from exc.__cause__
             except Exception as exc:
                 cut = self._core.stream_cut(holder.lease, exc)
                 if cut is None:
@@ -176,15 +182,25 @@ class SyncBody(_Body):
         holder, feed, mono = self._holder, self._scanner.feed, self._holder.clock.monotonic  # as __aiter__
         try:
             holder.waiting = True
+            deadline = self._plan.deadline
+            # a blocking read cannot be bounded from its thread: at the deadline its connection is cut
+            token = None if deadline is None else alarms.at(
+                deadline - mono() + SYSTEM_CLOCK.monotonic(), lambda: cut_connection(self._resp))
             try:
                 for chunk in (self._resp.stream if self._prefetched is None else self._source()):
+                    if deadline is not None and mono() >= deadline:  # a trickle ends there too
+                        raise self._core.surface(deadline_exceeded(_READING))
                     holder.waiting = False
                     holder.last_activity = mono()
                     if out := feed(chunk):
                         yield out
                         holder.last_activity = mono()
                     holder.waiting = True
+            except DeadlineExceeded:
+                raise
             except Exception as exc:
+                if deadline is not None and deadline - mono() <= _SLACK_S:  # the cut (or a capped timeout)
+                    raise self._core.surface(deadline_exceeded(_READING)) from exc
                 cut = self._core.stream_cut(holder.lease, exc)
                 if cut is None:
                     raise
@@ -192,6 +208,8 @@ class SyncBody(_Body):
             if tail := self._end():
                 yield tail
         finally:
+            if token is not None:
+                alarms.cancel(token)
             if not self._completed:  # see the async form: the server must see the disconnect first
                 try:
                     self._resp.close()
@@ -217,6 +235,31 @@ class SyncBody(_Body):
         finally:
             self._core.observe_seen(self._plan, self._scanner)
             self._holder.release_sync()
+
+
+_READING = "while reading the server's answer"
+_SLACK_S = 0.05  # as zp_client._drivers.DEADLINE_SLACK_S
+
+
+async def _until(source: Any, deadline: float, mono: Any) -> AsyncIterator[bytes]:
+    """``source``'s chunks, each read bounded by what is left of ``deadline`` (``mono``'s time): an idle
+    or trickling server ends the body with DeadlineExceeded there."""
+    it = source.__aiter__()
+    try:
+        while True:
+            with anyio.move_on_after(max(0.0, deadline - mono())) as scope:  # never around the yield
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    return
+            if scope.cancelled_caught:
+                raise deadline_exceeded(_READING)
+            yield chunk
+    finally:
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            with anyio.CancelScope(shield=True):
+                await close()
 
 
 class _HttpxAsyncBody(AsyncBody, httpx.AsyncByteStream):

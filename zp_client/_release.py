@@ -19,12 +19,24 @@ import anyio
 
 from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget.base import Lease
+from zp_client.errors import DeadlineExceeded
 
 if TYPE_CHECKING:
     from zp_client.metrics import ZPMetrics
 
 logger = logging.getLogger("zp_client.transport")
 
+
+
+def deadline_exceeded(where: str) -> DeadlineExceeded:
+    """The error a call gets when its deadline (``X-ZP-Deadline`` / ``Settings.deadline_s``) passes while
+    an attempt is in flight (``where``: waiting for the headers, reading the answer): the deadline bounds
+    the whole call up to its last byte. The connection is closed and the lease released before it
+    reaches the caller."""
+    return DeadlineExceeded(
+        f"the request's deadline passed {where}: the call was ended, its connection closed and its lease "
+        "released (X-ZP-Deadline / Settings.deadline_s bound the whole call up to its last byte)"
+    )
 
 
 class Holder:
@@ -338,3 +350,74 @@ class Watchdog:
 
 
 watchdog = Watchdog()
+
+
+def cut_connection(resp: Any) -> None:
+    """Shut the socket under ``resp`` down (both ways), from any thread: a blocking read on it returns at
+    once (closing it from another thread would not wake that read). For a blocking call whose deadline
+    passed while it waits for the server's bytes (:class:`Alarms`); a no-op without a socket."""
+    sock = _socket_of(resp)
+    if sock is None:
+        return
+    try:
+        import socket
+
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed or shut: nothing left to wake
+        pass
+
+
+class Alarms:
+    """One daemon thread for the process: calls a function at a monotonic time (system clock) unless
+    cancelled first. A blocking call's deadline cuts its connection here (:func:`cut_connection`): a
+    blocking read cannot be bounded from its own thread once it started."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int]] = []
+        self._calls: dict[int, Any] = {}
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def at(self, due: float, fn: Any) -> int:
+        """Call ``fn()`` at ``due`` (``SYSTEM_CLOCK.monotonic()`` time); returns a token to cancel it."""
+        import heapq
+
+        with self._cond:
+            self._seq += 1
+            self._calls[self._seq] = fn
+            heapq.heappush(self._heap, (due, self._seq))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="zp-deadline-alarms", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._seq
+
+    def cancel(self, token: int) -> None:
+        with self._cond:
+            self._calls.pop(token, None)
+
+    def _run(self) -> None:
+        import heapq
+
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                due, token = self._heap[0]
+                if token not in self._calls:  # cancelled: drop it
+                    heapq.heappop(self._heap)
+                    continue
+                wait = due - SYSTEM_CLOCK.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                fn = self._calls.pop(token)
+            try:
+                fn()
+            except Exception:  # never let one alarm stop the thread
+                logger.debug("a deadline alarm failed", exc_info=True)
+
+
+alarms = Alarms()

@@ -48,6 +48,7 @@ def openai_compatible_error(err: ZPError) -> ZPError:
         _compat_classes[cls] = compat
     new: ZPError = compat.__new__(compat, *err.args)  # the built-in base (e.g. OSError) must make it
     new.__dict__.update(err.__dict__)
+    new.args = err.args  # __new__ keeps none where the class has its own __init__ (DeadlineExceeded)
     if isinstance(new, openai.APIError):
         # openai.APIError's attributes, which its __init__ (not called: it takes other arguments) sets
         for name, value in (("message", str(err)), ("request", None), ("body", None), ("code", None),

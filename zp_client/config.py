@@ -77,7 +77,7 @@ class Settings(BaseSettings):
     # --- requests ---------------------------------------------------------------------------------
     deadline_s: float | None = Field(
         None, gt=0, allow_inf_nan=False,
-        description="Default deadline per logical request (queue wait, attempts, backoff).",
+        description="Default deadline per logical request (queue wait, attempts, backoff, to its last byte).",
     )
     fail_fast: bool = Field(
         False,

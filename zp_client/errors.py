@@ -66,8 +66,10 @@ class AdmissionTimeout(AdmissionError, TimeoutError):
 
 
 class DeadlineExceeded(AdmissionTimeout):
-    """The logical request's deadline left no time for (another) attempt, or (fail-fast, opt-in) the
-    budget predicted its wait in line to exceed what is left of the deadline and refused it at enqueue.
+    """The logical request's deadline left no time for (another) attempt, passed while an attempt was in
+    flight (waiting for headers, reading the body: the call was ended there, its lease released), or
+    (fail-fast, opt-in) the budget predicted its wait in line to exceed what is left of the deadline and
+    refused it at enqueue.
 
     ``predicted_wait_s``: the predicted wait in seconds when the refusal is a fail-fast one (else None);
     ``retry_after_s``: a hint, the seconds after which a new call's wait is predicted to fit the same
