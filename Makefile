@@ -23,7 +23,7 @@ TYPECHECK_PATHS ?= zp_client $(filter-out $(OA2_ONLY)/% integrations/crewai/%,$(
 # type-checked (mypy reading that environment's packages) in the openai 2.x environment only.
 OA2_ONLY = integrations/llama-index
 
-.PHONY: test test-main test-openai2 test-crewai lint typecheck demo bench clean
+.PHONY: test test-main test-others test-openai2 test-crewai lint typecheck demo bench clean
 
 # The main environment: openai 3.x (built on httpx2) and every extra.
 $(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
@@ -46,8 +46,15 @@ $(CREWAI)/.installed: pyproject.toml integrations/crewai/pyproject.toml
 	$(PY3) -m pip install -q -e ".[sim]" -e integrations/crewai "pytest>=8" "pytest-timeout>=2.3"
 	touch $@
 
-# The gates run first: a lint or type finding fails `make test` before the suite starts.
-test: lint typecheck test-main test-openai2 test-crewai
+# The three environments build side by side; the gates run next (a lint or type finding fails `make test`
+# before the suite starts); then the main suite runs beside the two smaller ones (their output is printed
+# whole, per target, as each ends), and every environment runs and reports before `make test` fails.
+test:
+	$(MAKE) -j3 $(VENV)/.installed $(OA2)/.installed $(CREWAI)/.installed
+	$(MAKE) lint typecheck
+	$(MAKE) -j2 --output-sync=target --keep-going test-main test-others
+
+test-others: test-openai2 test-crewai
 
 test-main: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
