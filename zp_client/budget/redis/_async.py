@@ -246,7 +246,9 @@ class AsyncFace:
             if not ids:
                 continue
             try:
-                r = await self.eval("poll", self.core.poll_args(ids))
+                # the heartbeat of this process's waiters: on the renewal connection, never queued
+                # behind a burst of acquires (a late heartbeat drops the waiters from the line)
+                r = await self.eval("poll", self.core.poll_args(ids), client=self.renew_client)
             except CALL_FAILED as exc:
                 log.warning("zp_client: poll of Redis budget %r failed: %r", self.core.name, exc)
                 continue

@@ -25,7 +25,8 @@
 --   4 line   ZSET  member (arrival seq, zero padded, "|" id) -> priority * 2^40 + ticket order
 --   5 wait   HASH  waiter id -> cjson {b, h, p, o, s=since ms, m=line member, x=mailbox, w=owner, l=lease ttl,
 --                  mt=meta (elastic only), d=TTFT deadline ms and tp=TPOT target ms (with a TTFT target;
---                  the SLO-aware line's section)}
+--                  the SLO-aware line's section), t=waiter ttl ms and hb=heartbeat interval ms of its
+--                  process (clients since issue 33; grant: a dead process's waiters)}
 --   6 wexp   ZSET  waiter id -> heartbeat expiry (ms)
 --   7 cls    HASH  "n<prio>" -> waiters of the class, "w<prio>" -> their weight (status without scans)
 -- Mailboxes ({zp:<name>}:mb:<x>) are lists in the same slot; a grant RPUSHes the lease id to the
@@ -1099,6 +1100,18 @@ local function grant(now, self_id)
   end
   for _, e in ipairs(walk) do
     local id, w = e.id, load_waiter(e)
+    -- Another process's waiter is granted only while its process heartbeats (its poll refreshes wexp):
+    -- a waiter whose heartbeat lapsed belongs to a dead (or stalled) process and leaves the line here,
+    -- even beyond reap's REAP_MAX (a live one's next poll finds it gone and enqueues it again, same
+    -- ticket). Its grant would only hold blocks until the lease expired unclaimed.
+    local wexp = nil
+    if w and id ~= self_id then
+      wexp = tonumber(redis.call('ZSCORE', K_WEXP, id))
+      if wexp ~= nil and wexp <= now then
+        drop_waiter(id, w)
+        w = nil
+      end
+    end
     if w then
       local ok, matched
       if reject_if_too_large(id, w, slimit, boxes) then
@@ -1141,7 +1154,13 @@ local function grant(now, self_id)
           pins = p_load()  -- its counts moved
         end
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
-        redis.call('ZADD', K_LEXP, now + w.l, id)
+        -- A grant to another process is unclaimed until that process renews it. Its expiry counts from
+        -- the process's last heartbeat (wexp - t), one heartbeat interval later, not from now: if the
+        -- process died after its last heartbeat, the blocks come back by death + hb + lease ttl. A live
+        -- process heartbeated at most hb ago, so its lease still lives about one full TTL.
+        local lexp = now + w.l
+        if wexp ~= nil and w.t ~= nil and w.hb ~= nil then lexp = math.min(lexp, wexp - w.t + w.hb + w.l) end
+        redis.call('ZADD', K_LEXP, lexp, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)
         redis.call('HINCRBY', K_META, 'nl', 1)
         bsum = redis.call('HINCRBY', K_META, 'bsum', w.b)

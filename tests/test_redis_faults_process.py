@@ -1,0 +1,164 @@
+"""RedisBudget when a whole process dies (issue 33 item 3): real processes share one budget and one of
+them is SIGKILLed while its waiters stand in line.
+
+The observer reads the budget's leases on Redis's own clock (TIME inside one script), so the assertions
+are about Redis time, not about how fast this machine happens to run the test.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+pytestmark = [pytest.mark.redis, pytest.mark.faults, pytest.mark.slow]
+
+LEASE_TTL_S = 3.0
+POLL_S = 1.0
+LIMIT = 60
+
+# One process of the fleet: 40 tasks, each taking 1-6 blocks for 0.3-1 s, again and again. Demand is
+# about ten times the limit over four processes: a long line, a waiter waits several seconds, so a dead
+# process's waiters are still in line when it dies (as the issue's 1,000s of waiters were).
+CHILD = f"""
+import asyncio, random, sys
+from zp_client import RedisBudget
+
+async def main(url, name, limit):
+    b = RedisBudget(url, name, limit_blocks=limit, policy="strict", lease_ttl_s={LEASE_TTL_S!r},
+                    poll_interval_s={POLL_S!r}, recovery_s=0)
+    async def worker(i):
+        rnd = random.Random(i)
+        while True:
+            async with b.lease(rnd.randint(1, 6), timeout=60):
+                await asyncio.sleep(rnd.uniform(0.3, 1.0))
+    tasks = [asyncio.create_task(worker(i)) for i in range(40)]
+    await asyncio.sleep(0.2)
+    print(b._core.owner, flush=True)
+    await asyncio.gather(*tasks)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+# Redis TIME in ms, then per live (unexpired) lease: owner, bound, expiry; then the waiters' owners.
+OBSERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {now, 0}
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. now, '+inf', 'WITHSCORES')
+for i = 1, #live, 2 do
+  local raw = redis.call('HGET', KEYS[1], live[i])
+  if raw then
+    local l = cjson.decode(raw)
+    table.insert(out, l.w); table.insert(out, l.b); table.insert(out, live[i + 1])
+    out[2] = out[2] + 1
+  end
+end
+for _, raw in ipairs(redis.call('HVALS', KEYS[3])) do table.insert(out, cjson.decode(raw).w) end
+return out
+"""
+
+
+def _observe(r: redis.Redis, keys: list[str]) -> tuple[int, dict[str, int], dict[str, int], dict[str, int]]:
+    """(Redis now ms, held blocks by owner, latest lease expiry by owner, waiters by owner)."""
+    out = r.eval(OBSERVE, 3, *keys)
+    now, n = int(out[0]), int(out[1])
+    held: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i in range(n):
+        w, b, exp = out[2 + 3 * i].decode(), int(out[3 + 3 * i]), int(float(out[4 + 3 * i]))
+        held[w] = held.get(w, 0) + b
+        last[w] = max(last.get(w, 0), exp)
+    waiting: dict[str, int] = {}
+    for w in out[2 + 3 * n:]:
+        waiting[w.decode()] = waiting.get(w.decode(), 0) + 1
+    return now, held, last, waiting
+
+
+@pytest.fixture
+def fleet(redis_url: str, redis_prefix: str) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[str]]]:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHILD, redis_url, redis_prefix, str(LIMIT)],
+                         stdout=subprocess.PIPE, env=dict(os.environ))
+        for _ in range(4)
+    ]
+    try:
+        owners = []
+        deadline = time.monotonic() + 20
+        for p in procs:
+            assert p.stdout is not None
+            ready, _, _ = select.select([p.stdout], [], [], max(0.1, deadline - time.monotonic()))
+            assert ready, "a budget process did not start within 20 s"
+            owners.append(p.stdout.readline().decode().strip())
+        yield procs, owners
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+def test_a_killed_process_is_granted_nothing_after_its_death_and_its_blocks_come_back_in_time(
+    redis_url: str, redis_prefix: str, fleet: tuple[list[subprocess.Popen[bytes]], list[str]],
+) -> None:
+    from zp_client.budget.redis._budget import default_waiter_ttl_s
+
+    procs, owners = fleet
+    victim, victim_owner = procs[0], owners[0]
+    keys = [f"{{zp:{redis_prefix}}}:{k}" for k in ("leases", "lexp", "wait")]
+    r = redis.Redis.from_url(redis_url)
+    try:
+        # steady state: every process holds and waits
+        deadline = time.monotonic() + 15
+        while True:
+            _, held, _, waiting = _observe(r, keys)
+            if waiting.get(victim_owner, 0) >= 20 and all(held.get(o, 0) > 0 for o in owners):
+                break
+            assert time.monotonic() < deadline, f"no steady state: held {held}, waiting {waiting}"
+            time.sleep(0.02)
+        kill_ms, held_at_kill, _, waiting_at_kill = _observe(r, keys)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+
+        detect_ms = kill_ms + int(default_waiter_ttl_s(POLL_S) * 1000)
+        back_by_ms = kill_ms + int((LEASE_TTL_S + POLL_S) * 1000)
+        samples: list[tuple[int, int, dict[str, int]]] = []  # (now, victim's held, all held)
+        latest_expiry = 0
+        while True:
+            now, held, last, _ = _observe(r, keys)
+            samples.append((now, held.get(victim_owner, 0), held))
+            latest_expiry = max(latest_expiry, last.get(victim_owner, 0))
+            if now > back_by_ms + 500:
+                break
+            time.sleep(0.02)
+    finally:
+        r.close()
+
+    peak = max(h for _, h, _ in samples)
+    after_detect = [h for now, h, _ in samples if now >= detect_ms]
+    grew = [(now - kill_ms, h) for (now, h, _), (_, prev, _) in zip(samples[1:], samples, strict=False)
+            if now >= detect_ms and h > prev]
+    msg = (f"victim held {held_at_kill.get(victim_owner, 0)} blocks with "
+           f"{waiting_at_kill.get(victim_owner, 0)} waiters at its death, peak {peak} after it; "
+           f"its last lease expires "
+           f"{(latest_expiry - kill_ms) / 1000:.2f} s after death (bound {LEASE_TTL_S + POLL_S} s)")
+    # granted nothing once its heartbeat lapsed (before the fix: until waiter_ttl_s = 3 x poll + 1 later)
+    assert not grew, f"{msg}; grew after {detect_ms - kill_ms} ms: {grew[:5]}"
+    # its blocks are back within lease_ttl_s + poll_interval_s of its death (before: 7.1 s with TTL 3 s)
+    assert latest_expiry <= back_by_ms, msg
+    assert after_detect and after_detect[-1] == 0, msg
+    # strict: what live leases bound never exceeds the limit, and the survivors keep being admitted
+    assert all(sum(h.values()) <= LIMIT for _, _, h in samples)
+    assert sum(v for k, v in samples[-1][2].items() if k != victim_owner) > 0
