@@ -162,3 +162,52 @@ def test_a_killed_process_is_granted_nothing_after_its_death_and_its_blocks_come
     # strict: what live leases bound never exceeds the limit, and the survivors keep being admitted
     assert all(sum(h.values()) <= LIMIT for _, _, h in samples)
     assert sum(v for k, v in samples[-1][2].items() if k != victim_owner) > 0
+
+
+def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders_lease() -> None:
+    """Issue 33 item 5: SIGSTOP of Redis for twice the lease TTL. Nobody could renew meanwhile, so the
+    holder keeps its lease (it is not lost, and a newcomer is not admitted on top of it) until it had
+    its renewal interval after Redis answers again. Before the fix the newcomer got the blocks at once,
+    the holder's lease was reported lost while its request still ran: the sum above the limit."""
+    import asyncio
+
+    from conftest import start_redis_server
+
+    from zp_client import AdmissionTimeout, RedisBudget
+
+    proc, port = start_redis_server()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def budget() -> RedisBudget:
+        return RedisBudget(url, "stall", limit_blocks=10, policy="strict", lease_ttl_s=1.5,
+                           poll_interval_s=0.2, recovery_s=0)
+
+    async def main() -> None:
+        a, b = budget(), budget()
+        try:
+            lease = await a.acquire(10)
+            await asyncio.sleep(0.6)  # a renewal round went through
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(3.0)  # twice the TTL: the renewals in flight wait
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            with pytest.raises(AdmissionTimeout):  # the holder still runs: no room for anybody
+                await b.acquire(1, timeout=1.0)
+            assert not lease.lost and a.counters["lease_lost"] == 0
+            stalls = redis.Redis(port=port).hget("{zp:stall}:meta", "stalls")
+            assert stalls is not None and int(stalls) >= 1
+            await lease.release()
+            got = await b.acquire(1, timeout=5)  # the blocks come back when the holder releases them
+            await got.release()
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=10)

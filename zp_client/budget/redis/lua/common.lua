@@ -17,7 +17,8 @@
 --                  fifo), lb (its late bound, ms), t0 (its deadline scores' origin, ms), policy, ver (limit version),
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
 --                  nl (live leases), adm (elastic admission counter), xsum (elastic: sum of the live
---                  leases' excess blocks beyond their bounds, e_excess; absent: 0)
+--                  leases' excess blocks beyond their bounds, e_excess; absent: 0), lt (TIME of the
+--                  last reap), sg (the gap that counts as a stall, ms), stalls (stall_shift)
 --   2 leases HASH  lease id -> cjson {b=bound, h=held, p=priority, o=order, w=owner, l=ttl ms, g=granted ms,
 --                  m=meta, a=admission seq and x=excess blocks when > 0 (elastic only; see the elastic
 --                  section)}
@@ -311,8 +312,44 @@ local function drop_lease(id, raw)  -- raw: the lease's record when the caller r
   return l
 end
 
+-- A Redis stall (SIGSTOP, a long fork, a failover pause, a partition from every client) does not
+-- count against the holders: nobody could renew while Redis did not answer, yet the leases expire on
+-- Redis's own clock. The first reaping call after a gap between two calls longer than meta sg (half
+-- the longest lease TTL seen: live holders renew every TTL / 3, so a normal gap is shorter) moves
+-- every lease and waiter expiry still ahead at the last call (>= lt) forward by the gap: a holder gets
+-- back the time it had left when Redis went silent, at least one renewal interval, before its lease
+-- can be reclaimed. O(live leases + waiters), only on such a gap. Meta lt: TIME of the last reap,
+-- stalls: the gaps seen.
+local function stall_gap_at_least(ttl)
+  local sg = math.floor(ttl / 2)
+  if (tonumber(redis.call('HGET', K_META, 'sg')) or 0) < sg then redis.call('HSET', K_META, 'sg', sg) end
+end
+
+local function stall_shift(now)
+  local mm = redis.call('HMGET', K_META, 'lt', 'sg')
+  local lt, sg = tonumber(mm[1]), tonumber(mm[2])
+  redis.call('HSET', K_META, 'lt', now)
+  if lt == nil or sg == nil or now - lt <= sg then return end
+  local gap = now - lt
+  for _, z in ipairs({K_LEXP, K_WEXP}) do
+    local live = redis.call('ZRANGEBYSCORE', z, lt, '+inf', 'WITHSCORES')
+    local args = {}
+    for i = 1, #live, 2 do
+      args[#args + 1] = tonumber(live[i + 1]) + gap
+      args[#args + 1] = live[i]
+      if #args >= 1000 then
+        redis.call('ZADD', z, 'XX', unpack(args))
+        args = {}
+      end
+    end
+    if #args > 0 then redis.call('ZADD', z, 'XX', unpack(args)) end
+  end
+  redis.call('HINCRBY', K_META, 'stalls', 1)
+end
+
 -- Expire leases whose holder stopped renewing and waiters whose process stopped heartbeating.
 local function reap(now)
+  stall_shift(now)
   local dead = redis.call('ZRANGEBYSCORE', K_LEXP, '-inf', now, 'LIMIT', 0, REAP_MAX)
   for _, id in ipairs(dead) do drop_lease(id) end
   local gone = redis.call('ZRANGEBYSCORE', K_WEXP, '-inf', now, 'LIMIT', 0, REAP_MAX)
