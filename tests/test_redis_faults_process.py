@@ -257,3 +257,47 @@ def test_a_dead_holders_lease_is_still_reclaimed_after_a_stall() -> None:
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_release_during_a_redis_stall_does_not_hold_its_caller() -> None:
+    """Issue 33 item 5: a release sent to a stalled Redis waited for the socket timeout or the whole
+    stall (5 s here before the fix). It returns after at most RELEASE_WAIT_S; the release itself goes
+    on in the background and lands when Redis answers again."""
+    import asyncio
+
+    from conftest import start_redis_server
+
+    from zp_client import RedisBudget
+    from zp_client.budget.redis._script import RELEASE_WAIT_S
+
+    proc, port = start_redis_server()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def main() -> None:
+        b = RedisBudget(url, "stall", limit_blocks=10, policy="strict", lease_ttl_s=30, recovery_s=0)
+        try:
+            lease = await b.acquire(4)
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                await lease.release()
+                took = time.monotonic() - t0
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert took < RELEASE_WAIT_S + 1.0, f"release held its caller {took:.2f} s during the stall"
+            r = redis.Redis(port=port)
+            deadline = time.monotonic() + 10
+            while int(r.hget("{zp:stall}:meta", "bsum") or 0) != 0:  # it lands once Redis answers
+                assert time.monotonic() < deadline, "the release never reached Redis after the stall"
+                await asyncio.sleep(0.02)
+            r.close()
+        finally:
+            await b.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=10)

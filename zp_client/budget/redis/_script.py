@@ -48,6 +48,7 @@ SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "
            "pin")
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 RENEW_BATCH = 200
+RELEASE_WAIT_S = 1.0  # the longest a caller's release waits for Redis; the rest goes on in the background
 MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
 SYNC_PUMP_BLOCK_S = 5.0  # the sync pump's BLPOP timeout (each sync waiter also polls every poll_interval_s)
 POLICIES = ("strict", "elastic")
