@@ -18,6 +18,7 @@ from zp_client.budget.redis._script import (
     CALL_FAILED,
     HANDLED,
     MAILBOX_BLOCK_S,
+    RELEASE_WAIT_S,
     RENEW_BATCH,
     Attempts,
     Core,
@@ -246,7 +247,9 @@ class AsyncFace:
             if not ids:
                 continue
             try:
-                r = await self.eval("poll", self.core.poll_args(ids))
+                # the heartbeat of this process's waiters: on the renewal connection, never queued
+                # behind a burst of acquires (a late heartbeat drops the waiters from the line)
+                r = await self.eval("poll", self.core.poll_args(ids), client=self.renew_client)
             except CALL_FAILED as exc:
                 log.warning("zp_client: poll of Redis budget %r failed: %r", self.core.name, exc)
                 continue
@@ -353,15 +356,14 @@ class AsyncFace:
         """Release a lease / cancel a waiter in Redis. Never raises except the caller's own
         cancellation; a cancelled or failed release is finished by a background task / retried until
         the lease would have expired anyway (release is idempotent, so a repeat is harmless)."""
-        try:
-            await self.eval("release", self.core.release_args(lid), init=False, patient=False)
-        except asyncio.CancelledError:
-            self._release_in_background(lid)
-            raise
-        except CALL_FAILED as exc:
-            self._retry_later(lid, exc)
+        # The call runs as a task the caller waits for at most RELEASE_WAIT_S: a stalled Redis (SIGSTOP,
+        # a long fork) answers nothing until its socket timeout or the end of the stall, and a release
+        # must not hold its caller for that (issue 33). Past the bound, or when the caller is cancelled,
+        # the task goes on in the background and a failure is retried like any failed release.
+        task = self._release_in_background(lid)
+        await asyncio.wait({task}, timeout=RELEASE_WAIT_S)  # neither cancels the task nor raises its error
 
-    def _release_in_background(self, lid: str) -> None:
+    def _release_in_background(self, lid: str) -> asyncio.Task[Any]:
         def done(t: asyncio.Task[Any]) -> None:
             if t.cancelled() or t.exception() is not None:
                 self._retry_later(lid, None if t.cancelled() else t.exception())
@@ -371,6 +373,7 @@ class AsyncFace:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         task.add_done_callback(done)
+        return task
 
     def _retry_later(self, lid: str, exc: BaseException | None) -> None:
         if self.closing:

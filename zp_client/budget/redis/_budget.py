@@ -51,6 +51,14 @@ _RENAMED = {
 }
 
 
+def default_waiter_ttl_s(poll_interval_s: float) -> float:
+    """The default ``waiter_ttl_s``: one poll interval (a waiter's heartbeat) plus a margin for a late
+    poll (half an interval, 0.25-1 s). A waiter not heartbeated for this long belongs to a dead or
+    stalled process: no grant pass grants it (a live one that was only late enqueues again, same
+    ticket, at its next poll)."""
+    return poll_interval_s + min(1.0, max(0.25, poll_interval_s / 2))
+
+
 def _renamed_error(kwargs: dict[str, Any]) -> TypeError:
     """The error for keyword arguments RedisBudget() does not take, naming the new spelling if renamed."""
     parts = [f"the removed keyword argument {k!r} (now {_RENAMED[k]!r})" if k in _RENAMED
@@ -78,7 +86,8 @@ class RedisBudget(Budget):
     Parameters (seconds end in ``_s``, as in LocalBudget and :class:`~zp_client.Settings`): ``policy``
     (``"elastic"`` or ``"strict"``; the budget's creator chooses), ``lease_ttl_s`` (a lease not renewed
     for this long is reclaimed), ``poll_interval_s`` (the bound on a lost wake-up), ``waiter_ttl_s``
-    (default ``3 * poll_interval_s + 1``), ``starvation_bound_s``, ``longest_first_s``, ``line`` and
+    (default ``poll_interval_s`` plus half of it, at least 0.25 s and at most 1 s: a dead process's
+    waiters are granted nothing once it elapsed), ``starvation_bound_s``, ``longest_first_s``, ``line`` and
     ``late_bound_s`` (the line's rules, as in LocalBudget; the budget's creator chooses), ``recovery_s``
     (default ``lease_ttl_s``: a budget created from scratch admits nothing new for this long),
     ``on_unavailable`` with ``unavailable_timeout_s`` and ``local_share``, ``held_report_blocks``,
@@ -149,7 +158,7 @@ class RedisBudget(Budget):
             block_size=validate_blocks(block_size, "block_size"),
             lease_ttl_s=float(lease_ttl_s),
             poll_interval_s=poll,
-            waiter_ttl_s=float(waiter_ttl_s) if waiter_ttl_s is not None else 3 * poll + 1.0,
+            waiter_ttl_s=float(waiter_ttl_s) if waiter_ttl_s is not None else default_waiter_ttl_s(poll),
             starvation_bound_s=float(starvation_bound_s),
             longest_first_s=validate_seconds(longest_first_s, "longest_first_s"),
             line=validate_line(line),

@@ -48,6 +48,7 @@ SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "
            "pin")
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 RENEW_BATCH = 200
+RELEASE_WAIT_S = 1.0  # the longest a caller's release waits for Redis; the rest goes on in the background
 MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
 SYNC_PUMP_BLOCK_S = 5.0  # the sync pump's BLPOP timeout (each sync waiter also polls every poll_interval_s)
 POLICIES = ("strict", "elastic")
@@ -301,6 +302,7 @@ class Core:
         self._owner_b = self.owner.encode()
         self._ttl_b = str(int(cfg.lease_ttl_s * 1000)).encode()
         self._wttl_b = str(int(cfg.waiter_ttl_s * 1000)).encode()
+        self._hb_b = str(max(1, int(cfg.poll_interval_s * 1000))).encode()
         self.sync_box = self.owner + ".s"  # the sync waiters' mailbox (the async side's is the owner's)
         self.policy = cfg.policy
         self.policy_known = False  # the stored policy is read once (the creator's choice wins)
@@ -357,7 +359,8 @@ class Core:
     def acquire_args(
         self, rid: str, bound: int, held: int, prio: int, order: int, box: str, meta: str
     ) -> list[Any]:
-        return [rid, bound, held, prio, order, self._ttl_b, box, self._owner_b, self._wttl_b, meta]
+        return [rid, bound, held, prio, order, self._ttl_b, box, self._owner_b, self._wttl_b, meta,
+                self._hb_b]
 
     def release_args(self, lid: str) -> list[Any]:
         # ARGV[4]: the lease saw its first token (a report still batched may not have reached Redis: a

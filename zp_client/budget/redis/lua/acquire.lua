@@ -2,7 +2,9 @@
 -- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
 --       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none; under any policy its tt / tp / ag
---       fields give the waiter its deadline, common.lua's SLO-aware line section)
+--       fields give the waiter its deadline, common.lua's SLO-aware line section), heartbeat_ms (optional:
+--       the process's heartbeat interval, its poll interval; kept in the waiter record with waiter_ttl_ms
+--       so a grant to a dead process's waiter expires with its heartbeat, common.lua's grant)
 -- Fleet mode (meta fleet = 1, see common.lua): ARGV[10] also carries the waiter's routing ({"k": prefix
 -- keys, "s": session, "a": replicas to avoid}, beside the compact meta fields under elastic); the
 -- fleet's fast path places the waiter (common.lua's f_place) when nobody waits;
@@ -16,6 +18,7 @@ if FLEET and redis.call('EXISTS', K_REPS) == 0 then return {'I'} end  -- replica
 local id = ARGV[1]
 local now = now_ms()
 local epoch = redis.call('HGET', K_META, 'epoch')
+stall_gap_at_least(int_arg(ARGV[6], 'lease_ttl_ms', 1, 1e9))
 reap(now)
 local raw = redis.call('HGET', K_LEASES, id)
 if raw then
@@ -126,7 +129,8 @@ else
   local dl = nil
   if lf ~= nil then dl = now - lf.ag + lf.tt end  -- the deadline on Redis TIME (ledger.line_deadline)
   redis.call('HSET', K_WAIT, id, cjson.encode({b = bound, h = held, p = prio, o = order, s = now,
-    m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta, rt = route, d = dl, tp = lf and lf.tp}))
+    m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta, rt = route, d = dl, tp = lf and lf.tp,
+    t = wttl, hb = ARGV[11] and int_arg(ARGV[11], 'heartbeat_ms', 1, 1e9) or nil}))
   redis.call('ZADD', K_LINE, prio * PRIO_SPAN + order, member)
   if dl ~= nil and redis.call('HGET', K_META, 'line') == 'slo' then
     redis.call('ZADD', K_DL, l_score(prio, dl, meta_num('t0')), member)

@@ -17,7 +17,8 @@
 --                  fifo), lb (its late bound, ms), t0 (its deadline scores' origin, ms), policy, ver (limit version),
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
 --                  nl (live leases), adm (elastic admission counter), xsum (elastic: sum of the live
---                  leases' excess blocks beyond their bounds, e_excess; absent: 0)
+--                  leases' excess blocks beyond their bounds, e_excess; absent: 0), lt (TIME of the
+--                  last reap), sg (the gap that counts as a stall, ms), stalls (stall_shift)
 --   2 leases HASH  lease id -> cjson {b=bound, h=held, p=priority, o=order, w=owner, l=ttl ms, g=granted ms,
 --                  m=meta, a=admission seq and x=excess blocks when > 0 (elastic only; see the elastic
 --                  section)}
@@ -25,7 +26,8 @@
 --   4 line   ZSET  member (arrival seq, zero padded, "|" id) -> priority * 2^40 + ticket order
 --   5 wait   HASH  waiter id -> cjson {b, h, p, o, s=since ms, m=line member, x=mailbox, w=owner, l=lease ttl,
 --                  mt=meta (elastic only), d=TTFT deadline ms and tp=TPOT target ms (with a TTFT target;
---                  the SLO-aware line's section)}
+--                  the SLO-aware line's section), t=waiter ttl ms and hb=heartbeat interval ms of its
+--                  process (clients since issue 33; grant: a dead process's waiters)}
 --   6 wexp   ZSET  waiter id -> heartbeat expiry (ms)
 --   7 cls    HASH  "n<prio>" -> waiters of the class, "w<prio>" -> their weight (status without scans)
 -- Mailboxes ({zp:<name>}:mb:<x>) are lists in the same slot; a grant RPUSHes the lease id to the
@@ -310,8 +312,44 @@ local function drop_lease(id, raw)  -- raw: the lease's record when the caller r
   return l
 end
 
+-- A Redis stall (SIGSTOP, a long fork, a failover pause, a partition from every client) does not
+-- count against the holders: nobody could renew while Redis did not answer, yet the leases expire on
+-- Redis's own clock. The first reaping call after a gap between two calls longer than meta sg (half
+-- the longest lease TTL seen: live holders renew every TTL / 3, so a normal gap is shorter) moves
+-- every lease and waiter expiry still ahead at the last call (>= lt) forward by the gap: a holder gets
+-- back the time it had left when Redis went silent, at least one renewal interval, before its lease
+-- can be reclaimed. O(live leases + waiters), only on such a gap. Meta lt: TIME of the last reap,
+-- stalls: the gaps seen.
+local function stall_gap_at_least(ttl)
+  local sg = math.floor(ttl / 2)
+  if (tonumber(redis.call('HGET', K_META, 'sg')) or 0) < sg then redis.call('HSET', K_META, 'sg', sg) end
+end
+
+local function stall_shift(now)
+  local mm = redis.call('HMGET', K_META, 'lt', 'sg')
+  local lt, sg = tonumber(mm[1]), tonumber(mm[2])
+  redis.call('HSET', K_META, 'lt', now)
+  if lt == nil or sg == nil or now - lt <= sg then return end
+  local gap = now - lt
+  for _, z in ipairs({K_LEXP, K_WEXP}) do
+    local live = redis.call('ZRANGEBYSCORE', z, lt, '+inf', 'WITHSCORES')
+    local args = {}
+    for i = 1, #live, 2 do
+      args[#args + 1] = tonumber(live[i + 1]) + gap
+      args[#args + 1] = live[i]
+      if #args >= 1000 then
+        redis.call('ZADD', z, 'XX', unpack(args))
+        args = {}
+      end
+    end
+    if #args > 0 then redis.call('ZADD', z, 'XX', unpack(args)) end
+  end
+  redis.call('HINCRBY', K_META, 'stalls', 1)
+end
+
 -- Expire leases whose holder stopped renewing and waiters whose process stopped heartbeating.
 local function reap(now)
+  stall_shift(now)
   local dead = redis.call('ZRANGEBYSCORE', K_LEXP, '-inf', now, 'LIMIT', 0, REAP_MAX)
   for _, id in ipairs(dead) do drop_lease(id) end
   local gone = redis.call('ZRANGEBYSCORE', K_WEXP, '-inf', now, 'LIMIT', 0, REAP_MAX)
@@ -1099,6 +1137,18 @@ local function grant(now, self_id)
   end
   for _, e in ipairs(walk) do
     local id, w = e.id, load_waiter(e)
+    -- Another process's waiter is granted only while its process heartbeats (its poll refreshes wexp):
+    -- a waiter whose heartbeat lapsed belongs to a dead (or stalled) process and leaves the line here,
+    -- even beyond reap's REAP_MAX (a live one's next poll finds it gone and enqueues it again, same
+    -- ticket). Its grant would only hold blocks until the lease expired unclaimed.
+    local wexp = nil
+    if w and id ~= self_id then
+      wexp = tonumber(redis.call('ZSCORE', K_WEXP, id))
+      if wexp ~= nil and wexp <= now then
+        drop_waiter(id, w)
+        w = nil
+      end
+    end
     if w then
       local ok, matched
       if reject_if_too_large(id, w, slimit, boxes) then
@@ -1141,7 +1191,13 @@ local function grant(now, self_id)
           pins = p_load()  -- its counts moved
         end
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
-        redis.call('ZADD', K_LEXP, now + w.l, id)
+        -- A grant to another process is unclaimed until that process renews it. Its expiry counts from
+        -- the process's last heartbeat (wexp - t), one heartbeat interval later, not from now: if the
+        -- process died after its last heartbeat, the blocks come back by death + hb + lease ttl. A live
+        -- process heartbeated at most hb ago, so its lease still lives about one full TTL.
+        local lexp = now + w.l
+        if wexp ~= nil and w.t ~= nil and w.hb ~= nil then lexp = math.min(lexp, wexp - w.t + w.hb + w.l) end
+        redis.call('ZADD', K_LEXP, lexp, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)
         redis.call('HINCRBY', K_META, 'nl', 1)
         bsum = redis.call('HINCRBY', K_META, 'bsum', w.b)

@@ -11,6 +11,7 @@ if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local owner = ARGV[1]
 local ttl = int_arg(ARGV[2], 'lease_ttl_ms', 1, 1e9)
 local now = now_ms()
+stall_gap_at_least(ttl)
 reap(now)
 local epoch = redis.call('HGET', K_META, 'epoch')
 local out = {epoch}

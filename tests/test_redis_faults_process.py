@@ -1,0 +1,305 @@
+"""RedisBudget when a whole process dies (issue 33 item 3): real processes share one budget and one of
+them is SIGKILLed while its waiters stand in line.
+
+The observer reads the budget's leases on Redis's own clock (TIME inside one script), so the assertions
+are about Redis time, not about how fast this machine happens to run the test.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+pytestmark = [pytest.mark.redis, pytest.mark.faults, pytest.mark.slow]
+
+LEASE_TTL_S = 3.0
+POLL_S = 1.0
+LIMIT = 60
+
+# One process of the fleet: 40 tasks, each taking 1-6 blocks for 0.3-1 s, again and again. Demand is
+# about ten times the limit over four processes: a long line, a waiter waits several seconds, so a dead
+# process's waiters are still in line when it dies (as the issue's 1,000s of waiters were).
+CHILD = f"""
+import asyncio, random, sys
+from zp_client import RedisBudget
+
+async def main(url, name, limit):
+    b = RedisBudget(url, name, limit_blocks=limit, policy="strict", lease_ttl_s={LEASE_TTL_S!r},
+                    poll_interval_s={POLL_S!r}, recovery_s=0)
+    async def worker(i):
+        rnd = random.Random(i)
+        while True:
+            async with b.lease(rnd.randint(1, 6), timeout=60):
+                await asyncio.sleep(rnd.uniform(0.3, 1.0))
+    tasks = [asyncio.create_task(worker(i)) for i in range(40)]
+    await asyncio.sleep(0.2)
+    print(b._core.owner, flush=True)
+    await asyncio.gather(*tasks)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+# Redis TIME in ms, then per live (unexpired) lease: owner, bound, expiry; then the waiters' owners.
+OBSERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {now, 0}
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. now, '+inf', 'WITHSCORES')
+for i = 1, #live, 2 do
+  local raw = redis.call('HGET', KEYS[1], live[i])
+  if raw then
+    local l = cjson.decode(raw)
+    table.insert(out, l.w); table.insert(out, l.b); table.insert(out, live[i + 1])
+    out[2] = out[2] + 1
+  end
+end
+for _, raw in ipairs(redis.call('HVALS', KEYS[3])) do table.insert(out, cjson.decode(raw).w) end
+return out
+"""
+
+
+def _observe(r: redis.Redis, keys: list[str]) -> tuple[int, dict[str, int], dict[str, int], dict[str, int]]:
+    """(Redis now ms, held blocks by owner, latest lease expiry by owner, waiters by owner)."""
+    out = r.eval(OBSERVE, 3, *keys)
+    now, n = int(out[0]), int(out[1])
+    held: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i in range(n):
+        w, b, exp = out[2 + 3 * i].decode(), int(out[3 + 3 * i]), int(float(out[4 + 3 * i]))
+        held[w] = held.get(w, 0) + b
+        last[w] = max(last.get(w, 0), exp)
+    waiting: dict[str, int] = {}
+    for w in out[2 + 3 * n:]:
+        waiting[w.decode()] = waiting.get(w.decode(), 0) + 1
+    return now, held, last, waiting
+
+
+@pytest.fixture
+def fleet(redis_url: str, redis_prefix: str) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[str]]]:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHILD, redis_url, redis_prefix, str(LIMIT)],
+                         stdout=subprocess.PIPE, env=dict(os.environ))
+        for _ in range(4)
+    ]
+    try:
+        owners = []
+        deadline = time.monotonic() + 12
+        for p in procs:
+            assert p.stdout is not None
+            ready, _, _ = select.select([p.stdout], [], [], max(0.1, deadline - time.monotonic()))
+            assert ready, "a budget process did not start within 12 s"
+            owners.append(p.stdout.readline().decode().strip())
+        yield procs, owners
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+def test_a_killed_process_is_granted_nothing_after_its_death_and_its_blocks_come_back_in_time(
+    redis_url: str, redis_prefix: str, fleet: tuple[list[subprocess.Popen[bytes]], list[str]],
+) -> None:
+    from zp_client.budget.redis._budget import default_waiter_ttl_s
+
+    procs, owners = fleet
+    victim, victim_owner = procs[0], owners[0]
+    keys = [f"{{zp:{redis_prefix}}}:{k}" for k in ("leases", "lexp", "wait")]
+    r = redis.Redis.from_url(redis_url)
+    try:
+        # steady state: every process holds and waits
+        deadline = time.monotonic() + 8
+        while True:
+            _, held, _, waiting = _observe(r, keys)
+            if waiting.get(victim_owner, 0) >= 20 and all(held.get(o, 0) > 0 for o in owners):
+                break
+            assert time.monotonic() < deadline, f"no steady state: held {held}, waiting {waiting}"
+            time.sleep(0.02)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        # its death on Redis's clock: read after the process is gone, so what it sent just before dying
+        # (already in Redis's socket buffer) counts as before its death
+        kill_ms, held_at_kill, _, waiting_at_kill = _observe(r, keys)
+
+        detect_ms = kill_ms + int(default_waiter_ttl_s(POLL_S) * 1000)
+        back_by_ms = kill_ms + int((LEASE_TTL_S + POLL_S) * 1000)
+        samples: list[tuple[int, int, dict[str, int]]] = []  # (now, victim's held, all held)
+        latest_expiry = 0
+        while True:
+            now, held, last, _ = _observe(r, keys)
+            samples.append((now, held.get(victim_owner, 0), held))
+            latest_expiry = max(latest_expiry, last.get(victim_owner, 0))
+            if now > back_by_ms + 500:
+                break
+            time.sleep(0.02)
+    finally:
+        r.close()
+
+    peak = max(h for _, h, _ in samples)
+    after_detect = [h for now, h, _ in samples if now >= detect_ms]
+    grew = [(now - kill_ms, h) for (now, h, _), (_, prev, _) in zip(samples[1:], samples, strict=False)
+            if now >= detect_ms and h > prev]
+    msg = (f"victim held {held_at_kill.get(victim_owner, 0)} blocks with "
+           f"{waiting_at_kill.get(victim_owner, 0)} waiters at its death, peak {peak} after it; "
+           f"its last lease expires "
+           f"{(latest_expiry - kill_ms) / 1000:.2f} s after death (bound {LEASE_TTL_S + POLL_S} s)")
+    # granted nothing once its heartbeat lapsed (before the fix: until waiter_ttl_s = 3 x poll + 1 later)
+    assert not grew, f"{msg}; grew after {detect_ms - kill_ms} ms: {grew[:5]}"
+    # its blocks are back within lease_ttl_s + poll_interval_s of its death (before: 7.1 s with TTL 3 s)
+    assert latest_expiry <= back_by_ms, msg
+    assert after_detect and after_detect[-1] == 0, msg
+    # strict: what live leases bound never exceeds the limit, and the survivors keep being admitted
+    assert all(sum(h.values()) <= LIMIT for _, _, h in samples)
+    assert sum(v for k, v in samples[-1][2].items() if k != victim_owner) > 0
+
+
+def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders_lease() -> None:
+    """Issue 33 item 5: SIGSTOP of Redis for twice the lease TTL. Nobody could renew meanwhile, so the
+    holder keeps its lease (it is not lost, and a newcomer is not admitted on top of it) until it had
+    its renewal interval after Redis answers again. Before the fix the newcomer got the blocks at once,
+    the holder's lease was reported lost while its request still ran: the sum above the limit."""
+    import asyncio
+
+    from conftest import start_redis_server
+
+    from zp_client import AdmissionTimeout, RedisBudget
+
+    proc, port = start_redis_server()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def budget() -> RedisBudget:
+        return RedisBudget(url, "stall", limit_blocks=10, policy="strict", lease_ttl_s=1.5,
+                           poll_interval_s=0.2, recovery_s=0)
+
+    async def main() -> None:
+        a, b = budget(), budget()
+        try:
+            lease = await a.acquire(10)
+            await asyncio.sleep(0.6)  # a renewal round went through
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(3.0)  # twice the TTL: the renewals in flight wait
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            with pytest.raises(AdmissionTimeout):  # the holder still runs: no room for anybody
+                await b.acquire(1, timeout=1.0)
+            assert not lease.lost and a.counters["lease_lost"] == 0
+            stalls = redis.Redis(port=port).hget("{zp:stall}:meta", "stalls")
+            assert stalls is not None and int(stalls) >= 1
+            await lease.release()
+            got = await b.acquire(1, timeout=5)  # the blocks come back when the holder releases them
+            await got.release()
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_dead_holders_lease_is_still_reclaimed_after_a_stall() -> None:
+    """The stall protection only delays a reclaim: a holder that stopped renewing before the stall
+    loses its lease at most its remaining TTL after Redis answers again (not one shift per gap forever)."""
+    import asyncio
+
+    from conftest import start_redis_server
+
+    from zp_client import RedisBudget
+
+    proc, port = start_redis_server()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def budget() -> RedisBudget:
+        return RedisBudget(url, "stall", limit_blocks=10, policy="strict", lease_ttl_s=1.5,
+                           poll_interval_s=0.2, recovery_s=0)
+
+    async def main() -> None:
+        dead, live = budget(), budget()
+        try:
+            await dead.acquire(10)
+
+            async def no_renewals() -> None:  # the holder "died": it renews nothing from now on
+                return None
+
+            dead._get_side().renew_round = no_renewals  # type: ignore[method-assign]
+            await asyncio.sleep(0.3)
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(3.0)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            got = await live.acquire(10, timeout=10)  # its 1.5 s TTL at most, shifted once
+            await got.release()
+        finally:
+            await live.aclose()
+            await dead.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_release_during_a_redis_stall_does_not_hold_its_caller() -> None:
+    """Issue 33 item 5: a release sent to a stalled Redis waited for the socket timeout or the whole
+    stall (5 s here before the fix). It returns after at most RELEASE_WAIT_S; the release itself goes
+    on in the background and lands when Redis answers again."""
+    import asyncio
+
+    from conftest import start_redis_server
+
+    from zp_client import RedisBudget
+    from zp_client.budget.redis._script import RELEASE_WAIT_S
+
+    proc, port = start_redis_server()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def main() -> None:
+        b = RedisBudget(url, "stall", limit_blocks=10, policy="strict", lease_ttl_s=30, recovery_s=0)
+        try:
+            lease = await b.acquire(4)
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                await lease.release()
+                took = time.monotonic() - t0
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert took < RELEASE_WAIT_S + 1.0, f"release held its caller {took:.2f} s during the stall"
+            r = redis.Redis(port=port)
+            deadline = time.monotonic() + 10
+            while int(r.hget("{zp:stall}:meta", "bsum") or 0) != 0:  # it lands once Redis answers
+                assert time.monotonic() < deadline, "the release never reached Redis after the stall"
+                await asyncio.sleep(0.02)
+            r.close()
+        finally:
+            await b.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=10)
