@@ -23,7 +23,7 @@ TYPECHECK_PATHS ?= zp_client $(filter-out $(OA2_ONLY)/% integrations/crewai/%,$(
 # type-checked (mypy reading that environment's packages) in the openai 2.x environment only.
 OA2_ONLY = integrations/llama-index
 
-.PHONY: test test-main test-others test-openai2 test-crewai lint typecheck demo bench clean
+.PHONY: test test-main test-others test-openai2 test-crewai faults lint typecheck demo bench clean
 
 # The main environment: openai 3.x (built on httpx2) and every extra.
 $(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
@@ -65,6 +65,11 @@ test-openai2: $(OA2)/.installed
 
 test-crewai: $(CREWAI)/.installed
 	$(PY3) -m pytest integrations/crewai/tests $(PYTEST_ARGS)
+
+# The fault-injection tests alone (SIGKILL, SIGSTOP, restarts of a redis-server of their own; marked
+# `faults`); `make test` runs them too.
+faults: $(VENV)/.installed
+	$(PY) -m pytest -m faults $(PYTEST_ARGS)
 
 # Gates (rules in pyproject.toml: [tool.ruff.lint], [tool.mypy]).
 lint: $(VENV)/.installed
