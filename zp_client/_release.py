@@ -44,7 +44,7 @@ class Holder:
     wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
 
     __slots__ = ("lease", "done", "loop", "resp", "last_activity", "waiting", "idle_timeout", "clock",
-                 "granted_at", "metrics", "__weakref__")
+                 "granted_at", "metrics", "pending", "__weakref__")
 
     def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
                  clock: Clock = SYSTEM_CLOCK, metrics: ZPMetrics | None = None) -> None:
@@ -59,6 +59,8 @@ class Holder:
         self.waiting = False
         self.idle_timeout = idle_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
+        # the release in progress on the loop (set there, by release()): a second release() waits for it
+        self.pending: asyncio.Future[None] | None = None
         if is_async:
             try:
                 self.loop = asyncio.get_running_loop()
@@ -73,14 +75,26 @@ class Holder:
 
     async def release(self) -> None:
         if self.done:
+            pending = self.pending
+            if pending is not None and not pending.done():
+                # a close racing server_ended's release must find the lease back, not on its way back
+                with anyio.CancelScope(shield=True):
+                    await asyncio.shield(pending)
             return
         self._mark_done()
+        loop = self.loop
+        if loop is not None and loop is _running_loop():
+            self.pending = loop.create_future()
         # Shielded: this runs on cancellation paths and must finish so no blocks leak.
-        with anyio.CancelScope(shield=True):
-            try:
-                await self.lease.release()
-            except Exception:  # release never raises by contract; a backend bug must not mask ours
-                logger.exception("lease release failed")
+        try:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.lease.release()
+                except Exception:  # release never raises by contract; a backend bug must not mask ours
+                    logger.exception("lease release failed")
+        finally:
+            if self.pending is not None and not self.pending.done():
+                self.pending.set_result(None)
 
     def release_sync(self) -> None:
         if self.done:
@@ -119,8 +133,8 @@ class Holder:
         if loop is None or loop.is_closed() or not loop.is_running():
             self.release_sync()
             return
-        self._mark_done()
-        asyncio.run_coroutine_threadsafe(_release_only(self.lease), loop)
+        # on the loop, as every other async release: a close racing it then waits for it (release())
+        asyncio.run_coroutine_threadsafe(self.release(), loop)
 
     def abandon(self) -> None:
         """The caller walked away (garbage collection) or stopped reading (watchdog).
@@ -174,11 +188,11 @@ async def _abandon_async(resp: Any, lease: Lease) -> None:
             logger.exception("lease release failed")
 
 
-async def _release_only(lease: Lease) -> None:
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        await lease.release()
-    except Exception:
-        logger.exception("lease release failed")
+        return asyncio.get_running_loop()
+    except RuntimeError:  # trio
+        return None
 
 
 #: How often the watchdog looks for connections the server ended under unread bodies (Linux: poll()'s
