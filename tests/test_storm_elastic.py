@@ -119,7 +119,8 @@ def test_tiny_storm_elastic_and_oracle_never_preempt(tmp_path) -> None:
         assert m["sent"] == wl.num_requests
         assert m["ok"] == wl.num_requests and m["errors"] == 0
         assert m["preemptions"] == 0, name
-        assert m["limit_blocks"] == by["zp-strict"]["limit_blocks"]
+        # the run reports the limit its budget had: the elastic setups' own headroom (the test's tuning)
+        assert m["limit_blocks"] == zp_limit_blocks(data["server"]["num_gpu_blocks"], TEST_HEADROOM)
         assert len(data["timelines"][name]) > 10
         assert name in data["ttfts"] and name in data["requests"]
     assert by["no-admission"]["preemptions"] > 0
