@@ -686,25 +686,18 @@ class RetryPolicy:
         step = self._take_owed(state)
         if step is None:
             return
-        bound, why = self._wait_bound(remaining_s)
-        started, slept = self.clock.monotonic(), 0.0
+        wait = _BudgetWait(self, step, remaining_s)
         while True:
             try:
                 granted = self.budget.try_spend() if self.budget is not None else True
-            except Exception as exc:
-                log.warning("retry budget unavailable while waiting; not retrying (%s)", step.reason,
-                            exc_info=True)
-                raise self._exhausted(step, max(slept, self.clock.monotonic() - started),
-                                      f"the retry budget could not be read ({type(exc).__name__})") from None
+            except Exception as exc:  # noqa: BLE001 - logged, then the retry's typed refusal
+                raise wait.unreadable(exc) from None
             if granted:
                 self._finish(state, step, True)
                 return
-            waited = max(slept, self.clock.monotonic() - started)
-            if waited >= bound:
-                raise self._exhausted(step, waited, why)
-            pause = min(bound - waited, self._poll_s())
+            pause = wait.next_pause()
             self.sleep_sync(pause)
-            slept += pause
+            wait.slept += pause
 
     async def wait_for_budget_async(self, state: RetryState, *, remaining_s: float | None) -> None:
         """Wait until the retry budget grants the retry a ``budget_owed`` decision announced (the caller
@@ -716,26 +709,18 @@ class RetryPolicy:
         step = self._take_owed(state)
         if step is None:
             return
-        bound, why = self._wait_bound(remaining_s)
-        started, slept = self.clock.monotonic(), 0.0
+        wait = _BudgetWait(self, step, remaining_s)
         while True:
             try:
                 granted = await self._try_spend_async() if self.budget is not None else True
-            except Exception as exc:
-                log.warning("retry budget unavailable while waiting; not retrying (%s)", step.reason,
-                            exc_info=True)
-                raise self._exhausted(step, max(slept, self.clock.monotonic() - started),
-                                      f"the retry budget could not be read ({type(exc).__name__})") from None
+            except Exception as exc:  # noqa: BLE001 - logged, then the retry's typed refusal
+                raise wait.unreadable(exc) from None
             if granted:
                 self._finish(state, step, True)
                 return
-            # Time waited: the clock's, or the sleeps asked for when testing mode skips them.
-            waited = max(slept, self.clock.monotonic() - started)
-            if waited >= bound:
-                raise self._exhausted(step, waited, why)
-            pause = min(bound - waited, self._poll_s())
+            pause = wait.next_pause()
             await self.sleep(pause)
-            slept += pause
+            wait.slept += pause
 
     @staticmethod
     def _take_owed(state: RetryState) -> _Pending | None:
@@ -903,3 +888,33 @@ class RetryPolicy:
                 hook(details)
             except Exception:
                 log.warning("retry hook %r raised; ignored", hook, exc_info=True)
+
+
+class _BudgetWait:
+    """One retry's wait for the retry budget, sans I/O: the bound, the time waited, the verdicts. The
+    sync and async loops of :class:`RetryPolicy` only ask the budget and sleep."""
+
+    __slots__ = ("policy", "step", "bound", "why", "started", "slept")
+
+    def __init__(self, policy: RetryPolicy, step: _Pending, remaining_s: float | None) -> None:
+        self.policy, self.step = policy, step
+        self.bound, self.why = policy._wait_bound(remaining_s)
+        self.started, self.slept = policy.clock.monotonic(), 0.0
+
+    def waited(self) -> float:
+        # the clock's, or the sleeps asked for when testing mode skips them
+        return max(self.slept, self.policy.clock.monotonic() - self.started)
+
+    def unreadable(self, exc: BaseException) -> RetryBudgetExhausted:
+        log.warning("retry budget unavailable while waiting; not retrying (%s)", self.step.reason,
+                    exc_info=exc)
+        return self.policy._exhausted(self.step, self.waited(),
+                                      f"the retry budget could not be read ({type(exc).__name__})")
+
+    def next_pause(self) -> float:
+        """How long to sleep before asking again; raises :class:`~zp_client.RetryBudgetExhausted` when
+        the bound is reached."""
+        waited = self.waited()
+        if waited >= self.bound:
+            raise self.policy._exhausted(self.step, waited, self.why)
+        return min(self.bound - waited, self.policy._poll_s())
