@@ -127,3 +127,22 @@ def test_redact_url_masks_every_form_and_keeps_the_rest() -> None:
     assert redact_url("rediss://h:6380/0") == "rediss://h:6380/0"
     assert redact_url("redis://:pa#ss@h") == "redis://…"
     assert redact_url("redis://:pa%23ss@h") == "redis://:***@h"
+
+
+@pytest.mark.parametrize("url", ["redis://:hunter2xq#zebra7kw@127.0.0.1:6379/0",
+                                 "redis://:hunter2xq/zebra7kw@127.0.0.1:6379/0"])
+def test_a_fleet_and_a_retry_budget_refuse_a_cut_url_as_a_budget_does(url: str) -> None:
+    """RedisFleet checks the URL first (before its own arguments: here it has no limit either), and
+    RedisRetryBudget when it is made (redis-py reads the URL only at first use): the budget's own error."""
+    from zp_client.budget.redis import RedisRetryBudget
+    from zp_client.fleet.redis import RedisFleet
+
+    with pytest.raises(ConfigurationError) as budget_err:
+        RedisBudget(url, "zptest-never", 10)
+    with pytest.raises(ConfigurationError) as fleet_err:
+        RedisFleet(url, "zptest-never", ["http://a:8000/v1"])
+    with pytest.raises(ConfigurationError) as retry_err:
+        RedisRetryBudget("zptest-never", url=url)
+    assert str(fleet_err.value) == str(retry_err.value) == str(budget_err.value)
+    for err in (fleet_err, retry_err):
+        _clean("".join(traceback.format_exception(err.value)), "the traceback")

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from zp_client._redact import check_redis_url
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.ledger import validate_blocks, validate_seconds
 from zp_client.budget.redis._budget import RedisBudget
@@ -144,6 +145,8 @@ class RedisFleet(FleetRouting, RedisBudget):
         fleet_ttl_s: float = DEFAULT_FLEET_TTL_S,
         **kwargs: Any,
     ) -> None:
+        if isinstance(url_or_client, str):  # first: no other error may come before it (nor show the URL)
+            check_redis_url(url_or_client)
         if kwargs.get("longest_first_s", 0):
             raise ConfigurationError("a fleet's line has no longest-first window (longest_first_s): it is "
                                      "FIFO within a class, as Fleet's")

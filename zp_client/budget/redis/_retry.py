@@ -17,6 +17,7 @@ import redis.asyncio
 from redis.exceptions import MaxConnectionsError, RedisError
 
 from zp_client._clock import SYSTEM_CLOCK
+from zp_client._redact import check_redis_url
 from zp_client.budget.redis._script import POOL_SIZE, load_lua
 from zp_client.errors import ConfigurationError
 from zp_client.retry import (
@@ -76,6 +77,8 @@ class RedisRetryBudget:
             raise ConfigurationError("RedisRetryBudget needs url=, client= (redis.Redis) or async_client=")
         if flush_interval_s < 0:
             raise ConfigurationError(f"flush_interval_s must be >= 0, got {flush_interval_s!r}")
+        if url is not None:
+            check_redis_url(url)  # now: redis-py reads it at first use, and its error can show the password
         self.name = name
         self.ratio = float(ratio)
         self.floor_per_s = float(floor_per_s)
