@@ -186,3 +186,24 @@ def test_key_ttl_s_is_checked(fc_redis: tuple[redis.Redis, str]) -> None:
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ConfigurationError, match="key_ttl_s"):
             RedisLengthForecaster(r, name, key_ttl_s=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("max_keys", [50, None])
+def test_the_process_local_fallback_of_shared_forecaster_keeps_max_keys(max_keys: int | None) -> None:
+    """A RedisBudget given only an async client forecasts from this process (shared_forecaster's
+    fallback): that forecaster took q/prior/half_life/priors only, so max_keys was dropped. It keeps the
+    given bound (and the default one): 10,000 distinct routes never hold more."""
+    import redis.asyncio as redis_async
+
+    from zp_client import RedisBudget
+
+    b = RedisBudget(redis_async.Redis(), "zptest-never-used", 100, policy="elastic")  # connects to nothing
+    kw = {} if max_keys is None else {"max_keys": max_keys}
+    fc = b.shared_forecaster(sync_interval_s=5, **kw)
+    assert type(fc) is LengthForecaster  # the fallback, not the Redis one
+    bound = DEFAULT_MAX_KEYS if max_keys is None else max_keys
+    most = 0
+    for i in range(N):
+        fc.observe(f"route-{i}", 10)
+        most = max(most, len(fc._hists))
+    assert most == bound

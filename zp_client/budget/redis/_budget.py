@@ -42,6 +42,9 @@ from zp_client.budget.redis._sync import SyncFace
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, PinRefused
 
 log = logging.getLogger("zp_client.budget.redis")
+# The keyword arguments shared_forecaster passes on to a process-local LengthForecaster (its fallback).
+_LOCAL_FORECASTER_KWARGS = frozenset({"q", "q_blind", "q_tail", "q_spread", "prior", "half_life", "priors",
+                                      "max_keys"})
 
 # Spellings removed before 1.0 (one spelling per parameter, seconds end in _s): old name -> new name.
 _RENAMED = {
@@ -304,7 +307,9 @@ class RedisBudget(Budget):
             from zp_client.forecast import LengthForecaster
 
             log.warning("zp_client: Redis budget %r forecasts from this process only: %s", self.name, exc)
-            kwargs = {k: v for k, v in kwargs.items() if k in ("q", "prior", "half_life", "priors")}
+            # what a local forecaster takes (max_keys too: routes come from per-call headers, so the
+            # fallback stays as bounded as the shared one); the Redis-only ones (sync_interval_s...) go
+            kwargs = {k: v for k, v in kwargs.items() if k in _LOCAL_FORECASTER_KWARGS}
             with self._lock:
                 if self._forecaster is None:
                     self._forecaster = LengthForecaster(**kwargs)
