@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -82,3 +83,38 @@ def redis_url() -> Iterator[str]:
 def redis_prefix() -> str:
     """A unique name for this test's Redis keys / budget (never collides with other tests or users)."""
     return f"zptest-{uuid.uuid4().hex[:12]}"
+
+
+# ------------------------------------------------------------------- the fault tests' results table
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fault-report", default=None, metavar="PATH",
+                     help="append the fault tests' rows (JSON lines) to PATH and print them as a table at "
+                          "the end (default: $ZP_FAULT_REPORT; `make faults` sets it)")
+
+
+_FAULT_ROWS: list[dict[str, Any]] = []
+
+
+@pytest.fixture
+def fault_report(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Records one row per fault scenario, from what the test measured (tests/_fault_report.py)."""
+    from dataclasses import asdict
+
+    from _fault_report import FaultReport, report_path
+
+    rep = FaultReport(report_path(request.config.getoption("--fault-report")), request.node.nodeid)
+    try:
+        yield rep
+    finally:
+        _FAULT_ROWS.extend(asdict(r) for r in rep.rows)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    from _fault_report import format_table, report_path
+
+    if not _FAULT_ROWS or report_path(config.getoption("--fault-report", None)) is None:
+        return
+    failed = {r.nodeid for r in terminalreporter.stats.get("failed", [])}
+    terminalreporter.section("fault scenarios (issue 33)")
+    for line in format_table(_FAULT_ROWS, failed).splitlines():
+        terminalreporter.write_line(line)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -112,6 +113,7 @@ def fleet(redis_url: str, redis_prefix: str) -> Iterator[tuple[list[subprocess.P
 
 def test_a_killed_process_is_granted_nothing_after_its_death_and_its_blocks_come_back_in_time(
     redis_url: str, redis_prefix: str, fleet: tuple[list[subprocess.Popen[bytes]], list[str]],
+    fault_report: Any,
 ) -> None:
     from zp_client.budget.redis._budget import default_waiter_ttl_s
 
@@ -144,7 +146,7 @@ def test_a_killed_process_is_granted_nothing_after_its_death_and_its_blocks_come
             latest_expiry = max(latest_expiry, last.get(victim_owner, 0))
             if now > back_by_ms + 500:
                 break
-            time.sleep(0.02)
+            time.sleep(0.01)
     finally:
         r.close()
 
@@ -156,6 +158,20 @@ def test_a_killed_process_is_granted_nothing_after_its_death_and_its_blocks_come
            f"{waiting_at_kill.get(victim_owner, 0)} waiters at its death, peak {peak} after it; "
            f"its last lease expires "
            f"{(latest_expiry - kill_ms) / 1000:.2f} s after death (bound {LEASE_TTL_S + POLL_S} s)")
+    grew_any = sum(h > prev for (_, h, _), (_, prev, _) in zip(samples[1:], samples, strict=False))
+    grew_any += samples[0][1] > held_at_kill.get(victim_owner, 0)
+    back_at = next((now for now, h, _ in samples if h == 0 and all(
+        h2 == 0 for n2, h2, _ in samples if n2 >= now)), None)
+    fault_report(
+        "SIGKILL of 1 of 4 processes (strict)", f"SIGKILL, {waiting_at_kill.get(victim_owner, 0)} waiters "
+        f"and {held_at_kill.get(victim_owner, 0)} blocks of {LIMIT} held by it",
+        over_admission=max(0, max(sum(h.values()) for _, _, h in samples) - LIMIT),
+        leaked_blocks=after_detect[-1] if after_detect else None,
+        recover_s=None if back_at is None else (back_at - kill_ms) / 1000,
+        recover_bound_s=LEASE_TTL_S + POLL_S,
+        notes=f"its blocks after death: peak {peak}, grew {grew_any} times after its death, {len(grew)} "
+              f"after its heartbeat lapsed ({detect_ms - kill_ms} ms); "
+              f"{len(samples)} samples on Redis's clock")
     # granted nothing once its heartbeat lapsed (before the fix: until waiter_ttl_s = 3 x poll + 1 later)
     assert not grew, f"{msg}; grew after {detect_ms - kill_ms} ms: {grew[:5]}"
     # its blocks are back within lease_ttl_s + poll_interval_s of its death (before: 7.1 s with TTL 3 s)
@@ -166,7 +182,9 @@ def test_a_killed_process_is_granted_nothing_after_its_death_and_its_blocks_come
     assert sum(v for k, v in samples[-1][2].items() if k != victim_owner) > 0
 
 
-def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders_lease() -> None:
+def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders_lease(
+    fault_report: Any,
+) -> None:
     """Issue 33 item 5: SIGSTOP of Redis for twice the lease TTL. Nobody could renew meanwhile, so the
     holder keeps its lease (it is not lost, and a newcomer is not admitted on top of it) until it had
     its renewal interval after Redis answers again. Before the fix the newcomer got the blocks at once,
@@ -175,7 +193,7 @@ def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders
 
     from conftest import start_redis_server
 
-    from zp_client import AdmissionTimeout, RedisBudget
+    from zp_client import AdmissionError, AdmissionTimeout, RedisBudget
 
     proc, port = start_redis_server()
     url = f"redis://127.0.0.1:{port}/0"
@@ -184,24 +202,52 @@ def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders
         return RedisBudget(url, "stall", limit_blocks=10, policy="strict", lease_ttl_s=1.5,
                            poll_interval_s=0.2, recovery_s=0)
 
+    from _fault_report import HeldSampler
+
     async def main() -> None:
         a, b = budget(), budget()
+        leases: list[Any] = []
         try:
-            lease = await a.acquire(10)
-            await asyncio.sleep(0.6)  # a renewal round went through
-            os.kill(proc.pid, signal.SIGSTOP)
-            try:
-                await asyncio.sleep(3.0)  # twice the TTL: the renewals in flight wait
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
-            with pytest.raises(AdmissionTimeout):  # the holder still runs: no room for anybody
-                await b.acquire(1, timeout=1.0)
-            assert not lease.lost and a.counters["lease_lost"] == 0
+            async with HeldSampler(10, lambda: leases) as sampler:
+                lease = await a.acquire(10)
+                leases.append(lease)
+                await asyncio.sleep(0.6)  # a renewal round went through
+                os.kill(proc.pid, signal.SIGSTOP)
+                try:
+                    # a caller that asks during the stall gets a typed error at its own timeout
+                    t0 = time.monotonic()
+                    err: BaseException | None = None
+                    try:
+                        leases.append(await b.acquire(1, timeout=1.0))
+                    except Exception as exc:  # noqa: BLE001 - its type is what is reported and checked
+                        err = exc
+                    err_late = time.monotonic() - t0 - 1.0
+                    await asyncio.sleep(3.0 - (time.monotonic() - t0))  # twice the TTL in all
+                finally:
+                    os.kill(proc.pid, signal.SIGCONT)
+                resumed = time.monotonic()
+                await b.status()  # Redis answers the budget again
+                recover = time.monotonic() - resumed
+                with pytest.raises(AdmissionTimeout):  # the holder still runs: no room for anybody
+                    leases.append(await b.acquire(1, timeout=1.0))
+                lost = lease.lost or a.counters["lease_lost"] > 0
+                await lease.release()
+                got = await b.acquire(1, timeout=5)  # the blocks come back when the holder releases them
+                leases.append(got)
+                await got.release()
+            st = await b.status()
+            fault_report(
+                "Redis stall longer than the lease TTL (strict)", "SIGSTOP of redis-server 3 s, lease TTL 1.5 s",
+                over_admission=sampler.over_admission, leaked_blocks=st.used, recover_s=recover,
+                error=None if err is None else type(err).__name__, error_latency_s=err_late,
+                notes=f"holder's lease lost: {lost}; an acquire (timeout 1 s) during the stall; "
+                      f"{sampler.samples} samples")
+            assert isinstance(err, AdmissionError), err  # typed (a timeout or BudgetUnavailable)
+            assert err_late <= 1.0, f"the acquire's 1 s timeout fired {err_late:.2f} s late"
+            assert not lost
+            assert sampler.over_admission == 0
             stalls = redis.Redis(port=port).hget("{zp:stall}:meta", "stalls")
             assert stalls is not None and int(stalls) >= 1
-            await lease.release()
-            got = await b.acquire(1, timeout=5)  # the blocks come back when the holder releases them
-            await got.release()
         finally:
             await a.aclose()
             await b.aclose()
@@ -215,7 +261,7 @@ def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders
         proc.wait(timeout=10)
 
 
-def test_a_dead_holders_lease_is_still_reclaimed_after_a_stall() -> None:
+def test_a_dead_holders_lease_is_still_reclaimed_after_a_stall(fault_report: Any) -> None:
     """The stall protection only delays a reclaim: a holder that stopped renewing before the stall
     loses its lease at most its remaining TTL after Redis answers again (not one shift per gap forever)."""
     import asyncio
@@ -246,8 +292,15 @@ def test_a_dead_holders_lease_is_still_reclaimed_after_a_stall() -> None:
                 await asyncio.sleep(3.0)
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
+            resumed = time.monotonic()
             got = await live.acquire(10, timeout=10)  # its 1.5 s TTL at most, shifted once
+            recover = time.monotonic() - resumed
             await got.release()
+            st = await live.status()
+            fault_report("a dead holder's lease after a stall (strict)",
+                         "holder stops renewing, then SIGSTOP of redis-server 3 s (TTL 1.5 s)",
+                         leaked_blocks=st.used, recover_s=recover, recover_bound_s=1.5 + 0.2,
+                         notes="recover: SIGCONT until a newcomer gets the dead holder's 10 blocks")
         finally:
             await live.aclose()
             await dead.aclose()
@@ -261,7 +314,7 @@ def test_a_dead_holders_lease_is_still_reclaimed_after_a_stall() -> None:
         proc.wait(timeout=10)
 
 
-def test_a_release_during_a_redis_stall_does_not_hold_its_caller() -> None:
+def test_a_release_during_a_redis_stall_does_not_hold_its_caller(fault_report: Any) -> None:
     """Issue 33 item 5: a release sent to a stalled Redis waited for the socket timeout or the whole
     stall (5 s here before the fix). It returns after at most RELEASE_WAIT_S; the release itself goes
     on in the background and lands when Redis answers again."""
@@ -286,13 +339,20 @@ def test_a_release_during_a_redis_stall_does_not_hold_its_caller() -> None:
                 took = time.monotonic() - t0
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
+            resumed = time.monotonic()
             assert took < RELEASE_WAIT_S + 1.0, f"release held its caller {took:.2f} s during the stall"
             r = redis.Redis(port=port)
             deadline = time.monotonic() + 10
-            while int(r.hget("{zp:stall}:meta", "bsum") or 0) != 0:  # it lands once Redis answers
-                assert time.monotonic() < deadline, "the release never reached Redis after the stall"
-                await asyncio.sleep(0.02)
+            while (bsum := int(r.hget("{zp:stall}:meta", "bsum") or 0)) != 0:  # it lands once Redis answers
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.01)
             r.close()
+            fault_report("a release during a Redis stall", "SIGSTOP of redis-server during release()",
+                         leaked_blocks=bsum, recover_s=time.monotonic() - resumed,
+                         notes=f"release() returned to its caller after {took:.2f} s (bound "
+                               f"RELEASE_WAIT_S {RELEASE_WAIT_S:g} s); recover: SIGCONT until it landed")
+            assert bsum == 0, "the release never reached Redis after the stall"
         finally:
             await b.aclose()
 
