@@ -20,7 +20,9 @@ import asyncio
 import json
 import os
 import socket
-import threading
+import select
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -137,74 +139,84 @@ class HeldSampler:
 
 class LatencyProxy:
     """A TCP proxy on loopback that delays every byte by ``delay_s`` in each direction (order and
-    pipelining kept: a chunk is written ``delay_s`` after it was read, whatever came before it), in a
-    thread with its own event loop. A context manager; ``port`` is where to connect."""
+    pipelining kept: a chunk is written ``delay_s`` after it was read, whatever came before it). It runs
+    in a process of its own (as a real network's delay would: it takes no time from the test's process).
+    A context manager; ``port`` is where to connect."""
 
     def __init__(self, target_port: int, delay_s: float) -> None:
         self.target_port = target_port
         self.delay_s = delay_s
         self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: asyncio.AbstractServer | None = None
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def send() -> None:
-            while True:
-                due, data = await queue.get()
-                if not data:
-                    break
-                wait = due - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                writer.write(data)
-                await writer.drain()
-            writer.close()
-
-        sender = asyncio.ensure_future(send())
-        try:
-            while data := await reader.read(65536):
-                queue.put_nowait((time.monotonic() + self.delay_s, data))
-        except OSError:
-            pass
-        queue.put_nowait((0.0, b""))
-        try:
-            await sender
-        except OSError:
-            pass
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.close()
-            return
-        await asyncio.gather(self._pump(reader, up_w), self._pump(up_r, writer), return_exceptions=True)
+        self._proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> LatencyProxy:
-        self._thread.start()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        fut = asyncio.run_coroutine_threadsafe(asyncio.start_server(self._handle, sock=sock), self._loop)
-        self._server = fut.result(timeout=10)
+        self._proc = subprocess.Popen([sys.executable, __file__, str(self.target_port), repr(self.delay_s)],
+                                      stdout=subprocess.PIPE)
+        assert self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], 20)
+        line = self._proc.stdout.readline() if ready else b""
+        if not line.strip():
+            self._proc.kill()
+            raise RuntimeError("the latency proxy did not start within 20 s")
+        self.port = int(line)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        async def stop() -> None:
-            assert self._server is not None
-            self._server.close()
-            for t in asyncio.all_tasks():
-                if t is not asyncio.current_task():
-                    t.cancel()
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
 
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+    async def send() -> None:
+        while True:
+            due, data = await queue.get()
+            if not data:
+                break
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    sender = asyncio.ensure_future(send())
+    try:
+        while data := await reader.read(65536):
+            queue.put_nowait((time.monotonic() + delay_s, data))
+    except OSError:
+        pass
+    queue.put_nowait((0.0, b""))
+    try:
+        await sender
+    except OSError:
+        pass
+
+
+async def _proxy_main(target_port: int, delay_s: float) -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", target_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(_pump(reader, up_w, delay_s), _pump(up_r, writer, delay_s),
+                             return_exceptions=True)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = await asyncio.start_server(handle, sock=sock)
+    print(sock.getsockname()[1], flush=True)
+    async with server:
+        await server.serve_forever()
 
 
 def report_path(option: str | None) -> Path | None:
     where = option or os.environ.get(ENV)
     return Path(where) if where else None
+
+
+if __name__ == "__main__":  # the latency proxy's process: target port, delay in seconds
+    asyncio.run(_proxy_main(int(sys.argv[1]), float(sys.argv[2])))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,7 +62,7 @@ def own_redis() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
 # ---------------------------------------------------------------------------------------- item 1
 @pytest.mark.parametrize("timeout", [None, 30.0])
 async def test_a_cancel_within_a_millisecond_always_raises_and_leaves_no_lease(
-    redis_url: str, cleanup: str, timeout: float | None
+    redis_url: str, cleanup: str, timeout: float | None, fault_report: Any
 ) -> None:
     """redis-py runs each command under ``asyncio.wait_for``, which on 3.10/3.11 returns the reply instead
     of raising when the cancellation arrives as the reply does: the acquire ran to completion (20/20
@@ -70,16 +71,23 @@ async def test_a_cancel_within_a_millisecond_always_raises_and_leaves_no_lease(
     loop = asyncio.get_running_loop()
     rng = random.Random(33)
     accepted = swallowed = 0
+    late = 0.0  # the longest from an accepted cancel() to the caller's CancelledError
+    cancelled_at: list[float] = []
     try:
         await b.status()  # the budget's client is made and connected before the trials
         for _ in range(400):
             t = asyncio.ensure_future(b.acquire(1, timeout=timeout))
             took: list[bool] = []
-            loop.call_later(rng.uniform(0, 0.001), lambda t=t, took=took: took.append(t.cancel()))
+
+            def cancel(t: asyncio.Future[Any] = t, took: list[bool] = took) -> None:
+                cancelled_at[:] = [time.monotonic()]
+                took.append(t.cancel())
+
+            loop.call_later(rng.uniform(0, 0.001), cancel)
             try:
                 lease = await t
             except asyncio.CancelledError:
-                pass
+                late = max(late, time.monotonic() - cancelled_at[0])
             else:
                 if took == [True]:
                     swallowed += 1
@@ -96,6 +104,11 @@ async def test_a_cancel_within_a_millisecond_always_raises_and_leaves_no_lease(
         st = await b.status()
     finally:
         await b.aclose()
+    fault_report(f"task.cancel() within 1 ms of RedisBudget.acquire (timeout={timeout})",
+                 f"cancel at a random 0-1 ms, {accepted} trials", leaked_blocks=st.used,
+                 error="CancelledError" if accepted > swallowed else None, error_latency_s=late,
+                 notes=f"{swallowed} of {accepted} accepted cancellations ignored; latency: cancel() to "
+                       "the caller's CancelledError, the longest")
     assert accepted >= 20, f"only {accepted} cancellations landed while the call ran"
     assert swallowed == 0, f"{swallowed} of {accepted} accepted cancellations were ignored"
     assert st.leases == 0 and st.used == 0 and not st.waiters, st
@@ -103,7 +116,8 @@ async def test_a_cancel_within_a_millisecond_always_raises_and_leaves_no_lease(
 
 # ---------------------------------------------------------------------------------------- item 4
 @pytest.mark.slow
-async def test_renewals_do_not_wait_behind_a_saturated_pool(redis_url: str, cleanup: str) -> None:
+async def test_renewals_do_not_wait_behind_a_saturated_pool(redis_url: str, cleanup: str,
+                                                            fault_report: Any) -> None:
     """A burst fills all 100 connections of the shared pool for longer than the lease TTL (blocking
     commands stand in for a burst of acquires in flight, so the test holds on any machine) while more
     acquires queue for a connection: live leases must still be renewed (0 lost)."""
@@ -123,18 +137,91 @@ async def test_renewals_do_not_wait_behind_a_saturated_pool(redis_url: str, clea
         st = await b.status()
         for le in [*held, *granted]:
             await le.release()
+        after = await b.status()
     finally:
         await b.aclose()
+    fault_report("renewals behind a saturated pool", "100 blocking commands fill the pool 1.5 s, 500 "
+                 "acquires queue (TTL 0.45 s)", leaked_blocks=after.used,
+                 notes=f"{len(lost)} of 20 live leases lost, lease_lost events {b.counters['lease_lost']}")
     assert not lost and b.counters["lease_lost"] == 0, f"{len(lost)} live leases lost: {events[:3]}"
     assert st.leases == 520, st
 
 
+def _port(url: str) -> int:
+    return int(url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+
+
+BURST = 2000
+BURST_LIMIT = 1500
+
+
+@pytest.mark.slow
+async def test_a_burst_of_2000_acquires_at_20ms_latency_expires_no_live_lease(
+    redis_url: str, cleanup: str, fault_report: Any
+) -> None:
+    """Issue 33 item 4 as the issue saw it: 2,000 acquires at once in one process, Redis 20 ms away (each
+    way, through a delaying proxy), lease TTL 3 s, each holder keeping its lease 0.3-4 s (longer than the
+    TTL: it lives by its renewals), 500 of them in line behind the limit. No live lease expires (0 lost,
+    0 lease_lost), the limit holds (sampled every 10 ms), and everything is back at the end."""
+    from _fault_report import HeldSampler, LatencyProxy
+
+    events: list[RedisBudgetEvent] = []
+    rng = random.Random(2000)
+    holds = [rng.uniform(0.3, 4.0) for _ in range(BURST)]
+    leases: list[Any] = []
+    lost_while_held = 0
+    waits: list[float] = []
+
+    with LatencyProxy(_port(redis_url), 0.020) as proxy:
+        b = RedisBudget(f"redis://127.0.0.1:{proxy.port}/0", cleanup, BURST_LIMIT, policy="strict",
+                        recovery_s=0, lease_ttl_s=3.0, on_event=events.append)
+
+        async def one(hold: float) -> None:
+            nonlocal lost_while_held
+            t0 = time.monotonic()
+            lease = await b.acquire(1, timeout=25)
+            waits.append(time.monotonic() - t0)
+            leases.append(lease)
+            await asyncio.sleep(hold)
+            lost_while_held += lease.lost
+            await lease.release()
+
+        try:
+            await b.status()  # connected before the burst
+            t0 = time.monotonic()
+            async with HeldSampler(BURST_LIMIT, lambda: leases) as sampler:
+                await asyncio.gather(*(one(h) for h in holds))
+            took = time.monotonic() - t0
+            st = await b.status()
+        finally:
+            await b.aclose()
+    waits.sort()
+    fault_report(f"{BURST}-acquire burst at 20 ms latency (strict)",
+                 f"{BURST} acquires at once, +20 ms each way (proxy), TTL 3 s, holds 0.3-4 s",
+                 over_admission=sampler.over_admission, leaked_blocks=st.used,
+                 notes=f"{lost_while_held} live leases expired (lease_lost {b.counters['lease_lost']}); "
+                       f"wait p50 {waits[len(waits) // 2]:.2f} s, max {waits[-1]:.2f} s; all done in {took:.1f} s")
+    assert lost_while_held == 0 and b.counters["lease_lost"] == 0, events[:3]
+    assert sampler.over_admission == 0
+    assert st.used == 0 and st.leases == 0, st
+
+
 # ---------------------------------------------------------------------------------------- item 11
-async def test_a_release_racing_its_renewal_is_never_reported_lost(redis_url: str, cleanup: str) -> None:
+@pytest.mark.parametrize("latency_s", [0.0, 0.020], ids=["loopback", "20ms"])
+async def test_a_release_racing_its_renewal_is_never_reported_lost(redis_url: str, cleanup: str,
+                                                                   fault_report: Any, latency_s: float) -> None:
     """A renewal round renews in batches (``RENEW_BATCH``), one after the other; leases released while the
     round is in flight reach Redis before their batch does, which then finds them gone. No ``lease_lost``
     event for a lease its holder released, and every lease released in the end."""
+    from contextlib import ExitStack
+
+    from _fault_report import LatencyProxy
+
     events: list[RedisBudgetEvent] = []
+    stack = ExitStack()
+    if latency_s:
+        proxy = stack.enter_context(LatencyProxy(_port(redis_url), latency_s))
+        redis_url = f"redis://127.0.0.1:{proxy.port}/0"
     b = RedisBudget(redis_url, cleanup, 100_000, recovery_s=0, lease_ttl_s=30, on_event=events.append)
     rng = random.Random(11)
     try:
@@ -148,7 +235,12 @@ async def test_a_release_racing_its_renewal_is_never_reported_lost(redis_url: st
         st = await b.status()
     finally:
         await b.aclose()
+        stack.close()
     false = [e for e in events if e.kind == "lease_lost"]
+    fault_report(f"a release racing its renewal ({latency_s * 1000:.0f} ms latency)",
+                 f"{9 * RENEW_BATCH} releases while a renewal round runs",
+                 leaked_blocks=st.used, notes=f"{len(false)} false lease_lost events, counter "
+                                              f"{b.counters['lease_lost']}")
     assert not false and b.counters["lease_lost"] == 0, f"{len(false)} false lease_lost events"
     assert st.leases == 0, st
 
@@ -200,30 +292,50 @@ def test_the_cli_creates_a_budget_with_no_first_use_wait(
 
 
 @pytest.mark.slow
-async def test_a_redis_restart_after_an_explicit_create_still_waits(own_redis: Any) -> None:
+async def test_a_redis_restart_after_an_explicit_create_still_waits(own_redis: Any, fault_report: Any) -> None:
     """create skips the window only for the state it writes: after a restart wiped it, the budget
     admits nothing new until the survivors re-adopted their leases (one lease TTL)."""
+    from _fault_report import HeldSampler
+
     box, port = own_redis
     url = f"redis://127.0.0.1:{port}/0"
     b = await RedisBudget.create(url, "restart", 10, lease_ttl_s=1.5, unavailable_timeout_s=10)
+    leases: list[Any] = []
     try:
-        lease = await b.acquire(8, timeout=5)
-        box[0].kill()
-        box[0].wait(timeout=10)
-        box[0] = start_redis_server(port)[0]  # same port, no state
-        with pytest.raises(AdmissionTimeout):  # state absent: recovery, even for the creator's process
-            await b.acquire(8, timeout=0.5)
-        st = await b.status()
-        assert st.extra["recovering"] is True, st.extra
-        side = b._side
-        assert side is not None
-        await side.renew_round()  # the survivor re-adopts its lease
-        assert b.counters["readopted"] == 1 and not lease.lost
-        await lease.release()
-        second = await b.acquire(8, timeout=5)  # after the window (a poll at its end admits it)
-        await second.release()
+        async with HeldSampler(10, lambda: leases) as sampler:
+            lease = await b.acquire(8, timeout=5)
+            leases.append(lease)
+            box[0].kill()
+            box[0].wait(timeout=10)
+            box[0] = start_redis_server(port)[0]  # same port, no state
+            restarted = time.monotonic()
+            with pytest.raises(AdmissionTimeout) as info:  # state absent: recovery, even for the creator
+                leases.append(await b.acquire(8, timeout=0.5))
+            err_late = time.monotonic() - restarted - 0.5
+            st = await b.status()
+            assert st.extra["recovering"] is True, st.extra
+            side = b._side
+            assert side is not None
+            await side.renew_round()  # the survivor re-adopts its lease
+            readopted, lost = b.counters["readopted"], lease.lost
+            await lease.release()
+            second = await b.acquire(8, timeout=5)  # after the window (a poll at its end admits it)
+            leases.append(second)
+            recover = time.monotonic() - restarted
+            await second.release()
+        after = await b.status()
     finally:
         await b.aclose()
+    cfg = b._core.cfg
+    fault_report("Redis restart (strict)", "SIGKILL of redis-server, restarted empty on the same port",
+                 over_admission=sampler.over_admission, leaked_blocks=after.used, recover_s=recover,
+                 recover_bound_s=cfg.lease_ttl_s + cfg.poll_interval_s,
+                 error=type(info.value).__name__, error_latency_s=err_late,
+                 notes=f"{readopted} lease re-adopted (lost: {lost}); recover: restart until a new lease "
+                       "is granted (the recovery window by design); error: an acquire (timeout 0.5 s) "
+                       "in the window")
+    assert readopted == 1 and not lost
+    assert sampler.over_admission == 0
 
 
 @pytest.mark.slow
@@ -263,7 +375,7 @@ def test_sync_renewals_do_not_wait_behind_a_saturated_pool_of_the_callers_client
 
 @pytest.mark.slow
 async def test_a_wrapped_call_cancelled_within_a_millisecond_raises_and_leaves_no_lease(
-    redis_url: str, cleanup: str
+    redis_url: str, cleanup: str, fault_report: Any
 ) -> None:
     """The same through ``wrap()`` on a real server on loopback: each accepted ``task.cancel()`` in the
     first millisecond of a call raises ``CancelledError``, and no lease is left."""
@@ -276,6 +388,8 @@ async def test_a_wrapped_call_cancelled_within_a_millisecond_raises_and_leaves_n
     loop = asyncio.get_running_loop()
     rng = random.Random(1)
     accepted = completed = 0
+    late = 0.0
+    cancelled_at: list[float] = []
     with LoopbackServer() as server:
         c = wrap(openai.AsyncOpenAI(base_url=server.base_url, api_key="sk-test", timeout=30), budget=b,
                  settings=Settings(estimator="heuristic"))
@@ -285,11 +399,16 @@ async def test_a_wrapped_call_cancelled_within_a_millisecond_raises_and_leaves_n
             for _ in range(300):
                 t = asyncio.ensure_future(c.chat.completions.create(model="ok", messages=msgs, max_tokens=4))
                 took: list[bool] = []
-                loop.call_later(rng.uniform(0, 0.001), lambda t=t, took=took: took.append(t.cancel()))
+
+                def cancel(t: asyncio.Future[Any] = t, took: list[bool] = took) -> None:
+                    cancelled_at[:] = [time.monotonic()]
+                    took.append(t.cancel())
+
+                loop.call_later(rng.uniform(0, 0.001), cancel)
                 try:
                     await t
                 except asyncio.CancelledError:
-                    pass
+                    late = max(late, time.monotonic() - cancelled_at[0])
                 else:
                     completed += took == [True]
                     if not took:
@@ -304,6 +423,11 @@ async def test_a_wrapped_call_cancelled_within_a_millisecond_raises_and_leaves_n
             st = await b.status()
         finally:
             await b.aclose()
+    fault_report("task.cancel() within 1 ms of a wrap()ped call on RedisBudget",
+                 f"cancel at a random 0-1 ms, {accepted} trials", leaked_blocks=st.used,
+                 error="CancelledError" if accepted > completed else None, error_latency_s=late,
+                 notes=f"{completed} of {accepted} accepted cancellations ignored; latency: cancel() to "
+                       "the caller's CancelledError, the longest")
     assert accepted >= 20, f"only {accepted} cancellations landed while the call ran"
     assert completed == 0, f"{completed} of {accepted} accepted cancellations were ignored"
     assert st.leases == 0 and st.used == 0 and not st.waiters, st
