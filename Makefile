@@ -66,10 +66,14 @@ test-openai2: $(OA2)/.installed
 test-crewai: $(CREWAI)/.installed
 	$(PY3) -m pytest integrations/crewai/tests $(PYTEST_ARGS)
 
-# The fault-injection tests alone (SIGKILL, SIGSTOP, restarts of a redis-server of their own; marked
-# `faults`); `make test` runs them too.
+# The fault-injection tests alone (SIGKILL, SIGSTOP, restarts of a redis-server of their own, a delaying
+# proxy, cancellations, abandoned streams, deadlines; marked `faults`), then their results table: each
+# scenario's measured over-admission, leaked blocks, time to recover and caller-visible error (rows in
+# $(FAULT_REPORT), JSON lines; the table is printed at the end of pytest's output). `make test` runs them too.
+FAULT_REPORT ?= faults-report.jsonl
 faults: $(VENV)/.installed
-	$(PY) -m pytest -m faults $(PYTEST_ARGS)
+	rm -f $(FAULT_REPORT)
+	$(PY) -m pytest -m faults --fault-report=$(FAULT_REPORT) $(PYTEST_ARGS)
 
 # Gates (rules in pyproject.toml: [tool.ruff.lint], [tool.mypy]).
 lint: $(VENV)/.installed
@@ -88,4 +92,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_budget.py
 
 clean:
-	rm -rf $(VENV) $(OA2) $(CREWAI) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) $(OA2) $(CREWAI) $(FAULT_REPORT) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -21,7 +21,7 @@ from zp_client import DeadlineExceeded, wrap
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 
-pytestmark = [pytest.mark.openai_compat]
+pytestmark = [pytest.mark.openai_compat, pytest.mark.faults]
 
 MSGS = [{"role": "user", "content": "q"}]
 DEADLINE_S = 0.5
@@ -119,6 +119,18 @@ def _create_kw(stream: bool) -> dict[str, Any]:
             "extra_headers": {"X-ZP-Deadline": str(DEADLINE_S)}}
 
 
+_FAULTS = {"hang": "server reads the request, sends nothing", "idle": "headers and one event, then silence",
+           "trickle": "headers, then 1 byte every 20 ms, never an event"}
+
+
+def _record(fault_report: Any, srv: Misbehaving, budget: LocalBudget, info: pytest.ExceptionInfo[Any],
+            elapsed: float, face: str) -> None:
+    fault_report(f"deadline {DEADLINE_S:g} s, server {srv.mode} ({face})", _FAULTS[srv.mode],
+                 leaked_blocks=budget.status_sync().used, error=type(info.value).__name__,
+                 error_latency_s=elapsed - DEADLINE_S,
+                 notes=f"{srv.calls} attempt(s); latency: after the deadline")
+
+
 def _check(srv: Misbehaving, budget: LocalBudget, info: pytest.ExceptionInfo[Any], elapsed: float) -> None:
     assert isinstance(info.value, DeadlineExceeded)
     assert isinstance(info.value, TimeoutError)
@@ -132,7 +144,7 @@ def _check(srv: Misbehaving, budget: LocalBudget, info: pytest.ExceptionInfo[Any
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
 async def test_async_call_ends_at_its_deadline_in_any_state(server: Misbehaving, stream: bool,
-                                                            anyio_backend: str) -> None:
+                                                            anyio_backend: str, fault_report: Any) -> None:
     budget = LocalBudget(limit_blocks=1000)
     client = wrap(openai.AsyncOpenAI(base_url=server.url, api_key="x", timeout=20), budget=budget,
                   settings=SETTINGS)
@@ -142,11 +154,13 @@ async def test_async_call_ends_at_its_deadline_in_any_state(server: Misbehaving,
         if stream:
             async for _ in out:  # type: ignore[union-attr]
                 pass
-    _check(server, budget, info, time.monotonic() - t0)
+    elapsed = time.monotonic() - t0
+    _record(fault_report, server, budget, info, elapsed, f"wrap, async, {'streamed' if stream else 'non-streamed'}")
+    _check(server, budget, info, elapsed)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
-def test_sync_call_ends_at_its_deadline_in_any_state(server: Misbehaving, stream: bool) -> None:
+def test_sync_call_ends_at_its_deadline_in_any_state(server: Misbehaving, stream: bool, fault_report: Any) -> None:
     budget = LocalBudget(limit_blocks=1000)
     client = wrap(openai.OpenAI(base_url=server.url, api_key="x", timeout=20), budget=budget,
                   settings=SETTINGS)
@@ -156,12 +170,14 @@ def test_sync_call_ends_at_its_deadline_in_any_state(server: Misbehaving, stream
         if stream:
             for _ in out:  # type: ignore[union-attr]
                 pass
-    _check(server, budget, info, time.monotonic() - t0)
+    elapsed = time.monotonic() - t0
+    _record(fault_report, server, budget, info, elapsed, f"wrap, sync, {'streamed' if stream else 'non-streamed'}")
+    _check(server, budget, info, elapsed)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
 def test_settings_deadline_ends_a_plain_httpx_call_with_deadline_exceeded(server: Misbehaving,
-                                                                          stream: bool) -> None:
+                                                                          stream: bool, fault_report: Any) -> None:
     """Without wrap(): ``Settings.deadline_s`` the same, and the caller gets zp's own DeadlineExceeded."""
     import httpx
 
@@ -179,5 +195,8 @@ def test_settings_deadline_ends_a_plain_httpx_call_with_deadline_exceeded(server
                 pass
     finally:
         c.close()
+    elapsed = time.monotonic() - t0
+    _record(fault_report, server, budget, info, elapsed,
+            f"httpx + AdmissionTransport, {'streamed' if stream else 'non-streamed'}")
     assert not isinstance(info.value, openai.OpenAIError)
-    _check(server, budget, info, time.monotonic() - t0)
+    _check(server, budget, info, elapsed)
