@@ -363,3 +363,36 @@ def test_a_release_during_a_redis_stall_does_not_hold_its_caller(fault_report: A
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
         proc.wait(timeout=10)
+
+
+def test_status_timeout_bounds_the_whole_command_during_a_redis_stall(
+    capsys: pytest.CaptureFixture[str], fault_report: Any,
+) -> None:
+    """``zp-client status --timeout 2`` against a SIGSTOPped redis-server took 10.4 s (redis-py's own
+    socket timeout and retries, then ours): the timeout bounds the whole command now, and the caller
+    gets one typed line."""
+    from conftest import start_redis_server
+
+    from zp_client.cli import main
+
+    proc, port = start_redis_server()
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        assert main(["budget", "create", "--redis", url, "--name", "stalled", "--limit", "10"]) == 0
+        capsys.readouterr()
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc = main(["status", "--redis", url, "--name", "stalled", "--timeout", "2"])
+        took = time.monotonic() - t0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=10)
+    err = capsys.readouterr().err
+    fault_report("zp-client status --timeout 2 during a Redis stall", "SIGSTOP of redis-server",
+                 error="one line: 'did not answer within 2 s'" if "did not answer within 2 s" in err
+                 else err.strip()[:80],
+                 error_latency_s=took - 2.0, notes=f"the command took {took:.2f} s in all (before: 10.4 s)")
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and "did not answer within 2 s" in err, err
+    assert took <= 2.0 + 1.5, f"status --timeout 2 took {took:.2f} s"

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,20 +82,62 @@ def server_status(url: str, headroom: float | None = None, timeout: float = 5.0)
     return out
 
 
+def within(seconds: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run in a daemon thread, given at most ``seconds``: its result or its error, or
+    :class:`TimeoutError` when it has not ended by then (the thread is left to end on its own socket
+    timeouts). One bound for a whole read, whatever the client library retries or waits inside it."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+
+    t = threading.Thread(target=target, name="zp-status-read", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, Any]:
     """A RedisBudget's status, read without creating or changing it.
 
     Returns ``{"exists": False, ...}`` when no budget of that name is stored. Raises
-    :class:`~zp_client.BudgetUnavailable` when Redis does not answer within ``timeout`` seconds.
+    :class:`~zp_client.BudgetUnavailable` when Redis does not answer within ``timeout`` seconds: one bound
+    for the whole read (each socket operation is bounded by it too, with no retries inside redis-py;
+    a stalled Redis, SIGSTOPped say, took 10 s and more with a 2 s timeout before).
     """
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from zp_client._redact import check_redis_url
     from zp_client.budget.redis import RedisBudget
 
-    # limit_blocks is only what a *creating* call would store; status never creates, so 0 is inert.
-    budget = RedisBudget(redis_url, name, limit_blocks=0, unavailable_timeout_s=timeout)
+    check_redis_url(redis_url)  # before redis-py reads it (its errors can show a piece of a password)
+    client = redis.Redis.from_url(redis_url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                  retry=Retry(NoBackoff(), 0))
+
+    def read() -> Any:
+        # limit_blocks is only what a *creating* call would store; status never creates, so 0 is inert.
+        budget = RedisBudget(redis_url, name, limit_blocks=0, unavailable_timeout_s=timeout,
+                             sync_client=client)
+        try:
+            return budget.status_sync()
+        finally:
+            budget.close_sync()
+            client.close()
+
     try:
-        s = budget.status_sync()
-    finally:
-        budget.close_sync()
+        s = within(timeout, read)
+    except TimeoutError:
+        raise BudgetUnavailable(f"Redis did not answer within {timeout:g} s") from TimeoutError(
+            "no reply to the status read")
     exists = bool(s.extra.get("exists"))
     out: dict[str, Any] = {"name": name, "redis": _redact(redis_url), "exists": exists}
     if not exists:
@@ -164,7 +207,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.watch:
             return _run_watch(args)
-        result = read_status(args)
+        # --timeout bounds the whole command: every read together (each is bounded by it as well)
+        result = within(args.timeout + _GRACE_S, read_status, args)
+    except TimeoutError:
+        what = " and ".join(w for w in (args.server, args.redis and _redact(args.redis)) if w)
+        print(f"zp-client status: no answer from {what} within {args.timeout:g} s", file=sys.stderr)
+        return 2
     except BudgetUnavailable as exc:
         # The library's message speaks of admission; here nothing is admitted, only read.
         print(f"zp-client status: Redis at {_redact(args.redis)} did not answer within {args.timeout:g} s "
@@ -180,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
         print(format_status(result))
     budget = result.get("budget")
     return 1 if budget is not None and not budget["exists"] else 0
+
+
+_GRACE_S = 0.25  # the whole command's bound past --timeout: a Redis read's own (typed) error comes first
 
 
 def read_status(args: argparse.Namespace) -> dict[str, Any]:
