@@ -275,6 +275,36 @@ async def test_a_connection_the_server_ended_releases_an_unread_stream(server: L
         await client.close()
 
 
+async def test_a_task_cancelled_between_two_reads_releases_its_stream(server: LoopbackServer,
+                                                                      no_gc: None) -> None:
+    """The reading task is cancelled while it does its own work between two chunks, the stream in its
+    frame: asyncio keeps that frame (task <-> CancelledError <-> traceback: a cycle), so the stream is not
+    dropped until the garbage collector runs. The task's end releases it (before: held until then)."""
+    budget = LocalBudget(limit_blocks=100_000)
+    client = _async_wrapped(server, budget)
+    reading = asyncio.Event()
+
+    async def reader() -> None:
+        stream = await client.chat.completions.create(model="slow", max_tokens=3000, stream=True,
+                                                     messages=MSGS)  # type: ignore[arg-type]
+        async for _ in stream:
+            reading.set()
+            await asyncio.sleep(10)  # the caller's own work: cancelled here
+
+    try:
+        tasks = [asyncio.ensure_future(reader()) for _ in range(20)]
+        await asyncio.wait_for(reading.wait(), 10)
+        await asyncio.sleep(0.1)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # the tasks (and their errors) stay referenced
+        await _released_within(budget, 1.0)
+        await _server_aborted(server)
+        assert all(t.cancelled() for t in tasks)
+    finally:
+        await client.close()
+
+
 LIMIT_5000 = 485  # the issue's limit: a leak there made never-cancelled requests wait behind it
 
 _SERVE = """
@@ -311,10 +341,6 @@ def server_process() -> Iterator[str]:
 
 @pytest.mark.faults
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 33 item 2, not fixed on main: a task cancelled while its own frame holds an open stream (between "
-    "two reads) keeps it through asyncio's task <-> CancelledError <-> traceback cycle; only the garbage "
-    "collector or the 300 s idle watchdog releases it (tens of blocks of 485 at the end)"))
 async def test_five_thousand_randomly_cancelled_requests_leak_nothing_and_delay_nobody(
         server_process: str, no_gc: None, fault_report: Any) -> None:
     """Issue 33 item 2 at the issue's scale: 5,000 requests arriving over a few seconds into a budget of

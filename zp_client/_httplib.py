@@ -22,7 +22,7 @@ import httpx
 
 from zp_client._clock import SYSTEM_CLOCK
 from zp_client._private import detach_sdk_stream, has_read_body, response_body_stream
-from zp_client._release import Holder, alarms, cut_connection, deadline_exceeded, finalize
+from zp_client._release import Holder, ReaderWatch, alarms, cut_connection, deadline_exceeded, finalize
 from zp_client._sse import REASSEMBLY_DROPPED_HEADERS, Scanner
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, DeadlineExceeded
@@ -120,7 +120,9 @@ class AsyncBody(_Body):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         # Per chunk, inline (this is the hot path): the caller is not idle while it waits for the server.
         holder, feed, mono = self._holder, self._scanner.feed, self._holder.clock.monotonic
+        reader = ReaderWatch(holder)  # a reading task cancelled mid-body leaves it: released at once
         try:
+            reader.follow()
             holder.waiting = True
             try:
                 # the upstream stream itself unless a fleet's peek read its first chunk (no extra layer)
@@ -133,6 +135,7 @@ class AsyncBody(_Body):
                     if out := feed(chunk):
                         yield out
                         holder.last_activity = mono()
+                        reader.follow()
                     holder.waiting = True
             except DeadlineExceeded as exc:
                 raise self._core.surface(exc) from exc.__cause__
@@ -144,6 +147,7 @@ class AsyncBody(_Body):
             if tail := self._end():
                 yield tail
         finally:
+            reader.stop()
             if not self._completed:
                 # Error, cancellation or an abandoned iterator: close the connection first so the
                 # server aborts the request and frees its KV before the blocks return to the budget.

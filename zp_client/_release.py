@@ -175,6 +175,46 @@ class Holder:
                 logger.exception("lease release failed")
 
 
+class ReaderWatch:
+    """Follows the asyncio task reading a body: when that task ends cancelled while the body is still
+    open, the body was left behind (issue 33 item 2). Its frames, the stream in them, are then kept by
+    asyncio's task <-> CancelledError <-> traceback cycle until the garbage collector runs, so the
+    stream's finalizer would not fire: the holder abandons it at once (the connection is closed, then the
+    lease released). A task that ended otherwise may have handed the stream on (its result): left alone.
+    Holds the holder, never the body (a dropped body is still finalized as before)."""
+
+    __slots__ = ("holder", "task", "_callback")
+
+    def __init__(self, holder: Holder) -> None:
+        self.holder = holder
+        self.task: asyncio.Task[Any] | None = None
+        self._callback = self._ended
+
+    def follow(self) -> None:
+        """Called by the reader, each time it reads: the current task is the body's reader."""
+        if self.holder.loop is None:  # trio, or a blocking body
+            return
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return
+        if task is not self.task:
+            self.stop()
+            if task is not None:
+                task.add_done_callback(self._callback)
+                self.task = task
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.remove_done_callback(self._callback)
+            self.task = None
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self.task = None
+        if not self.holder.done and task.cancelled():
+            self.holder.abandon()
+
+
 async def _abandon_async(resp: Any, lease: Lease) -> None:
     try:
         if resp is not None:
