@@ -17,10 +17,11 @@ then prints them as a markdown table (:func:`format_table`). Columns:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-import socket
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -130,10 +131,8 @@ class HeldSampler:
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None
         self._task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        except asyncio.CancelledError:
-            pass
         self.sample()
 
 
@@ -189,10 +188,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     except OSError:
         pass
     queue.put_nowait((0.0, b""))
-    try:
+    with contextlib.suppress(OSError):
         await sender
-    except OSError:
-        pass
 
 
 async def _proxy_main(target_port: int, delay_s: float) -> None:

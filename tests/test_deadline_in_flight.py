@@ -123,6 +123,10 @@ _FAULTS = {"hang": "server reads the request, sends nothing", "idle": "headers a
            "trickle": "headers, then 1 byte every 20 ms, never an event"}
 
 
+def _kind(stream: bool) -> str:
+    return "streamed" if stream else "non-streamed"
+
+
 def _record(fault_report: Any, srv: Misbehaving, budget: LocalBudget, info: pytest.ExceptionInfo[Any],
             elapsed: float, face: str) -> None:
     fault_report(f"deadline {DEADLINE_S:g} s, server {srv.mode} ({face})", _FAULTS[srv.mode],
@@ -155,12 +159,13 @@ async def test_async_call_ends_at_its_deadline_in_any_state(server: Misbehaving,
             async for _ in out:  # type: ignore[union-attr]
                 pass
     elapsed = time.monotonic() - t0
-    _record(fault_report, server, budget, info, elapsed, f"wrap, async, {'streamed' if stream else 'non-streamed'}")
+    _record(fault_report, server, budget, info, elapsed, f"wrap, async, {_kind(stream)}")
     _check(server, budget, info, elapsed)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
-def test_sync_call_ends_at_its_deadline_in_any_state(server: Misbehaving, stream: bool, fault_report: Any) -> None:
+def test_sync_call_ends_at_its_deadline_in_any_state(server: Misbehaving, stream: bool,
+                                                     fault_report: Any) -> None:
     budget = LocalBudget(limit_blocks=1000)
     client = wrap(openai.OpenAI(base_url=server.url, api_key="x", timeout=20), budget=budget,
                   settings=SETTINGS)
@@ -171,13 +176,13 @@ def test_sync_call_ends_at_its_deadline_in_any_state(server: Misbehaving, stream
             for _ in out:  # type: ignore[union-attr]
                 pass
     elapsed = time.monotonic() - t0
-    _record(fault_report, server, budget, info, elapsed, f"wrap, sync, {'streamed' if stream else 'non-streamed'}")
+    _record(fault_report, server, budget, info, elapsed, f"wrap, sync, {_kind(stream)}")
     _check(server, budget, info, elapsed)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
-def test_settings_deadline_ends_a_plain_httpx_call_with_deadline_exceeded(server: Misbehaving,
-                                                                          stream: bool, fault_report: Any) -> None:
+def test_settings_deadline_ends_a_plain_httpx_call_with_deadline_exceeded(
+        server: Misbehaving, stream: bool, fault_report: Any) -> None:
     """Without wrap(): ``Settings.deadline_s`` the same, and the caller gets zp's own DeadlineExceeded."""
     import httpx
 
@@ -197,6 +202,6 @@ def test_settings_deadline_ends_a_plain_httpx_call_with_deadline_exceeded(server
         c.close()
     elapsed = time.monotonic() - t0
     _record(fault_report, server, budget, info, elapsed,
-            f"httpx + AdmissionTransport, {'streamed' if stream else 'non-streamed'}")
+            f"httpx + AdmissionTransport, {_kind(stream)}")
     assert not isinstance(info.value, openai.OpenAIError)
     _check(server, budget, info, elapsed)

@@ -200,7 +200,8 @@ async def test_a_burst_of_2000_acquires_at_20ms_latency_expires_no_live_lease(
                  f"{BURST} acquires at once, +20 ms each way (proxy), TTL 3 s, holds 0.3-4 s",
                  over_admission=sampler.over_admission, leaked_blocks=st.used,
                  notes=f"{lost_while_held} live leases expired (lease_lost {b.counters['lease_lost']}); "
-                       f"wait p50 {waits[len(waits) // 2]:.2f} s, max {waits[-1]:.2f} s; all done in {took:.1f} s")
+                       f"wait p50 {waits[len(waits) // 2]:.2f} s, max {waits[-1]:.2f} s; "
+                       f"all done in {took:.1f} s")
     assert lost_while_held == 0 and b.counters["lease_lost"] == 0, events[:3]
     assert sampler.over_admission == 0
     assert st.used == 0 and st.leases == 0, st
@@ -208,8 +209,8 @@ async def test_a_burst_of_2000_acquires_at_20ms_latency_expires_no_live_lease(
 
 # ---------------------------------------------------------------------------------------- item 11
 @pytest.mark.parametrize("latency_s", [0.0, 0.020], ids=["loopback", "20ms"])
-async def test_a_release_racing_its_renewal_is_never_reported_lost(redis_url: str, cleanup: str,
-                                                                   fault_report: Any, latency_s: float) -> None:
+async def test_a_release_racing_its_renewal_is_never_reported_lost(
+        redis_url: str, cleanup: str, fault_report: Any, latency_s: float) -> None:
     """A renewal round renews in batches (``RENEW_BATCH``), one after the other; leases released while the
     round is in flight reach Redis before their batch does, which then finds them gone. No ``lease_lost``
     event for a lease its holder released, and every lease released in the end."""
@@ -292,7 +293,8 @@ def test_the_cli_creates_a_budget_with_no_first_use_wait(
 
 
 @pytest.mark.slow
-async def test_a_redis_restart_after_an_explicit_create_still_waits(own_redis: Any, fault_report: Any) -> None:
+async def test_a_redis_restart_after_an_explicit_create_still_waits(own_redis: Any,
+                                                                    fault_report: Any) -> None:
     """create skips the window only for the state it writes: after a restart wiped it, the budget
     admits nothing new until the survivors re-adopted their leases (one lease TTL)."""
     from _fault_report import HeldSampler

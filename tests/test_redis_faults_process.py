@@ -237,7 +237,8 @@ def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders
                 await got.release()
             st = await b.status()
             fault_report(
-                "Redis stall longer than the lease TTL (strict)", "SIGSTOP of redis-server 3 s, lease TTL 1.5 s",
+                "Redis stall longer than the lease TTL (strict)",
+                "SIGSTOP of redis-server 3 s, lease TTL 1.5 s",
                 over_admission=sampler.over_admission, leaked_blocks=st.used, recover_s=recover,
                 error=None if err is None else type(err).__name__, error_latency_s=err_late,
                 notes=f"holder's lease lost: {lost}; an acquire (timeout 1 s) during the stall; "
