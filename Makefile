@@ -23,7 +23,7 @@ TYPECHECK_PATHS ?= zp_client $(filter-out $(OA2_ONLY)/% integrations/crewai/%,$(
 # type-checked (mypy reading that environment's packages) in the openai 2.x environment only.
 OA2_ONLY = integrations/llama-index
 
-.PHONY: test test-main test-others test-openai2 test-crewai faults lint typecheck demo bench clean
+.PHONY: test test-main test-others test-openai2 test-crewai test-versions faults lint typecheck demo bench clean
 
 # The main environment: openai 3.x (built on httpx2) and every extra.
 $(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
@@ -75,6 +75,13 @@ faults: $(VENV)/.installed
 	rm -f $(FAULT_REPORT)
 	$(PY) -m pytest -m faults --fault-report=$(FAULT_REPORT) $(PYTEST_ARGS)
 
+# The supported versions beyond the main environment's: the Redis, cancellation and transport tests on the
+# other Pythons under pyenv (3.10, 3.12) and on redis-py's lowest allowed major (5), each in a small
+# environment of its own (.ci/test-versions says what it skips; with CI=true a missing Python is an error).
+# Not part of `make test` (it adds 2-4 minutes on 2 cores from a fresh clone); CI runs it after it.
+test-versions:
+	PYTHON=$(PYTHON) bash .ci/test-versions
+
 # Gates (rules in pyproject.toml: [tool.ruff.lint], [tool.mypy]).
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINT_PATHS)
@@ -92,4 +99,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_budget.py
 
 clean:
-	rm -rf $(VENV) $(OA2) $(CREWAI) $(FAULT_REPORT) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) $(OA2) $(CREWAI) .venv-py3.* .venv-redis* $(FAULT_REPORT) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -107,6 +107,7 @@ class HeldSampler:
         self.interval_s = interval_s
         self.peak = 0
         self.samples = 0
+        self.max_lag_s = 0.0  # the event loop's longest lateness waking the sampler (a starved machine)
         self._task: asyncio.Task[None] | None = None
 
     def sample(self) -> int:
@@ -122,7 +123,9 @@ class HeldSampler:
     async def _run(self) -> None:
         while True:
             self.sample()
+            t0 = time.monotonic()
             await asyncio.sleep(self.interval_s)
+            self.max_lag_s = max(self.max_lag_s, time.monotonic() - t0 - self.interval_s)
 
     async def __aenter__(self) -> HeldSampler:
         self._task = asyncio.ensure_future(self._run())
