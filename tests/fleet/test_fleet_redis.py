@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
 A, B, C = "http://a:8000/v1", "http://b:8000/v1", "http://c:8000/v1"
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (this file is in tests/<area>/)
 
 
 @pytest.fixture
