@@ -488,7 +488,7 @@ async def test_a_dead_replica_is_ejected_and_requests_move(fleets: Any) -> None:
 
 @pytest.mark.anyio
 async def test_a_stream_cut_before_its_first_byte_moves_and_avoids_that_replica(fleets: Any) -> None:
-    from tests.test_fleet import _ResetBeforeFirstByte
+    from tests.fleet.test_fleet import _ResetBeforeFirstByte
 
     with _ResetBeforeFirstByte() as bad, LoopbackServer() as good:
         f = fleets([bad.base_url, good.base_url], 4000)
