@@ -1,5 +1,5 @@
 """5,000 randomly cancelled requests leak nothing and delay nobody (issue 33 item 2 at the issue's scale;
-``make faults``). Here, not in tests/test_abandoned_stream.py: that module runs in both openai
+``make faults``). Here, not in tests/admission/test_abandoned_stream.py: that module runs in both openai
 environments, and this one is long; the other environment's client is covered there."""
 
 from __future__ import annotations
