@@ -60,7 +60,9 @@ def server_process() -> Iterator[str]:
     import sys
     from pathlib import Path
 
-    tests = Path(__file__).resolve().parent
+    import _asgi_server
+
+    tests = Path(_asgi_server.__file__).resolve().parent  # the helpers' folder, wherever this module is
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, env=env)
     try:
