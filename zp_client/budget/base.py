@@ -17,14 +17,18 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 # The plain value types live in a module of their own so the ledger can use them without this one.
+from zp_client import _hooks
 from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
+from zp_client.budget.retries import LocalRetryBudget, RetryBudget
+from zp_client.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    # AdaptiveLimit is only named (the public signature of adapt()); it attaches from above through
+    # zp_client._hooks. Calibration and Settings are below the budget layer.
     from zp_client.adaptive import AdaptiveLimit
     from zp_client.calibration import Calibration
     from zp_client.config import Settings
-    from zp_client.retry import RetryBudget
 
 __all__ = ["Ticket", "Lease", "Budget", "BudgetStatus", "ClassStatus"]
 
@@ -171,15 +175,16 @@ class Budget(abc.ABC):
         """An :class:`~zp_client.adaptive.AdaptiveLimit` for this budget (not started): ``async with
         budget.adapt(url):`` runs it. ``server_url`` defaults to the calibrated server's (a budget made
         by ``from_server``); ``kwargs`` are the controller's (``poll_interval_s``, tuning...)."""
-        from zp_client.adaptive import AdaptiveLimit
-        from zp_client.errors import ConfigurationError
-
         if server_url is None:
             if self.calibration is None:
                 raise ConfigurationError(
                     "budget.adapt() needs the server's URL (this budget was not made by from_server)")
             server_url = self.calibration.url
-        return AdaptiveLimit(self, server_url, **kwargs)
+        factory = _hooks.adaptive_limit  # installed by zp_client/__init__.py, which always runs first
+        if factory is None:  # pragma: no cover - only if someone uninstalled it
+            raise ConfigurationError("no adaptive limit factory installed (zp_client._hooks)")
+        made: AdaptiveLimit = factory(self, server_url, **kwargs)
+        return made
 
     def note_overload(self, status: int) -> None:
         """The server answered ``status`` (429, 503 or 529: overloaded) to a request of this budget; the
@@ -225,8 +230,6 @@ class Budget(abc.ABC):
         blocks on the server, an upper bound (``blocks`` is what leases share, a lower one), which the
         keep-warm rule counts from. Raises :class:`~zp_client.errors.PinRefused` past the pin cap. Most
         callers use :class:`zp_client.PinnedPrefix`, which computes the key and sends the keep-warms."""
-        from zp_client.errors import ConfigurationError
-
         raise ConfigurationError(f"{type(self).__name__} does not support pinned prefixes")
 
     async def unpin(self, key: str) -> bool:
@@ -261,8 +264,6 @@ class Budget(abc.ABC):
         many processes (:class:`~zp_client.RedisBudget`) returns one shared by all of them. Front ends
         use :meth:`retry_budget`, the one shared instance; this is for callers that want their own.
         """
-        from zp_client.retry import LocalRetryBudget
-
         return LocalRetryBudget(ratio=ratio, floor_per_s=floor_per_s, window_s=window_s,
                                 clock=self.clock.monotonic)
 
