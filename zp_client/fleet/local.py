@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import anyio
 
 from zp_client._clock import Clock
+from zp_client._tasks import deferred, quiesce
 from zp_client.budget.base import Lease, Ticket
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
@@ -421,9 +422,7 @@ class Fleet(FleetRouting, LocalBudget):
         """Stop the active checks and close the fleet's own HTTP client. Live leases are not released,
         except the prefill legs kept until vLLM's lease on their KV expires (:mod:`zp_client.fleet.pd`):
         those are released now, the fleet is going away."""
-        from zp_client._release import deferred
-
-        deferred.release_now(self)
+        deferred.run_now(self)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -434,6 +433,7 @@ class Fleet(FleetRouting, LocalBudget):
             self._http, self._own_http = None, False
         if self.pd is not None:  # its prefill pool (disaggregate()) goes with it
             await self.pd.prefill.aclose()
+        quiesce()
 
     async def _checks(self) -> None:
         while True:

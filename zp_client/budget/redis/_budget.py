@@ -14,6 +14,7 @@ from typing import Any, Literal
 import redis.asyncio as redis_async
 
 from zp_client._redact import check_redis_url
+from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
@@ -510,6 +511,7 @@ class RedisBudget(Budget):
         shared = self._shared_retry_budget()
         if isinstance(shared, RedisRetryBudget):
             await shared.aclose()
+        quiesce()  # the process-wide service threads, once nothing is left for them
 
     def close_sync(self) -> None:
         """Stop the sync keeper thread (for programs without an event loop)."""
@@ -518,6 +520,7 @@ class RedisBudget(Budget):
         shared = self._shared_retry_budget()
         if isinstance(shared, RedisRetryBudget):
             shared.close()
+        quiesce()
 
     # ------------------------------------------------------------------ internals
     def _validate(
