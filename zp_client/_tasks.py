@@ -120,6 +120,23 @@ class Supervisor:
             if t is not threading.current_thread():
                 t.join(wait_s)
 
+    def cancel_tasks(self) -> None:
+        """Cancel the long-lived tasks, newest first, without waiting for them (from any thread)."""
+        with self._lock:
+            tasks = list(reversed(self._tasks))
+        for t in tasks:
+            loop = t.get_loop()
+            if loop.is_closed():
+                continue
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                t.cancel()
+            else:
+                loop.call_soon_threadsafe(t.cancel)
+
     def cancel_all(self) -> None:
         """Cancel every task from outside its loop (a close on another loop or none): what can be done
         without awaiting them."""
