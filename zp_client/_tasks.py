@@ -18,7 +18,6 @@ Every task and thread zp starts has an owner that starts it and stops it, in one
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import threading
@@ -48,8 +47,7 @@ class Supervisor:
         """Start a long-lived task (on ``loop``, default the running one); cancelled by :meth:`aclose`."""
         task = (loop or asyncio.get_running_loop()).create_task(coro, name=name)
         with self._lock:
-            self._tasks.append(task)
-        task.add_done_callback(self._forget)
+            self._tasks.append(task)  # kept when done: a handful per owner, read after a close
         return task
 
     def background(self, coro: Coroutine[Any, Any, Any], *,
@@ -76,9 +74,20 @@ class Supervisor:
         t.start()
         return t
 
-    def _forget(self, task: asyncio.Task[Any]) -> None:
-        with self._lock, contextlib.suppress(ValueError):
-            self._tasks.remove(task)
+    @property
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        """The long-lived tasks, oldest first (finished ones included)."""
+        return self._tasks
+
+    @tasks.setter
+    def tasks(self, tasks: list[asyncio.Task[Any]]) -> None:
+        with self._lock:
+            self._tasks = list(tasks)
+
+    @property
+    def background_tasks(self) -> set[asyncio.Task[Any]]:
+        """The fire-and-forget tasks not finished yet."""
+        return self._background
 
     async def aclose(self, *, grace_s: float = 2.0, wait_s: float = 2.0) -> None:
         """Stop everything this supervisor started, in order (see the module's doc). Bounded: a task

@@ -70,6 +70,20 @@ class AsyncFace:
         self.closed = False
         self.closing = False  # aclose has begun
 
+    @property
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        """The long-lived tasks (pump, poller, keeper, held flusher), owned by :attr:`sup`."""
+        return self.sup.tasks
+
+    @tasks.setter
+    def tasks(self, tasks: list[asyncio.Task[Any]]) -> None:
+        self.sup.tasks = tasks
+
+    @property
+    def background(self) -> set[asyncio.Task[Any]]:
+        """The fire-and-forget releases in flight, owned by :attr:`sup`."""
+        return self.sup.background_tasks
+
     def start(self) -> None:
         if not self.started:
             self.started = True
