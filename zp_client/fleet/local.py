@@ -15,7 +15,6 @@ See docs/fleet.md for the rules.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -25,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import anyio
 
 from zp_client._clock import Clock
-from zp_client._tasks import deferred, quiesce
+from zp_client._tasks import Supervisor, deferred, quiesce
 from zp_client.budget.base import Lease, Ticket
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
@@ -140,7 +139,8 @@ class Fleet(FleetRouting, LocalBudget):
         self._own_http = False
         self._resolver = resolver or system_resolver
         self._dns = urlsplit(normalize(dns_url)) if dns_url is not None else None
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._sup = Supervisor(f"fleet {name}")  # owns the active checks' task
         self._next_due: float | None = None
         self.max_moves = 1
         """Moves per request off failing replicas, per replica in the fleet (each move avoids the
@@ -386,7 +386,7 @@ class Fleet(FleetRouting, LocalBudget):
 
                 self._http = httpx.AsyncClient(timeout=2.0, trust_env=False)
                 self._own_http = True
-            self._task = asyncio.get_running_loop().create_task(self._checks(), name=f"zp-fleet-{self.name}")
+            self._task = self._sup.spawn(self._checks(), name=f"zp-fleet-{self.name}")
         if self.pd is not None and hasattr(self.pd.prefill, "start"):
             await self.pd.prefill.start()
         return self
@@ -423,11 +423,9 @@ class Fleet(FleetRouting, LocalBudget):
         except the prefill legs kept until vLLM's lease on their KV expires (:mod:`zp_client.fleet.pd`):
         those are released now, the fleet is going away."""
         deferred.run_now(self)
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._task = None
+        await self._sup.aclose()  # the checks' task: cancelled and awaited
+        self._sup = Supervisor(f"fleet {self.name}")  # a closed fleet may be started again
         if self._own_http and self._http is not None:
             await self._http.aclose()
             self._http, self._own_http = None, False
