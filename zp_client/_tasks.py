@@ -22,7 +22,7 @@ import heapq
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Protocol
 
 from zp_client._clock import SYSTEM_CLOCK
 
@@ -37,21 +37,21 @@ class Supervisor:
     def __init__(self, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
-        self._tasks: list[asyncio.Task[Any]] = []  # long-lived: cancelled at close
-        self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget: finished at close
+        self._tasks: list[asyncio.Task[object]] = []  # long-lived: cancelled at close
+        self._background: set[asyncio.Task[object]] = set()  # fire-and-forget: finished at close
         self._threads: list[tuple[threading.Thread, Callable[[], None]]] = []
         self.closed = False
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str,
-              loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[object, object, object], *, name: str,
+              loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task[object]:
         """Start a long-lived task (on ``loop``, default the running one); cancelled by :meth:`aclose`."""
         task = (loop or asyncio.get_running_loop()).create_task(coro, name=name)
         with self._lock:
             self._tasks.append(task)  # kept when done: a handful per owner, read after a close
         return task
 
-    def background(self, coro: Coroutine[Any, Any, Any], *,
-                   loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task[Any]:
+    def background(self, coro: Coroutine[object, object, object], *,
+                   loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task[object]:
         """Start a short piece of work nobody awaits (a release whose caller went away); :meth:`aclose`
         lets it finish first (within its grace period)."""
         task = (loop or asyncio.get_running_loop()).create_task(coro)
@@ -60,7 +60,7 @@ class Supervisor:
         task.add_done_callback(self._background.discard)
         return task
 
-    def pending_background(self) -> list[asyncio.Task[Any]]:
+    def pending_background(self) -> list[asyncio.Task[object]]:
         with self._lock:
             return [t for t in self._background if not t.done()]
 
@@ -75,17 +75,17 @@ class Supervisor:
         return t
 
     @property
-    def tasks(self) -> list[asyncio.Task[Any]]:
+    def tasks(self) -> list[asyncio.Task[object]]:
         """The long-lived tasks, oldest first (finished ones included)."""
         return self._tasks
 
     @tasks.setter
-    def tasks(self, tasks: list[asyncio.Task[Any]]) -> None:
+    def tasks(self, tasks: list[asyncio.Task[object]]) -> None:
         with self._lock:
             self._tasks = list(tasks)
 
     @property
-    def background_tasks(self) -> set[asyncio.Task[Any]]:
+    def background_tasks(self) -> set[asyncio.Task[object]]:
         """The fire-and-forget tasks not finished yet."""
         return self._background
 
@@ -281,6 +281,12 @@ def quiesce(wait_s: float = 1.0) -> None:
         s.quiesce(wait_s)
 
 
+class _TrioToken(Protocol):
+    """What is used of ``trio.lowlevel.TrioToken`` (trio is optional: never imported here unless running)."""
+
+    def run_sync_soon(self, sync_fn: Callable[[], object]) -> None: ...
+
+
 class LoopRef:
     """The event loop that was running where it was made: an asyncio loop, a trio run, or none."""
 
@@ -288,7 +294,7 @@ class LoopRef:
 
     def __init__(self) -> None:
         self.asyncio_loop: asyncio.AbstractEventLoop | None = None
-        self.trio_token: Any = None
+        self.trio_token: _TrioToken | None = None
         try:
             self.asyncio_loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -300,7 +306,7 @@ class LoopRef:
             return not self.asyncio_loop.is_closed() and self.asyncio_loop.is_running()
         return self.trio_token is not None
 
-    def run_soon(self, fn: Callable[[], Awaitable[Any]]) -> bool:
+    def run_soon(self, fn: Callable[[], Awaitable[object]]) -> bool:
         """Run ``fn()`` as a task on that loop, from any thread, without waiting; False when the loop
         is gone (the caller then does the work another way)."""
         if self.asyncio_loop is not None:
@@ -332,17 +338,17 @@ class LoopRef:
         return True
 
 
-_pending: set[asyncio.Task[Any]] = set()
+_pending: set[asyncio.Task[object]] = set()
 
 
-async def _as_coro(fn: Callable[[], Awaitable[Any]]) -> None:
+async def _as_coro(fn: Callable[[], Awaitable[object]]) -> None:
     try:
         await fn()
     except Exception:  # noqa: BLE001 - background work: logged, never raised into a loop's handler
         logger.exception("zp_client: background work failed")
 
 
-def _trio_token() -> Any:
+def _trio_token() -> _TrioToken | None:
     """The running trio run's token, or None (no trio, or not inside a trio run)."""
     import sys
 
@@ -350,6 +356,7 @@ def _trio_token() -> Any:
     if trio is None:
         return None
     try:
-        return trio.lowlevel.current_trio_token()
+        token: _TrioToken = trio.lowlevel.current_trio_token()
     except RuntimeError:
         return None
+    return token
