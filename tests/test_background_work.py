@@ -230,3 +230,17 @@ def test_under_trio_a_lease_released_from_another_thread_goes_back_without_relea
 
     used, spy, done = anyio.run(main, backend="trio")
     assert (used, spy.async_releases, spy.sync_releases, done) == (0, 1, 0, 1)
+
+
+@pytest.mark.anyio
+async def test_closing_a_budget_first_stops_what_attached_to_it() -> None:
+    from zp_client import AdaptiveLimit
+
+    budget = LocalBudget(limit_blocks=100)
+    ctl = AdaptiveLimit(budget, "http://127.0.0.1:9", poll_interval_s=3600)  # never answered: no change
+    await ctl.start()
+    assert budget.adaptive is ctl and "zp-adaptive-" + ctl.id in zp_tasks()
+    await budget.aclose()  # the controller goes first, as if its owner had closed it
+    assert budget.adaptive is None and zp_tasks() == [] and zp_threads() == []
+    await ctl.aclose()  # idempotent: its owner's own close finds nothing left
+    assert budget.limit == 100

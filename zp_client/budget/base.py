@@ -13,7 +13,7 @@ import abc
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 # The plain value types live in a module of their own so the ledger can use them without this one.
@@ -254,6 +254,34 @@ class Budget(abc.ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook with a safe default (nothing to close)
         """Release background resources. Live leases are not released."""
+
+    # ------------------------------------------------------------------ what attaches from above
+    def _attach(self, closer: Callable[[], Awaitable[object]]) -> None:
+        """Something above the budget layer that runs on this budget (an adaptive limit, a keep-warm
+        sender) and must stop before it: the budget's ``aclose()`` awaits ``closer()`` first, newest
+        first (:meth:`_close_attached`). The owner detaches when it closes on its own."""
+        with _retry_budget_lock:
+            attached: list[Callable[[], Awaitable[object]]] = self.__dict__.setdefault("_zp_attached", [])
+            attached.append(closer)
+
+    def _detach(self, closer: Callable[[], Awaitable[object]]) -> None:
+        """Undo :meth:`_attach` (one not attached is ignored)."""
+        with _retry_budget_lock:
+            attached = self.__dict__.get("_zp_attached") or []
+            if closer in attached:
+                attached.remove(closer)
+
+    async def _close_attached(self) -> None:
+        """Stop what attached to this budget, newest first: the first step of every backend's
+        ``aclose()`` (the shutdown order: docs/admission.md#background-work-who-owns-it-and-how-it-stops)."""
+        with _retry_budget_lock:
+            attached = list(reversed(self.__dict__.get("_zp_attached") or []))
+        for closer in attached:
+            try:
+                await closer()
+            except Exception:  # noqa: BLE001 - one attachment's failure must not keep the budget open
+                _log.exception("closing %r with its budget failed", closer)
+            self._detach(closer)
 
     def new_retry_budget(
         self, *, ratio: float = 0.5, floor_per_s: float = 0.5, window_s: float = 20.0

@@ -719,7 +719,9 @@ class LocalBudget(Budget):
 
     async def aclose(self) -> None:
         """A LocalBudget has no background tasks of its own; the process-wide service threads
-        (:mod:`zp_client._tasks`) end here when nothing is left for them. Live leases are not released."""
+        (:mod:`zp_client._tasks`) end here when nothing is left for them. What attached to it (an adaptive
+        limit, a keep-warm sender) stops first. Live leases are not released."""
+        await self._close_attached()
         quiesce()
 
     def __repr__(self) -> str:

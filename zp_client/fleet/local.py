@@ -359,7 +359,8 @@ class Fleet(FleetRouting, Budget):
     async def aclose(self) -> None:
         """Stop the active checks and close the fleet's own HTTP client. Live leases are not released,
         except the prefill legs kept until vLLM's lease on their KV expires (:mod:`zp_client.fleet.pd`):
-        those are released now, the fleet is going away."""
+        those are released now, the fleet is going away. What attached to it stops first."""
+        await self._close_attached()
         deferred.run_now(self._line)  # its leases are the line's
         self._task = None
         await self._sup.aclose()  # the checks' task: cancelled and awaited

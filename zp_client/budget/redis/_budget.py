@@ -502,7 +502,9 @@ class RedisBudget(Budget):
         await side.send_reports([*side.leases.values(), *sync_leases], changed_only=True, patient=True)
 
     async def aclose(self) -> None:
-        """Stop background tasks and threads; live leases are not released (they expire by TTL)."""
+        """Stop what attached to it (an adaptive limit, a keep-warm sender), then its background tasks and
+        threads; live leases are not released (they expire by TTL)."""
+        await self._close_attached()
         self._closed = True
         side, self._side = self._side, None
         if side is not None:
