@@ -68,12 +68,9 @@ def imports(path: Path, name: str, known: set[str]) -> Iterator[tuple[str, bool]
                         yield alias.name, inner
             elif isinstance(child, ast.ImportFrom):
                 mod = resolve(child)
-                for alias in child.names:
-                    sub = f"{mod}.{alias.name}"
-                    if sub in known:
-                        yield sub, inner
-                    elif mod in known:
-                        yield mod, inner
+                targets = {f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in child.names}
+                for target in sorted(targets & known):  # one per module a statement imports
+                    yield target, inner
             yield from visit(child, inner)
 
     yield from visit(ast.parse(path.read_text()), False)

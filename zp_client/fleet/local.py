@@ -36,7 +36,7 @@ from zp_client.budget.ledger import (
     validate_seconds,
 )
 from zp_client.budget.local import LocalBudget, _LocalLease, _Waiter
-from zp_client.errors import ConfigurationError
+from zp_client.errors import ConfigurationError, LeaseTooLarge
 from zp_client.fleet._routing import FleetRouting, normalize, origin, replica_limits
 from zp_client.fleet.ledger import (
     DEFAULT_AFFINITY_WAIT_S,
@@ -310,8 +310,6 @@ class Fleet(FleetRouting, Budget):
 
     def _fail_rejected(self, rejected: list[str]) -> list[_Waiter]:
         """Fail the waiters the line dropped (no replica can ever take them now; lock held)."""
-        from zp_client.errors import LeaseTooLarge
-
         waiters = self._line._waiters
         failed = [waiters.pop(w) for w in rejected if w in waiters]
         for w in failed:
