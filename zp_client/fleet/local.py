@@ -20,7 +20,7 @@ import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import anyio
 
@@ -148,7 +148,7 @@ class Fleet(FleetRouting, Budget):
         self._own_http = False
         self._resolver = resolver or system_resolver
         self._dns = urlsplit(normalize(dns_url)) if dns_url is not None else None
-        self._task: asyncio.Task[Any] | None = None
+        self._task: asyncio.Task[object] | None = None
         self._sup = Supervisor(f"fleet {name}")  # owns the active checks' task
         self._next_due: float | None = None
         self.max_moves = 1
@@ -198,7 +198,7 @@ class Fleet(FleetRouting, Budget):
         return cls(urls, limit_blocks, resolver=resolve, dns_url=url, **kwargs)
 
     @staticmethod
-    def _url_for(dns: Any, addr: str) -> str:
+    def _url_for(dns: SplitResult, addr: str) -> str:
         host = f"[{addr}]" if ":" in addr else addr
         port = f":{dns.port}" if dns.port else ""
         return str(urlunsplit((dns.scheme, host + port, dns.path, "", "")))
@@ -589,7 +589,7 @@ class _FleetLine(LocalBudget):
 
     # ------------------------------------------------------------------ the shell's hooks
     def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
-               meta: Mapping[str, Any] | None = None) -> tuple[str, Any, list[_Waiter]]:
+               meta: Mapping[str, Any] | None = None) -> tuple[str, _LocalLease | None, list[_Waiter]]:
         fleet = self.fleet
         if fleet._next_due is not None and fleet._task is None:
             now = self.clock.monotonic()
