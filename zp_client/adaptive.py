@@ -228,7 +228,7 @@ def _held(st: BudgetStatus) -> int:
     return st.held if st.held_distinct is None else st.held_distinct
 
 
-def _text(v: Any) -> str:
+def _text(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 

@@ -40,7 +40,7 @@ PrefixKeys = tuple[tuple[int, int], ...]
 """``((key, blocks), ...)`` from the shortest prefix to the longest; ``blocks`` is cumulative."""
 
 
-def _bytes_of(message: Any) -> bytes:
+def _bytes_of(message: object) -> bytes:
     """A message's identity as bytes: role and content for the common case (cheap), its JSON otherwise."""
     if type(message) is dict or isinstance(message, Mapping):  # dict first: isinstance(ABC) is slow
         content = message.get("content")
