@@ -218,7 +218,8 @@ def test_under_trio_a_lease_released_from_another_thread_goes_back_without_relea
     async def main() -> tuple[int, _Spy, int]:
         spy = _Spy(await budget.acquire(5))
         holder = Holder(spy, 300.0, is_async=True)  # type: ignore[arg-type]  # a Lease by duck typing
-        assert holder.loop is None and holder.trio is not None and LoopRef().trio_token is not None
+        assert holder.loop is None and holder.where is not None and holder.where.trio_token is not None
+        assert LoopRef().trio_token is not None
         # from another thread, as the watchdog or a finalizer does
         await anyio.to_thread.run_sync(getattr(holder, how))
         for _ in range(100):

@@ -44,8 +44,8 @@ class Holder:
     """Owns one lease while a response body is open. Never references the stream wrapper, so the
     wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
 
-    __slots__ = ("lease", "done", "loop", "trio", "resp", "last_activity", "waiting", "idle_timeout", "clock",
-                 "granted_at", "metrics", "pending", "__weakref__")
+    __slots__ = ("lease", "done", "loop", "where", "resp", "last_activity", "waiting", "idle_timeout",
+                 "clock", "granted_at", "metrics", "pending", "__weakref__")
 
     def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
                  clock: Clock = SYSTEM_CLOCK, metrics: ZPMetrics | None = None) -> None:
@@ -59,16 +59,12 @@ class Holder:
         # True while the caller waits for the server's next chunk: a slow server is not an idle caller.
         self.waiting = False
         self.idle_timeout = idle_timeout
-        self.loop: asyncio.AbstractEventLoop | None = None
-        # under trio: the run this lease was taken in, where a release from another thread (watchdog,
-        # finalizer) runs as under asyncio, with the async release (never release_sync)
-        self.trio: LoopRef | None = None
+        # the event loop (asyncio, or a trio run) the lease was taken on: a release from another thread
+        # (the watchdog, a finalizer) runs there, with the async release; None for a blocking call
+        self.where: LoopRef | None = LoopRef() if is_async else None
+        self.loop = None if self.where is None else self.where.asyncio_loop
         # the release in progress on the loop (set there, by release()): a second release() waits for it
         self.pending: asyncio.Future[None] | None = None
-        if is_async:
-            ref = LoopRef()
-            self.loop = ref.asyncio_loop
-            self.trio = ref if ref.trio_token is not None else None
 
     def _mark_done(self) -> None:
         """Once, when the release starts: the lease's hold time ends here."""
@@ -132,15 +128,10 @@ class Holder:
         sent before it ended stays readable). Callable from any thread."""
         if self.done:
             return
-        loop = self.loop
-        if loop is None and self.trio is not None:
-            self._run_on_trio(None)
-            return
-        if loop is None or loop.is_closed() or not loop.is_running():
+        where = self.where
+        # on its loop, as every other async release: a close racing it then waits for it (release())
+        if where is None or not where.alive or not where.run_soon(self.release):
             self.release_sync()
-            return
-        # on the loop, as every other async release: a close racing it then waits for it (release())
-        asyncio.run_coroutine_threadsafe(self.release(), loop)
 
     def abandon(self) -> None:
         """The caller walked away (garbage collection) or stopped reading (watchdog).
@@ -152,12 +143,9 @@ class Holder:
         if self.done:
             return
         resp, self.resp = self.resp, None
-        loop = self.loop
-        if loop is None and self.trio is not None:
-            self._run_on_trio(resp)
-            return
-        if loop is None or loop.is_closed():
-            if resp is not None and loop is None:
+        where = self.where
+        if where is None or where.closed:
+            if resp is not None and where is None:
                 try:
                     resp.close()
                 except Exception:
@@ -165,31 +153,9 @@ class Holder:
             self.release_sync()
             return
         self._mark_done()
-        coro = _abandon_async(resp, self.lease)
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            task = loop.create_task(coro)
-            _pending.add(task)
-            task.add_done_callback(_pending.discard)
-        elif loop.is_running():
-            asyncio.run_coroutine_threadsafe(coro, loop)
-        else:
-            coro.close()
-            try:
-                self.lease.release_sync()
-            except Exception:
-                logger.exception("lease release failed")
-
-    def _run_on_trio(self, resp: Any) -> None:
-        """Under trio: close ``resp`` (if any) and release the lease with the async release, as a task
-        of the trio run the lease was taken in; the blocking release only once that run has ended."""
-        assert self.trio is not None
-        self._mark_done()
         lease = self.lease
-        if not self.trio.run_soon(lambda: _abandon_async(resp, lease)):
+        # on its loop (asyncio or trio alike), from any thread; the blocking release once it stopped
+        if not where.run_soon(lambda: _abandon_async(resp, lease)):
             try:
                 lease.release_sync()
             except Exception:

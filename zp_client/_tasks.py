@@ -301,6 +301,11 @@ class LoopRef:
             self.trio_token = _trio_token()
 
     @property
+    def closed(self) -> bool:
+        """An asyncio loop that was closed (a trio run's end shows only when :meth:`run_soon` fails)."""
+        return self.asyncio_loop is not None and self.asyncio_loop.is_closed()
+
+    @property
     def alive(self) -> bool:
         if self.asyncio_loop is not None:
             return not self.asyncio_loop.is_closed() and self.asyncio_loop.is_running()
