@@ -101,6 +101,15 @@ class Supervisor:
                 t.cancel()
             if left:
                 await asyncio.wait(left, timeout=0.5)
+        await self.stop_tasks(wait_s)
+        if self._threads:
+            await asyncio.to_thread(self.close_threads, wait_s)
+
+    async def stop_tasks(self, wait_s: float = 2.0) -> None:
+        """Step (3) alone: cancel the long-lived tasks, newest first, and wait for those of the running
+        loop (bounded). The fire-and-forget work is left alone (an owner that drains it its own way)."""
+        self.closed = True
+        loop = asyncio.get_running_loop()
         with self._lock:
             tasks = list(reversed(self._tasks))
         for t in tasks:
@@ -111,8 +120,6 @@ class Supervisor:
             if stuck:
                 logger.debug("zp_client: %s: %d task(s) did not stop within %.1f s", self.name, len(stuck),
                              wait_s)
-        if self._threads:
-            await asyncio.to_thread(self.close_threads, wait_s)
 
     def close_threads(self, wait_s: float = 2.0) -> None:
         """Stop and join the threads, newest first (the blocking part of :meth:`aclose`, for a close

@@ -401,9 +401,10 @@ class AsyncFace:
             self.dirty_event.set()
             self.sup.cancel_tasks()
         if self.loop is asyncio.get_running_loop():
-            # the releases were drained above; the tasks are cancelled, newest first, and awaited
-            # (bounded: a task stuck inside a client call must not hang aclose)
-            await self.sup.aclose(grace_s=0.0, wait_s=2.0)
+            # the releases were drained above (one still starting finishes on its own, as before); the
+            # tasks are cancelled, newest first, and awaited (bounded: a task stuck inside a client call
+            # must not hang aclose)
+            await self.sup.stop_tasks(wait_s=2.0)
         if self.owns_client:
             try:
                 await self.client.aclose()
