@@ -144,6 +144,19 @@ __all__ = [
 ]
 
 
+def _adaptive_limit(budget: Any, server_url: str, **kwargs: Any) -> Any:
+    from zp_client.adaptive import AdaptiveLimit
+
+    return AdaptiveLimit(budget, server_url, **kwargs)
+
+
+# The composition root: what a lower layer offers but a higher one implements is wired here, since this
+# module runs before any submodule (Budget.adapt(); see zp_client/_hooks.py).
+from zp_client import _hooks  # noqa: E402 - after the names it exports, before first use
+
+_hooks.adaptive_limit = _adaptive_limit
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

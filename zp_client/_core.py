@@ -752,7 +752,7 @@ class Core:
         if self.metrics is not None:
             steps = self._metered(steps)  # inside one_loop: a replayed refusal is a repeat, not a new refusal
         if self.retry is not None and self.settings.repeat_window_s > 0:
-            steps = one_loop(self, request, steps)  # zp's loop is the only one (zp_client._repeat)
+            steps = one_loop(self, request, steps, ReadAll)  # zp's loop is the only one (zp_client._repeat)
         return Machine(steps)
 
     def _metered(self, steps: Steps) -> Steps:

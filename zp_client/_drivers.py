@@ -34,6 +34,7 @@ from zp_client._core import (
 from zp_client._httplib import POOL_CHECK_S, HttpLib
 from zp_client._plan import is_admitted
 from zp_client._release import alarms, cut_connection, deadline_exceeded
+from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ServerInfoError, ServerUnreachable, ZPError
@@ -227,6 +228,7 @@ class AsyncDriver(_Driver):
     async def aclose(self) -> None:
         if self._close_inner:
             await self._inner.aclose()
+        quiesce()  # the process-wide service threads end once nothing is left for them to do
 
 
 class SyncDriver(_Driver):
@@ -345,3 +347,4 @@ class SyncDriver(_Driver):
     def close(self) -> None:
         if self._close_inner:
             self._inner.close()
+        quiesce()

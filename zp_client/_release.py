@@ -9,15 +9,16 @@ See docs/admission.md.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import select
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from zp_client._clock import SYSTEM_CLOCK, Clock
+from zp_client._tasks import LoopRef, ServiceThread, deferred
 from zp_client.budget.base import Lease
 from zp_client.errors import DeadlineExceeded
 
@@ -43,8 +44,8 @@ class Holder:
     """Owns one lease while a response body is open. Never references the stream wrapper, so the
     wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
 
-    __slots__ = ("lease", "done", "loop", "resp", "last_activity", "waiting", "idle_timeout", "clock",
-                 "granted_at", "metrics", "pending", "__weakref__")
+    __slots__ = ("lease", "done", "loop", "where", "resp", "last_activity", "waiting", "idle_timeout",
+                 "clock", "granted_at", "metrics", "pending", "__weakref__")
 
     def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
                  clock: Clock = SYSTEM_CLOCK, metrics: ZPMetrics | None = None) -> None:
@@ -58,14 +59,12 @@ class Holder:
         # True while the caller waits for the server's next chunk: a slow server is not an idle caller.
         self.waiting = False
         self.idle_timeout = idle_timeout
-        self.loop: asyncio.AbstractEventLoop | None = None
+        # the event loop (asyncio, or a trio run) the lease was taken on: a release from another thread
+        # (the watchdog, a finalizer) runs there, with the async release; None for a blocking call
+        self.where: LoopRef | None = LoopRef() if is_async else None
+        self.loop = None if self.where is None else self.where.asyncio_loop
         # the release in progress on the loop (set there, by release()): a second release() waits for it
         self.pending: asyncio.Future[None] | None = None
-        if is_async:
-            try:
-                self.loop = asyncio.get_running_loop()
-            except RuntimeError:  # trio: finalizers fall back to release_sync
-                self.loop = None
 
     def _mark_done(self) -> None:
         """Once, when the release starts: the lease's hold time ends here."""
@@ -121,7 +120,7 @@ class Holder:
 
             loop.call_later(after_s, fire)
             return
-        deferred.add(self, after_s)
+        deferred.add(_budget_of(self.lease), after_s, self.release_sync, lambda: self.done)
 
     def server_ended(self) -> None:
         """The server ended the connection under a body its caller is not reading: it holds no KV for
@@ -129,12 +128,10 @@ class Holder:
         sent before it ended stays readable). Callable from any thread."""
         if self.done:
             return
-        loop = self.loop
-        if loop is None or loop.is_closed() or not loop.is_running():
+        where = self.where
+        # on its loop, as every other async release: a close racing it then waits for it (release())
+        if where is None or not where.alive or not where.run_soon(self.release):
             self.release_sync()
-            return
-        # on the loop, as every other async release: a close racing it then waits for it (release())
-        asyncio.run_coroutine_threadsafe(self.release(), loop)
 
     def abandon(self) -> None:
         """The caller walked away (garbage collection) or stopped reading (watchdog).
@@ -146,9 +143,9 @@ class Holder:
         if self.done:
             return
         resp, self.resp = self.resp, None
-        loop = self.loop
-        if loop is None or loop.is_closed():
-            if resp is not None and loop is None:
+        where = self.where
+        if where is None or where.closed:
+            if resp is not None and where is None:
                 try:
                     resp.close()
                 except Exception:
@@ -156,21 +153,11 @@ class Holder:
             self.release_sync()
             return
         self._mark_done()
-        coro = _abandon_async(resp, self.lease)
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            task = loop.create_task(coro)
-            _pending.add(task)
-            task.add_done_callback(_pending.discard)
-        elif loop.is_running():
-            asyncio.run_coroutine_threadsafe(coro, loop)
-        else:
-            coro.close()
+        lease = self.lease
+        # on its loop (asyncio or trio alike), from any thread; the blocking release once it stopped
+        if not where.run_soon(lambda: _abandon_async(resp, lease)):
             try:
-                self.lease.release_sync()
+                lease.release_sync()
             except Exception:
                 logger.exception("lease release failed")
 
@@ -286,121 +273,65 @@ def finalize(holder: Holder) -> None:
         holder.abandon()
 
 
-class DeferredReleases:
-    """One daemon thread for the process: releases leases at a time (:meth:`Holder.release_later`), with
-    the blocking release (every budget has one). ``release_now(budget)`` releases a budget's pending ones
-    at once (its ``aclose()``: the budget is going away)."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Holder]] = []
-        self._seq = 0
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def add(self, holder: Holder, after_s: float) -> None:
-        import heapq
-
-        with self._cond:
-            self._seq += 1
-            heapq.heappush(self._heap, (SYSTEM_CLOCK.monotonic() + after_s, self._seq, holder))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="zp-deferred-release", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def pending(self) -> int:
-        with self._cond:
-            return sum(1 for _, _, h in self._heap if not h.done)
-
-    def release_now(self, budget: Any) -> int:
-        """Release at once the pending leases taken from ``budget``; returns how many."""
-        with self._cond:
-            mine = [h for _, _, h in self._heap if not h.done and _budget_of(h.lease) is budget]
-        for h in mine:
-            h.release_sync()
-        return len(mine)
-
-    def _run(self) -> None:
-        import heapq
-
-        while True:
-            with self._cond:
-                while not self._heap:
-                    self._cond.wait()
-                due, _, holder = self._heap[0]
-                wait = due - SYSTEM_CLOCK.monotonic()
-                if wait > 0:
-                    self._cond.wait(wait)
-                    continue
-                heapq.heappop(self._heap)
-            holder.release_sync()
-
-
 def _budget_of(lease: Any) -> Any:
     return getattr(lease, "_budget", None) or getattr(lease, "_owner", None)
 
 
-deferred = DeferredReleases()
-
 
 class Watchdog:
-    """One daemon thread for the process: releases leases of streams nobody has read for a while, and
-    (every :data:`HANGUP_CHECK_S`, where poll() can tell) of bodies nobody is reading whose connection
-    the server ended (it aborted or finished the request: it holds no KV for it any more)."""
+    """Releases leases of streams nobody has read for a while, and (every :data:`HANGUP_CHECK_S`, where
+    poll() can tell) of bodies nobody is reading whose connection the server ended (it aborted or
+    finished the request: it holds no KV for it any more). One process-wide
+    :class:`~zp_client._tasks.ServiceThread`, running while any body is open."""
 
     def __init__(self) -> None:
         self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
         self._interval = 5.0
-        # True while the thread sleeps past HANGUP_CHECK_S (no body was open): the next one wakes it
-        self._sleeping_long = False
+        self._service = ServiceThread("zp-idle-watchdog", self._step, self._open)
+        self._lock = self._service.cond
+
+    def _open(self) -> bool:
+        return any(not h.done for h in self._holders)
 
     def add(self, holder: Holder) -> None:
         with self._lock:
             self._holders.add(holder)
-            if self._thread is None or not self._thread.is_alive():
-                self._interval = holder.idle_timeout / 4
-                self._thread = threading.Thread(target=self._run, name="zp-idle-watchdog", daemon=True)
-                self._thread.start()
-                return
-            wake = holder.idle_timeout / 4 < self._interval or self._sleeping_long
-            self._sleeping_long = False
+            # Only a first body or a shorter timeout than any seen needs the thread now; waking it on
+            # every request would cost a GIL hand-off per request.
+            wake = not self._service.running or holder.idle_timeout / 4 < self._interval
+            if wake:
+                self._interval = min(self._interval, holder.idle_timeout / 4) if self._service.running \
+                    else holder.idle_timeout / 4
         if wake:
-            # Only a shorter timeout than any seen needs an earlier check; waking the thread on every
-            # request would cost a GIL hand-off per request.
-            self._wake.set()
+            self._service.wake()
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                holders = [h for h in self._holders if not h.done]
-                if holders:
-                    self._interval = max(0.01, min(h.idle_timeout for h in holders) / 4)
-                interval = self._interval
-                self._sleeping_long = bool(_RDHUP) and not holders and interval > HANGUP_CHECK_S
-            if holders and _RDHUP:
-                interval = min(interval, HANGUP_CHECK_S)
-                try:
-                    unread = [h for h in holders if not h.done and not h.waiting and h.resp is not None]
-                    ended = hung_up(unread)
-                except Exception:  # never let this check stop the watchdog
-                    logger.debug("checking for ended connections failed", exc_info=True)
-                    ended = []
-                for h in ended:
-                    logger.debug("the server ended the connection of an unread body: releasing its lease")
-                    h.server_ended()
-            for h in holders:
-                if not h.done and not h.waiting and h.clock.monotonic() - h.last_activity > h.idle_timeout:
-                    logger.warning(
-                        "stream idle for more than %.1f s (Settings.idle_stream_timeout_s): closing it and "
-                        "releasing its lease",
-                        h.idle_timeout,
-                    )
-                    h.abandon()
-            self._wake.wait(interval)
-            self._wake.clear()
+    def _step(self) -> float | None:
+        with self._lock:
+            holders = [h for h in self._holders if not h.done]
+            if not holders:
+                return None
+            self._interval = max(0.01, min(h.idle_timeout for h in holders) / 4)
+            interval = self._interval
+        if _RDHUP:
+            interval = min(interval, HANGUP_CHECK_S)
+            try:
+                unread = [h for h in holders if not h.done and not h.waiting and h.resp is not None]
+                ended = hung_up(unread)
+            except Exception:  # never let this check stop the watchdog
+                logger.debug("checking for ended connections failed", exc_info=True)
+                ended = []
+            for h in ended:
+                logger.debug("the server ended the connection of an unread body: releasing its lease")
+                h.server_ended()
+        for h in holders:
+            if not h.done and not h.waiting and h.clock.monotonic() - h.last_activity > h.idle_timeout:
+                logger.warning(
+                    "stream idle for more than %.1f s (Settings.idle_stream_timeout_s): closing it and "
+                    "releasing its lease",
+                    h.idle_timeout,
+                )
+                h.abandon()
+        return interval
 
 
 watchdog = Watchdog()
@@ -422,56 +353,52 @@ def cut_connection(resp: Any) -> None:
 
 
 class Alarms:
-    """One daemon thread for the process: calls a function at a monotonic time (system clock) unless
-    cancelled first. A blocking call's deadline cuts its connection here (:func:`cut_connection`): a
-    blocking read cannot be bounded from its own thread once it started."""
+    """Calls a function at a monotonic time (system clock) unless cancelled first, on one process-wide
+    :class:`~zp_client._tasks.ServiceThread` running while any alarm is set. A blocking call's deadline
+    cuts its connection here (:func:`cut_connection`): a blocking read cannot be bounded from its own
+    thread once it started."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int]] = []
         self._calls: dict[int, Any] = {}
         self._seq = 0
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._service = ServiceThread("zp-deadline-alarms", self._step, lambda: bool(self._calls))
+        self._cond = self._service.cond
 
     def at(self, due: float, fn: Any) -> int:
         """Call ``fn()`` at ``due`` (``SYSTEM_CLOCK.monotonic()`` time); returns a token to cancel it."""
-        import heapq
-
         with self._cond:
             self._seq += 1
             self._calls[self._seq] = fn
             heapq.heappush(self._heap, (due, self._seq))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="zp-deadline-alarms", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-            return self._seq
+            token = self._seq
+        self._service.wake()
+        return token
 
     def cancel(self, token: int) -> None:
         with self._cond:
             self._calls.pop(token, None)
 
-    def _run(self) -> None:
-        import heapq
-
-        while True:
-            with self._cond:
-                while not self._heap:
-                    self._cond.wait()
+    def _step(self) -> float | None:
+        fire: list[Any] = []
+        with self._cond:
+            now = SYSTEM_CLOCK.monotonic()
+            while self._heap:
                 due, token = self._heap[0]
                 if token not in self._calls:  # cancelled: drop it
                     heapq.heappop(self._heap)
                     continue
-                wait = due - SYSTEM_CLOCK.monotonic()
-                if wait > 0:
-                    self._cond.wait(wait)
-                    continue
+                if due > now:
+                    break
                 heapq.heappop(self._heap)
-                fn = self._calls.pop(token)
+                fire.append(self._calls.pop(token))
+            pause = None if not self._heap else self._heap[0][0] - now
+        for fn in fire:
             try:
                 fn()
             except Exception:  # never let one alarm stop the thread
                 logger.debug("a deadline alarm failed", exc_info=True)
+        return pause
 
 
 alarms = Alarms()

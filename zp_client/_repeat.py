@@ -54,7 +54,7 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Generator, Hashable, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -299,13 +299,13 @@ def _failed_status(core: Core, status: int) -> bool:
     return status >= 500 or status in statuses
 
 
-def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:
+def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any],
+             read_all: Callable[[Any, Callable[[bytes], None]], object]) -> Generator[Any, Any, Any]:
     """``steps`` (one admitted call's attempt loop) as the one retry loop: a repeat of a call zp gave up
     on gets its failure again without running ``steps``; every error answer handed over says
     ``x-should-retry: false`` (read here in full: error answers are small) so the openai SDK does not
-    retry it; a call that fails is remembered for its repeats."""
-    from zp_client._core import ReadAll  # the core imports this module: the action classes come late
-
+    retry it; a call that fails is remembered for its repeats. ``read_all(response, sink)`` is the core's
+    read-the-body action (passed in, since the core imports this module)."""
     guard = _Guard(core, request)
     hit = guard.repeat_of()
     if hit is not None:
@@ -333,7 +333,7 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Gener
         return resp
     else:
         chunks: list[bytes] = []
-        yield ReadAll(resp, chunks.append)  # the body wrapper releases the lease at its end
+        yield read_all(resp, chunks.append)  # the body wrapper releases the lease at its end
         content = b"".join(chunks)
     headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in _DROPPED]
     headers.append((b"x-should-retry", b"false"))

@@ -8,9 +8,8 @@ import httpx2
 
 from zp_client._drivers import AsyncDriver, SyncDriver
 from zp_client._httpx2 import HTTPX2
-from zp_client.transport import TransportClasses
 
-__all__ = ["AsyncAdmissionTransport2", "AdmissionTransport2", "CLASSES"]
+__all__ = ["AsyncAdmissionTransport2", "AdmissionTransport2"]
 
 
 class AsyncAdmissionTransport2(AsyncDriver, httpx2.AsyncBaseTransport):
@@ -24,5 +23,3 @@ class AdmissionTransport2(SyncDriver, httpx2.BaseTransport):
 
     lib = HTTPX2
 
-
-CLASSES = TransportClasses(httpx2, AsyncAdmissionTransport2, AdmissionTransport2)

@@ -228,7 +228,7 @@ def _held(st: BudgetStatus) -> int:
     return st.held if st.held_distinct is None else st.held_distinct
 
 
-def _text(v: Any) -> str:
+def _text(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
@@ -425,6 +425,7 @@ class AdaptiveLimit:
             self._own_http = True
         self.budget.adaptive = self
         self.budget.add_overload_listener(self.note_overload)
+        self.budget._attach(self._close_with_budget)  # the budget's aclose() stops it first
         if self.metrics is not None:
             self.metrics.track(self.budget)  # its limit gauge shows the changes, front end or not
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"zp-adaptive-{self.id}")
@@ -448,6 +449,7 @@ class AdaptiveLimit:
         if self.budget.adaptive is self:
             self.budget.adaptive = None
         self.budget.remove_overload_listener(self.note_overload)
+        self.budget._detach(self._close_with_budget)
         if not self._redis:
             # Nobody will raise a limit it lowered now: the size limit its cuts kept (keep_size) follows
             # the limit again, so a request larger than the limit fails at once instead of waiting for
@@ -466,6 +468,14 @@ class AdaptiveLimit:
             with contextlib.suppress(Exception):
                 await self._http.aclose()
             self._http = None
+
+    async def _close_with_budget(self) -> None:
+        """Its budget is closing: stop as :meth:`aclose` (or :meth:`stop`, when it runs on a thread of its
+        own); a controller running on another event loop is left to its owner."""
+        if self._thread is not None:
+            await asyncio.to_thread(self.stop)
+        elif self._task is None or self._task.get_loop() is asyncio.get_running_loop():
+            await self.aclose()
 
     def start_in_thread(self) -> AdaptiveLimit:
         """Run the controller on a daemon thread with an event loop of its own, for programs without one

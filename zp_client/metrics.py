@@ -26,7 +26,10 @@ from prometheus_client.registry import Collector
 
 from zp_client._clock import real_monotonic
 from zp_client.budget.base import Budget, BudgetStatus
+from zp_client.budget.local import LocalBudget
 from zp_client.errors import ConfigurationError
+from zp_client.fleet.local import Fleet
+from zp_client.retry import _classify_error
 
 __all__ = ["ZPMetrics", "as_metrics", "retry_reason", "QUEUE_WAIT_BUCKETS", "LEASE_HOLD_BUCKETS",
            "FORECAST_ERROR_BUCKETS", "MAX_PRIORITY_LABELS", "OTHER_PRIORITY", "PREDICTION_ERROR_BUCKETS"]
@@ -81,8 +84,6 @@ def retry_reason(status: int | None, error: BaseException | None) -> str:
     ``read_error`` for the transport errors the retry policy retries, else the error's type name."""
     if error is None:
         return f"http_{status}" if status is not None else "unknown"
-    from zp_client.retry import _classify_error
-
     kind = _classify_error(error)
     return f"{kind}_error" if kind is not None else type(error).__name__
 
@@ -118,12 +119,10 @@ class _BudgetGauges(Collector):
                 self._budgets[budget] = _budget_name(budget)
 
     def _status(self, budget: Budget) -> BudgetStatus | None:
-        from zp_client.budget.local import LocalBudget
-
         read = getattr(budget, "status_sync", None)
         if read is None:
             return None
-        local = isinstance(budget, LocalBudget)
+        local = isinstance(budget, (LocalBudget, Fleet))  # in-process: its status only takes a lock
         if not local:
             if self._ttl is None:
                 return None

@@ -149,6 +149,7 @@ class PinnedPrefix:
         else:
             run = self._run_timer(self.period_s)
         self._task = asyncio.create_task(run, name=f"zp-keepwarm-{self.key[:8]}")
+        self.budget._attach(self._close_with_budget)  # the budget's aclose() stops it first
         return self
 
     async def aclose(self) -> None:
@@ -156,11 +157,17 @@ class PinnedPrefix:
         task, self._task = self._task, None
         if task is None:
             return
+        self.budget._detach(self._close_with_budget)
         self.budget.remove_keepwarm_listener(self._nudge)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await self.budget.unpin(self.key)
+
+    async def _close_with_budget(self) -> None:
+        """Its budget is closing: stop sending and unpin (as :meth:`aclose`) when on the loop it runs on."""
+        if self._loop is asyncio.get_running_loop():
+            await self.aclose()
 
     async def __aenter__(self) -> PinnedPrefix:
         return await self.start()

@@ -83,9 +83,9 @@ def transport_classes(module: ModuleType) -> TransportClasses:
     if module.__name__ == "httpx":
         return _HTTPX_CLASSES
     if module.__name__ == "httpx2":
-        from zp_client import _transport2
+        from zp_client import _transport2  # imports nothing of this module: no circle
 
-        return _transport2.CLASSES
+        return TransportClasses(module, _transport2.AsyncAdmissionTransport2, _transport2.AdmissionTransport2)
     raise ConfigurationError(f"no admission transports for module {module.__name__!r} (httpx or httpx2)")
 
 

@@ -13,18 +13,22 @@ import abc
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 # The plain value types live in a module of their own so the ledger can use them without this one.
+from zp_client import _hooks
 from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
+from zp_client.budget.retries import LocalRetryBudget, RetryBudget
+from zp_client.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    # AdaptiveLimit is only named (the public signature of adapt()); it attaches from above through
+    # zp_client._hooks. Calibration and Settings are below the budget layer.
     from zp_client.adaptive import AdaptiveLimit
     from zp_client.calibration import Calibration
     from zp_client.config import Settings
-    from zp_client.retry import RetryBudget
 
 __all__ = ["Ticket", "Lease", "Budget", "BudgetStatus", "ClassStatus"]
 
@@ -171,15 +175,16 @@ class Budget(abc.ABC):
         """An :class:`~zp_client.adaptive.AdaptiveLimit` for this budget (not started): ``async with
         budget.adapt(url):`` runs it. ``server_url`` defaults to the calibrated server's (a budget made
         by ``from_server``); ``kwargs`` are the controller's (``poll_interval_s``, tuning...)."""
-        from zp_client.adaptive import AdaptiveLimit
-        from zp_client.errors import ConfigurationError
-
         if server_url is None:
             if self.calibration is None:
                 raise ConfigurationError(
                     "budget.adapt() needs the server's URL (this budget was not made by from_server)")
             server_url = self.calibration.url
-        return AdaptiveLimit(self, server_url, **kwargs)
+        factory = _hooks.adaptive_limit  # installed by zp_client/__init__.py, which always runs first
+        if factory is None:  # pragma: no cover - only if someone uninstalled it
+            raise ConfigurationError("no adaptive limit factory installed (zp_client._hooks)")
+        made: AdaptiveLimit = factory(self, server_url, **kwargs)
+        return made
 
     def note_overload(self, status: int) -> None:
         """The server answered ``status`` (429, 503 or 529: overloaded) to a request of this budget; the
@@ -225,8 +230,6 @@ class Budget(abc.ABC):
         blocks on the server, an upper bound (``blocks`` is what leases share, a lower one), which the
         keep-warm rule counts from. Raises :class:`~zp_client.errors.PinRefused` past the pin cap. Most
         callers use :class:`zp_client.PinnedPrefix`, which computes the key and sends the keep-warms."""
-        from zp_client.errors import ConfigurationError
-
         raise ConfigurationError(f"{type(self).__name__} does not support pinned prefixes")
 
     async def unpin(self, key: str) -> bool:
@@ -252,6 +255,34 @@ class Budget(abc.ABC):
     async def aclose(self) -> None:  # noqa: B027 - optional hook with a safe default (nothing to close)
         """Release background resources. Live leases are not released."""
 
+    # ------------------------------------------------------------------ what attaches from above
+    def _attach(self, closer: Callable[[], Awaitable[object]]) -> None:
+        """Something above the budget layer that runs on this budget (an adaptive limit, a keep-warm
+        sender) and must stop before it: the budget's ``aclose()`` awaits ``closer()`` first, newest
+        first (:meth:`_close_attached`). The owner detaches when it closes on its own."""
+        with _retry_budget_lock:
+            attached: list[Callable[[], Awaitable[object]]] = self.__dict__.setdefault("_zp_attached", [])
+            attached.append(closer)
+
+    def _detach(self, closer: Callable[[], Awaitable[object]]) -> None:
+        """Undo :meth:`_attach` (one not attached is ignored)."""
+        with _retry_budget_lock:
+            attached = self.__dict__.get("_zp_attached") or []
+            if closer in attached:
+                attached.remove(closer)
+
+    async def _close_attached(self) -> None:
+        """Stop what attached to this budget, newest first: the first step of every backend's
+        ``aclose()`` (the shutdown order: docs/admission.md#background-work-who-owns-it-and-how-it-stops)."""
+        with _retry_budget_lock:
+            attached = list(reversed(self.__dict__.get("_zp_attached") or []))
+        for closer in attached:
+            try:
+                await closer()
+            except Exception:  # noqa: BLE001 - one attachment's failure must not keep the budget open
+                _log.exception("closing %r with its budget failed", closer)
+            self._detach(closer)
+
     def new_retry_budget(
         self, *, ratio: float = 0.5, floor_per_s: float = 0.5, window_s: float = 20.0
     ) -> RetryBudget:
@@ -261,8 +292,6 @@ class Budget(abc.ABC):
         many processes (:class:`~zp_client.RedisBudget`) returns one shared by all of them. Front ends
         use :meth:`retry_budget`, the one shared instance; this is for callers that want their own.
         """
-        from zp_client.retry import LocalRetryBudget
-
         return LocalRetryBudget(ratio=ratio, floor_per_s=floor_per_s, window_s=window_s,
                                 clock=self.clock.monotonic)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from zp_client._clock import SYSTEM_CLOCK, Clock
+from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import (
@@ -717,7 +718,11 @@ class LocalBudget(Budget):
                 logger.exception("keep-warm listener %r failed", fn)
 
     async def aclose(self) -> None:
-        """Nothing to close: a LocalBudget has no background tasks. Live leases are not released."""
+        """A LocalBudget has no background tasks of its own; the process-wide service threads
+        (:mod:`zp_client._tasks`) end here when nothing is left for them. What attached to it (an adaptive
+        limit, a keep-warm sender) stops first. Live leases are not released."""
+        await self._close_attached()
+        quiesce()
 
     def __repr__(self) -> str:
         with self._lock:

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 from zp_client.budget.ledger import validate_blocks
 from zp_client.errors import ConfigurationError
 from zp_client.fleet.ledger import AVOID_META, PREFIX_META, SESSION_META
+from zp_client.fleet.pd import DEFAULT_KV_LEASE_S, DEFAULT_THRESHOLD_TOKENS, PDSettings
 from zp_client.fleet.prefix import prefix_keys
 
 VIRTUAL_DOMAIN = "zp-fleet.invalid"
@@ -92,8 +93,6 @@ class FleetRouting:
         request skips the prefill pool (default :data:`~zp_client.fleet.pd.DEFAULT_THRESHOLD_TOKENS`;
         0: never skip; ``math.inf``: never disaggregate). ``kv_lease_s``: the prefill servers'
         ``kv_lease_duration`` (vLLM's default 30 s)."""
-        from zp_client.fleet.pd import DEFAULT_KV_LEASE_S, DEFAULT_THRESHOLD_TOKENS, PDSettings
-
         if prefill is self:
             raise ConfigurationError("a fleet cannot be its own prefill pool: pass a fleet of the prefill "
                                      "replicas")

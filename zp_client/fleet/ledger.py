@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
+from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
     DEFAULT_LINE,
@@ -594,8 +595,6 @@ class FleetLedger:
 def default_factory(policy: str | ReservationPolicy, block_size: int) -> Callable[[], ReservationPolicy]:
     """A policy factory from a name (a fresh policy per replica) or an object (copied per replica when
     it can be: a shared object would share its per-ledger caches, which are keyed by ledger anyway)."""
-    from zp_client.budget.elastic import make_policy
-
     if isinstance(policy, str):
         return lambda: make_policy(policy, block_size=block_size)
     return lambda: policy

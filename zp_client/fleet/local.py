@@ -15,17 +15,18 @@ See docs/fleet.md for the rules.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import anyio
 
 from zp_client._clock import Clock
-from zp_client.budget.base import Lease, Ticket
+from zp_client._tasks import Supervisor, deferred, quiesce
+from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
     DEFAULT_LINE,
@@ -35,7 +36,7 @@ from zp_client.budget.ledger import (
     validate_seconds,
 )
 from zp_client.budget.local import LocalBudget, _LocalLease, _Waiter
-from zp_client.errors import ConfigurationError
+from zp_client.errors import ConfigurationError, LeaseTooLarge
 from zp_client.fleet._routing import FleetRouting, normalize, origin, replica_limits
 from zp_client.fleet.ledger import (
     DEFAULT_AFFINITY_WAIT_S,
@@ -51,6 +52,7 @@ from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES
 
 if TYPE_CHECKING:
     from zp_client.budget._types import BudgetStatus
+    from zp_client.config import Settings
 
 __all__ = ["Fleet", "FleetLease", "Resolver", "system_resolver"]
 
@@ -79,7 +81,7 @@ class FleetLease(_LocalLease):
         return super().__repr__()[:-1] + f" on {self.replica}>"
 
 
-class Fleet(FleetRouting, LocalBudget):
+class Fleet(FleetRouting, Budget):
     """A budget per replica of one model, one fair line for all of them, and routing (docs/fleet.md).
 
     ``replicas``: base URLs (``http://host:port/v1``, all with the same path), each leased up to
@@ -97,6 +99,10 @@ class Fleet(FleetRouting, LocalBudget):
     ``http_client`` (an ``httpx.AsyncClient``; default: a new one). Without them an ejected replica comes
     back when its ejection time is over, on the next request (and is ejected again at once if it still
     refuses connections). A request never costs a network call of the fleet's own.
+
+    A Fleet is a :class:`~zp_client.Budget`; it composes its line (a private :class:`_FleetLine`: the
+    lock, the parked waiters and the wake-ups of a :class:`~zp_client.LocalBudget`, over the fleet's
+    ledger, which keeps a ledger per replica) rather than being a LocalBudget.
     """
 
     def __init__(
@@ -121,14 +127,17 @@ class Fleet(FleetRouting, LocalBudget):
         line: LineName = DEFAULT_LINE,
         late_bound_s: float = DEFAULT_LATE_BOUND_S,
     ) -> None:
-        super().__init__(1, block_size, starvation_bound_s=starvation_bound_s, policy="strict", name=name,
-                         clock=clock)
+        self._line = _FleetLine(self, block_size, starvation_bound_s=starvation_bound_s, name=name,
+                                clock=clock)
+        self.block_size = self._line.block_size
+        self.name = name
+        self.clock = self._line.clock
         limits = replica_limits(replicas, limit_blocks, missing_limit=(
             "Fleet(urls) needs limit_blocks (or a mapping of URL to limit, or Fleet.from_servers(urls) to "
             "size each replica from its /metrics; Fleet.from_dns for a DNS name)"))
         caps = {normalize(u): validate_blocks(c, "capacity") for u, c in (capacities or {}).items()}
         self._default_limit = limit_blocks
-        self._ledger = FleetLedger(  # type: ignore[assignment]  # the Ledger surface LocalBudget drives
+        self._line._ledger = FleetLedger(  # type: ignore[assignment]  # the Ledger surface LocalBudget drives
             limits, default_factory(policy, self.block_size), starvation_bound_s=starvation_bound_s,
             affinity_wait_s=affinity_wait_s, min_affinity_blocks=min_affinity_blocks, health=health,
             max_prefix_entries=max_prefix_entries, capacities=caps, line=line, late_bound_s=late_bound_s,
@@ -139,7 +148,8 @@ class Fleet(FleetRouting, LocalBudget):
         self._own_http = False
         self._resolver = resolver or system_resolver
         self._dns = urlsplit(normalize(dns_url)) if dns_url is not None else None
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._sup = Supervisor(f"fleet {name}")  # owns the active checks' task
         self._next_due: float | None = None
         self.max_moves = 1
         """Moves per request off failing replicas, per replica in the fleet (each move avoids the
@@ -188,7 +198,7 @@ class Fleet(FleetRouting, LocalBudget):
         return cls(urls, limit_blocks, resolver=resolve, dns_url=url, **kwargs)
 
     @staticmethod
-    def _url_for(dns: Any, addr: str) -> str:
+    def _url_for(dns: SplitResult, addr: str) -> str:
         host = f"[{addr}]" if ":" in addr else addr
         port = f":{dns.port}" if dns.port else ""
         return str(urlunsplit((dns.scheme, host + port, dns.path, "", "")))
@@ -196,7 +206,11 @@ class Fleet(FleetRouting, LocalBudget):
     # ------------------------------------------------------------------ routing (the core calls these)
     @property
     def ledger(self) -> FleetLedger:
-        return self._ledger  # type: ignore[return-value]
+        return self._line._ledger  # type: ignore[return-value]
+
+    @property
+    def _lock(self) -> threading.Lock:
+        return self._line._lock
 
     @property
     def replicas(self) -> list[str]:
@@ -223,8 +237,8 @@ class Fleet(FleetRouting, LocalBudget):
             to_wake: list[_Waiter] = []
             if ejected and not was_ejected:
                 self._after_eject(replica, now)
-                _, to_wake = self._hand_out(self.ledger.grant(now))
-        self._wake(to_wake)
+                _, to_wake = self._line._hand_out(self.ledger.grant(now))
+        self._line._wake(to_wake)
         return ejected
 
     def note_success(self, lease: Lease) -> None:
@@ -249,8 +263,8 @@ class Fleet(FleetRouting, LocalBudget):
                 return
             self.ledger.eject(url, now)
             self._after_eject(url, now)
-            _, to_wake = self._hand_out(self.ledger.grant(now))
-        self._wake(to_wake)
+            _, to_wake = self._line._hand_out(self.ledger.grant(now))
+        self._line._wake(to_wake)
 
     def _after_eject(self, url: str, now: float) -> None:
         rep = self.ledger.replicas.get(url)
@@ -266,10 +280,10 @@ class Fleet(FleetRouting, LocalBudget):
         now = self.clock.monotonic()
         with self._lock:
             back = self.ledger.readmit(normalize(url))
-            _, to_wake = self._hand_out(self.ledger.grant(now)) if back else (None, [])
+            _, to_wake = self._line._hand_out(self.ledger.grant(now)) if back else (None, [])
         if back:
             logger.info("fleet %s: replica %s is back", self.name, url)
-        self._wake(to_wake)
+        self._line._wake(to_wake)
         return back
 
     def _readmit_due(self, now: float) -> None:
@@ -290,15 +304,14 @@ class Fleet(FleetRouting, LocalBudget):
         now = self.clock.monotonic()
         with self._lock:
             failed = self._fail_rejected(self.ledger.add_replica(normalize(url), limit, capacity))
-            _, to_wake = self._hand_out(self.ledger.grant(now))
+            _, to_wake = self._line._hand_out(self.ledger.grant(now))
         logger.info("fleet %s: replica %s joined (limit %d blocks)", self.name, url, limit)
-        self._wake(failed + to_wake)
+        self._line._wake(failed + to_wake)
 
     def _fail_rejected(self, rejected: list[str]) -> list[_Waiter]:
         """Fail the waiters the line dropped (no replica can ever take them now; lock held)."""
-        from zp_client.errors import LeaseTooLarge
-
-        failed = [self._waiters.pop(w) for w in rejected if w in self._waiters]
+        waiters = self._line._waiters
+        failed = [waiters.pop(w) for w in rejected if w in waiters]
         for w in failed:
             w.error = LeaseTooLarge(w.bound, self.ledger.size_limit,
                                     "no replica of the fleet can take it now")
@@ -310,71 +323,16 @@ class Fleet(FleetRouting, LocalBudget):
         now = self.clock.monotonic()
         with self._lock:
             failed = self._fail_rejected(self.ledger.remove_replica(normalize(url)))
-            _, to_wake = self._hand_out(self.ledger.grant(now))
+            _, to_wake = self._line._hand_out(self.ledger.grant(now))
         logger.info("fleet %s: replica %s left", self.name, url)
-        self._wake(failed + to_wake)
+        self._line._wake(failed + to_wake)
 
     def set_replica_limit(self, url: str, limit_blocks: int) -> None:
         now = self.clock.monotonic()
         with self._lock:
             failed = self._fail_rejected(self.ledger.set_replica_limit(normalize(url), limit_blocks, now))
-            _, to_wake = self._hand_out(self.ledger.grant(now))
-        self._wake(failed + to_wake)
-
-    def set_limit_sync(self, limit: int) -> None:
-        raise ConfigurationError("a fleet's limit is per replica: use fleet.set_replica_limit(url, blocks)")
-
-    def compare_and_set_limit_sync(self, expected: int, limit: int, *, keep_size: bool = False) -> bool:
-        raise ConfigurationError("a fleet has no single limit to adapt (per-replica adaptive limits are "
-                                 "not built): use set_replica_limit")
-
-    # ------------------------------------------------------------------ the LocalBudget shell's hooks
-    def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
-               meta: Mapping[str, Any] | None = None) -> tuple[str, Any, list[_Waiter]]:
-        if self._next_due is not None and self._task is None:
-            now = self.clock.monotonic()
-            if now >= self._next_due:
-                self._readmit_due(now)
-        return super()._enter(blocks, priority, ticket, held, meta)
-
-    def _new_lease(self, gid: str) -> FleetLease:
-        led = self.ledger
-        rec = led.leases[gid]
-        return FleetLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket, led.replica_of(gid) or "")
-
-    def _affinity_poke(self, meta: Mapping[str, Any] | None) -> float | None:
-        if not meta or not (meta.get(PREFIX_META) or meta.get(SESSION_META) is not None):
-            return None
-        return self.ledger.affinity_wait_s + 1e-6
-
-    def _poke(self) -> None:
-        now = self.clock.monotonic()
-        with self._lock:
-            _, to_wake = self._hand_out(self.ledger.grant(now))
-        self._wake(to_wake)
-
-    async def _wait_async(self, waiter: _Waiter, timeout: float | None,
-                          meta: Mapping[str, Any] | None) -> None:
-        poke = self._affinity_poke(meta)
-        if poke is not None and (timeout is None or poke < timeout):
-            with anyio.move_on_after(poke):
-                await waiter.event.wait()
-            if waiter.lease is not None or waiter.error is not None:
-                self._count_wakeup()
-                return
-            self._poke()  # its affinity wait is over: the line is walked again without it
-            timeout = None if timeout is None else timeout - poke
-        await super()._wait_async(waiter, timeout, meta)
-
-    def _wait_sync(self, waiter: _Waiter, timeout: float | None, meta: Mapping[str, Any] | None) -> None:
-        poke = self._affinity_poke(meta)
-        if poke is not None and (timeout is None or poke < timeout):
-            if waiter.event.wait(poke):
-                self._count_wakeup()
-                return
-            self._poke()
-            timeout = None if timeout is None else timeout - poke
-        super()._wait_sync(waiter, timeout, meta)
+            _, to_wake = self._line._hand_out(self.ledger.grant(now))
+        self._line._wake(failed + to_wake)
 
     # ------------------------------------------------------------------ active checks
     async def start(self) -> Fleet:
@@ -385,7 +343,7 @@ class Fleet(FleetRouting, LocalBudget):
 
                 self._http = httpx.AsyncClient(timeout=2.0, trust_env=False)
                 self._own_http = True
-            self._task = asyncio.get_running_loop().create_task(self._checks(), name=f"zp-fleet-{self.name}")
+            self._task = self._sup.spawn(self._checks(), name=f"zp-fleet-{self.name}")
         if self.pd is not None and hasattr(self.pd.prefill, "start"):
             await self.pd.prefill.start()
         return self
@@ -396,44 +354,21 @@ class Fleet(FleetRouting, LocalBudget):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    @property
-    def supports_pins(self) -> bool:
-        return False  # per-replica pins are not built yet (issue 20)
-
-    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
-                 span: int | None = None) -> None:
-        raise ConfigurationError("a Fleet does not support pinned prefixes yet; pin on a LocalBudget or "
-                                 "RedisBudget of one server")
-
-    def unpin_sync(self, key: str) -> bool:
-        return False
-
-    async def keepwarm_due(self) -> list[str]:
-        return []
-
-    async def claim_keepwarm(self, key: str, ttl_s: float) -> bool:
-        return False
-
-    def _nudge_keepwarm(self) -> None:
-        return
-
     async def aclose(self) -> None:
         """Stop the active checks and close the fleet's own HTTP client. Live leases are not released,
         except the prefill legs kept until vLLM's lease on their KV expires (:mod:`zp_client.fleet.pd`):
-        those are released now, the fleet is going away."""
-        from zp_client._release import deferred
-
-        deferred.release_now(self)
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        those are released now, the fleet is going away. What attached to it stops first."""
+        await self._close_attached()
+        deferred.run_now(self._line)  # its leases are the line's
+        self._task = None
+        await self._sup.aclose()  # the checks' task: cancelled and awaited
+        self._sup = Supervisor(f"fleet {self.name}")  # a closed fleet may be started again
         if self._own_http and self._http is not None:
             await self._http.aclose()
             self._http, self._own_http = None, False
         if self.pd is not None:  # its prefill pool (disaggregate()) goes with it
             await self.pd.prefill.aclose()
+        quiesce()
 
     async def _checks(self) -> None:
         while True:
@@ -496,16 +431,135 @@ class Fleet(FleetRouting, LocalBudget):
         for url in sorted(have - wanted):
             self.remove_replica(url)
 
-    # ------------------------------------------------------------------ status
+    # ------------------------------------------------------------------ the budget: its line's
+    @classmethod
+    def from_settings(cls, limit_blocks: int, settings: Settings | None = None, **kwargs: Any) -> LocalBudget:
+        """A LocalBudget's constructor, which a fleet has not: raises :class:`~zp_client.ConfigurationError`
+        (``Fleet(urls, limit_blocks)``, :meth:`from_servers` or :meth:`from_dns` make one)."""
+        raise ConfigurationError("a Fleet is made from its replicas: Fleet(urls, limit_blocks), "
+                                 "Fleet.from_servers(urls) or Fleet.from_dns(url, limit_blocks)")
+
+    @classmethod
+    def from_server(
+        cls,
+        url: str,
+        *,
+        headroom: float | None = None,
+        policy: str = "elastic",
+        timeout_s: float = 5.0,
+        headers: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> LocalBudget:
+        """A LocalBudget's constructor (one server), which a fleet has not: raises
+        :class:`~zp_client.ConfigurationError` (:meth:`from_servers` sizes a fleet from its servers)."""
+        raise ConfigurationError("a Fleet is sized replica by replica: Fleet.from_servers(urls)")
+
+    @property
+    def limit(self) -> int:
+        return self._line.limit
+
+    @property
+    def size_limit(self) -> int:
+        return self._line.size_limit
+
+    @property
+    def policy_name(self) -> str:
+        return self._line.policy_name
+
+    @property
+    def reads_forecast_spread(self) -> bool:
+        return self._line.reads_forecast_spread
+
+    async def acquire(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        """Wait in the fleet's line for a lease on one replica (a :class:`FleetLease`); as
+        :meth:`zp_client.Budget.acquire`."""
+        return await self._line.acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                        meta=meta)
+
+    def acquire_sync(
+        self,
+        blocks: int,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        ticket: Ticket | None = None,
+        held: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Lease:
+        """Blocking form of :meth:`acquire`."""
+        return self._line.acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                       meta=meta)
+
+    async def status(self) -> BudgetStatus:
+        return self.status_sync()
+
     def status_sync(self) -> BudgetStatus:
         """As LocalBudget's, with ``extra["replicas"]``: per replica its limit, used and held blocks,
         leases, ejection state and prefix hit rate (the share of its prompts' blocks the index expected
         cached there), and the fleet's moves, index size and sessions; disaggregated, ``extra["pd"]``
         (:meth:`~zp_client.fleet._routing.FleetRouting.pd_extra`)."""
-        st = super().status_sync()
+        st = self._line.status_sync()
+        ctl = self.adaptive
+        if ctl is not None:
+            st.extra["adaptive"] = ctl.state()
         if self.pd is not None:
             st.extra["pd"] = self.pd_extra(self.pd.prefill.status_sync())
         return st
+
+    async def set_limit(self, limit: int) -> None:
+        self.set_limit_sync(limit)
+
+    def set_limit_sync(self, limit: int) -> None:
+        """A fleet's limit is per replica: raises :class:`~zp_client.ConfigurationError`
+        (:meth:`set_replica_limit`)."""
+        self._line.set_limit_sync(limit)
+
+    async def compare_and_set_limit(self, expected: int, limit: int, *, keep_size: bool = False) -> bool:
+        return self.compare_and_set_limit_sync(expected, limit, keep_size=keep_size)
+
+    def compare_and_set_limit_sync(self, expected: int, limit: int, *, keep_size: bool = False) -> bool:
+        """A fleet has no single limit to adapt: raises :class:`~zp_client.ConfigurationError`."""
+        return self._line.compare_and_set_limit_sync(expected, limit, keep_size=keep_size)
+
+    @property
+    def supports_pins(self) -> bool:
+        return self._line.supports_pins
+
+    async def pin(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
+                  span: int | None = None) -> None:
+        self.pin_sync(key, blocks, margin=margin, track=track, span=span)
+
+    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
+                 span: int | None = None) -> None:
+        """Not built for fleets yet: raises :class:`~zp_client.ConfigurationError`."""
+        self._line.pin_sync(key, blocks, margin=margin, track=track, span=span)
+
+    async def unpin(self, key: str) -> bool:
+        return self.unpin_sync(key)
+
+    def unpin_sync(self, key: str) -> bool:
+        return self._line.unpin_sync(key)
+
+    async def keepwarm_due(self) -> list[str]:
+        return await self._line.keepwarm_due()
+
+    async def claim_keepwarm(self, key: str, ttl_s: float) -> bool:
+        return await self._line.claim_keepwarm(key, ttl_s)
+
+    def add_keepwarm_listener(self, fn: Callable[[], None]) -> None:
+        self._line.add_keepwarm_listener(fn)
+
+    def remove_keepwarm_listener(self, fn: Callable[[], None]) -> None:
+        self._line.remove_keepwarm_listener(fn)
 
     def __repr__(self) -> str:
         with self._lock:
@@ -513,4 +567,92 @@ class Fleet(FleetRouting, LocalBudget):
         return f"<Fleet {self.name} replicas={n} limit={self.limit}>"
 
 
+class _FleetLine(LocalBudget):
+    """A fleet's line (private; each :class:`Fleet` composes one): a LocalBudget's shell (the lock, the
+    parked waiters, the wake-ups, async and blocking waits) over the fleet's ledger, which keeps a ledger
+    per replica. The hooks below are the fleet's: passive readmission, leases that name their replica,
+    affinity waits; and what a fleet refuses (one limit, pins)."""
 
+    def __init__(self, fleet: Fleet, block_size: int, *, starvation_bound_s: float, name: str,
+                 clock: Clock | None) -> None:
+        # the fleet's ledger replaces the placeholder one once the block size is validated here
+        super().__init__(1, block_size, starvation_bound_s=starvation_bound_s, policy="strict", name=name,
+                         clock=clock)
+        self.fleet = fleet
+
+    def set_limit_sync(self, limit: int) -> None:
+        raise ConfigurationError("a fleet's limit is per replica: use fleet.set_replica_limit(url, blocks)")
+
+    def compare_and_set_limit_sync(self, expected: int, limit: int, *, keep_size: bool = False) -> bool:
+        raise ConfigurationError("a fleet has no single limit to adapt (per-replica adaptive limits are "
+                                 "not built): use set_replica_limit")
+
+    # ------------------------------------------------------------------ the shell's hooks
+    def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
+               meta: Mapping[str, Any] | None = None) -> tuple[str, _LocalLease | None, list[_Waiter]]:
+        fleet = self.fleet
+        if fleet._next_due is not None and fleet._task is None:
+            now = self.clock.monotonic()
+            if now >= fleet._next_due:
+                fleet._readmit_due(now)
+        return super()._enter(blocks, priority, ticket, held, meta)
+
+    def _new_lease(self, gid: str) -> FleetLease:
+        led = self.fleet.ledger
+        rec = led.leases[gid]
+        return FleetLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket, led.replica_of(gid) or "")
+
+    def _affinity_poke(self, meta: Mapping[str, Any] | None) -> float | None:
+        if not meta or not (meta.get(PREFIX_META) or meta.get(SESSION_META) is not None):
+            return None
+        return self.fleet.ledger.affinity_wait_s + 1e-6
+
+    def _poke(self) -> None:
+        now = self.clock.monotonic()
+        with self._lock:
+            _, to_wake = self._hand_out(self.fleet.ledger.grant(now))
+        self._wake(to_wake)
+
+    async def _wait_async(self, waiter: _Waiter, timeout: float | None,
+                          meta: Mapping[str, Any] | None) -> None:
+        poke = self._affinity_poke(meta)
+        if poke is not None and (timeout is None or poke < timeout):
+            with anyio.move_on_after(poke):
+                await waiter.event.wait()
+            if waiter.lease is not None or waiter.error is not None:
+                self._count_wakeup()
+                return
+            self._poke()  # its affinity wait is over: the line is walked again without it
+            timeout = None if timeout is None else timeout - poke
+        await super()._wait_async(waiter, timeout, meta)
+
+    def _wait_sync(self, waiter: _Waiter, timeout: float | None, meta: Mapping[str, Any] | None) -> None:
+        poke = self._affinity_poke(meta)
+        if poke is not None and (timeout is None or poke < timeout):
+            if waiter.event.wait(poke):
+                self._count_wakeup()
+                return
+            self._poke()
+            timeout = None if timeout is None else timeout - poke
+        super()._wait_sync(waiter, timeout, meta)
+
+    @property
+    def supports_pins(self) -> bool:
+        return False  # per-replica pins are not built yet (issue 20)
+
+    def pin_sync(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
+                 span: int | None = None) -> None:
+        raise ConfigurationError("a Fleet does not support pinned prefixes yet; pin on a LocalBudget or "
+                                 "RedisBudget of one server")
+
+    def unpin_sync(self, key: str) -> bool:
+        return False
+
+    async def keepwarm_due(self) -> list[str]:
+        return []
+
+    async def claim_keepwarm(self, key: str, ttl_s: float) -> bool:
+        return False
+
+    def _nudge_keepwarm(self) -> None:
+        return

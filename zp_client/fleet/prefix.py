@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from zp_client.errors import ConfigurationError
+
 __all__ = ["DEFAULT_MAX_ENTRIES", "PrefixIndex", "PrefixKeys", "indexed", "prefix_keys"]
 
 DEFAULT_MAX_ENTRIES = 100_000
@@ -38,7 +40,7 @@ PrefixKeys = tuple[tuple[int, int], ...]
 """``((key, blocks), ...)`` from the shortest prefix to the longest; ``blocks`` is cumulative."""
 
 
-def _bytes_of(message: Any) -> bytes:
+def _bytes_of(message: object) -> bytes:
     """A message's identity as bytes: role and content for the common case (cheap), its JSON otherwise."""
     if type(message) is dict or isinstance(message, Mapping):  # dict first: isinstance(ABC) is slow
         content = message.get("content")
@@ -133,8 +135,6 @@ class PrefixIndex:
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            from zp_client.errors import ConfigurationError
-
             raise ConfigurationError(f"max_entries must be an int >= 1, got {max_entries!r}")
         self.max_entries = max_entries
         self._holders: dict[int, dict[str, None]] = {}

@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from zp_client._redact import check_redis_url
+from zp_client._tasks import deferred
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.ledger import validate_blocks, validate_seconds
 from zp_client.budget.redis._budget import RedisBudget
@@ -455,12 +456,10 @@ class RedisFleet(FleetRouting, RedisBudget):
         await super()._release_lease(lease)
 
     async def aclose(self) -> None:
-        from zp_client._release import deferred
-
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
         if deferred.pending():  # prefill legs kept for their KV's lease (fleet/pd.py): the fleet goes away
-            await asyncio.to_thread(deferred.release_now, self)
+            await asyncio.to_thread(deferred.run_now, self)
         await super().aclose()
         if self.pd is not None:  # its prefill pool (disaggregate()) goes with it
             await self.pd.prefill.aclose()

@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from zp_client._clock import SYSTEM_CLOCK
+from zp_client._tasks import Supervisor
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
     CALL_FAILED,
@@ -63,19 +64,33 @@ class AsyncFace:
         self.waiters_changed = asyncio.Event()
         self.poll_hint = asyncio.Event()
         self.dirty_event = asyncio.Event()
-        self.tasks: list[asyncio.Task[None]] = []
+        # owns the four long-lived tasks and the fire-and-forget releases (zp_client/_tasks.py)
+        self.sup = Supervisor(f"redis budget {core.name}")
+        self.started = False
         self.closed = False
-        self.background: set[asyncio.Task[Any]] = set()  # strong refs to fire-and-forget releases
         self.closing = False  # aclose has begun
 
+    @property
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        """The long-lived tasks (pump, poller, keeper, held flusher), owned by :attr:`sup`."""
+        return self.sup.tasks
+
+    @tasks.setter
+    def tasks(self, tasks: list[asyncio.Task[Any]]) -> None:
+        self.sup.tasks = tasks
+
+    @property
+    def background(self) -> set[asyncio.Task[Any]]:
+        """The fire-and-forget releases in flight, owned by :attr:`sup`."""
+        return self.sup.background_tasks
+
     def start(self) -> None:
-        if not self.tasks:
-            self.tasks = [
-                self.loop.create_task(self._pump(), name="zp-redis-pump"),
-                self.loop.create_task(self._poller(), name="zp-redis-poller"),
-                self.loop.create_task(self._keeper(), name="zp-redis-keeper"),
-                self.loop.create_task(self._held_flusher(), name="zp-redis-held"),
-            ]
+        if not self.started:
+            self.started = True
+            self.sup.spawn(self._pump(), name="zp-redis-pump", loop=self.loop)
+            self.sup.spawn(self._poller(), name="zp-redis-poller", loop=self.loop)
+            self.sup.spawn(self._keeper(), name="zp-redis-keeper", loop=self.loop)
+            self.sup.spawn(self._held_flusher(), name="zp-redis-held", loop=self.loop)
 
     # ------------------------------------------------------------------ one script call
     async def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True,
@@ -173,9 +188,7 @@ class AsyncFace:
             await asyncio.wait({call})  # its outcome does not matter (nor is it raised): undo it either way
             await self.release_id(rid)
 
-        task = self.loop.create_task(undo())
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        self.sup.background(undo(), loop=self.loop)
 
     def release_when_done(self, task: asyncio.Task[Any]) -> None:
         """``task`` (an :meth:`acquire`) was abandoned by a cancelled caller: release the lease it may
@@ -185,9 +198,7 @@ class AsyncFace:
             if t.cancelled() or t.exception() is not None:
                 return  # it left no trace (acquire's own clean-up)
             lease = t.result()
-            rel = self.loop.create_task(lease.release())
-            self.background.add(rel)
-            rel.add_done_callback(self.background.discard)
+            self.sup.background(lease.release(), loop=self.loop)
 
         task.add_done_callback(done)
 
@@ -369,9 +380,7 @@ class AsyncFace:
                 self._retry_later(lid, None if t.cancelled() else t.exception())
 
         call = self.eval("release", self.core.release_args(lid), init=False, patient=False)
-        task = self.loop.create_task(call)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        task = self.sup.background(call, loop=self.loop)
         task.add_done_callback(done)
         return task
 
@@ -390,11 +399,12 @@ class AsyncFace:
             self.waiters_changed.set()
             self.poll_hint.set()
             self.dirty_event.set()
-            for t in self.tasks:
-                t.cancel()
-        if self.tasks:
-            # bounded: a task stuck inside a client call must not hang aclose
-            await asyncio.wait(self.tasks, timeout=2.0)
+            self.sup.cancel_tasks()
+        if self.loop is asyncio.get_running_loop():
+            # the releases were drained above (one still starting finishes on its own, as before); the
+            # tasks are cancelled, newest first, and awaited (bounded: a task stuck inside a client call
+            # must not hang aclose)
+            await self.sup.stop_tasks(wait_s=2.0)
         if self.owns_client:
             try:
                 await self.client.aclose()
@@ -415,7 +425,7 @@ class AsyncFace:
         if self.loop is not loop:
             return  # closed from another loop: its tasks cannot be awaited here
         deadline = loop.time() + budget_s
-        pending = [t for t in self.background if not t.done()]
+        pending = self.sup.pending_background()
         if pending:
             _, late = await asyncio.wait(pending, timeout=budget_s)
             for t in late:

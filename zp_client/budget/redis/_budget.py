@@ -14,6 +14,7 @@ from typing import Any, Literal
 import redis.asyncio as redis_async
 
 from zp_client._redact import check_redis_url
+from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
@@ -506,7 +507,9 @@ class RedisBudget(Budget):
         await side.send_reports([*side.leases.values(), *sync_leases], changed_only=True, patient=True)
 
     async def aclose(self) -> None:
-        """Stop background tasks and threads; live leases are not released (they expire by TTL)."""
+        """Stop what attached to it (an adaptive limit, a keep-warm sender), then its background tasks and
+        threads; live leases are not released (they expire by TTL)."""
+        await self._close_attached()
         self._closed = True
         side, self._side = self._side, None
         if side is not None:
@@ -515,6 +518,7 @@ class RedisBudget(Budget):
         shared = self._shared_retry_budget()
         if isinstance(shared, RedisRetryBudget):
             await shared.aclose()
+        quiesce()  # the process-wide service threads, once nothing is left for them
 
     def close_sync(self) -> None:
         """Stop the sync keeper thread (for programs without an event loop)."""
@@ -523,6 +527,7 @@ class RedisBudget(Budget):
         shared = self._shared_retry_budget()
         if isinstance(shared, RedisRetryBudget):
             shared.close()
+        quiesce()
 
     # ------------------------------------------------------------------ internals
     def _validate(
