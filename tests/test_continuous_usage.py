@@ -25,7 +25,7 @@ from tests._asgi_server import LoopbackServer, ThreadedApp
 from zp_client import wrap
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 from zp_client.transport import transport_classes
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests._asgi_server import MAX_MODEL_LEN, LoopbackServer
-from zp_client.bench.oracle import SimOracleForecaster
+from zp_storm.oracle import SimOracleForecaster
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, PromptTooLong

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from zp_client.budget.local import LocalBudget
 from zp_client.retry import LocalRetryBudget, RetryPolicy
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 from zp_client import wrap
 
 from _asgi_server import ThreadedApp

@@ -26,7 +26,7 @@ from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.forecast import LengthForecaster
 from zp_client.retry import RetryPolicy, testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 from zp_client._sse import Reassembler as _Reassembler
 from zp_client.transport import AsyncAdmissionTransport
 from zp_client import wrap

@@ -471,7 +471,7 @@ async def test_retry_releases_and_keeps_ticket(server: LoopbackServer) -> None:
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[Any]:
-    from zp_client.sim.server import SimServer
+    from zp_sim.server import SimServer
 
     with SimServer(profile="tiny", speedup=5.0, max_model_len=2048) as s:
         yield s

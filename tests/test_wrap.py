@@ -363,7 +363,7 @@ def test_wrap_rejects_other_objects() -> None:
 
 
 async def test_async_elastic_route_oracle_and_learning(server: LoopbackServer) -> None:
-    from zp_client.bench.oracle import SimOracleForecaster
+    from zp_storm.oracle import SimOracleForecaster
     from zp_client.forecast import LengthForecaster
 
     b = _Budget(limit_blocks=1000, block_size=16, policy="elastic")

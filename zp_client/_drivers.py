@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import anyio
 
-from zp_client._clock import SYSTEM_CLOCK, Clock
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client._core import (
     Acquire,
     Action,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from zp_client._clock import SYSTEM_CLOCK, Clock
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.budget.base import Lease
 from zp_client.errors import DeadlineExceeded
 

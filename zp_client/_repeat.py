@@ -60,7 +60,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from zp_client._clock import Clock
+from zp_client.clock import Clock
 from zp_client._private import has_read_body
 
 if TYPE_CHECKING:

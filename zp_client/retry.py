@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import anyio
 import tenacity
 
-from zp_client._clock import SYSTEM_CLOCK, Clock, wall_time
+from zp_client.clock import SYSTEM_CLOCK, Clock, wall_time
 from zp_client.errors import ConfigurationError, DeadlineExceeded, RetryBudgetExhausted, ZPError
 
 if TYPE_CHECKING:

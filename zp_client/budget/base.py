@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 # The plain value types live in a module of their own so the ledger can use them without this one.
-from zp_client._clock import SYSTEM_CLOCK, Clock
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class Budget(abc.ABC):
 
     clock: Clock = SYSTEM_CLOCK
     """The clock this budget reads; transports, retry policies and retry budgets built on it default to
-    it (see :mod:`zp_client._clock`). :class:`~zp_client.LocalBudget` takes ``clock=``."""
+    it (see :mod:`zp_client.clock`). :class:`~zp_client.LocalBudget` takes ``clock=``."""
 
     calibration: Calibration | None = None
     """How the limit was sized when the budget came from ``from_server`` (see

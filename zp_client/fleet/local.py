@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 
-from zp_client._clock import Clock
+from zp_client.clock import Clock
 from zp_client.budget.base import Lease, Ticket
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,

@@ -16,7 +16,7 @@ import redis
 import redis.asyncio
 from redis.exceptions import MaxConnectionsError, RedisError
 
-from zp_client._clock import SYSTEM_CLOCK
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.budget.redis._script import POOL_SIZE, load_lua
 from zp_client.errors import ConfigurationError
 from zp_client.retry import (

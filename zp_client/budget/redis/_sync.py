@@ -11,7 +11,7 @@ from typing import Any
 
 import redis as redis_sync
 
-from zp_client._clock import SYSTEM_CLOCK
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
     CALL_FAILED,
