@@ -21,11 +21,10 @@ from typing import Any
 import httpx
 
 from zp_client import LocalBudget
-from zp_client.clock import LoopClock
 from zp_client.adaptive import AdaptiveLimit, recovery_polls
-from zp_client.testing import MemoryTransport
-from zp_client.testing import run_virtual
+from zp_client.clock import LoopClock
 from zp_client.server import suggest_limit_blocks
+from zp_client.testing import MemoryTransport, run_virtual
 from zp_sim.server import SimServer
 
 

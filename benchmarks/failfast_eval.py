@@ -32,12 +32,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from zp_client.errors import DeadlineExceeded, unwrap_error  # noqa: E402
+from zp_client.observe import observe_admissions  # noqa: E402
 from zp_storm.cli import _DEFAULTS  # noqa: E402
 from zp_storm.elastic_setups import _forecaster, _local_elastic  # noqa: E402
 from zp_storm.runner import StormConfig, run_storm  # noqa: E402
 from zp_storm.setups import AppCaller, SetupContext, SetupSpec, register_setup, zp_client_for  # noqa: E402
-from zp_client.errors import DeadlineExceeded, unwrap_error  # noqa: E402
-from zp_client.observe import observe_admissions  # noqa: E402
 
 #: Filled by the callers (virtual runs are in-process): setup -> request id -> what it saw.
 SEEN: dict[str, dict[str, dict[str, Any]]] = {}

@@ -49,8 +49,8 @@ async def _elastic_late(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> 
 
 
 async def _oracle_late(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Any:
-    from zp_storm.oracle import SimOracleForecaster
     from zp_client.transport import forecaster_for
+    from zp_storm.oracle import SimOracleForecaster
 
     budget = _late_budget(ctx)
     client = await zp_client_for(ctx, stack, budget, forecaster=SimOracleForecaster(forecaster_for(budget)))

@@ -92,13 +92,13 @@ def _estimator(scale: float, calibrate: bool, truth: float | None = None) -> Any
 
 
 async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
-    from zp_storm.oracle import SimOracleForecaster
-    from zp_storm.setups import AppCaller, zp_client_for, zp_limit_blocks
     from zp_client.budget.elastic import ElasticPolicy
     from zp_client.budget.local import LocalBudget
     from zp_client.forecast import LengthForecaster
     from zp_client.server import ELASTIC_HEADROOM
     from zp_client.transport import forecaster_for
+    from zp_storm.oracle import SimOracleForecaster
+    from zp_storm.setups import AppCaller, zp_client_for, zp_limit_blocks
 
     v = dict(_VARIANT)
     h = float(v.pop("h", ELASTIC_HEADROOM))

@@ -22,9 +22,9 @@ import random
 from dataclasses import dataclass
 
 from zp_client.clock import LoopClock
-from zp_client.testing import run_virtual
 from zp_client.errors import RetryBudgetExhausted
 from zp_client.retry import LocalRetryBudget, RetryPolicy
+from zp_client.testing import run_virtual
 
 
 @dataclass

@@ -591,8 +591,7 @@ def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_retu
     polling the simulator's /metrics on the virtual clock, lowers the limit to the room that leaves and
     raises it back once that traffic ends. The simulator counts one poller, this controller."""
     from zp_client.clock import LoopClock
-    from zp_client.testing import MemoryTransport
-    from zp_client.testing import run_virtual
+    from zp_client.testing import MemoryTransport, run_virtual
     from zp_sim.server import SimServer
 
     poll, cooldown = 0.5, 2.0
@@ -678,8 +677,7 @@ def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_tr
 
     from zp_client import wrap
     from zp_client.clock import LoopClock
-    from zp_client.testing import MemoryTransport, memory_transport
-    from zp_client.testing import run_virtual
+    from zp_client.testing import MemoryTransport, memory_transport, run_virtual
     from zp_sim.server import SimServer
 
     cal = 1500  # the pool has 511 usable blocks

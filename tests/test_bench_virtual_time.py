@@ -12,12 +12,13 @@ import pytest
 from openai._models import FinalRequestOptions
 
 import zp_client.testing
-from zp_client.testing import VirtualTimeAsyncOpenAI, VirtualTimeRetryPolicy
 from zp_client.errors import ConfigurationError
 from zp_client.retry import RetryPolicy, testing
+from zp_client.testing import VirtualTimeAsyncOpenAI, VirtualTimeRetryPolicy
 
 # the virtual-time helpers and the storm (storm/zp_storm in this repository), read as source
-BENCH = [Path(zp_client.testing.__file__).parent, Path(zp_client.testing.__file__).parents[2] / "storm" / "zp_storm"]
+_TESTING = Path(zp_client.testing.__file__).parent
+BENCH = [_TESTING, _TESTING.parents[1] / "storm" / "zp_storm"]
 
 
 def _retry_timeout(client: openai.AsyncOpenAI, retry_after_ms: str) -> float:

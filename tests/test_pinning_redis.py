@@ -18,15 +18,14 @@ import openai
 import pytest
 import redis
 
+from tests.test_redis_elastic import _delete  # the same key cleanup
 from zp_client import PinnedPrefix, PinRefused, wrap
-from zp_storm.workloads import count_chat_tokens, make_text
 from zp_client.budget.local import LocalBudget
 from zp_client.budget.redis import RedisBudget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
 from zp_sim.server import SimServer
-
-from tests.test_redis_elastic import _delete  # the same key cleanup
+from zp_sim.tokenizer import count_chat_tokens, make_text
 
 pytestmark = pytest.mark.anyio
 

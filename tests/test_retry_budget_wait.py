@@ -16,8 +16,8 @@ from _retry_upstream import RetryUpstream
 
 from zp_client import LocalBudget, RetryBudgetExhausted, Settings, ZPError, wrap
 from zp_client.clock import LoopClock
-from zp_client.testing import run_virtual
 from zp_client.retry import LocalRetryBudget, RetryDetails, RetryPolicy, RetryState
+from zp_client.testing import run_virtual
 
 
 def _policy(**kw: Any) -> tuple[RetryPolicy, LocalRetryBudget]:

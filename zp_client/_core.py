@@ -19,7 +19,6 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client._plan import (
     AGE_META,
     FAIL_FAST_META,
@@ -36,6 +35,7 @@ from zp_client._release import Holder, watchdog
 from zp_client._repeat import one_loop
 from zp_client._sse import BadEvent, Reassembler, Scanner, forecast_hi, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.config import Settings
 from zp_client.errors import (
     AdmissionTimeout,

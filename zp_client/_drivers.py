@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 
 import anyio
 
-from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client._core import (
     Acquire,
     Action,
@@ -35,6 +34,7 @@ from zp_client._httplib import POOL_CHECK_S, HttpLib
 from zp_client._plan import is_admitted
 from zp_client._release import alarms, cut_connection, deadline_exceeded
 from zp_client.budget.base import Budget
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.config import Settings
 from zp_client.errors import ServerInfoError, ServerUnreachable, ZPError
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.budget.base import Lease
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import DeadlineExceeded
 
 if TYPE_CHECKING:

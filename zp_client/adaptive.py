@@ -59,9 +59,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from zp_client.clock import Clock
 from zp_client.budget.base import Budget, BudgetStatus
 from zp_client.calibration import server_root
+from zp_client.clock import Clock
 from zp_client.errors import BudgetUnavailable, ConfigurationError, ServerInfoError
 from zp_client.server import ServerMetrics, parse_metrics
 

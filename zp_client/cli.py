@@ -16,7 +16,7 @@ import re
 import shlex
 import sys
 from collections.abc import Sequence
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, distribution, entry_points
 from pathlib import Path
 from types import ModuleType
 
@@ -101,12 +101,29 @@ def missing_distribution(command: str) -> str:
             f"in the {COMMAND_GROUP!r} group): {distribution_hint(command)}")
 
 
+def _requirement_name(requirement: str) -> str:
+    """``langchain-core>=0.3; extra == 'x'`` -> ``langchain_core`` (a requirement's name as a module)."""
+    name = re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0]
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
 def _requirement_modules(ep: EntryPoint) -> frozenset[str]:
-    """The top-level module names of the requirements of the distribution that declares ``ep`` (a
-    requirement's name with ``-``/``.`` as ``_``: ``langchain-core`` -> ``langchain_core``)."""
-    requires = (ep.dist.requires if ep.dist is not None else None) or []
-    names = {re.split(r"[\s\[<>=!~;(]", r.strip(), maxsplit=1)[0] for r in requires}
-    return frozenset(n.lower().replace("-", "_").replace(".", "_") for n in names if n)
+    """The top-level module names of what the distribution that declares ``ep`` requires, and what its
+    installed requirements require in turn (zp-storm requires zp-sim, which requires starlette)."""
+    if ep.dist is None:
+        return frozenset()
+    seen: set[str] = set()
+    todo = [r for r in ep.dist.requires or [] if "extra ==" not in r]
+    while todo:
+        name = _requirement_name(todo.pop())
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo += [r for r in distribution(name).requires or [] if "extra ==" not in r]
+        except PackageNotFoundError:  # not installed: its own requirements are unknown
+            continue
+    return frozenset(seen)
 
 
 def missing_dependency(command: str, ep: EntryPoint, exc: ImportError) -> str | None:
@@ -142,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"zp-client {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = command_entry_points()
-    names = [*DISTRIBUTION_COMMANDS, *_COMMANDS, *sorted(set(plugins) - set(DISTRIBUTION_COMMANDS) - set(_COMMANDS))]
+    others = sorted(set(plugins) - set(DISTRIBUTION_COMMANDS) - set(_COMMANDS))  # a third party's commands
+    names = [*DISTRIBUTION_COMMANDS, *_COMMANDS, *others]
     for name in names:
         mod: ModuleType
         if name in _COMMANDS:
@@ -180,10 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # a command that cannot load takes any arguments: its one line, not an argparse error, is the answer
+    args, unknown = parser.parse_known_args(argv)
     if getattr(args, "_missing", None):
         print(args._missing, file=sys.stderr)
         return 2
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args._run(args) or 0)
     except (ModuleNotFoundError, MissingIntegration) as exc:  # MissingIntegration: RedisBudget, no redis

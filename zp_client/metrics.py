@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from zp_client.clock import real_monotonic
 from zp_client.budget.base import Budget, BudgetStatus
+from zp_client.clock import real_monotonic
 from zp_client.errors import ConfigurationError
 
 __all__ = ["ZPMetrics", "as_metrics", "retry_reason", "QUEUE_WAIT_BUCKETS", "LEASE_HOLD_BUCKETS",

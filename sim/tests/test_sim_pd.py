@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from zp_storm.workloads import make_text
 from zp_sim.engine import Engine, EngineConfig
 from zp_sim.server import SimServer
+from zp_sim.tokenizer import make_text
 
 BS = 16
 

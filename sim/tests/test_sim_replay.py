@@ -24,7 +24,7 @@ from zp_sim.replay import (
 
 def _shared_dir() -> Path:
     env = os.environ.get("ZP_SHARED_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared"
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared"
 
 
 FIDELITY = _shared_dir() / "fidelity"

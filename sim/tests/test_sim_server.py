@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from _sim_probes import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests._budget_probes import wait_until
 from zp_sim import tokenizer as tok
 from zp_sim.server import SimServer
 

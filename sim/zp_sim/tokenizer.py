@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -22,10 +23,13 @@ __all__ = [
     "RATIO_RANGE",
     "SPECIAL_TOKENS",
     "VOCAB_SIZE",
+    "WORDS",
     "SimTokenizer",
+    "count_chat_tokens",
     "count_tokens",
     "decode",
     "encode",
+    "make_text",
     "render_chat",
     "token_text",
 ]
@@ -284,3 +288,47 @@ class SimTokenizer:
                     add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat (the template already holds ``<|begin_of_text|>``)."""
         return encode(render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt))
+
+
+# --------------------------------------------------------------------------------------- text
+
+# Short common words: one token each under the simulator's tokenizer (words of <= 6 letters), so
+# text length in tokens is easy to steer. A leading tag keeps every prompt unique from its first block,
+# which keeps the prefix cache from hitting between requests that should not share anything.
+_WORD_TEXT = (
+    "the of and to in is it for on with as was at by be this are or from an but not have had his they "
+    "you were her she all there can one been would if will more when which their said so what about out "
+    "up them into some time could than other then its two first may only new over also any after our "
+    "most way made where very well back just much good did how each first file code test call read "
+    "write value error line list name type data path user tool task step plan fix run check build"
+)
+#: The words :func:`make_text` draws from.
+WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+
+
+
+def count_chat_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Prompt tokens of ``messages`` exactly as the simulator counts them (its chat template)."""
+    return len(encode(render_chat(messages)))
+
+
+def make_text(n_tokens: int, rng: random.Random, tag: str = "") -> str:
+    """Text of about ``n_tokens`` simulator tokens (within a few tokens), starting with ``tag``: words
+    drawn from :data:`WORDS` by ``rng`` (the storm's prompts, and the tests' own)."""
+    count = count_tokens
+    head = f"[{tag}]" if tag else ""
+    if n_tokens <= 0:
+        return head
+    words: list[str] = [rng.choice(WORDS) for _ in range(max(1, n_tokens))]
+    # one word is about one token; trim or extend until the measured count lands on the target
+    text = head + " " + " ".join(words)
+    for _ in range(4):
+        c = count(text)
+        if abs(c - n_tokens) <= 2:
+            break
+        if c > n_tokens:
+            words = words[: max(1, len(words) - (c - n_tokens))]
+        else:
+            words.extend(rng.choice(WORDS) for _ in range(n_tokens - c))
+        text = head + " " + " ".join(words)
+    return text

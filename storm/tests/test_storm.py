@@ -8,11 +8,11 @@ import math
 
 import pytest
 
+from zp_client.errors import ConfigurationError
 from zp_storm.report import build_report, write_report
 from zp_storm.runner import StormConfig, run_storm
 from zp_storm.setups import DEFAULT_SETUPS, parse_setups
 from zp_storm.workloads import SLO, ServerFacts, build_workload, count_chat_tokens, make_text
-from zp_client.errors import ConfigurationError
 
 FACTS = ServerFacts(num_gpu_blocks=2049, block_size=16, max_model_len=8192, unloaded_itl_s=0.0085)
 

@@ -14,6 +14,7 @@ import importlib.machinery
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -22,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from zp_client.errors import ConfigurationError
+from zp_client.testing import run_virtual
 from zp_storm.bypass import (
     BypassCaller,
     BypassPlan,
@@ -34,13 +37,13 @@ from zp_storm.loadgen import LoopTimeClock, RequestRecord, run_sessions
 from zp_storm.report import build_report, markdown_table, print_table, storm_verdict
 from zp_storm.runner import SetupRun, StormConfig, run_storm
 from zp_storm.setups import SETUPS, parse_setups
-from zp_client.testing import run_virtual
 from zp_storm.workloads import SLO, ServerFacts, Session, Turn, Workload
-from zp_client.errors import ConfigurationError
 
 pytestmark = pytest.mark.openai_compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+# a child interpreter finds the three distributions from this clone (whatever else is installed)
+CHILD_PATH = os.pathsep.join(str(ROOT / d) for d in (".", "sim", "storm"))
 TINY = {"streams": 6, "stream_out": 512, "rounds": 2, "burst": 3, "burst_prompt": 1200,
         "burst_max_tokens": 256}
 MSGS = [{"role": "user", "content": "hello"}]
@@ -92,9 +95,9 @@ def test_the_selection_is_exact_deterministic_nested_and_names_the_load_generato
     code = ("import sys, json; sys.path.insert(0, {t!r}); from test_storm_bypass import _sessions; "
             "from zp_storm.bypass import plan_bypass; "
             "print(json.dumps(sorted(plan_bypass(_sessions(), 0.25, seed=3).ids)))"
-            ).format(t=str(ROOT / "tests"))
+            ).format(t=str(ROOT / "storm" / "tests"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "999", "PYTHONPATH": str(ROOT), "PATH": ""})
+                         env={"PYTHONHASHSEED": "999", "PYTHONPATH": CHILD_PATH, "PATH": ""})
     assert json.loads(out.stdout) == sorted(a.ids)
 
     # the keys are the load generator's record ids (in submit order), and a BypassCaller sends exactly
@@ -347,7 +350,7 @@ def test_zp_adaptive_is_registered_but_not_run_by_default() -> None:
     code = ("import sys; import zp_storm.runner, zp_storm.cli; "
             "print('zp_client.adaptive' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(ROOT), "PATH": ""})
+                         env={"PYTHONPATH": CHILD_PATH, "PATH": ""})
     assert out.stdout.strip() == "False"
 
 

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
+from zp_client.errors import ConfigurationError
 from zp_storm import elastic_setups
 from zp_storm.report import build_report, write_report
 from zp_storm.runner import StormConfig, run_storm
 from zp_storm.setups import SETUPS, SetupContext, parse_setups, zp_limit_blocks
 from zp_storm.tuning import ElasticTuning
-from zp_client.errors import ConfigurationError
 
 # As tests/test_storm.py's tiny seed-burst: six streams hold ~75% of the "tiny" profile's pool, three
 # 1200-token agent prompts land mid-way; without admission the server must preempt.
@@ -155,10 +155,10 @@ def test_wrapped_openai_forecasts_streams_at_q_and_non_streamed_calls_at_q_blind
     quantile, a non-streamed call's (whose growth the client cannot see) its higher ``q_blind``."""
     import openai
 
+    from zp_client import wrap
     from zp_client.budget.local import LocalBudget
     from zp_client.forecast import LengthForecaster, Prior
     from zp_sim.server import SimServer
-    from zp_client import wrap
 
     async def main() -> list[dict]:
         async with SimServer(profile="tiny", speedup=50.0, seed=0) as server:

@@ -13,14 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
+from zp_client.errors import ConfigurationError
+from zp_client.testing import MemoryNetwork, memory_transport, run_virtual
 from zp_storm.fleet_setups import EPP_DEFAULTS, HttpxEndpointPicker, prompt_block_hashes
-from zp_client.testing import MemoryNetwork, memory_transport
 from zp_storm.report import build_report, markdown_table, write_report
 from zp_storm.runner import StormConfig, run_storm
 from zp_storm.setups import DEFAULT_SETUPS, SETUPS, parse_setups, zp_limit_blocks
-from zp_client.testing import run_virtual
 from zp_storm.workloads import ServerFacts, build_workload
-from zp_client.errors import ConfigurationError
 
 # A seed-burst small enough for a fleet of two in a few seconds (the load doubles with the replicas).
 SMALL = {"streams": 3, "stream_out": 256, "rounds": 2, "burst": 2, "burst_prompt": 900,

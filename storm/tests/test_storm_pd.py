@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
+from zp_client.errors import ConfigurationError
 from zp_storm.pd_setups import PREFILL_KV_PARAMS, decode_body, prefill_body
 from zp_storm.report import build_report
 from zp_storm.runner import StormConfig, run_storm
 from zp_storm.setups import parse_setups
-from zp_client.errors import ConfigurationError
 
 SMALL: dict[str, Any] = {"streams": 3, "stream_out": 256, "rounds": 2, "burst": 2, "burst_prompt": 900,
                          "burst_max_tokens": 128}

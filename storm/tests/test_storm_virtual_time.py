@@ -89,7 +89,7 @@ def test_two_runs_of_one_seed_give_identical_records_even_with_another_hash_seed
     assert json.dumps(first) == json.dumps(second)
     # another process with another string-hash seed: no result depends on set or dict-of-str order
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        [*(str(ROOT / d) for d in (".", "sim", "storm")), *filter(None, [os.environ.get("PYTHONPATH")])])}
     out = subprocess.run([sys.executable, "-c", _CHILD.format(tests=str(ROOT / "storm" / "tests"))], env=env,
                          capture_output=True, text=True, timeout=600, check=True)
     third = json.loads(out.stdout.strip().splitlines()[-1])
@@ -98,7 +98,7 @@ def test_two_runs_of_one_seed_give_identical_records_even_with_another_hash_seed
     # pool without admission (records of an empty or idle run would compare equal too)
     names = [name for name, _, _ in first]
     assert names == ["no-admission", "naive", "zp-elastic"]
-    for _, recs, engine in first:
+    for _, recs, _engine in first:
         assert len(recs) == 15 and all(rec["sent"] and rec["ok"] and rec["out_tokens"] > 0 for rec in recs)
     assert first[0][2]["preemptions_total"] > 0
     assert first[2][2]["preemptions_total"] == 0

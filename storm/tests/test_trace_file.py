@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from zp_storm.tracefile import TraceFileError, read_trace, trace_context_len
-from zp_storm.workloads import ServerFacts, build_workload, find_shared_dir
 from zp_client.cli import main
 from zp_client.errors import ConfigurationError
 from zp_sim.tokenizer import encode, render_chat
+from zp_storm.tracefile import TraceFileError, read_trace, trace_context_len
+from zp_storm.workloads import ServerFacts, build_workload, find_shared_dir
 
 FACTS = ServerFacts(num_gpu_blocks=2049, block_size=16, max_model_len=8192, unloaded_itl_s=0.0085)
 

@@ -26,9 +26,9 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from zp_client.errors import ConfigurationError
 from zp_storm.loadgen import Caller, RequestRecord, VirtualClock
 from zp_storm.workloads import Session, Turn
-from zp_client.errors import ConfigurationError
 
 __all__ = [
     "BYPASS_APP_RETRY",

@@ -136,10 +136,10 @@ def _trace_options(args: argparse.Namespace) -> dict[str, Any]:
     select the workload ``trace`` and, unless ``--max-model-len`` is given, a context that holds the file's
     longest request (never below the profile's; the simulator caps it to its pool). Returns the workload
     overrides."""
-    from zp_storm.tracefile import read_trace, trace_context_len
-    from zp_storm.workloads import TRACE_WORKLOAD
     from zp_client.errors import ConfigurationError
     from zp_sim.profiles import get_profile
+    from zp_storm.tracefile import read_trace, trace_context_len
+    from zp_storm.workloads import TRACE_WORKLOAD
 
     if args.workload != "seed-burst":  # the default: --trace replaces it
         raise ConfigurationError(f"give --workload or --trace, not both (got --workload {args.workload})")

@@ -13,6 +13,7 @@ import inspect
 import logging
 from typing import Any
 
+from zp_client.errors import ConfigurationError
 from zp_storm.loadgen import Caller
 from zp_storm.setups import (
     AppCaller,
@@ -23,7 +24,6 @@ from zp_storm.setups import (
     zp_limit_blocks,
 )
 from zp_storm.tuning import ElasticTuning
-from zp_client.errors import ConfigurationError
 
 __all__ = ["ADAPTIVE_MODULE", "AdaptiveCaller", "ELASTIC_SETUPS", "URESERVE_HEADROOM", "URESERVE_Z",
            "redis_elastic_available"]
@@ -96,8 +96,8 @@ async def _zp_elastic_ureserve(ctx: SetupContext, stack: contextlib.AsyncExitSta
 
 
 async def _zp_oracle(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
-    from zp_storm.oracle import SimOracleForecaster
     from zp_client.transport import forecaster_for
+    from zp_storm.oracle import SimOracleForecaster
 
     budget = _local_elastic(ctx)
     oracle = SimOracleForecaster(forecaster_for(budget))

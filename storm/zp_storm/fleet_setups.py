@@ -537,8 +537,8 @@ async def _zp_fleet(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Call
     ``zp-elastic``'s from its pool), routing by prefix affinity then load, with zp's default retries and
     the app retry (``zp-elastic``'s stack). The openai client's base URL is replica 0's; the fleet sends
     each attempt to its lease's replica through ``ctx.http_client()``, which reaches them all."""
-    from zp_storm.elastic_setups import _forecaster, _limit
     from zp_client.fleet import Fleet
+    from zp_storm.elastic_setups import _forecaster, _limit
 
     limit = _limit(ctx)  # every replica has the run's pool
     urls = [u.rstrip("/") for u in ctx.replica_base_urls]

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from zp_client.fleet.pd import PREFILL_KV_PARAMS, decode_body, prefill_body
 from zp_storm.fleet_setups import ZPFleetCaller, _zp_fleet
 from zp_storm.loadgen import Caller
 from zp_storm.setups import (
@@ -38,7 +39,6 @@ from zp_storm.setups import (
     register_setup,
     zp_client_for,
 )
-from zp_client.fleet.pd import PREFILL_KV_PARAMS, decode_body, prefill_body
 
 __all__ = ["PD_SETUPS", "PREFILL_KV_PARAMS", "PDProxy", "decode_body", "prefill_body"]
 
@@ -190,8 +190,8 @@ async def _zp_pd(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Caller:
     :class:`~zp_client.fleet.Fleet` of the decode servers (``zp-fleet``'s settings and limit per replica)
     disaggregated with a strict Fleet of the prefill servers (the same limit), the run's scaled
     ``kv_lease_s``; zp's default retries and the app retry, as ``zp-fleet``."""
-    from zp_storm.elastic_setups import _forecaster, _limit
     from zp_client.fleet import Fleet
+    from zp_storm.elastic_setups import _forecaster, _limit
 
     limit = _limit(ctx)
     urls = [u.rstrip("/") for u in ctx.replica_base_urls]

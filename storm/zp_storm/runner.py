@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import httpx
 
 from zp_client.clock import real_monotonic
+from zp_client.errors import ConfigurationError
 from zp_storm.loadgen import (
     ClientLoad,
     HarnessMonitor,
@@ -48,7 +49,6 @@ from zp_storm.workloads import (
     count_chat_tokens,
     make_text,
 )
-from zp_client.errors import ConfigurationError
 
 __all__ = ["CLOCKS", "StormConfig", "SetupRun", "measure_unloaded", "run_storm"]
 

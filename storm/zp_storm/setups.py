@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from zp_client.errors import ConfigurationError
 from zp_storm.loadgen import Caller, RequestRecord, VirtualClock, stream_chat
 from zp_storm.tuning import ElasticTuning
 from zp_storm.workloads import Turn
-from zp_client.errors import ConfigurationError
 
 __all__ = [
     "ALL_SETUPS",
@@ -412,9 +412,9 @@ async def zp_client_for(ctx: SetupContext, stack: contextlib.AsyncExitStack, bud
     openai client's own (e.g. a fleet's balancer, which zp's admission transport then wraps); default
     :meth:`SetupContext.http_client`."""
     from zp_client import wrap
-    from zp_client.testing import VirtualTimeRetryPolicy
     from zp_client.config import Settings
     from zp_client.estimate import Estimator
+    from zp_client.testing import VirtualTimeRetryPolicy
 
     stack.push_async_callback(budget.aclose)
     raw = openai_client(ctx, stack, **({"http_client": http_client} if http_client is not None else {}))

@@ -94,8 +94,8 @@ def _h1_limit(ctx: SetupContext) -> int:
 
 
 async def _oracle_client(ctx: SetupContext, stack: contextlib.AsyncExitStack, **budget_kw: Any) -> Any:
-    from zp_storm.oracle import SimOracleForecaster
     from zp_client.transport import forecaster_for
+    from zp_storm.oracle import SimOracleForecaster
 
     budget = _local_elastic(ctx, limit=_h1_limit(ctx), **budget_kw)
     return await zp_client_for(ctx, stack, budget, forecaster=SimOracleForecaster(forecaster_for(budget)))

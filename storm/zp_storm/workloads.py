@@ -12,12 +12,13 @@ import json
 import math
 import os
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zp_client.errors import ConfigurationError
+from zp_sim.tokenizer import WORDS, count_chat_tokens, count_tokens, make_text
 
 __all__ = [
     "MIXED_BATCH_TTFT_S",
@@ -222,51 +223,13 @@ class Workload:
 # --------------------------------------------------------------------------------------- text
 
 
-# Short common words: one token each under the simulator's tokenizer (words of <= 6 letters), so
-# text length in tokens is easy to steer. A leading tag keeps every prompt unique from its first block,
-# which keeps the prefix cache from hitting between requests that should not share anything.
-_WORD_TEXT = (
-    "the of and to in is it for on with as was at by be this are or from an but not have had his they "
-    "you were her she all there can one been would if will more when which their said so what about out "
-    "up them into some time could than other then its two first may only new over also any after our "
-    "most way made where very well back just much good did how each first file code test call read "
-    "write value error line list name type data path user tool task step plan fix run check build"
-)
-_WORDS = _WORD_TEXT.split()
+# The simulator's tokenizer writes the prompts' text (zp_sim.tokenizer.make_text: a few hundred short
+# words, one token each, so text length in tokens is easy to steer).
+_WORDS = WORDS
 
 
 def _token_counter() -> Callable[[str], int]:
-    from zp_sim.tokenizer import count_tokens
-
     return count_tokens
-
-
-def count_chat_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Prompt tokens of ``messages`` exactly as the simulator counts them (its chat template)."""
-    from zp_sim.tokenizer import encode, render_chat
-
-    return len(encode(render_chat(messages)))
-
-
-def make_text(n_tokens: int, rng: random.Random, tag: str = "") -> str:
-    """Text of about ``n_tokens`` simulator tokens (within a few tokens), starting with ``tag``."""
-    count = _token_counter()
-    head = f"[{tag}]" if tag else ""
-    if n_tokens <= 0:
-        return head
-    words: list[str] = [rng.choice(_WORDS) for _ in range(max(1, n_tokens))]
-    # one word is about one token; trim or extend until the measured count lands on the target
-    text = head + " " + " ".join(words)
-    for _ in range(4):
-        c = count(text)
-        if abs(c - n_tokens) <= 2:
-            break
-        if c > n_tokens:
-            words = words[: max(1, len(words) - (c - n_tokens))]
-        else:
-            words.extend(rng.choice(_WORDS) for _ in range(n_tokens - c))
-        text = head + " " + " ".join(words)
-    return text
 
 
 # --------------------------------------------------------------------------------------- helpers

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import (
@@ -38,6 +37,7 @@ from zp_client.budget.ledger import (
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
 from zp_client.budget.predict import FAIL_FAST_KEY, PoolTiming, predict_wait_of, predict_waits
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, LeaseTooLarge
 
 if TYPE_CHECKING:

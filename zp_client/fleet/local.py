@@ -24,7 +24,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 
-from zp_client.clock import Clock
 from zp_client.budget.base import Lease, Ticket
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
@@ -35,6 +34,7 @@ from zp_client.budget.ledger import (
     validate_seconds,
 )
 from zp_client.budget.local import LocalBudget, _LocalLease, _Waiter
+from zp_client.clock import Clock
 from zp_client.errors import ConfigurationError
 from zp_client.fleet._routing import FleetRouting, normalize, origin, replica_limits
 from zp_client.fleet.ledger import (

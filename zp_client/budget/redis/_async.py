@@ -12,7 +12,6 @@ import secrets
 import threading
 from typing import Any
 
-from zp_client.clock import SYSTEM_CLOCK
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
     CALL_FAILED,
@@ -26,6 +25,7 @@ from zp_client.budget.redis._script import (
     RedisLease,
     text,
 )
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import LeaseTooLarge
 
 log = logging.getLogger("zp_client.budget.redis")

@@ -16,8 +16,8 @@ import redis
 import redis.asyncio
 from redis.exceptions import MaxConnectionsError, RedisError
 
-from zp_client.clock import SYSTEM_CLOCK
 from zp_client.budget.redis._script import POOL_SIZE, load_lua
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import ConfigurationError
 from zp_client.retry import (
     DEFAULT_BUDGET_FLOOR_PER_S,
