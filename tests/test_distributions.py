@@ -65,7 +65,8 @@ def test_the_check_sees_deferred_imports_and_module_strings(tmp_path: Path,
     (tmp_path / "m.py").write_text("def f():\n    import zp_sim.server\n"
                                    "    importlib.import_module('zp_storm.cli')\n"
                                    "    return 'see the zp_storm docs', {'x': 'zp_sim.cli'}\n")
-    assert _mentions(tmp_path / "m.py") == ["m.py:2 zp_sim.server", "m.py:3 zp_storm.cli", "m.py:4 zp_sim.cli"]
+    assert _mentions(tmp_path / "m.py") == ["m.py:2 zp_sim.server", "m.py:3 zp_storm.cli",
+                                            "m.py:4 zp_sim.cli"]
 
 
 def test_the_library_distribution_ships_the_library_only() -> None:

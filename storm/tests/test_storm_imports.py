@@ -26,8 +26,8 @@ def _imports(path: Path) -> list[tuple[int, str, str | None]]:
             found += [(node.lineno, node.module, a.name) for a in node.names]
         elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
             fn = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
-            if fn in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
-                    and isinstance(node.args[0].value, str):
+            if fn in ("import_module", "__import__") and node.args \
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 found.append((node.lineno, node.args[0].value, None))
     return sorted(found, key=lambda f: f[0])  # ast.walk is breadth-first: in source order
 
