@@ -83,8 +83,9 @@ def test_a_missing_extra_on_the_cli_names_the_clone_first() -> None:
                "from zp_client.cli import main\nraise SystemExit(main())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZP_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", prelude, "status", "--redis", "redis://127.0.0.1:1/0", "--name",
-                           "n"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    args = ["status", "--redis", "redis://127.0.0.1:1/0", "--name", "n"]
+    proc = subprocess.run([sys.executable, "-c", prelude, *args], capture_output=True, text=True, timeout=60,
+                          env=env, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip()
     assert "\n" not in line
