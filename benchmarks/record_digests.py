@@ -96,13 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.compare:
         ref = json.loads(Path(a.compare).read_text())
         differ = 0
-        for key in sorted(set(ref) | set(out)):
+        keys = set(out) if a.only else set(ref) | set(out)  # --only: just the points run
+        for key in sorted(keys):
             if key not in out or key not in ref:
                 print(f"{key:45s} {'only in reference' if key in ref else 'only in this run'}")
                 continue
             same = ref[key]["sha256"] == out[key]["sha256"]
             differ += not same
             print(f"{key:45s} {'equal' if same else 'NOT EQUAL'}")
+        print(f"# {len(keys) - differ} of {len(keys)} equal")
         return 1 if differ else 0
     return 0
 

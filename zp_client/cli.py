@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
         else:
             ep = plugins.get(name)
-            help_text = DISTRIBUTION_COMMANDS[name][2] if name in DISTRIBUTION_COMMANDS else None
-            p = sub.add_parser(name, help=help_text, description=help_text)
+            about = DISTRIBUTION_COMMANDS[name][2] if name in DISTRIBUTION_COMMANDS else None
+            p = sub.add_parser(name, help=about, description=about)
             p.set_defaults(_name=name, _extra=None, _ep=ep)
             if ep is None:
                 _take_anything(p, missing_distribution(name))
