@@ -16,9 +16,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
-
 # The plain value types live in a module of their own so the ledger can use them without this one.
+from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 from zp_client.clock import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
