@@ -10,7 +10,9 @@ can only act on a stream its caller stopped reading for ``idle_stream_timeout_s`
 which the storm never does). A :class:`~zp_client.LocalBudget` made
 with ``clock=`` hands that clock to every transport, retry policy and retry budget built on it, so one
 argument moves a whole client onto another clock; :class:`LoopClock` is the running asyncio loop's
-clock, which is virtual under the storm's virtual-time loop (see docs/benchmark.md#virtual-time).
+clock, which is virtual under :mod:`zp_client.testing`'s virtual-time loop (see
+docs/benchmark.md#virtual-time). Public (``zp_client.clock``): an application's tests, the storm
+benchmark and the framework integrations pass a clock without reaching into a private module.
 See docs/admission.md.
 """
 
