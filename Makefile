@@ -7,6 +7,12 @@ PY2     = $(OA2)/bin/python
 CREWAI ?= .venv-crewai
 PY3     = $(CREWAI)/bin/python
 PYTEST_ARGS ?=
+# The simulator and the storm benchmark: the zp-sim and zp-storm distributions of this repository (sim/,
+# storm/), installed editable beside zp-client in the main and openai 2.x environments (their tests are
+# in pyproject.toml's testpaths; zp-client finds `zp-client sim`/`storm` through their entry points).
+DISTRIBUTIONS = sim storm
+EDITABLE_DISTRIBUTIONS = $(addprefix -e ,$(DISTRIBUTIONS))
+DISTRIBUTION_PROJECTS = $(addsuffix /pyproject.toml,$(DISTRIBUTIONS))
 # The agent-framework integrations: separate distributions in this repository (langchain-zp, autogen-zp),
 # installed editable into both environments; their tests are in pyproject.toml's testpaths.
 INTEGRATIONS = integrations/langchain integrations/autogen
@@ -17,8 +23,8 @@ EDITABLE_INTEGRATIONS = $(addprefix -e ,$(INTEGRATIONS))
 
 # What `make lint` and `make typecheck` check; integration paths are skipped until they exist. mypy
 # gets the integration packages, not their tests folders (two `tests`/`conftest` modules would clash).
-LINT_PATHS      ?= zp_client $(wildcard integrations)
-TYPECHECK_PATHS ?= zp_client $(filter-out $(OA2_ONLY)/% integrations/crewai/%,$(wildcard integrations/*/*_zp integrations/*/src/*_zp))
+LINT_PATHS      ?= zp_client sim/zp_sim storm/zp_storm $(wildcard integrations)
+TYPECHECK_PATHS ?= zp_client sim/zp_sim storm/zp_storm $(filter-out $(OA2_ONLY)/% integrations/crewai/%,$(wildcard integrations/*/*_zp integrations/*/src/*_zp))
 # llama-index-llms-zp: LlamaIndex's openai integration needs openai < 3, so it is installed, tested and
 # type-checked (mypy reading that environment's packages) in the openai 2.x environment only.
 OA2_ONLY = integrations/llama-index
@@ -26,24 +32,25 @@ OA2_ONLY = integrations/llama-index
 .PHONY: test test-main test-others test-openai2 test-crewai test-versions faults lint typecheck demo bench clean
 
 # The main environment: openai 3.x (built on httpx2) and every extra.
-$(VENV)/.installed: pyproject.toml $(INTEGRATION_PROJECTS)
+$(VENV)/.installed: pyproject.toml $(DISTRIBUTION_PROJECTS) $(INTEGRATION_PROJECTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]" $(EDITABLE_INTEGRATIONS) $(addprefix -e ,$(MAIN_ONLY_INTEGRATIONS))
+	$(PY) -m pip install -q -e ".[dev]" $(EDITABLE_DISTRIBUTIONS) $(EDITABLE_INTEGRATIONS) $(addprefix -e ,$(MAIN_ONLY_INTEGRATIONS))
 	touch $@
 
 # A second, small environment: openai 2.x (built on httpx), for the tests marked openai_compat.
-$(OA2)/.installed: pyproject.toml $(INTEGRATION_PROJECTS) $(OA2_ONLY)/pyproject.toml
+$(OA2)/.installed: pyproject.toml $(DISTRIBUTION_PROJECTS) $(INTEGRATION_PROJECTS) $(OA2_ONLY)/pyproject.toml
 	$(PYTHON) -m venv $(OA2)
 	$(PY2) -m pip install -q --upgrade pip
-	$(PY2) -m pip install -q -e ".[sim,redis,offline,langchain,autogen]" $(EDITABLE_INTEGRATIONS) -e $(OA2_ONLY) "openai>=2,<3" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
+	$(PY2) -m pip install -q -e ".[redis,offline,langchain,autogen]" $(EDITABLE_DISTRIBUTIONS) $(EDITABLE_INTEGRATIONS) -e $(OA2_ONLY) "openai>=2,<3" "starlette>=0.37" "uvicorn>=0.30" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
 	touch $@
 
-# A third environment for crewai-zp: CrewAI 1.15 pins openai<3, httpx~=0.28 and pydantic<2.13.
-$(CREWAI)/.installed: pyproject.toml integrations/crewai/pyproject.toml
+# A third environment for crewai-zp: CrewAI 1.15 pins openai<3, httpx~=0.28 and pydantic<2.13. Its tests
+# serve the simulator (zp-sim), not the storm.
+$(CREWAI)/.installed: pyproject.toml sim/pyproject.toml integrations/crewai/pyproject.toml
 	$(PYTHON) -m venv $(CREWAI)
 	$(PY3) -m pip install -q --upgrade pip
-	$(PY3) -m pip install -q -e ".[sim]" -e integrations/crewai "pytest>=8" "pytest-timeout>=2.3"
+	$(PY3) -m pip install -q -e . -e sim -e integrations/crewai "pytest>=8" "pytest-timeout>=2.3"
 	touch $@
 
 # The three environments build side by side; the gates run next (a lint or type finding fails `make test`

@@ -21,12 +21,11 @@ from typing import Any
 import httpx
 
 from zp_client import LocalBudget
-from zp_client._clock import LoopClock
 from zp_client.adaptive import AdaptiveLimit, recovery_polls
-from zp_client.bench.memory import MemoryTransport
-from zp_client.bench.vloop import run_virtual
+from zp_client.clock import LoopClock
 from zp_client.server import suggest_limit_blocks
-from zp_client.sim.server import SimServer
+from zp_client.testing import MemoryTransport, run_virtual
+from zp_sim.server import SimServer
 
 
 async def _bypass(http: httpx.AsyncClient, i: int, prompt: int, max_tokens: int) -> None:

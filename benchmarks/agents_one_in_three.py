@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse  # noq
 from starlette.routing import Route  # noqa: E402
 
 from zp_client import LocalBudget, Settings, wrap  # noqa: E402
-from zp_client.sim.server import SimServer  # noqa: E402
+from zp_sim.server import SimServer  # noqa: E402
 
 _DROP = {"host", "content-length", "transfer-encoding", "connection", "content-encoding"}
 

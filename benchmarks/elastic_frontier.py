@@ -1,7 +1,7 @@
 """The elastic policy's frontier on the storm: preemptions against TTFT p99 for several q (and headroom),
 and issue 8's acceptance ratios, on ``agentic`` and ``seed-burst`` at two load levels over several seeds.
 
-Not a test: runs the storm (``zp_client.bench``) programmatically, one setup per storm so runs can go in
+Not a test: runs the storm (``zp_storm``) programmatically, one setup per storm so runs can go in
 parallel processes (``--jobs``), appends every run's metrics to a JSON-lines file (``--out``; a rerun
 skips runs already there, so it can be resumed) and prints, per workload and load, the medians over seeds:
 
@@ -47,10 +47,10 @@ def run_one(workload: str, load: float, seed: int, setup: str, q: float | None, 
             prior_weight: float | None, q_tail: float | None, speedup: float | None,
             starvation_bound_s: float | None = None, longest_first_s: float | None = None) -> dict[str, Any]:
     """One storm with one setup; returns its metrics row (virtual time)."""
-    from zp_client.bench import cli
-    from zp_client.bench.report import build_report
-    from zp_client.bench.runner import StormConfig, run_storm
-    from zp_client.bench.tuning import ElasticTuning
+    from zp_storm import cli
+    from zp_storm.report import build_report
+    from zp_storm.runner import StormConfig, run_storm
+    from zp_storm.tuning import ElasticTuning
 
     logging.basicConfig(level=logging.ERROR)
     tuning = ElasticTuning(q=q, headroom=headroom, prior_weight=prior_weight, q_tail=q_tail,

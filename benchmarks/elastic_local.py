@@ -30,12 +30,12 @@ from typing import Any
 import openai
 
 from zp_client import wrap
-from zp_client.bench.oracle import SimOracleForecaster
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.forecast import LengthForecaster, Prior
 from zp_client.server import suggest_limit_blocks
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
+from zp_storm.oracle import SimOracleForecaster
 
 WORDS = ("alpha beta gamma delta tool file read write patch test run shell diff search code path value "
          "error trace module class function return import result output input state index").split()

@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python benchmarks/estimate_error.py``
 
-The judge is the simulator's tokenizer (:mod:`zp_client.sim.tokenizer`, a Llama-3-like chat template over
+The judge is the simulator's tokenizer (:mod:`zp_sim.tokenizer`, a Llama-3-like chat template over
 a deterministic BPE-like tokenizer that is deliberately not cl100k), asked over real HTTP. Requests mix
 content types (English prose from docstrings, Python source, JSON tool schemas, multi-turn agent
 transcripts with tool calls, CJK text when the interpreter ships its test data) at sizes from ~100 to ~16k
@@ -28,7 +28,7 @@ import httpx
 
 from zp_client.config import Settings
 from zp_client.estimate import Estimator
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 CHAT = "/v1/chat/completions"
 

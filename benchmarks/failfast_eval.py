@@ -32,12 +32,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zp_client.bench.cli import _DEFAULTS  # noqa: E402
-from zp_client.bench.elastic_setups import _forecaster, _local_elastic  # noqa: E402
-from zp_client.bench.runner import StormConfig, run_storm  # noqa: E402
-from zp_client.bench.setups import AppCaller, SetupContext, SetupSpec, register_setup, zp_client_for  # noqa: E402
 from zp_client.errors import DeadlineExceeded, unwrap_error  # noqa: E402
 from zp_client.observe import observe_admissions  # noqa: E402
+from zp_storm.cli import _DEFAULTS  # noqa: E402
+from zp_storm.elastic_setups import _forecaster, _local_elastic  # noqa: E402
+from zp_storm.runner import StormConfig, run_storm  # noqa: E402
+from zp_storm.setups import AppCaller, SetupContext, SetupSpec, register_setup, zp_client_for  # noqa: E402
 
 #: Filled by the callers (virtual runs are in-process): setup -> request id -> what it saw.
 SEEN: dict[str, dict[str, dict[str, Any]]] = {}
@@ -51,7 +51,7 @@ class _Caller(AppCaller):
         self.fail_fast = fail_fast
 
     async def __call__(self, turn: Any, rec: Any, clock: Any) -> None:
-        from zp_client.bench.loadgen import stream_chat
+        from zp_storm.loadgen import stream_chat
 
         headers = {"X-ZP-Deadline": f"{DEADLINE_S[0]:g}"}
         if self.fail_fast:

@@ -1,5 +1,5 @@
 """Issue 31's acceptance table: every agent framework through zp, by default and with its common retry
-setting on, against the simulator (``zp_client.sim``) behind a loopback proxy that answers 503 to tagged
+setting on, against the simulator (``zp_sim``) behind a loopback proxy that answers 503 to tagged
 requests (tests/_frameworks.py's FailProxy).
 
 Per row: ``--calls`` concurrent calls (agent runs where the framework has agents), ``--failing`` of them
@@ -48,7 +48,7 @@ from _frameworks import FAIL_MARK, CountingBudget, FailProxy, released  # noqa: 
 from zp_client import LocalBudget, Settings, unwrap_error, wrap  # noqa: E402
 from zp_client.errors import ZPError  # noqa: E402
 from zp_client.retry import testing  # noqa: E402
-from zp_client.sim.server import SimServer  # noqa: E402
+from zp_sim.server import SimServer  # noqa: E402
 
 SETTINGS = Settings(estimator="heuristic")
 CHAT = "/v1/chat/completions"

@@ -37,10 +37,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zp_client.bench.cli import _DEFAULTS  # noqa: E402
-from zp_client.bench.report import compute_metrics  # noqa: E402
-from zp_client.bench.runner import SetupRun, StormConfig, run_storm  # noqa: E402
-from zp_client.bench.tuning import ElasticTuning  # noqa: E402
+from zp_storm.cli import _DEFAULTS  # noqa: E402
+from zp_storm.report import compute_metrics  # noqa: E402
+from zp_storm.runner import SetupRun, StormConfig, run_storm  # noqa: E402
+from zp_storm.tuning import ElasticTuning  # noqa: E402
 
 
 def _storm(cfg: StormConfig, setups: list[str]) -> tuple[Any, Any, dict[str, SetupRun]]:

@@ -6,7 +6,7 @@ default: every report read as the present), ``zp-elastic-late`` (the same budget
 ``ElasticPolicy(late_readers=True)``: reports stamped, leases extrapolated while the client reads late)
 and the same pair for ``zp-oracle`` (true lengths, so forecast error is excluded and what preempts it is
 the lag). ``--clock virtual`` (default) models the busy client by holding its reads through 50 ms busy
-periods (:class:`~zp_client.bench.memory.ReadPauses`; deterministic); ``--clock real`` spins the client's
+periods (:class:`~zp_client.testing.ReadPauses`; deterministic); ``--clock real`` spins the client's
 event loop (``--client-load``'s real mode; needs a quiet machine). ``--headroom 1.0`` removes the 5%
 reserve that otherwise absorbs an undercount. One line per setup and seed:
 
@@ -27,12 +27,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zp_client.bench import elastic_setups  # noqa: E402
-from zp_client.bench.cli import _DEFAULTS  # noqa: E402
-from zp_client.bench.report import compute_metrics  # noqa: E402
-from zp_client.bench.runner import StormConfig, run_storm  # noqa: E402
-from zp_client.bench.setups import AppCaller, SetupContext, SetupSpec, register_setup, zp_client_for  # noqa: E402
-from zp_client.bench.tuning import ElasticTuning  # noqa: E402
+from zp_storm import elastic_setups  # noqa: E402
+from zp_storm.cli import _DEFAULTS  # noqa: E402
+from zp_storm.report import compute_metrics  # noqa: E402
+from zp_storm.runner import StormConfig, run_storm  # noqa: E402
+from zp_storm.setups import AppCaller, SetupContext, SetupSpec, register_setup, zp_client_for  # noqa: E402
+from zp_storm.tuning import ElasticTuning  # noqa: E402
 
 
 def _late_budget(ctx: SetupContext) -> Any:
@@ -49,8 +49,8 @@ async def _elastic_late(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> 
 
 
 async def _oracle_late(ctx: SetupContext, stack: contextlib.AsyncExitStack) -> Any:
-    from zp_client.bench.oracle import SimOracleForecaster
     from zp_client.transport import forecaster_for
+    from zp_storm.oracle import SimOracleForecaster
 
     budget = _late_budget(ctx)
     client = await zp_client_for(ctx, stack, budget, forecaster=SimOracleForecaster(forecaster_for(budget)))

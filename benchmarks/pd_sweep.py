@@ -19,10 +19,10 @@ from typing import Any
 
 
 def _one(args: tuple[Any, ...]) -> dict[str, Any]:
-    from zp_client.bench.cli import _DEFAULTS
-    from zp_client.bench.report import build_report
-    from zp_client.bench.runner import StormConfig, run_storm
-    from zp_client.bench.tuning import ElasticTuning
+    from zp_storm.cli import _DEFAULTS
+    from zp_storm.report import build_report
+    from zp_storm.runner import StormConfig, run_storm
+    from zp_storm.tuning import ElasticTuning
 
     workload, seed, pd, setup, threshold, extra = args
     profile, blocks, mml, _ = _DEFAULTS[workload]  # what `zp-client storm --workload W` runs

@@ -38,10 +38,10 @@ def _key(r: dict[str, Any]) -> tuple[Any, ...]:
 def run_one(workload: str, load: float, seed: int, setup: str, reserve_z: float | None,
             headroom: float | None) -> dict[str, Any]:
     """One storm with one setup; its metrics row (virtual time)."""
-    from zp_client.bench import cli
-    from zp_client.bench.report import build_report
-    from zp_client.bench.runner import StormConfig, run_storm
-    from zp_client.bench.tuning import ElasticTuning
+    from zp_storm import cli
+    from zp_storm.report import build_report
+    from zp_storm.runner import StormConfig, run_storm
+    from zp_storm.tuning import ElasticTuning
 
     logging.basicConfig(level=logging.ERROR)
     profile, blocks, mml, speedup = cli._DEFAULTS[workload]

@@ -79,7 +79,7 @@ def _estimator(scale: float, calibrate: bool, truth: float | None = None) -> Any
             if est.exact or est.tokens <= 0:
                 return est
             if truth is not None and isinstance(body.get("messages"), list):
-                from zp_client.bench.workloads import count_chat_tokens
+                from zp_storm.workloads import count_chat_tokens
 
                 return replace(est, tokens=max(1, int(count_chat_tokens(body["messages"]) * truth)))
             return replace(est, tokens=max(1, int(est.tokens * scale)))
@@ -92,13 +92,13 @@ def _estimator(scale: float, calibrate: bool, truth: float | None = None) -> Any
 
 
 async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
-    from zp_client.bench.oracle import SimOracleForecaster
-    from zp_client.bench.setups import AppCaller, zp_client_for, zp_limit_blocks
     from zp_client.budget.elastic import ElasticPolicy
     from zp_client.budget.local import LocalBudget
     from zp_client.forecast import LengthForecaster
     from zp_client.server import ELASTIC_HEADROOM
     from zp_client.transport import forecaster_for
+    from zp_storm.oracle import SimOracleForecaster
+    from zp_storm.setups import AppCaller, zp_client_for, zp_limit_blocks
 
     v = dict(_VARIANT)
     h = float(v.pop("h", ELASTIC_HEADROOM))
@@ -130,8 +130,8 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
 
 
 def _register() -> None:
-    from zp_client.bench import elastic_setups  # noqa: F401  (registers zp-elastic first)
-    from zp_client.bench.setups import SetupSpec, register_setup
+    from zp_storm import elastic_setups  # noqa: F401  (registers zp-elastic first)
+    from zp_storm.setups import SetupSpec, register_setup
 
     register_setup(SetupSpec("zp-variant", True, default=False, description="reserve_overload variant"),
                    _zp_variant)
@@ -141,9 +141,9 @@ def run_cell(workload: str, load: float, seed: int, variants: list[str], need_ba
              ) -> list[dict[str, Any]]:
     """One storm per variant (and one of no-admission when ``need_base``); the storms of one cell replay
     the same workload, so their numbers compare run for run."""
-    from zp_client.bench import cli
-    from zp_client.bench.report import build_report
-    from zp_client.bench.runner import StormConfig, run_storm
+    from zp_storm import cli
+    from zp_storm.report import build_report
+    from zp_storm.runner import StormConfig, run_storm
 
     profile, blocks, mml, speedup = cli._DEFAULTS[workload]
     rows = []

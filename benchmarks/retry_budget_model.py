@@ -21,10 +21,10 @@ import asyncio
 import random
 from dataclasses import dataclass
 
-from zp_client._clock import LoopClock
-from zp_client.bench.vloop import run_virtual
+from zp_client.clock import LoopClock
 from zp_client.errors import RetryBudgetExhausted
 from zp_client.retry import LocalRetryBudget, RetryPolicy
+from zp_client.testing import run_virtual
 
 
 @dataclass

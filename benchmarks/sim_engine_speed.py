@@ -14,9 +14,9 @@ import random
 import time
 from pathlib import Path
 
-from zp_client.sim.engine import Engine, EngineConfig
-from zp_client.sim.profiles import get_profile
-from zp_client.sim.replay import run_replay
+from zp_sim.engine import Engine, EngineConfig
+from zp_sim.profiles import get_profile
+from zp_sim.replay import run_replay
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "fidelity"
 

@@ -15,9 +15,9 @@ import time
 
 import openai
 
-from zp_client.sim.engine import Engine, EngineConfig
-from zp_client.sim.profiles import get_profile
-from zp_client.sim.server import SimServer
+from zp_sim.engine import Engine, EngineConfig
+from zp_sim.profiles import get_profile
+from zp_sim.server import SimServer
 
 
 def bare_engine(n: int, prompt: int, tokens: int) -> tuple[float, float, int]:
@@ -61,7 +61,7 @@ async def over_http(n: int, prompt: int, tokens: int, stream: bool) -> tuple[flo
 
 
 def tokenizer_speed() -> None:
-    from zp_client.sim import tokenizer as tok
+    from zp_sim import tokenizer as tok
 
     words = [tok.decode([i]).strip() or "x" for i in range(1, 3000)]
     text = " ".join(words[(i * 7) % len(words)] + ("," if i % 13 == 0 else "") for i in range(14000))

@@ -128,7 +128,7 @@ def main() -> int:
         return asyncio.run(worker(args))
     if not args.sim:
         return parent(args, args.base_url)
-    from zp_client.sim.server import SimServer
+    from zp_sim.server import SimServer
 
     # One simulator on a background thread of the parent; the workers reach it over loopback HTTP.
     with SimServer(profile="tiny", speedup=args.speedup) as server:

@@ -120,7 +120,7 @@ async def main() -> int:
     args = parse_args()
     if not args.sim:
         return await run(args, args.base_url)
-    from zp_client.sim.server import SimServer  # needs zp-client[sim]
+    from zp_sim.server import SimServer  # needs zp-sim: pip install -e sim/
 
     async with SimServer(profile="tiny", speedup=args.speedup) as server:
         print(f"simulator: {server.num_gpu_blocks} KV blocks at {server.base_url}")

@@ -140,7 +140,7 @@ async def main() -> int:
     args = parse_args()
     if not args.sim:
         return await run(args, args.base_url)
-    from zp_client.sim.server import SimServer
+    from zp_sim.server import SimServer
 
     async with SimServer(profile="tiny", speedup=args.speedup) as server:
         return await run(args, server.base_url)

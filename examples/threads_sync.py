@@ -111,7 +111,7 @@ def main() -> int:
     args = parse_args()
     if not args.sim:
         return run(args, args.base_url)
-    from zp_client.sim.server import SimServer
+    from zp_sim.server import SimServer
 
     # `with SimServer(...)` runs the simulator on its own thread, so plain blocking code can use it.
     with SimServer(profile="tiny", speedup=args.speedup) as server:

@@ -1,7 +1,7 @@
 """Upstreams that fail chosen requests, on loopback: for the one-retry-loop tests (tests/retry/test_one_loop.py,
 integrations/litellm/tests).
 
-* :class:`FailProxy`: an HTTP proxy in front of ``upstream`` (e.g. the simulator, ``zp_client.sim``)
+* :class:`FailProxy`: an HTTP proxy in front of ``upstream`` (e.g. the simulator, ``zp_sim``)
   that answers 503 to every chat request whose ``user`` (without one: ``model``) starts with ``fail``
   (``slow``: after 5 s) and forwards everything else (streams too). Without an upstream it answers a
   fixed OK itself. Records each chat arrival's ``user`` (or ``model``) and headers.

@@ -62,10 +62,10 @@ def test_storm_profile_option_reads_well(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_install_hint_from_a_clone_names_the_clone_first() -> None:
     # the tests run from the clone (a source tree with zp-client's pyproject.toml)
-    hint = errors.install_hint("sim")
-    clone = f"pip install -e '{ROOT}[sim]'"
+    hint = errors.install_hint("redis")
+    clone = f"pip install -e '{ROOT}[redis]'"
     assert hint.startswith(clone), hint
-    assert "pip install 'zp-client[sim]'" in hint  # the PyPI way is named too
+    assert "pip install 'zp-client[redis]'" in hint  # the PyPI way is named too
 
 
 def test_install_hint_outside_a_clone_names_pypi_first(tmp_path: Path,
@@ -79,13 +79,30 @@ def test_install_hint_outside_a_clone_names_pypi_first(tmp_path: Path,
 
 
 def test_a_missing_extra_on_the_cli_names_the_clone_first() -> None:
-    prelude = ("import sys\nsys.modules['starlette'] = None\n"
+    prelude = ("import sys\nsys.modules['redis'] = None\n"
                "from zp_client.cli import main\nraise SystemExit(main())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZP_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", prelude, "sim"], capture_output=True, text=True, timeout=60,
+    args = ["status", "--redis", "redis://127.0.0.1:1/0", "--name", "n"]
+    proc = subprocess.run([sys.executable, "-c", prelude, *args], capture_output=True, text=True, timeout=60,
                           env=env, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip()
     assert "\n" not in line
-    assert line.index(f"pip install -e '{ROOT}[sim]'") < line.index("pip install 'zp-client[sim]'"), line
+    assert line.index(f"pip install -e '{ROOT}[redis]'") < line.index("pip install 'zp-client[redis]'"), line
+
+
+def test_a_distributions_hint_names_the_clone_first_and_pypi_outside_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from zp_client import cli
+
+    hint = cli.distribution_hint("storm")  # the tests run from the clone: sim/ and storm/ are in it
+    assert hint.startswith(f"pip install -e {ROOT / 'sim'} -e {ROOT / 'storm'}"), hint
+    assert "pip install zp-storm" in hint
+    assert cli.distribution_hint("sim").startswith(f"pip install -e {ROOT / 'sim'} ")
+    pkg = tmp_path / "site-packages" / "zp_client"
+    pkg.mkdir(parents=True)
+    monkeypatch.setattr(cli, "__file__", str(pkg / "cli.py"))
+    hint = cli.distribution_hint("storm")
+    assert hint.startswith("pip install zp-storm"), hint
+    assert "pip install -e sim/ -e storm/" in hint

@@ -30,7 +30,7 @@ EXCLUDED = ("zp_client.sim", "zp_client.bench")
 
 # layer -> the module prefixes it holds (a prefix matches the module itself and everything under it)
 LAYERS: dict[str, tuple[str, ...]] = {
-    "foundation": ("zp_client.errors", "zp_client._clock", "zp_client._hooks", "zp_client.config",
+    "foundation": ("zp_client.errors", "zp_client.clock", "zp_client._hooks", "zp_client.config",
                    "zp_client.types", "zp_client._redact", "zp_client._private", "zp_client._tasks"),
     "models": ("zp_client.server", "zp_client.calibration", "zp_client.forecast", "zp_client.estimate"),
     "budget": ("zp_client.budget",),

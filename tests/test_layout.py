@@ -13,6 +13,9 @@ import zp_client
 ROOT = pathlib.Path(zp_client.__file__).parent
 # The integration packages (integrations/*/<name>_zp), held to the same rules.
 INTEGRATIONS = sorted(p for p in (ROOT.parent / "integrations").glob("*/*_zp") if p.is_dir())
+# The storm benchmark (the zp-storm distribution, storm/zp_storm), held to the same rules; the simulator
+# (zp-sim) is the judge and shares no code with the library (sim/tests/test_sim_imports.py).
+STORM = ROOT.parent / "storm" / "zp_storm"
 # The one place that makes classes at run time: openai-compatible subclasses of zp's errors.
 RUNTIME_CLASSES_ALLOWED = {("_wrap.py", "openai_compatible_error")}
 
@@ -44,7 +47,8 @@ def _offences(path: pathlib.Path) -> list[str]:
 
 def test_no_class_is_defined_in_a_function_or_created_at_run_time() -> None:
     assert [p.name for p in INTEGRATIONS] == ["autogen_zp", "crewai_zp", "langchain_zp", "litellm_zp", "llama_index_zp"]
-    paths = [p for top in (ROOT, *INTEGRATIONS) for p in sorted(top.rglob("*.py"))]
+    assert (STORM / "runner.py").is_file()
+    paths = [p for top in (ROOT, *INTEGRATIONS, STORM) for p in sorted(top.rglob("*.py"))]
     offences = [o for p in paths for o in _offences(p)]
     assert offences == []
 
@@ -62,10 +66,10 @@ def test_every_module_is_a_plain_module_and_no_submodule_shadows_a_public_name()
     assert callable(zp_client.wrap) and zp_client.wrap.__module__ == "zp_client._wrap"
 
 
-# The library reads time only through zp_client._clock (one injectable clock). The simulator is the
-# judge and shares no code with the library: it reads its own event loop's clock (and wall time for
-# the ``created`` fields of its responses), so it is exempt.
-_CLOCK_MODULE = "_clock.py"
+# The library and the storm read time only through zp_client.clock (one injectable clock). The simulator
+# (zp-sim, not checked here) is the judge and shares no code with the library: it reads its own event
+# loop's clock (and wall time for the ``created`` fields of its responses).
+_CLOCK_MODULE = "clock.py"
 _TIME_READS = {"monotonic", "time", "perf_counter", "monotonic_ns", "time_ns", "perf_counter_ns"}
 
 
@@ -86,9 +90,8 @@ def _time_reads(path: pathlib.Path, rel: str | None = None) -> list[str]:
 
 
 def test_time_is_read_only_in_the_clock_module() -> None:
-    paths = [p for top in (ROOT, *INTEGRATIONS) for p in sorted(top.rglob("*.py"))
+    paths = [p for top in (ROOT, *INTEGRATIONS, STORM) for p in sorted(top.rglob("*.py"))
              if p.name != _CLOCK_MODULE or p.parent != ROOT]
-    paths = [p for p in paths if "sim" not in p.relative_to(ROOT.parent).parts]
     offences = [o for p in paths for o in _time_reads(p)]
     assert offences == []
     # the rule is not vacuous: the clock module itself reads them, and an alias is seen through

@@ -177,5 +177,7 @@ def test_the_install_lines_name_extras_that_exist() -> None:
              for e in group.split(",")}
     assert named and named <= extras, f"README names extras pyproject.toml lacks: {named - extras}"
     assert "not published on PyPI" in section("Install")
-    for path in re.findall(r"-e (integrations/\S+)", "\n".join(lines)):
+    paths = re.findall(r"-e ((?:integrations/)?[a-z][\w-]*/?)(?:\s|$)", "\n".join(lines))
+    assert {"sim/", "storm/"} <= set(paths), paths  # the simulator's and the storm's distributions
+    for path in paths:
         assert (ROOT / path / "pyproject.toml").exists(), path

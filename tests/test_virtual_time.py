@@ -1,39 +1,37 @@
-"""The storm's virtual time: the loop, the in-memory streaming transport, the library's one clock, and
-runs that are exactly reproducible from their seed.
+"""zp_client.testing's virtual time: the loop, the in-memory streaming transport and the library's one
+clock (the storm's runs on it: storm/tests/test_storm_virtual_time.py).
 
 Everything here talks to the real simulator app and the real openai SDK (and zp's transport through
-``wrap()``), over :mod:`zp_client.bench.memory` instead of a socket; both openai majors (openai_compat).
+``wrap()``), over :mod:`zp_client.testing` instead of a socket; both openai majors (openai_compat).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import os
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from zp_client import LocalBudget, wrap
-from zp_client._clock import LoopClock
-from zp_client.bench.memory import memory_transport, openai_http_module
-from zp_client.bench.runner import StormConfig, run_storm
-from zp_client.bench.vloop import VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
+from zp_client.clock import LoopClock
 from zp_client.errors import ConfigurationError, RetryBudgetExhausted
 from zp_client.retry import RetryPolicy
-from zp_client.sim.server import SimServer
+from zp_client.testing import (
+    VirtualTimeDeadlock,
+    VirtualTimeLoop,
+    memory_transport,
+    openai_http_module,
+    run_virtual,
+)
+from zp_sim.server import SimServer
 
 pytestmark = pytest.mark.openai_compat
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = {"streams": 6, "stream_out": 512, "rounds": 2, "burst": 3, "burst_prompt": 1200, "burst_max_tokens": 256}
 MSGS = [{"role": "user", "content": "tell me about virtual time, please, in some detail"}]
 
 
@@ -298,138 +296,7 @@ def test_attempts_are_bounded_in_virtual_time() -> None:
     assert len(calls) == 3
     assert getattr(err, "status_code", None) == 503
 
-
-def test_langchains_rate_limiter_runs_on_the_loops_clock_in_the_storm() -> None:
-    """The rate-limited setup's limiter (LangChain's own InMemoryRateLimiter) paces in virtual time."""
-    pytest.importorskip("langchain_core")
-    import contextlib
-
-    from zp_client.bench.setups import _rate_limiter_on_loop_time
-
-    async def main() -> list[float]:
-        from langchain_core.rate_limiters import InMemoryRateLimiter
-
-        loop = asyncio.get_running_loop()
-        async with contextlib.AsyncExitStack() as stack:
-            _rate_limiter_on_loop_time(stack)
-            limiter = InMemoryRateLimiter(requests_per_second=0.5, check_every_n_seconds=0.1, max_bucket_size=1)
-            times = []
-            for _ in range(4):
-                await limiter.aacquire()
-                times.append(loop.time())
-        return times
-
-    times = run_virtual(main())
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    assert all(g == pytest.approx(2.0, abs=0.11) for g in gaps), gaps
-    import langchain_core.rate_limiters as rl
-
-    assert rl.time is time  # restored after the run
-
-
-# --------------------------------------------------------------------------------- determinism
-
-
-def _tiny_storm(seed: int = 0) -> list[Any]:
-    cfg = StormConfig(workload="seed-burst", seed=seed, setups=["no-admission", "naive", "zp-elastic"],
-                      profile="tiny", num_gpu_blocks=None, workload_overrides=dict(TINY))
-    _, _, runs = run_storm(cfg)
-    return [(r.name, [x.to_json() for x in r.records], r.server_stats["engine"]) for r in runs]
-
-
-_CHILD = """
-import json, sys
-sys.path.insert(0, {tests!r})
-from test_virtual_time import _tiny_storm
-print(json.dumps(_tiny_storm()))
-"""
-
-
-@pytest.mark.slow
-def test_two_runs_of_one_seed_give_identical_records_even_with_another_hash_seed_and_a_busy_cpu() -> None:
-    first = _tiny_storm()
-    burner = threading.Event()
-
-    def burn() -> None:  # CPU-heavy work in the same process: it takes CPU, never virtual time
-        x = 0
-        while not burner.is_set():
-            x += sum(range(1000))
-
-    t = threading.Thread(target=burn, daemon=True)
-    t.start()
-    try:
-        second = _tiny_storm()
-    finally:
-        burner.set()
-        t.join()
-    assert json.dumps(first) == json.dumps(second)
-    # another process with another string-hash seed: no result depends on set or dict-of-str order
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    out = subprocess.run([sys.executable, "-c", _CHILD.format(tests=str(ROOT / "tests"))], env=env,
-                         capture_output=True, text=True, timeout=600, check=True)
-    third = json.loads(out.stdout.strip().splitlines()[-1])
-    assert json.dumps(first) == json.dumps(third)
-    # and the runs are real ones: every request was sent and answered, and the storm overflowed the
-    # pool without admission (records of an empty or idle run would compare equal too)
-    names = [name for name, _, _ in first]
-    assert names == ["no-admission", "naive", "zp-elastic"]
-    for _, recs, engine in first:
-        assert len(recs) == 15 and all(rec["sent"] and rec["ok"] and rec["out_tokens"] > 0 for rec in recs)
-    assert first[0][2]["preemptions_total"] > 0
-    assert first[2][2]["preemptions_total"] == 0
-
-
-@pytest.mark.slow
-def test_another_seed_gives_another_run() -> None:
-    a, b = _tiny_storm(0), _tiny_storm(1)
-    assert json.dumps(a) != json.dumps(b)
-
-
-# ------------------------------------------------------------------------------------ the CLI
-
-
-def test_sweep_loads_are_parsed_and_bad_ones_named() -> None:
-    from zp_client.bench.cli import _parse_sweep
-
-    assert _parse_sweep("2,0.5,1,1") == [0.5, 1.0, 2.0]
-    assert _parse_sweep(None) == []
-    for bad in ("a,b", "0,1", "-1", ",", "inf", "nan"):
-        with pytest.raises(ConfigurationError, match="--sweep"):
-            _parse_sweep(bad)
-
-
-def test_worker_setups_need_the_real_clock() -> None:
-    cfg = StormConfig(workload="seed-burst", setups=["no-admission", "zp-redis"], profile="tiny",
-                      num_gpu_blocks=None, redis_url="redis://127.0.0.1:1/0", workload_overrides=dict(TINY))
-    with pytest.raises(ConfigurationError, match="--clock real"):
-        run_storm(cfg)
-    with pytest.raises(ConfigurationError, match="clock must be one of"):
-        StormConfig(clock="wall")
-
-
-def test_storm_cli_runs_a_sweep_on_the_virtual_clock(tmp_path: Path) -> None:
-    pytest.importorskip("rich")
-    from zp_client.cli import main
-
-    trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": 0.05 * i, "prompt_tokens": 300 + 40 * i,
-                                         "max_tokens": 256, "output_tokens": 60 + 10 * i}) + "\n"
-                             for i in range(12)))
-    out = tmp_path / "sweep"
-    rc = main(["storm", "--trace", str(trace), "--profile", "tiny", "--num-gpu-blocks", "128",
-               "--setups", "no-admission,zp-elastic", "--sweep", "1,2", "--quiet", "--out", str(out)])
-    assert rc == 0  # a virtual run cannot saturate the harness
-    sweep = json.loads((out / "sweep.json").read_text())
-    assert sweep["loads"] == [1.0, 2.0]
-    assert (out / "sweep.png").stat().st_size > 10_000
-    sizes = {}
-    for x in ("1", "2"):
-        report = json.loads((out / f"load-{x}" / "report.json").read_text())
-        assert report["server"]["clock"] == "virtual"
-        assert [m["setup"] for m in report["setups"]] == ["no-admission", "zp-elastic"]
-        sizes[x] = len(report["requests"]["no-admission"])
-    assert sizes == {"1": 12, "2": 24}  # twice the offered load: every request twice
+# ---------------------------------------------------------------------------------- the loop, again
 
 
 def test_timers_due_together_run_in_the_order_they_were_scheduled() -> None:
@@ -514,7 +381,7 @@ def test_asyncio_runner_works_and_executor_shutdown_does_not_jump_the_clock() ->
 
 
 def test_closing_the_memory_transport_cancels_an_app_that_ignores_the_disconnect() -> None:
-    from zp_client.bench.memory import MemoryTransport
+    from zp_client.testing import MemoryTransport
 
     stuck: list[str] = []
 
@@ -543,24 +410,17 @@ def test_closing_the_memory_transport_cancels_an_app_that_ignores_the_disconnect
 def test_a_missing_module_outside_the_commands_extra_keeps_its_traceback() -> None:
     from zp_client.cli import missing_extra
 
-    assert missing_extra("storm", "bench", ModuleNotFoundError(name="notapackage")) is None
+    assert missing_extra("status --watch", "watch", ModuleNotFoundError(name="notapackage")) is None
     assert missing_extra("status", "redis", ModuleNotFoundError(name="rich")) is None
-    line = missing_extra("storm", "bench", ModuleNotFoundError(name="rich.console"))
-    assert line is not None and "[bench]" in line
+    line = missing_extra("status --watch", "watch", ModuleNotFoundError(name="rich.console"))
+    assert line is not None and "[watch]" in line
 
 
 # ------------------------------------------------------------------------------- a busy client
 
 
-def test_client_load_takes_a_sane_fraction_and_on_the_virtual_clock_keeps_the_simulator_in_process() -> None:
-    with pytest.raises(ConfigurationError, match=r"\[0, 1\)"):
-        StormConfig(clock="real", client_load=1.0)
-    assert StormConfig(client_load=0.5).sim_in_process  # virtual: modelled by read pauses
-    assert not StormConfig(clock="real", client_load=0.5).sim_in_process
-
-
 def test_read_pauses_hold_what_arrives_in_a_busy_part_until_it_ends() -> None:
-    from zp_client.bench.memory import ReadPauses
+    from zp_client.testing import ReadPauses
 
     p = ReadPauses(0.5, burst_s=0.05)  # period 0.1 s: reading in [0, 0.05), busy in [0.05, 0.1)
     assert p.resume_at(0.0) is None and p.resume_at(0.049) is None
@@ -569,38 +429,3 @@ def test_read_pauses_hold_what_arrives_in_a_busy_part_until_it_ends() -> None:
     with pytest.raises(ValueError):
         ReadPauses(1.0)
 
-
-def test_a_modelled_busy_client_reads_late_and_deterministically() -> None:
-    """--client-load on the virtual clock: the same storm twice gives identical records, chunks are
-    handed over late (the harness reports how late), and it differs from the storm without the load."""
-    cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "zp-elastic"], profile="tiny",
-                      num_gpu_blocks=None, client_load=0.5, workload_overrides=dict(TINY))
-    def records(run: Any) -> list[Any]:
-        return [x.to_json() for x in run.records]
-
-    runs = [run_storm(cfg)[2] for _ in range(2)]
-    calm = run_storm(dataclasses.replace(cfg, client_load=0.0))[2]
-    for a, b, c in zip(*runs, calm, strict=True):
-        assert records(a) == records(b), a.name
-        assert records(a) != records(c), a.name
-        assert all(r.ok for r in a.records)
-        h = a.harness
-        assert h["client_load"] == 0.5 and h["client_load_model"] == "read pauses"
-        assert h["read_pauses_held"] > 0 and 0 < h["read_lag_p99_ms"] <= 50.0
-
-
-@pytest.mark.slow
-def test_a_busy_client_storm_runs_the_simulator_in_its_own_process() -> None:
-    """--client-load on the real clock: the client's loop is blocked in 50 ms bursts, the simulator is
-    served from another process and its records, timeline and metrics come back over HTTP."""
-    cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "zp-elastic"], profile="tiny",
-                      num_gpu_blocks=None, speedup=4.0, clock="real", client_load=0.3,
-                      workload_overrides=dict(TINY))
-    _, _, runs = run_storm(cfg)
-    for run in runs:
-        assert len(run.records) == 15 and all(r.ok for r in run.records), run.name
-        assert len(run.server_stats["requests"]) >= 15  # the simulator's own records, over HTTP
-        assert len(run.timeline) > 10 and run.metrics_preemptions is not None
-        h = run.harness
-        assert h["client_load"] == 0.3 and h["client_load_bursts"] > 0
-        assert h["loop_lag_max_ms"] >= 40.0  # a 50 ms spin delays some 10 ms nap by most of it

@@ -4,7 +4,7 @@
 yields actions (:class:`Acquire`, :class:`Send`, :class:`Decide`, :class:`Sleep`, :class:`Release`...)
 and takes their results, the way ``h11`` or :mod:`zp_client.budget.ledger` keep decisions apart from
 I/O. The transports (:mod:`zp_client._drivers`) perform the actions, async or blocking; the loop exists
-only here. Time comes from an injectable :class:`~zp_client._clock.Clock`. See docs/admission.md.
+only here. Time comes from an injectable :class:`~zp_client.clock.Clock`. See docs/admission.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client._plan import (
     AGE_META,
     FAIL_FAST_META,
@@ -36,6 +35,7 @@ from zp_client._release import Holder, watchdog
 from zp_client._repeat import one_loop
 from zp_client._sse import BadEvent, Reassembler, Scanner, forecast_hi, reassembly_faithful
 from zp_client.budget.base import Budget, Lease, Ticket
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.config import Settings
 from zp_client.errors import (
     AdmissionTimeout,

@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 
 import anyio
 
-from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client._core import (
     Acquire,
     Action,
@@ -36,6 +35,7 @@ from zp_client._plan import is_admitted
 from zp_client._release import alarms, cut_connection, deadline_exceeded
 from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.config import Settings
 from zp_client.errors import ServerInfoError, ServerUnreachable, ZPError
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from zp_client._clock import SYSTEM_CLOCK
 from zp_client._private import detach_sdk_stream, has_read_body, response_body_stream
 from zp_client._release import Holder, ReaderWatch, alarms, cut_connection, deadline_exceeded, finalize
 from zp_client._sse import REASSEMBLY_DROPPED_HEADERS, Scanner
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, DeadlineExceeded
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client._tasks import LoopRef, ServiceThread, deferred
 from zp_client.budget.base import Lease
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import DeadlineExceeded
 
 if TYPE_CHECKING:

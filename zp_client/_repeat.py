@@ -60,8 +60,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from zp_client._clock import Clock
 from zp_client._private import has_read_body
+from zp_client.clock import Clock
 
 if TYPE_CHECKING:
     from zp_client._core import Core

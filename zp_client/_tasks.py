@@ -24,7 +24,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Protocol
 
-from zp_client._clock import SYSTEM_CLOCK
+from zp_client.clock import SYSTEM_CLOCK
 
 __all__ = ["Supervisor", "ServiceThread", "DeferredCalls", "deferred", "LoopRef", "quiesce"]
 

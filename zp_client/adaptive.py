@@ -42,7 +42,7 @@ What it cannot see (docs/admission.md#the-adaptive-limit): the server between tw
 traffic hidden by prefix sharing the budget does not know of (a ``RedisBudget`` reports no
 ``held_distinct``: its shared prefixes hide that much bypass); and preemptions caused by traffic it
 cannot tell apart from its own.
-Time is the budget's clock (:mod:`zp_client._clock`): the controller runs on a virtual-time loop too.
+Time is the budget's clock (:mod:`zp_client.clock`): the controller runs on a virtual-time loop too.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from zp_client._clock import Clock
 from zp_client.budget.base import Budget, BudgetStatus
 from zp_client.calibration import server_root
+from zp_client.clock import Clock
 from zp_client.errors import BudgetUnavailable, ConfigurationError, ServerInfoError
 from zp_client.server import ServerMetrics, parse_metrics
 
@@ -151,7 +151,7 @@ class LimitChange:
     """One change of the limit the controller made."""
 
     at: float
-    """When, on the controller's clock (seconds, :mod:`zp_client._clock`)."""
+    """When, on the controller's clock (seconds, :mod:`zp_client.clock`)."""
     old: int
     new: int
     reason: str
@@ -480,7 +480,7 @@ class AdaptiveLimit:
     def start_in_thread(self) -> AdaptiveLimit:
         """Run the controller on a daemon thread with an event loop of its own, for programs without one
         (threads calling ``acquire_sync`` / sync openai clients); returns once it started. :meth:`stop`
-        ends it. The controller's clock must not be a :class:`~zp_client._clock.LoopClock` of another
+        ends it. The controller's clock must not be a :class:`~zp_client.clock.LoopClock` of another
         loop, and a RedisBudget run this way must not be used from another event loop (its async calls
         are bound to the controller's)."""
         if self._thread is not None:

@@ -9,7 +9,7 @@ The admission core (:mod:`zp_client._core`) records, once per event whatever the
 blocking): the queue wait of every attempt, the hold time of every lease, the retries by reason, the
 refusals by error type and the forecast error. The budget's limit, blocks used and waiters per class are
 gauges read when the registry is scraped. Names, labels and units: docs/admission.md#metrics. Time is
-the core's clock (:mod:`zp_client._clock`).
+the core's clock (:mod:`zp_client.clock`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from zp_client._clock import real_monotonic
 from zp_client.budget.base import Budget, BudgetStatus
 from zp_client.budget.local import LocalBudget
+from zp_client.clock import real_monotonic
 from zp_client.errors import ConfigurationError
 from zp_client.fleet.local import Fleet
 from zp_client.retry import _classify_error

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import tenacity
 
-from zp_client._clock import SYSTEM_CLOCK, Clock, wall_time
 from zp_client.budget.retries import (
     DEFAULT_BUDGET_FLOOR_PER_S,
     DEFAULT_BUDGET_RATIO,
@@ -34,6 +33,7 @@ from zp_client.budget.retries import (
 from zp_client.budget.retries import (
     validate_retry_budget_params as validate_retry_budget_params,
 )
+from zp_client.clock import SYSTEM_CLOCK, Clock, wall_time
 from zp_client.errors import ConfigurationError, DeadlineExceeded, RetryBudgetExhausted, ZPError
 
 if TYPE_CHECKING:

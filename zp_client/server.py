@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from zp_client._clock import SYSTEM_CLOCK
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import ConfigurationError, ServerInfoError, install_hint
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -286,7 +286,7 @@ def _run_watch(args: argparse.Namespace) -> int:
         from rich.live import Live
         from rich.text import Text
     except ImportError as exc:
-        line = missing_extra("status --watch", "bench", exc)
+        line = missing_extra("status --watch", "watch", exc)
         if line is None:
             raise
         print(line, file=sys.stderr)

@@ -21,7 +21,7 @@ import openai  # noqa: E402
 from _fail_proxy import FailProxy  # noqa: E402
 
 from zp_client import LocalBudget, wrap  # noqa: E402
-from zp_client.sim.server import SimServer  # noqa: E402
+from zp_sim.server import SimServer  # noqa: E402
 
 litellm.suppress_debug_info = True
 

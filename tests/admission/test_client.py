@@ -35,8 +35,8 @@ from zp_client.client import (
 )
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, InvalidRequest, LeaseTooLarge
-from zp_client.sim.server import SimServer
 from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion
+from zp_sim.server import SimServer
 
 SECRET = "sk-zp-test-SECRET-0123456789"
 TOOLS = [{"type": "function", "function": {

@@ -25,8 +25,8 @@ from tests._asgi_server import LoopbackServer, ThreadedApp
 from zp_client import wrap
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
-from zp_client.sim.server import SimServer
 from zp_client.transport import transport_classes
+from zp_sim.server import SimServer
 
 pytestmark = pytest.mark.anyio
 

@@ -20,7 +20,7 @@ from zp_client.budget.elastic import ElasticPolicy, admission_meta, cap_tokens, 
 from zp_client.budget.ledger import Ledger
 from zp_client.budget.local import LocalBudget
 from zp_client.server import suggest_limit_blocks
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 BS = 16
 EST, EXACT, MAX_OUT = 572, 615, 256  # the example's numbers: estimate (with its error bound), server count

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests._asgi_server import MAX_MODEL_LEN, LoopbackServer
-from zp_client.bench.oracle import SimOracleForecaster
+from tests._oracle import BodyOracleForecaster
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, PromptTooLong
@@ -204,7 +204,7 @@ async def test_a_request_forecaster_gives_the_true_length_only_when_asked(server
 
     budget.acquire = spy  # type: ignore[method-assign]
     body = {**CHAT, "max_tokens": 1000, "sim_output_tokens": 7}
-    async with async_client(httpx, server, budget, forecaster=SimOracleForecaster(forecaster_for(budget))) as c:
+    async with async_client(httpx, server, budget, forecaster=BodyOracleForecaster(forecaster_for(budget))) as c:
         await c.post("/chat/completions", json=body)
         await c.post("/chat/completions", json={**body, "sim_output_tokens": 5000})  # capped at max_tokens
         await c.post("/chat/completions", json=CHAT)  # no field: the forecaster

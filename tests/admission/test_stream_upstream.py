@@ -17,21 +17,20 @@ import anyio
 import httpx
 import openai
 import pytest
+from _asgi_server import ThreadedApp
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from zp_client import wrap
+from zp_client._sse import Reassembler as _Reassembler
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.forecast import LengthForecaster
 from zp_client.retry import RetryPolicy, testing
-from zp_client.sim.server import SimServer
-from zp_client._sse import Reassembler as _Reassembler
 from zp_client.transport import AsyncAdmissionTransport
-from zp_client import wrap
-
-from _asgi_server import ThreadedApp
+from zp_sim.server import SimServer
 
 pytestmark = pytest.mark.anyio
 

@@ -343,7 +343,7 @@ def test_the_targets_reach_a_redis_budget(server: LoopbackServer, redis_url: str
 
 
 async def test_the_prefill_leg_of_a_disaggregated_fleet_carries_the_targets() -> None:
-    from zp_client.sim.server import SimServer
+    from zp_sim.server import SimServer
 
     prefill_metas: list[dict[str, Any] | None] = []
 

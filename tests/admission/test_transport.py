@@ -14,11 +14,16 @@ import httpx
 import pytest
 
 from tests._asgi_server import MAX_MODEL_LEN, LoopbackServer
-from zp_client.config import Settings
-from zp_client.errors import AdmissionTimeout, ConfigurationError, InvalidRequest, LeaseTooLarge, PromptTooLong
-from zp_client.transport import admission_transport_for, transport_classes
-
 from zp_client.budget.local import LocalBudget as _Budget
+from zp_client.config import Settings
+from zp_client.errors import (
+    AdmissionTimeout,
+    ConfigurationError,
+    InvalidRequest,
+    LeaseTooLarge,
+    PromptTooLong,
+)
+from zp_client.transport import admission_transport_for, transport_classes
 
 # The openai 2.x environment (make test-openai2) has no httpx2; these tests belong to the main one.
 httpx2 = pytest.importorskip("httpx2")
@@ -471,7 +476,7 @@ async def test_retry_releases_and_keeps_ticket(server: LoopbackServer) -> None:
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[Any]:
-    from zp_client.sim.server import SimServer
+    from zp_sim.server import SimServer
 
     with SimServer(profile="tiny", speedup=5.0, max_model_len=2048) as s:
         yield s

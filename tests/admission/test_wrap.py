@@ -19,11 +19,10 @@ import pytest
 
 import zp_client
 from tests._asgi_server import MAX_MODEL_LEN, LoopbackServer
+from zp_client import wrap
+from zp_client.budget.local import LocalBudget as _Budget
 from zp_client.config import Settings
 from zp_client.errors import AdmissionTimeout, LeaseTooLarge, PromptTooLong, ZPError
-from zp_client import wrap
-
-from zp_client.budget.local import LocalBudget as _Budget
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 
@@ -363,7 +362,7 @@ def test_wrap_rejects_other_objects() -> None:
 
 
 async def test_async_elastic_route_oracle_and_learning(server: LoopbackServer) -> None:
-    from zp_client.bench.oracle import SimOracleForecaster
+    from tests._oracle import BodyOracleForecaster
     from zp_client.forecast import LengthForecaster
 
     b = _Budget(limit_blocks=1000, block_size=16, policy="elastic")
@@ -377,7 +376,7 @@ async def test_async_elastic_route_oracle_and_learning(server: LoopbackServer) -
     b.acquire = spy  # type: ignore[method-assign]
     fc = LengthForecaster()
     # stream_upstream off: the second call is about a non-streamed request's (blind) metadata.
-    c = awrapped(server, b, forecaster=SimOracleForecaster(fc), stream_upstream=False)
+    c = awrapped(server, b, forecaster=BodyOracleForecaster(fc), stream_upstream=False)
     stream = await c.chat.completions.create(
         model="ok", messages=MSGS, max_tokens=500, stream=True,
         extra_headers={"X-ZP-Route": "coder"}, extra_body={"sim_output_tokens": 9},

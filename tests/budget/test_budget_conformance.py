@@ -27,7 +27,13 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.budget.ledger import Ledger

@@ -12,14 +12,14 @@ import openai
 import pytest
 
 from zp_client import PinnedPrefix, PinRefused, wrap
-from zp_client.bench.workloads import count_chat_tokens, make_text
 from zp_client.budget.elastic import make_policy, projected_peak
 from zp_client.budget.ledger import Ledger
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
 from zp_client.pinning import KEEPWARM_REQUEST_PREFIX
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
+from zp_sim.tokenizer import count_chat_tokens, make_text
 
 pytestmark = pytest.mark.anyio
 

@@ -18,15 +18,14 @@ import openai
 import pytest
 import redis
 
+from tests.budget.test_redis_elastic import _delete  # the same key cleanup
 from zp_client import PinnedPrefix, PinRefused, wrap
-from zp_client.bench.workloads import count_chat_tokens, make_text
 from zp_client.budget.local import LocalBudget
 from zp_client.budget.redis import RedisBudget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
-from zp_client.sim.server import SimServer
-
-from tests.budget.test_redis_elastic import _delete  # the same key cleanup
+from zp_sim.server import SimServer
+from zp_sim.tokenizer import count_chat_tokens, make_text
 
 pytestmark = pytest.mark.anyio
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as redis_async
-from conftest import _free_port, _redis_answers, start_redis_server
 
+from tests.conftest import _free_port, _redis_answers, start_redis_server
 from zp_client.budget.redis import RedisBudget, RedisBudgetEvent
 from zp_client.budget.redis._script import scripts as _scripts
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, LeaseTooLarge

@@ -28,14 +28,13 @@ import redis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
+from test_redis_budget import redis_cluster  # noqa: F401 - the 3-master cluster fixture
 
 from zp_client.budget.base import Lease
 from zp_client.budget.elastic import ElasticPolicy, projected_peak
 from zp_client.budget.ledger import Ledger
 from zp_client.budget.redis import RedisBudget
 from zp_client.errors import ConfigurationError
-
-from test_redis_budget import redis_cluster  # noqa: F401 - the 3-master cluster fixture
 
 pytestmark = pytest.mark.redis
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import start_redis_server
 
+from tests.conftest import start_redis_server
 from zp_client import AdmissionTimeout, RedisBudget
 from zp_client.budget.redis import RedisBudgetEvent
 from zp_client.budget.redis._script import RENEW_BATCH

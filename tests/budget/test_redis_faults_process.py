@@ -191,7 +191,7 @@ def test_a_redis_stall_longer_than_the_lease_ttl_does_not_reclaim_a_live_holders
     the holder's lease was reported lost while its request still ran: the sum above the limit."""
     import asyncio
 
-    from conftest import start_redis_server
+    from tests.conftest import start_redis_server
 
     from zp_client import AdmissionError, AdmissionTimeout, RedisBudget
 
@@ -267,7 +267,7 @@ def test_a_dead_holders_lease_is_still_reclaimed_after_a_stall(fault_report: Any
     loses its lease at most its remaining TTL after Redis answers again (not one shift per gap forever)."""
     import asyncio
 
-    from conftest import start_redis_server
+    from tests.conftest import start_redis_server
 
     from zp_client import RedisBudget
 
@@ -321,7 +321,7 @@ def test_a_release_during_a_redis_stall_does_not_hold_its_caller(fault_report: A
     on in the background and lands when Redis answers again."""
     import asyncio
 
-    from conftest import start_redis_server
+    from tests.conftest import start_redis_server
 
     from zp_client import RedisBudget
     from zp_client.budget.redis._script import RELEASE_WAIT_S

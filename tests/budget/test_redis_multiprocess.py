@@ -194,7 +194,7 @@ def test_sigkilled_holders_blocks_return_and_waiters_proceed(redis_url: str, red
 
 @pytest.mark.slow
 def test_redis_restart_under_load_never_over_admits(redis_url: str, redis_prefix: str, cleanup: None) -> None:
-    from conftest import start_redis_server
+    from tests.conftest import start_redis_server
 
     proc, port = start_redis_server()
     budget_url = f"redis://127.0.0.1:{port}/0"

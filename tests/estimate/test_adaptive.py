@@ -590,10 +590,9 @@ def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_retu
     """Traffic sent straight to the simulator (not through the budget) holds its KV; the controller,
     polling the simulator's /metrics on the virtual clock, lowers the limit to the room that leaves and
     raises it back once that traffic ends. The simulator counts one poller, this controller."""
-    from zp_client._clock import LoopClock
-    from zp_client.bench.memory import MemoryTransport
-    from zp_client.bench.vloop import run_virtual
-    from zp_client.sim.server import SimServer
+    from zp_client.clock import LoopClock
+    from zp_client.testing import MemoryTransport, run_virtual
+    from zp_sim.server import SimServer
 
     poll, cooldown = 0.5, 2.0
     cal = 486  # floor(511 x 0.95)
@@ -677,10 +676,9 @@ def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_tr
     import openai
 
     from zp_client import wrap
-    from zp_client._clock import LoopClock
-    from zp_client.bench.memory import MemoryTransport, memory_transport
-    from zp_client.bench.vloop import run_virtual
-    from zp_client.sim.server import SimServer
+    from zp_client.clock import LoopClock
+    from zp_client.testing import MemoryTransport, memory_transport, run_virtual
+    from zp_sim.server import SimServer
 
     cal = 1500  # the pool has 511 usable blocks
 
@@ -720,7 +718,7 @@ def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_tr
 
 
 def test_budget_adapt_on_a_calibrated_budget_polls_its_server_over_loopback() -> None:
-    from zp_client.sim.server import SimServer
+    from zp_sim.server import SimServer
 
     with SimServer(num_gpu_blocks=513) as sim:
         budget = LocalBudget.from_server(sim.base_url)

@@ -153,7 +153,7 @@ def test_three_processes_run_exactly_one_poller_and_a_killed_leaders_successor_p
         redis_url: str, redis_prefix: str) -> None:
     import redis
 
-    from zp_client.sim.server import SimServer
+    from zp_sim.server import SimServer
 
     ttl, poll = 4.0, 1.0  # the leader renews every poll: its lease's PTTL runs from 4 s down to 3 s
     leader_key = f"{{zp:{redis_prefix}}}:adaptive:leader"

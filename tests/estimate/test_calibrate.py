@@ -28,7 +28,7 @@ from zp_client.calibration import Calibration, calibrate, calibrate_async, serve
 from zp_client.cli import main
 from zp_client.errors import CalibrationError, ConfigurationError, ServerInfoError
 from zp_client.server import ELASTIC_HEADROOM, STRICT_HEADROOM, suggest_limit_blocks
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 N = 300  # the simulator's pool in these tests (the tiny profile's own is 512)
 

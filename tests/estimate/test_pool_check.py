@@ -20,8 +20,8 @@ from tests._asgi_server import LoopbackServer
 from zp_client import LocalBudget, Settings, wrap
 from zp_client._core import check_pool
 from zp_client.server import ServerMetrics
-from zp_client.sim.server import SimServer
 from zp_client.transport import transport_classes
+from zp_sim.server import SimServer
 
 LIBS: list[Any] = [httpx]
 if importlib.util.find_spec("httpx2") is not None:

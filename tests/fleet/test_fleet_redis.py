@@ -23,9 +23,9 @@ import openai
 import pytest
 import redis
 import redis.asyncio as redis_async
-from conftest import _free_port
 
 from tests._asgi_server import LoopbackServer
+from tests.conftest import _free_port
 from zp_client import observe_admissions, wrap
 from zp_client.errors import BudgetUnavailable, ConfigurationError, LeaseTooLarge
 from zp_client.fleet.redis import RedisFleet, replica_id

@@ -17,10 +17,10 @@ import pytest
 
 from tests.fleet.test_fleet import _dead_url  # a port nothing listens on
 from zp_client import Fleet, wrap
-from zp_client.bench.workloads import make_text
 from zp_client.errors import ConfigurationError
 from zp_client.fleet.pd import PREFILL_KV_PARAMS, decode_body, kv_params_of, prefill_body
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
+from zp_sim.tokenizer import make_text
 
 LIMIT = 480  # the tiny profile's pool is 511 blocks
 

@@ -27,7 +27,7 @@ from agent_framework.openai import OpenAIChatCompletionClient
 from zp_client import LocalBudget, RetryPolicy, Settings, wrap
 from zp_client.errors import LeaseTooLarge, unwrap_error
 from zp_client.retry import testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 SETTINGS = Settings(estimator="heuristic")
 CHAT = "/v1/chat/completions"

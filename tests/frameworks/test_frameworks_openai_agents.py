@@ -29,7 +29,7 @@ from openai.types.responses import ResponseTextDeltaEvent
 from zp_client import AdmissionOptions, LocalBudget, RetryPolicy, Settings, admitted_budget, wrap
 from zp_client.errors import LeaseTooLarge, ZPError, unwrap_error
 from zp_client.retry import testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 SETTINGS = Settings(estimator="heuristic")
 CHAT = "/v1/chat/completions"

@@ -24,7 +24,7 @@ from zp_client import (
     openai_http_client,
 )
 from zp_client.errors import ConfigurationError
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 

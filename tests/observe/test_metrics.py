@@ -39,7 +39,7 @@ from zp_client import (
 )
 from zp_client.budget.base import ClassStatus
 from zp_client.retry import testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.openai_compat]
 

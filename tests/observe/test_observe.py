@@ -22,7 +22,7 @@ from _retry_upstream import RetryUpstream
 import zp_client
 from zp_client import AdmissionInfo, LocalBudget, Settings, observe_admissions, summarize_admissions, wrap
 from zp_client.retry import testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.openai_compat]
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from zp_client.cli import main
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 
 @pytest.fixture(scope="module")

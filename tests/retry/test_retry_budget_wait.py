@@ -1,6 +1,6 @@
 """A retry the spent retry budget refuses waits for it (holding no lease) instead of failing at once,
 bounded by the request's deadline or ``budget_wait_s``; answers earn retries, failures do not; connect
-errors are not charged. Policy-level tests run on the virtual clock (zp_client.bench.vloop: no real
+errors are not charged. Policy-level tests run on the virtual clock (zp_client.testing: no real
 sleeping); the end-to-end ones go through wrap()'d openai against a real loopback upstream."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from _retry_upstream import RetryUpstream
 
 from zp_client import LocalBudget, RetryBudgetExhausted, Settings, ZPError, wrap
-from zp_client._clock import LoopClock
-from zp_client.bench.vloop import run_virtual
+from zp_client.clock import LoopClock
 from zp_client.retry import LocalRetryBudget, RetryDetails, RetryPolicy, RetryState
+from zp_client.testing import run_virtual
 
 
 def _policy(**kw: Any) -> tuple[RetryPolicy, LocalRetryBudget]:

@@ -21,17 +21,16 @@ from typing import Any
 import anyio
 import openai
 import pytest
+from _asgi_server import ThreadedApp
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from zp_client import wrap
 from zp_client.budget.local import LocalBudget
 from zp_client.retry import LocalRetryBudget, RetryPolicy
-from zp_client.sim.server import SimServer
-from zp_client import wrap
-
-from _asgi_server import ThreadedApp
+from zp_sim.server import SimServer
 
 MAX_MODEL_LEN = 4096
 

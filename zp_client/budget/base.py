@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 # The plain value types live in a module of their own so the ledger can use them without this one.
 from zp_client import _hooks
-from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 from zp_client.budget.retries import LocalRetryBudget, RetryBudget
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Budget(abc.ABC):
 
     clock: Clock = SYSTEM_CLOCK
     """The clock this budget reads; transports, retry policies and retry budgets built on it default to
-    it (see :mod:`zp_client._clock`). :class:`~zp_client.LocalBudget` takes ``clock=``."""
+    it (see :mod:`zp_client.clock`). :class:`~zp_client.LocalBudget` takes ``clock=``."""
 
     calibration: Calibration | None = None
     """How the limit was sized when the budget came from ``from_server`` (see

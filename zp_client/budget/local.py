@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from zp_client._clock import SYSTEM_CLOCK, Clock
 from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
 from zp_client.budget.elastic import make_policy
@@ -39,6 +38,7 @@ from zp_client.budget.ledger import (
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
 from zp_client.budget.predict import FAIL_FAST_KEY, PoolTiming, predict_wait_of, predict_waits
+from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, LeaseTooLarge
 
 if TYPE_CHECKING:
@@ -190,9 +190,9 @@ class LocalBudget(Budget):
     metadata is reserved at its bound, as strict would), ``"strict"`` (reserve every lease's bound:
     preemption impossible by construction) or a :class:`~zp_client.budget.ledger.ReservationPolicy`
     object (an object with a ``block_size`` must agree with the budget's). ``clock`` (default
-    :data:`~zp_client._clock.SYSTEM_CLOCK`) is what the budget reads for line order and backfill, and
+    :data:`~zp_client.clock.SYSTEM_CLOCK`) is what the budget reads for line order and backfill, and
     what every transport, default retry policy and retry budget built on the budget reads too (the
-    storm passes a :class:`~zp_client._clock.LoopClock` on its virtual-time loop).
+    storm passes a :class:`~zp_client.clock.LoopClock` on its virtual-time loop).
 
     Under ``elastic``, ``acquire(..., meta=...)`` carries what the policy projects from
     (``prompt_tokens``, ``forecast_tokens``, ``streaming``, ``prefix_key``, ``prefix_blocks``), and

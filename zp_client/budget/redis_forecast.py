@@ -15,8 +15,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
-from zp_client._clock import SYSTEM_CLOCK
 from zp_client._redact import check_redis_url
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import ConfigurationError
 from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
 

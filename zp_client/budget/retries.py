@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from zp_client._clock import SYSTEM_CLOCK
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import ConfigurationError
 
 __all__ = ["DEFAULT_BUDGET_RATIO", "DEFAULT_BUDGET_FLOOR_PER_S", "DEFAULT_BUDGET_WINDOW_S", "RetryBudget",

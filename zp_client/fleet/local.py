@@ -24,7 +24,6 @@ from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import anyio
 
-from zp_client._clock import Clock
 from zp_client._tasks import Supervisor, deferred, quiesce
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.budget.ledger import (
@@ -36,6 +35,7 @@ from zp_client.budget.ledger import (
     validate_seconds,
 )
 from zp_client.budget.local import LocalBudget, _LocalLease, _Waiter
+from zp_client.clock import Clock
 from zp_client.errors import ConfigurationError, LeaseTooLarge
 from zp_client.fleet._routing import FleetRouting, normalize, origin, replica_limits
 from zp_client.fleet.ledger import (

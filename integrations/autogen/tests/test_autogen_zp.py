@@ -33,7 +33,7 @@ from autogen_zp import ZPAdmissionEvent, ZPOpenAIChatCompletionClient
 from zp_client import LocalBudget, Settings
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
 from zp_client.retry import testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 

@@ -28,7 +28,7 @@ from autogen_core.models import UserMessage
 from autogen_zp import ZPOpenAIChatCompletionClient
 from zp_client import InvalidRequest, Settings
 from zp_client.errors import ConfigurationError
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 

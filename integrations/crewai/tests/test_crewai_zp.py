@@ -38,7 +38,7 @@ from zp_client import LocalBudget, RetryPolicy, Settings, admitted_budget, unwra
 from zp_client._private import replace_crewai_clients
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, ZPError
 from zp_client.retry import testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 SETTINGS = Settings(estimator="heuristic")
 CHAT = "/v1/chat/completions"

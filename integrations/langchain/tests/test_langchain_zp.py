@@ -38,7 +38,7 @@ from zp_client import LocalBudget, Settings, observe_admissions
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, PromptTooLong, ZPError
 from zp_client.metrics import ZPMetrics
 from zp_client.retry import testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from langchain_zp import ZPChatOpenAI, ZPOpenAI, admit_langchain
 from zp_client import InvalidRequest, Settings
 from zp_client.errors import ConfigurationError
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 pytestmark = [pytest.mark.openai_compat]
 

@@ -1,5 +1,5 @@
 """litellm-zp through LiteLLM's real code path (litellm.acompletion / completion, its openai provider with
-``client=``) against the simulator (zp_client.sim) behind a proxy that answers 503 for chosen models.
+``client=``) against the simulator (zp_sim) behind a proxy that answers 503 for chosen models.
 
 Asserted: one lease per successful call, all released; upstream attempts per always-failing call <= zp's
 3 by default and with ``num_retries=2`` (the adapter's and the issue's one-line glue,
@@ -34,7 +34,7 @@ from litellm_zp import ZPLiteLLM  # noqa: E402
 from zp_client import LocalBudget, Settings, observe_admissions, unwrap_error, wrap  # noqa: E402
 from zp_client.errors import ConfigurationError, LeaseTooLarge, RetryBudgetExhausted, ZPError  # noqa: E402
 from zp_client.retry import LocalRetryBudget, RetryPolicy, testing  # noqa: E402
-from zp_client.sim.server import SimServer  # noqa: E402
+from zp_sim.server import SimServer  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 litellm.suppress_debug_info = True

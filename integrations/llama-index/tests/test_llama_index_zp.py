@@ -32,7 +32,7 @@ from llama_index_zp import ZPOpenAILike
 from zp_client import LocalBudget, RetryPolicy, Settings, unwrap_error, wrap
 from zp_client.errors import ConfigurationError, LeaseTooLarge, MissingIntegration, ZPError
 from zp_client.retry import testing
-from zp_client.sim.server import SimServer
+from zp_sim.server import SimServer
 
 SETTINGS = Settings(estimator="heuristic")
 CHAT = "/v1/chat/completions"

@@ -12,7 +12,6 @@ import secrets
 import threading
 from typing import Any
 
-from zp_client._clock import SYSTEM_CLOCK
 from zp_client._tasks import Supervisor
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
@@ -27,6 +26,7 @@ from zp_client.budget.redis._script import (
     RedisLease,
     text,
 )
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import LeaseTooLarge
 
 log = logging.getLogger("zp_client.budget.redis")

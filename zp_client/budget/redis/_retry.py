@@ -16,7 +16,6 @@ import redis
 import redis.asyncio
 from redis.exceptions import MaxConnectionsError, RedisError
 
-from zp_client._clock import SYSTEM_CLOCK
 from zp_client._redact import check_redis_url
 from zp_client.budget.redis._script import POOL_SIZE, load_lua
 from zp_client.budget.retries import (
@@ -25,6 +24,7 @@ from zp_client.budget.retries import (
     DEFAULT_BUDGET_WINDOW_S,
     validate_retry_budget_params,
 )
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import ConfigurationError
 
 # A full pool (only a caller's non-blocking one: the budget's own pools block) is back-pressure: waited

@@ -26,10 +26,10 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.elastic import admission_meta
 from zp_client.budget.ledger import AGE_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import BudgetUnavailable, ConfigurationError, LeaseTooLarge, ZPError
 
 log = logging.getLogger("zp_client.budget.redis")

@@ -11,7 +11,6 @@ from typing import Any
 
 import redis as redis_sync
 
-from zp_client._clock import SYSTEM_CLOCK
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._script import (
     CALL_FAILED,
@@ -27,6 +26,7 @@ from zp_client.budget.redis._script import (
     RedisLease,
     text,
 )
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge
 
 log = logging.getLogger("zp_client.budget.redis")
