@@ -1,6 +1,6 @@
 """One retry loop: a call zp already gave up on is not sent again when something above zp retries it.
 
-zp's attempt loop (:mod:`zp_client._core`) is meant to be the only retry loop. Two kinds of retry still
+zp's attempt loop (:mod:`zp_client._admission`) is meant to be the only retry loop. Two kinds of retry still
 arrive at the transport from above it:
 
 * the openai SDK's own (its ``max_retries``, which LiteLLM sets back to 2 on every call). The SDK sends
@@ -58,13 +58,40 @@ from collections.abc import Generator, Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
+from zp_client._admission.actions import ReadAll
 from zp_client._clock import Clock
 from zp_client._private import has_read_body
 
 if TYPE_CHECKING:
-    from zp_client._core import Core
+    from zp_client._admission.ports import Metrics
+    from zp_client.config import Settings
+
+
+class _Lib(Protocol):
+    @property
+    def module(self) -> ModuleType: ...
+
+
+class Core(Protocol):
+    """What the repeat guard reads of the admission core (:class:`zp_client._admission.core.Core`)."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def retry(self) -> object: ...
+
+    @property
+    def metrics(self) -> Metrics | None: ...
+
+    @property
+    def lib(self) -> _Lib: ...
 
 __all__ = ["CAP", "SCOPE_CAP", "MAX_ANSWER_BYTES", "CALL_HEADER", "RETRY_COUNT_HEADER", "call_key",
            "call_scope", "one_loop",
@@ -304,8 +331,6 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Gener
     on gets its failure again without running ``steps``; every error answer handed over says
     ``x-should-retry: false`` (read here in full: error answers are small) so the openai SDK does not
     retry it; a call that fails is remembered for its repeats."""
-    from zp_client._core import ReadAll  # the core imports this module: the action classes come late
-
     guard = _Guard(core, request)
     hit = guard.repeat_of()
     if hit is not None:

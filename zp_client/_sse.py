@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from zp_client.budget.base import Lease
 
 if TYPE_CHECKING:
-    from zp_client._plan import Plan
+    from zp_client._admission.plan import Plan
 
 logger = logging.getLogger("zp_client.transport")
 

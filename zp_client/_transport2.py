@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx2
 
-from zp_client._drivers import AsyncDriver, SyncDriver
+from zp_client._admission.drivers import AsyncDriver, SyncDriver
 from zp_client._httpx2 import HTTPX2
 from zp_client.transport import TransportClasses
 

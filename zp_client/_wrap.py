@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, TypeVar, cast
 
-from zp_client._httplib import module_of, watch_sdk_streams
+from zp_client._admission.httplib import module_of, watch_sdk_streams
 from zp_client._private import http_mounts, http_transport, sdk_http_client
 from zp_client.budget.base import Budget
 from zp_client.config import Settings

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zp_client._plan import PRIORITY_HEADER
+from zp_client._admission.plan import PRIORITY_HEADER
 from zp_client._private import http_transport, sdk_http_client
 from zp_client.errors import ConfigurationError
 

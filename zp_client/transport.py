@@ -2,7 +2,7 @@
 
 :class:`AsyncAdmissionTransport` and :class:`AdmissionTransport` wrap any inner ``httpx`` transport;
 ``AsyncAdmissionTransport2`` / ``AdmissionTransport2`` do the same for ``httpx2`` (openai 3.x). All four
-drive one sans-I/O core (:mod:`zp_client._core`), so they behave identically; only LLM calls (``POST``
+drive one sans-I/O core (:mod:`zp_client._admission`), so they behave identically; only LLM calls (``POST``
 to ``/chat/completions``, ``/completions``, ``/responses``) are admitted. What callers may rely on:
 docs/admission.md (leases, release, streams, per-call headers), docs/elastic.md, docs/retries.md.
 """
@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 
-from zp_client._core import default_retry, forecaster_for
-from zp_client._drivers import AsyncDriver, SyncDriver
-from zp_client._httplib import HTTPX, module_of
-from zp_client._plan import (
+from zp_client._admission.core import default_retry, forecaster_for
+from zp_client._admission.drivers import AsyncDriver, SyncDriver
+from zp_client._admission.httplib import HTTPX, module_of
+from zp_client._admission.plan import (
     DEADLINE_HEADER,
     PRIORITY_HEADER,
     ROUTE_HEADER,

@@ -421,7 +421,7 @@ class Fleet(FleetRouting, LocalBudget):
         """Stop the active checks and close the fleet's own HTTP client. Live leases are not released,
         except the prefill legs kept until vLLM's lease on their KV expires (:mod:`zp_client.fleet.pd`):
         those are released now, the fleet is going away."""
-        from zp_client._release import deferred
+        from zp_client._admission.release import deferred
 
         deferred.release_now(self)
         task, self._task = self._task, None

@@ -452,7 +452,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         await super()._release_lease(lease)
 
     async def aclose(self) -> None:
-        from zp_client._release import deferred
+        from zp_client._admission.release import deferred
 
         if self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)

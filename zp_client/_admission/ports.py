@@ -1,0 +1,426 @@
+"""The seams of the admission core: one :class:`typing.Protocol` per collaborator it talks to.
+
+The core (:mod:`zp_client._admission.core`) and its modules are typed against these, never against a
+concrete fleet, forecaster, estimator, retry policy, metrics sink or HTTP library: the real classes
+satisfy them structurally (``mypy`` checks it where they are handed in), a test double needs only the
+members named here. Optional abilities (a forecaster that can read the request, a budget that reads the
+forecast's spread, a fleet) are their own small protocols, checked with ``isinstance``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Generator, Iterable, Iterator, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from zp_client._admission.actions import Action
+    from zp_client._admission.plan import Plan
+    from zp_client._admission.release import Holder
+    from zp_client.budget.base import Budget, Lease
+    from zp_client.estimate import PromptEstimate
+    from zp_client.server import ServerInfo
+
+__all__ = [
+    "JSONObject", "LeaseMeta", "Steps", "HttpURL", "HttpHeaders", "HttpRequest", "HttpResponse",
+    "AsyncClosable", "AsyncInner", "SyncInner", "Forecaster", "RequestForecaster", "BlindForecaster", "SpreadForecaster",
+    "SharesForecasts", "ReadsSpread", "Estimator", "RetryState", "RetryDecision", "RetryPolicy",
+    "Metrics", "BodyObserver", "Fleet", "TwoPhase", "TwoPhaseCall", "AttemptContext", "Placed",
+    "Predicted", "Named",
+]
+
+JSONObject = dict[str, object]
+"""A request's parsed JSON body."""
+LeaseMeta = dict[str, object]
+"""What an acquire tells the budget about the request (elastic projection, routing, targets)."""
+Steps = Generator["Action", object, "HttpResponse"]
+"""A piece of the attempt loop: yields actions, is sent their results, returns the response."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The HTTP library's values (httpx or httpx2): what the core reads of them
+# --------------------------------------------------------------------------------------------------
+
+
+class HttpURL(Protocol):
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def netloc(self) -> bytes: ...
+
+    @property
+    def host(self) -> str: ...
+
+    def copy_with(self, **kwargs: object) -> HttpURL: ...
+
+
+class HttpHeaders(Protocol):
+    @property
+    def raw(self) -> list[tuple[bytes, bytes]]: ...
+
+    def get(self, key: str, default: str, /) -> str: ...
+
+    def items(self) -> Iterable[tuple[str, str]]: ...
+
+
+class HttpRequest(Protocol):
+    method: str
+    url: HttpURL
+    headers: HttpHeaders
+    extensions: MutableMapping[str, object]
+
+    @property
+    def content(self) -> bytes: ...
+
+    @property
+    def stream(self) -> object: ...
+
+    def read(self) -> bytes: ...
+
+    async def aread(self) -> bytes: ...
+
+
+class HttpResponse(Protocol):
+    status_code: int
+    headers: HttpHeaders
+    extensions: MutableMapping[str, object]
+
+    @property
+    def content(self) -> bytes: ...
+
+    @property
+    def is_closed(self) -> bool: ...
+
+    @property
+    def stream(self) -> Iterable[bytes] | AsyncIterable[bytes]: ...
+
+    def read(self) -> bytes: ...
+
+    async def aread(self) -> bytes: ...
+
+    def iter_bytes(self) -> Iterator[bytes]: ...
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
+    def close(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncClosable(Protocol):
+    """An async iterator that can be closed (``aclose``)."""
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncInner(Protocol):
+    """An async inner transport (``handle_async_request``)."""
+
+    async def handle_async_request(self, request: HttpRequest) -> HttpResponse: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class SyncInner(Protocol):
+    """A blocking inner transport (``handle_request``)."""
+
+    def handle_request(self, request: HttpRequest) -> HttpResponse: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Learning: the length forecaster and the prompt estimator
+# --------------------------------------------------------------------------------------------------
+
+
+class Forecaster(Protocol):
+    """What the core asks of an elastic budget's forecaster (a :class:`~zp_client.forecast.LengthForecaster`
+    has all of it; the abilities below are optional)."""
+
+    def forecast(self, key: str, *, generated: int = 0, max_tokens: int | None = None,
+                 streaming: bool = True) -> int: ...
+
+    def observe(self, key: str, completion_tokens: int) -> None: ...
+
+
+@runtime_checkable
+class RequestForecaster(Protocol):
+    """A forecaster that reads the request itself (the benchmark's oracle): an int is taken as known
+    (capped at ``max_tokens``), None falls back to :meth:`Forecaster.forecast`. See docs/elastic.md."""
+
+    def forecast_request(self, route: str, body: JSONObject, *, max_tokens: int,
+                         streaming: bool) -> int | None: ...
+
+
+@runtime_checkable
+class BlindForecaster(Protocol):
+    """A forecaster with a separate quantile for requests whose growth is not seen."""
+
+    q_blind: float | None
+
+
+@runtime_checkable
+class SpreadForecaster(Protocol):
+    """A forecaster with an upper forecast (``spread``), for a spread-sized reserve."""
+
+    def spread(self, key: str, *, generated: int = 0, max_tokens: int | None = None) -> int: ...
+
+
+@runtime_checkable
+class SharesForecasts(Protocol):
+    """A budget that shares one forecaster across processes (RedisBudget)."""
+
+    def shared_forecaster(self) -> Forecaster: ...
+
+
+@runtime_checkable
+class ReadsSpread(Protocol):
+    """A budget whose policy reads the forecast's spread (a spread-sized reserve)."""
+
+    @property
+    def reads_forecast_spread(self) -> bool: ...
+
+
+@runtime_checkable
+class Named(Protocol):
+    """A budget with a name (every shipped one)."""
+
+    name: str
+
+
+class Estimator(Protocol):
+    """The prompt estimator (:class:`zp_client.estimate.Estimator`)."""
+
+    def estimate(self, path: str, body: Mapping[str, object]) -> PromptEstimate: ...
+
+    async def estimate_async(self, path: str, body: Mapping[str, object],
+                             server: ServerInfo | None = None) -> PromptEstimate: ...
+
+    def estimate_sync_server(self, path: str, body: Mapping[str, object],
+                             server: ServerInfo | None = None) -> PromptEstimate: ...
+
+    def reserve_tokens(self, est: PromptEstimate) -> int: ...
+
+    def lower_bound_tokens(self, est: PromptEstimate) -> int: ...
+
+    def observe(self, est: PromptEstimate, prompt_tokens: int) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# The retry decision and metrics
+# --------------------------------------------------------------------------------------------------
+
+
+class RetryState(Protocol):
+    """One logical request's retry progress (:class:`zp_client.retry.RetryState`)."""
+
+    ticket: object
+
+
+class RetryDecision(Protocol):
+    """What to do after an attempt (:class:`zp_client.retry.RetryDecision`)."""
+
+    @property
+    def retry(self) -> bool: ...
+
+    @property
+    def delay_s(self) -> float: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    @property
+    def budget_owed(self) -> bool: ...
+
+
+class RetryPolicy(Protocol):
+    """The retry decision (:class:`zp_client.retry.RetryPolicy`): one state per request, a decision per
+    failed (or answered) attempt, the sleeps between attempts."""
+
+    @property
+    def retry_statuses(self) -> frozenset[int]: ...
+
+    def new_request(self) -> RetryState: ...
+
+    async def new_request_async(self) -> RetryState: ...
+
+    def decide(self, state: RetryState, *, status: int | None, headers: HttpHeaders | None,
+               error: BaseException | None, delivered: bool, remaining_s: float | None,
+               wait_for_budget: bool) -> RetryDecision: ...
+
+    async def decide_async(self, state: RetryState, *, status: int | None, headers: HttpHeaders | None,
+                           error: BaseException | None, delivered: bool, remaining_s: float | None,
+                           wait_for_budget: bool) -> RetryDecision: ...
+
+    def wait_for_budget(self, state: RetryState, *, remaining_s: float | None) -> None: ...
+
+    async def wait_for_budget_async(self, state: RetryState, *, remaining_s: float | None) -> None: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+    def sleep_sync(self, seconds: float) -> None: ...
+
+
+class Metrics(Protocol):
+    """What the core records (:class:`zp_client.metrics.ZPMetrics`)."""
+
+    def track(self, budget: Budget) -> None: ...
+
+    def waited(self, priority: int, seconds: float) -> None: ...
+
+    def predicted(self, priority: int, predicted_s: float, actual_s: float) -> None: ...
+
+    def held(self, priority: int, seconds: float) -> None: ...
+
+    def retried(self, status: int | None, error: BaseException | None) -> None: ...
+
+    def refused(self, error: BaseException) -> None: ...
+
+    def repeated(self, error: BaseException | None, status: int | None) -> None: ...
+
+    def forecast_missed(self, observed: int, forecast: int) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Leases as a fleet places them
+# --------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Placed(Protocol):
+    """A lease a fleet placed on a replica."""
+
+    replica: str | None
+
+
+@runtime_checkable
+class Predicted(Protocol):
+    """A lease that carries the budget's predicted wait for it."""
+
+    predicted_wait_s: float | None
+
+
+# --------------------------------------------------------------------------------------------------
+# The body handed to the caller calls back through this (not into the core)
+# --------------------------------------------------------------------------------------------------
+
+
+class BodyObserver(Protocol):
+    """What a response body handed to the caller reports back while it is read."""
+
+    def observe(self, plan: Plan, scanner: Scanner) -> None:
+        """The body ended: learn from its usage."""
+
+    def observe_seen(self, plan: Plan, scanner: Scanner) -> None:
+        """The body was closed early: learn only if its usage already went by."""
+
+    def surface(self, exc: BaseException) -> BaseException:
+        """The error the caller sees for ``exc`` (wrap() makes zp errors openai-compatible)."""
+
+    def stream_cut(self, lease: Lease, exc: BaseException) -> BaseException | None:
+        """The error for a fleet replica's stream cut under its reader; None: ``exc`` as it is."""
+
+
+if TYPE_CHECKING:
+    from zp_client._sse import Scanner
+
+
+# --------------------------------------------------------------------------------------------------
+# The fleet, and a disaggregated fleet's two-phase lease
+# --------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Fleet(Protocol):
+    """What the core asks of a fleet (:class:`zp_client.fleet.Fleet`, :class:`~zp_client.fleet.redis.RedisFleet`):
+    where an attempt goes, what routing adds to a lease's meta, the replicas' health."""
+
+    is_fleet: bool
+    max_moves: int
+
+    @property
+    def replicas(self) -> list[str]: ...
+
+    @property
+    def pd(self) -> TwoPhase | None: ...
+
+    def route_url(self, lease: Lease, url: HttpURL) -> HttpURL: ...
+
+    def passthrough_url(self, url: HttpURL) -> HttpURL: ...
+
+    def metadata_base(self, base: str, root: str) -> tuple[str, str]: ...
+
+    def routing_meta(self, body: Mapping[str, object], prompt_tokens: int,
+                     session: str | None) -> dict[str, object]: ...
+
+    def routing_only(self, meta: Mapping[str, object] | None) -> dict[str, object] | None: ...
+
+    def avoiding(self, meta: Mapping[str, object] | None, lease: Lease) -> dict[str, object]: ...
+
+    def matched_tokens(self, lease: Lease) -> int: ...
+
+    def best_matched_tokens(self, meta: Mapping[str, object] | None) -> int: ...
+
+    def note_failure(self, lease: Lease, *, connect: bool = False) -> bool: ...
+
+    def note_success(self, lease: Lease) -> None: ...
+
+    def note_move(self) -> None: ...
+
+
+class AttemptContext(Protocol):
+    """What the two-phase lease asks of the attempt loop that runs it."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def now(self) -> float: ...
+
+    def remaining(self, plan: Plan) -> float | None: ...
+
+    def lease_meta(self, plan: Plan, meta: LeaseMeta | None) -> LeaseMeta | None: ...
+
+    def hold(self, lease: Lease, *, is_async: bool) -> Holder: ...
+
+    def request(self, original: HttpRequest, plan: Plan, url: HttpURL | None = None) -> HttpRequest: ...
+
+    def is_event_stream(self, resp: HttpResponse) -> bool: ...
+
+
+class TwoPhaseCall(Protocol):
+    """One disaggregated request's prefill side across its attempts (:mod:`zp_client.fleet.pd`)."""
+
+    @property
+    def leg(self) -> Holder | None:
+        """The prefill leg while held (released at the decode stream's first chunk)."""
+
+    def reusable_for(self, now: float) -> float | None: ...
+
+    def before_attempt(self, plan: Plan, is_async: bool) -> Generator[Action, object, bool]:
+        """Before an attempt that reuses nothing: end the old leg, take a new one if the request is
+        disaggregated. True when it took one (the deadline's remainder is to be read again)."""
+
+    def prefill(self, plan: Plan, request: HttpRequest, lease: Lease,
+                granted_at: float) -> Generator[Action, object, Plan]: ...
+
+    def answered(self, resp: HttpResponse) -> None: ...
+
+    def decode_started(self) -> Generator[Action, object, None]: ...
+
+    def connect_failed(self) -> None: ...
+
+    def drop(self) -> Generator[Action, object, None]: ...
+
+
+class TwoPhase(Protocol):
+    """A decode fleet's prefill side (:class:`zp_client.fleet.pd.PDSettings`)."""
+
+    def call(self, decode: Fleet, plan: Plan, body: Mapping[str, object],
+             ctx: AttemptContext) -> TwoPhaseCall: ...
