@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -26,6 +26,7 @@ from zp_client._admission.plan import (
     TTFT_TARGET_HEADER,
     is_admitted,
 )
+from zp_client._admission.ports import HttpRequest
 from zp_client.budget.base import Budget
 from zp_client.errors import ConfigurationError
 
@@ -59,11 +60,17 @@ class AsyncAdmissionTransport(AsyncDriver, httpx.AsyncBaseTransport):
 
     lib = HTTPX
 
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return cast(httpx.Response, await self.handle_async(cast(HttpRequest, request)))
+
 
 class AdmissionTransport(SyncDriver, httpx.BaseTransport):
     """Blocking admission transport for ``httpx`` (same options as :class:`AsyncAdmissionTransport`)."""
 
     lib = HTTPX
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return cast(httpx.Response, self.handle_sync(cast(HttpRequest, request)))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ says what the driver sends back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,19 +20,19 @@ from zp_client._admission.ports import (
     JSONObject,
     LeaseMeta,
     RetryPolicy,
-    RetryState,
     Steps,
 )
 from zp_client._admission.release import Holder
 from zp_client.budget.base import Budget, Ticket
 
 if TYPE_CHECKING:
+    from zp_client.retry import RetryState
     from zp_client.server import ServerInfo
 
 __all__ = ["Estimate", "ModelLen", "PoolSize", "NewRetryState", "Acquire", "Send", "ReadAll", "Peek", "Close",
            "Release", "Decide", "WaitBudget", "Sleep", "Action", "Done", "Machine", "Prefetched"]
 
-Prefetched = tuple[bytes | None, "Iterator[bytes] | object"]
+Prefetched = tuple[bytes | None, "Iterator[bytes] | AsyncIterator[bytes]"]
 """A body's first chunk (None: it was empty) and an iterator over the rest (sync or async)."""
 
 

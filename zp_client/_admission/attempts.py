@@ -40,9 +40,7 @@ from zp_client._admission.ports import (
     LeaseMeta,
     Placed,
     Predicted,
-    RetryDecision,
     RetryPolicy,
-    RetryState,
     Steps,
     SyncInner,
     TwoPhaseCall,
@@ -58,6 +56,7 @@ from zp_client.observe import notify as notify_observers
 
 if TYPE_CHECKING:
     from zp_client.observe import _Observer
+    from zp_client.retry import RetryDecision, RetryState
 
 __all__ = ["AttemptLoop", "OVERLOAD_STATUSES", "is_unreachable", "unreachable"]
 
@@ -160,7 +159,8 @@ class AttemptLoop:
             return cast(HttpResponse, (yield Send(request)))
         est: PromptEstimate
         if parts.settings.estimator == "server":
-            est = cast(PromptEstimate, (yield Estimate(request.url.path, p.body, servers.server_for(p, inner))))
+            server = servers.server_for(p, inner)
+            est = cast(PromptEstimate, (yield Estimate(request.url.path, p.body, server)))
         else:
             est = parts.estimator.estimate(request.url.path, p.body)
         mml = yield from servers.max_model_len(p, inner)
@@ -185,7 +185,7 @@ class AttemptLoop:
         """The attempt loop: lease, send, retry; ``st``: a disaggregated request's prefill side."""
         parts = self._parts
         retry = parts.retry
-        state = cast(RetryState, (yield NewRetryState(retry))) if retry is not None else None
+        state = cast("RetryState", (yield NewRetryState(retry))) if retry is not None else None
         ticket: Ticket | None = None
         attempt = 0
         moves = 0
@@ -298,7 +298,7 @@ class AttemptLoop:
         that goes to the caller as it is."""
         resp = None if answer is None else answer[0]
         status = None if resp is None else resp.status_code
-        d = cast(RetryDecision, (yield Decide(retry, state, status, None if resp is None else resp.headers,
+        d = cast("RetryDecision", (yield Decide(retry, state, status, None if resp is None else resp.headers,
                                               error, self.remaining(plan))))
         if answer is not None:
             if not d.retry and d.error is None:

@@ -21,6 +21,7 @@ from zp_client._admission.httplib import HttpLib
 from zp_client._admission.parts import SHARED, Parts, SharedState
 from zp_client._admission.planner import Planner
 from zp_client._admission.ports import (
+    AsyncInner,
     Estimator,
     Fleet,
     Forecaster,
@@ -28,6 +29,7 @@ from zp_client._admission.ports import (
     Metrics,
     ReadsSpread,
     RetryPolicy,
+    SyncInner,
 )
 from zp_client._admission.servers import Servers
 from zp_client._clock import Clock
@@ -83,7 +85,9 @@ class Core:
         if estimator is None:
             from zp_client.estimate import Estimator as DefaultEstimator
 
-            estimator = DefaultEstimator(settings)
+            resolved: Estimator = DefaultEstimator(settings)
+        else:
+            resolved = estimator
         elastic = budget.policy_name == "elastic"
         if forecaster is None and elastic:
             forecaster = shared.forecaster_for(budget)
@@ -105,7 +109,7 @@ class Core:
         self.parts = parts = Parts(
             budget=budget,
             settings=settings,
-            estimator=estimator,
+            estimator=resolved,
             forecaster=forecaster,
             retry=policy,
             metrics=checked,
@@ -190,7 +194,7 @@ class Core:
         return self.lib.new_request(request, url, headers, request.stream)
 
     # -- the attempt loop ---------------------------------------------------------------------------
-    def admit(self, request: HttpRequest, inner: object, *, is_async: bool) -> Machine:
+    def admit(self, request: HttpRequest, inner: AsyncInner | SyncInner, *, is_async: bool) -> Machine:
         """The state machine of one admitted request (already read), for a driver to run."""
         steps = self.attempts.admit(request, inner, is_async)
         if self.metrics is not None:

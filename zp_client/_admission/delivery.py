@@ -10,6 +10,8 @@ end goes to the estimator's calibration and the length forecaster.
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
+from typing import cast
 
 from zp_client._admission.actions import Action, Close, Peek, Prefetched, ReadAll, Release
 from zp_client._admission.parts import Parts
@@ -19,8 +21,6 @@ from zp_client._admission.release import Holder, watchdog
 from zp_client._sse import BadEvent, Reassembler, Scanner
 from zp_client.budget.base import Lease
 from zp_client.errors import ZPError
-
-from collections.abc import Generator  # noqa: I001
 
 __all__ = ["Delivery", "mark", "is_answered", "is_incomplete"]
 
@@ -83,7 +83,8 @@ class Delivery:
         return self.surface(cut)  # through wrap(): also an openai.OpenAIError, which openai passes on
 
     # -- handing the response over ------------------------------------------------------------------
-    def peek(self, resp: HttpResponse, deadline: float | None = None) -> Generator[Action, object, Prefetched]:
+    def peek(self, resp: HttpResponse,
+             deadline: float | None = None) -> Generator[Action, object, Prefetched]:
         """The body's first chunk and the rest (:class:`Peek`); on failure the response is closed first
         (the server sees the disconnect) and the error goes on to the attempt loop."""
         try:
@@ -91,8 +92,7 @@ class Delivery:
         except BaseException:
             yield Close(resp, shield=True)
             raise
-        first, rest = got  # type: ignore[misc]  # the driver's (chunk, rest) pair
-        return first, rest
+        return cast(Prefetched, got)  # the driver's (chunk, rest) pair
 
     def deliver(self, plan: Plan, resp: HttpResponse, holder: Holder, is_async: bool,
                 prefetched: Prefetched | None = None) -> Generator[Action, object, HttpResponse]:

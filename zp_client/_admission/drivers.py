@@ -7,7 +7,7 @@ base classes. See docs/admission.md.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, Iterable
 from typing import ClassVar, cast
 
 import anyio
@@ -24,7 +24,6 @@ from zp_client._admission.actions import (
     NewRetryState,
     Peek,
     PoolSize,
-    Prefetched,
     ReadAll,
     Release,
     Send,
@@ -70,8 +69,10 @@ def capped_timeouts(request: HttpRequest, remaining: float) -> None:
     ext = request.extensions
     old = cast("dict[str, float | None]", ext.get("timeout") or {})
     rem = max(0.001, remaining)
-    capped = {k: rem if old.get(k) is None or old[k] > rem else old[k]
-              for k in ("connect", "read", "write", "pool")}
+    capped: dict[str, float] = {}
+    for k in ("connect", "read", "write", "pool"):
+        given = old.get(k)
+        capped[k] = rem if given is None or given > rem else given
     request.extensions = {**ext, "timeout": capped}
 
 
@@ -141,7 +142,8 @@ class AsyncDriver(_Driver):
     def _async_inner(self) -> AsyncInner:
         return cast(AsyncInner, self._inner)
 
-    async def handle_async_request(self, request: HttpRequest) -> HttpResponse:
+    async def handle_async(self, request: HttpRequest) -> HttpResponse:
+        """Admit ``request`` (an LLM call; any other passes through) and return its response."""
         if not is_admitted(request.method, request.url.path):
             return await self._async_inner.handle_async_request(self._core.passthrough(request))
         await request.aread()
@@ -185,26 +187,34 @@ class AsyncDriver(_Driver):
             raise deadline_exceeded(_WAITING)
         if isinstance(action, Release):
             if action.after_s > 0:
-                return action.holder.release_later(action.after_s)
-            return await action.holder.release()
+                action.holder.release_later(action.after_s)
+                return None
+            await action.holder.release()
+            return None
         if isinstance(action, Decide):
             return await action.policy.decide_async(
-                action.state, status=action.status, headers=action.headers, error=action.error, delivered=False,
-                remaining_s=action.remaining_s, wait_for_budget=True)
+                action.state, status=action.status, headers=action.headers, error=action.error,
+                delivered=False, remaining_s=action.remaining_s, wait_for_budget=True)
         if isinstance(action, Sleep):
-            return await action.policy.sleep(action.seconds)
+            await action.policy.sleep(action.seconds)
+            return None
         if isinstance(action, WaitBudget):
-            return await action.policy.wait_for_budget_async(action.state, remaining_s=action.remaining_s)
+            await action.policy.wait_for_budget_async(action.state, remaining_s=action.remaining_s)
+            return None
         if isinstance(action, Close):
             if action.shield:
                 with anyio.CancelScope(shield=True):
-                    return await action.response.aclose()
-            return await action.response.aclose()
+                    await action.response.aclose()
+                    return None
+            await action.response.aclose()
+            return None
         if isinstance(action, ReadAll):
             if action.deadline is None:
-                return await self._read_all(action)
+                await self._read_all(action)
+                return None
             with anyio.move_on_after(max(0.0, action.deadline - core.clock.monotonic())):
-                return await self._read_all(action)
+                await self._read_all(action)
+                return None
             raise deadline_exceeded(_READING)
         if isinstance(action, Peek):
             rest = cast(AsyncIterable[bytes], action.response.stream).__aiter__()
@@ -258,7 +268,8 @@ class SyncDriver(_Driver):
     def _sync_inner(self) -> SyncInner:
         return cast(SyncInner, self._inner)
 
-    def handle_request(self, request: HttpRequest) -> HttpResponse:
+    def handle_sync(self, request: HttpRequest) -> HttpResponse:
+        """Admit ``request`` (an LLM call; any other passes through) and return its response."""
         if not is_admitted(request.method, request.url.path):
             return self._sync_inner.handle_request(self._core.passthrough(request))
         request.read()
@@ -305,18 +316,23 @@ class SyncDriver(_Driver):
                 raise
         if isinstance(action, Release):
             if action.after_s > 0:
-                return action.holder.release_later(action.after_s)
-            return action.holder.release_sync()
+                action.holder.release_later(action.after_s)
+                return None
+            action.holder.release_sync()
+            return None
         if isinstance(action, Decide):
             return action.policy.decide(
-                action.state, status=action.status, headers=action.headers, error=action.error, delivered=False,
-                remaining_s=action.remaining_s, wait_for_budget=True)
+                action.state, status=action.status, headers=action.headers, error=action.error,
+                delivered=False, remaining_s=action.remaining_s, wait_for_budget=True)
         if isinstance(action, Sleep):
-            return action.policy.sleep_sync(action.seconds)
+            action.policy.sleep_sync(action.seconds)
+            return None
         if isinstance(action, WaitBudget):
-            return action.policy.wait_for_budget(action.state, remaining_s=action.remaining_s)
+            action.policy.wait_for_budget(action.state, remaining_s=action.remaining_s)
+            return None
         if isinstance(action, Close):
-            return action.response.close()
+            action.response.close()
+            return None
         if isinstance(action, ReadAll):
             first = action.on_first
             token = self._alarm(action.deadline, action.response)

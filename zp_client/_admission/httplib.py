@@ -15,7 +15,7 @@ import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import anyio
 import httpx
@@ -24,6 +24,7 @@ from zp_client._admission.ports import (
     AsyncClosable,
     AsyncInner,
     BodyObserver,
+    HttpHeaders,
     HttpRequest,
     HttpResponse,
     HttpURL,
@@ -121,7 +122,8 @@ class AsyncBody(_Body):
             holder.waiting = True
             try:
                 # the upstream stream itself unless a fleet's peek read its first chunk (no extra layer)
-                source = self._resp.stream if self._prefetched is None else self._source()
+                upstream = cast(AsyncIterable[bytes], self._resp.stream)
+                source = upstream if self._prefetched is None else self._source()
                 if self._plan.deadline is not None:  # each read bounded by what is left of the deadline
                     source = _until(source, self._plan.deadline, mono)
                 async for chunk in source:
@@ -156,13 +158,13 @@ class AsyncBody(_Body):
         """The body's chunks: the upstream stream, after the chunk a fleet's peek read (if any)."""
         pre, self._prefetched = self._prefetched, None
         if pre is None:
-            async for chunk in self._resp.stream:
+            async for chunk in cast(AsyncIterable[bytes], self._resp.stream):
                 yield chunk
             return
         first, rest = pre
         if first is not None:
             yield first
-            async for chunk in rest:
+            async for chunk in cast(AsyncIterable[bytes], rest):
                 yield chunk
 
     async def aclose(self) -> None:
@@ -184,7 +186,8 @@ class SyncBody(_Body):
             token = None if deadline is None else alarms.at(
                 deadline - mono() + SYSTEM_CLOCK.monotonic(), lambda: cut_connection(self._resp))
             try:
-                for chunk in (self._resp.stream if self._prefetched is None else self._source()):
+                upstream = cast(Iterable[bytes], self._resp.stream)
+                for chunk in (upstream if self._prefetched is None else self._source()):
                     if deadline is not None and mono() >= deadline:  # a trickle ends there too
                         raise self._core.surface(deadline_exceeded(_READING))
                     holder.waiting = False
@@ -219,12 +222,12 @@ class SyncBody(_Body):
         """As :meth:`AsyncBody._source`."""
         pre, self._prefetched = self._prefetched, None
         if pre is None:
-            yield from self._resp.stream
+            yield from cast(Iterable[bytes], self._resp.stream)
             return
         first, rest = pre
         if first is not None:
             yield first
-            yield from rest
+            yield from cast(Iterable[bytes], rest)
 
     def close(self) -> None:
         try:
@@ -282,8 +285,9 @@ class HttpLib:
         if url is not None and url != original.url:  # another server: its own Host header
             headers = [(b"Host", url.netloc), *((k, v) for k, v in headers if k.lower() != b"host")]
         stream = self.module.ByteStream(plan.content)
-        return self.module.Request(original.method, original.url if url is None else url, headers=headers,
-                                   stream=stream, extensions=original.extensions)
+        return cast(HttpRequest, self.module.Request(original.method, original.url if url is None else url,
+                                                     headers=headers, stream=stream,
+                                                     extensions=original.extensions))
 
     @staticmethod
     def is_event_stream(resp: HttpResponse) -> bool:
@@ -299,22 +303,23 @@ class HttpLib:
         if not rewritten:
             return resp
         headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
-        return self.module.Response(resp.status_code, headers=headers, content=content,
-                                    extensions=resp.extensions)
+        return cast(HttpResponse, self.module.Response(resp.status_code, headers=headers, content=content,
+                                                       extensions=resp.extensions))
 
     def streamed_response(self, resp: HttpResponse, core: BodyObserver, plan: Plan, holder: Holder,
                           scanner: Scanner, *, is_async: bool,
                           prefetched: Prefetched | None = None) -> HttpResponse:
         body_cls = self.async_body if is_async else self.sync_body
         stream = body_cls(core, plan, resp, holder, scanner, prefetched)
-        headers = resp.headers
+        headers: HttpHeaders | list[tuple[bytes, bytes]] = resp.headers
         if scanner.rewrites:
             # Bytes may be removed from the body, so a declared length would be wrong.
             headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
-        return self.module.Response(resp.status_code, headers=headers, stream=stream,
-                                    extensions=resp.extensions)
+        return cast(HttpResponse, self.module.Response(resp.status_code, headers=headers, stream=stream,
+                                                       extensions=resp.extensions))
 
-    def reassembled_response(self, resp: HttpResponse, status: int, payload: dict[str, object]) -> HttpResponse:
+    def reassembled_response(self, resp: HttpResponse, status: int,
+                             payload: dict[str, object]) -> HttpResponse:
         """A consumed stream's answer as the JSON response a non-streamed call gets."""
         content = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
         headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in REASSEMBLY_DROPPED_HEADERS]
@@ -322,13 +327,14 @@ class HttpLib:
         # The reason phrase was the stream's (an error answer has its own); the connection is gone.
         dropped = ("reason_phrase", "network_stream")
         extensions = {k: v for k, v in resp.extensions.items() if k not in dropped}
-        return self.module.Response(status, headers=headers, content=content, extensions=extensions)
+        return cast(HttpResponse, self.module.Response(status, headers=headers, content=content,
+                                                       extensions=extensions))
 
     def new_request(self, original: HttpRequest, url: HttpURL, headers: list[tuple[bytes, bytes]],
                     stream: object) -> HttpRequest:
         """``original`` sent elsewhere: its method and extensions, these URL, headers and body stream."""
-        return self.module.Request(original.method, url, headers=headers, stream=stream,
-                                   extensions=original.extensions)
+        return cast(HttpRequest, self.module.Request(original.method, url, headers=headers, stream=stream,
+                                                     extensions=original.extensions))
 
     def server_info(self, inner: AsyncInner | SyncInner, base: str, root: str, auth: dict[str, str],
                     settings: Settings) -> ServerInfo:
@@ -348,7 +354,7 @@ class HttpLib:
             }
             if payload is not None:
                 kw["json"] = payload
-            return module.Request(method, url, **kw)
+            return cast(HttpRequest, module.Request(method, url, **kw))
 
         async def fetch(method: str, path: str, payload: object = None) -> tuple[int, bytes]:
             if not isinstance(inner, AsyncInner):

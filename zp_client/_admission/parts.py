@@ -47,8 +47,10 @@ class SharedState:
     forecaster (wrapped clients of one budget learn together), the servers whose KV pool was checked for
     the budget (a warning once, however many transports), and the notices logged once per process."""
 
-    _forecasters: weakref.WeakKeyDictionary[Budget, Forecaster] = field(default_factory=weakref.WeakKeyDictionary)
-    _pool_checked: weakref.WeakKeyDictionary[Budget, set[str]] = field(default_factory=weakref.WeakKeyDictionary)
+    _forecasters: weakref.WeakKeyDictionary[Budget, Forecaster] = field(
+        default_factory=weakref.WeakKeyDictionary)
+    _pool_checked: weakref.WeakKeyDictionary[Budget, set[str]] = field(
+        default_factory=weakref.WeakKeyDictionary)
     _notices: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -9,7 +9,15 @@ forecast's spread, a fleet) are their own small protocols, checked with ``isinst
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Generator, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+)
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -18,12 +26,14 @@ if TYPE_CHECKING:
     from zp_client._admission.release import Holder
     from zp_client.budget.base import Budget, Lease
     from zp_client.estimate import PromptEstimate
+    from zp_client.retry import RetryDecision, RetryState
     from zp_client.server import ServerInfo
 
 __all__ = [
     "JSONObject", "LeaseMeta", "Steps", "HttpURL", "HttpHeaders", "HttpRequest", "HttpResponse",
-    "AsyncClosable", "AsyncInner", "SyncInner", "Forecaster", "RequestForecaster", "BlindForecaster", "SpreadForecaster",
-    "SharesForecasts", "ReadsSpread", "Estimator", "RetryState", "RetryDecision", "RetryPolicy",
+    "AsyncClosable", "AsyncInner", "SyncInner", "Forecaster", "RequestForecaster", "BlindForecaster",
+    "SpreadForecaster",
+    "SharesForecasts", "ReadsSpread", "Estimator", "RetryPolicy",
     "Metrics", "BodyObserver", "Fleet", "TwoPhase", "TwoPhaseCall", "AttemptContext", "Placed",
     "Predicted", "Named",
 ]
@@ -198,10 +208,10 @@ class Estimator(Protocol):
     def estimate(self, path: str, body: Mapping[str, object]) -> PromptEstimate: ...
 
     async def estimate_async(self, path: str, body: Mapping[str, object],
-                             server: ServerInfo | None = None) -> PromptEstimate: ...
+                             server: ServerInfo | None) -> PromptEstimate: ...
 
     def estimate_sync_server(self, path: str, body: Mapping[str, object],
-                             server: ServerInfo | None = None) -> PromptEstimate: ...
+                             server: ServerInfo | None) -> PromptEstimate: ...
 
     def reserve_tokens(self, est: PromptEstimate) -> int: ...
 
@@ -213,31 +223,6 @@ class Estimator(Protocol):
 # --------------------------------------------------------------------------------------------------
 # The retry decision and metrics
 # --------------------------------------------------------------------------------------------------
-
-
-class RetryState(Protocol):
-    """One logical request's retry progress (:class:`zp_client.retry.RetryState`)."""
-
-    ticket: object
-
-
-class RetryDecision(Protocol):
-    """What to do after an attempt (:class:`zp_client.retry.RetryDecision`)."""
-
-    @property
-    def retry(self) -> bool: ...
-
-    @property
-    def delay_s(self) -> float: ...
-
-    @property
-    def reason(self) -> str: ...
-
-    @property
-    def error(self) -> BaseException | None: ...
-
-    @property
-    def budget_owed(self) -> bool: ...
 
 
 class RetryPolicy(Protocol):
@@ -339,8 +324,8 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Fleet(Protocol):
-    """What the core asks of a fleet (:class:`zp_client.fleet.Fleet`, :class:`~zp_client.fleet.redis.RedisFleet`):
-    where an attempt goes, what routing adds to a lease's meta, the replicas' health."""
+    """What the core asks of a fleet (:class:`zp_client.fleet.Fleet`,
+    :class:`~zp_client.fleet.redis.RedisFleet`): where an attempt goes, what routing adds to a lease's meta, the replicas' health."""
 
     is_fleet: bool
     max_moves: int

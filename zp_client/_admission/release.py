@@ -22,7 +22,7 @@ from zp_client.budget.base import Lease
 from zp_client.errors import DeadlineExceeded
 
 if TYPE_CHECKING:
-    from zp_client.metrics import ZPMetrics
+    from zp_client._admission.ports import Metrics
 
 logger = logging.getLogger("zp_client.transport")
 
@@ -47,7 +47,7 @@ class Holder:
                  "granted_at", "metrics", "pending", "__weakref__")
 
     def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
-                 clock: Clock = SYSTEM_CLOCK, metrics: ZPMetrics | None = None) -> None:
+                 clock: Clock = SYSTEM_CLOCK, metrics: Metrics | None = None) -> None:
         self.lease = lease
         self.done = False
         self.clock = clock

@@ -70,11 +70,12 @@ class Servers:
         """A ServerInfo for this request's server, fetching through the inner transport (no admission)."""
         server = self._servers.get(p.base)
         if server is None:
-            server = self._servers[p.base] = self._parts.lib.server_info(inner, p.base, p.root, p.auth_headers,
-                                                                         self._parts.settings)
+            server = self._parts.lib.server_info(inner, p.base, p.root, p.auth_headers, self._parts.settings)
+            self._servers[p.base] = server
         return server
 
-    def max_model_len(self, p: Parsed, inner: AsyncInner | SyncInner) -> Generator[Action, object, int | None]:
+    def max_model_len(self, p: Parsed,
+                      inner: AsyncInner | SyncInner) -> Generator[Action, object, int | None]:
         """The model's context length: the setting, else the server's answer (cached when known)."""
         if self._parts.settings.max_model_len is not None:
             return self._parts.settings.max_model_len

@@ -71,11 +71,11 @@ from zp_client._admission.plan import Plan
 from zp_client._admission.ports import AttemptContext, HttpRequest, HttpResponse
 from zp_client._admission.ports import Fleet as FleetPort
 from zp_client._admission.release import Holder
-from zp_client.budget.base import Lease
+from zp_client.budget.base import Budget, Lease
 from zp_client.errors import ConfigurationError, LeaseTooLarge
 
-__all__ = ["DEFAULT_KV_LEASE_S", "DEFAULT_THRESHOLD_TOKENS", "PREFILL_KV_PARAMS", "PDSettings", "TwoPhaseLease",
-           "decode_body", "kv_params_of", "prefill_body"]
+__all__ = ["DEFAULT_KV_LEASE_S", "DEFAULT_THRESHOLD_TOKENS", "PREFILL_KV_PARAMS", "PDSettings",
+           "TwoPhaseLease", "decode_body", "kv_params_of", "prefill_body"]
 
 DEFAULT_KV_LEASE_S = 30.0
 """vLLM's ``kv_lease_duration`` default (seconds): how long a prefill replica keeps a finished prefill's
@@ -186,8 +186,8 @@ class TwoPhaseLease:
     attempt loop runs it through :class:`~zp_client._admission.ports.TwoPhaseCall`: its methods yield the
     loop's actions (acquire the prefill leg, send the prefill call, release) and take their results."""
 
-    __slots__ = ("pd", "decode", "ctx", "body", "holder", "kv", "at", "until", "is_reached", "shipped", "_rid",
-                 "_n", "_headers")
+    __slots__ = ("pd", "decode", "ctx", "body", "holder", "kv", "at", "until", "is_reached", "shipped",
+                 "_rid", "_n", "_headers")
 
     def __init__(self, pd: PDSettings, decode: FleetPort, plan: Plan, body: Mapping[str, object],
                  ctx: AttemptContext) -> None:
@@ -259,7 +259,8 @@ class TwoPhaseLease:
         blocks = max(1, -(-(plan.prompt_tokens + 1) // ctx.block_size))
         try:
             plea = cast(Lease, (yield Acquire(blocks, plan.priority, ctx.remaining(plan), None, blocks,
-                                              ctx.lease_meta(plan, pre.routing_only(plan.meta)), budget=pre)))
+                                              ctx.lease_meta(plan, pre.routing_only(plan.meta)),
+                                              budget=cast(Budget, pre))))
         except LeaseTooLarge:  # larger than any prefill replica takes: its decode replica prefills it
             return
         self.holder = ctx.hold(plea, is_async=is_async)
