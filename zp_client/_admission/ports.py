@@ -325,7 +325,8 @@ if TYPE_CHECKING:
 @runtime_checkable
 class Fleet(Protocol):
     """What the core asks of a fleet (:class:`zp_client.fleet.Fleet`,
-    :class:`~zp_client.fleet.redis.RedisFleet`): where an attempt goes, what routing adds to a lease's meta, the replicas' health."""
+    :class:`~zp_client.fleet.redis.RedisFleet`): where an attempt goes, what routing adds to a lease's
+    meta, the replicas' health."""
 
     is_fleet: bool
     max_moves: int
