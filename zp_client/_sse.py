@@ -92,7 +92,7 @@ class Scanner:
                  forecaster: Any | None = None) -> None:
         self.plan = plan
         # Elastic progress: first token, exact tokens with each held report, re-forecasts.
-        self.elastic = plan.meta is not None and plan.meta.get("streaming", False) and is_sse
+        self.elastic = plan.meta is not None and plan.meta.get("streaming", False) is True and is_sse
         self.forecaster = forecaster
         self.forecast = plan.forecast
         self.first_sent = False

@@ -47,7 +47,7 @@ from zp_client._admission.ports import (
 )
 from zp_client._admission.release import Holder
 from zp_client._admission.servers import Servers
-from zp_client.budget.base import Lease, Ticket
+from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.errors import AdmissionTimeout, DeadlineExceeded, ServerUnreachable, ZPError, error_chain
 from zp_client.estimate import PromptEstimate
 from zp_client.observe import AdmissionInfo
@@ -121,9 +121,10 @@ class AttemptLoop:
     def lease_meta(self, plan: Plan, meta: LeaseMeta | None) -> LeaseMeta | None:
         return self._planner.lease_meta(plan, meta)
 
-    def hold(self, lease: Lease, *, is_async: bool) -> Holder:
+    def hold(self, lease: Lease, *, is_async: bool, budget: Budget) -> Holder:
         parts = self._parts
-        return Holder(lease, parts.settings.idle_stream_timeout_s, is_async=is_async, clock=parts.clock)
+        return Holder(lease, parts.settings.idle_stream_timeout_s, is_async=is_async, clock=parts.clock,
+                      budget=budget)
 
     def request(self, original: HttpRequest, plan: Plan, url: HttpURL | None = None) -> HttpRequest:
         return self._parts.lib.request(original, plan, url)
@@ -211,7 +212,7 @@ class AttemptLoop:
                 lease = cast(Lease, (yield Acquire(plan.blocks, plan.priority, timeout, ticket, plan.held,
                                                    self.lease_meta(plan, plan.meta))))
             holder = Holder(lease, parts.settings.idle_stream_timeout_s, is_async=is_async, clock=clock,
-                            metrics=m)
+                            metrics=m, budget=parts.budget)
             try:
                 if m is not None:
                     m.waited(plan.priority, holder.granted_at - asked)

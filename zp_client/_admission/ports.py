@@ -53,6 +53,12 @@ Steps = Generator["Action", object, "HttpResponse"]
 
 class HttpURL(Protocol):
     @property
+    def scheme(self) -> str: ...
+
+    @property
+    def port(self) -> int | None: ...
+
+    @property
     def path(self) -> str: ...
 
     @property
@@ -373,7 +379,8 @@ class AttemptContext(Protocol):
 
     def lease_meta(self, plan: Plan, meta: LeaseMeta | None) -> LeaseMeta | None: ...
 
-    def hold(self, lease: Lease, *, is_async: bool) -> Holder: ...
+    def hold(self, lease: Lease, *, is_async: bool, budget: Budget) -> Holder:
+        """A holder for ``lease``, taken from ``budget``."""
 
     def request(self, original: HttpRequest, plan: Plan, url: HttpURL | None = None) -> HttpRequest: ...
 

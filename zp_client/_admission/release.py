@@ -13,7 +13,8 @@ import logging
 import select
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import anyio
 
@@ -22,7 +23,8 @@ from zp_client.budget.base import Lease
 from zp_client.errors import DeadlineExceeded
 
 if TYPE_CHECKING:
-    from zp_client._admission.ports import Metrics
+    from zp_client._admission.ports import HttpResponse, Metrics
+    from zp_client.budget.base import Budget
 
 logger = logging.getLogger("zp_client.transport")
 
@@ -43,15 +45,19 @@ class Holder:
     """Owns one lease while a response body is open. Never references the stream wrapper, so the
     wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
 
-    __slots__ = ("lease", "done", "loop", "resp", "last_activity", "waiting", "idle_timeout", "clock",
-                 "granted_at", "metrics", "pending", "__weakref__")
+    __slots__ = ("lease", "budget", "done", "loop", "resp", "last_activity", "waiting", "idle_timeout",
+                 "clock", "granted_at", "metrics", "pending", "__weakref__")
 
     def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
-                 clock: Clock = SYSTEM_CLOCK, metrics: Metrics | None = None) -> None:
+                 clock: Clock = SYSTEM_CLOCK, metrics: Metrics | None = None,
+                 budget: Budget | None = None) -> None:
         self.lease = lease
+        self.budget = budget
+        """The budget the lease was taken from (its ``aclose()`` releases the deferred releases of its
+        leases at once: :meth:`DeferredReleases.release_now`)."""
         self.done = False
         self.clock = clock
-        self.resp: Any = None  # the inner response, once its body is handed to the caller
+        self.resp: HttpResponse | None = None  # the inner response, once its body is handed to the caller
         # made right after the grant: its hold time starts here
         self.granted_at = self.last_activity = clock.monotonic()
         self.metrics = metrics  # records the hold time at release (zp_client.metrics)
@@ -71,7 +77,7 @@ class Holder:
         """Once, when the release starts: the lease's hold time ends here."""
         self.done = True
         if self.metrics is not None:
-            self.metrics.held(getattr(self.lease, "priority", 0), self.clock.monotonic() - self.granted_at)
+            self.metrics.held(self.lease.priority, self.clock.monotonic() - self.granted_at)
 
     async def release(self) -> None:
         if self.done:
@@ -175,7 +181,7 @@ class Holder:
                 logger.exception("lease release failed")
 
 
-async def _abandon_async(resp: Any, lease: Lease) -> None:
+async def _abandon_async(resp: HttpResponse | None, lease: Lease) -> None:
     try:
         if resp is not None:
             await resp.aclose()
@@ -198,14 +204,31 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 #: How often the watchdog looks for connections the server ended under unread bodies (Linux: poll()'s
 #: POLLRDHUP says the peer shut its side even while data it sent is still unread).
 HANGUP_CHECK_S = 0.25
-_RDHUP = getattr(select, "POLLRDHUP", 0)
+try:
+    _RDHUP = select.POLLRDHUP
+except AttributeError:  # not Linux: poll() cannot tell a peer's shutdown from unread data
+    _RDHUP = 0
 
 
-def _socket_of(resp: Any) -> Any:
+class _NetworkStream(Protocol):
+    """httpcore's ``network_stream`` response extension."""
+
+    def get_extra_info(self, info: str) -> object: ...
+
+
+class _Socket(Protocol):
+    def fileno(self) -> int: ...
+
+    def shutdown(self, how: int, /) -> None: ...
+
+
+def _socket_of(resp: HttpResponse | None) -> _Socket | None:
     """The socket under an httpcore response (its ``network_stream`` extension), or None."""
+    if resp is None:
+        return None
     try:
-        stream = resp.extensions.get("network_stream")
-        return None if stream is None else stream.get_extra_info("socket")
+        stream = cast("_NetworkStream | None", resp.extensions.get("network_stream"))
+        return None if stream is None else cast("_Socket | None", stream.get_extra_info("socket"))
     except (AttributeError, TypeError, KeyError):  # not httpcore's: no socket to look at
         return None
 
@@ -272,10 +295,10 @@ class DeferredReleases:
         with self._cond:
             return sum(1 for _, _, h in self._heap if not h.done)
 
-    def release_now(self, budget: Any) -> int:
+    def release_now(self, budget: Budget) -> int:
         """Release at once the pending leases taken from ``budget``; returns how many."""
         with self._cond:
-            mine = [h for _, _, h in self._heap if not h.done and _budget_of(h.lease) is budget]
+            mine = [h for _, _, h in self._heap if not h.done and h.budget is budget]
         for h in mine:
             h.release_sync()
         return len(mine)
@@ -294,10 +317,6 @@ class DeferredReleases:
                     continue
                 heapq.heappop(self._heap)
             holder.release_sync()
-
-
-def _budget_of(lease: Any) -> Any:
-    return getattr(lease, "_budget", None) or getattr(lease, "_owner", None)
 
 
 deferred = DeferredReleases()
@@ -366,7 +385,7 @@ class Watchdog:
 watchdog = Watchdog()
 
 
-def cut_connection(resp: Any) -> None:
+def cut_connection(resp: HttpResponse | None) -> None:
     """Shut the socket under ``resp`` down (both ways), from any thread: a blocking read on it returns at
     once (closing it from another thread would not wake that read). For a blocking call whose deadline
     passed while it waits for the server's bytes (:class:`Alarms`); a no-op without a socket."""
@@ -388,12 +407,12 @@ class Alarms:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int]] = []
-        self._calls: dict[int, Any] = {}
+        self._calls: dict[int, Callable[[], None]] = {}
         self._seq = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def at(self, due: float, fn: Any) -> int:
+    def at(self, due: float, fn: Callable[[], None]) -> int:
         """Call ``fn()`` at ``due`` (``SYSTEM_CLOCK.monotonic()`` time); returns a token to cancel it."""
         import heapq
 

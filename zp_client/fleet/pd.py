@@ -255,15 +255,16 @@ class TwoPhaseLease:
     def _take_leg(self, plan: Plan, is_async: bool) -> Generator[Action, object, None]:
         """Take the prefill leg: the prompt's blocks (and one) on the prefill fleet, placed by prefix."""
         pre = self.pd.prefill
+        budget = cast(Budget, pre)  # a fleet is a budget (PDSettings checks it)
         ctx = self.ctx
         blocks = max(1, -(-(plan.prompt_tokens + 1) // ctx.block_size))
         try:
-            plea = cast(Lease, (yield Acquire(blocks, plan.priority, ctx.remaining(plan), None, blocks,
-                                              ctx.lease_meta(plan, pre.routing_only(plan.meta)),
-                                              budget=cast(Budget, pre))))
+            meta = ctx.lease_meta(plan, pre.routing_only(plan.meta))
+            plea = cast(Lease, (yield Acquire(blocks, plan.priority, ctx.remaining(plan), None, blocks, meta,
+                                              budget=budget)))
         except LeaseTooLarge:  # larger than any prefill replica takes: its decode replica prefills it
             return
-        self.holder = ctx.hold(plea, is_async=is_async)
+        self.holder = ctx.hold(plea, is_async=is_async, budget=budget)
         self.kv, self.until, self.is_reached, self.shipped = None, None, False, False
 
     def prefill(self, plan: Plan, request: HttpRequest, lease: Lease,
