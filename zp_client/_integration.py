@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from zp_client._admission.ports import Estimator, Forecaster, RetryPolicy
 from zp_client._private import resource_client, sdk_http_client
 from zp_client._wrap import admitted_budget, wrap
 from zp_client.budget.base import Budget
@@ -49,9 +50,9 @@ class AdmissionOptions:
 
     budget: Budget
     settings: Settings | None = None
-    estimator: Any | None = None
-    retry: Any | None = None
-    forecaster: Any | None = None
+    estimator: Estimator | None = None
+    retry: RetryPolicy | bool | None = None
+    forecaster: Forecaster | None = None
     priority: int | None = None
     deadline: float | None = None
     route: str | None = None
@@ -123,7 +124,7 @@ class AdmissionOptions:
         return new
 
 
-def _positive_seconds(value: Any) -> bool:
+def _positive_seconds(value: object) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return value > 0 and math.isfinite(value)

@@ -24,13 +24,17 @@ import httpx
 from httpx_sse import EventSource, ServerSentEvent, SSEError
 from pydantic import BaseModel, SecretStr
 
+from zp_client._admission.ports import TransportOptions
 from zp_client._private import http_transport
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, InvalidRequest, ServerUnreachable, ZPError
 from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Unpack
+
     from zp_client.budget.base import Budget
+    from zp_client.transport import AdmissionTransport, AsyncAdmissionTransport
 
 __all__ = [
     "AsyncClient",
@@ -447,9 +451,12 @@ def _client_kwargs(url: str, key: SecretStr | None, timeout: float | httpx.Timeo
     return kwargs
 
 
-def _admitted(cls: type[Any], default_inner: Callable[[], Any],
+D = TypeVar("D", "AsyncAdmissionTransport", "AdmissionTransport")
+
+
+def _admitted(cls: type[D], default_inner: Callable[[], object],
               http_client: httpx.AsyncClient | httpx.Client | None, budget: Budget, settings: Settings,
-              options: dict[str, Any]) -> Any:
+              options: TransportOptions) -> D:
     """The admission transport of a client: over ``http_client``'s transport (the caller owns and closes
     it; one already admitting is used as it is) or a new one of ``default_inner``."""
     if http_client is None:
@@ -489,7 +496,7 @@ class _ClientBase(Generic[H]):
         settings: Settings | None = None,
         timeout: float | httpx.Timeout = 600,
         http_client: H | None = None,
-        **transport_options: Any,
+        **transport_options: Unpack[TransportOptions],
     ) -> None:
         self.settings = settings or Settings()
         self.budget = budget
@@ -498,7 +505,8 @@ class _ClientBase(Generic[H]):
         kwargs["transport"] = self._transport(http_client, transport_options)
         self._setup(kwargs)
 
-    def _transport(self, http_client: H | None, options: dict[str, Any]) -> Any:
+    def _transport(self, http_client: H | None,
+                   options: TransportOptions) -> httpx.AsyncBaseTransport | httpx.BaseTransport:
         raise NotImplementedError
 
     def _setup(self, kwargs: dict[str, Any]) -> None:
@@ -524,7 +532,8 @@ class AsyncClient(_ClientBase[httpx.AsyncClient]):
     ``retry=``...).
     """
 
-    def _transport(self, http_client: httpx.AsyncClient | None, options: dict[str, Any]) -> Any:
+    def _transport(self, http_client: httpx.AsyncClient | None,
+                   options: TransportOptions) -> httpx.AsyncBaseTransport:
         from zp_client.transport import AsyncAdmissionTransport
 
         return _admitted(AsyncAdmissionTransport, httpx.AsyncHTTPTransport, http_client, self.budget,
@@ -667,7 +676,7 @@ class _AsyncModels:
 class Client(_ClientBase[httpx.Client]):
     """The blocking counterpart of :class:`AsyncClient` (same arguments, same methods, same errors)."""
 
-    def _transport(self, http_client: httpx.Client | None, options: dict[str, Any]) -> Any:
+    def _transport(self, http_client: httpx.Client | None, options: TransportOptions) -> httpx.BaseTransport:
         from zp_client.transport import AdmissionTransport
 
         return _admitted(AdmissionTransport, httpx.HTTPTransport, http_client, self.budget, self.settings,

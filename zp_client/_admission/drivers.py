@@ -83,7 +83,7 @@ class _Driver:
 
     def __init__(
         self,
-        inner: AsyncInner | SyncInner | None = None,
+        inner: object | None = None,
         *,
         budget: Budget,
         settings: Settings | None = None,
@@ -95,7 +95,8 @@ class _Driver:
         clock: Clock | None = None,
         metrics: Metrics | None = None,
     ) -> None:
-        self._inner = inner if inner is not None else self._default_inner()
+        # the library's own transport (httpx or httpx2, checked by the library when it is used)
+        self._inner = cast("AsyncInner | SyncInner", inner) if inner is not None else self._default_inner()
         self._core = Core(budget, settings, estimator, retry, forecaster, stream_upstream, lib=self.lib,
                           clock=clock, metrics=metrics)
         self._close_inner = close_inner

@@ -18,12 +18,13 @@ from collections.abc import (
     Mapping,
     MutableMapping,
 )
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 if TYPE_CHECKING:
     from zp_client._admission.actions import Action
     from zp_client._admission.plan import Plan
     from zp_client._admission.release import Holder
+    from zp_client._clock import Clock
     from zp_client.budget.base import Budget, Lease
     from zp_client.estimate import PromptEstimate
     from zp_client.retry import RetryDecision, RetryState
@@ -35,7 +36,7 @@ __all__ = [
     "SpreadForecaster",
     "SharesForecasts", "ReadsSpread", "Estimator", "RetryPolicy",
     "Metrics", "BodyObserver", "Fleet", "TwoPhase", "TwoPhaseCall", "AttemptContext", "Placed",
-    "Predicted", "Named",
+    "Predicted", "Named", "TransportOptions",
 ]
 
 JSONObject = dict[str, object]
@@ -417,3 +418,14 @@ class TwoPhase(Protocol):
 
     def call(self, decode: Fleet, plan: Plan, body: Mapping[str, object],
              ctx: AttemptContext) -> TwoPhaseCall: ...
+
+
+class TransportOptions(TypedDict, total=False):
+    """The admission options a client passes on to its transport (``AsyncClient(..., retry=...)``)."""
+
+    estimator: Estimator | None
+    retry: RetryPolicy | bool | None
+    forecaster: Forecaster | None
+    stream_upstream: bool | None
+    clock: Clock | None
+    metrics: Metrics | None
