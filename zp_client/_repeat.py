@@ -54,19 +54,19 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Generator, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from zp_client._admission.actions import ReadAll
 from zp_client._clock import Clock
 from zp_client._private import has_read_body
 
 if TYPE_CHECKING:
-    from zp_client._admission.ports import Metrics
+    from zp_client._admission.ports import HttpRequest, HttpResponse, Metrics, Steps
     from zp_client.config import Settings
 
 
@@ -235,7 +235,7 @@ def remembered() -> int:
     return len(_registry)
 
 
-def _fingerprint(core: Core, request: Any) -> bytes:
+def _fingerprint(core: Core, request: HttpRequest) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(str(id(core)).encode())
     h.update(b"\0" + request.method.encode() + b"\0" + str(request.url).encode() + b"\0")
@@ -266,7 +266,7 @@ class _Guard:
 
     __slots__ = ("fp", "key", "explicit", "sdk_retry", "core", "scope", "started")
 
-    def __init__(self, core: Core, request: Any) -> None:
+    def __init__(self, core: Core, request: HttpRequest) -> None:
         self.core = core
         self.fp = _fingerprint(core, request)
         self.started = core.clock.monotonic()
@@ -315,7 +315,7 @@ class _Guard:
 
 
 def _repeat_answer(core: Core, f: _Failure, status: int, headers: list[tuple[bytes, bytes]],
-                   content: bytes) -> Any:
+                   content: bytes) -> HttpResponse:
     ago = core.clock.monotonic() - f.ended
     return _answer(core, status, [*headers, (b"x-zp-repeat", f"{ago:.3f}".encode())], content, {})
 
@@ -326,7 +326,7 @@ def _failed_status(core: Core, status: int) -> bool:
     return status >= 500 or status in statuses
 
 
-def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Generator[Any, Any, Any]:
+def one_loop(core: Core, request: HttpRequest, steps: Steps) -> Steps:
     """``steps`` (one admitted call's attempt loop) as the one retry loop: a repeat of a call zp gave up
     on gets its failure again without running ``steps``; every error answer handed over says
     ``x-should-retry: false`` (read here in full: error answers are small) so the openai SDK does not
@@ -354,7 +354,7 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Gener
         return resp
     if has_read_body(resp):
         content = resp.content
-    elif getattr(resp, "is_closed", False):  # closed unread: nothing to hand over again, nor to remember
+    elif resp.is_closed:  # closed unread: nothing to hand over again, nor to remember
         return resp
     else:
         chunks: list[bytes] = []
@@ -371,9 +371,10 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any]) -> Gener
 
 
 def _answer(core: Core, status: int, headers: list[tuple[bytes, bytes]], content: bytes,
-            extensions: dict[str, Any]) -> Any:
+            extensions: dict[str, object]) -> HttpResponse:
     """An error answer handed over from bytes already read. Built on a byte *stream*, not ``content=``: a
     response made from ``content`` counts as already streamed, so a caller reading it raw (``aiter_raw``,
     ``iter_raw``) would get ``StreamConsumed``."""
     mod = core.lib.module
-    return mod.Response(status, headers=headers, stream=mod.ByteStream(content), extensions=extensions)
+    return cast("HttpResponse", mod.Response(status, headers=headers, stream=mod.ByteStream(content),
+                                             extensions=extensions))

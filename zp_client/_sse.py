@@ -13,6 +13,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
+from zp_client._admission.ports import Forecaster, SpreadForecaster
 from zp_client.budget.base import Lease
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def usage_member(event: bytes) -> tuple[int, int, int, int] | None:
     return start, end, m.start(1), m.end(1)
 
 
-def reforecast(fc: Any, route: str, generated: int, max_tokens: int) -> int:
+def reforecast(fc: Forecaster, route: str, generated: int, max_tokens: int) -> int:
     """A stream that reached its forecast, re-forecast given its length so far at the tail quantile (a
     forecaster without one, e.g. a custom duck-typed one, answers with its usual quantile)."""
     try:
@@ -76,20 +77,19 @@ def reforecast(fc: Any, route: str, generated: int, max_tokens: int) -> int:
         return int(fc.forecast(route, generated=generated, max_tokens=max_tokens))
 
 
-def forecast_hi(fc: Any, route: str, generated: int, max_tokens: int) -> int | None:
+def forecast_hi(fc: Forecaster | None, route: str, generated: int, max_tokens: int) -> int | None:
     """A stream's upper forecast (total output tokens) from the forecaster's ``spread`` (see
     :meth:`~zp_client.forecast.LengthForecaster.spread`); None for a forecaster without one."""
-    spread = getattr(fc, "spread", None)
-    if spread is None:
+    if not isinstance(fc, SpreadForecaster):
         return None
-    return int(spread(route, generated=generated, max_tokens=max_tokens))
+    return int(fc.spread(route, generated=generated, max_tokens=max_tokens))
 
 
 class Scanner:
     """Watches a response body go by: counts SSE events, finds ``usage``, strips the one zp added."""
 
     def __init__(self, plan: Plan, block_size: int, bound: int, lease: Lease, is_sse: bool,
-                 forecaster: Any | None = None) -> None:
+                 forecaster: Forecaster | None = None) -> None:
         self.plan = plan
         # Elastic progress: first token, exact tokens with each held report, re-forecasts.
         self.elastic = plan.meta is not None and plan.meta.get("streaming", False) is True and is_sse

@@ -18,7 +18,7 @@ from collections.abc import (
     Mapping,
     MutableMapping,
 )
-from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, overload, runtime_checkable
 
 if TYPE_CHECKING:
     from zp_client._admission.actions import Action
@@ -75,6 +75,10 @@ class HttpHeaders(Protocol):
     @property
     def raw(self) -> list[tuple[bytes, bytes]]: ...
 
+    @overload
+    def get(self, key: str, /) -> str | None: ...
+
+    @overload
     def get(self, key: str, default: str, /) -> str: ...
 
     def items(self) -> Iterable[tuple[str, str]]: ...
@@ -159,7 +163,9 @@ class Forecaster(Protocol):
     has all of it; the abilities below are optional)."""
 
     def forecast(self, key: str, *, generated: int = 0, max_tokens: int | None = None,
-                 streaming: bool = True) -> int: ...
+                 streaming: bool = True, tail: bool = False) -> int:
+        """Total output tokens expected (``tail``: a stream that outlived its forecast, re-forecast at the
+        tail quantile; a forecaster without the argument answers with its usual one at run time)."""
 
     def observe(self, key: str, completion_tokens: int) -> None: ...
 
