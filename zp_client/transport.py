@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
@@ -26,9 +26,13 @@ from zp_client._admission.plan import (
     TTFT_TARGET_HEADER,
     is_admitted,
 )
-from zp_client._admission.ports import HttpRequest
+from zp_client._admission.ports import HttpRequest, TransportOptions
 from zp_client.budget.base import Budget
+from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # AsyncAdmissionTransport2 / AdmissionTransport2 (httpx2) are importable by name but left out of
 # __all__: they import httpx2, which only openai 3.x environments have.
@@ -96,14 +100,18 @@ def transport_classes(module: ModuleType) -> TransportClasses:
     raise ConfigurationError(f"no admission transports for module {module.__name__!r} (httpx or httpx2)")
 
 
-def admission_transport_for(inner: Any, *, budget: Budget, **options: Any) -> Any:
+def admission_transport_for(inner: object, *, budget: Budget, settings: Settings | None = None,
+                            close_inner: bool = True,
+                            **options: Unpack[TransportOptions]) -> AsyncDriver | SyncDriver:
     """An admission transport of the right module and flavour (async or sync) for ``inner``."""
     classes = transport_classes(module_of(inner))
     mod = classes.module
     if isinstance(inner, mod.AsyncBaseTransport):
-        return classes.AsyncAdmissionTransport(inner, budget=budget, **options)
+        return classes.AsyncAdmissionTransport(inner, budget=budget, settings=settings,
+                                               close_inner=close_inner, **options)
     if isinstance(inner, mod.BaseTransport):
-        return classes.AdmissionTransport(inner, budget=budget, **options)
+        return classes.AdmissionTransport(inner, budget=budget, settings=settings, close_inner=close_inner,
+                                          **options)
     raise ConfigurationError(f"{type(inner).__name__} is not an httpx/httpx2 transport")
 
 

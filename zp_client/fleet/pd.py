@@ -64,7 +64,7 @@ import uuid
 from collections import Counter
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import cast
 
 from zp_client._admission.actions import Acquire, Action, Close, ReadAll, Release, Send
 from zp_client._admission.plan import Plan
@@ -85,7 +85,7 @@ DEFAULT_THRESHOLD_TOKENS = 512
 """Uncached prompt tokens below which a request goes straight to its decode replica. Chosen from the sweep
 in docs/pd.md (0, 256, 512, 2,048, never on the agentic workload at ``--pd 1:1``)."""
 
-PREFILL_KV_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False,
+PREFILL_KV_PARAMS: dict[str, object] = {"do_remote_decode": True, "do_remote_prefill": False,
                                      "remote_engine_id": None, "remote_block_ids": None,
                                      "remote_host": None, "remote_port": None}
 """What the example proxy sends a prefill server in ``kv_transfer_params``."""
@@ -93,7 +93,7 @@ PREFILL_KV_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefil
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+def prefill_body(body: Mapping[str, object]) -> dict[str, object]:
     """The prefill call's body for a caller's: ``kv_transfer_params`` asking for a remote decode,
     ``max_tokens`` (and ``max_completion_tokens`` when present) 1, not streamed, ``stream_options``,
     ``min_tokens`` and ``min_completion_tokens`` dropped (the example proxy's rules)."""
@@ -108,7 +108,7 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def decode_body(body: Mapping[str, Any], kv: Mapping[str, Any] | None) -> dict[str, Any]:
+def decode_body(body: Mapping[str, object], kv: Mapping[str, object] | None) -> dict[str, object]:
     """The decode call's body: the caller's, with the prefill's ``kv_transfer_params`` passed back
     verbatim (none: the body as it is, and the decode replica prefills locally)."""
     out = dict(body)
@@ -117,7 +117,7 @@ def decode_body(body: Mapping[str, Any], kv: Mapping[str, Any] | None) -> dict[s
     return out
 
 
-def kv_params_of(answer: bytes) -> dict[str, Any] | None:
+def kv_params_of(answer: bytes) -> dict[str, object] | None:
     """The ``kv_transfer_params`` object of a prefill answer's JSON body, or None (not JSON, missing,
     empty, not an object)."""
     try:
