@@ -14,6 +14,7 @@ import inspect
 import pathlib
 import re
 import sys
+from collections.abc import Callable
 
 SNAPSHOT = pathlib.Path(__file__).with_name("public_surface.txt")
 
@@ -26,9 +27,9 @@ CLASSES = (
 )
 
 
-def _signature(obj: object) -> str:
+def _signature(obj: Callable[..., object]) -> str:
     try:
-        text = str(inspect.signature(obj))  # type: ignore[arg-type]
+        text = str(inspect.signature(obj))
     except (TypeError, ValueError):  # a builtin without one
         return "(?)"
     return re.sub(r" at 0x[0-9a-f]+", "", text)  # a sentinel default's address changes per process

@@ -47,8 +47,10 @@ class KnowingForecaster(LengthForecaster):
 
 
 def _core(policy: str = "strict", *, clock: FakeClock | None = None, shared: SharedState | None = None,
-          forecaster: LengthForecaster | None = None, **settings: object) -> Core:
-    s = Settings(estimator="heuristic", max_model_len=4096, stream_upstream=False, **settings)  # type: ignore[arg-type]
+          forecaster: LengthForecaster | None = None, default_max_tokens: int = 4096,
+          ttft_target_s: float | None = None) -> Core:
+    s = Settings(estimator="heuristic", max_model_len=4096, stream_upstream=False,
+                 default_max_tokens=default_max_tokens, ttft_target_s=ttft_target_s)
     return Core(LocalBudget(1000, policy=policy), s, None, False, forecaster, lib=HTTPX, clock=clock,
                 shared=shared or SharedState())
 

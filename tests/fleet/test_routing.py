@@ -3,6 +3,8 @@ normalized, where an attempt and a passthrough request go, where metadata is rea
 
 from __future__ import annotations
 
+from typing import cast
+
 import httpx
 import pytest
 
@@ -21,9 +23,9 @@ def _fleet() -> Fleet:
 def test_a_replica_url_is_normalized_and_a_bad_one_refused() -> None:
     assert normalize("http://h:8000/v1/") == "http://h:8000/v1"
     assert normalize("http://h:8000/v1?x=1#f") == "http://h:8000/v1"
-    for bad in ("h:8000/v1", "ftp://h/v1", "http:///v1", 8000):
+    for bad in ("h:8000/v1", "ftp://h/v1", "http:///v1", cast(str, 8000)):
         with pytest.raises(ConfigurationError):
-            normalize(bad)  # type: ignore[arg-type]
+            normalize(bad)
 
 
 def test_replica_limits_take_a_list_with_one_limit_or_a_mapping() -> None:
@@ -32,7 +34,7 @@ def test_replica_limits_take_a_list_with_one_limit_or_a_mapping() -> None:
     with pytest.raises(ConfigurationError, match="needs limit"):
         replica_limits([R1], None, missing_limit="needs limit")
     with pytest.raises(ConfigurationError, match="not one string"):
-        replica_limits(R1, 10, missing_limit="?")  # type: ignore[arg-type]
+        replica_limits(cast(list[str], R1), 10, missing_limit="?")
     with pytest.raises(ConfigurationError, match="at least one"):
         replica_limits([], 10, missing_limit="?")
 
