@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from zp_client._admission.ports import Forecaster, SpreadForecaster
@@ -113,7 +114,7 @@ class Scanner:
         self.buf = bytearray()
         self.events = 0
         self.reported = plan.held
-        self.usage: dict[str, Any] | None = None
+        self.usage: dict[str, object] | None = None
         self.pending: bytes | None = None
         self.body = bytearray() if not is_sse else None
         self.observed = False
@@ -235,7 +236,7 @@ class Scanner:
             and (counts is None or self.prompt_reported)
         ):
             return  # the common case, per event: nothing to report yet
-        fields: dict[str, Any] = {}
+        fields: dict[str, object] = {}
         if not self.first_sent:
             # vLLM sends a stream's first event once the prompt is prefilled: its prefix is cached now.
             self.first_sent = True
@@ -270,7 +271,7 @@ class Scanner:
             except Exception:  # progress is advisory; it must never break the caller's stream
                 logger.debug("progress report failed", exc_info=True)
 
-    def advance(self, events: int, usage: dict[str, Any] | None = None) -> None:
+    def advance(self, events: int, usage: dict[str, object] | None = None) -> None:
         """Account ``events`` SSE data events already split and parsed elsewhere (a stream the transport
         reassembles itself): the same growth, first-token and re-forecast reports as :meth:`feed`."""
         if usage is not None:
@@ -282,7 +283,7 @@ class Scanner:
         if events:
             self._grow(events)
 
-    def final_usage(self) -> dict[str, Any] | None:
+    def final_usage(self) -> dict[str, object] | None:
         if self.usage is None and self.body is not None:
             try:
                 obj = json.loads(bytes(self.body))
@@ -308,7 +309,7 @@ _STREAM_ONLY_FIELDS = frozenset(("choices", "usage", "object", "obfuscation"))
 REASSEMBLY_DROPPED_HEADERS = (b"content-length", b"transfer-encoding", b"content-type", b"content-encoding")
 
 
-def reassembly_faithful(body: dict[str, Any]) -> bool:
+def reassembly_faithful(body: Mapping[str, object]) -> bool:
     """True when a stream of this request can be turned back into its exact non-streamed answer."""
     for key in _UNFAITHFUL_FIELDS:
         value = body.get(key)
