@@ -1,4 +1,4 @@
-"""Upstreams that fail chosen requests, on loopback: for the one-retry-loop tests (tests/test_one_loop.py,
+"""Upstreams that fail chosen requests, on loopback: for the one-retry-loop tests (tests/retry/test_one_loop.py,
 integrations/litellm/tests).
 
 * :class:`FailProxy`: an HTTP proxy in front of ``upstream`` (e.g. the simulator, ``zp_client.sim``)

@@ -1,4 +1,4 @@
-"""Helpers of the agent-framework tests (tests/test_frameworks_*.py, integrations/llama-index/tests).
+"""Helpers of the agent-framework tests (tests/frameworks/test_frameworks_*.py, integrations/llama-index/tests).
 
 :class:`FailProxy`: a proxy on loopback in front of an upstream (the simulator) that answers 503 to chosen
 requests: how many upstream attempts does an always-failing call make through a framework?

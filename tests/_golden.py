@@ -1,4 +1,4 @@
-"""Golden-trace recording for the admission transport (tests/test_golden_traces.py).
+"""Golden-trace recording for the admission transport (tests/admission/test_golden_traces.py).
 
 One trace per logical request: every budget call (acquire, lease reports, release), every request the
 inner (upstream) transport saw and every close of an upstream body, and what the caller finally got, in
@@ -388,7 +388,7 @@ def check(path: Path, name: str, events: list[dict[str, Any]]) -> None:
     if name not in stored:
         raise AssertionError(
             f"no golden trace {name!r} in {path.name}; record with ZP_GOLDEN_RECORD=1 python -m pytest "
-            "tests/test_golden_traces.py (on the commit whose behaviour is the reference)"
+            "tests/admission/test_golden_traces.py (on the commit whose behaviour is the reference)"
         )
     if stored[name] != fresh:
         old = [_line(e) for e in stored[name]]

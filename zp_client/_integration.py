@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from zp_client._admission.ports import Estimator, Forecaster, RetryPolicy
 from zp_client._private import resource_client, sdk_http_client
 from zp_client._wrap import admitted_budget, wrap
@@ -26,7 +28,7 @@ from zp_client.transport import (
     TTFT_TARGET_HEADER,
 )
 
-__all__ = ["AdmissionOptions", "openai_client_of", "openai_http_client"]
+__all__ = ["AdmissionOptions", "ZPModelFields", "openai_client_of", "openai_http_client"]
 
 C = TypeVar("C")
 
@@ -122,6 +124,41 @@ class AdmissionOptions:
             # wrap() accepted ``client``, so it is an openai client, which has with_options
             new = cast(C, cast(Any, new).with_options(**extra))
         return new
+
+
+class ZPModelFields(BaseModel):
+    """The fields every pydantic framework model of zp's integrations adds to its base (langchain-zp's
+    ``ZPChatOpenAI`` / ``ZPOpenAI``, crewai-zp's ``ZPLLM``, llama-index-llms-zp's ``ZPOpenAILike``): a
+    mixin listed after the framework's class, so that the eleven options are declared, excluded from
+    serialisation and turned into :class:`AdmissionOptions` in one place.
+
+    ``budget`` is required; the ``zp_*`` fields are :class:`AdmissionOptions`' own, prefixed (``zp_deadline``
+    is its ``deadline``, ...). They are not constrained here: :meth:`zp_options` checks them, raising
+    :class:`~zp_client.ConfigurationError` (an integration whose framework reports bad fields as
+    ``pydantic.ValidationError`` re-declares them with constraints).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    budget: Budget = Field(exclude=True)
+    zp_settings: Settings | None = Field(default=None, exclude=True)
+    zp_retry: Any | None = Field(default=None, exclude=True)
+    zp_estimator: Any | None = Field(default=None, exclude=True)
+    zp_forecaster: Any | None = Field(default=None, exclude=True)
+    zp_priority: int | None = Field(default=None, exclude=True)
+    zp_deadline: float | None = Field(default=None, exclude=True)
+    zp_route: str | None = Field(default=None, exclude=True)
+    zp_ttft_target: float | None = Field(default=None, exclude=True)
+    zp_tpot_target: float | None = Field(default=None, exclude=True)
+    zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
+
+    def zp_options(self, *, max_retries: int = 0) -> AdmissionOptions:
+        """These fields as :class:`AdmissionOptions`, with the openai SDK's ``max_retries``."""
+        return AdmissionOptions(
+            budget=self.budget, settings=self.zp_settings, estimator=self.zp_estimator, retry=self.zp_retry,
+            forecaster=self.zp_forecaster, priority=self.zp_priority, deadline=self.zp_deadline,
+            route=self.zp_route, max_retries=max_retries, metrics=self.zp_metrics,
+            ttft_target=self.zp_ttft_target, tpot_target=self.zp_tpot_target)
 
 
 def _positive_seconds(value: object) -> bool:

@@ -238,7 +238,7 @@ class SyncBody(_Body):
 
 
 _READING = "while reading the server's answer"
-_SLACK_S = 0.05  # as zp_client._drivers.DEADLINE_SLACK_S
+_SLACK_S = 0.05  # as zp_client._admission.drivers.DEADLINE_SLACK_S
 
 
 async def _until(source: AsyncIterable[bytes], deadline: float,

@@ -21,7 +21,7 @@ acquire (route and admit) and release (which also carries the request's success)
 (:meth:`note_failure`, ejection, readmission) and membership go through ``lua/fleet.lua``.
 
 The placement is :class:`~zp_client.fleet.ledger.FleetLedger`'s, ported to Lua; a conformance test drives
-both with the same requests (tests/test_fleet_redis_elastic.py). See docs/redis.md, "Redis fleets".
+both with the same requests (tests/fleet/test_fleet_redis_elastic.py). See docs/redis.md, "Redis fleets".
 """
 
 from __future__ import annotations

@@ -19,11 +19,10 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from zp_client import AdmissionOptions, Budget, Settings
+from zp_client._integration import ZPModelFields
 from zp_client._private import replace_crewai_clients
 from zp_client._repeat import call_key
 from zp_client.errors import ConfigurationError, MissingIntegration
-from zp_client.metrics import ZPMetrics
 
 try:
     from crewai.llms.providers.openai.completion import OpenAICompletion
@@ -41,7 +40,7 @@ else:
 __all__ = ["ZPLLM"]
 
 
-class ZPLLM(OpenAICompletion):
+class ZPLLM(OpenAICompletion, ZPModelFields):
     """CrewAI's ``OpenAICompletion`` whose every call is admitted on ``budget`` (see the module doc).
 
     Fields beyond CrewAI's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
@@ -56,17 +55,6 @@ class ZPLLM(OpenAICompletion):
     are a ConfigurationError too.
     """
 
-    budget: Budget = Field(exclude=True)
-    zp_settings: Settings | None = Field(default=None, exclude=True)
-    zp_retry: Any | None = Field(default=None, exclude=True)
-    zp_estimator: Any | None = Field(default=None, exclude=True)
-    zp_forecaster: Any | None = Field(default=None, exclude=True)
-    zp_priority: int | None = Field(default=None, exclude=True)
-    zp_deadline: float | None = Field(default=None, exclude=True)  # > 0: AdmissionOptions says so
-    zp_route: str | None = Field(default=None, exclude=True)
-    zp_ttft_target: float | None = Field(default=None, exclude=True)  # seconds > 0: AdmissionOptions says so
-    zp_tpot_target: float | None = Field(default=None, exclude=True)
-    zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
     max_retries: int = Field(default=0, ge=0)
     """Retries of the openai SDK; a retry of a call zp gave up on gets zp's failure again (no attempt)."""
 
@@ -103,11 +91,7 @@ class ZPLLM(OpenAICompletion):
     # clients (or left them None, without an API key) when this runs.
     @model_validator(mode="after")
     def _zp_admit_clients(self) -> Self:
-        opts = AdmissionOptions(
-            budget=self.budget, settings=self.zp_settings, estimator=self.zp_estimator, retry=self.zp_retry,
-            forecaster=self.zp_forecaster, priority=self.zp_priority, deadline=self.zp_deadline,
-            route=self.zp_route, ttft_target=self.zp_ttft_target, tpot_target=self.zp_tpot_target,
-            max_retries=self.max_retries, metrics=self.zp_metrics)
+        opts = self.zp_options(max_retries=self.max_retries)
         built: list[Any] = []
 
         def admit(client: Any) -> Any:

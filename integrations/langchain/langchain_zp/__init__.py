@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 from pydantic import Field, model_validator
 
 from zp_client import AdmissionInfo, AdmissionOptions, Budget, Settings, call_scope, openai_client_of
+from zp_client._integration import ZPModelFields
 from zp_client._repeat import call_key
 from zp_client.errors import ConfigurationError, MissingIntegration
 from zp_client.metrics import ZPMetrics
@@ -107,21 +108,17 @@ def _admit_llm(model: BaseOpenAI, opts: AdmissionOptions) -> None:
         object.__setattr__(model, res_attr, opts.admit(root).completions)
 
 
-def _options(model: Any) -> AdmissionOptions:
-    return AdmissionOptions(
-        budget=model.budget,
-        settings=model.zp_settings,
-        estimator=model.zp_estimator,
-        retry=model.zp_retry,
-        forecaster=model.zp_forecaster,
-        priority=model.zp_priority,
-        deadline=model.zp_deadline,
-        route=model.zp_route,
-        max_retries=model.max_retries or 0,
-        metrics=model.zp_metrics,
-        ttft_target=model.zp_ttft_target,
-        tpot_target=model.zp_tpot_target,
-    )
+class _ZPFields(ZPModelFields):
+    """zp's fields (:class:`~zp_client._integration.ZPModelFields`), the seconds constrained: LangChain
+    models report a bad field as ``pydantic.ValidationError`` naming it, at construction."""
+
+    zp_deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
+    zp_ttft_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
+    zp_tpot_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
+
+
+def _options(model: ZPChatOpenAI | ZPOpenAI) -> AdmissionOptions:
+    return model.zp_options(max_retries=model.max_retries or 0)
 
 
 # ---------------------------------------------------------------------------------------- visibility
@@ -417,7 +414,7 @@ async def _areported_steps(inner: AsyncIterator[T], target: _Target | None) -> A
             await aclose()
 
 
-class ZPChatOpenAI(ChatOpenAI):
+class ZPChatOpenAI(ChatOpenAI, _ZPFields):
     """``langchain_openai.ChatOpenAI`` whose every call is admitted on ``budget`` (see the module doc).
 
     Fields beyond ChatOpenAI's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
@@ -432,17 +429,6 @@ class ZPChatOpenAI(ChatOpenAI):
     callbacks, and ``response_metadata["zp_admission"]`` / ``generation_info`` (see the module doc).
     """
 
-    budget: Budget = Field(exclude=True)
-    zp_settings: Settings | None = Field(default=None, exclude=True)
-    zp_retry: Any | None = Field(default=None, exclude=True)
-    zp_estimator: Any | None = Field(default=None, exclude=True)
-    zp_forecaster: Any | None = Field(default=None, exclude=True)
-    zp_priority: int | None = Field(default=None, exclude=True)
-    zp_deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
-    zp_route: str | None = Field(default=None, exclude=True)
-    zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
-    zp_ttft_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
-    zp_tpot_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
     max_retries: int | None = 0
     """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
 
@@ -535,21 +521,10 @@ class ZPChatOpenAI(ChatOpenAI):
         return result
 
 
-class ZPOpenAI(OpenAI):
+class ZPOpenAI(OpenAI, _ZPFields):
     """``langchain_openai.OpenAI`` (the completions LLM) admitted on ``budget``; fields and admission
     reports as in :class:`ZPChatOpenAI` (the summary also in the result's ``llm_output``)."""
 
-    budget: Budget = Field(exclude=True)
-    zp_settings: Settings | None = Field(default=None, exclude=True)
-    zp_retry: Any | None = Field(default=None, exclude=True)
-    zp_estimator: Any | None = Field(default=None, exclude=True)
-    zp_forecaster: Any | None = Field(default=None, exclude=True)
-    zp_priority: int | None = Field(default=None, exclude=True)
-    zp_deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
-    zp_route: str | None = Field(default=None, exclude=True)
-    zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
-    zp_ttft_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
-    zp_tpot_target: float | None = Field(default=None, gt=0, allow_inf_nan=False, exclude=True)
     max_retries: int = 0
     """Retries of the openai SDK, around zp's own; 0 (the default) leaves retrying to zp."""
 

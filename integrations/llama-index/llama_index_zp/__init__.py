@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr
 
-from zp_client import AdmissionOptions, Budget, Settings, admitted_budget
+from zp_client import AdmissionOptions, Budget, admitted_budget
+from zp_client._integration import ZPModelFields
 from zp_client.errors import ConfigurationError, MissingIntegration
-from zp_client.metrics import ZPMetrics
 
 try:
     # llama-index-llms-openai-like ships no py.typed (llama-index-llms-openai, its base, does)
@@ -35,7 +35,7 @@ except ImportError as _exc:  # the missing-framework test hides it from sys.modu
 __all__ = ["ZPOpenAILike"]
 
 
-class ZPOpenAILike(OpenAILike):  # type: ignore[misc]  # OpenAILike is untyped (see the import)
+class ZPOpenAILike(OpenAILike, ZPModelFields):  # type: ignore[misc]  # OpenAILike is untyped (see the import)
     """``OpenAILike`` whose every call is admitted on ``budget`` (see the module doc).
 
     Fields beyond OpenAILike's: ``budget`` (required: a LocalBudget or RedisBudget), ``zp_settings``
@@ -53,17 +53,6 @@ class ZPOpenAILike(OpenAILike):  # type: ignore[misc]  # OpenAILike is untyped (
     admitted on the same budget with the same options.
     """
 
-    budget: Budget = Field(exclude=True)
-    zp_settings: Settings | None = Field(default=None, exclude=True)
-    zp_retry: Any | None = Field(default=None, exclude=True)
-    zp_estimator: Any | None = Field(default=None, exclude=True)
-    zp_forecaster: Any | None = Field(default=None, exclude=True)
-    zp_priority: int | None = Field(default=None, exclude=True)
-    zp_deadline: float | None = Field(default=None, exclude=True)  # > 0: AdmissionOptions says so
-    zp_route: str | None = Field(default=None, exclude=True)
-    zp_ttft_target: float | None = Field(default=None, exclude=True)  # seconds > 0: AdmissionOptions says so
-    zp_tpot_target: float | None = Field(default=None, exclude=True)
-    zp_metrics: ZPMetrics | None = Field(default=None, exclude=True)
 
     max_retries: int = Field(default=0, ge=0, le=0, description="Always 0: zp does the retrying (zp_retry).")
 
@@ -91,12 +80,8 @@ class ZPOpenAILike(OpenAILike):  # type: ignore[misc]  # OpenAILike is untyped (
                     "ZPOpenAILike admits its clients itself: pass the unwrapped client, or use LlamaIndex's "
                     "OpenAILike with the wrapped one"
                 )
-        super().__init__(max_retries=0, **kwargs)
-        self._zp_options = AdmissionOptions(
-            budget=self.budget, settings=self.zp_settings, estimator=self.zp_estimator, retry=self.zp_retry,
-            forecaster=self.zp_forecaster, priority=self.zp_priority, deadline=self.zp_deadline,
-            route=self.zp_route, ttft_target=self.zp_ttft_target, tpot_target=self.zp_tpot_target,
-            metrics=self.zp_metrics)
+        OpenAILike.__init__(self, max_retries=0, **kwargs)  # next in the MRO (mypy sees only the mixin)
+        self._zp_options = self.zp_options()
         # Both clients now, from the one budget: OpenAI's lazy _get_client would build unadmitted ones.
         self._client = self._zp_options.admit(openai_client or OpenAI(**self._get_credential_kwargs()))
         self._aclient = self._zp_options.admit(

@@ -192,7 +192,7 @@ class Upstream:
 
 def _settings() -> Settings:
     # pool_check off: each row scripts every upstream request of the attempt loop, and the pool check's one
-    # GET /metrics is not part of it (tests/test_pool_check.py covers that read).
+    # GET /metrics is not part of it (tests/estimate/test_pool_check.py covers that read).
     return Settings(estimator="heuristic", max_model_len=4096, stream_upstream=False, pool_check=False)
 
 

@@ -4,7 +4,7 @@ Holdings are counted *outside* the budget: inside each lease body a worker adds 
 separate counter key (INCRBY returns the new sum, so every peak is observed) and subtracts it before
 releasing; the test process also samples the counter throughout. Neither may ever exceed the limit.
 
-This file is also the worker program: ``python tests/test_redis_multiprocess.py <mode> <json-args>``.
+This file is also the worker program: ``python tests/budget/test_redis_multiprocess.py <mode> <json-args>``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 pytestmark = [pytest.mark.redis]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (this file is in tests/<area>/)
 
 
 # ------------------------------------------------------------------------------------------ the worker

@@ -26,7 +26,7 @@ from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
 from zp_client.sim.server import SimServer
 
-from tests.test_redis_elastic import _delete  # the same key cleanup
+from tests.budget.test_redis_elastic import _delete  # the same key cleanup
 
 pytestmark = pytest.mark.anyio
 
@@ -290,8 +290,8 @@ def test_redis_pins_conform_to_the_pin_book(redis_url: str, redis_prefix: str) -
     from hypothesis import strategies as st
     from hypothesis.stateful import initialize, precondition, rule, run_state_machine_as_test
 
-    from tests.test_redis_elastic import FULL_BACKFILL, _make_machine
-    from tests.test_redis_elastic import _progress as progress_fields
+    from tests.budget.test_redis_elastic import FULL_BACKFILL, _make_machine
+    from tests.budget.test_redis_elastic import _progress as progress_fields
 
     names = [redis_prefix]
     base = _make_machine(redis_url, names, FULL_BACKFILL)

@@ -3,7 +3,7 @@ fleet's overload answers, the state in status, Redis down; and three real proces
 the simulator as the judge of who polls /metrics (one poller; a SIGKILLed leader's successor polls
 within one lease TTL).
 
-This file is also the worker program: ``python tests/test_adaptive_redis.py <json-args>``.
+This file is also the worker program: ``python tests/estimate/test_adaptive_redis.py <json-args>``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 pytestmark = [pytest.mark.redis]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (this file is in tests/<area>/)
 
 
 # ------------------------------------------------------------------------------------------ the worker

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
 A, B, C = "http://a:8000/v1", "http://b:8000/v1", "http://c:8000/v1"
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (this file is in tests/<area>/)
 
 
 @pytest.fixture
@@ -488,7 +488,7 @@ async def test_a_dead_replica_is_ejected_and_requests_move(fleets: Any) -> None:
 
 @pytest.mark.anyio
 async def test_a_stream_cut_before_its_first_byte_moves_and_avoids_that_replica(fleets: Any) -> None:
-    from tests.test_fleet import _ResetBeforeFirstByte
+    from tests.fleet.test_fleet import _ResetBeforeFirstByte
 
     with _ResetBeforeFirstByte() as bad, LoopbackServer() as good:
         f = fleets([bad.base_url, good.base_url], 4000)

@@ -136,7 +136,7 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
             assert (got.limit, got.used, got.free, got.held, got.leases) == (
                 want.limit, want.used, want.free, want.held, want.leases), (got, want)
             assert got.waiters == want.waiters
-            # (a pinned prefix's lease, tests/test_pinning_redis.py, is nobody's grant)
+            # (a pinned prefix's lease, tests/budget/test_pinning_redis.py, is nobody's grant)
             granted = [lbl for lbl in self.model.leases if lbl not in self.leases and not lbl.startswith("pin:")]
             if granted:
                 _, pending = self.run(asyncio.wait([self.tasks[lbl] for lbl in granted], timeout=20))
@@ -224,6 +224,7 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
 @pytest.mark.parametrize(("starvation", "longest_first_s"),
                          [(NO_BACKFILL, 0.0), (FULL_BACKFILL, 0.0), (FULL_BACKFILL, FULL_BACKFILL)],
                          ids=["fifo", "backfill", "backfill-longest-first"])
+@pytest.mark.slow  # a hypothesis state machine: make test-fast skips it, make test runs it
 def test_elastic_redis_budget_conforms_to_the_elastic_ledger(
     starvation: float, longest_first_s: float, redis_url: str, redis_prefix: str
 ) -> None:
@@ -298,8 +299,8 @@ async def test_an_exact_prompt_above_the_estimate_raises_the_cap_and_the_fast_pa
 ) -> None:
     # Nine leases sized on a 572-token estimate (bound 52 blocks with 256 output tokens) whose server
     # count is 615: each truly peaks at 55 blocks. At 540 the bounds alone (9 x 52 + 9 + 52 + 1 = 530)
-    # pass acquire.lua's fast path, while the projection with a tenth peaks at 547 (tests/test_elastic_
-    # exact_prompt.py has the same case on the Ledger and LocalBudget).
+    # pass acquire.lua's fast path, while the projection with a tenth peaks at 547
+    # (tests/admission/test_elastic_exact_prompt.py has the same case on the Ledger and LocalBudget).
     b = budgets(540, 16)
     meta = {"prompt_tokens": 572, "forecast_tokens": 256, "streaming": True}
     leases = [await b.acquire(52, held=36, meta=meta) for _ in range(9)]
@@ -322,7 +323,7 @@ async def test_an_exact_prompt_above_the_estimate_raises_the_cap_and_the_fast_pa
 
 @pytest.mark.anyio
 async def test_a_lease_without_metadata_is_reserved_at_its_bound(budgets: Any) -> None:
-    # As tests/test_elastic_budget.py: A (bound 10, held 1, no metadata) is not projected to end after 144
+    # As tests/budget/test_elastic_budget.py: A (bound 10, held 1, no metadata) is not projected to end after 144
     # steps but counted at 10 for its whole life, so B (1 + 11 = 12 blocks at its end, t = 170) waits.
     b = budgets(20)
     la = await b.acquire(10, held=1)

@@ -1,6 +1,6 @@
 """The SLO-aware line (docs/admission.md#the-slo-aware-line): its order, its guarantees as hypothesis
 properties on the ledger (virtual clock), the settings, and the Redis port's order on real Redis (the
-conformance machines in tests/test_budget_conformance.py hold the port to the ledger step by step)."""
+conformance machines in tests/budget/test_budget_conformance.py hold the port to the ledger step by step)."""
 
 from __future__ import annotations
 
@@ -293,7 +293,7 @@ class SloLineMachine(RuleBasedStateMachine):
 
 SloLineMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-TestSloLineProperties = SloLineMachine.TestCase
+TestSloLineProperties = pytest.mark.slow(SloLineMachine.TestCase)  # a state machine: make test-fast skips it
 
 
 _OPS = st.lists(st.tuples(st.sampled_from(["arrive", "release", "cancel", "advance"]), st.integers(1, 12),

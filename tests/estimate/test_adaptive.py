@@ -1,7 +1,7 @@
 """The adaptive limit (zp_client.adaptive): its AIMD rules against a scripted /metrics source and the
 simulator, LocalBudget's compare-and-set, the controller's lifecycle, status and metrics.
 
-The Redis leader election (three processes, a SIGKILLed leader) is in tests/test_adaptive_redis.py.
+The Redis leader election (three processes, a SIGKILLed leader) is in tests/estimate/test_adaptive_redis.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ exactly: which requests hold a lease, on which replica, each replica's projected
 the line. So the Lua port of placement (session, then the longest prefix match in the index with its LRU
 eviction, then the least projected load; the starving waiter's hold on one replica) and of the projected
 peak per replica is checked against the Python one. The strict fleet's placement is the same code with
-the strict rule (tests/test_fleet_redis.py).
+the strict rule (tests/fleet/test_fleet_redis.py).
 
 Hand-made cases: an elastic fleet admits on a replica what its sum of bounds would refuse (and the strict
 one does not); a starving waiter holds one replica while the others keep admitting (a line that stopped
@@ -205,6 +205,7 @@ def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
 
 
 @pytest.mark.parametrize("starvation", [NO_BACKFILL, FULL_BACKFILL], ids=["hold-at-once", "backfill"])
+@pytest.mark.slow  # a hypothesis state machine: make test-fast skips it, make test runs it
 def test_elastic_redis_fleet_conforms_to_the_fleet_ledger(
     starvation: float, redis_url: str, redis_prefix: str
 ) -> None:

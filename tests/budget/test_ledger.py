@@ -463,7 +463,7 @@ LedgerMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestLedgerStateful = LedgerMachine.TestCase
+TestLedgerStateful = pytest.mark.slow(LedgerMachine.TestCase)  # a state machine: make test-fast skips it
 
 
 def test_model_check_detects_a_broken_grant() -> None:

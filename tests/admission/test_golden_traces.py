@@ -8,7 +8,7 @@ httpx2), through public entry points only: ``transport_classes(mod).AsyncAdmissi
 wrapper (tests/_golden.py). Every scenario passes ``retry=`` explicitly.
 
 Re-record (only on purpose, on the commit whose behaviour is the reference), in both environments:
-``ZP_GOLDEN_RECORD=1 .venv/bin/python -m pytest tests/test_golden_traces.py`` and the same with
+``ZP_GOLDEN_RECORD=1 .venv/bin/python -m pytest tests/admission/test_golden_traces.py`` and the same with
 ``.venv-openai2/bin/python``; then check ``git diff tests/golden``.
 """
 
@@ -68,7 +68,7 @@ def _no_zp_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     The pool check (``Settings.pool_check``: one ``GET /metrics`` per budget and server before the first
     admitted request) came after the reference was recorded and would add that request to every trace; it
     is switched off here through its public opt-out, ``ZP_POOL_CHECK`` (every Settings of these scenarios
-    reads it), and traced on its own in tests/test_pool_check.py."""
+    reads it), and traced on its own in tests/estimate/test_pool_check.py."""
     for name in list(os.environ):
         if name.startswith("ZP_") and not name.startswith(("ZP_GOLDEN_", "ZP_TEST_")):
             monkeypatch.delenv(name)

@@ -1,4 +1,4 @@
-"""One retry loop for every client zp admits besides wrap() (tests/test_one_loop.py): langchain-zp with
+"""One retry loop for every client zp admits besides wrap() (tests/retry/test_one_loop.py): langchain-zp with
 the SDK's ``max_retries=2`` and LangChain's ``.with_retry()`` (LangChain sends each prompt from a task of
 its own: the adapter's call scope carries the failure back), identical calls in flight together staying
 independent, autogen-zp with ``max_retries=2`` and a
@@ -57,7 +57,7 @@ def granted(b: LocalBudget) -> int:
 
 
 async def test_langchain_zp_with_sdk_retries_and_with_retry(proxy: FailProxy) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "langchain"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integrations" / "langchain"))
     langchain_zp = pytest.importorskip("langchain_zp")
     b = budget()
     llm = langchain_zp.ZPChatOpenAI(model="fail-lc", base_url=proxy.base_url, api_key="sk-test", budget=b,
@@ -87,7 +87,7 @@ async def test_langchain_zp_with_sdk_retries_and_with_retry(proxy: FailProxy) ->
 
 
 async def test_autogen_zp_with_sdk_retries_and_a_retry_loop(proxy: FailProxy) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "autogen"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integrations" / "autogen"))
     autogen_zp = pytest.importorskip("autogen_zp")
     from autogen_core.models import UserMessage
 

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.test_fleet import _dead_url  # a port nothing listens on
+from tests.fleet.test_fleet import _dead_url  # a port nothing listens on
 from zp_client import Fleet, wrap
 from zp_client.bench.workloads import make_text
 from zp_client.errors import ConfigurationError

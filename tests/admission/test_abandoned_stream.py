@@ -228,7 +228,7 @@ def test_an_openai_client_over_the_transport_without_wrap_releases_dropped_strea
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZP_")}
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", _DIRECT], capture_output=True, text=True, timeout=60,

@@ -327,7 +327,7 @@ def test_local_budget_window_slides() -> None:
 
 def test_spent_budget_fails_fast_with_retry_budget_exhausted_when_not_asked_to_wait() -> None:
     # decide(wait_for_budget=False), the policy API's default: no waiting (the transports ask to wait,
-    # tests/test_retry_budget_wait.py)
+    # tests/retry/test_retry_budget_wait.py)
     gave_up: list[RetryDetails] = []
     budget = LocalRetryBudget(ratio=0.5, floor_per_s=0, window_s=10, clock=FakeClock())
     policy = RetryPolicy(budget=budget, on_give_up=[gave_up.append])

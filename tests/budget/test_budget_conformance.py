@@ -13,7 +13,7 @@ requests carry TTFT targets 1,000 s and more apart (every deadline stays ahead f
 the same order on every clock), targets already missed (an ``age_s`` far beyond the target) or none,
 and the late bound is effectively infinite: the order (earliest deadline first, then the rest in line
 order) is the ledger's, on the backend's own clock. Expiry is time-based and is tested per
-backend (tests/test_redis_budget.py, tests/test_redis_multiprocess.py).
+backend (tests/budget/test_redis_budget.py, tests/budget/test_redis_multiprocess.py).
 """
 
 from __future__ import annotations
@@ -236,6 +236,7 @@ _LINES = pytest.mark.parametrize(("starvation", "line"), [
 
 
 @_LINES
+@pytest.mark.slow  # a hypothesis state machine: make test-fast skips it, make test runs it
 def test_local_budget_conforms_to_the_ledger(starvation: float, line: str) -> None:
     pytest.importorskip("zp_client.budget.local")
     machine = _make_machine(_local_factory, starvation, lambda: None, line)
@@ -244,6 +245,7 @@ def test_local_budget_conforms_to_the_ledger(starvation: float, line: str) -> No
 
 @pytest.mark.redis
 @_LINES
+@pytest.mark.slow  # a hypothesis state machine: make test-fast skips it, make test runs it
 def test_redis_budget_conforms_to_the_ledger(starvation: float, line: str, redis_url: str,
                                              redis_prefix: str) -> None:
     from zp_client.budget.redis import RedisBudget
