@@ -66,7 +66,8 @@ from zp_client._clock import Clock
 from zp_client._private import has_read_body
 
 if TYPE_CHECKING:
-    from zp_client._admission.ports import HttpRequest, HttpResponse, Metrics, Steps
+    from zp_client._admission.actions import Steps
+    from zp_client._admission.ports import HttpRequest, HttpResponse, Metrics
     from zp_client.config import Settings
 
 

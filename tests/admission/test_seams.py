@@ -66,3 +66,57 @@ def test_the_checks_see_what_they_look_for(tmp_path: pathlib.Path) -> None:
                      "def g(a: int, *rest: Any) -> None:\n    return getattr(a, 'b')\n")
     assert sorted(any_in_signatures(probe)) == ["probe.py:2 alias", "probe.py:4 C", "probe.py:5 g"]
     assert getattr_calls(probe) == ["probe.py:6"]
+
+
+def _module_imports(path: pathlib.Path, names: set[str]) -> set[str]:
+    """The zp_client modules ``path`` imports anywhere (deferred and ``TYPE_CHECKING`` ones included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found & names
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_of_the_admission_package_is_in_an_import_circle() -> None:
+    root = PACKAGE.parent
+    paths = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in root.rglob("*.py")}
+    graph = {m: _module_imports(p, set(paths)) for m, p in paths.items()}
+    assert graph["zp_client._admission.actions"]  # the graph is not empty: imports are seen
+    assert [c for c in _circles(graph) if any(m.startswith("zp_client._admission") for m in c)] == []
+    assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # the search finds one

@@ -9,7 +9,7 @@ says what the driver sends back.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,6 @@ from zp_client._admission.ports import (
     JSONObject,
     LeaseMeta,
     RetryPolicy,
-    Steps,
 )
 from zp_client._admission.release import Holder
 from zp_client.budget.base import Budget, Ticket
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
     from zp_client.server import ServerInfo
 
 __all__ = ["Estimate", "ModelLen", "PoolSize", "NewRetryState", "Acquire", "Send", "ReadAll", "Peek", "Close",
-           "Release", "Decide", "WaitBudget", "Sleep", "Action", "Done", "Machine", "Prefetched"]
+           "Release", "Decide", "WaitBudget", "Sleep", "Action", "Done", "Machine", "Prefetched", "Steps"]
 
 Prefetched = tuple[bytes | None, "Iterator[bytes] | AsyncIterator[bytes]"]
 """A body's first chunk (None: it was empty) and an iterator over the rest (sync or async)."""
@@ -180,6 +179,8 @@ class Sleep:
 
 Action = (Estimate | ModelLen | PoolSize | NewRetryState | Acquire | Send | ReadAll | Peek | Close | Release
           | Decide | Sleep | WaitBudget)
+Steps = Generator[Action, object, HttpResponse]
+"""A piece of the attempt loop: yields actions, is sent their results, returns the response."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ first) and runs its attempts: acquire a lease, send, hand the answer to delivery
 (:mod:`~zp_client._admission.delivery`); a failed or refused attempt goes to
 :meth:`AttemptLoop.retry_or_raise`. On a fleet a failed connection moves the request to another replica
 without spending a retry; a disaggregated fleet's two-phase lease is its own sub-machine
-(:mod:`zp_client.fleet.pd`), reached through the :class:`~zp_client._admission.ports.TwoPhaseCall` port.
+(:mod:`zp_client.fleet.pd`), reached through the :class:`~zp_client._admission.loop_ports.TwoPhaseCall` port.
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ from zp_client._admission.actions import (
     Release,
     Send,
     Sleep,
+    Steps,
     WaitBudget,
 )
 from zp_client._admission.delivery import Delivery, is_answered, is_incomplete
+from zp_client._admission.loop_ports import Fleet, TwoPhaseCall
 from zp_client._admission.parts import Parts
 from zp_client._admission.plan import Plan
 from zp_client._admission.planner import Planner
 from zp_client._admission.ports import (
     AsyncInner,
-    Fleet,
     HttpRequest,
     HttpResponse,
     HttpURL,
@@ -41,9 +42,7 @@ from zp_client._admission.ports import (
     Placed,
     Predicted,
     RetryPolicy,
-    Steps,
     SyncInner,
-    TwoPhaseCall,
 )
 from zp_client._admission.release import Holder
 from zp_client._admission.servers import Servers
@@ -99,7 +98,7 @@ def unreachable(request: HttpRequest, exc: BaseException, attempts: int) -> Serv
 
 class AttemptLoop:
     """Runs the attempts of the admitted requests of one core; the
-    :class:`~zp_client._admission.ports.AttemptContext` of a two-phase lease."""
+    :class:`~zp_client._admission.loop_ports.AttemptContext` of a two-phase lease."""
 
     def __init__(self, parts: Parts, planner: Planner, servers: Servers, delivery: Delivery) -> None:
         self._parts = parts

@@ -18,12 +18,12 @@ from zp_client._admission.actions import Machine
 from zp_client._admission.attempts import AttemptLoop
 from zp_client._admission.delivery import Delivery
 from zp_client._admission.httplib import HttpLib
+from zp_client._admission.loop_ports import Fleet
 from zp_client._admission.parts import SHARED, Parts, SharedState
 from zp_client._admission.planner import Planner
 from zp_client._admission.ports import (
     AsyncInner,
     Estimator,
-    Fleet,
     Forecaster,
     HttpRequest,
     Metrics,

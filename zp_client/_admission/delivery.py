@@ -2,7 +2,7 @@
 
 A streamed body goes to the caller through a body class of the HTTP library
 (:mod:`zp_client._admission.httplib`) that owns the lease and reports back through the
-:class:`~zp_client._admission.ports.BodyObserver` port, which :class:`Delivery` implements; a
+:class:`~zp_client._admission.loop_ports.BodyObserver` port, which :class:`Delivery` implements; a
 non-streamed call sent upstream as a stream is read here to its end and reassembled. Usage learnt at the
 end goes to the estimator's calibration and the length forecaster.
 """

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, cast
 import anyio
 import httpx
 
+from zp_client._admission.loop_ports import BodyObserver
 from zp_client._admission.ports import (
     AsyncClosable,
     AsyncInner,
-    BodyObserver,
     HttpHeaders,
     HttpRequest,
     HttpResponse,

@@ -67,9 +67,10 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 from zp_client._admission.actions import Acquire, Action, Close, ReadAll, Release, Send
+from zp_client._admission.loop_ports import AttemptContext
+from zp_client._admission.loop_ports import Fleet as FleetPort
 from zp_client._admission.plan import Plan
-from zp_client._admission.ports import AttemptContext, HttpRequest, HttpResponse
-from zp_client._admission.ports import Fleet as FleetPort
+from zp_client._admission.ports import HttpRequest, HttpResponse
 from zp_client._admission.release import Holder
 from zp_client.budget.base import Budget, Lease
 from zp_client.errors import ConfigurationError, LeaseTooLarge
@@ -183,7 +184,7 @@ _CONNECT_ERRORS = ("ConnectError", "ConnectTimeout")
 
 class TwoPhaseLease:
     """One disaggregated request's prefill side across its attempts (the module docstring's rules). The
-    attempt loop runs it through :class:`~zp_client._admission.ports.TwoPhaseCall`: its methods yield the
+    attempt loop runs it through :class:`~zp_client._admission.loop_ports.TwoPhaseCall`: its methods yield the
     loop's actions (acquire the prefill leg, send the prefill call, release) and take their results."""
 
     __slots__ = ("pd", "decode", "ctx", "body", "holder", "kv", "at", "until", "is_reached", "shipped",
