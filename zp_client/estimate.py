@@ -427,7 +427,7 @@ class Estimator:
             self._cache.put(text, v)
         return v
 
-    def _schema_tokens(self, key: str, schemas: Any) -> int:
+    def _schema_tokens(self, key: str, schemas: object) -> int:
         """Tokens of tool schemas as chat templates render them. Llama 3.x templates (the most common on
         vLLM) print each schema with ``tojson(indent=4)``, about one token per line more than compact
         JSON; counting that form errs on the safe side for templates that print compact JSON. Cached
@@ -454,14 +454,14 @@ class Estimator:
                     self._digests.popitem(last=False)
         return d
 
-    def _count_any(self, obj: Any) -> int:
+    def _count_any(self, obj: object) -> int:
         if isinstance(obj, str):
             return self.count_text(obj)
         if obj is None:
             return 0
         return self.count_text(_dumps(obj))
 
-    def _content_tokens(self, content: Any) -> int:
+    def _content_tokens(self, content: object) -> int:
         if isinstance(content, str):
             return self.count_text(content)
         if content is None:
@@ -484,7 +484,7 @@ class Estimator:
             return total
         return self._count_any(content)
 
-    def _message_tokens(self, m: Any) -> int:
+    def _message_tokens(self, m: object) -> int:
         if not isinstance(m, Mapping):
             return _PER_MESSAGE + self._count_any(m)
         t = _PER_MESSAGE + 1  # the role is a single token in every template we know
@@ -570,7 +570,7 @@ class Estimator:
         key = hashlib.blake2b("|".join(prefix_parts).encode(), digest_size=16).hexdigest()
         return total, key, prefix_tokens
 
-    def _prompt(self, prompt: Any) -> tuple[int, int, bool]:
+    def _prompt(self, prompt: object) -> tuple[int, int, bool]:
         """(tokens of the longest prompt, number of prompts, exact)."""
         if isinstance(prompt, str):
             return _BOS + self.count_text(prompt), 1, False
@@ -705,7 +705,7 @@ def _replace_tokens(est: PromptEstimate, tokens: int) -> PromptEstimate:
                           min(est.prefix_tokens, tokens), True, est.prompts)
 
 
-def _int_or_none(v: Any) -> int | None:
+def _int_or_none(v: object) -> int | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     return int(v)
@@ -714,7 +714,7 @@ def _int_or_none(v: Any) -> int | None:
 _orjson: Any = None
 
 
-def _schema_text(obj: Any) -> str:
+def _schema_text(obj: object) -> str:
     """Compact JSON of tool schemas: the cache key, the digest input and the text counted.
 
     Serializing the schemas is the largest cost of a cached estimate, so orjson is used when it is
@@ -740,7 +740,7 @@ def _schema_text(obj: Any) -> str:
         return str(obj)
 
 
-def _dumps(obj: Any) -> str:
+def _dumps(obj: object) -> str:
     try:
         return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
     except (TypeError, ValueError):

@@ -181,7 +181,7 @@ def tokenize_request(path: str, body: Mapping[str, object]) -> list[dict[str, An
     return [dict(base, prompt=p, add_special_tokens=True) for p in prompts if isinstance(p, str)]
 
 
-def _token_count(prompt: Any) -> int | None:
+def _token_count(prompt: object) -> int | None:
     """Length of a token-id prompt (the longest, for a batch of token-id lists); None for text."""
     if isinstance(prompt, list) and prompt:
         if all(isinstance(x, int) for x in prompt):
