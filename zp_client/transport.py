@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -26,7 +26,7 @@ from zp_client._admission.plan import (
     TTFT_TARGET_HEADER,
     is_admitted,
 )
-from zp_client._admission.ports import HttpRequest, TransportOptions
+from zp_client._admission.ports import HttpResponse, TransportOptions
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 
-class AsyncAdmissionTransport(AsyncDriver, httpx.AsyncBaseTransport):
+class AsyncAdmissionTransport(AsyncDriver[httpx.Response], httpx.AsyncBaseTransport):
     """Async admission transport for ``httpx`` (openai 2.x, LangChain, AutoGen).
 
     ``AsyncAdmissionTransport(inner, budget=..., settings=, estimator=, retry=, forecaster=,
@@ -64,17 +64,11 @@ class AsyncAdmissionTransport(AsyncDriver, httpx.AsyncBaseTransport):
 
     lib = HTTPX
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return cast(httpx.Response, await self.handle_async(cast(HttpRequest, request)))
 
-
-class AdmissionTransport(SyncDriver, httpx.BaseTransport):
+class AdmissionTransport(SyncDriver[httpx.Response], httpx.BaseTransport):
     """Blocking admission transport for ``httpx`` (same options as :class:`AsyncAdmissionTransport`)."""
 
     lib = HTTPX
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        return cast(httpx.Response, self.handle_sync(cast(HttpRequest, request)))
 
 
 @dataclass(frozen=True)
@@ -82,8 +76,8 @@ class TransportClasses:
     """The admission transports for one HTTP module (``httpx`` or ``httpx2``)."""
 
     module: ModuleType
-    AsyncAdmissionTransport: type[AsyncDriver]
-    AdmissionTransport: type[SyncDriver]
+    AsyncAdmissionTransport: type[AsyncDriver[HttpResponse]]
+    AdmissionTransport: type[SyncDriver[HttpResponse]]
 
 
 _HTTPX_CLASSES = TransportClasses(httpx, AsyncAdmissionTransport, AdmissionTransport)
@@ -100,9 +94,10 @@ def transport_classes(module: ModuleType) -> TransportClasses:
     raise ConfigurationError(f"no admission transports for module {module.__name__!r} (httpx or httpx2)")
 
 
-def admission_transport_for(inner: object, *, budget: Budget, settings: Settings | None = None,
-                            close_inner: bool = True,
-                            **options: Unpack[TransportOptions]) -> AsyncDriver | SyncDriver:
+def admission_transport_for(
+    inner: object, *, budget: Budget, settings: Settings | None = None, close_inner: bool = True,
+    **options: Unpack[TransportOptions],
+) -> AsyncDriver[HttpResponse] | SyncDriver[HttpResponse]:
     """An admission transport of the right module and flavour (async or sync) for ``inner``."""
     classes = transport_classes(module_of(inner))
     mod = classes.module

@@ -8,7 +8,7 @@ base classes. See docs/admission.md.
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterable
-from typing import ClassVar, cast
+from typing import ClassVar, Generic, TypeVar, cast
 
 import anyio
 
@@ -50,6 +50,9 @@ from zp_client.config import Settings
 from zp_client.errors import ServerInfoError, ServerUnreachable, ZPError
 
 __all__ = ["AsyncDriver", "SyncDriver"]
+
+Resp = TypeVar("Resp", bound=HttpResponse, covariant=True)
+"""The HTTP library's response class (``httpx.Response``...): what a transport of that library returns."""
 
 #: A transport error this close to (or past) a call's deadline is the deadline's doing (a per-phase timeout
 #: capped to it, or the connection cut at it): the caller gets DeadlineExceeded.
@@ -133,7 +136,7 @@ class _Driver:
         return self._core.surface(exc)
 
 
-class AsyncDriver(_Driver):
+class AsyncDriver(_Driver, Generic[Resp]):
     """Runs the attempt loop with async I/O (``handle_async_request``)."""
 
     def _default_inner(self) -> AsyncInner:
@@ -143,14 +146,14 @@ class AsyncDriver(_Driver):
     def _async_inner(self) -> AsyncInner:
         return cast(AsyncInner, self._inner)
 
-    async def handle_async(self, request: HttpRequest) -> HttpResponse:
+    async def handle_async_request(self, request: HttpRequest) -> Resp:
         """Admit ``request`` (an LLM call; any other passes through) and return its response."""
         if not is_admitted(request.method, request.url.path):
-            return await self._async_inner.handle_async_request(self._core.passthrough(request))
+            return cast(Resp, await self._async_inner.handle_async_request(self._core.passthrough(request)))
         await request.aread()
         machine = self._core.admit(request, self._inner, is_async=True)
         try:
-            return await self._run(machine)
+            return cast(Resp, await self._run(machine))
         except ZPError as exc:
             surfaced = self._surface(exc)
             if isinstance(exc, ServerUnreachable):
@@ -259,7 +262,7 @@ class AsyncDriver(_Driver):
             await self._async_inner.aclose()
 
 
-class SyncDriver(_Driver):
+class SyncDriver(_Driver, Generic[Resp]):
     """Runs the attempt loop with blocking I/O (``handle_request``)."""
 
     def _default_inner(self) -> SyncInner:
@@ -269,14 +272,14 @@ class SyncDriver(_Driver):
     def _sync_inner(self) -> SyncInner:
         return cast(SyncInner, self._inner)
 
-    def handle_sync(self, request: HttpRequest) -> HttpResponse:
+    def handle_request(self, request: HttpRequest) -> Resp:
         """Admit ``request`` (an LLM call; any other passes through) and return its response."""
         if not is_admitted(request.method, request.url.path):
-            return self._sync_inner.handle_request(self._core.passthrough(request))
+            return cast(Resp, self._sync_inner.handle_request(self._core.passthrough(request)))
         request.read()
         machine = self._core.admit(request, self._inner, is_async=False)
         try:
-            return self._run(machine)
+            return cast(Resp, self._run(machine))
         except ZPError as exc:
             surfaced = self._surface(exc)
             if isinstance(exc, ServerUnreachable):

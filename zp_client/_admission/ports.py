@@ -17,7 +17,6 @@ from collections.abc import (
     Iterable,
     Iterator,
     Mapping,
-    MutableMapping,
 )
 from typing import TYPE_CHECKING, Protocol, TypedDict, overload, runtime_checkable
 
@@ -81,9 +80,13 @@ class HttpHeaders(Protocol):
 
 class HttpRequest(Protocol):
     method: str
-    url: HttpURL
-    headers: HttpHeaders
-    extensions: MutableMapping[str, object]
+    extensions: dict[str, object]
+
+    @property
+    def url(self) -> HttpURL: ...
+
+    @property
+    def headers(self) -> HttpHeaders: ...
 
     @property
     def content(self) -> bytes: ...
@@ -98,8 +101,10 @@ class HttpRequest(Protocol):
 
 class HttpResponse(Protocol):
     status_code: int
-    headers: HttpHeaders
-    extensions: MutableMapping[str, object]
+    extensions: dict[str, object]
+
+    @property
+    def headers(self) -> HttpHeaders: ...
 
     @property
     def content(self) -> bytes: ...
