@@ -27,7 +27,7 @@ import statistics
 import time
 from typing import Any
 
-from zp_client._plan import Plan as _Plan
+from zp_client._admission.plan import Plan as _Plan
 from zp_client._sse import Scanner as _Scanner
 from zp_client.budget.local import LocalBudget
 

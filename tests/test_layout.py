@@ -103,3 +103,31 @@ def test_the_time_rule_sees_through_aliases(tmp_path: pathlib.Path) -> None:
     probe.write_text("import time as _t\nfrom time import perf_counter\nx = _t.monotonic()\n")
     assert [o.split(" ", 1)[1] for o in _time_reads(probe, "probe.py")] == ["from time import perf_counter",
                                                                            "_t.monotonic"]
+
+
+# The admission core (zp_client/_admission) talks to fleets only through its ports: it imports nothing of
+# zp_client.fleet (a disaggregated fleet's two-phase lease is fleet/pd.py's, reached through TwoPhaseCall),
+# and of the fleet package only pd.py, the sub-machine the attempt loop runs, imports the core's vocabulary
+# (the others may name the port types they implement, and the fleets' aclose() asks the release rules to let
+# their deferred releases go).
+def _imports(path: pathlib.Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def test_the_admission_core_imports_no_fleet_and_only_the_pd_lease_imports_the_core() -> None:
+    admission = sorted((ROOT / "_admission").glob("*.py"))
+    assert len(admission) >= 10
+    reached = {f"{p.name}: {m}" for p in admission for m in _imports(p) if m.startswith("zp_client.fleet")}
+    assert reached == set()
+    users = sorted(p.name for p in (ROOT / "fleet").glob("*.py")
+                   if any(m.startswith("zp_client._admission")
+                          and m not in ("zp_client._admission.release", "zp_client._admission.ports")
+                          for m in _imports(p)))
+    assert users == ["pd.py"]
+    assert not (ROOT / "_core.py").exists()

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from zp_client._httplib import module_of
+from zp_client._admission.httplib import module_of
 from zp_client._private import (
     has_read_body,
     http_mounts,

@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from zp_client._admission.ports import Estimator, Forecaster, RetryPolicy
 from zp_client._private import resource_client, sdk_http_client
 from zp_client._wrap import admitted_budget, wrap
 from zp_client.budget.base import Budget
@@ -51,9 +52,9 @@ class AdmissionOptions:
 
     budget: Budget
     settings: Settings | None = None
-    estimator: Any | None = None
-    retry: Any | None = None
-    forecaster: Any | None = None
+    estimator: Estimator | None = None
+    retry: RetryPolicy | bool | None = None
+    forecaster: Forecaster | None = None
     priority: int | None = None
     deadline: float | None = None
     route: str | None = None
@@ -160,7 +161,7 @@ class ZPModelFields(BaseModel):
             ttft_target=self.zp_ttft_target, tpot_target=self.zp_tpot_target)
 
 
-def _positive_seconds(value: Any) -> bool:
+def _positive_seconds(value: object) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return value > 0 and math.isfinite(value)

@@ -8,13 +8,15 @@ tests/test_private_access.py (integrations/crewai/tests for CrewAI) fails. See d
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from zp_client.errors import ConfigurationError
 
 __all__ = ["sdk_http_client", "resource_client", "http_transport", "http_mounts", "has_read_body",
-           "replace_crewai_clients", "response_body_stream", "detach_sdk_stream"]
+           "replace_crewai_clients", "response_body_stream", "detach_sdk_stream", "sdk_stream_response",
+           "patch_sdk_stream_inits"]
 
 
 def _missing(obj: Any, attr: str) -> ConfigurationError:
@@ -103,3 +105,35 @@ def replace_crewai_clients(llm: Any, replace: Callable[[Any], Any]) -> None:
             raise _missing(llm, attr) from None
         if current is not None:
             setattr(llm, attr, replace(current))
+
+
+def sdk_stream_response(stream: object) -> object:
+    """The response an ``openai.Stream`` / ``AsyncStream`` reads (``stream.response``; None when it has
+    none: not an openai stream)."""
+    return getattr(stream, "response", None)
+
+
+def patch_sdk_stream_inits(openai_module: object, after_init: Callable[[object], None]) -> None:
+    """Make every openai ``Stream`` / ``AsyncStream`` built from now on call ``after_init(stream)`` once
+    built (openai has no hook for it: its classes' ``__init__`` is wrapped, marked so that a second call
+    wraps nothing). An exception in ``after_init`` is logged at debug level and never breaks the stream."""
+    for name in ("Stream", "AsyncStream"):
+        cls = getattr(openai_module, name, None)
+        init = getattr(cls, "__init__", None)
+        if cls is None or init is None or getattr(init, "_zp_adopts", False):
+            continue
+        cls.__init__ = _calling_after(init, after_init)
+
+
+def _calling_after(init: Callable[..., None], after_init: Callable[[object], None]) -> Callable[..., None]:
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        try:
+            after_init(self)
+        except Exception:  # never break the caller's stream for this; the GC path still releases
+            logging.getLogger("zp_client.transport").debug("adopting an openai stream failed", exc_info=True)
+
+    __init__._zp_adopts = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    __init__.__doc__ = init.__doc__
+    return __init__

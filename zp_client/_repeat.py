@@ -1,6 +1,6 @@
 """One retry loop: a call zp already gave up on is not sent again when something above zp retries it.
 
-zp's attempt loop (:mod:`zp_client._core`) is meant to be the only retry loop. Two kinds of retry still
+zp's attempt loop (:mod:`zp_client._admission`) is meant to be the only retry loop. Two kinds of retry still
 arrive at the transport from above it:
 
 * the openai SDK's own (its ``max_retries``, which LiteLLM sets back to 2 on every call). The SDK sends
@@ -54,17 +54,45 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol, cast
 
+from zp_client._admission.actions import ReadAll
 from zp_client._private import has_read_body
 from zp_client.clock import Clock
 
 if TYPE_CHECKING:
-    from zp_client._core import Core
+    from zp_client._admission.actions import Steps
+    from zp_client._admission.ports import HttpRequest, HttpResponse, Metrics
+    from zp_client.config import Settings
+
+
+class _Lib(Protocol):
+    @property
+    def module(self) -> ModuleType: ...
+
+
+class Core(Protocol):
+    """What the repeat guard reads of the admission core (:class:`zp_client._admission.core.Core`)."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def retry(self) -> object: ...
+
+    @property
+    def metrics(self) -> Metrics | None: ...
+
+    @property
+    def lib(self) -> _Lib: ...
 
 __all__ = ["CAP", "SCOPE_CAP", "MAX_ANSWER_BYTES", "CALL_HEADER", "RETRY_COUNT_HEADER", "call_key",
            "call_scope", "one_loop",
@@ -208,7 +236,7 @@ def remembered() -> int:
     return len(_registry)
 
 
-def _fingerprint(core: Core, request: Any) -> bytes:
+def _fingerprint(core: Core, request: HttpRequest) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(str(id(core)).encode())
     h.update(b"\0" + request.method.encode() + b"\0" + str(request.url).encode() + b"\0")
@@ -239,7 +267,7 @@ class _Guard:
 
     __slots__ = ("fp", "key", "explicit", "sdk_retry", "core", "scope", "started")
 
-    def __init__(self, core: Core, request: Any) -> None:
+    def __init__(self, core: Core, request: HttpRequest) -> None:
         self.core = core
         self.fp = _fingerprint(core, request)
         self.started = core.clock.monotonic()
@@ -288,7 +316,7 @@ class _Guard:
 
 
 def _repeat_answer(core: Core, f: _Failure, status: int, headers: list[tuple[bytes, bytes]],
-                   content: bytes) -> Any:
+                   content: bytes) -> HttpResponse:
     ago = core.clock.monotonic() - f.ended
     return _answer(core, status, [*headers, (b"x-zp-repeat", f"{ago:.3f}".encode())], content, {})
 
@@ -299,13 +327,11 @@ def _failed_status(core: Core, status: int) -> bool:
     return status >= 500 or status in statuses
 
 
-def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any],
-             read_all: Callable[[Any, Callable[[bytes], None]], object]) -> Generator[Any, Any, Any]:
+def one_loop(core: Core, request: HttpRequest, steps: Steps) -> Steps:
     """``steps`` (one admitted call's attempt loop) as the one retry loop: a repeat of a call zp gave up
     on gets its failure again without running ``steps``; every error answer handed over says
     ``x-should-retry: false`` (read here in full: error answers are small) so the openai SDK does not
-    retry it; a call that fails is remembered for its repeats. ``read_all(response, sink)`` is the core's
-    read-the-body action (passed in, since the core imports this module)."""
+    retry it; a call that fails is remembered for its repeats."""
     guard = _Guard(core, request)
     hit = guard.repeat_of()
     if hit is not None:
@@ -329,11 +355,11 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any],
         return resp
     if has_read_body(resp):
         content = resp.content
-    elif getattr(resp, "is_closed", False):  # closed unread: nothing to hand over again, nor to remember
+    elif resp.is_closed:  # closed unread: nothing to hand over again, nor to remember
         return resp
     else:
         chunks: list[bytes] = []
-        yield read_all(resp, chunks.append)  # the body wrapper releases the lease at its end
+        yield ReadAll(resp, chunks.append)  # the body wrapper releases the lease at its end
         content = b"".join(chunks)
     headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in _DROPPED]
     headers.append((b"x-should-retry", b"false"))
@@ -346,9 +372,10 @@ def one_loop(core: Core, request: Any, steps: Generator[Any, Any, Any],
 
 
 def _answer(core: Core, status: int, headers: list[tuple[bytes, bytes]], content: bytes,
-            extensions: dict[str, Any]) -> Any:
+            extensions: dict[str, object]) -> HttpResponse:
     """An error answer handed over from bytes already read. Built on a byte *stream*, not ``content=``: a
     response made from ``content`` counts as already streamed, so a caller reading it raw (``aiter_raw``,
     ``iter_raw``) would get ``StreamConsumed``."""
     mod = core.lib.module
-    return mod.Response(status, headers=headers, stream=mod.ByteStream(content), extensions=extensions)
+    return cast("HttpResponse", mod.Response(status, headers=headers, stream=mod.ByteStream(content),
+                                             extensions=extensions))

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from zp_client._admission.ports import Forecaster, SpreadForecaster
 from zp_client.budget.base import Lease
 
 if TYPE_CHECKING:
-    from zp_client._plan import Plan
+    from zp_client._admission.plan import Plan
 
 logger = logging.getLogger("zp_client.transport")
 
@@ -67,7 +69,7 @@ def usage_member(event: bytes) -> tuple[int, int, int, int] | None:
     return start, end, m.start(1), m.end(1)
 
 
-def reforecast(fc: Any, route: str, generated: int, max_tokens: int) -> int:
+def reforecast(fc: Forecaster, route: str, generated: int, max_tokens: int) -> int:
     """A stream that reached its forecast, re-forecast given its length so far at the tail quantile (a
     forecaster without one, e.g. a custom duck-typed one, answers with its usual quantile)."""
     try:
@@ -76,23 +78,22 @@ def reforecast(fc: Any, route: str, generated: int, max_tokens: int) -> int:
         return int(fc.forecast(route, generated=generated, max_tokens=max_tokens))
 
 
-def forecast_hi(fc: Any, route: str, generated: int, max_tokens: int) -> int | None:
+def forecast_hi(fc: Forecaster | None, route: str, generated: int, max_tokens: int) -> int | None:
     """A stream's upper forecast (total output tokens) from the forecaster's ``spread`` (see
     :meth:`~zp_client.forecast.LengthForecaster.spread`); None for a forecaster without one."""
-    spread = getattr(fc, "spread", None)
-    if spread is None:
+    if not isinstance(fc, SpreadForecaster):
         return None
-    return int(spread(route, generated=generated, max_tokens=max_tokens))
+    return int(fc.spread(route, generated=generated, max_tokens=max_tokens))
 
 
 class Scanner:
     """Watches a response body go by: counts SSE events, finds ``usage``, strips the one zp added."""
 
     def __init__(self, plan: Plan, block_size: int, bound: int, lease: Lease, is_sse: bool,
-                 forecaster: Any | None = None) -> None:
+                 forecaster: Forecaster | None = None) -> None:
         self.plan = plan
         # Elastic progress: first token, exact tokens with each held report, re-forecasts.
-        self.elastic = plan.meta is not None and plan.meta.get("streaming", False) and is_sse
+        self.elastic = plan.meta is not None and plan.meta.get("streaming", False) is True and is_sse
         self.forecaster = forecaster
         self.forecast = plan.forecast
         self.first_sent = False
@@ -113,7 +114,7 @@ class Scanner:
         self.buf = bytearray()
         self.events = 0
         self.reported = plan.held
-        self.usage: dict[str, Any] | None = None
+        self.usage: dict[str, object] | None = None
         self.pending: bytes | None = None
         self.body = bytearray() if not is_sse else None
         self.observed = False
@@ -235,7 +236,7 @@ class Scanner:
             and (counts is None or self.prompt_reported)
         ):
             return  # the common case, per event: nothing to report yet
-        fields: dict[str, Any] = {}
+        fields: dict[str, object] = {}
         if not self.first_sent:
             # vLLM sends a stream's first event once the prompt is prefilled: its prefix is cached now.
             self.first_sent = True
@@ -270,7 +271,7 @@ class Scanner:
             except Exception:  # progress is advisory; it must never break the caller's stream
                 logger.debug("progress report failed", exc_info=True)
 
-    def advance(self, events: int, usage: dict[str, Any] | None = None) -> None:
+    def advance(self, events: int, usage: dict[str, object] | None = None) -> None:
         """Account ``events`` SSE data events already split and parsed elsewhere (a stream the transport
         reassembles itself): the same growth, first-token and re-forecast reports as :meth:`feed`."""
         if usage is not None:
@@ -282,7 +283,7 @@ class Scanner:
         if events:
             self._grow(events)
 
-    def final_usage(self) -> dict[str, Any] | None:
+    def final_usage(self) -> dict[str, object] | None:
         if self.usage is None and self.body is not None:
             try:
                 obj = json.loads(bytes(self.body))
@@ -308,7 +309,7 @@ _STREAM_ONLY_FIELDS = frozenset(("choices", "usage", "object", "obfuscation"))
 REASSEMBLY_DROPPED_HEADERS = (b"content-length", b"transfer-encoding", b"content-type", b"content-encoding")
 
 
-def reassembly_faithful(body: dict[str, Any]) -> bool:
+def reassembly_faithful(body: Mapping[str, object]) -> bool:
     """True when a stream of this request can be turned back into its exact non-streamed answer."""
     for key in _UNFAITHFUL_FIELDS:
         value = body.get(key)

@@ -8,9 +8,10 @@ as openai-compatible errors. What callers may rely on: docs/wrap.md.
 from __future__ import annotations
 
 import logging
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
-from zp_client._httplib import module_of, watch_sdk_streams
+from zp_client._admission.httplib import module_of, watch_sdk_streams
+from zp_client._admission.ports import Estimator, Forecaster, Metrics, RetryPolicy
 from zp_client._private import http_mounts, http_transport, sdk_http_client
 from zp_client.budget.base import Budget
 from zp_client.config import Settings
@@ -65,12 +66,12 @@ def wrap(
     budget: Budget,
     *,
     settings: Settings | None = None,
-    estimator: Any | None = None,
-    retry: Any | None = None,
-    forecaster: Any | None = None,
+    estimator: Estimator | None = None,
+    retry: RetryPolicy | bool | None = None,
+    forecaster: Forecaster | None = None,
     keep_original: bool | None = None,
-    metrics: Any | None = None,
-    **setting_overrides: Any,
+    metrics: Metrics | None = None,
+    **setting_overrides: object,
 ) -> C:
     """Return a copy of ``client`` (``openai.AsyncOpenAI`` / ``openai.OpenAI``) that admits every call.
 
@@ -110,7 +111,7 @@ def wrap(
                     close_inner=False, forecaster=forecaster, metrics=metrics)
     transport.core.convert_error = openai_compatible_error
     watch_sdk_streams(openai)  # a dropped stream releases its lease at once (no reference cycle left)
-    mounts: dict[str, Any] = {}
+    mounts: dict[str, object] = {}
     for pattern, inner in http_mounts(http).items():
         if inner is None:
             mounts[pattern.pattern] = None
@@ -146,7 +147,7 @@ def wrap(
     return cast(C, client.with_options(http_client=new_http, max_retries=0))
 
 
-def admitted_budget(client: Any) -> Budget | None:
+def admitted_budget(client: object) -> Budget | None:
     """The budget an openai client (as returned by :func:`wrap`) is admitted on, or None."""
     try:
         import openai

@@ -24,13 +24,17 @@ import httpx
 from httpx_sse import EventSource, ServerSentEvent, SSEError
 from pydantic import BaseModel, SecretStr
 
+from zp_client._admission.ports import TransportOptions
 from zp_client._private import http_transport
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, InvalidRequest, ServerUnreachable, ZPError
 from zp_client.types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Unpack
+
     from zp_client.budget.base import Budget
+    from zp_client.transport import AdmissionTransport, AsyncAdmissionTransport
 
 __all__ = [
     "AsyncClient",
@@ -54,6 +58,10 @@ __all__ = [
 logger = logging.getLogger("zp_client.client")
 
 T = TypeVar("T", bound=BaseModel)
+Prompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+"""A completions prompt: text, texts, token ids or lists of them."""
+TimeoutArg = float | httpx.Timeout | None
+"""A call's ``timeout=``: seconds, an ``httpx.Timeout``, or None for the client's."""
 _NOT_GIVEN: Any = object()
 
 
@@ -64,7 +72,7 @@ _NOT_GIVEN: Any = object()
 class APIError(ZPError):
     """The server did not give a usable answer. ``message`` is the server's message (or ours)."""
 
-    def __init__(self, message: str, *, body: Any = None) -> None:
+    def __init__(self, message: str, *, body: object = None) -> None:
         self.message = message
         self.body = body
         super().__init__(message)
@@ -78,7 +86,7 @@ class APIStatusError(APIError):
     ``body``: the decoded JSON body (or the text); ``response``: the ``httpx.Response``.
     """
 
-    def __init__(self, message: str, *, response: httpx.Response, body: Any) -> None:
+    def __init__(self, message: str, *, response: httpx.Response, body: object) -> None:
         self.status_code = response.status_code
         self.response = response
         super().__init__(f"HTTP {response.status_code}: {message}", body=body)
@@ -156,7 +164,7 @@ _STATUS_ERRORS: dict[int, type[APIStatusError]] = {
 
 def _status_error(response: httpx.Response) -> APIStatusError:
     raw = response.content
-    body: Any
+    body: object
     try:
         body = json.loads(raw) if raw else None
     except ValueError:
@@ -329,7 +337,7 @@ def _resolve(base_url: str | None, api_key: str | None, settings: Settings) -> t
     return url.rstrip("/") + "/", key
 
 
-def _body(params: Mapping[str, Any], extra_body: Mapping[str, Any] | None) -> dict[str, Any]:
+def _body(params: Mapping[str, object], extra_body: Mapping[str, object] | None) -> dict[str, Any]:
     body = {k: v for k, v in params.items() if v is not _NOT_GIVEN}
     if extra_body:
         body.update(extra_body)
@@ -339,7 +347,7 @@ def _body(params: Mapping[str, Any], extra_body: Mapping[str, Any] | None) -> di
 def _chat_body(
     *,
     model: str,
-    messages: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, object]],
     stream: bool,
     max_tokens: int | None = _NOT_GIVEN,
     max_completion_tokens: int | None = _NOT_GIVEN,
@@ -348,11 +356,11 @@ def _chat_body(
     n: int | None = _NOT_GIVEN,
     stop: str | Sequence[str] | None = _NOT_GIVEN,
     seed: int | None = _NOT_GIVEN,
-    tools: Sequence[Mapping[str, Any]] | None = _NOT_GIVEN,
-    tool_choice: Any = _NOT_GIVEN,
-    response_format: Mapping[str, Any] | None = _NOT_GIVEN,
-    stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
-    extra_body: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, object]] | None = _NOT_GIVEN,
+    tool_choice: object = _NOT_GIVEN,
+    response_format: Mapping[str, object] | None = _NOT_GIVEN,
+    stream_options: Mapping[str, object] | None = _NOT_GIVEN,
+    extra_body: Mapping[str, object] | None = None,
     **params: Any,
 ) -> dict[str, Any]:
     """The JSON body of ``chat.completions.create`` (both clients): the named OpenAI parameters in this
@@ -367,14 +375,14 @@ def _chat_body(
     return body
 
 
-def _stream(stream: Any) -> bool:
+def _stream(stream: object) -> bool:
     # Not truthiness: stream="false" once asked for a stream.
     if not isinstance(stream, bool):
         raise InvalidRequest(f"stream must be True or False, got {stream!r:.80}", field="stream")
     return stream
 
 
-def _messages(messages: Any) -> Any:
+def _messages(messages: object) -> list[object]:
     # A list as given; any other sequence of messages becomes one. A string or a single message object is
     # refused: list("hello") once sent ['h', 'e', ...].
     if isinstance(messages, list):
@@ -388,7 +396,7 @@ def _messages(messages: Any) -> Any:
 def _completion_body(
     *,
     model: str,
-    prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+    prompt: Prompt,
     stream: bool,
     max_tokens: int | None = _NOT_GIVEN,
     temperature: float | None = _NOT_GIVEN,
@@ -396,8 +404,8 @@ def _completion_body(
     n: int | None = _NOT_GIVEN,
     stop: str | Sequence[str] | None = _NOT_GIVEN,
     seed: int | None = _NOT_GIVEN,
-    stream_options: Mapping[str, Any] | None = _NOT_GIVEN,
-    extra_body: Mapping[str, Any] | None = None,
+    stream_options: Mapping[str, object] | None = _NOT_GIVEN,
+    extra_body: Mapping[str, object] | None = None,
     **params: Any,
 ) -> dict[str, Any]:
     """The JSON body of ``completions.create`` (both clients), as :func:`_chat_body`."""
@@ -416,12 +424,12 @@ def _headers(stream: bool, extra_headers: Mapping[str, str] | None) -> dict[str,
     return headers
 
 
-def _timeout(timeout: float | httpx.Timeout | None) -> Any:
+def _timeout(timeout: TimeoutArg) -> Any:  # httpx.USE_CLIENT_DEFAULT: a private type
     return httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
 
 
 def _post_request(http: httpx.AsyncClient | httpx.Client, path: str, body: dict[str, Any], stream: bool,
-                  extra_headers: Mapping[str, str] | None, timeout: Any) -> httpx.Request:
+                  extra_headers: Mapping[str, str] | None, timeout: TimeoutArg) -> httpx.Request:
     return http.build_request("POST", path, json=body, headers=_headers(stream, extra_headers),
                               timeout=_timeout(timeout))
 
@@ -447,9 +455,12 @@ def _client_kwargs(url: str, key: SecretStr | None, timeout: float | httpx.Timeo
     return kwargs
 
 
-def _admitted(cls: type[Any], default_inner: Callable[[], Any],
+D = TypeVar("D", "AsyncAdmissionTransport", "AdmissionTransport")
+
+
+def _admitted(cls: type[D], default_inner: Callable[[], object],
               http_client: httpx.AsyncClient | httpx.Client | None, budget: Budget, settings: Settings,
-              options: dict[str, Any]) -> Any:
+              options: TransportOptions) -> D:
     """The admission transport of a client: over ``http_client``'s transport (the caller owns and closes
     it; one already admitting is used as it is) or a new one of ``default_inner``."""
     if http_client is None:
@@ -489,7 +500,7 @@ class _ClientBase(Generic[H]):
         settings: Settings | None = None,
         timeout: float | httpx.Timeout = 600,
         http_client: H | None = None,
-        **transport_options: Any,
+        **transport_options: Unpack[TransportOptions],
     ) -> None:
         self.settings = settings or Settings()
         self.budget = budget
@@ -498,7 +509,8 @@ class _ClientBase(Generic[H]):
         kwargs["transport"] = self._transport(http_client, transport_options)
         self._setup(kwargs)
 
-    def _transport(self, http_client: H | None, options: dict[str, Any]) -> Any:
+    def _transport(self, http_client: H | None,
+                   options: TransportOptions) -> httpx.AsyncBaseTransport | httpx.BaseTransport:
         raise NotImplementedError
 
     def _setup(self, kwargs: dict[str, Any]) -> None:
@@ -524,7 +536,8 @@ class AsyncClient(_ClientBase[httpx.AsyncClient]):
     ``retry=``...).
     """
 
-    def _transport(self, http_client: httpx.AsyncClient | None, options: dict[str, Any]) -> Any:
+    def _transport(self, http_client: httpx.AsyncClient | None,
+                   options: TransportOptions) -> httpx.AsyncBaseTransport:
         from zp_client.transport import AsyncAdmissionTransport
 
         return _admitted(AsyncAdmissionTransport, httpx.AsyncHTTPTransport, http_client, self.budget,
@@ -540,7 +553,7 @@ class AsyncClient(_ClientBase[httpx.AsyncClient]):
         return _repr("AsyncClient", self._url, self._key)
 
     async def _post(self, path: str, body: dict[str, Any], stream: bool,
-                    extra_headers: Mapping[str, str] | None, timeout: Any) -> httpx.Response:
+                    extra_headers: Mapping[str, str] | None, timeout: TimeoutArg) -> httpx.Response:
         """The response of an admitted POST (an error status raises; a stream's body is not read yet)."""
         request = _post_request(self._http, path, body, stream, extra_headers, timeout)
         with _transport_errors():
@@ -553,7 +566,8 @@ class AsyncClient(_ClientBase[httpx.AsyncClient]):
                 raise _status_error(response)
         return response
 
-    async def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None, timeout: Any) -> T:
+    async def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None,
+                   timeout: TimeoutArg) -> T:
         with _transport_errors():
             headers = dict(extra_headers or {})
             response = await self._http.get(path, headers=headers, timeout=_timeout(timeout))
@@ -580,18 +594,19 @@ class _AsyncChatCompletions:
         self._client = client
 
     @overload
-    async def create(self, *, model: str, messages: Sequence[Mapping[str, Any]], stream: Literal[False] = ...,
+    async def create(self, *, model: str, messages: Sequence[Mapping[str, object]],
+                     stream: Literal[False] = ...,
                      **kwargs: Any) -> ChatCompletion: ...
 
     @overload
-    async def create(self, *, model: str, messages: Sequence[Mapping[str, Any]], stream: Literal[True],
+    async def create(self, *, model: str, messages: Sequence[Mapping[str, object]], stream: Literal[True],
                      **kwargs: Any) -> AsyncStream[ChatCompletionChunk]: ...
 
     async def create(
         self,
         *,
         model: str,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, object]],
         stream: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,
@@ -616,18 +631,18 @@ class _AsyncCompletions:
         self._client = client
 
     @overload
-    async def create(self, *, model: str, prompt: Any, stream: Literal[False] = ...,
+    async def create(self, *, model: str, prompt: Prompt, stream: Literal[False] = ...,
                      **kwargs: Any) -> Completion: ...
 
     @overload
-    async def create(self, *, model: str, prompt: Any, stream: Literal[True],
+    async def create(self, *, model: str, prompt: Prompt, stream: Literal[True],
                      **kwargs: Any) -> AsyncStream[Completion]: ...
 
     async def create(
         self,
         *,
         model: str,
-        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompt: Prompt,
         stream: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,
@@ -667,7 +682,7 @@ class _AsyncModels:
 class Client(_ClientBase[httpx.Client]):
     """The blocking counterpart of :class:`AsyncClient` (same arguments, same methods, same errors)."""
 
-    def _transport(self, http_client: httpx.Client | None, options: dict[str, Any]) -> Any:
+    def _transport(self, http_client: httpx.Client | None, options: TransportOptions) -> httpx.BaseTransport:
         from zp_client.transport import AdmissionTransport
 
         return _admitted(AdmissionTransport, httpx.HTTPTransport, http_client, self.budget, self.settings,
@@ -683,7 +698,7 @@ class Client(_ClientBase[httpx.Client]):
         return _repr("Client", self._url, self._key)
 
     def _post(self, path: str, body: dict[str, Any], stream: bool, extra_headers: Mapping[str, str] | None,
-              timeout: Any) -> httpx.Response:
+              timeout: TimeoutArg) -> httpx.Response:
         request = _post_request(self._http, path, body, stream, extra_headers, timeout)
         with _transport_errors():
             response = self._http.send(request, stream=stream)
@@ -695,7 +710,8 @@ class Client(_ClientBase[httpx.Client]):
                 raise _status_error(response)
         return response
 
-    def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None, timeout: Any) -> T:
+    def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None,
+             timeout: TimeoutArg) -> T:
         with _transport_errors():
             response = self._http.get(path, headers=dict(extra_headers or {}), timeout=_timeout(timeout))
         if response.status_code >= 400:
@@ -719,18 +735,18 @@ class _ChatCompletions:
         self._client = client
 
     @overload
-    def create(self, *, model: str, messages: Sequence[Mapping[str, Any]], stream: Literal[False] = ...,
+    def create(self, *, model: str, messages: Sequence[Mapping[str, object]], stream: Literal[False] = ...,
                **kwargs: Any) -> ChatCompletion: ...
 
     @overload
-    def create(self, *, model: str, messages: Sequence[Mapping[str, Any]], stream: Literal[True],
+    def create(self, *, model: str, messages: Sequence[Mapping[str, object]], stream: Literal[True],
                **kwargs: Any) -> Stream[ChatCompletionChunk]: ...
 
     def create(
         self,
         *,
         model: str,
-        messages: Sequence[Mapping[str, Any]],
+        messages: Sequence[Mapping[str, object]],
         stream: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,
@@ -752,18 +768,18 @@ class _Completions:
         self._client = client
 
     @overload
-    def create(self, *, model: str, prompt: Any, stream: Literal[False] = ...,
+    def create(self, *, model: str, prompt: Prompt, stream: Literal[False] = ...,
                **kwargs: Any) -> Completion: ...
 
     @overload
-    def create(self, *, model: str, prompt: Any, stream: Literal[True],
+    def create(self, *, model: str, prompt: Prompt, stream: Literal[True],
                **kwargs: Any) -> Stream[Completion]: ...
 
     def create(
         self,
         *,
         model: str,
-        prompt: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompt: Prompt,
         stream: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,

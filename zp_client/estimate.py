@@ -512,7 +512,7 @@ class Estimator:
         return t
 
     # ----------------------------------------------------------------------------------------------
-    def estimate(self, path: str, body: Mapping[str, Any]) -> PromptEstimate:
+    def estimate(self, path: str, body: Mapping[str, object]) -> PromptEstimate:
         """Offline estimate (tiktoken or heuristic). Synchronous and cheap; never touches the network.
 
         ``path`` is the request path, e.g. ``"/v1/chat/completions"`` or ``"/v1/completions"``; a body
@@ -520,7 +520,8 @@ class Estimator:
         """
         if not isinstance(body, Mapping):
             body = {}
-        model = body.get("model") if isinstance(body.get("model"), str) else None
+        given = body.get("model")
+        model = given if isinstance(given, str) else None
         max_tokens = _int_or_none(body.get("max_completion_tokens"))
         if max_tokens is None:
             max_tokens = _int_or_none(body.get("max_tokens"))
@@ -533,7 +534,7 @@ class Estimator:
             return PromptEstimate(tokens, n * prompts, max_tokens, model, None, 0, exact, prompts)
         return PromptEstimate(0, n, max_tokens, model, None, 0, False)
 
-    def _chat(self, body: Mapping[str, Any]) -> tuple[int, str | None, int]:
+    def _chat(self, body: Mapping[str, object]) -> tuple[int, str | None, int]:
         messages = body.get("messages")
         if not isinstance(messages, list):
             messages = [] if messages is None else [messages]
@@ -593,7 +594,7 @@ class Estimator:
 
     # ----------------------------------------------------------------------------------------------
     async def estimate_async(
-        self, path: str, body: Mapping[str, Any], server: ServerInfo | None
+        self, path: str, body: Mapping[str, object], server: ServerInfo | None
     ) -> PromptEstimate:
         """Like :meth:`estimate`; in ``server`` mode (opt-in) the count comes from the server's
         ``/tokenize`` (cached per request content) and the estimate is ``exact``. When the server cannot
@@ -614,7 +615,7 @@ class Estimator:
         return _replace_tokens(est, cached)
 
     def estimate_sync_server(
-        self, path: str, body: Mapping[str, Any], server: ServerInfo | None
+        self, path: str, body: Mapping[str, object], server: ServerInfo | None
     ) -> PromptEstimate:
         """Synchronous counterpart of :meth:`estimate_async`."""
         est = self.estimate(path, body)

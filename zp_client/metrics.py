@@ -5,7 +5,7 @@ Nothing is recorded, and no registry is touched, unless a :class:`ZPMetrics` is 
 transports). Importing this module has no side effect. prometheus-client is a core dependency of
 zp-client (its parser reads the server's ``/metrics``), so no extra is needed.
 
-The admission core (:mod:`zp_client._core`) records, once per event whatever the driver (async or
+The admission core (:mod:`zp_client._admission`) records, once per event whatever the driver (async or
 blocking): the queue wait of every attempt, the hold time of every lease, the retries by reason, the
 refusals by error type and the forecast error. The budget's limit, blocks used and waiters per class are
 gauges read when the registry is scraped. Names, labels and units: docs/admission.md#metrics. Time is

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from zp_client._plan import PRIORITY_HEADER
+from zp_client._admission.plan import PRIORITY_HEADER
 from zp_client._private import http_transport, sdk_http_client
 from zp_client.errors import ConfigurationError
 
@@ -82,8 +82,8 @@ class PinnedPrefix:
     leaving unpins it.
     """
 
-    def __init__(self, client: Any, *, model: str, messages: Sequence[Mapping[str, Any]],
-                 tools: Sequence[Mapping[str, Any]] | None = None, margin: int | None = None,
+    def __init__(self, client: Any, *, model: str, messages: Sequence[Mapping[str, object]],
+                 tools: Sequence[Mapping[str, object]] | None = None, margin: int | None = None,
                  priority: int = KEEPWARM_PRIORITY, poll_s: float = 1.0,
                  claim_ttl_s: float = 10.0, period_s: float | None = None) -> None:
         if not messages or any(not isinstance(m, Mapping) or m.get("role") not in ("system", "developer")

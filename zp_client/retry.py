@@ -16,9 +16,9 @@ import math
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import tenacity
@@ -123,14 +123,22 @@ def _record_skipped_sleep(seconds: float) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _lower_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+
+class HeaderItems(Protocol):
+    """Response headers as the retry rules read them: ``(name, value)`` pairs (a mapping's ``items()``,
+    an httpx ``Headers``)."""
+
+    def items(self) -> Iterable[tuple[str, str]]: ...
+
+
+def _lower_headers(headers: HeaderItems | None) -> dict[str, str]:
     # httpx.Headers is case-insensitive, a plain dict is not; lower-case once so both behave the same.
     if not headers:
         return {}
     return {str(k).lower(): str(v) for k, v in headers.items()}
 
 
-def parse_retry_after(headers: Mapping[str, str] | None, *, now: float | None = None) -> float | None:
+def parse_retry_after(headers: HeaderItems | None, *, now: float | None = None) -> float | None:
     """Seconds the server asked the client to wait, or ``None`` when it did not say (or said nonsense).
 
     Forms, in order of preference: ``retry-after-ms`` (milliseconds, float), ``retry-after`` as
@@ -168,7 +176,7 @@ def parse_retry_after(headers: Mapping[str, str] | None, *, now: float | None = 
     return max(0.0, when.timestamp() - current)
 
 
-def _should_retry_header(headers: Mapping[str, str] | None) -> bool | None:
+def _should_retry_header(headers: HeaderItems | None) -> bool | None:
     raw = _lower_headers(headers).get("x-should-retry")
     if raw is None:
         return None
@@ -502,7 +510,7 @@ class RetryPolicy:
         state: RetryState,
         *,
         status: int | None,
-        headers: Mapping[str, str] | None,
+        headers: HeaderItems | None,
         error: BaseException | None,
         delivered: bool,
         remaining_s: float | None,
@@ -540,7 +548,7 @@ class RetryPolicy:
         state: RetryState,
         *,
         status: int | None,
-        headers: Mapping[str, str] | None,
+        headers: HeaderItems | None,
         error: BaseException | None,
         delivered: bool,
         remaining_s: float | None,
@@ -667,7 +675,7 @@ class RetryPolicy:
     # -- internals -----------------------------------------------------------------------------------
 
     def _classify(
-        self, status: int | None, headers: Mapping[str, str] | None, error: BaseException | None
+        self, status: int | None, headers: HeaderItems | None, error: BaseException | None
     ) -> tuple[bool, str]:
         if error is not None:
             if isinstance(error, ZPError):
@@ -701,7 +709,7 @@ class RetryPolicy:
         self,
         state: RetryState,
         status: int | None,
-        headers: Mapping[str, str] | None,
+        headers: HeaderItems | None,
         error: BaseException | None,
         delivered: bool,
         remaining_s: float | None,

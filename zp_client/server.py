@@ -38,9 +38,9 @@ __all__ = [
 logger = logging.getLogger("zp_client.server")
 _now = SYSTEM_CLOCK.monotonic  # the failed-GET-models back-off is real time
 
-AsyncFetch = Callable[[str, str, Any], Awaitable[tuple[int, bytes]]]
+AsyncFetch = Callable[[str, str, object], Awaitable[tuple[int, bytes]]]
 """(method, path, json_body or None) -> (status, body). ``path``: docs/admission.md#reading-the-server."""
-SyncFetch = Callable[[str, str, Any], tuple[int, bytes]]
+SyncFetch = Callable[[str, str, object], tuple[int, bytes]]
 _F = TypeVar("_F", AsyncFetch, SyncFetch)
 
 # After a failed GET models, ask again no sooner than this: a down server must not be asked on
@@ -163,7 +163,7 @@ def parse_metrics(text: str) -> ServerMetrics:
     )
 
 
-def tokenize_request(path: str, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def tokenize_request(path: str, body: Mapping[str, object]) -> list[dict[str, Any]]:
     """The ``POST /tokenize`` bodies that count ``body``'s prompt: one chat-form request for a chat
     body, one completion-form request per prompt for a completions body (token-id prompts need none)."""
     model = body.get("model")
@@ -181,7 +181,7 @@ def tokenize_request(path: str, body: Mapping[str, Any]) -> list[dict[str, Any]]
     return [dict(base, prompt=p, add_special_tokens=True) for p in prompts if isinstance(p, str)]
 
 
-def _token_count(prompt: Any) -> int | None:
+def _token_count(prompt: object) -> int | None:
     """Length of a token-id prompt (the longest, for a batch of token-id lists); None for text."""
     if isinstance(prompt, list) and prompt:
         if all(isinstance(x, int) for x in prompt):
@@ -191,7 +191,7 @@ def _token_count(prompt: Any) -> int | None:
     return None
 
 
-async def _ask(fetch: AsyncFetch, what: str, method: str, path: str, payload: Any) -> tuple[int, bytes]:
+async def _ask(fetch: AsyncFetch, what: str, method: str, path: str, payload: object) -> tuple[int, bytes]:
     """One fetch. By the fetch convention a raise means no response arrived: that becomes a
     :class:`~zp_client.errors.ServerInfoError` with status 0, the original error as its cause."""
     try:
@@ -200,7 +200,7 @@ async def _ask(fetch: AsyncFetch, what: str, method: str, path: str, payload: An
         raise ServerInfoError(what, 0, str(exc)) from exc
 
 
-def _ask_sync(fetch: SyncFetch, what: str, method: str, path: str, payload: Any) -> tuple[int, bytes]:
+def _ask_sync(fetch: SyncFetch, what: str, method: str, path: str, payload: object) -> tuple[int, bytes]:
     """Synchronous counterpart of :func:`_ask`."""
     try:
         return fetch(method, path, payload)
@@ -265,7 +265,7 @@ class ServerInfo:
                 f"base_url must be an http(s) URL such as http://host:8000/v1, got {base_url!r}")
         hdrs = {"accept": "application/json", **dict(headers or {})}
 
-        def kwargs(payload: Any) -> dict[str, Any]:
+        def kwargs(payload: object) -> dict[str, Any]:
             kw: dict[str, Any] = {"headers": hdrs}
             if payload is not None:
                 kw["json"] = payload
@@ -276,7 +276,7 @@ class ServerInfo:
         is_async = http is not None and hasattr(http, "aclose")
         if http is None or is_async:
 
-            async def fetch(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+            async def fetch(method: str, path: str, payload: object = None) -> tuple[int, bytes]:
                 url = resolve_url(base_url, path)
                 if http is not None:
                     r = await http.request(method, url, **kwargs(payload))
@@ -289,7 +289,7 @@ class ServerInfo:
 
         if http is None or not is_async:
 
-            def fetch_sync(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+            def fetch_sync(method: str, path: str, payload: object = None) -> tuple[int, bytes]:
                 url = resolve_url(base_url, path)
                 if http is not None:
                     r = http.request(method, url, **kwargs(payload))
@@ -409,7 +409,7 @@ class ServerInfo:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ServerInfoError("POST /tokenize", status, f"unexpected body ({exc})") from exc
 
-    async def tokenize(self, path: str, body: Mapping[str, Any]) -> int:
+    async def tokenize(self, path: str, body: Mapping[str, object]) -> int:
         """Exact prompt tokens of one sequence of the request ``body`` sent to ``path``, from the
         server's ``POST /tokenize`` (chat form for chat bodies; for several prompts, the longest).
         Raises :class:`~zp_client.errors.ServerInfoError` when the server cannot answer."""
@@ -420,7 +420,7 @@ class ServerInfo:
             best = max(best, self._read_count(status, raw))
         return best
 
-    def tokenize_sync(self, path: str, body: Mapping[str, Any]) -> int:
+    def tokenize_sync(self, path: str, body: Mapping[str, object]) -> int:
         """Synchronous counterpart of :meth:`tokenize`."""
         fetch = self._need(self._fetch_sync, "fetch_sync")
         best = _token_count(body.get("prompt")) or 0

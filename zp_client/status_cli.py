@@ -16,9 +16,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zp_client.errors import BudgetUnavailable, ZPError
+
+if TYPE_CHECKING:
+    from zp_client.budget.base import BudgetStatus
+    from zp_client.budget.local import LocalBudget
 
 __all__ = ["add_arguments", "run", "server_status", "budget_status", "local_budget_status", "read_status",
            "format_status", "watch"]
@@ -61,7 +65,7 @@ def server_status(url: str, headroom: float | None = None, timeout: float = 5.0)
 
     base = url.rstrip("/")
 
-    def fetch(method: str, path: str, body: Any) -> tuple[int, bytes]:
+    def fetch(method: str, path: str, body: object) -> tuple[int, bytes]:
         resp = httpx.request(method, resolve_url(base, path), json=body, timeout=timeout)
         return resp.status_code, resp.content
 
@@ -145,7 +149,7 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
     return _from_status(out, s)
 
 
-def local_budget_status(budget: Any) -> dict[str, Any]:
+def local_budget_status(budget: LocalBudget) -> dict[str, Any]:
     """An in-process budget's status (a :class:`~zp_client.LocalBudget`'s, its adaptive limit's state
     included) in :func:`budget_status`'s shape: ``format_status({"budget": local_budget_status(b)})``
     prints what ``zp-client status`` prints for a RedisBudget."""
@@ -154,7 +158,7 @@ def local_budget_status(budget: Any) -> dict[str, Any]:
     return _from_status(out, s)
 
 
-def _from_status(out: dict[str, Any], s: Any) -> dict[str, Any]:
+def _from_status(out: dict[str, Any], s: BudgetStatus) -> dict[str, Any]:
     out.update({
         "limit": s.limit,
         "used": s.used,
@@ -388,7 +392,7 @@ def _adaptive_lines(a: dict[str, Any]) -> list[str]:
     return out
 
 
-def _show(v: Any) -> str:
+def _show(v: object) -> str:
     return "unknown" if v is None else str(v)
 
 

@@ -2,7 +2,7 @@
 
 :class:`AsyncAdmissionTransport` and :class:`AdmissionTransport` wrap any inner ``httpx`` transport;
 ``AsyncAdmissionTransport2`` / ``AdmissionTransport2`` do the same for ``httpx2`` (openai 3.x). All four
-drive one sans-I/O core (:mod:`zp_client._core`), so they behave identically; only LLM calls (``POST``
+drive one sans-I/O core (:mod:`zp_client._admission`), so they behave identically; only LLM calls (``POST``
 to ``/chat/completions``, ``/completions``, ``/responses``) are admitted. What callers may rely on:
 docs/admission.md (leases, release, streams, per-call headers), docs/elastic.md, docs/retries.md.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from zp_client._core import default_retry, forecaster_for
-from zp_client._drivers import AsyncDriver, SyncDriver
-from zp_client._httplib import HTTPX, module_of
-from zp_client._plan import (
+from zp_client._admission.core import default_retry, forecaster_for
+from zp_client._admission.drivers import AsyncDriver, SyncDriver
+from zp_client._admission.httplib import HTTPX, module_of
+from zp_client._admission.plan import (
     DEADLINE_HEADER,
     PRIORITY_HEADER,
     ROUTE_HEADER,
@@ -26,8 +26,13 @@ from zp_client._plan import (
     TTFT_TARGET_HEADER,
     is_admitted,
 )
+from zp_client._admission.ports import HttpResponse, TransportOptions
 from zp_client.budget.base import Budget
+from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # AsyncAdmissionTransport2 / AdmissionTransport2 (httpx2) are importable by name but left out of
 # __all__: they import httpx2, which only openai 3.x environments have.
@@ -48,7 +53,7 @@ __all__ = [
 ]
 
 
-class AsyncAdmissionTransport(AsyncDriver, httpx.AsyncBaseTransport):
+class AsyncAdmissionTransport(AsyncDriver[httpx.Response], httpx.AsyncBaseTransport):
     """Async admission transport for ``httpx`` (openai 2.x, LangChain, AutoGen).
 
     ``AsyncAdmissionTransport(inner, budget=..., settings=, estimator=, retry=, forecaster=,
@@ -60,7 +65,7 @@ class AsyncAdmissionTransport(AsyncDriver, httpx.AsyncBaseTransport):
     lib = HTTPX
 
 
-class AdmissionTransport(SyncDriver, httpx.BaseTransport):
+class AdmissionTransport(SyncDriver[httpx.Response], httpx.BaseTransport):
     """Blocking admission transport for ``httpx`` (same options as :class:`AsyncAdmissionTransport`)."""
 
     lib = HTTPX
@@ -71,8 +76,8 @@ class TransportClasses:
     """The admission transports for one HTTP module (``httpx`` or ``httpx2``)."""
 
     module: ModuleType
-    AsyncAdmissionTransport: type[AsyncDriver]
-    AdmissionTransport: type[SyncDriver]
+    AsyncAdmissionTransport: type[AsyncDriver[HttpResponse]]
+    AdmissionTransport: type[SyncDriver[HttpResponse]]
 
 
 _HTTPX_CLASSES = TransportClasses(httpx, AsyncAdmissionTransport, AdmissionTransport)
@@ -89,14 +94,19 @@ def transport_classes(module: ModuleType) -> TransportClasses:
     raise ConfigurationError(f"no admission transports for module {module.__name__!r} (httpx or httpx2)")
 
 
-def admission_transport_for(inner: Any, *, budget: Budget, **options: Any) -> Any:
+def admission_transport_for(
+    inner: object, *, budget: Budget, settings: Settings | None = None, close_inner: bool = True,
+    **options: Unpack[TransportOptions],
+) -> AsyncDriver[HttpResponse] | SyncDriver[HttpResponse]:
     """An admission transport of the right module and flavour (async or sync) for ``inner``."""
     classes = transport_classes(module_of(inner))
     mod = classes.module
     if isinstance(inner, mod.AsyncBaseTransport):
-        return classes.AsyncAdmissionTransport(inner, budget=budget, **options)
+        return classes.AsyncAdmissionTransport(inner, budget=budget, settings=settings,
+                                               close_inner=close_inner, **options)
     if isinstance(inner, mod.BaseTransport):
-        return classes.AdmissionTransport(inner, budget=budget, **options)
+        return classes.AdmissionTransport(inner, budget=budget, settings=settings, close_inner=close_inner,
+                                          **options)
     raise ConfigurationError(f"{type(inner).__name__} is not an httpx/httpx2 transport")
 
 

@@ -203,7 +203,7 @@ from _asgi_server import LoopbackServer
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.transport import transport_classes
-from zp_client._httplib import module_of
+from zp_client._admission.httplib import module_of
 
 async def main():
     gc.disable()

@@ -19,10 +19,9 @@ import anyio
 import httpx
 import pytest
 
-from zp_client._core import (
+from zp_client._admission.actions import (
     Acquire,
     Close,
-    Core,
     Decide,
     Done,
     NewRetryState,
@@ -30,7 +29,8 @@ from zp_client._core import (
     Send,
     Sleep,
 )
-from zp_client._httplib import HTTPX
+from zp_client._admission.core import Core
+from zp_client._admission.httplib import HTTPX
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.errors import DeadlineExceeded

@@ -19,7 +19,7 @@ import redis
 from tests._asgi_server import LoopbackServer
 from tests._meta_spy import MetaSpy
 from zp_client import AsyncClient, Client, InvalidRequest, RedisBudget, Settings, wrap
-from zp_client._plan import read_body
+from zp_client._admission.plan import read_body
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 

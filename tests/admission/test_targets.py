@@ -28,7 +28,7 @@ from zp_client import (
     Settings,
     wrap,
 )
-from zp_client._plan import read_headers, seconds
+from zp_client._admission.plan import read_headers, seconds
 from zp_client.errors import AdmissionError, ConfigurationError
 from zp_client.transport import transport_classes
 

@@ -208,7 +208,7 @@ async def test_wrap_keeps_original_untouched_and_shares_transport(server: Loopba
     async def hook(request: Any) -> None:
         calls.append(request.url.path)
 
-    from zp_client._httplib import module_of as _module_of
+    from zp_client._admission.httplib import module_of as _module_of
 
     mod = _module_of(openai.AsyncOpenAI(api_key="x")._client)  # httpx2 on openai 3.x, httpx on 2.x
     transport = mod.AsyncHTTPTransport()

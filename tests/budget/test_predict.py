@@ -16,7 +16,7 @@ import pytest
 from tests._asgi_server import LoopbackServer
 from tests._meta_spy import MetaSpy
 from zp_client import LocalBudget, Settings, observe_admissions, wrap
-from zp_client._plan import FAIL_FAST_META, read_headers
+from zp_client._admission.plan import FAIL_FAST_META, read_headers
 from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import Ledger
 from zp_client.budget.predict import (

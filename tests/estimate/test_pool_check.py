@@ -18,7 +18,7 @@ import pytest
 
 from tests._asgi_server import LoopbackServer
 from zp_client import LocalBudget, Settings, wrap
-from zp_client._core import check_pool
+from zp_client._admission.servers import check_pool
 from zp_client.server import ServerMetrics
 from zp_client.transport import transport_classes
 from zp_sim.server import SimServer

@@ -182,7 +182,7 @@ async def test_without_an_observer_no_record_is_made(sim: SimServer, aclient: An
 
     with observe_admissions() as before:
         pass
-    monkeypatch.setattr("zp_client._core.AdmissionInfo", refuse)
+    monkeypatch.setattr("zp_client._admission.attempts.AdmissionInfo", refuse)
     assert (await zp.chat.completions.create(**ask(sim.model))).choices  # would raise if a record were made
     monkeypatch.undo()
     assert before == []

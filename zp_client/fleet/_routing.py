@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from zp_client.budget.ledger import validate_blocks
@@ -14,6 +14,12 @@ from zp_client.errors import ConfigurationError
 from zp_client.fleet.ledger import AVOID_META, PREFIX_META, SESSION_META
 from zp_client.fleet.pd import DEFAULT_KV_LEASE_S, DEFAULT_THRESHOLD_TOKENS, PDSettings
 from zp_client.fleet.prefix import prefix_keys
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from zp_client._admission.ports import HttpURL
+    from zp_client.budget.base import BudgetStatus, Lease
 
 VIRTUAL_DOMAIN = "zp-fleet.invalid"
 """``base_url``'s host is ``<name>.zp-fleet.invalid``: a name only the fleet resolves (``.invalid``
@@ -62,7 +68,7 @@ class FleetRouting:
     is_fleet = True
     """What the admission core looks for to route (duck-typed: it never imports this module)."""
 
-    pd: Any = None
+    pd: Any = None  # a PDSettings once disaggregated (its prefill fleet's own class is the fleet's)
     """The prefill side (a :class:`~zp_client.fleet.pd.PDSettings`) once :meth:`disaggregate` paired this
     fleet, as the decode pool, with a prefill fleet; None: colocated."""
 
@@ -80,7 +86,7 @@ class FleetRouting:
         return f"http://{self.name}.{VIRTUAL_DOMAIN}{self._path}"
 
     def disaggregate(self, prefill: Any, *, threshold_tokens: float | None = None,
-                     kv_lease_s: float | None = None) -> Any:
+                     kv_lease_s: float | None = None) -> Self:
         """Make this fleet the **decode** pool of a prefill/decode deployment whose prefill replicas are
         the fleet ``prefill`` (docs/pd.md), and return this fleet (give it to the client as usual)::
 
@@ -110,7 +116,7 @@ class FleetRouting:
                              DEFAULT_KV_LEASE_S if kv_lease_s is None else kv_lease_s)
         return self
 
-    def pd_extra(self, prefill_status: Any) -> dict[str, Any]:
+    def pd_extra(self, prefill_status: BudgetStatus) -> dict[str, object]:
         """``status().extra["pd"]`` of a disaggregated fleet: the two-phase lease's settings and counts,
         and its prefill fleet's limit, used and held blocks and leases."""
         pd = self.pd
@@ -120,14 +126,14 @@ class FleetRouting:
                             "held": prefill_status.held, "leases": prefill_status.leases,
                             "replicas": prefill_status.extra.get("replicas")}}
 
-    def matched_tokens(self, lease: Any) -> int:
+    def matched_tokens(self, lease: Lease) -> int:
         """The tokens of ``lease``'s prompt its replica most likely has cached (the prefix index's match
         when it was placed; 0 when the fleet does not know)."""
         ledger = getattr(self, "ledger", None)
         matched = getattr(ledger, "matched_blocks", None)
         return 0 if matched is None else int(matched(str(getattr(lease, "id", "")))) * self.block_size
 
-    def best_matched_tokens(self, meta: Mapping[str, Any] | None) -> int:
+    def best_matched_tokens(self, meta: Mapping[str, object] | None) -> int:
         """The most tokens of a request's prompt (its lease meta's prefix keys) any replica most likely
         has cached (0 when the fleet does not know): before it is placed."""
         keys = (meta or {}).get(PREFIX_META)
@@ -137,7 +143,7 @@ class FleetRouting:
             return 0
         # only where it may be placed: not a replica it avoids (that failed it, whose index holds its own
         # prompt from that placement), nor an ejected or draining one
-        avoid = set((meta or {}).get(AVOID_META) or ())
+        avoid = set(cast("tuple[str, ...]", (meta or {}).get(AVOID_META) or ()))
         usable = {u for u, r in tuple(ledger.replicas.items())
                   if not r.draining and not r.ejected and u not in avoid}
         lock = getattr(self, "_lock", None)
@@ -145,7 +151,7 @@ class FleetRouting:
             matched = index.match(keys)
         return max((b for u, b in matched.items() if u in usable), default=0) * self.block_size
 
-    def route_url(self, lease: Any, url: Any) -> Any:
+    def route_url(self, lease: Lease, url: HttpURL) -> HttpURL:
         """``url`` (an httpx/httpx2 URL) sent to ``lease``'s replica: its scheme, host and port."""
         replica = getattr(lease, "replica", None)
         if replica is None:
@@ -153,7 +159,7 @@ class FleetRouting:
         scheme, host, port = origin(replica)
         return url.copy_with(scheme=scheme, host=host, port=port)
 
-    def passthrough_url(self, url: Any) -> Any:
+    def passthrough_url(self, url: HttpURL) -> HttpURL:
         """A request the fleet does not admit (``GET /v1/models``...) aimed at ``base_url`` goes to an
         available replica; any other URL is left alone."""
         if not str(url.host).endswith(VIRTUAL_DOMAIN):
@@ -176,27 +182,27 @@ class FleetRouting:
         new_root = f"{scheme}://{host}" + (f":{port}" if port else "")
         return new_root + urlsplit(base).path, new_root
 
-    def routing_meta(self, body: Mapping[str, Any], prompt_tokens: int,
-                     session: str | None) -> dict[str, Any]:
+    def routing_meta(self, body: Mapping[str, object], prompt_tokens: int,
+                     session: str | None) -> dict[str, object]:
         """What the core adds to a request's lease meta for routing: its prefix keys and session."""
-        meta: dict[str, Any] = {PREFIX_META: prefix_keys(body, prompt_tokens, self.block_size)}
+        meta: dict[str, object] = {PREFIX_META: prefix_keys(body, prompt_tokens, self.block_size)}
         if session is not None:
             meta[SESSION_META] = session
         return meta
 
     @staticmethod
-    def routing_only(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    def routing_only(meta: Mapping[str, object] | None) -> dict[str, object] | None:
         """The prefix keys of a request's lease meta, for its prefill leg on this (prefill) fleet: the
         replica with its prefix cached prefills it fastest (sessions and avoided replicas are the
         decode pool's)."""
         keys = (meta or {}).get(PREFIX_META)
         return {PREFIX_META: keys} if keys else None
 
-    def avoiding(self, meta: Mapping[str, Any] | None, lease: Any) -> dict[str, Any]:
+    def avoiding(self, meta: Mapping[str, object] | None, lease: Lease) -> dict[str, object]:
         """``meta`` for the request's next placement: not on ``lease``'s replica, which just failed it
         (unless no other replica is available)."""
         out = dict(meta or {})
         replica = getattr(lease, "replica", None)
         if replica is not None:
-            out[AVOID_META] = (*out.get(AVOID_META, ()), replica)
+            out[AVOID_META] = (*cast("tuple[str, ...]", out.get(AVOID_META, ())), replica)
         return out

@@ -359,7 +359,7 @@ class Fleet(FleetRouting, Budget):
         except the prefill legs kept until vLLM's lease on their KV expires (:mod:`zp_client.fleet.pd`):
         those are released now, the fleet is going away. What attached to it stops first."""
         await self._close_attached()
-        deferred.run_now(self._line)  # its leases are the line's
+        deferred.run_now(self)  # the P/D prefill legs it holds (their holders name this fleet)
         self._task = None
         await self._sup.aclose()  # the checks' task: cancelled and awaited
         self._sup = Supervisor(f"fleet {self.name}")  # a closed fleet may be started again

@@ -13,7 +13,8 @@ import heapq
 import logging
 import select
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import anyio
 
@@ -23,7 +24,8 @@ from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import DeadlineExceeded
 
 if TYPE_CHECKING:
-    from zp_client.metrics import ZPMetrics
+    from zp_client._admission.ports import HttpResponse, Metrics
+    from zp_client.budget.base import Budget
 
 logger = logging.getLogger("zp_client.transport")
 
@@ -44,15 +46,19 @@ class Holder:
     """Owns one lease while a response body is open. Never references the stream wrapper, so the
     wrapper can be garbage collected (its finalizer then calls :meth:`abandon`)."""
 
-    __slots__ = ("lease", "done", "loop", "where", "resp", "last_activity", "waiting", "idle_timeout",
-                 "clock", "granted_at", "metrics", "pending", "__weakref__")
+    __slots__ = ("lease", "budget", "done", "loop", "where", "resp", "last_activity", "waiting",
+                 "idle_timeout", "clock", "granted_at", "metrics", "pending", "__weakref__")
 
     def __init__(self, lease: Lease, idle_timeout: float, *, is_async: bool,
-                 clock: Clock = SYSTEM_CLOCK, metrics: ZPMetrics | None = None) -> None:
+                 clock: Clock = SYSTEM_CLOCK, metrics: Metrics | None = None,
+                 budget: Budget | None = None) -> None:
         self.lease = lease
+        self.budget = budget
+        """The budget the lease was taken from (its ``aclose()`` releases the deferred releases of its
+        leases at once: :meth:`zp_client._tasks.DeferredCalls.run_now`)."""
         self.done = False
         self.clock = clock
-        self.resp: Any = None  # the inner response, once its body is handed to the caller
+        self.resp: HttpResponse | None = None  # the inner response, once its body is handed to the caller
         # made right after the grant: its hold time starts here
         self.granted_at = self.last_activity = clock.monotonic()
         self.metrics = metrics  # records the hold time at release (zp_client.metrics)
@@ -70,7 +76,7 @@ class Holder:
         """Once, when the release starts: the lease's hold time ends here."""
         self.done = True
         if self.metrics is not None:
-            self.metrics.held(getattr(self.lease, "priority", 0), self.clock.monotonic() - self.granted_at)
+            self.metrics.held(self.lease.priority, self.clock.monotonic() - self.granted_at)
 
     async def release(self) -> None:
         if self.done:
@@ -120,7 +126,7 @@ class Holder:
 
             loop.call_later(after_s, fire)
             return
-        deferred.add(_budget_of(self.lease), after_s, self.release_sync, lambda: self.done)
+        deferred.add(self.budget, after_s, self.release_sync, lambda: self.done)
 
     def server_ended(self) -> None:
         """The server ended the connection under a body its caller is not reading: it holds no KV for
@@ -174,7 +180,7 @@ class ReaderWatch:
 
     def __init__(self, holder: Holder) -> None:
         self.holder = holder
-        self.task: asyncio.Task[Any] | None = None
+        self.task: asyncio.Task[object] | None = None
         self._callback = self._ended
 
     def follow(self) -> None:
@@ -196,13 +202,13 @@ class ReaderWatch:
             self.task.remove_done_callback(self._callback)
             self.task = None
 
-    def _ended(self, task: asyncio.Task[Any]) -> None:
+    def _ended(self, task: asyncio.Task[object]) -> None:
         self.task = None
         if not self.holder.done and task.cancelled():
             self.holder.abandon()
 
 
-async def _abandon_async(resp: Any, lease: Lease) -> None:
+async def _abandon_async(resp: HttpResponse | None, lease: Lease) -> None:
     try:
         if resp is not None:
             await resp.aclose()
@@ -225,14 +231,31 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 #: How often the watchdog looks for connections the server ended under unread bodies (Linux: poll()'s
 #: POLLRDHUP says the peer shut its side even while data it sent is still unread).
 HANGUP_CHECK_S = 0.25
-_RDHUP = getattr(select, "POLLRDHUP", 0)
+try:
+    _RDHUP = select.POLLRDHUP
+except AttributeError:  # not Linux: poll() cannot tell a peer's shutdown from unread data
+    _RDHUP = 0
 
 
-def _socket_of(resp: Any) -> Any:
+class _NetworkStream(Protocol):
+    """httpcore's ``network_stream`` response extension."""
+
+    def get_extra_info(self, info: str) -> object: ...
+
+
+class _Socket(Protocol):
+    def fileno(self) -> int: ...
+
+    def shutdown(self, how: int, /) -> None: ...
+
+
+def _socket_of(resp: HttpResponse | None) -> _Socket | None:
     """The socket under an httpcore response (its ``network_stream`` extension), or None."""
+    if resp is None:
+        return None
     try:
-        stream = resp.extensions.get("network_stream")
-        return None if stream is None else stream.get_extra_info("socket")
+        stream = cast("_NetworkStream | None", resp.extensions.get("network_stream"))
+        return None if stream is None else cast("_Socket | None", stream.get_extra_info("socket"))
     except (AttributeError, TypeError, KeyError):  # not httpcore's: no socket to look at
         return None
 
@@ -271,10 +294,6 @@ def finalize(holder: Holder) -> None:
     if not holder.done:
         logger.debug("response abandoned without close: closing it and releasing its lease")
         holder.abandon()
-
-
-def _budget_of(lease: Any) -> Any:
-    return getattr(lease, "_budget", None) or getattr(lease, "_owner", None)
 
 
 
@@ -337,7 +356,7 @@ class Watchdog:
 watchdog = Watchdog()
 
 
-def cut_connection(resp: Any) -> None:
+def cut_connection(resp: HttpResponse | None) -> None:
     """Shut the socket under ``resp`` down (both ways), from any thread: a blocking read on it returns at
     once (closing it from another thread would not wake that read). For a blocking call whose deadline
     passed while it waits for the server's bytes (:class:`Alarms`); a no-op without a socket."""
@@ -360,12 +379,12 @@ class Alarms:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int]] = []
-        self._calls: dict[int, Any] = {}
+        self._calls: dict[int, Callable[[], None]] = {}
         self._seq = 0
         self._service = ServiceThread("zp-deadline-alarms", self._step, lambda: bool(self._calls))
         self._cond = self._service.cond
 
-    def at(self, due: float, fn: Any) -> int:
+    def at(self, due: float, fn: Callable[[], None]) -> int:
         """Call ``fn()`` at ``due`` (``SYSTEM_CLOCK.monotonic()`` time); returns a token to cancel it."""
         with self._cond:
             self._seq += 1
@@ -380,7 +399,7 @@ class Alarms:
             self._calls.pop(token, None)
 
     def _step(self) -> float | None:
-        fire: list[Any] = []
+        fire: list[Callable[[], None]] = []
         with self._cond:
             now = SYSTEM_CLOCK.monotonic()
             while self._heap:

@@ -1,5 +1,5 @@
 """The two drivers of the admission core: async and blocking. Each performs the actions of the
-attempt loop (:class:`zp_client._core.Machine`) with its I/O; neither decides anything itself.
+attempt loop (:class:`zp_client._admission.actions.Machine`) with its I/O; neither decides anything itself.
 
 The public transport classes (:mod:`zp_client.transport`) are these drivers over one HTTP library's
 base classes. See docs/admission.md.
@@ -7,15 +7,15 @@ base classes. See docs/admission.md.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import AsyncIterable, Iterable
+from typing import ClassVar, Generic, TypeVar, cast
 
 import anyio
 
-from zp_client._core import (
+from zp_client._admission.actions import (
     Acquire,
     Action,
     Close,
-    Core,
     Decide,
     Done,
     Estimate,
@@ -30,9 +30,20 @@ from zp_client._core import (
     Sleep,
     WaitBudget,
 )
-from zp_client._httplib import POOL_CHECK_S, HttpLib
-from zp_client._plan import is_admitted
-from zp_client._release import alarms, cut_connection, deadline_exceeded
+from zp_client._admission.core import Core
+from zp_client._admission.httplib import POOL_CHECK_S, HttpLib
+from zp_client._admission.plan import is_admitted
+from zp_client._admission.ports import (
+    AsyncInner,
+    Estimator,
+    Forecaster,
+    HttpRequest,
+    HttpResponse,
+    Metrics,
+    RetryPolicy,
+    SyncInner,
+)
+from zp_client._admission.release import alarms, cut_connection, deadline_exceeded
 from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget
 from zp_client.clock import SYSTEM_CLOCK, Clock
@@ -40,6 +51,9 @@ from zp_client.config import Settings
 from zp_client.errors import ServerInfoError, ServerUnreachable, ZPError
 
 __all__ = ["AsyncDriver", "SyncDriver"]
+
+Resp = TypeVar("Resp", bound=HttpResponse, covariant=True)
+"""The HTTP library's response class (``httpx.Response``...): what a transport of that library returns."""
 
 #: A transport error this close to (or past) a call's deadline is the deadline's doing (a per-phase timeout
 #: capped to it, or the connection cut at it): the caller gets DeadlineExceeded.
@@ -52,15 +66,17 @@ def _sys_now() -> float:
     return SYSTEM_CLOCK.monotonic()
 
 
-def capped_timeouts(request: Any, remaining: float) -> None:
+def capped_timeouts(request: HttpRequest, remaining: float) -> None:
     """Cap ``request``'s per-phase timeouts (connect, read, write, pool) at ``remaining`` seconds: a
     blocking attempt cannot wait past its call's deadline for headers. A new extensions dict: the
     caller's request shares the old one."""
     ext = request.extensions
-    old = ext.get("timeout") or {}
+    old = cast("dict[str, float | None]", ext.get("timeout") or {})
     rem = max(0.001, remaining)
-    capped = {k: rem if old.get(k) is None or old[k] > rem else old[k]
-              for k in ("connect", "read", "write", "pool")}
+    capped: dict[str, float] = {}
+    for k in ("connect", "read", "write", "pool"):
+        given = old.get(k)
+        capped[k] = rem if given is None or given > rem else given
     request.extensions = {**ext, "timeout": capped}
 
 
@@ -71,25 +87,26 @@ class _Driver:
 
     def __init__(
         self,
-        inner: Any | None = None,
+        inner: object | None = None,
         *,
         budget: Budget,
         settings: Settings | None = None,
-        estimator: Any | None = None,
-        retry: Any | None = None,
+        estimator: Estimator | None = None,
+        retry: RetryPolicy | bool | None = None,
         close_inner: bool = True,
-        forecaster: Any | None = None,
+        forecaster: Forecaster | None = None,
         stream_upstream: bool | None = None,
         clock: Clock | None = None,
-        metrics: Any | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
-        self._inner = inner if inner is not None else self._default_inner()
+        # the library's own transport (httpx or httpx2, checked by the library when it is used)
+        self._inner = cast("AsyncInner | SyncInner", inner) if inner is not None else self._default_inner()
         self._core = Core(budget, settings, estimator, retry, forecaster, stream_upstream, lib=self.lib,
                           clock=clock, metrics=metrics)
         self._close_inner = close_inner
-        self._keep_alive: Any = None
+        self._keep_alive: object = None
 
-    def _default_inner(self) -> Any:
+    def _default_inner(self) -> AsyncInner | SyncInner:
         raise NotImplementedError
 
     def share_core(self, other: _Driver) -> None:
@@ -97,7 +114,7 @@ class _Driver:
         :func:`zp_client.wrap` does for a client's mounted transports."""
         self._core = other._core
 
-    def keep_alive(self, obj: Any) -> None:
+    def keep_alive(self, obj: object) -> None:
         """Keep ``obj`` alive as long as this transport (wrap() keeps a sync openai original so)."""
         self._keep_alive = obj
 
@@ -107,7 +124,7 @@ class _Driver:
         return self._core.budget
 
     @property
-    def forecaster(self) -> Any | None:
+    def forecaster(self) -> Forecaster | None:
         """The output-length forecaster (elastic budgets; None under strict unless one was given)."""
         return self._core.forecaster
 
@@ -120,19 +137,24 @@ class _Driver:
         return self._core.surface(exc)
 
 
-class AsyncDriver(_Driver):
+class AsyncDriver(_Driver, Generic[Resp]):
     """Runs the attempt loop with async I/O (``handle_async_request``)."""
 
-    def _default_inner(self) -> Any:
-        return self.lib.module.AsyncHTTPTransport()
+    def _default_inner(self) -> AsyncInner:
+        return cast(AsyncInner, self.lib.module.AsyncHTTPTransport())
 
-    async def handle_async_request(self, request: Any) -> Any:
+    @property
+    def _async_inner(self) -> AsyncInner:
+        return cast(AsyncInner, self._inner)
+
+    async def handle_async_request(self, request: HttpRequest) -> Resp:
+        """Admit ``request`` (an LLM call; any other passes through) and return its response."""
         if not is_admitted(request.method, request.url.path):
-            return await self._inner.handle_async_request(self._core.passthrough(request))
+            return cast(Resp, await self._async_inner.handle_async_request(self._core.passthrough(request)))
         await request.aread()
         machine = self._core.admit(request, self._inner, is_async=True)
         try:
-            return await self._run(machine)
+            return cast(Resp, await self._run(machine))
         except ZPError as exc:
             surfaced = self._surface(exc)
             if isinstance(exc, ServerUnreachable):
@@ -142,7 +164,7 @@ class AsyncDriver(_Driver):
                 raise
             raise surfaced from exc
 
-    async def _run(self, machine: Machine) -> Any:
+    async def _run(self, machine: Machine) -> HttpResponse:
         step = machine.start()
         while not isinstance(step, Done):
             try:
@@ -153,42 +175,54 @@ class AsyncDriver(_Driver):
                 step = machine.send(result)
         return step.response
 
-    async def _perform(self, action: Action) -> Any:
+    async def _perform(self, action: Action) -> object:
         core = self._core
         if isinstance(action, Acquire):
-            return await (action.budget or core.budget).acquire(action.blocks, **action.kwargs())
+            budget = action.budget or core.budget
+            if action.meta is None:  # no meta argument: a backend written before it existed keeps working
+                return await budget.acquire(action.blocks, priority=action.priority, timeout=action.timeout,
+                                            ticket=action.ticket, held=action.held)
+            return await budget.acquire(action.blocks, priority=action.priority, timeout=action.timeout,
+                                        ticket=action.ticket, held=action.held, meta=dict(action.meta))
         if isinstance(action, Send):
             if action.deadline is None:
-                return await self._inner.handle_async_request(action.request)
+                return await self._async_inner.handle_async_request(action.request)
             with anyio.move_on_after(max(0.0, action.deadline - core.clock.monotonic())):
-                return await self._inner.handle_async_request(action.request)
+                return await self._async_inner.handle_async_request(action.request)
             raise deadline_exceeded(_WAITING)
         if isinstance(action, Release):
             if action.after_s > 0:
-                return action.holder.release_later(action.after_s)
-            return await action.holder.release()
+                action.holder.release_later(action.after_s)
+                return None
+            await action.holder.release()
+            return None
         if isinstance(action, Decide):
-            decide = getattr(action.policy, "decide_async", None)
-            if decide is not None:
-                return await decide(action.state, **action.kwargs())
-            return action.policy.decide(action.state, **action.kwargs())
+            return await action.policy.decide_async(
+                action.state, status=action.status, headers=action.headers, error=action.error,
+                delivered=False, remaining_s=action.remaining_s, wait_for_budget=True)
         if isinstance(action, Sleep):
-            return await action.policy.sleep(action.seconds)
+            await action.policy.sleep(action.seconds)
+            return None
         if isinstance(action, WaitBudget):
-            return await action.policy.wait_for_budget_async(action.state, remaining_s=action.remaining_s)
+            await action.policy.wait_for_budget_async(action.state, remaining_s=action.remaining_s)
+            return None
         if isinstance(action, Close):
             if action.shield:
                 with anyio.CancelScope(shield=True):
-                    return await action.response.aclose()
-            return await action.response.aclose()
+                    await action.response.aclose()
+                    return None
+            await action.response.aclose()
+            return None
         if isinstance(action, ReadAll):
             if action.deadline is None:
-                return await self._read_all(action)
+                await self._read_all(action)
+                return None
             with anyio.move_on_after(max(0.0, action.deadline - core.clock.monotonic())):
-                return await self._read_all(action)
+                await self._read_all(action)
+                return None
             raise deadline_exceeded(_READING)
         if isinstance(action, Peek):
-            rest = action.response.stream.__aiter__()
+            rest = cast(AsyncIterable[bytes], action.response.stream).__aiter__()
             try:
                 if action.deadline is None:
                     first = await rest.__anext__()
@@ -202,8 +236,7 @@ class AsyncDriver(_Driver):
             return first, rest
         if isinstance(action, NewRetryState):
             # RedisRetryBudget records the request over the network: not on the event loop's thread.
-            new = getattr(action.policy, "new_request_async", None)
-            return await new() if new is not None else action.policy.new_request()
+            return await action.policy.new_request_async()
         if isinstance(action, Estimate):
             return await core.estimator.estimate_async(action.path, action.body, action.server)
         if isinstance(action, ModelLen):
@@ -227,23 +260,28 @@ class AsyncDriver(_Driver):
 
     async def aclose(self) -> None:
         if self._close_inner:
-            await self._inner.aclose()
+            await self._async_inner.aclose()
         quiesce()  # the process-wide service threads end once nothing is left for them to do
 
 
-class SyncDriver(_Driver):
+class SyncDriver(_Driver, Generic[Resp]):
     """Runs the attempt loop with blocking I/O (``handle_request``)."""
 
-    def _default_inner(self) -> Any:
-        return self.lib.module.HTTPTransport()
+    def _default_inner(self) -> SyncInner:
+        return cast(SyncInner, self.lib.module.HTTPTransport())
 
-    def handle_request(self, request: Any) -> Any:
+    @property
+    def _sync_inner(self) -> SyncInner:
+        return cast(SyncInner, self._inner)
+
+    def handle_request(self, request: HttpRequest) -> Resp:
+        """Admit ``request`` (an LLM call; any other passes through) and return its response."""
         if not is_admitted(request.method, request.url.path):
-            return self._inner.handle_request(self._core.passthrough(request))
+            return cast(Resp, self._sync_inner.handle_request(self._core.passthrough(request)))
         request.read()
         machine = self._core.admit(request, self._inner, is_async=False)
         try:
-            return self._run(machine)
+            return cast(Resp, self._run(machine))
         except ZPError as exc:
             surfaced = self._surface(exc)
             if isinstance(exc, ServerUnreachable):
@@ -253,7 +291,7 @@ class SyncDriver(_Driver):
                 raise
             raise surfaced from exc
 
-    def _run(self, machine: Machine) -> Any:
+    def _run(self, machine: Machine) -> HttpResponse:
         step = machine.start()
         while not isinstance(step, Done):
             try:
@@ -264,31 +302,43 @@ class SyncDriver(_Driver):
                 step = machine.send(result)
         return step.response
 
-    def _perform(self, action: Action) -> Any:
+    def _perform(self, action: Action) -> object:
         core = self._core
         if isinstance(action, Acquire):
-            return (action.budget or core.budget).acquire_sync(action.blocks, **action.kwargs())
+            budget = action.budget or core.budget
+            if action.meta is None:  # as the async driver
+                return budget.acquire_sync(action.blocks, priority=action.priority, timeout=action.timeout,
+                                           ticket=action.ticket, held=action.held)
+            return budget.acquire_sync(action.blocks, priority=action.priority, timeout=action.timeout,
+                                       ticket=action.ticket, held=action.held, meta=dict(action.meta))
         if isinstance(action, Send):
             if action.deadline is None:
-                return self._inner.handle_request(action.request)
+                return self._sync_inner.handle_request(action.request)
             capped_timeouts(action.request, action.deadline - core.clock.monotonic())
             try:
-                return self._inner.handle_request(action.request)
+                return self._sync_inner.handle_request(action.request)
             except Exception as exc:
                 self._check_deadline(action.deadline, exc, _WAITING)
                 raise
         if isinstance(action, Release):
             if action.after_s > 0:
-                return action.holder.release_later(action.after_s)
-            return action.holder.release_sync()
+                action.holder.release_later(action.after_s)
+                return None
+            action.holder.release_sync()
+            return None
         if isinstance(action, Decide):
-            return action.policy.decide(action.state, **action.kwargs())
+            return action.policy.decide(
+                action.state, status=action.status, headers=action.headers, error=action.error,
+                delivered=False, remaining_s=action.remaining_s, wait_for_budget=True)
         if isinstance(action, Sleep):
-            return action.policy.sleep_sync(action.seconds)
+            action.policy.sleep_sync(action.seconds)
+            return None
         if isinstance(action, WaitBudget):
-            return action.policy.wait_for_budget(action.state, remaining_s=action.remaining_s)
+            action.policy.wait_for_budget(action.state, remaining_s=action.remaining_s)
+            return None
         if isinstance(action, Close):
-            return action.response.close()
+            action.response.close()
+            return None
         if isinstance(action, ReadAll):
             first = action.on_first
             token = self._alarm(action.deadline, action.response)
@@ -307,7 +357,7 @@ class SyncDriver(_Driver):
                     alarms.cancel(token)
             return None
         if isinstance(action, Peek):
-            rest = iter(action.response.stream)
+            rest = iter(cast(Iterable[bytes], action.response.stream))
             token = self._alarm(action.deadline, action.response)
             try:
                 return next(rest, None), rest
@@ -327,7 +377,7 @@ class SyncDriver(_Driver):
             return action.server.metrics_sync()
         raise TypeError(f"unknown action {action!r}")
 
-    def _alarm(self, deadline: float | None, resp: Any) -> int | None:
+    def _alarm(self, deadline: float | None, resp: HttpResponse) -> int | None:
         """At ``deadline``, cut ``resp``'s connection (a blocking read in progress then returns)."""
         if deadline is None:
             return None
@@ -346,5 +396,5 @@ class SyncDriver(_Driver):
 
     def close(self) -> None:
         if self._close_inner:
-            self._inner.close()
+            self._sync_inner.close()
         quiesce()

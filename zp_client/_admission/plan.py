@@ -5,10 +5,15 @@ deadline, lease metadata, the body and headers to send). Plain data; see docs/ad
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, SupportsFloat, SupportsIndex
 
 from zp_client.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from zp_client._admission.ports import HttpURL
+    from zp_client.estimate import PromptEstimate
 
 __all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "SESSION_HEADER", "TTFT_TARGET_HEADER",
            "TPOT_TARGET_HEADER", "FAIL_FAST_HEADER", "TTFT_TARGET_META", "TPOT_TARGET_META", "AGE_META",
@@ -52,8 +57,8 @@ class Plan:
     stream: bool
     prompt_tokens: int
     n: int
-    estimate: Any
-    meta: dict[str, Any] | None = None
+    estimate: PromptEstimate
+    meta: dict[str, object] | None = None
     """Lease metadata: an elastic budget's, a fleet's routing, the targets (None when none of them)."""
     route: str = "default"
     """The forecaster's key."""
@@ -84,7 +89,7 @@ class Plan:
 
 @dataclass
 class Parsed:
-    body: dict[str, Any]
+    body: dict[str, object]
     changed: bool
     headers: list[tuple[bytes, bytes]]
     priority: int
@@ -108,7 +113,7 @@ class Parsed:
     tpot_target_s: float | None = None
 
 
-def api_base(url: Any) -> tuple[str, str]:
+def api_base(url: HttpURL) -> tuple[str, str]:
     """(API base, server root) of an admitted request's URL: ``http://h:p/v1``, ``http://h:p``."""
     key = (url.scheme, url.host, url.port, url.path)
     hit = _bases.get(key)
@@ -119,10 +124,10 @@ def api_base(url: Any) -> tuple[str, str]:
     return hit
 
 
-_bases: dict[tuple[Any, ...], tuple[str, str]] = {}
+_bases: dict[tuple[str, str, int | None, str], tuple[str, str]] = {}
 
 
-def _api_base_uncached(url: Any) -> tuple[str, str]:
+def _api_base_uncached(url: HttpURL) -> tuple[str, str]:
     path = url.path.rstrip("/")
     for suffix in ADMITTED_SUFFIXES:
         if path.endswith(suffix):
@@ -154,29 +159,32 @@ class Options:
     """``X-ZP-TPOT-Target``: seconds per output token after the first."""
 
 
-def seconds(value: Any, field: str, kind: str = "header") -> float:
+def seconds(value: object, field: str, kind: str = "header") -> float:
     """``value`` as a positive finite number of seconds, else :class:`~zp_client.InvalidRequest` whose
     ``field`` is ``field`` (a header's or an option's name; ``kind`` says which in the message). Takes
     numbers and their text (bytes: ASCII); refuses bools, nan, inf, 0 and negatives."""
     got = value
     if isinstance(value, (bytes, bytearray)):
+        raw = bytes(value)
         try:
-            value = bytes(value).decode("ascii").strip()
+            value = raw.decode("ascii").strip()
         except UnicodeDecodeError:
             raise InvalidRequest(f"{kind} {field} must be a positive number of seconds, got bytes that are "
-                                 f"not text: {bytes(got)!r}", field=field) from None
+                                 f"not text: {raw!r}", field=field) from None
         got = value
-    try:
-        out = math.nan if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        out = math.nan
+    out = math.nan
+    if not isinstance(value, bool) and isinstance(value, (str, SupportsFloat, SupportsIndex)):
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            out = math.nan
     if not (out > 0 and math.isfinite(out)):
         raise InvalidRequest(f"{kind} {field} must be a positive finite number of seconds, got {got!r}",
                              field=field)
     return out
 
 
-def _positive_int(body: dict[str, Any], key: str) -> int | None:
+def _positive_int(body: Mapping[str, object], key: str) -> int | None:
     v = body.get(key)
     if v is None:
         return None
@@ -186,7 +194,7 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return v
 
 
-def read_body(body: dict[str, Any], responses: bool) -> int | None:
+def read_body(body: Mapping[str, object], responses: bool) -> int | None:
     """Check the body fields zp reads and return the output-token limit the request sets (None: it sets
     none). Each is taken as given or refused with :class:`~zp_client.InvalidRequest` naming the field,
     never rewritten: ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` / ``n`` /
@@ -221,12 +229,12 @@ def read_body(body: dict[str, Any], responses: bool) -> int | None:
     return out
 
 
-def _short(v: Any) -> str:
+def _short(v: object) -> str:
     text = repr(v)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _prompt_shape(p: Any) -> bool:
+def _prompt_shape(p: object) -> bool:
     if isinstance(p, str):
         return True
     if not isinstance(p, list):
@@ -236,7 +244,7 @@ def _prompt_shape(p: Any) -> bool:
     return _ids(p) or all(isinstance(x, list) and _ids(x) for x in p)
 
 
-def _ids(xs: list[Any]) -> bool:
+def _ids(xs: list[object]) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) for t in xs)
 
 

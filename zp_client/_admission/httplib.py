@@ -12,24 +12,48 @@ import json
 import logging
 import sys
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import anyio
 import httpx
 
-from zp_client._private import detach_sdk_stream, has_read_body, response_body_stream
-from zp_client._release import Holder, ReaderWatch, alarms, cut_connection, deadline_exceeded, finalize
+from zp_client._admission.loop_ports import BodyObserver
+from zp_client._admission.ports import (
+    AsyncClosable,
+    AsyncInner,
+    HttpHeaders,
+    HttpRequest,
+    HttpResponse,
+    HttpURL,
+    SyncInner,
+)
+from zp_client._admission.release import (
+    Holder,
+    ReaderWatch,
+    alarms,
+    cut_connection,
+    deadline_exceeded,
+    finalize,
+)
+from zp_client._private import (
+    detach_sdk_stream,
+    has_read_body,
+    patch_sdk_stream_inits,
+    response_body_stream,
+    sdk_stream_response,
+)
 from zp_client._sse import REASSEMBLY_DROPPED_HEADERS, Scanner
 from zp_client.clock import SYSTEM_CLOCK
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, DeadlineExceeded
 
 if TYPE_CHECKING:
-    from zp_client._core import Core
-    from zp_client._plan import Plan
+    from zp_client._admission.actions import Prefetched
+    from zp_client._admission.plan import Plan
+    from zp_client.server import ServerInfo
 
 __all__ = ["HttpLib", "HTTPX", "AsyncBody", "SyncBody", "module_of", "watch_sdk_streams"]
 
@@ -46,8 +70,8 @@ _METRICS_TIMEOUT = dict.fromkeys(("connect", "read", "write", "pool"), POOL_CHEC
 class _Body:
     """A response body handed to the caller: feeds its scanner, owns the lease through its holder."""
 
-    def __init__(self, core: Core, plan: Plan, resp: Any, holder: Holder, scanner: Scanner,
-                 prefetched: tuple[bytes | None, Any] | None = None) -> None:
+    def __init__(self, core: BodyObserver, plan: Plan, resp: HttpResponse, holder: Holder, scanner: Scanner,
+                 prefetched: Prefetched | None = None) -> None:
         self._core, self._plan, self._resp, self._holder, self._scanner = core, plan, resp, holder, scanner
         self._prefetched = prefetched
         self._completed = False
@@ -75,12 +99,12 @@ def _watch_loaded_sdk() -> None:
         watch_sdk_streams(openai_module)
 
 
-def adopt_sdk_stream(stream: Any) -> None:
+def adopt_sdk_stream(stream: object) -> None:
     """An openai ``Stream`` / ``AsyncStream`` over a body of ours: its caller dropping it abandons the
     body at once (closes the connection, so the server aborts, then releases the lease) instead of when
     the garbage collector finds the stream's reference cycle, which it breaks (``detach_sdk_stream``).
     Streams over other bodies (a client zp does not admit) are left as they are."""
-    body = response_body_stream(getattr(stream, "response", None))
+    body = response_body_stream(sdk_stream_response(stream))
     if not isinstance(body, _Body) or body._holder.done:
         return
     try:
@@ -94,26 +118,7 @@ def adopt_sdk_stream(stream: Any) -> None:
 def watch_sdk_streams(openai_module: ModuleType) -> None:
     """Make every openai ``Stream`` / ``AsyncStream`` built from now on call :func:`adopt_sdk_stream`
     (once per process; a no-op for streams that zp did not admit). Idempotent."""
-    for name in ("Stream", "AsyncStream"):
-        cls = getattr(openai_module, name, None)
-        init = getattr(cls, "__init__", None)
-        if cls is None or init is None or getattr(init, "_zp_adopts", False):
-            continue
-        cls.__init__ = _adopting(init)
-
-
-def _adopting(init: Any) -> Any:
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        try:
-            adopt_sdk_stream(self)
-        except Exception:  # never break the caller's stream for this; the GC path still releases
-            logger.debug("adopting an openai stream failed", exc_info=True)
-
-    __init__._zp_adopts = True  # type: ignore[attr-defined]
-    __init__.__wrapped__ = init  # type: ignore[attr-defined]
-    __init__.__doc__ = init.__doc__
-    return __init__
+    patch_sdk_stream_inits(openai_module, adopt_sdk_stream)
 
 
 class AsyncBody(_Body):
@@ -126,7 +131,8 @@ class AsyncBody(_Body):
             holder.waiting = True
             try:
                 # the upstream stream itself unless a fleet's peek read its first chunk (no extra layer)
-                source = self._resp.stream if self._prefetched is None else self._source()
+                upstream = cast(AsyncIterable[bytes], self._resp.stream)
+                source = upstream if self._prefetched is None else self._source()
                 if self._plan.deadline is not None:  # each read bounded by what is left of the deadline
                     source = _until(source, self._plan.deadline, mono)
                 async for chunk in source:
@@ -163,13 +169,13 @@ class AsyncBody(_Body):
         """The body's chunks: the upstream stream, after the chunk a fleet's peek read (if any)."""
         pre, self._prefetched = self._prefetched, None
         if pre is None:
-            async for chunk in self._resp.stream:
+            async for chunk in cast(AsyncIterable[bytes], self._resp.stream):
                 yield chunk
             return
         first, rest = pre
         if first is not None:
             yield first
-            async for chunk in rest:
+            async for chunk in cast(AsyncIterable[bytes], rest):
                 yield chunk
 
     async def aclose(self) -> None:
@@ -191,7 +197,8 @@ class SyncBody(_Body):
             token = None if deadline is None else alarms.at(
                 deadline - mono() + SYSTEM_CLOCK.monotonic(), lambda: cut_connection(self._resp))
             try:
-                for chunk in (self._resp.stream if self._prefetched is None else self._source()):
+                upstream = cast(Iterable[bytes], self._resp.stream)
+                for chunk in (upstream if self._prefetched is None else self._source()):
                     if deadline is not None and mono() >= deadline:  # a trickle ends there too
                         raise self._core.surface(deadline_exceeded(_READING))
                     holder.waiting = False
@@ -226,12 +233,12 @@ class SyncBody(_Body):
         """As :meth:`AsyncBody._source`."""
         pre, self._prefetched = self._prefetched, None
         if pre is None:
-            yield from self._resp.stream
+            yield from cast(Iterable[bytes], self._resp.stream)
             return
         first, rest = pre
         if first is not None:
             yield first
-            yield from rest
+            yield from cast(Iterable[bytes], rest)
 
     def close(self) -> None:
         try:
@@ -242,10 +249,11 @@ class SyncBody(_Body):
 
 
 _READING = "while reading the server's answer"
-_SLACK_S = 0.05  # as zp_client._drivers.DEADLINE_SLACK_S
+_SLACK_S = 0.05  # as zp_client._admission.drivers.DEADLINE_SLACK_S
 
 
-async def _until(source: Any, deadline: float, mono: Any) -> AsyncIterator[bytes]:
+async def _until(source: AsyncIterable[bytes], deadline: float,
+                 mono: Callable[[], float]) -> AsyncIterator[bytes]:
     """``source``'s chunks, each read bounded by what is left of ``deadline`` (``mono``'s time): an idle
     or trickling server ends the body with DeadlineExceeded there."""
     it = source.__aiter__()
@@ -260,10 +268,9 @@ async def _until(source: Any, deadline: float, mono: Any) -> AsyncIterator[bytes
                 raise deadline_exceeded(_READING)
             yield chunk
     finally:
-        close = getattr(it, "aclose", None)
-        if close is not None:
+        if isinstance(it, AsyncClosable):
             with anyio.CancelScope(shield=True):
-                await close()
+                await it.aclose()
 
 
 class _HttpxAsyncBody(AsyncBody, httpx.AsyncByteStream):
@@ -282,45 +289,48 @@ class HttpLib:
     async_body: type[AsyncBody]
     sync_body: type[SyncBody]
 
-    def request(self, original: Any, plan: Plan, url: Any = None) -> Any:
+    def request(self, original: HttpRequest, plan: Plan, url: HttpURL | None = None) -> HttpRequest:
         """A fresh request per attempt (the caller's object is never mutated, so it can be re-sent);
         ``url``: where this attempt goes (a fleet's replica), default the caller's."""
         headers = [*plan.headers, (b"Content-Length", str(len(plan.content)).encode())]
         if url is not None and url != original.url:  # another server: its own Host header
             headers = [(b"Host", url.netloc), *((k, v) for k, v in headers if k.lower() != b"host")]
         stream = self.module.ByteStream(plan.content)
-        return self.module.Request(original.method, original.url if url is None else url, headers=headers,
-                                   stream=stream, extensions=original.extensions)
+        return cast(HttpRequest, self.module.Request(original.method, original.url if url is None else url,
+                                                     headers=headers, stream=stream,
+                                                     extensions=original.extensions))
 
     @staticmethod
-    def is_event_stream(resp: Any) -> bool:
+    def is_event_stream(resp: HttpResponse) -> bool:
         ctype = resp.headers.get("content-type", "")
         return bool(resp.status_code == 200 and ctype.startswith("text/event-stream"))
 
     @staticmethod
-    def is_preread(resp: Any) -> bool:
+    def is_preread(resp: HttpResponse) -> bool:
         """The response arrived already read (closed, or holding its body: see ``_private.read_body``)."""
-        return bool(getattr(resp, "is_closed", False)) or has_read_body(resp)
+        return bool(resp.is_closed) or has_read_body(resp)
 
-    def preread_response(self, resp: Any, content: bytes, rewritten: bool) -> Any:
+    def preread_response(self, resp: HttpResponse, content: bytes, rewritten: bool) -> HttpResponse:
         if not rewritten:
             return resp
         headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
-        return self.module.Response(resp.status_code, headers=headers, content=content,
-                                    extensions=resp.extensions)
+        return cast(HttpResponse, self.module.Response(resp.status_code, headers=headers, content=content,
+                                                       extensions=resp.extensions))
 
-    def streamed_response(self, resp: Any, core: Core, plan: Plan, holder: Holder, scanner: Scanner, *,
-                          is_async: bool, prefetched: tuple[bytes | None, Any] | None = None) -> Any:
+    def streamed_response(self, resp: HttpResponse, core: BodyObserver, plan: Plan, holder: Holder,
+                          scanner: Scanner, *, is_async: bool,
+                          prefetched: Prefetched | None = None) -> HttpResponse:
         body_cls = self.async_body if is_async else self.sync_body
         stream = body_cls(core, plan, resp, holder, scanner, prefetched)
-        headers = resp.headers
+        headers: HttpHeaders | list[tuple[bytes, bytes]] = resp.headers
         if scanner.rewrites:
             # Bytes may be removed from the body, so a declared length would be wrong.
             headers = [(k, v) for k, v in resp.headers.raw if k.lower() != b"content-length"]
-        return self.module.Response(resp.status_code, headers=headers, stream=stream,
-                                    extensions=resp.extensions)
+        return cast(HttpResponse, self.module.Response(resp.status_code, headers=headers, stream=stream,
+                                                       extensions=resp.extensions))
 
-    def reassembled_response(self, resp: Any, status: int, payload: dict[str, Any]) -> Any:
+    def reassembled_response(self, resp: HttpResponse, status: int,
+                             payload: dict[str, object]) -> HttpResponse:
         """A consumed stream's answer as the JSON response a non-streamed call gets."""
         content = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
         headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in REASSEMBLY_DROPPED_HEADERS]
@@ -328,35 +338,47 @@ class HttpLib:
         # The reason phrase was the stream's (an error answer has its own); the connection is gone.
         dropped = ("reason_phrase", "network_stream")
         extensions = {k: v for k, v in resp.extensions.items() if k not in dropped}
-        return self.module.Response(status, headers=headers, content=content, extensions=extensions)
+        return cast(HttpResponse, self.module.Response(status, headers=headers, content=content,
+                                                       extensions=extensions))
 
-    def server_info(self, inner: Any, base: str, root: str, auth: dict[str, str], settings: Settings) -> Any:
+    def new_request(self, original: HttpRequest, url: HttpURL, headers: list[tuple[bytes, bytes]],
+                    stream: object) -> HttpRequest:
+        """``original`` sent elsewhere: its method and extensions, these URL, headers and body stream."""
+        return cast(HttpRequest, self.module.Request(original.method, url, headers=headers, stream=stream,
+                                                     extensions=original.extensions))
+
+    def server_info(self, inner: AsyncInner | SyncInner, base: str, root: str, auth: dict[str, str],
+                    settings: Settings) -> ServerInfo:
         """A :class:`~zp_client.server.ServerInfo` fetching through ``inner`` (no admission)."""
         from zp_client.server import ServerInfo
 
         auth = dict(auth)
         module = self.module
 
-        def build(method: str, path: str, payload: Any) -> Any:
+        def build(method: str, path: str, payload: object) -> HttpRequest:
             # Metadata calls bypass admission; bounded so a silent server cannot hang the first request.
             url = root + path if path.startswith("/") else base.rstrip("/") + "/" + path
             metrics = path == "/metrics"
-            kw: dict[str, Any] = {
+            kw: dict[str, object] = {
                 "headers": {**auth, "accept": "text/plain" if metrics else "application/json"},
                 "extensions": {"timeout": dict(_METRICS_TIMEOUT if metrics else _METADATA_TIMEOUT)},
             }
             if payload is not None:
                 kw["json"] = payload
-            return module.Request(method, url, **kw)
+            return cast(HttpRequest, module.Request(method, url, **kw))
 
-        async def fetch(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+        async def fetch(method: str, path: str, payload: object = None) -> tuple[int, bytes]:
+            if not isinstance(inner, AsyncInner):
+                raise TypeError(f"{type(inner).__name__} is not an async transport")
             resp = await inner.handle_async_request(build(method, path, payload))
             try:
                 return resp.status_code, await resp.aread()
             finally:
                 await resp.aclose()
 
-        def fetch_sync(method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+        def fetch_sync(method: str, path: str, payload: object = None) -> tuple[int, bytes]:
+            if not isinstance(inner, SyncInner):
+                raise TypeError(f"{type(inner).__name__} is not a blocking transport")
             resp = inner.handle_request(build(method, path, payload))
             try:
                 return resp.status_code, resp.read()
@@ -369,7 +391,7 @@ class HttpLib:
 HTTPX = HttpLib(httpx, _HttpxAsyncBody, _HttpxSyncBody)
 
 
-def module_of(obj: Any) -> ModuleType:
+def module_of(obj: object) -> ModuleType:
     """``httpx`` or ``httpx2``, whichever ``obj`` (a transport or client) is an instance of.
 
     By ``isinstance`` against each loaded library's base classes, not by ``__module__``: openai re-exports
