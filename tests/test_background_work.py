@@ -18,7 +18,7 @@ import redis
 import zp_client
 from tests._asgi_server import LoopbackServer
 from zp_client import Fleet, LocalBudget, RedisBudget, Settings, wrap
-from zp_client._release import Holder
+from zp_client._admission.release import Holder
 from zp_client._tasks import LoopRef, ServiceThread, Supervisor
 from zp_client.fleet.redis import RedisFleet
 

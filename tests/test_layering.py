@@ -5,9 +5,8 @@ and run nothing, and are held to the same table except for the few listed in TYP
 import circle in ``zp_client``, and the budget ledger's finer rule (sans I/O: its value types, its pin book
 and the errors only).
 
-``zp_client.sim`` and ``zp_client.bench`` are left out: they are leaving the library for distributions of
-their own. The admission modules are matched by prefix, so the table holds before and after they move into
-``zp_client._admission``.
+The simulator and the storm are distributions of their own (``zp_sim``, ``zp_storm``): not in the table;
+tests/test_distributions.py holds them apart.
 """
 
 from __future__ import annotations
@@ -34,13 +33,16 @@ LAYERS: dict[str, tuple[str, ...]] = {
                    "zp_client.types", "zp_client._redact", "zp_client._private", "zp_client._tasks"),
     "models": ("zp_client.server", "zp_client.calibration", "zp_client.forecast", "zp_client.estimate"),
     "budget": ("zp_client.budget",),
-    "fleet": ("zp_client.fleet",),
     "policies": ("zp_client.retry", "zp_client.adaptive", "zp_client.metrics", "zp_client.observe"),
-    "admission": ("zp_client._admission", "zp_client._core", "zp_client._plan", "zp_client._drivers",
-                  "zp_client._httplib", "zp_client._release", "zp_client._sse", "zp_client._repeat"),
+    "admission": ("zp_client._admission", "zp_client._sse", "zp_client._repeat"),
+    # above the admission core, which never imports it (tests/test_layout.py): the fleet implements the
+    # core's ports (Fleet, TwoPhaseCall) and its P/D two-phase lease yields the core's actions
+    "fleet": ("zp_client.fleet",),
     "transport": ("zp_client.transport", "zp_client._transport2", "zp_client._httpx2"),
     "front ends": ("zp_client.client", "zp_client._wrap", "zp_client._integration", "zp_client.pinning",
                    "zp_client.integrations"),
+    # what users' own tests and the storm use: virtual time and an in-memory transport over the library
+    "testing": ("zp_client.testing",),
     "cli": ("zp_client.cli", "zp_client.status_cli", "zp_client.budget_cli", "zp_client.calibrate_cli"),
 }
 # the package root is the composition root: it may import anything (lazily) and wires the hooks

@@ -25,10 +25,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from zp_client.budget.base import Budget, BudgetStatus
-from zp_client.budget.local import LocalBudget
 from zp_client.clock import real_monotonic
 from zp_client.errors import ConfigurationError
-from zp_client.fleet.local import Fleet
 from zp_client.retry import _classify_error
 
 __all__ = ["ZPMetrics", "as_metrics", "retry_reason", "QUEUE_WAIT_BUCKETS", "LEASE_HOLD_BUCKETS",
@@ -122,7 +120,7 @@ class _BudgetGauges(Collector):
         read = getattr(budget, "status_sync", None)
         if read is None:
             return None
-        local = isinstance(budget, (LocalBudget, Fleet))  # in-process: its status only takes a lock
+        local = budget._status_in_process  # in-process: its status only takes a lock
         if not local:
             if self._ttl is None:
                 return None

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from zp_client._admission.release import Holder, alarms, deadline_exceeded, deferred
-from zp_client._clock import SYSTEM_CLOCK
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.budget.local import LocalBudget
 from zp_client.errors import DeadlineExceeded
 
@@ -43,19 +43,19 @@ def test_deferred_releases_of_a_closing_budget_go_at_once_and_only_its_own() -> 
     before = deferred.pending()
     mine, other = LocalBudget(100, policy="strict"), LocalBudget(100, policy="strict")
     a, b = _held(mine), _held(other)
-    deferred.add(a, 3600.0)
-    deferred.add(b, 3600.0)
+    a.release_later(3600.0)  # through the process's one DeferredCalls (zp_client._tasks), keyed by budget
+    b.release_later(3600.0)
     assert deferred.pending() == before + 2
-    assert deferred.release_now(mine) == 1
+    assert deferred.run_now(mine) == 1
     assert a.done and mine.status_sync().used == 0
     assert not b.done and other.status_sync().used == 4 and deferred.pending() == before + 1
-    assert deferred.release_now(other) == 1 and deferred.pending() == before
+    assert deferred.run_now(other) == 1 and deferred.pending() == before
 
 
 def test_a_deferred_release_goes_when_it_is_due() -> None:
     budget = LocalBudget(100, policy="strict")
     holder = _held(budget)
-    deferred.add(holder, 0.0)
+    holder.release_later(0.0)
     for _ in range(500):  # the timer thread runs it: wait for it, never for a fixed time
         if holder.done:
             break

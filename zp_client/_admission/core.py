@@ -2,7 +2,7 @@
 
 :meth:`Core.admit` returns a :class:`~zp_client._admission.actions.Machine`, the attempt loop of one
 request as a state machine; the drivers (:mod:`zp_client._admission.drivers`) perform its actions, async
-or blocking. Time comes from an injectable :class:`~zp_client._clock.Clock`. See docs/admission.md.
+or blocking. Time comes from an injectable :class:`~zp_client.clock.Clock`. See docs/admission.md.
 
 The rooms: :mod:`~zp_client._admission.planner` (the request's plan), :mod:`~zp_client._admission.servers`
 (server metadata and the pool check), :mod:`~zp_client._admission.attempts` (lease, send, retry),
@@ -32,9 +32,9 @@ from zp_client._admission.ports import (
     SyncInner,
 )
 from zp_client._admission.servers import Servers
-from zp_client._clock import Clock
 from zp_client._repeat import one_loop
 from zp_client.budget.base import Budget
+from zp_client.clock import Clock
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, ZPError
 from zp_client.estimate import PromptEstimate

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from zp_client._admission.httplib import HttpLib
 from zp_client._admission.loop_ports import Fleet
 from zp_client._admission.ports import Estimator, Forecaster, Metrics, RetryPolicy, SharesForecasts
-from zp_client._clock import Clock
 from zp_client.budget.base import Budget
+from zp_client.clock import Clock
 from zp_client.config import Settings
 from zp_client.errors import ZPError
 

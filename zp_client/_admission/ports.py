@@ -21,8 +21,8 @@ from collections.abc import (
 from typing import TYPE_CHECKING, Protocol, TypedDict, overload, runtime_checkable
 
 if TYPE_CHECKING:
-    from zp_client._clock import Clock
     from zp_client.budget.base import Budget
+    from zp_client.clock import Clock
     from zp_client.estimate import PromptEstimate
     from zp_client.retry import RetryDecision, RetryState
     from zp_client.server import ServerInfo

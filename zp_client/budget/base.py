@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from typing import TYPE_CHECKING, Any
 
 # The plain value types live in a module of their own so the ledger can use them without this one.
-from zp_client import _hooks
+import zp_client._hooks as _hooks  # the module, not the package root (which imports everything)
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 from zp_client.budget.retries import LocalRetryBudget, RetryBudget
 from zp_client.clock import SYSTEM_CLOCK, Clock
@@ -98,6 +98,10 @@ class Budget(abc.ABC):
     clock: Clock = SYSTEM_CLOCK
     """The clock this budget reads; transports, retry policies and retry budgets built on it default to
     it (see :mod:`zp_client.clock`). :class:`~zp_client.LocalBudget` takes ``clock=``."""
+
+    _status_in_process = False
+    """True where ``status_sync()`` only takes an in-process lock (LocalBudget, Fleet): cheap enough to
+    read on every metrics scrape (:mod:`zp_client.metrics`); False where it is a round trip."""
 
     calibration: Calibration | None = None
     """How the limit was sized when the budget came from ``from_server`` (see

@@ -207,6 +207,8 @@ class LocalBudget(Budget):
     keep-warm rule counts free blocks from (default: the limit, smaller, so keep-warms come earlier).
     """
 
+    _status_in_process = True
+
     # How a parked thread waits; a seam for tests that interrupt a wait.
     _new_sync_event: Callable[[], threading.Event] = threading.Event
 

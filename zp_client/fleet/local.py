@@ -105,6 +105,8 @@ class Fleet(FleetRouting, Budget):
     ledger, which keeps a ledger per replica) rather than being a LocalBudget.
     """
 
+    _status_in_process = True
+
     def __init__(
         self,
         replicas: Sequence[str] | Mapping[str, int],

@@ -33,13 +33,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from zp_client.testing._loop import VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
-from zp_client.testing._memory import (
-    MemoryNetwork,
-    MemoryTransport,
-    ReadPauses,
-    memory_transport,
-    openai_http_module,
-)
+from zp_client.testing._memory import MemoryNetwork, MemoryTransport, ReadPauses
+from zp_client.testing._select import memory_transport, openai_http_module
 
 __all__ = [
     "MemoryNetwork",
