@@ -110,7 +110,8 @@ class Grid:
         self.args = args
         self.cache = Path(args.cache)
 
-    def get(self, wl: str, seed: int, load: float, setup: str, tag: str | None = None) -> dict[str, Any] | None:
+    def get(self, wl: str, seed: int, load: float, setup: str,
+            tag: str | None = None) -> dict[str, Any] | None:
         p = _path(self.cache, tag or _tag_of(setup, self.args), wl, seed, load, setup)
         return json.loads(p.read_text()) if p.exists() else None
 
@@ -155,7 +156,8 @@ def report(args: argparse.Namespace) -> int:
             continue
         a = _med([r["in_slo"] for r in slo])  # type: ignore[index]
         b = _med([float(v) for v, _ in best])  # type: ignore[misc]
-        per = ", ".join(f"s{s}: {r['in_slo']} vs {v} ({n})" for s, r, (v, n) in zip(seeds, slo, best))  # type: ignore[index]
+        per = ", ".join(f"s{s}: {r['in_slo']} vs {v} ({n})"  # type: ignore[index]
+                        for s, r, (v, n) in zip(seeds, slo, best, strict=True))
         rows.append([wl, f"{x:g}x", f"{a:g} vs {b:g} ({a / b:.2f}x)", per, f"{slo[0]['requests']}",  # type: ignore[index]
                      verdict(a >= b)])
     _table("binding: zp-slo in SLO >= best of no-admission / naive / vllm-priority / vllm-queue-cap "
@@ -257,9 +259,10 @@ def report(args: argparse.Namespace) -> int:
         if args.fifo_tag:
             t = [g.get(wl, s, x, "zp-elastic", args.fifo_tag) for s in seeds]
             if all(r is not None for r in t):
-                cells = [f"s{s}: {r['in_slo']} vs {q['in_slo']}" for s, r, q in zip(seeds, d, t)]  # type: ignore[index]
-                ok = all(r["in_slo"] >= q["in_slo"] for r, q in zip(d, t))  # type: ignore[index]
-                rows.append([wl, f"{x:g}x", f"default >= today's FIFO zp-elastic ({args.fifo_tag}), every seed",
+                cells = [f"s{s}: {r['in_slo']} vs {q['in_slo']}" for s, r, q in zip(seeds, d, t, strict=True)]  # type: ignore[index]
+                ok = all(r["in_slo"] >= q["in_slo"] for r, q in zip(d, t, strict=True))  # type: ignore[index]
+                rows.append([wl, f"{x:g}x", f"default >= today's FIFO zp-elastic ({args.fifo_tag}), "
+                             "every seed",
                              ", ".join(cells), verdict(ok)])
     _table("the default (no targets sent)", ["workload", "load", "criterion", "numbers", "verdict"], rows)
     # 7. mixed 2x classes
@@ -272,7 +275,8 @@ def report(args: argparse.Namespace) -> int:
             i, b = r["classes"]["interactive"], r["classes"]["batch"]
             share = i["in_slo"] / i["requests"]
             rows.append([f"seed {s}", f"{i['in_slo']} / {i['requests']} = {share:.1%}",
-                         f"{b['failed']} failed of {b['requests']}", verdict(share >= 0.95 and b["failed"] == 0)])
+                         f"{b['failed']} failed of {b['requests']}",
+                         verdict(share >= 0.95 and b["failed"] == 0)])
     _table("mixed 2x: interactive >= 95% within target; every batch request completes (every seed)",
            ["seed", "zp-slo interactive in SLO", "batch", "verdict"], rows)
     print(f"\n{fails} FAIL rows")
@@ -281,7 +285,8 @@ def report(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache", default=str(ROOT / ".slo-acceptance"), help="point cache (default .slo-acceptance)")
+    ap.add_argument("--cache", default=str(ROOT / ".slo-acceptance"),
+                    help="point cache (default .slo-acceptance)")
     ap.add_argument("--tag", default="current", help="code state the zp rows are cached under")
     ap.add_argument("--link", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
                     metavar="SETUP=TAG", help="read SETUP's rows from TAG (repeatable)")
