@@ -268,9 +268,7 @@ def slo_walk(waiters: Sequence[WaiterRecord], now: float, late_bound_s: float) -
     then the waiters whose deadline is still ahead (``deadline > now``), earliest deadline first (line
     order among equal deadlines); then the rest (a deadline already passed, or no target) in line order.
     When no young waiter has a deadline ahead the answer is None: the class walks as under ``fifo``, so a
-    line without targets is exactly the FIFO line. The ledger's barrier rule applies in this order, and
-    :meth:`Ledger.grant` adds one: a waiter that does not fit and whose deadline is ahead holds the less
-    urgent classes for the rest of the pass (an urgent-class barrier)."""
+    line without targets is exactly the FIFO line. The ledger's barrier rule applies in this order."""
     old: list[int] = []
     edf: list[int] = []
     rest: list[int] = []
@@ -618,12 +616,7 @@ class Ledger:
         slo = self._line == "slo"
         if len(self._pins):
             fits = self._gated(fits, now)
-        # Under the SLO line a waiter that does not fit and can still make its target holds the less
-        # urgent classes (not only from the starvation bound on): the room drains to it while it can.
-        hold_below = False
         for p in list(self._class_order):
-            if hold_below:
-                break
             cls = self._classes[p]
             admitted_here: list[int] = []  # indices into cls
             stop = False
@@ -642,8 +635,6 @@ class Ledger:
                 elif now - w.since >= bound_s:
                     stop = True  # a barrier: capacity drains to it
                     break
-                elif slo and w.deadline is not None and w.deadline > now:
-                    hold_below = True  # an urgent-class barrier: less urgent classes wait for it
             if admitted_here:
                 admitted_here.sort()  # a policy's walk may admit out of line order
                 if len(admitted_here) == len(cls):

@@ -1130,18 +1130,13 @@ local function grant(now, self_id)
   local walk = {}
   for i, m in ipairs(members) do walk[i] = {id = string.sub(m, 14), m = m} end
   local lpt = is_elastic and meta_num('lpt') or 0
-  local slo = redis.call('HGET', K_META, 'line') == 'slo'
-  -- Ledger.grant's hold_below: under the SLO line a waiter that does not fit and whose deadline (d) is
-  -- ahead holds every less urgent class (the walk is in class order: the pass ends at the first of them)
-  local hold_p = nil
-  if slo then  -- a fleet's line too
+  if redis.call('HGET', K_META, 'line') == 'slo' then  -- a fleet's line too
     walk = l_walk(walk, now, meta_num('lb'), lpt, starve)
   elseif lpt > 0 and starve > 0 and not fleet then
     walk = e_walk(walk, now, lpt)
   end
   for _, e in ipairs(walk) do
     local id, w = e.id, load_waiter(e)
-    if w and hold_p ~= nil and w.p > hold_p then break end
     -- Another process's waiter is granted only while its process heartbeats (its poll refreshes wexp):
     -- a waiter whose heartbeat lapsed belongs to a dead (or stalled) process and leaves the line here,
     -- even beyond reap's REAP_MAX (a live one's next poll finds it gone and enqueues it again, same
@@ -1210,8 +1205,6 @@ local function grant(now, self_id)
         if id ~= self_id then add_box(boxes, w.x, item) end
       elseif ok == false and not fleet and now - w.s >= starve then
         break  -- barrier: capacity drains to this waiter (a fleet holds a replica instead: f_place)
-      elseif ok == false and not fleet and slo and w.d ~= nil and w.d > now and hold_p == nil then
-        hold_p = w.p  -- an urgent-class barrier: the less urgent classes wait for it
       end
     end
   end
