@@ -152,21 +152,24 @@ def report(args: argparse.Namespace) -> int:
         slo = [g.get(wl, s, x, "zp-slo") for s in seeds]
         best = [g.best_baseline(wl, s, x) for s in seeds]
         if any(r is None for r in slo) or any(b[0] is None for b in best):
-            rows.append([wl, f"{x:g}x", "missing", "", "", "n/a"])
+            rows.append([wl, f"{x:g}x", "not run", "", "n/a"])
             continue
         a = _med([r["in_slo"] for r in slo])  # type: ignore[index]
         b = _med([float(v) for v, _ in best])  # type: ignore[misc]
-        per = ", ".join(f"s{s}: {r['in_slo']} vs {v} ({n})"  # type: ignore[index]
+        per = ", ".join(f"s{s}: {r['in_slo']} / {r['requests']} vs {v} ({n})"  # type: ignore[index]
                         for s, r, (v, n) in zip(seeds, slo, best, strict=True))
-        rows.append([wl, f"{x:g}x", f"{a:g} vs {b:g} ({a / b:.2f}x)", per, f"{slo[0]['requests']}",  # type: ignore[index]
-                     verdict(a >= b)])
+        rows.append([wl, f"{x:g}x", f"{a:g} vs {b:g} ({a / b:.2f}x)", per, verdict(a >= b)])
     _table("binding: zp-slo in SLO >= best of no-admission / naive / vllm-priority / vllm-queue-cap "
-           "(median of seeds " + ",".join(map(str, seeds)) + ")",
-           ["workload", "load", "median zp-slo vs best", "per seed (best)", "requests", "verdict"], rows)
+           "(median of seeds " + ",".join(map(str, seeds)) + "; '(partial)': not every baseline ran)",
+           ["workload", "load", "median zp-slo vs best", "per seed: zp-slo / requests vs best (who)",
+            "verdict"], rows)
     # 2. zeros, every seed and load
     rows = []
     for wl, x in pts:
         cells, ok = [], True
+        if all(g.get(wl, s, x, "zp-slo") is None for s in seeds):
+            rows.append([wl, f"{x:g}x", "not run", "", "n/a"])
+            continue
         for s in seeds:
             r = g.get(wl, s, x, "zp-slo")
             if r is None:
@@ -204,6 +207,11 @@ def report(args: argparse.Namespace) -> int:
     for wl, x in pts:
         cells, ok = [], True
         conv_cells, conv_ok = [], None
+        if all(g.get(wl, s, x, "zp-slo") is None for s in seeds):
+            continue
+        if all(g.get(wl, s, x, "zp-elastic") is None for s in seeds):
+            rows.append([wl, f"{x:g}x", "FIFO zp-elastic not run", "n/a", "-", "n/a"])
+            continue
         for s in seeds:
             a, f = g.get(wl, s, x, "zp-slo"), g.get(wl, s, x, "zp-elastic")
             if a is None or f is None:
@@ -230,6 +238,8 @@ def report(args: argparse.Namespace) -> int:
     rows = []
     for wl, x in pts:
         cells, ok = [], True
+        if all(g.get(wl, s, x, "zp-slo") is None for s in seeds):
+            continue
         for s in seeds:
             a, n = g.get(wl, s, x, "zp-slo"), g.get(wl, s, x, "no-admission")
             if a is None or n is None:
