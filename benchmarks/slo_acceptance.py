@@ -145,6 +145,10 @@ def report(args: argparse.Namespace) -> int:
             fails += 1
         return "PASS" if ok else "**FAIL**"
 
+    def partial(ok: bool, missing: bool) -> str:
+        """A criterion over every seed: FAIL on any failing seed, else n/a while a seed is missing."""
+        return verdict(ok) if not ok or not missing else "n/a (partial)"
+
     pts = [(wl, x) for wl in args.workloads for x in LOADS[wl] if x in args.loads]
     # 1. binding: zp-slo in SLO >= best baseline (median of seeds)
     rows = []
@@ -166,7 +170,7 @@ def report(args: argparse.Namespace) -> int:
     # 2. zeros, every seed and load
     rows = []
     for wl, x in pts:
-        cells, ok = [], True
+        cells, ok, missing = [], True, False
         if all(g.get(wl, s, x, "zp-slo") is None for s in seeds):
             rows.append([wl, f"{x:g}x", "not run", "", "n/a"])
             continue
@@ -174,13 +178,13 @@ def report(args: argparse.Namespace) -> int:
             r = g.get(wl, s, x, "zp-slo")
             if r is None:
                 cells.append(f"s{s}: missing")
-                ok = False
+                missing = True
                 continue
             cells.append(f"s{s}: {r['failed']} / {r['preemptions']}")
             ok = ok and r["failed"] == 0 and r["preemptions"] == 0
         fifo = [g.get(wl, s, x, "zp-elastic") for s in seeds]
         fcell = ", ".join(f"{r['failed']} / {r['preemptions']}" if r else "-" for r in fifo)
-        rows.append([wl, f"{x:g}x", ", ".join(cells), fcell, verdict(ok)])
+        rows.append([wl, f"{x:g}x", ", ".join(cells), fcell, partial(ok, missing)])
     _table("binding: zp-slo 0 failed / 0 preemptions on every seed", ["workload", "load",
            "zp-slo failed / preempt", "zp-elastic (default) failed / preempt", "verdict"], rows)
     # 3. stretch
@@ -205,7 +209,7 @@ def report(args: argparse.Namespace) -> int:
     # 4. late tail and conversations vs FIFO zp-elastic, every seed
     rows = []
     for wl, x in pts:
-        cells, ok = [], True
+        cells, ok, missing = [], True, False
         conv_cells, conv_ok = [], None
         if all(g.get(wl, s, x, "zp-slo") is None for s in seeds):
             continue
@@ -216,7 +220,7 @@ def report(args: argparse.Namespace) -> int:
             a, f = g.get(wl, s, x, "zp-slo"), g.get(wl, s, x, "zp-elastic")
             if a is None or f is None:
                 cells.append(f"s{s}: missing")
-                ok = False
+                missing = True
                 continue
             r99 = _ratio(a["late_ttft_p99"], f["late_ttft_p99"])
             rmax = _ratio(a["late_ttft_max"], f["late_ttft_max"])
@@ -229,7 +233,7 @@ def report(args: argparse.Namespace) -> int:
                 c99 = a["conversation_time_p99"] / f["conversation_time_p99"]
                 conv_cells.append(f"s{s}: {c50:.2f}x / {c99:.2f}x")
                 conv_ok = (conv_ok is not False) and c50 <= 1.1 and c99 <= 1.1
-        rows.append([wl, f"{x:g}x", "; ".join(cells), verdict(ok), ", ".join(conv_cells) or "-",
+        rows.append([wl, f"{x:g}x", "; ".join(cells), partial(ok, missing), ", ".join(conv_cells) or "-",
                      verdict(conv_ok)])
     _table("late requests: zp-slo late TTFT p99 / max <= 1.5x FIFO zp-elastic's; conversation time "
            "p50 / p99 <= 1.1x FIFO's (every seed)", ["workload", "load", "late TTFT p99 / max s (x FIFO)",
@@ -237,19 +241,19 @@ def report(args: argparse.Namespace) -> int:
     # 5. makespan
     rows = []
     for wl, x in pts:
-        cells, ok = [], True
+        cells, ok, missing = [], True, False
         if all(g.get(wl, s, x, "zp-slo") is None for s in seeds):
             continue
         for s in seeds:
             a, n = g.get(wl, s, x, "zp-slo"), g.get(wl, s, x, "no-admission")
             if a is None or n is None:
                 cells.append(f"s{s}: missing")
-                ok = False
+                missing = True
                 continue
             r = a["makespan"] / n["makespan"]
             cells.append(f"s{s}: {a['makespan']:.1f} / {n['makespan']:.1f} = {r:.3f}x")
             ok = ok and r <= 1.03
-        rows.append([wl, f"{x:g}x", "; ".join(cells), verdict(ok)])
+        rows.append([wl, f"{x:g}x", "; ".join(cells), partial(ok, missing)])
     _table("makespan: zp-slo <= 1.03x no-admission's (every seed)", ["workload", "load",
            "zp-slo / no-admission", "verdict"], rows)
     # 6. the default (no targets)
