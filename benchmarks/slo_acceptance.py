@@ -156,7 +156,9 @@ def report(args: argparse.Namespace) -> int:
         slo = [g.get(wl, s, x, "zp-slo") for s in seeds]
         best = [g.best_baseline(wl, s, x) for s in seeds]
         if any(r is None for r in slo) or any(b[0] is None for b in best):
-            rows.append([wl, f"{x:g}x", "not run", "", "n/a"])
+            ran = sum(r is not None for r in slo)
+            rows.append([wl, f"{x:g}x", "not run" if not ran else f"zp-slo on {ran} seeds, a seed's "
+                         "baselines not run", "", "n/a"])
             continue
         a = _med([r["in_slo"] for r in slo])  # type: ignore[index]
         b = _med([float(v) for v, _ in best])  # type: ignore[misc]
