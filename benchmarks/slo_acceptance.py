@@ -1,6 +1,6 @@
 """Issue 30's acceptance grid for the SLO-aware line, one table per criterion with PASS / FAIL per row.
 
-Not a test. Runs ``zp-client storm``'s own code (:func:`~zp_client.bench.runner.run_storm`, the CLI's
+Not a test. Runs ``zp-client storm``'s own code (:func:`~zp_storm.runner.run_storm`, the CLI's
 per-workload server defaults) one setup at a time, each point ``(workload, seed, load, setup)`` in its
 own process, and caches every point's metrics as JSON, so a line change reruns only the zp rows:
 
@@ -59,11 +59,11 @@ def run_point(wl: str, seed: int, load: float, setup: str, out: str) -> tuple[st
     """Run one setup of one storm and write its slim metrics to ``out``; returns (out, wall seconds)."""
     import logging
 
-    from zp_client.bench.cli import _DEFAULTS
-    from zp_client.bench.report import compute_metrics
-    from zp_client.bench.runner import StormConfig, run_storm
+    from zp_storm.cli import _DEFAULTS
+    from zp_storm.report import compute_metrics
+    from zp_storm.runner import StormConfig, run_storm
 
-    logging.getLogger("zp_client.sim.server").setLevel(logging.ERROR)
+    logging.getLogger("zp_sim.server").setLevel(logging.ERROR)
     profile, blocks, mml, speedup = _DEFAULTS[wl]
     cfg = StormConfig(workload=wl, seed=seed, setups=[setup], profile=profile, num_gpu_blocks=blocks,
                       max_model_len=mml, speedup=speedup, load_scale=load)
