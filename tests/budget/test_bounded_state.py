@@ -59,6 +59,7 @@ class _ManyClasses:
 
     name = "many"
     limit = 100
+    _status_in_process = False  # as a RedisBudget's: its status is read as a remote one
 
     def status_sync(self) -> BudgetStatus:
         return BudgetStatus(limit=100, used=0, free=100, held=0, leases=0,

@@ -372,7 +372,7 @@ def test_status_timeout_bounds_the_whole_command_during_a_redis_stall(
     """``zp-client status --timeout 2`` against a SIGSTOPped redis-server took 10.4 s (redis-py's own
     socket timeout and retries, then ours): the timeout bounds the whole command now, and the caller
     gets one typed line."""
-    from conftest import start_redis_server
+    from tests.conftest import start_redis_server
 
     from zp_client.cli import main
 
