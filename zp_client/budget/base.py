@@ -128,7 +128,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Lease:
         """Wait in line for a lease of ``blocks`` blocks and return it.
 
@@ -150,7 +150,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Lease:
         """Blocking form of :meth:`acquire` for threads; needs no running event loop."""
 
@@ -342,7 +342,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> AsyncIterator[Lease]:
         """``async with budget.lease(blocks) as lease:`` waits, holds, and releases on every exit path."""
         # meta is passed only when given, so a backend written before it existed keeps working.
@@ -363,7 +363,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Iterator[Lease]:
         """``with budget.lease_sync(blocks) as lease:``, the blocking form for threads."""
         extra = {"meta": meta} if meta is not None else {}

@@ -71,7 +71,7 @@ def replica_id(url: str) -> str:
     return hashlib.sha1(url.encode()).hexdigest()[:12]
 
 
-def _route_keys(keys: Sequence[tuple[int, int]]) -> list[list[Any]]:
+def _route_keys(keys: Sequence[tuple[int, int]]) -> list[list[object]]:
     seq = list(keys)
     if len(seq) > MAX_ROUTE_KEYS:
         seq = seq[:8] + seq[-(MAX_ROUTE_KEYS - 8):]
@@ -174,7 +174,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         self._urls: dict[str, str] = {replica_id(u): u for u in limits}
         self._ejected: set[str] = set()  # what this process last learned (status, its own health calls)
         self._path = urlsplit(next(iter(limits))).path
-        self._pending: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Task[object]] = set()
         self._checked = False
         self.moves = 0
         """Requests this process moved off a failed replica without spending a retry."""
@@ -241,7 +241,7 @@ class RedisFleet(FleetRouting, RedisBudget):
             log.warning("fleet %s: could not report a failure of %s: %r", self.name, replica, exc)
             return connect
 
-    async def _health_async(self, args: list[Any]) -> bool:
+    async def _health_async(self, args: list[str]) -> bool:
         try:
             side = self._get_side()
             return self._after_health(args[1], await side.eval("fleet", args, patient=False))
@@ -296,7 +296,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         return bool(int(self._op_sync("readmit", self._rid(url))[0]))
 
     # ------------------------------------------------------------------ membership
-    def _add_args(self, url: str, limit_blocks: int | None, capacity: int | None) -> list[Any]:
+    def _add_args(self, url: str, limit_blocks: int | None, capacity: int | None) -> list[object]:
         limit = limit_blocks if limit_blocks is not None else self._default_limit
         if limit is None:
             raise ConfigurationError("add_replica needs limit_blocks (this fleet has no default limit)")
@@ -423,7 +423,7 @@ class RedisFleet(FleetRouting, RedisBudget):
 
     async def acquire(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
-        held: int | None = None, meta: Mapping[str, Any] | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
         """As :meth:`RedisBudget.acquire`; the lease's ``replica`` is the base URL it was placed on (the
         first call also checks that the name holds a fleet: one more script call, once)."""
@@ -435,7 +435,7 @@ class RedisFleet(FleetRouting, RedisBudget):
 
     def acquire_sync(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
-        held: int | None = None, meta: Mapping[str, Any] | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
         if not self._checked:
             self._sync_face.eval("fleet", ["status", ""])

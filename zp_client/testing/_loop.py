@@ -63,7 +63,8 @@ class _JumpingSelector(selectors.BaseSelector):
         self._frozen_s = 0.0  # real seconds waited frozen with nothing arriving
 
     # -- delegated --------------------------------------------------------------------------------
-    def register(self, fileobj: FileDescriptorLike, events: int, data: object = None) -> selectors.SelectorKey:
+    def register(self, fileobj: FileDescriptorLike, events: int,
+                 data: object = None) -> selectors.SelectorKey:
         key = self._real.register(fileobj, events, data)
         if self._wakeup_fd is None:  # the loop registers its own wake-up pipe first, in its __init__
             self._wakeup_fd = key.fd

@@ -10,6 +10,7 @@ import logging
 import math
 import secrets
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from zp_client._tasks import Supervisor
@@ -71,16 +72,16 @@ class AsyncFace:
         self.closing = False  # aclose has begun
 
     @property
-    def tasks(self) -> list[asyncio.Task[Any]]:
+    def tasks(self) -> list[asyncio.Task[object]]:
         """The long-lived tasks (pump, poller, keeper, held flusher), owned by :attr:`sup`."""
         return self.sup.tasks
 
     @tasks.setter
-    def tasks(self, tasks: list[asyncio.Task[Any]]) -> None:
+    def tasks(self, tasks: list[asyncio.Task[object]]) -> None:
         self.sup.tasks = tasks
 
     @property
-    def background(self) -> set[asyncio.Task[Any]]:
+    def background(self) -> set[asyncio.Task[object]]:
         """The fire-and-forget releases in flight, owned by :attr:`sup`."""
         return self.sup.background_tasks
 
@@ -93,7 +94,7 @@ class AsyncFace:
             self.sup.spawn(self._held_flusher(), name="zp-redis-held", loop=self.loop)
 
     # ------------------------------------------------------------------ one script call
-    async def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True,
+    async def eval(self, script: str, args: Sequence[object], *, init: bool = True, patient: bool = True,
                    client: Any = None) -> Any:
         """Run a script by SHA (loading it on NOSCRIPT); create the budget on an ``{'I'}`` reply. Errors
         are those of :class:`~zp_client.budget.redis._script.Attempts`. ``client``: another client of the
@@ -119,7 +120,7 @@ class AsyncFace:
             return r
 
     # ------------------------------------------------------------------ acquire
-    def _start(self, script: str, args: list[Any], **kw: Any) -> asyncio.Task[Any]:
+    def _start(self, script: str, args: Sequence[object], **kw: Any) -> asyncio.Task[Any]:
         """One script call on the acquire path, run as its own task: the caller awaits it through
         :func:`asyncio.shield` so that the caller's cancellation always raises.
 
@@ -181,7 +182,7 @@ class AsyncFace:
         finally:
             self.waiters.pop(rid, None)
 
-    def _undo_after(self, call: asyncio.Task[Any], rid: str) -> None:
+    def _undo_after(self, call: asyncio.Task[object], rid: str) -> None:
         """Release ``rid`` (lease or waiter) once ``call``, an acquire still in flight, has landed."""
 
         async def undo() -> None:
@@ -190,11 +191,11 @@ class AsyncFace:
 
         self.sup.background(undo(), loop=self.loop)
 
-    def release_when_done(self, task: asyncio.Task[Any]) -> None:
+    def release_when_done(self, task: asyncio.Task[RedisLease]) -> None:
         """``task`` (an :meth:`acquire`) was abandoned by a cancelled caller: release the lease it may
         still return."""
 
-        def done(t: asyncio.Task[Any]) -> None:
+        def done(t: asyncio.Task[RedisLease]) -> None:
             if t.cancelled() or t.exception() is not None:
                 return  # it left no trace (acquire's own clean-up)
             lease = t.result()
@@ -374,8 +375,8 @@ class AsyncFace:
         task = self._release_in_background(lid)
         await asyncio.wait({task}, timeout=RELEASE_WAIT_S)  # neither cancels the task nor raises its error
 
-    def _release_in_background(self, lid: str) -> asyncio.Task[Any]:
-        def done(t: asyncio.Task[Any]) -> None:
+    def _release_in_background(self, lid: str) -> asyncio.Task[object]:
+        def done(t: asyncio.Task[object]) -> None:
             if t.cancelled() or t.exception() is not None:
                 self._retry_later(lid, None if t.cancelled() else t.exception())
 

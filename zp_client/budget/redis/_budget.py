@@ -343,7 +343,7 @@ class RedisBudget(Budget):
 
     async def acquire(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
-        held: int | None = None, meta: Mapping[str, Any] | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
         bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
         try:
@@ -389,7 +389,7 @@ class RedisBudget(Budget):
 
     def acquire_sync(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
-        held: int | None = None, meta: Mapping[str, Any] | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
         bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
         try:
@@ -435,11 +435,11 @@ class RedisBudget(Budget):
         return bool(int(r[0]))
 
     async def _adaptive(self, op: str, controller: str, ttl_ms: int = 0, overloads: int = 0,
-                        fields: Mapping[str, Any] | None = None) -> list[Any]:
+                        fields: Mapping[str, object] | None = None) -> list[object]:
         """adaptive.lua (the adaptive limit's leader lease and state): ``op`` is ``lead``, ``note`` or
         ``resign``. Impatient: a Redis that does not answer raises :class:`BudgetUnavailable` at once (the
         controller logs it and keeps the last limit)."""
-        args: list[Any] = [op, controller, max(1, int(ttl_ms)), max(0, int(overloads))]
+        args: list[object] = [op, controller, max(1, int(ttl_ms)), max(0, int(overloads))]
         for k, v in (fields or {}).items():
             args += [k, str(v)]
         side = self._get_side()
@@ -469,7 +469,7 @@ class RedisBudget(Budget):
             raise ConfigurationError(
                 f"pinned prefixes need policy='elastic', this budget is {self.policy_name!r}")
         core = self._core
-        args: list[Any] = ["pin", key, blocks, blocks if span is None else span,
+        args: list[object] = ["pin", key, blocks, blocks if span is None else span,
                            "" if margin is None else margin, 1 if track else 0, core.owner,
                            int(core.cfg.lease_ttl_s * 1000), self._pin_cap,
                            "" if self._server_blocks is None else self._server_blocks]
@@ -532,7 +532,7 @@ class RedisBudget(Budget):
     # ------------------------------------------------------------------ internals
     def _validate(
         self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
-        meta: Mapping[str, Any] | None,
+        meta: Mapping[str, object] | None,
     ) -> tuple[int, int, int, int, str]:
         """(bound, held, priority, ticket order, meta JSON); bad arguments fail here, before any I/O."""
         if self._closed:

@@ -34,6 +34,10 @@ _POOL_FULL_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05) + (0.1,) * 99
 log = logging.getLogger("zp_client.retry")
 
 
+_Reply = list[int | bytes | str]
+"""A reply of the retry-budget script: counters as Redis integers or strings."""
+
+
 class RedisRetryBudget:
     """The fleet-wide retry budget: every process using the same ``name`` shares one window in Redis.
 
@@ -148,7 +152,7 @@ class RedisRetryBudget:
             self._async_script = self._async_client.register_script(load_lua("retry_budget.lua"))
         return self._async_script
 
-    def _args(self, deposits: int, spend: bool) -> list[Any]:
+    def _args(self, deposits: int, spend: bool) -> _Reply:
         return [deposits, 1 if spend else 0, repr(self.ratio), repr(self.floor_per_s), self._window_ms,
                 self._bucket_ms]
 
@@ -191,7 +195,7 @@ class RedisRetryBudget:
         r = self._call_sync(self._take_pending(force=True), spend=False, swallow=False)
         return int(r[1]), int(r[2]), float(r[3])
 
-    def _call_sync(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
+    def _call_sync(self, deposits: int, *, spend: bool, swallow: bool) -> _Reply:
         try:
             for wait_s in _POOL_FULL_BACKOFF_S:
                 try:
@@ -229,7 +233,7 @@ class RedisRetryBudget:
         r = await self._call_async(self._take_pending(force=True), spend=False, swallow=False)
         return int(r[1]), int(r[2]), float(r[3])
 
-    async def _call_async(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
+    async def _call_async(self, deposits: int, *, spend: bool, swallow: bool) -> _Reply:
         try:
             script = self._aio_script()
             if script is None:
@@ -255,7 +259,7 @@ class RedisRetryBudget:
             self._return_pending(deposits)
             raise
 
-    def _deposit_failed(self) -> list[Any]:
+    def _deposit_failed(self) -> _Reply:
         """Inside an ``except``: the deposits wait for the next flush (logged with the error)."""
         log.warning("retry budget %r: could not write deposits to Redis; will retry", self.name,
                     exc_info=True)

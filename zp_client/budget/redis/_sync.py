@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import redis as redis_sync
@@ -98,7 +99,7 @@ class SyncFace:
             return self.renew_client
 
     # ------------------------------------------------------------------ one script call
-    def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True,
+    def eval(self, script: str, args: Sequence[object], *, init: bool = True, patient: bool = True,
              client: Any = None) -> Any:
         """Blocking form of :meth:`AsyncFace.eval <zp_client.budget.redis._async.AsyncFace.eval>`."""
         client, core = client or self.get_client(), self.core
