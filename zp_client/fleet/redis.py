@@ -38,7 +38,7 @@ from zp_client._redact import check_redis_url
 from zp_client._tasks import deferred
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.ledger import validate_blocks, validate_seconds
-from zp_client.budget.redis._budget import RedisBudget
+from zp_client.budget.redis._budget import AsyncRedisClient, RedisBudget
 from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
 from zp_client.errors import ConfigurationError
 from zp_client.fleet._routing import FleetRouting, normalize, replica_limits
@@ -130,7 +130,7 @@ class RedisFleet(FleetRouting, RedisBudget):
 
     def __init__(
         self,
-        url_or_client: str | Any,
+        url_or_client: str | AsyncRedisClient,
         name: str,
         replicas: Sequence[str] | Mapping[str, int],
         limit_blocks: int | None = None,

@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import redis.asyncio as redis_async
 
@@ -42,6 +42,19 @@ from zp_client.budget.redis._script import (
 from zp_client.budget.redis._sync import SyncFace
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, PinRefused
 
+if TYPE_CHECKING:
+    import redis
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+
+    from zp_client.config import Settings
+    from zp_client.forecast import LengthForecaster
+
+AsyncRedisClient: TypeAlias = "redis_async.Redis | AsyncRedisCluster"
+"""A ``redis.asyncio`` client a budget can be given instead of a URL."""
+SyncRedisClient: TypeAlias = "redis.Redis | RedisCluster"
+"""A ``redis`` (sync) client for a budget's ``sync_client``."""
+
 log = logging.getLogger("zp_client.budget.redis")
 # The keyword arguments shared_forecaster passes on to a process-local LengthForecaster (its fallback).
 _LOCAL_FORECASTER_KWARGS = frozenset({"q", "q_blind", "q_tail", "q_spread", "prior", "half_life", "priors",
@@ -63,7 +76,7 @@ def default_waiter_ttl_s(poll_interval_s: float) -> float:
     return poll_interval_s + min(1.0, max(0.25, poll_interval_s / 2))
 
 
-def _renamed_error(kwargs: dict[str, Any]) -> TypeError:
+def _renamed_error(kwargs: dict[str, object]) -> TypeError:
     """The error for keyword arguments RedisBudget() does not take, naming the new spelling if renamed."""
     parts = [f"the removed keyword argument {k!r} (now {_RENAMED[k]!r})" if k in _RENAMED
              else f"an unexpected keyword argument {k!r}" for k in kwargs]
@@ -101,7 +114,7 @@ class RedisBudget(Budget):
 
     def __init__(
         self,
-        url_or_client: str | Any,
+        url_or_client: str | AsyncRedisClient,
         name: str,
         limit_blocks: int,
         block_size: int = 16,
@@ -119,11 +132,11 @@ class RedisBudget(Budget):
         unavailable_timeout_s: float = 10.0,
         local_share: float = 0.1,
         held_report_blocks: int | None = None,
-        sync_client: Any | None = None,
+        sync_client: SyncRedisClient | None = None,
         on_event: Callable[[RedisBudgetEvent], None] | None = None,
         pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
         server_blocks: int | None = None,
-        **renamed: Any,
+        **renamed: object,
     ) -> None:
         if renamed:
             raise _renamed_error(renamed)
@@ -188,13 +201,14 @@ class RedisBudget(Budget):
         self._lock = threading.Lock()
         self._closed = False
         self._fallback: Budget | None = None
-        self._forecaster: Any = None
+        self._forecaster: LengthForecaster | None = None
         self.created: bool | None = None
         """Set by :meth:`create`: True if it created the state, False if the budget already existed."""
 
     @classmethod
     async def create(
-        cls, url_or_client: str | Any, name: str, limit_blocks: int, block_size: int = 16, **kwargs: Any
+        cls, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int, block_size: int = 16,
+        **kwargs: Any,
     ) -> RedisBudget:
         """Create the budget's state in Redis now, explicitly, and return the budget (use it, or
         ``aclose()`` it). Arguments as for the constructor.
@@ -219,7 +233,8 @@ class RedisBudget(Budget):
 
     @classmethod
     def create_sync(
-        cls, url_or_client: str | Any, name: str, limit_blocks: int, block_size: int = 16, **kwargs: Any
+        cls, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int, block_size: int = 16,
+        **kwargs: Any,
     ) -> RedisBudget:
         """Blocking form of :meth:`create` (needs a URL or ``sync_client``); ``close_sync()`` it when done."""
         budget = cls(url_or_client, name, limit_blocks, block_size, **kwargs)
@@ -231,7 +246,8 @@ class RedisBudget(Budget):
 
     @classmethod
     def from_settings(
-        cls, url_or_client: str | Any, name: str, limit_blocks: int, settings: Any = None, **kwargs: Any
+        cls, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int,
+        settings: Settings | None = None, **kwargs: Any,
     ) -> RedisBudget:
         """A budget using ``block_size``, ``starvation_bound_s``, ``longest_first_s``, ``line``,
         ``late_bound_s`` and ``lease_ttl_s`` from :class:`~zp_client.Settings` (explicit keyword arguments
@@ -250,7 +266,7 @@ class RedisBudget(Budget):
     @classmethod
     def from_server(
         cls,
-        url_or_client: str | Any,
+        url_or_client: str | AsyncRedisClient,
         name: str,
         server_url: str,
         *,
@@ -294,7 +310,7 @@ class RedisBudget(Budget):
         """The validated settings this budget was made with."""
         return self._core.cfg
 
-    def shared_forecaster(self, **kwargs: Any) -> Any:
+    def shared_forecaster(self, **kwargs: Any) -> LengthForecaster:
         """The :class:`~zp_client.budget.redis_forecast.RedisLengthForecaster` of this budget: output
         lengths learned by every process of the fleet (made on first call; ``kwargs`` such as ``q`` or
         ``sync_interval_s`` apply then). The transport uses it by default for an elastic RedisBudget.
