@@ -38,7 +38,8 @@ from zp_client._redact import check_redis_url
 from zp_client._tasks import deferred
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.ledger import validate_blocks, validate_seconds
-from zp_client.budget.redis._budget import AsyncRedisClient, RedisBudget
+from zp_client.budget.redis._budget import RedisBudget
+from zp_client.budget.redis._clients import AsyncRedisClient
 from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
 from zp_client.errors import ConfigurationError
 from zp_client.fleet._routing import FleetRouting, normalize, replica_limits

@@ -15,6 +15,7 @@ from typing import Any
 
 from zp_client._tasks import Supervisor
 from zp_client.budget.base import Ticket
+from zp_client.budget.redis._clients import AsyncRedisClient
 from zp_client.budget.redis._script import (
     CALL_FAILED,
     HANDLED,
@@ -45,8 +46,8 @@ class _Waiter:
 class AsyncFace:
     """State bound to the event loop a RedisBudget is used from (redis.asyncio clients are loop-bound)."""
 
-    def __init__(self, owner: LeaseOwner, core: Core, client: Any, owns_client: bool,
-                 renew_client: Any = None) -> None:
+    def __init__(self, owner: LeaseOwner, core: Core, client: AsyncRedisClient, owns_client: bool,
+                 renew_client: AsyncRedisClient | None = None) -> None:
         self.owner = owner
         self.core = core
         self.loop = asyncio.get_running_loop()
@@ -95,26 +96,28 @@ class AsyncFace:
 
     # ------------------------------------------------------------------ one script call
     async def eval(self, script: str, args: Sequence[object], *, init: bool = True, patient: bool = True,
-                   client: Any = None) -> Any:
+                   client: AsyncRedisClient | None = None) -> Any:
         """Run a script by SHA (loading it on NOSCRIPT); create the budget on an ``{'I'}`` reply. Errors
         are those of :class:`~zp_client.budget.redis._script.Attempts`. ``client``: another client of the
         same server (the renewal client), default the shared one."""
         core = self.core
-        client = self.client if client is None else client
+        # redis-py types evalsha(sha: str, numkeys: int, ...); the core hands over bytes (the SHA, the key
+        # count and keys as encoded once): the connection itself is used untyped
+        conn: Any = self.client if client is None else client
         sha = core.sha(script)
         tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
         while True:
             try:
                 if tries is not None and tries.load:
-                    await client.script_load(tries.text)
-                r = await client.evalsha(sha, *core.key_args, *args)
+                    await conn.script_load(tries.text)
+                r = await conn.evalsha(sha, *core.key_args, *args)
             except HANDLED as exc:
                 tries = tries or core.attempts(script, patient)
                 await asyncio.sleep(tries.after(exc))
                 continue
             if init and core.needs_init(r):
                 core.after_init(await self.eval("init", core.init_args(), init=False, patient=patient,
-                                                client=client))
+                                                client=conn))
                 continue
             core.mark_available(True)
             return r
@@ -447,7 +450,7 @@ class AsyncFace:
 RENEW_POOL_SIZE = 2  # the keeper runs one call at a time; a second connection covers a reconnect
 
 
-def renewal_client(url: str | None, client: Any | None) -> Any | None:
+def renewal_client(url: str | None, client: AsyncRedisClient | None) -> AsyncRedisClient | None:
     """A client with its own small pool for the keeper (renewals), made from ``url`` or cloned from the
     caller's ``redis.asyncio.Redis`` (same connection settings); None for a client that cannot be cloned
     (e.g. ``RedisCluster``: renewals then share its pool)."""

@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis.asyncio as redis_async
 
@@ -28,6 +28,7 @@ from zp_client.budget.ledger import (
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
 from zp_client.budget.redis._async import AsyncFace, renewal_client
+from zp_client.budget.redis._clients import AsyncRedisClient, SyncRedisClient
 from zp_client.budget.redis._retry import RedisRetryBudget
 from zp_client.budget.redis._script import (
     POLICIES,
@@ -43,17 +44,9 @@ from zp_client.budget.redis._sync import SyncFace
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, PinRefused
 
 if TYPE_CHECKING:
-    import redis
-    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-    from redis.cluster import RedisCluster
-
     from zp_client.config import Settings
     from zp_client.forecast import LengthForecaster
 
-AsyncRedisClient: TypeAlias = "redis_async.Redis | AsyncRedisCluster"
-"""A ``redis.asyncio`` client a budget can be given instead of a URL."""
-SyncRedisClient: TypeAlias = "redis.Redis | RedisCluster"
-"""A ``redis`` (sync) client for a budget's ``sync_client``."""
 
 log = logging.getLogger("zp_client.budget.redis")
 # The keyword arguments shared_forecaster passes on to a process-local LengthForecaster (its fallback).

@@ -17,6 +17,7 @@ import redis.asyncio
 from redis.exceptions import MaxConnectionsError, RedisError
 
 from zp_client._redact import check_redis_url
+from zp_client.budget.redis._clients import SyncRedisClient
 from zp_client.budget.redis._script import POOL_SIZE, load_lua
 from zp_client.budget.retries import (
     DEFAULT_BUDGET_FLOOR_PER_S,
@@ -64,7 +65,7 @@ class RedisRetryBudget:
         name: str,
         *,
         url: str | None = None,
-        client: Any = None,
+        client: SyncRedisClient | None = None,
         async_client: Any = None,
         ratio: float = DEFAULT_BUDGET_RATIO,
         floor_per_s: float = DEFAULT_BUDGET_FLOOR_PER_S,
