@@ -79,12 +79,12 @@ class _LocalLease(Lease):
     def report_held(self, blocks: int) -> None:
         self.report_progress(blocks)
 
-    def update_meta(self, **fields: Any) -> None:
+    def update_meta(self, **fields: object) -> None:
         """Merge progress metadata into the lease (see :meth:`Lease.update_meta`); under ``elastic``
         waiters the progress lets in are admitted at once."""
         self.report_progress(None, **fields)
 
-    def report_progress(self, held: int | None = None, **fields: Any) -> None:
+    def report_progress(self, held: int | None = None, **fields: object) -> None:
         """Occupancy and metadata in one short critical section; never blocks on admission."""
         if self._released:
             return
