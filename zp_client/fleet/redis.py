@@ -377,7 +377,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         px = {text(px_flat[i]): int(px_flat[i + 1]) for i in range(0, len(px_flat), 2)}
         peak_flat = fl[6] if len(fl) > 6 else []
         peaks = {text(peak_flat[i]): int(peak_flat[i + 1]) for i in range(0, len(peak_flat), 2)}
-        replicas: dict[str, dict[str, Any]] = {}
+        replicas: dict[str, dict[str, object]] = {}
         limit = used = 0
         prompt = hits = 0
         ejected: set[str] = set()
