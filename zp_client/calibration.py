@@ -252,7 +252,7 @@ def calibrate(
     hdrs = {"accept": "application/json", **dict(headers or {})}
     with httpx.Client(timeout=timeout_s, trust_env=False, headers=hdrs) as http:
 
-        def fetch(method: str, path: str, body: Any) -> tuple[int, bytes]:
+        def fetch(method: str, path: str, body: object) -> tuple[int, bytes]:
             r = http.request(method, root + path)
             return r.status_code, r.content
 
@@ -282,7 +282,7 @@ async def calibrate_async(
     hdrs = {"accept": "application/json", **dict(headers or {})}
     async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=hdrs) as http:
 
-        async def fetch(method: str, path: str, body: Any) -> tuple[int, bytes]:
+        async def fetch(method: str, path: str, body: object) -> tuple[int, bytes]:
             r = await http.request(method, root + path)
             return r.status_code, r.content
 

@@ -59,7 +59,7 @@ class Lease(abc.ABC):
         blocks from a streaming loop; backends may batch.
         """
 
-    def update_meta(self, **fields: Any) -> None:  # noqa: B027 - optional hook with a safe default
+    def update_meta(self, **fields: object) -> None:  # noqa: B027 - optional hook with a safe default
         """Record progress metadata the budget's policy may read (``first_token=True``, a re-forecast
         ``forecast_tokens=...``; see :mod:`zp_client.budget.elastic`).
 
@@ -69,7 +69,7 @@ class Lease(abc.ABC):
         lower the projected peak.
         """
 
-    def report_progress(self, held: int | None = None, **fields: Any) -> None:
+    def report_progress(self, held: int | None = None, **fields: object) -> None:
         """:meth:`report_held` (when ``held`` is given) and :meth:`update_meta` in one call; backends may
         override it to do both under one lock / round trip."""
         if held is not None:

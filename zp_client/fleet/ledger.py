@@ -517,7 +517,7 @@ class FleetLedger:
 
     def enqueue(self, waiter_id: str, bound: int, held: int | None, priority: int, now: float,
                 ticket: Ticket | None = None, *, expires_at: float | None = None,
-                meta: Mapping[str, Any] | None = None) -> Ticket:
+                meta: Mapping[str, object] | None = None) -> Ticket:
         """Put a waiter in the fleet's line (see :meth:`Ledger.enqueue`); :class:`LeaseTooLarge` when no
         replica could ever take it."""
         if not self.replicas or self.line.limit == 0:
@@ -553,7 +553,7 @@ class FleetLedger:
         self.line.report_held(lease_id, held)
         return rep.ledger.report_held(lease_id, held)
 
-    def update_meta(self, lease_id: str, *, now: float | None = None, **fields: Any) -> bool:
+    def update_meta(self, lease_id: str, *, now: float | None = None, **fields: object) -> bool:
         rep = self._where.get(lease_id)
         if rep is None:
             return False
