@@ -13,6 +13,7 @@ What callers may rely on: see docs/admission.md#localbudget.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import math
@@ -579,27 +580,37 @@ class LocalBudget(Budget):
         ``extra`` holds ``wakeups`` (waiters woken so far; every wake-up is a grant or a rejection) and
         ``granted`` (leases granted so far), besides the ledger's facts.
         """
+        snap: tuple[Ledger, dict[str, float], PoolTiming | None] | None = None
         with self._lock:
             now = self.clock.monotonic()
             s = self._ledger.status(now, block_size=self.block_size)
             s.extra.update({"wakeups": self._wakeups, "granted": self._granted_total, "name": self.name})
             if len(self._ledger) and isinstance(self._ledger, Ledger):
-                s = replace(s, predicted_wait_s=self._class_heads_predicted(now))
+                # only a copy under the lock (O(leases + waiters)); the replay runs on it after the lock
+                try:
+                    snap = (copy.deepcopy(self._ledger), dict(self._leave_at), self._timing)
+                except Exception:  # noqa: BLE001 - status must answer even when the replay cannot run
+                    logger.debug("ledger copy failed; status has no predicted wait", exc_info=True)
+                    s = replace(s, predicted_wait_s={})
+        if snap is not None:
+            s = replace(s, predicted_wait_s=self._class_heads_predicted(now, *snap))
         ctl = self.adaptive
         if ctl is not None:
             s.extra["adaptive"] = ctl.state()
         return s
 
-    def _class_heads_predicted(self, now: float) -> dict[int, float]:
-        """Per priority class, its head's predicted wait (one bounded replay; caller holds the lock).
-        A class whose head the replay does not reach is absent."""
+    def _class_heads_predicted(self, now: float, ledger: Ledger, leave_at: dict[str, float],
+                               timing: PoolTiming | None) -> dict[int, float]:
+        """Per priority class, its head's predicted wait (one bounded replay on ``ledger``, a private
+        copy of this budget's, which the replay changes). A class whose head the replay does not reach
+        is absent."""
         heads: dict[int, str] = {}
-        for w in self._ledger.line():
+        for w in ledger.line():
             heads.setdefault(w.priority, w.id)
-        # the replay stops once every head is admitted: the lock is held for the line up to them only
+        # the replay stops once every head is admitted
         try:
-            waits = predict_waits(self._ledger, now, block_size=self.block_size, leave_at=self._leave_at,
-                                  fallback=self._timing, only=heads.values())
+            waits = predict_waits(ledger, now, block_size=self.block_size, leave_at=leave_at,
+                                  fallback=timing, only=heads.values(), in_place=True)
         except Exception:  # noqa: BLE001 - status must answer even when the replay cannot run
             logger.debug("wait prediction failed; status has none", exc_info=True)
             return {}

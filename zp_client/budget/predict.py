@@ -166,12 +166,13 @@ def _advance(sim: Ledger, rec: LeaseRecord, generated: int, block_size: int) -> 
 
 
 def _replay(ledger: Ledger, now: float, block_size: int, targets: set[str] | None,
-            max_events: int, leave_at: Mapping[str, float] | None, fallback: PoolTiming | None) -> _Run:
+            max_events: int, leave_at: Mapping[str, float] | None, fallback: PoolTiming | None,
+            in_place: bool = False) -> _Run:
     run = _Run(horizon=now)
     if not len(ledger):
         run.done = True
         return run
-    sim = copy.deepcopy(ledger)
+    sim = ledger if in_place else copy.deepcopy(ledger)
     timing = pool_timing(sim.leases, now)
     if timing.samples == 0 and fallback is not None:
         timing = fallback
@@ -240,16 +241,19 @@ def predict_waits(ledger: Ledger, now: float, *, block_size: int = 16,
                   max_events: int = DEFAULT_MAX_EVENTS,
                   leave_at: Mapping[str, float] | None = None,
                   fallback: PoolTiming | None = None,
-                  only: Iterable[str] | None = None) -> dict[str, float]:
+                  only: Iterable[str] | None = None,
+                  in_place: bool = False) -> dict[str, float]:
     """Predicted wait from ``now`` (seconds) of every waiter the bounded replay admits, by waiter id
     (``only``: the replay stops once these are admitted; others admitted by then are in the answer too).
     Waiters it does not reach are absent. ``leave_at``: waiter id -> when it gives up (its acquire's
     timeout on the same clock); the replay takes it out of line then. ``fallback``: the pace to assume
     when no live lease has reported tokens (e.g. the last one measured), instead of the defaults. The
-    ledger is not changed."""
+    ledger is not changed, unless ``in_place`` (the replay then runs on ``ledger`` itself: for a caller
+    that passes its own copy, e.g. one taken under a lock so that the replay can run outside it)."""
+    waiting = {w.id for w in ledger.line()}
     run = _replay(ledger, now, block_size, None if only is None else set(only), max_events, leave_at,
-                  fallback)
-    return {wid: t - now for wid, t in run.admitted.items() if wid in ledger}
+                  fallback, in_place)
+    return {wid: t - now for wid, t in run.admitted.items() if wid in waiting}
 
 
 def predict_wait_of(ledger: Ledger, waiter_id: str, now: float, *, block_size: int = 16,
