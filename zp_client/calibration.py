@@ -17,7 +17,6 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from zp_client.errors import CalibrationError, ConfigurationError, ServerInfoError
 from zp_client.server import (
@@ -140,7 +139,7 @@ class Calibration:
                      "--gpu-memory-utilization, --max-num-seqs or --block-size")
         return lines
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """Every field, the derived values and the line to paste, JSON-ready (``calibrate --json``)."""
         d = asdict(self)
         d["models"] = list(self.models)

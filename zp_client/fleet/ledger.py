@@ -35,7 +35,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 from zp_client.budget.elastic import make_policy
@@ -140,7 +139,7 @@ class ReplicaState:
     def ejected(self) -> bool:
         return self.ejected_until is not None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         led = self.ledger
         return {
             "limit": led.limit,
