@@ -144,7 +144,7 @@ __all__ = [
 ]
 
 
-def _adaptive_limit(budget: Any, server_url: str, **kwargs: Any) -> Any:
+def _adaptive_limit(budget: Budget, server_url: str, **kwargs: Any) -> AdaptiveLimit:
     from zp_client.adaptive import AdaptiveLimit
 
     return AdaptiveLimit(budget, server_url, **kwargs)

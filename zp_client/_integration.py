@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +31,15 @@ from zp_client.transport import (
 __all__ = ["AdmissionOptions", "ZPModelFields", "openai_client_of", "openai_http_client"]
 
 C = TypeVar("C")
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI, OpenAI
+
+
+class _Reconfigurable(Protocol):
+    """An openai client's ``with_options`` (a copy with other options)."""
+
+    def with_options(self, **options: object) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,7 @@ class AdmissionOptions:
         # soon as we replace it, so the admitted client keeps it alive (keep_original).
         new = wrap(client, self.budget, settings=self.settings, estimator=self.estimator, retry=self.retry,
                    forecaster=self.forecaster, metrics=self.metrics, keep_original=True)
-        extra: dict[str, Any] = {}
+        extra: dict[str, object] = {}
         headers = self.headers()
         if headers:
             extra["default_headers"] = headers
@@ -122,7 +131,7 @@ class AdmissionOptions:
             extra["max_retries"] = self.max_retries
         if extra:
             # wrap() accepted ``client``, so it is an openai client, which has with_options
-            new = cast(C, cast(Any, new).with_options(**extra))
+            new = cast(C, cast(_Reconfigurable, new).with_options(**extra))
         return new
 
 
@@ -167,7 +176,7 @@ def _positive_seconds(value: object) -> bool:
     return value > 0 and math.isfinite(value)
 
 
-def _openai_clients() -> tuple[type, ...]:
+def _openai_clients() -> tuple[type[OpenAI], type[AsyncOpenAI]]:
     try:
         import openai
     except ImportError:  # pragma: no cover - openai is an optional dependency
@@ -175,7 +184,7 @@ def _openai_clients() -> tuple[type, ...]:
     return (openai.OpenAI, openai.AsyncOpenAI)
 
 
-def openai_http_client(client: Any) -> Any:
+def openai_http_client(client: object) -> Any:
     """The ``httpx`` / ``httpx2`` client an ``openai.OpenAI`` / ``AsyncOpenAI`` sends through.
 
     For what the SDK's public API cannot reach (e.g. adding an event hook to an admitted client). openai
@@ -195,7 +204,7 @@ def openai_http_client(client: Any) -> Any:
     return http
 
 
-def openai_client_of(resource: Any) -> Any:
+def openai_client_of(resource: object) -> OpenAI | AsyncOpenAI:
     """The openai client an API resource (``client.completions``, ``client.chat.completions``, ...) calls.
 
     For frameworks that keep only the resource (langchain-openai's ``OpenAI`` LLM does). Raises

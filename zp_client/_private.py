@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
 
 from zp_client.errors import ConfigurationError
 
@@ -19,64 +19,70 @@ __all__ = ["sdk_http_client", "resource_client", "http_transport", "http_mounts"
            "patch_sdk_stream_inits"]
 
 
-def _missing(obj: Any, attr: str) -> ConfigurationError:
+def _missing(obj: object, attr: str) -> ConfigurationError:
     return ConfigurationError(
         f"{type(obj).__module__}.{type(obj).__name__} has no {attr!r} attribute any more: this version of "
         "the library is not supported by zp-client yet (see zp_client/_private.py)"
     )
 
 
-def sdk_http_client(client: Any) -> Any:
-    """The httpx / httpx2 client an ``openai.OpenAI`` / ``AsyncOpenAI`` sends with (``client._client``)."""
+def _attr(obj: object, attr: str) -> object:
+    """``obj``'s attribute ``attr``; ConfigurationError (:func:`_missing`) when it has none."""
     try:
-        return client._client
+        return getattr(obj, attr)
     except AttributeError:
-        raise _missing(client, "_client") from None
+        raise _missing(obj, attr) from None
 
 
-def resource_client(resource: Any) -> Any:
+def sdk_http_client(client: object) -> Any:
+    """The httpx / httpx2 client an ``openai.OpenAI`` / ``AsyncOpenAI`` sends with (``client._client``)."""
+    return _attr(client, "_client")
+
+
+def resource_client(resource: object) -> object:
     """The openai client an SDK API resource (``client.completions``...) calls (``resource._client``),
     or None when ``resource`` has none (the caller checks what it got)."""
     return getattr(resource, "_client", None)
 
 
-def http_transport(http: Any) -> Any:
+def http_transport(http: object) -> Any:
     """The transport of an ``httpx`` / ``httpx2`` client (``Client._transport``)."""
-    try:
-        return http._transport
-    except AttributeError:
-        raise _missing(http, "_transport") from None
+    return _attr(http, "_transport")
 
 
-def http_mounts(http: Any) -> dict[Any, Any]:
+class URLPattern(Protocol):
+    """What zp reads of an ``httpx`` / ``httpx2`` ``URLPattern`` (a mount's key)."""
+
+    @property
+    def pattern(self) -> str: ...
+
+
+def http_mounts(http: object) -> Mapping[URLPattern, Any]:
     """The mounted transports of an ``httpx`` / ``httpx2`` client, ``{URLPattern: transport or None}``
     (``Client._mounts``)."""
-    try:
-        mounts: dict[Any, Any] = http._mounts
-    except AttributeError:
-        raise _missing(http, "_mounts") from None
-    return mounts
+    return cast("Mapping[URLPattern, Any]", _attr(http, "_mounts"))
 
 
-def has_read_body(resp: Any) -> bool:
+def has_read_body(resp: object) -> bool:
     """Whether an ``httpx`` / ``httpx2`` response already holds its whole body (``Response._content``,
     set by ``read()`` or by a response built with ``content=``; httpx has no public flag for it)."""
     return hasattr(resp, "_content")
 
 
-def response_body_stream(resp: Any) -> Any:
+def response_body_stream(resp: object) -> object:
     """The body stream a transport returned, under an ``httpx`` / ``httpx2`` client's response: the client
     wraps it in its ``BoundAsyncStream`` / ``BoundSyncStream`` as ``_stream``; a response built without a
     client holds it as ``stream`` itself."""
-    stream: Any = getattr(resp, "stream", None)
+    stream: object = getattr(resp, "stream", None)
     if type(stream).__name__ in ("BoundAsyncStream", "BoundSyncStream"):
-        if not hasattr(stream, "_stream"):
-            raise _missing(stream, "_stream")
-        return stream._stream
+        return _attr(stream, "_stream")
     return stream
 
 
-def detach_sdk_stream(stream: Any) -> None:
+_ITERATOR = "_iterator"  # openai.Stream's iterator attribute
+
+
+def detach_sdk_stream(stream: object) -> None:
     """Let an ``openai.Stream`` / ``AsyncStream`` be freed as soon as its caller drops it.
 
     openai builds its iterator as ``self._iterator = self.__stream__()``: a generator whose frame holds
@@ -85,15 +91,16 @@ def detach_sdk_stream(stream: Any) -> None:
     decoder and client) that does not hold it: nothing then refers back to the stream. Raises
     :class:`~zp_client.ConfigurationError` when openai renamed either attribute."""
     make = getattr(type(stream), "__stream__", None)
-    if make is None or not hasattr(stream, "_iterator"):
-        raise _missing(stream, "_iterator" if make is not None else "__stream__")
+    if make is None or not hasattr(stream, _ITERATOR):
+        raise _missing(stream, _ITERATOR if make is not None else "__stream__")
     twin = copy.copy(stream)
-    twin._iterator = None  # the twin never iterates itself: only the stream does, through the new one
+    # the twin never iterates itself: only the stream does, through the new one
+    setattr(twin, _ITERATOR, None)
     # the one openai made was never started: dropping it is free (no finalizer runs for it)
-    stream._iterator = make(twin)
+    setattr(stream, _ITERATOR, make(twin))
 
 
-def replace_crewai_clients(llm: Any, replace: Callable[[Any], Any]) -> None:
+def replace_crewai_clients(llm: object, replace: Callable[[object], object]) -> None:
     """Set the openai clients a CrewAI native OpenAI LLM (``crewai.llms.providers.openai.completion.
     OpenAICompletion``) keeps, ``llm._client`` and ``llm._async_client``, to ``replace(client)``; one it
     has not built (None) stays None. CrewAI has no public hook for them (its ``interceptor`` sees single

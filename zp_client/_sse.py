@@ -12,7 +12,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from zp_client._admission.ports import Forecaster, SpreadForecaster
 from zp_client.budget.base import Lease
@@ -324,7 +324,7 @@ class BadEvent(ValueError):
     """An SSE event that cannot be reassembled (surfaced as the HTTP library's DecodingError)."""
 
 
-def _merge_delta(into: dict[str, Any], delta: dict[str, Any]) -> None:
+def _merge_delta(into: dict[str, object], delta: dict[str, object]) -> None:
     """Fold one streamed delta into the message built so far (see :class:`Reassembler`)."""
     for key, value in delta.items():
         if value is None:
@@ -333,7 +333,7 @@ def _merge_delta(into: dict[str, Any], delta: dict[str, Any]) -> None:
         current = into.get(key)
         if key == "tool_calls" and isinstance(value, list):
             # Built as {index: call} (an earlier "tool_calls": null left None); a list in body().
-            calls: dict[int, dict[str, Any]] = current if isinstance(current, dict) else {}
+            calls: dict[int, dict[str, object]] = current if isinstance(current, dict) else {}
             into[key] = calls
             for call in value:
                 if not isinstance(call, dict):
@@ -357,6 +357,18 @@ def _merge_delta(into: dict[str, Any], delta: dict[str, Any]) -> None:
             into[key] = value
 
 
+class _Choice:
+    """One choice's state in a :class:`Reassembler`: the merged chat message, the completion text, the
+    other fields (last non-null value)."""
+
+    __slots__ = ("message", "text", "fields")
+
+    def __init__(self) -> None:
+        self.message: dict[str, object] = {}
+        self.text = ""
+        self.fields: dict[str, object] = {}
+
+
 class Reassembler:
     """Rebuilds the JSON answer a server gives a non-streamed call from the SSE stream of the same call.
 
@@ -373,10 +385,10 @@ class Reassembler:
     def __init__(self, chat: bool) -> None:
         self.chat = chat
         self.buf = bytearray()
-        self.top: dict[str, Any] = {}
-        self.choices: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] | None = None
-        self.error: dict[str, Any] | None = None
+        self.top: dict[str, object] = {}
+        self.choices: dict[int, _Choice] = {}
+        self.usage: dict[str, object] | None = None
+        self.error: dict[str, object] | None = None
         self.done = False
 
     def feed(self, chunk: bytes) -> int:
@@ -425,43 +437,43 @@ class Reassembler:
                 self._choice(choice)
         return 1
 
-    def _choice(self, choice: dict[str, Any]) -> None:
+    def _choice(self, choice: dict[str, object]) -> None:
         i = choice.get("index", 0)
         i = i if isinstance(i, int) and not isinstance(i, bool) else 0
         state = self.choices.get(i)
         if state is None:
-            state = self.choices[i] = {"message": {}, "text": "", "fields": {}}
-        fields = state["fields"]
+            state = self.choices[i] = _Choice()
+        fields = state.fields
         for key, value in choice.items():
             if key in ("index", "logprobs"):
                 continue
             if self.chat and key == "delta":
                 if isinstance(value, dict):
-                    _merge_delta(state["message"], value)
+                    _merge_delta(state.message, value)
             elif not self.chat and key == "text":
                 if isinstance(value, str):
-                    state["text"] += value
+                    state.text += value
             elif value is not None or key not in fields:
                 fields[key] = value
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         """The non-streamed answer (call after the stream ended with ``[DONE]`` and no error)."""
         choices = []
         for i in sorted(self.choices):
             state = self.choices[i]
-            fields = dict(state["fields"])
-            out: dict[str, Any] = {"index": i}
+            fields = dict(state.fields)
+            out: dict[str, object] = {"index": i}
             if self.chat:
-                msg = dict(state["message"])
+                msg = dict(state.message)
                 role = msg.pop("role", None) or "assistant"
                 content = msg.pop("content", None)
-                calls = msg.pop("tool_calls", None) or {}
-                tool_calls = [calls[k] for k in sorted(calls)]
+                calls = msg.pop("tool_calls", None)  # {index: call} (see _merge_delta), or None
+                tool_calls = [calls[k] for k in sorted(calls)] if isinstance(calls, dict) else []
                 if not content:  # nothing generated: null beside tool calls (or when never sent)
                     content = None if (tool_calls or content is None) else ""
                 out["message"] = {"role": role, "content": content, **msg, "tool_calls": tool_calls}
             else:
-                out["text"] = state["text"]
+                out["text"] = state.text
             out["logprobs"] = None
             out["finish_reason"] = fields.pop("finish_reason", None)
             out.update(fields)
@@ -477,7 +489,7 @@ class Reassembler:
             **top,
         }
 
-    def error_body(self) -> tuple[int, dict[str, Any]]:
+    def error_body(self) -> tuple[int, dict[str, object]]:
         """(status, body) of the error answer a server gives a non-streamed call that failed so."""
         error = self.error or {}
         code = error.get("code")

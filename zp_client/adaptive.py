@@ -384,7 +384,7 @@ class AdaptiveLimit:
         out += [(c.at, c.new) for c in self.changes]
         return out
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, object]:
         """The controller as the budget's status shows it (``status().extra["adaptive"]``; a RedisBudget's
         status shows the fleet leader's from Redis): ids, calibrated limit and floor, the last change, the
         last poll's signals."""
@@ -786,7 +786,7 @@ class AdaptiveLimit:
 
     async def _note_state(self, sig: _Signals, metrics_ok: bool) -> None:
         last = self.changes[-1] if self.changes else None
-        fields: dict[str, Any] = {
+        fields: dict[str, object] = {
             "calibrated": self._calibrated, "floor": self.floor, "limit": self._limit_seen,
             "polls": self._polls + 1,
             "metrics": "ok" if metrics_ok else self._problem.get("metrics", "not read"),

@@ -17,7 +17,6 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from zp_client.errors import CalibrationError, ConfigurationError, ServerInfoError
 from zp_client.server import (
@@ -140,7 +139,7 @@ class Calibration:
                      "--gpu-memory-utilization, --max-num-seqs or --block-size")
         return lines
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """Every field, the derived values and the line to paste, JSON-ready (``calibrate --json``)."""
         d = asdict(self)
         d["models"] = list(self.models)
@@ -252,7 +251,7 @@ def calibrate(
     hdrs = {"accept": "application/json", **dict(headers or {})}
     with httpx.Client(timeout=timeout_s, trust_env=False, headers=hdrs) as http:
 
-        def fetch(method: str, path: str, body: Any) -> tuple[int, bytes]:
+        def fetch(method: str, path: str, body: object) -> tuple[int, bytes]:
             r = http.request(method, root + path)
             return r.status_code, r.content
 
@@ -282,7 +281,7 @@ async def calibrate_async(
     hdrs = {"accept": "application/json", **dict(headers or {})}
     async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=hdrs) as http:
 
-        async def fetch(method: str, path: str, body: Any) -> tuple[int, bytes]:
+        async def fetch(method: str, path: str, body: object) -> tuple[int, bytes]:
             r = await http.request(method, root + path)
             return r.status_code, r.content
 

@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Generic, Literal, TypedDict, TypeVar, cast, overload
 
 import anyio
 import httpx
@@ -62,7 +62,6 @@ Prompt = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 """A completions prompt: text, texts, token ids or lists of them."""
 TimeoutArg = float | httpx.Timeout | None
 """A call's ``timeout=``: seconds, an ``httpx.Timeout``, or None for the client's."""
-_NOT_GIVEN: Any = object()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -337,42 +336,36 @@ def _resolve(base_url: str | None, api_key: str | None, settings: Settings) -> t
     return url.rstrip("/") + "/", key
 
 
-def _body(params: Mapping[str, object], extra_body: Mapping[str, object] | None) -> dict[str, Any]:
-    body = {k: v for k, v in params.items() if v is not _NOT_GIVEN}
+_CHAT_PARAMS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed", "tools",
+                "tool_choice", "response_format", "stream_options")
+"""The OpenAI parameters of ``chat.completions.create``, in the order the body lists them: ``max_tokens``
+(int | None), ``max_completion_tokens`` (int | None), ``temperature`` / ``top_p`` (float | None), ``n``
+(int | None), ``stop`` (str | Sequence[str] | None), ``seed`` (int | None), ``tools`` (Sequence of mappings |
+None), ``tool_choice``, ``response_format`` / ``stream_options`` (mapping | None)."""
+_COMPLETION_PARAMS = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream_options")
+"""The OpenAI parameters of ``completions.create``, in body order (typed as in :data:`_CHAT_PARAMS`)."""
+
+
+def _body(first: dict[str, object], named: tuple[str, ...], params: Mapping[str, object],
+          stream: bool) -> dict[str, object]:
+    """``first``, then the ``named`` parameters given, in that order, then the others as given, then
+    ``params["extra_body"]`` (a mapping) merged in; parameters left unset are not sent."""
+    body = dict(first)
+    body.update((k, params[k]) for k in named if k in params)
+    body.update((k, v) for k, v in params.items() if k != "extra_body" and k not in body)
+    extra_body = params.get("extra_body")
     if extra_body:
-        body.update(extra_body)
-    return body
-
-
-def _chat_body(
-    *,
-    model: str,
-    messages: Sequence[Mapping[str, object]],
-    stream: bool,
-    max_tokens: int | None = _NOT_GIVEN,
-    max_completion_tokens: int | None = _NOT_GIVEN,
-    temperature: float | None = _NOT_GIVEN,
-    top_p: float | None = _NOT_GIVEN,
-    n: int | None = _NOT_GIVEN,
-    stop: str | Sequence[str] | None = _NOT_GIVEN,
-    seed: int | None = _NOT_GIVEN,
-    tools: Sequence[Mapping[str, object]] | None = _NOT_GIVEN,
-    tool_choice: object = _NOT_GIVEN,
-    response_format: Mapping[str, object] | None = _NOT_GIVEN,
-    stream_options: Mapping[str, object] | None = _NOT_GIVEN,
-    extra_body: Mapping[str, object] | None = None,
-    **params: Any,
-) -> dict[str, Any]:
-    """The JSON body of ``chat.completions.create`` (both clients): the named OpenAI parameters in this
-    order, then the others, then ``extra_body`` merged in."""
-    body = _body(dict(model=model, messages=_messages(messages), max_tokens=max_tokens,
-                      max_completion_tokens=max_completion_tokens, temperature=temperature, top_p=top_p,
-                      n=n, stop=stop, seed=seed, tools=tools, tool_choice=tool_choice,
-                      response_format=response_format, stream_options=stream_options, **params),
-                 extra_body)
+        body.update(cast("Mapping[str, object]", extra_body))
     if _stream(stream):
         body["stream"] = True
     return body
+
+
+def _chat_body(*, model: str, messages: Sequence[Mapping[str, object]], stream: bool,
+               **params: object) -> dict[str, object]:
+    """The JSON body of ``chat.completions.create`` (both clients): the named OpenAI parameters
+    (:data:`_CHAT_PARAMS`) in this order, then the others, then ``extra_body`` merged in."""
+    return _body({"model": model, "messages": _messages(messages)}, _CHAT_PARAMS, params, stream)
 
 
 def _stream(stream: object) -> bool:
@@ -393,28 +386,9 @@ def _messages(messages: object) -> list[object]:
     return list(messages)
 
 
-def _completion_body(
-    *,
-    model: str,
-    prompt: Prompt,
-    stream: bool,
-    max_tokens: int | None = _NOT_GIVEN,
-    temperature: float | None = _NOT_GIVEN,
-    top_p: float | None = _NOT_GIVEN,
-    n: int | None = _NOT_GIVEN,
-    stop: str | Sequence[str] | None = _NOT_GIVEN,
-    seed: int | None = _NOT_GIVEN,
-    stream_options: Mapping[str, object] | None = _NOT_GIVEN,
-    extra_body: Mapping[str, object] | None = None,
-    **params: Any,
-) -> dict[str, Any]:
+def _completion_body(*, model: str, prompt: Prompt, stream: bool, **params: object) -> dict[str, object]:
     """The JSON body of ``completions.create`` (both clients), as :func:`_chat_body`."""
-    body = _body(dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                      top_p=top_p, n=n, stop=stop, seed=seed, stream_options=stream_options, **params),
-                 extra_body)
-    if _stream(stream):
-        body["stream"] = True
-    return body
+    return _body({"model": model, "prompt": prompt}, _COMPLETION_PARAMS, params, stream)
 
 
 def _headers(stream: bool, extra_headers: Mapping[str, str] | None) -> dict[str, str]:
@@ -424,14 +398,12 @@ def _headers(stream: bool, extra_headers: Mapping[str, str] | None) -> dict[str,
     return headers
 
 
-def _timeout(timeout: TimeoutArg) -> Any:  # httpx.USE_CLIENT_DEFAULT: a private type
-    return httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
-
-
-def _post_request(http: httpx.AsyncClient | httpx.Client, path: str, body: dict[str, Any], stream: bool,
+def _post_request(http: httpx.AsyncClient | httpx.Client, path: str, body: dict[str, object], stream: bool,
                   extra_headers: Mapping[str, str] | None, timeout: TimeoutArg) -> httpx.Request:
-    return http.build_request("POST", path, json=body, headers=_headers(stream, extra_headers),
-                              timeout=_timeout(timeout))
+    headers = _headers(stream, extra_headers)
+    if timeout is None:  # the client's own (httpx.USE_CLIENT_DEFAULT, build_request's default)
+        return http.build_request("POST", path, json=body, headers=headers)
+    return http.build_request("POST", path, json=body, headers=headers, timeout=timeout)
 
 
 def _parse(response: httpx.Response, cls: type[T]) -> T:
@@ -442,12 +414,22 @@ def _parse(response: httpx.Response, cls: type[T]) -> T:
                        body=response.content[:2000].decode("utf-8", "replace")) from exc
 
 
+class _ClientKwargs(TypedDict, total=False):
+    """The keyword arguments both clients give their ``httpx`` client."""
+
+    base_url: str
+    headers: dict[str, str]
+    timeout: float | httpx.Timeout
+    event_hooks: Mapping[str, list[Callable[..., object]]]
+    follow_redirects: bool
+
+
 def _client_kwargs(url: str, key: SecretStr | None, timeout: float | httpx.Timeout,
-                   http_client: httpx.AsyncClient | httpx.Client | None) -> dict[str, Any]:
+                   http_client: httpx.AsyncClient | httpx.Client | None) -> _ClientKwargs:
     headers = {"User-Agent": "zp-client"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key.get_secret_value()}"
-    kwargs: dict[str, Any] = {"base_url": url, "headers": headers, "timeout": timeout}
+    kwargs: _ClientKwargs = {"base_url": url, "headers": headers, "timeout": timeout}
     if http_client is not None:  # keep what the caller's client was given
         kwargs["headers"] = {**dict(http_client.headers), **headers}
         kwargs["event_hooks"] = http_client.event_hooks
@@ -506,14 +488,14 @@ class _ClientBase(Generic[H]):
         self.budget = budget
         self._url, self._key = _resolve(base_url, api_key, self.settings)
         kwargs = _client_kwargs(self._url, self._key, timeout, http_client)
-        kwargs["transport"] = self._transport(http_client, transport_options)
-        self._setup(kwargs)
+        self._setup(kwargs, http_client, transport_options)
 
     def _transport(self, http_client: H | None,
                    options: TransportOptions) -> httpx.AsyncBaseTransport | httpx.BaseTransport:
         raise NotImplementedError
 
-    def _setup(self, kwargs: dict[str, Any]) -> None:
+    def _setup(self, kwargs: _ClientKwargs, http_client: H | None, options: TransportOptions) -> None:
+        """Make ``self._http`` from ``kwargs`` and the admission transport over ``http_client``'s."""
         raise NotImplementedError
 
     @property
@@ -543,8 +525,9 @@ class AsyncClient(_ClientBase[httpx.AsyncClient]):
         return _admitted(AsyncAdmissionTransport, httpx.AsyncHTTPTransport, http_client, self.budget,
                          self.settings, options)
 
-    def _setup(self, kwargs: dict[str, Any]) -> None:
-        self._http = httpx.AsyncClient(**kwargs)
+    def _setup(self, kwargs: _ClientKwargs, http_client: httpx.AsyncClient | None,
+               options: TransportOptions) -> None:
+        self._http = httpx.AsyncClient(**kwargs, transport=self._transport(http_client, options))
         self.chat = _AsyncChat(self)
         self.completions = _AsyncCompletions(self)
         self.models = _AsyncModels(self)
@@ -552,7 +535,7 @@ class AsyncClient(_ClientBase[httpx.AsyncClient]):
     def __repr__(self) -> str:
         return _repr("AsyncClient", self._url, self._key)
 
-    async def _post(self, path: str, body: dict[str, Any], stream: bool,
+    async def _post(self, path: str, body: dict[str, object], stream: bool,
                     extra_headers: Mapping[str, str] | None, timeout: TimeoutArg) -> httpx.Response:
         """The response of an admitted POST (an error status raises; a stream's body is not read yet)."""
         request = _post_request(self._http, path, body, stream, extra_headers, timeout)
@@ -570,7 +553,10 @@ class AsyncClient(_ClientBase[httpx.AsyncClient]):
                    timeout: TimeoutArg) -> T:
         with _transport_errors():
             headers = dict(extra_headers or {})
-            response = await self._http.get(path, headers=headers, timeout=_timeout(timeout))
+            if timeout is None:  # the client's own
+                response = await self._http.get(path, headers=headers)
+            else:
+                response = await self._http.get(path, headers=headers, timeout=timeout)
         if response.status_code >= 400:
             raise _status_error(response)
         return _parse(response, cls)
@@ -596,11 +582,13 @@ class _AsyncChatCompletions:
     @overload
     async def create(self, *, model: str, messages: Sequence[Mapping[str, object]],
                      stream: Literal[False] = ...,
-                     **kwargs: Any) -> ChatCompletion: ...
+                     extra_headers: Mapping[str, str] | None = ..., timeout: TimeoutArg = ...,
+                     **kwargs: object) -> ChatCompletion: ...
 
     @overload
     async def create(self, *, model: str, messages: Sequence[Mapping[str, object]], stream: Literal[True],
-                     **kwargs: Any) -> AsyncStream[ChatCompletionChunk]: ...
+                     extra_headers: Mapping[str, str] | None = ..., timeout: TimeoutArg = ...,
+                     **kwargs: object) -> AsyncStream[ChatCompletionChunk]: ...
 
     async def create(
         self,
@@ -610,7 +598,7 @@ class _AsyncChatCompletions:
         stream: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,
-        **params: Any,
+        **params: object,
     ) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
         """``POST chat/completions``. Returns a :class:`~zp_client.types.ChatCompletion`, or with
         ``stream=True`` an :class:`AsyncStream` of :class:`~zp_client.types.ChatCompletionChunk`.
@@ -632,11 +620,13 @@ class _AsyncCompletions:
 
     @overload
     async def create(self, *, model: str, prompt: Prompt, stream: Literal[False] = ...,
-                     **kwargs: Any) -> Completion: ...
+                     extra_headers: Mapping[str, str] | None = ..., timeout: TimeoutArg = ...,
+                     **kwargs: object) -> Completion: ...
 
     @overload
     async def create(self, *, model: str, prompt: Prompt, stream: Literal[True],
-                     **kwargs: Any) -> AsyncStream[Completion]: ...
+                     extra_headers: Mapping[str, str] | None = ..., timeout: TimeoutArg = ...,
+                     **kwargs: object) -> AsyncStream[Completion]: ...
 
     async def create(
         self,
@@ -646,7 +636,7 @@ class _AsyncCompletions:
         stream: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,
-        **params: Any,
+        **params: object,
     ) -> Completion | AsyncStream[Completion]:
         """``POST completions``. Returns a :class:`~zp_client.types.Completion`, or with ``stream=True`` an
         :class:`AsyncStream` of them."""
@@ -688,8 +678,9 @@ class Client(_ClientBase[httpx.Client]):
         return _admitted(AdmissionTransport, httpx.HTTPTransport, http_client, self.budget, self.settings,
                          options)
 
-    def _setup(self, kwargs: dict[str, Any]) -> None:
-        self._http = httpx.Client(**kwargs)
+    def _setup(self, kwargs: _ClientKwargs, http_client: httpx.Client | None,
+               options: TransportOptions) -> None:
+        self._http = httpx.Client(**kwargs, transport=self._transport(http_client, options))
         self.chat = _Chat(self)
         self.completions = _Completions(self)
         self.models = _Models(self)
@@ -697,7 +688,7 @@ class Client(_ClientBase[httpx.Client]):
     def __repr__(self) -> str:
         return _repr("Client", self._url, self._key)
 
-    def _post(self, path: str, body: dict[str, Any], stream: bool, extra_headers: Mapping[str, str] | None,
+    def _post(self, path: str, body: dict[str, object], stream: bool, extra_headers: Mapping[str, str] | None,
               timeout: TimeoutArg) -> httpx.Response:
         request = _post_request(self._http, path, body, stream, extra_headers, timeout)
         with _transport_errors():
@@ -713,7 +704,11 @@ class Client(_ClientBase[httpx.Client]):
     def _get(self, path: str, cls: type[T], extra_headers: Mapping[str, str] | None,
              timeout: TimeoutArg) -> T:
         with _transport_errors():
-            response = self._http.get(path, headers=dict(extra_headers or {}), timeout=_timeout(timeout))
+            headers = dict(extra_headers or {})
+            if timeout is None:  # the client's own
+                response = self._http.get(path, headers=headers)
+            else:
+                response = self._http.get(path, headers=headers, timeout=timeout)
         if response.status_code >= 400:
             raise _status_error(response)
         return _parse(response, cls)
@@ -736,11 +731,13 @@ class _ChatCompletions:
 
     @overload
     def create(self, *, model: str, messages: Sequence[Mapping[str, object]], stream: Literal[False] = ...,
-               **kwargs: Any) -> ChatCompletion: ...
+               extra_headers: Mapping[str, str] | None = ..., timeout: TimeoutArg = ...,
+               **kwargs: object) -> ChatCompletion: ...
 
     @overload
     def create(self, *, model: str, messages: Sequence[Mapping[str, object]], stream: Literal[True],
-               **kwargs: Any) -> Stream[ChatCompletionChunk]: ...
+               extra_headers: Mapping[str, str] | None = ..., timeout: TimeoutArg = ...,
+               **kwargs: object) -> Stream[ChatCompletionChunk]: ...
 
     def create(
         self,
@@ -750,7 +747,7 @@ class _ChatCompletions:
         stream: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,
-        **params: Any,
+        **params: object,
     ) -> ChatCompletion | Stream[ChatCompletionChunk]:
         """See :meth:`AsyncClient.chat.completions.create <_AsyncChatCompletions.create>`."""
         body = _chat_body(model=model, messages=messages, stream=stream, **params)
@@ -769,11 +766,13 @@ class _Completions:
 
     @overload
     def create(self, *, model: str, prompt: Prompt, stream: Literal[False] = ...,
-               **kwargs: Any) -> Completion: ...
+               extra_headers: Mapping[str, str] | None = ..., timeout: TimeoutArg = ...,
+               **kwargs: object) -> Completion: ...
 
     @overload
     def create(self, *, model: str, prompt: Prompt, stream: Literal[True],
-               **kwargs: Any) -> Stream[Completion]: ...
+               extra_headers: Mapping[str, str] | None = ..., timeout: TimeoutArg = ...,
+               **kwargs: object) -> Stream[Completion]: ...
 
     def create(
         self,
@@ -783,7 +782,7 @@ class _Completions:
         stream: bool = False,
         extra_headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = None,
-        **params: Any,
+        **params: object,
     ) -> Completion | Stream[Completion]:
         """See :meth:`AsyncClient.completions.create <_AsyncCompletions.create>`."""
         body = _completion_body(model=model, prompt=prompt, stream=stream, **params)

@@ -6,8 +6,6 @@ Messages say what happened and what to do about it. They never contain API keys 
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = [
     "ZPError",
     "ConfigurationError",
@@ -82,7 +80,7 @@ class DeadlineExceeded(AdmissionTimeout):
         self.predicted_wait_s = predicted_wait_s
         self.retry_after_s = retry_after_s
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (_deadline_exceeded, (str(self), self.predicted_wait_s, self.retry_after_s))
 
 
@@ -182,7 +180,7 @@ class ServerUnreachable(ZPError):
             "base URL is right"
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (ServerUnreachable, (self.url, self.reason, self.attempts))
 
 
@@ -275,7 +273,7 @@ def error_chain(exc: BaseException) -> list[BaseException]:
             continue
         seen.add(id(e))
         out.append(e)
-        nxt: list[Any] = [e.__cause__, e.__context__]
+        nxt: list[BaseException | None] = [e.__cause__, e.__context__]
         # an exception group (anyio task groups, asyncio.TaskGroup) holds the failures of its tasks
         nxt.extend(getattr(e, "exceptions", None) or ())
         todo.extend(x for x in nxt if isinstance(x, BaseException))

@@ -18,7 +18,6 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -293,7 +292,7 @@ class ZPMetrics:
         return f"ZPMetrics(namespace={self.namespace!r})"
 
 
-def as_metrics(value: Any) -> ZPMetrics:
+def as_metrics(value: object) -> ZPMetrics:
     """``value`` checked as a front end's ``metrics=`` option."""
     if isinstance(value, ZPMetrics):
         return value

@@ -25,7 +25,6 @@ import contextvars
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 __all__ = ["AdmissionInfo", "observe_admissions", "summarize_admissions"]
 
@@ -62,12 +61,12 @@ class AdmissionInfo:
     (None: granted at once, or the budget did not predict: see
     docs/admission.md#predicted-wait-and-fail-fast)."""
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """The fields as a JSON-ready dict (for event payloads and run metadata)."""
         return asdict(self)
 
 
-def summarize_admissions(records: Sequence[AdmissionInfo]) -> dict[str, Any]:
+def summarize_admissions(records: Sequence[AdmissionInfo]) -> dict[str, object]:
     """One call's admission as a JSON-ready dict: ``queue_wait_s`` (summed over its attempts),
     ``leased_blocks`` / ``held_blocks`` / ``priority`` (its last lease's), ``leases`` (how many it took:
     one per attempt), ``budget``, ``policy`` and ``admissions`` (every record's

@@ -50,7 +50,7 @@ KEEPWARM_TEXT = "ok"
 _serial = itertools.count(1)
 
 
-def _core_of(client: Any) -> Any:
+def _core_of(client: object) -> Any:
     """The admission core behind a zp front end (``AsyncClient``, or an openai client from ``wrap``)."""
     http = getattr(client, "_http", None)
     if http is None:
@@ -112,7 +112,7 @@ class PinnedPrefix:
             raise ConfigurationError(
                 "pinned prefixes need an elastic budget (policy='elastic'): only it shares a prefix's "
                 "blocks between leases and sees the first tokens that keep the prefix warm")
-        body: dict[str, Any] = {"model": model, "messages": self.messages}
+        body: dict[str, object] = {"model": model, "messages": self.messages}
         if self.tools:
             body["tools"] = self.tools
         est = core.estimator.estimate("/v1/chat/completions", body)
@@ -216,7 +216,7 @@ class PinnedPrefix:
     async def keep_warm(self) -> None:
         """Send one keep-warm now (admitted like any call; the sender calls it when one is due)."""
         self.keepwarms_sent += 1
-        params: dict[str, Any] = {}
+        params: dict[str, object] = {}
         if self.tools:
             params["tools"] = self.tools
         rid = f"{KEEPWARM_REQUEST_PREFIX}{self.key[:12]}-{next(_serial)}"

@@ -37,7 +37,9 @@ from zp_client.clock import SYSTEM_CLOCK, Clock, wall_time
 from zp_client.errors import ConfigurationError, DeadlineExceeded, RetryBudgetExhausted, ZPError
 
 if TYPE_CHECKING:
+    from zp_client.budget.base import Ticket
     from zp_client.budget.redis import RedisRetryBudget
+    from zp_client.config import Settings
 
 __all__ = [
     "RetryDecision",
@@ -244,7 +246,7 @@ def __getattr__(name: str) -> Any:
 
 
 def retry_budget_for(
-    budget: Any, *, ratio: float = DEFAULT_BUDGET_RATIO, floor_per_s: float = DEFAULT_BUDGET_FLOOR_PER_S,
+    budget: object, *, ratio: float = DEFAULT_BUDGET_RATIO, floor_per_s: float = DEFAULT_BUDGET_FLOOR_PER_S,
     window_s: float = DEFAULT_BUDGET_WINDOW_S,
 ) -> RetryBudget:
     """A new retry budget matching a KV budget: fleet-wide for a ``RedisBudget``, per process otherwise.
@@ -300,9 +302,9 @@ class RetryState:
     total_delay_s: float = 0.0
     """Sum of the delays of the granted retries."""
     last_reason: str = ""
-    ticket: Any = None
+    ticket: Ticket | None = None
     now: Callable[[], float] = field(default=SYSTEM_CLOCK.monotonic, repr=False, compare=False)
-    owed: Any = field(default=None, repr=False, compare=False)
+    owed: _Pending | None = field(default=None, repr=False, compare=False)
     """The retry a ``budget_owed`` decision still waits to be granted (internal)."""
     """The clock ``started_at`` and :attr:`elapsed_s` read (the policy's ``clock.monotonic``)."""
 
@@ -438,7 +440,7 @@ class RetryPolicy:
                                                       max=self.backoff_max_s)
 
     @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> RetryPolicy:
+    def from_settings(cls, settings: Settings, **overrides: Any) -> RetryPolicy:
         """A policy from :class:`~zp_client.Settings` (``ZP_RETRY_*``); keyword arguments win."""
         clock: Clock = overrides.get("clock") or SYSTEM_CLOCK
         kwargs: dict[str, Any] = {

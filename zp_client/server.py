@@ -20,6 +20,8 @@ from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import ConfigurationError, ServerInfoError, install_hint
 
 if TYPE_CHECKING:  # pragma: no cover
+    import anyio
+
     from zp_client.config import Settings
 
 __all__ = [
@@ -163,11 +165,11 @@ def parse_metrics(text: str) -> ServerMetrics:
     )
 
 
-def tokenize_request(path: str, body: Mapping[str, object]) -> list[dict[str, Any]]:
+def tokenize_request(path: str, body: Mapping[str, object]) -> list[dict[str, object]]:
     """The ``POST /tokenize`` bodies that count ``body``'s prompt: one chat-form request for a chat
     body, one completion-form request per prompt for a completions body (token-id prompts need none)."""
     model = body.get("model")
-    base: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
+    base: dict[str, object] = {"model": model} if isinstance(model, str) else {}
     if "messages" in body or path.rstrip("/").endswith("chat/completions"):
         req = dict(base, messages=body.get("messages") or [], add_generation_prompt=True)
         if body.get("tools"):
@@ -240,7 +242,7 @@ class ServerInfo:
         self._models_failed_at: float | None = None
         self._vllm = False
         self._lock = threading.Lock()
-        self._alock: Any = None  # anyio.Lock, made on first async use
+        self._alock: anyio.Lock | None = None  # made on first async use
 
     @classmethod
     def from_url(

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from zp_client.errors import BudgetUnavailable, ZPError
 
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)
 
 
-def server_status(url: str, headroom: float | None = None, timeout: float = 5.0) -> dict[str, Any]:
+def server_status(url: str, headroom: float | None = None, timeout: float = 5.0) -> dict[str, object]:
     """Read ``url``'s ``/metrics`` and summarise its KV pool. Raises a ZPError subclass on failure.
     ``headroom`` None: the elastic policy's default (:data:`~zp_client.server.ELASTIC_HEADROOM`)."""
     import httpx
@@ -70,7 +70,7 @@ def server_status(url: str, headroom: float | None = None, timeout: float = 5.0)
         return resp.status_code, resp.content
 
     m = ServerInfo(fetch_sync=fetch).metrics_sync()
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "url": base,
         "num_gpu_blocks": m.num_gpu_blocks,
         "block_size": m.block_size,
@@ -86,29 +86,41 @@ def server_status(url: str, headroom: float | None = None, timeout: float = 5.0)
     return out
 
 
-def within(seconds: float, fn: Callable[..., Any], *args: Any) -> Any:
+_T = TypeVar("_T")
+
+
+class StatusResult(TypedDict, total=False):
+    """What :func:`read_status` returns: each key only when asked for."""
+
+    server: dict[str, object]
+    servers: list[dict[str, object]]
+    budget: dict[str, object]
+
+
+def within(seconds: float, fn: Callable[..., _T], *args: object) -> _T:
     """``fn(*args)`` run in a daemon thread, given at most ``seconds``: its result or its error, or
     :class:`TimeoutError` when it has not ended by then (the thread is left to end on its own socket
     timeouts). One bound for a whole read, whatever the client library retries or waits inside it."""
-    box: dict[str, Any] = {}
+    results: list[_T] = []
+    errors: list[BaseException] = []
 
     def target() -> None:
         try:
-            box["result"] = fn(*args)
+            results.append(fn(*args))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            box["error"] = exc
+            errors.append(exc)
 
     t = threading.Thread(target=target, name="zp-status-read", daemon=True)
     t.start()
     t.join(seconds)
     if t.is_alive():
         raise TimeoutError(f"no answer within {seconds:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
-def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, Any]:
+def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, object]:
     """A RedisBudget's status, read without creating or changing it.
 
     Returns ``{"exists": False, ...}`` when no budget of that name is stored. Raises
@@ -127,7 +139,7 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
     client = redis.Redis.from_url(redis_url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                   retry=Retry(NoBackoff(), 0))
 
-    def read() -> Any:
+    def read() -> BudgetStatus:
         # limit_blocks is only what a *creating* call would store; status never creates, so 0 is inert.
         budget = RedisBudget(redis_url, name, limit_blocks=0, unavailable_timeout_s=timeout,
                              sync_client=client)
@@ -143,22 +155,22 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
         raise BudgetUnavailable(f"Redis did not answer within {timeout:g} s") from TimeoutError(
             "no reply to the status read")
     exists = bool(s.extra.get("exists"))
-    out: dict[str, Any] = {"name": name, "redis": _redact(redis_url), "exists": exists}
+    out: dict[str, object] = {"name": name, "redis": _redact(redis_url), "exists": exists}
     if not exists:
         return out
     return _from_status(out, s)
 
 
-def local_budget_status(budget: LocalBudget) -> dict[str, Any]:
+def local_budget_status(budget: LocalBudget) -> dict[str, object]:
     """An in-process budget's status (a :class:`~zp_client.LocalBudget`'s, its adaptive limit's state
     included) in :func:`budget_status`'s shape: ``format_status({"budget": local_budget_status(b)})``
     prints what ``zp-client status`` prints for a RedisBudget."""
     s = budget.status_sync()
-    out: dict[str, Any] = {"name": str(getattr(budget, "name", "local")), "redis": None, "exists": True}
+    out: dict[str, object] = {"name": str(getattr(budget, "name", "local")), "redis": None, "exists": True}
     return _from_status(out, s)
 
 
-def _from_status(out: dict[str, Any], s: BudgetStatus) -> dict[str, Any]:
+def _from_status(out: dict[str, object], s: BudgetStatus) -> dict[str, object]:
     out.update({
         "limit": s.limit,
         "used": s.used,
@@ -237,10 +249,10 @@ def run(args: argparse.Namespace) -> int:
 _GRACE_S = 0.25  # the whole command's bound past --timeout: a Redis read's own (typed) error comes first
 
 
-def read_status(args: argparse.Namespace) -> dict[str, Any]:
+def read_status(args: argparse.Namespace) -> StatusResult:
     """What ``args`` ask for: ``{"server": server_status(...), "budget": budget_status(...)}`` (either key
     only when asked). Raises a ZPError subclass on failure."""
-    result: dict[str, Any] = {}
+    result: StatusResult = {}
     if args.server and "," in args.server:  # a fleet's replicas: each one's pool and load
         urls = [u.strip() for u in args.server.split(",") if u.strip()]
         result["servers"] = [server_status(u, args.headroom, args.timeout) for u in urls]
@@ -251,7 +263,7 @@ def read_status(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def format_status(result: dict[str, Any]) -> str:
+def format_status(result: StatusResult) -> str:
     """``result`` (as :func:`read_status` returns it) as the text ``zp-client status`` prints."""
     lines: list[str] = []
     if "server" in result:
@@ -263,7 +275,7 @@ def format_status(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def watch(read: Callable[[], dict[str, Any]], show: Callable[[dict[str, Any]], None], interval: float,
+def watch(read: Callable[[], StatusResult], show: Callable[[StatusResult], None], interval: float,
           count: int | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
     """Call ``show(read())`` every ``interval`` seconds, ``count`` times (None: until Ctrl-C); returns 0.
 
@@ -298,7 +310,7 @@ def _run_watch(args: argparse.Namespace) -> int:
 
     console = Console()
 
-    def render(result: dict[str, Any]) -> Text:
+    def render(result: StatusResult) -> Text:
         stamp = time.strftime("%H:%M:%S")
         return Text(f"{format_status(result)}\n\n{stamp}, every {args.interval:g} s; Ctrl-C to stop")
 
@@ -307,7 +319,7 @@ def _run_watch(args: argparse.Namespace) -> int:
                      args.interval, args.count)
 
 
-def _server_lines(s: dict[str, Any]) -> list[str]:
+def _server_lines(s: dict[str, object]) -> list[str]:
     out = [f"server {s['url']}"]
     if s["num_gpu_blocks"] is None:
         out.append("  KV pool:          unknown (no vllm:cache_config_info with num_gpu_blocks in /metrics)")
@@ -325,7 +337,7 @@ def _server_lines(s: dict[str, Any]) -> list[str]:
     return out
 
 
-def _budget_lines(b: dict[str, Any]) -> list[str]:
+def _budget_lines(b: dict[str, object]) -> list[str]:
     out: list[str] = []
     if not b["exists"]:
         out.append(f"budget {b['name']!r} at {b['redis']}: does not exist (no client has used it yet; "
@@ -336,8 +348,9 @@ def _budget_lines(b: dict[str, Any]) -> list[str]:
     out.append(f"  limit:            {b['limit']} blocks")
     out.append(f"  used:             {b['used']} blocks reserved by {b['leases']} leases ({b['free']} free)")
     out.append(f"  held:             {b['held']} blocks occupied now (as reported by the streams)")
-    if b["waiters"]:
-        for prio, c in b["waiters"].items():
+    waiters = b["waiters"]
+    if isinstance(waiters, dict) and waiters:
+        for prio, c in waiters.items():
             out.append(f"  waiters (prio {prio}): {c['waiters']} waiting for {c['weight']} blocks")
     else:
         out.append("  waiters:          none")
@@ -353,7 +366,7 @@ def _budget_lines(b: dict[str, Any]) -> list[str]:
     return out
 
 
-def _replica_lines(b: dict[str, Any], reps: dict[str, Any]) -> list[str]:
+def _replica_lines(b: dict[str, object], reps: dict[str, dict[str, object]]) -> list[str]:
     """A fleet's replicas (zp_client.fleet): per replica its limit, used, leases, ejection, prefix hits."""
     rate = b.get("prefix_hit_rate")
     out = [f"  replicas:         {len(reps)}; prefix hit rate {'n/a' if rate is None else f'{rate:.1%}'}, "
@@ -367,7 +380,7 @@ def _replica_lines(b: dict[str, Any], reps: dict[str, Any]) -> list[str]:
     return out
 
 
-def _adaptive_lines(a: dict[str, Any]) -> list[str]:
+def _adaptive_lines(a: dict[str, object]) -> list[str]:
     """The adaptive limit's lines (zp_client.adaptive): leader, calibrated limit and floor, last change."""
     leader = a.get("leader")
     ttl = a.get("leader_ttl_s")

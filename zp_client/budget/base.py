@@ -59,7 +59,7 @@ class Lease(abc.ABC):
         blocks from a streaming loop; backends may batch.
         """
 
-    def update_meta(self, **fields: Any) -> None:  # noqa: B027 - optional hook with a safe default
+    def update_meta(self, **fields: object) -> None:  # noqa: B027 - optional hook with a safe default
         """Record progress metadata the budget's policy may read (``first_token=True``, a re-forecast
         ``forecast_tokens=...``; see :mod:`zp_client.budget.elastic`).
 
@@ -69,7 +69,7 @@ class Lease(abc.ABC):
         lower the projected peak.
         """
 
-    def report_progress(self, held: int | None = None, **fields: Any) -> None:
+    def report_progress(self, held: int | None = None, **fields: object) -> None:
         """:meth:`report_held` (when ``held`` is given) and :meth:`update_meta` in one call; backends may
         override it to do both under one lock / round trip."""
         if held is not None:
@@ -128,7 +128,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Lease:
         """Wait in line for a lease of ``blocks`` blocks and return it.
 
@@ -150,7 +150,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Lease:
         """Blocking form of :meth:`acquire` for threads; needs no running event loop."""
 
@@ -342,7 +342,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> AsyncIterator[Lease]:
         """``async with budget.lease(blocks) as lease:`` waits, holds, and releases on every exit path."""
         # meta is passed only when given, so a backend written before it existed keeps working.
@@ -363,7 +363,7 @@ class Budget(abc.ABC):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Iterator[Lease]:
         """``with budget.lease_sync(blocks) as lease:``, the blocking form for threads."""
         extra = {"meta": meta} if meta is not None else {}

@@ -80,12 +80,12 @@ class _LocalLease(Lease):
     def report_held(self, blocks: int) -> None:
         self.report_progress(blocks)
 
-    def update_meta(self, **fields: Any) -> None:
+    def update_meta(self, **fields: object) -> None:
         """Merge progress metadata into the lease (see :meth:`Lease.update_meta`); under ``elastic``
         waiters the progress lets in are admitted at once."""
         self.report_progress(None, **fields)
 
-    def report_progress(self, held: int | None = None, **fields: Any) -> None:
+    def report_progress(self, held: int | None = None, **fields: object) -> None:
         """Occupancy and metadata in one short critical section; never blocks on admission."""
         if self._released:
             return
@@ -327,7 +327,7 @@ class LocalBudget(Budget):
 
     # ------------------------------------------------------------------ admission
     def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
-               meta: Mapping[str, Any] | None = None,
+               meta: Mapping[str, object] | None = None,
                ) -> tuple[str, _LocalLease | None, list[_Waiter]]:
         """Enqueue and grant (caller holds the lock). Returns (id, own lease if admitted, others to wake)."""
         now = self.clock.monotonic()
@@ -384,7 +384,7 @@ class LocalBudget(Budget):
             _, to_wake = self._hand_out(self._ledger.grant(now))
         self._wake(to_wake)
 
-    def _progress(self, lease_id: str, held: int | None, fields: Mapping[str, Any]) -> None:
+    def _progress(self, lease_id: str, held: int | None, fields: Mapping[str, object]) -> None:
         """Record a lease's progress; under a progress-sensitive policy admit whoever now fits."""
         to_wake: list[_Waiter] = []
         with self._lock:
@@ -424,7 +424,7 @@ class LocalBudget(Budget):
 
     def _queue(
         self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
-        meta: Mapping[str, Any] | None, parking: Callable[[], tuple[Callable[[], None], Any]],
+        meta: Mapping[str, object] | None, parking: Callable[[], tuple[Callable[[], None], Any]],
         timeout: float | None = None,
     ) -> tuple[Lease | None, Any]:
         """Enter the line (what ``acquire`` and ``acquire_sync`` share): ``(lease, None)`` when granted at
@@ -453,7 +453,7 @@ class LocalBudget(Budget):
             raise refused
         return mine, waiter
 
-    def _predict_enqueued(self, wid: str, meta: Mapping[str, Any] | None,
+    def _predict_enqueued(self, wid: str, meta: Mapping[str, object] | None,
                           timeout: float | None) -> DeadlineExceeded | None:
         """Predict a waiter that just queued (caller holds the lock): record its wait for its lease, and
         return the refusal when it opted into fail-fast and the prediction exceeds ``timeout`` (its
@@ -503,7 +503,7 @@ class LocalBudget(Budget):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Lease:
         timeout = _check_timeout(timeout)
         mine, waiter = self._queue(blocks, priority, ticket, held, meta, _async_parking, timeout)
@@ -527,7 +527,7 @@ class LocalBudget(Budget):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Lease:
         timeout = _check_timeout(timeout)
         mine, waiter = self._queue(blocks, priority, ticket, held, meta, self._sync_parking, timeout)
@@ -543,14 +543,14 @@ class LocalBudget(Budget):
         return self._outcome(waiter, timeout)
 
     async def _wait_async(self, waiter: _Waiter, timeout: float | None,
-                          meta: Mapping[str, Any] | None) -> None:  # noqa: ARG002 - a subclass's hook
+                          meta: Mapping[str, object] | None) -> None:  # noqa: ARG002 - a subclass's hook
         """Park until granted, failed or ``timeout`` (a fleet wakes up once midway: its affinity wait)."""
         with anyio.move_on_after(timeout):
             await waiter.event.wait()
             self._count_wakeup()
 
     def _wait_sync(self, waiter: _Waiter, timeout: float | None,
-                   meta: Mapping[str, Any] | None) -> None:  # noqa: ARG002 - a subclass's hook
+                   meta: Mapping[str, object] | None) -> None:  # noqa: ARG002 - a subclass's hook
         """Blocking form of :meth:`_wait_async`."""
         if waiter.event.wait(timeout):
             self._count_wakeup()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from zp_client.errors import ConfigurationError, PinRefused
 
@@ -104,7 +103,7 @@ class PinRecord:
             return None
         return self.free_at_release - max(self.blocks, self.span) - self.margin
 
-    def as_dict(self, charged: int) -> dict[str, Any]:
+    def as_dict(self, charged: int) -> dict[str, object]:
         line = self.line()
         return {"key": self.key, "blocks": self.blocks, "span": self.span, "margin": self.margin,
                 "charged_since_release": charged - self.mark, "line": line,
@@ -205,20 +204,27 @@ class PinBook:
         return self._pins.pop(key, None)
 
     # ------------------------------------------------------------------ ledger hooks
-    def shared_blocks(self, meta: Mapping[str, Any], held: int) -> int:
+    def shared_blocks(self, meta: Mapping[str, object], held: int) -> int:
         """Blocks of a lease's prompt a pinned prefix covers (not allocated again by the server)."""
-        rec = self._pins.get(meta.get("prefix_key"))  # type: ignore[arg-type]
+        rec = self._pin_of(meta)
         if rec is None or meta.get("pinned"):
             return 0
-        return max(0, min(rec.blocks, int(meta.get("prefix_blocks", rec.blocks)), held))
+        prefix_blocks = meta.get("prefix_blocks", rec.blocks)
+        if not isinstance(prefix_blocks, (int, float, str)):  # set by the transport: an int
+            prefix_blocks = rec.blocks
+        return max(0, min(rec.blocks, int(prefix_blocks), held))
 
-    def admitted(self, lease_id: str, held: int, meta: Mapping[str, Any]) -> None:
+    def _pin_of(self, meta: Mapping[str, object]) -> PinRecord | None:
+        key = meta.get("prefix_key")
+        return self._pins.get(key) if isinstance(key, str) else None
+
+    def admitted(self, lease_id: str, held: int, meta: Mapping[str, object]) -> None:
         """A lease was admitted holding ``held`` blocks."""
         if meta.get("pinned"):
             return
         share = self.shared_blocks(meta, held)
         self.charged += max(0, held - share)
-        rec = self._pins.get(meta.get("prefix_key"))  # type: ignore[arg-type]
+        rec = self._pin_of(meta)
         if rec is not None:
             self._member_of[lease_id] = rec.key
             self._shares[lease_id] = share
@@ -261,7 +267,7 @@ class PinBook:
             rec.gated_since = None
 
     # ------------------------------------------------------------------ admission
-    def holds_back(self, meta: Mapping[str, Any], held: int, now: float) -> bool:
+    def holds_back(self, meta: Mapping[str, object], held: int, now: float) -> bool:
         """Whether a waiter (prompt ``held`` blocks, ``meta``) must wait for a keep-warm's first token:
         its admission would push the blocks charged since some idle prefix's release past its line."""
         if not self._pins:
@@ -309,6 +315,6 @@ class PinBook:
         rec.keepwarms += 1
         return True
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[dict[str, object]]:
         return [rec.as_dict(self.charged) for rec in self._pins.values()]
 

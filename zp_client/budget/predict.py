@@ -24,7 +24,6 @@ import copy
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from zp_client.budget.elastic import POLICY_KEYS, project
 from zp_client.budget.ledger import LeaseRecord, Ledger
@@ -95,7 +94,7 @@ def _num(v: object) -> float | None:
     return float(v)
 
 
-def _generated(meta: Mapping[str, Any]) -> float | None:
+def _generated(meta: Mapping[str, object]) -> float | None:
     """Output tokens a lease reported (its ``tokens`` count the prompt too), None before any report."""
     k, prompt = _num(meta.get("tokens")), _num(meta.get("prompt_tokens"))
     if k is None or prompt is None:

@@ -35,7 +35,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from zp_client.budget._types import BudgetStatus, ClassStatus, Ticket
 from zp_client.budget.elastic import make_policy
@@ -140,7 +139,7 @@ class ReplicaState:
     def ejected(self) -> bool:
         return self.ejected_until is not None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         led = self.ledger
         return {
             "limit": led.limit,
@@ -517,7 +516,7 @@ class FleetLedger:
 
     def enqueue(self, waiter_id: str, bound: int, held: int | None, priority: int, now: float,
                 ticket: Ticket | None = None, *, expires_at: float | None = None,
-                meta: Mapping[str, Any] | None = None) -> Ticket:
+                meta: Mapping[str, object] | None = None) -> Ticket:
         """Put a waiter in the fleet's line (see :meth:`Ledger.enqueue`); :class:`LeaseTooLarge` when no
         replica could ever take it."""
         if not self.replicas or self.line.limit == 0:
@@ -553,7 +552,7 @@ class FleetLedger:
         self.line.report_held(lease_id, held)
         return rep.ledger.report_held(lease_id, held)
 
-    def update_meta(self, lease_id: str, *, now: float | None = None, **fields: Any) -> bool:
+    def update_meta(self, lease_id: str, *, now: float | None = None, **fields: object) -> bool:
         rep = self._where.get(lease_id)
         if rep is None:
             return False

@@ -480,7 +480,7 @@ class Fleet(FleetRouting, Budget):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Lease:
         """Wait in the fleet's line for a lease on one replica (a :class:`FleetLease`); as
         :meth:`zp_client.Budget.acquire`."""
@@ -495,7 +495,7 @@ class Fleet(FleetRouting, Budget):
         timeout: float | None = None,
         ticket: Ticket | None = None,
         held: int | None = None,
-        meta: Mapping[str, Any] | None = None,
+        meta: Mapping[str, object] | None = None,
     ) -> Lease:
         """Blocking form of :meth:`acquire`."""
         return self._line.acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
@@ -591,7 +591,7 @@ class _FleetLine(LocalBudget):
 
     # ------------------------------------------------------------------ the shell's hooks
     def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
-               meta: Mapping[str, Any] | None = None) -> tuple[str, _LocalLease | None, list[_Waiter]]:
+               meta: Mapping[str, object] | None = None) -> tuple[str, _LocalLease | None, list[_Waiter]]:
         fleet = self.fleet
         if fleet._next_due is not None and fleet._task is None:
             now = self.clock.monotonic()
@@ -604,7 +604,7 @@ class _FleetLine(LocalBudget):
         rec = led.leases[gid]
         return FleetLease(self, gid, rec.bound, rec.held, rec.priority, rec.ticket, led.replica_of(gid) or "")
 
-    def _affinity_poke(self, meta: Mapping[str, Any] | None) -> float | None:
+    def _affinity_poke(self, meta: Mapping[str, object] | None) -> float | None:
         if not meta or not (meta.get(PREFIX_META) or meta.get(SESSION_META) is not None):
             return None
         return self.fleet.ledger.affinity_wait_s + 1e-6
@@ -616,7 +616,7 @@ class _FleetLine(LocalBudget):
         self._wake(to_wake)
 
     async def _wait_async(self, waiter: _Waiter, timeout: float | None,
-                          meta: Mapping[str, Any] | None) -> None:
+                          meta: Mapping[str, object] | None) -> None:
         poke = self._affinity_poke(meta)
         if poke is not None and (timeout is None or poke < timeout):
             with anyio.move_on_after(poke):
@@ -628,7 +628,7 @@ class _FleetLine(LocalBudget):
             timeout = None if timeout is None else timeout - poke
         await super()._wait_async(waiter, timeout, meta)
 
-    def _wait_sync(self, waiter: _Waiter, timeout: float | None, meta: Mapping[str, Any] | None) -> None:
+    def _wait_sync(self, waiter: _Waiter, timeout: float | None, meta: Mapping[str, object] | None) -> None:
         poke = self._affinity_poke(meta)
         if poke is not None and (timeout is None or poke < timeout):
             if waiter.event.wait(poke):

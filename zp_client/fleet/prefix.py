@@ -24,7 +24,6 @@ import json
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from zp_client.errors import ConfigurationError
 
@@ -56,10 +55,10 @@ def _bytes_of(message: object) -> bytes:
     return (text + "\x1e").encode("utf-8", "surrogatepass")
 
 
-_HEADS: dict[tuple[Any, ...], bytes] = {}
+_HEADS: dict[tuple[object, ...], bytes] = {}
 
 
-def _head(body: Mapping[str, Any]) -> bytes:
+def _head(body: Mapping[str, object]) -> bytes:
     """What every prefix of a request starts with: the model and its tool schemas (cached per identity
     of the tool list: agents send the same schemas object with every call)."""
     tools, functions = body.get("tools"), body.get("functions")
@@ -77,7 +76,7 @@ def _head(body: Mapping[str, Any]) -> bytes:
     return hit
 
 
-def _parts(body: Mapping[str, Any]) -> list[bytes]:
+def _parts(body: Mapping[str, object]) -> list[bytes]:
     """The successive parts of the prompt (messages, or text chunks), as bytes."""
     messages = body.get("messages")
     if messages is None:
@@ -93,7 +92,7 @@ def _parts(body: Mapping[str, Any]) -> list[bytes]:
     return [] if prompt is None else [_bytes_of(prompt)]
 
 
-def prefix_keys(body: Mapping[str, Any], prompt_tokens: int, block_size: int) -> PrefixKeys:
+def prefix_keys(body: Mapping[str, object], prompt_tokens: int, block_size: int) -> PrefixKeys:
     """The prefix keys of a request body (see the module docstring): one per message (or text chunk),
     with the full blocks the prompt up to it fills, estimated from ``prompt_tokens`` (the whole prompt's
     estimate) in proportion to its bytes. Empty for a body without a prompt.

@@ -39,6 +39,7 @@ from zp_client._tasks import deferred
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.ledger import validate_blocks, validate_seconds
 from zp_client.budget.redis._budget import RedisBudget
+from zp_client.budget.redis._clients import AsyncRedisClient
 from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
 from zp_client.errors import ConfigurationError
 from zp_client.fleet._routing import FleetRouting, normalize, replica_limits
@@ -71,7 +72,7 @@ def replica_id(url: str) -> str:
     return hashlib.sha1(url.encode()).hexdigest()[:12]
 
 
-def _route_keys(keys: Sequence[tuple[int, int]]) -> list[list[Any]]:
+def _route_keys(keys: Sequence[tuple[int, int]]) -> list[list[object]]:
     seq = list(keys)
     if len(seq) > MAX_ROUTE_KEYS:
         seq = seq[:8] + seq[-(MAX_ROUTE_KEYS - 8):]
@@ -130,7 +131,7 @@ class RedisFleet(FleetRouting, RedisBudget):
 
     def __init__(
         self,
-        url_or_client: str | Any,
+        url_or_client: str | AsyncRedisClient,
         name: str,
         replicas: Sequence[str] | Mapping[str, int],
         limit_blocks: int | None = None,
@@ -174,7 +175,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         self._urls: dict[str, str] = {replica_id(u): u for u in limits}
         self._ejected: set[str] = set()  # what this process last learned (status, its own health calls)
         self._path = urlsplit(next(iter(limits))).path
-        self._pending: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Task[object]] = set()
         self._checked = False
         self.moves = 0
         """Requests this process moved off a failed replica without spending a retry."""
@@ -241,7 +242,7 @@ class RedisFleet(FleetRouting, RedisBudget):
             log.warning("fleet %s: could not report a failure of %s: %r", self.name, replica, exc)
             return connect
 
-    async def _health_async(self, args: list[Any]) -> bool:
+    async def _health_async(self, args: list[str]) -> bool:
         try:
             side = self._get_side()
             return self._after_health(args[1], await side.eval("fleet", args, patient=False))
@@ -296,7 +297,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         return bool(int(self._op_sync("readmit", self._rid(url))[0]))
 
     # ------------------------------------------------------------------ membership
-    def _add_args(self, url: str, limit_blocks: int | None, capacity: int | None) -> list[Any]:
+    def _add_args(self, url: str, limit_blocks: int | None, capacity: int | None) -> list[object]:
         limit = limit_blocks if limit_blocks is not None else self._default_limit
         if limit is None:
             raise ConfigurationError("add_replica needs limit_blocks (this fleet has no default limit)")
@@ -376,7 +377,7 @@ class RedisFleet(FleetRouting, RedisBudget):
         px = {text(px_flat[i]): int(px_flat[i + 1]) for i in range(0, len(px_flat), 2)}
         peak_flat = fl[6] if len(fl) > 6 else []
         peaks = {text(peak_flat[i]): int(peak_flat[i + 1]) for i in range(0, len(peak_flat), 2)}
-        replicas: dict[str, dict[str, Any]] = {}
+        replicas: dict[str, dict[str, object]] = {}
         limit = used = 0
         prompt = hits = 0
         ejected: set[str] = set()
@@ -423,7 +424,7 @@ class RedisFleet(FleetRouting, RedisBudget):
 
     async def acquire(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
-        held: int | None = None, meta: Mapping[str, Any] | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
         """As :meth:`RedisBudget.acquire`; the lease's ``replica`` is the base URL it was placed on (the
         first call also checks that the name holds a fleet: one more script call, once)."""
@@ -435,7 +436,7 @@ class RedisFleet(FleetRouting, RedisBudget):
 
     def acquire_sync(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
-        held: int | None = None, meta: Mapping[str, Any] | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
         if not self._checked:
             self._sync_face.eval("fleet", ["status", ""])

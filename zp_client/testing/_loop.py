@@ -31,9 +31,16 @@ import itertools
 import selectors
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from contextvars import Context
+from typing import TYPE_CHECKING, TypeVar
 
 from zp_client.errors import ZPError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from _typeshed import FileDescriptorLike
+    from typing_extensions import Never
 
 __all__ = ["VirtualTimeDeadlock", "VirtualTimeLoop", "run_virtual"]
 
@@ -56,19 +63,20 @@ class _JumpingSelector(selectors.BaseSelector):
         self._frozen_s = 0.0  # real seconds waited frozen with nothing arriving
 
     # -- delegated --------------------------------------------------------------------------------
-    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+    def register(self, fileobj: FileDescriptorLike, events: int,
+                 data: object = None) -> selectors.SelectorKey:
         key = self._real.register(fileobj, events, data)
         if self._wakeup_fd is None:  # the loop registers its own wake-up pipe first, in its __init__
             self._wakeup_fd = key.fd
         return key
 
-    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+    def unregister(self, fileobj: FileDescriptorLike) -> selectors.SelectorKey:
         return self._real.unregister(fileobj)
 
-    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+    def modify(self, fileobj: FileDescriptorLike, events: int, data: object = None) -> selectors.SelectorKey:
         return self._real.modify(fileobj, events, data)
 
-    def get_map(self) -> Any:
+    def get_map(self) -> Mapping[FileDescriptorLike, selectors.SelectorKey]:
         return self._real.get_map()
 
     def close(self) -> None:
@@ -118,8 +126,8 @@ class _FifoTimerHandle(asyncio.TimerHandle):
 
     __slots__ = ("_seq",)
 
-    def __init__(self, when: float, callback: Callable[..., object], args: tuple[Any, ...],
-                 loop: asyncio.AbstractEventLoop, context: Any, seq: int) -> None:
+    def __init__(self, when: float, callback: Callable[..., object], args: tuple[object, ...],
+                 loop: asyncio.AbstractEventLoop, context: Context | None, seq: int) -> None:
         super().__init__(when, callback, args, loop, context=context)
         self._seq = seq
 
@@ -161,8 +169,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._now = max(self._now, target)
         self.jumps += 1
 
-    def call_at(self, when: float, callback: Callable[..., object], *args: Any,  # type: ignore[override]  # same call, typed without TypeVarTuple
-                context: Any = None) -> asyncio.TimerHandle:
+    def call_at(self, when: float, callback: Callable[..., object], *args: object,
+                context: Context | None = None) -> asyncio.TimerHandle:
         # BaseEventLoop.call_at with a FIFO tie-break (see the module docstring)
         if when is None:
             raise TypeError("when cannot be None")
@@ -174,7 +182,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         timer._scheduled = True  # type: ignore[attr-defined]
         return timer
 
-    async def shutdown_default_executor(self, *args: Any) -> None:
+    async def shutdown_default_executor(self, *args: float | None) -> None:
         # its joining thread is outside work too: no jump to asyncio's 300 s join timeout meanwhile
         self.executor_jobs += 1
         try:
@@ -182,8 +190,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         finally:
             self.executor_jobs -= 1
 
-    def run_in_executor(self, executor: Executor | None, func: Callable[..., T],  # type: ignore[override]  # same call, typed without TypeVarTuple
-                        *args: Any) -> asyncio.Future[T]:
+    def run_in_executor(self, executor: Executor | None, func: Callable[..., T],
+                        *args: object) -> asyncio.Future[T]:
         fut: asyncio.Future[T] = super().run_in_executor(executor, func, *args)
         self.executor_jobs += 1
 
@@ -194,7 +202,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return fut
 
 
-def run_virtual(main: Coroutine[Any, Any, T], *, start: float = 0.0) -> T:
+def run_virtual(main: Coroutine[object, Never, T], *, start: float = 0.0) -> T:
     """Run ``main`` to completion on a fresh :class:`VirtualTimeLoop` (like :func:`asyncio.run`: the
     loop's async generators and default executor are shut down and the loop closed after)."""
     loop = VirtualTimeLoop(start)

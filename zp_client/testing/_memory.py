@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -32,7 +32,7 @@ __all__ = ["MemoryNetwork", "MemoryTransport", "ReadPauses"]
 
 log = logging.getLogger("zp_client.testing")
 
-ASGIApp = Callable[..., Any]
+ASGIApp = Callable[..., Awaitable[None]]
 
 _APP_DONE = {"type": "zp.app.done"}
 _RESET = {"type": "zp.connection.reset"}

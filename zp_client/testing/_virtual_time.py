@@ -44,7 +44,7 @@ class VirtualTimeAsyncOpenAI(openai.AsyncOpenAI):
 
     def copy(self, *args: Any, **kwargs: Any) -> Self:
         # openai's copy builds ``self.__class__(...)`` and passes ``_extra_kwargs`` through to it
-        extra: Mapping[str, Any] = kwargs.pop("_extra_kwargs", None) or {}
+        extra: Mapping[str, object] = kwargs.pop("_extra_kwargs", None) or {}
         return super().copy(*args, _extra_kwargs={"speedup": self.speedup, **extra}, **kwargs)
 
     with_options = copy

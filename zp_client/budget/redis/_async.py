@@ -10,10 +10,12 @@ import logging
 import math
 import secrets
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from zp_client._tasks import Supervisor
 from zp_client.budget.base import Ticket
+from zp_client.budget.redis._clients import AsyncRedisClient
 from zp_client.budget.redis._script import (
     CALL_FAILED,
     HANDLED,
@@ -44,8 +46,8 @@ class _Waiter:
 class AsyncFace:
     """State bound to the event loop a RedisBudget is used from (redis.asyncio clients are loop-bound)."""
 
-    def __init__(self, owner: LeaseOwner, core: Core, client: Any, owns_client: bool,
-                 renew_client: Any = None) -> None:
+    def __init__(self, owner: LeaseOwner, core: Core, client: AsyncRedisClient, owns_client: bool,
+                 renew_client: AsyncRedisClient | None = None) -> None:
         self.owner = owner
         self.core = core
         self.loop = asyncio.get_running_loop()
@@ -71,16 +73,16 @@ class AsyncFace:
         self.closing = False  # aclose has begun
 
     @property
-    def tasks(self) -> list[asyncio.Task[Any]]:
+    def tasks(self) -> list[asyncio.Task[object]]:
         """The long-lived tasks (pump, poller, keeper, held flusher), owned by :attr:`sup`."""
         return self.sup.tasks
 
     @tasks.setter
-    def tasks(self, tasks: list[asyncio.Task[Any]]) -> None:
+    def tasks(self, tasks: list[asyncio.Task[object]]) -> None:
         self.sup.tasks = tasks
 
     @property
-    def background(self) -> set[asyncio.Task[Any]]:
+    def background(self) -> set[asyncio.Task[object]]:
         """The fire-and-forget releases in flight, owned by :attr:`sup`."""
         return self.sup.background_tasks
 
@@ -93,33 +95,35 @@ class AsyncFace:
             self.sup.spawn(self._held_flusher(), name="zp-redis-held", loop=self.loop)
 
     # ------------------------------------------------------------------ one script call
-    async def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True,
-                   client: Any = None) -> Any:
+    async def eval(self, script: str, args: Sequence[object], *, init: bool = True, patient: bool = True,
+                   client: AsyncRedisClient | None = None) -> Any:
         """Run a script by SHA (loading it on NOSCRIPT); create the budget on an ``{'I'}`` reply. Errors
         are those of :class:`~zp_client.budget.redis._script.Attempts`. ``client``: another client of the
         same server (the renewal client), default the shared one."""
         core = self.core
-        client = self.client if client is None else client
+        # redis-py types evalsha(sha: str, numkeys: int, ...); the core hands over bytes (the SHA, the key
+        # count and keys as encoded once): the connection itself is used untyped
+        conn: Any = self.client if client is None else client
         sha = core.sha(script)
         tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
         while True:
             try:
                 if tries is not None and tries.load:
-                    await client.script_load(tries.text)
-                r = await client.evalsha(sha, *core.key_args, *args)
+                    await conn.script_load(tries.text)
+                r = await conn.evalsha(sha, *core.key_args, *args)
             except HANDLED as exc:
                 tries = tries or core.attempts(script, patient)
                 await asyncio.sleep(tries.after(exc))
                 continue
             if init and core.needs_init(r):
                 core.after_init(await self.eval("init", core.init_args(), init=False, patient=patient,
-                                                client=client))
+                                                client=conn))
                 continue
             core.mark_available(True)
             return r
 
     # ------------------------------------------------------------------ acquire
-    def _start(self, script: str, args: list[Any], **kw: Any) -> asyncio.Task[Any]:
+    def _start(self, script: str, args: Sequence[object], **kw: Any) -> asyncio.Task[Any]:
         """One script call on the acquire path, run as its own task: the caller awaits it through
         :func:`asyncio.shield` so that the caller's cancellation always raises.
 
@@ -181,7 +185,7 @@ class AsyncFace:
         finally:
             self.waiters.pop(rid, None)
 
-    def _undo_after(self, call: asyncio.Task[Any], rid: str) -> None:
+    def _undo_after(self, call: asyncio.Task[object], rid: str) -> None:
         """Release ``rid`` (lease or waiter) once ``call``, an acquire still in flight, has landed."""
 
         async def undo() -> None:
@@ -190,11 +194,11 @@ class AsyncFace:
 
         self.sup.background(undo(), loop=self.loop)
 
-    def release_when_done(self, task: asyncio.Task[Any]) -> None:
+    def release_when_done(self, task: asyncio.Task[RedisLease]) -> None:
         """``task`` (an :meth:`acquire`) was abandoned by a cancelled caller: release the lease it may
         still return."""
 
-        def done(t: asyncio.Task[Any]) -> None:
+        def done(t: asyncio.Task[RedisLease]) -> None:
             if t.cancelled() or t.exception() is not None:
                 return  # it left no trace (acquire's own clean-up)
             lease = t.result()
@@ -374,8 +378,8 @@ class AsyncFace:
         task = self._release_in_background(lid)
         await asyncio.wait({task}, timeout=RELEASE_WAIT_S)  # neither cancels the task nor raises its error
 
-    def _release_in_background(self, lid: str) -> asyncio.Task[Any]:
-        def done(t: asyncio.Task[Any]) -> None:
+    def _release_in_background(self, lid: str) -> asyncio.Task[object]:
+        def done(t: asyncio.Task[object]) -> None:
             if t.cancelled() or t.exception() is not None:
                 self._retry_later(lid, None if t.cancelled() else t.exception())
 
@@ -446,7 +450,7 @@ class AsyncFace:
 RENEW_POOL_SIZE = 2  # the keeper runs one call at a time; a second connection covers a reconnect
 
 
-def renewal_client(url: str | None, client: Any | None) -> Any | None:
+def renewal_client(url: str | None, client: AsyncRedisClient | None) -> AsyncRedisClient | None:
     """A client with its own small pool for the keeper (renewals), made from ``url`` or cloned from the
     caller's ``redis.asyncio.Redis`` (same connection settings); None for a client that cannot be cloned
     (e.g. ``RedisCluster``: renewals then share its pool)."""

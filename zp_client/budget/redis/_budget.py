@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis.asyncio as redis_async
 
@@ -28,6 +28,7 @@ from zp_client.budget.ledger import (
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
 from zp_client.budget.redis._async import AsyncFace, renewal_client
+from zp_client.budget.redis._clients import AsyncRedisClient, SyncRedisClient
 from zp_client.budget.redis._retry import RedisRetryBudget
 from zp_client.budget.redis._script import (
     POLICIES,
@@ -41,6 +42,11 @@ from zp_client.budget.redis._script import (
 )
 from zp_client.budget.redis._sync import SyncFace
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, PinRefused
+
+if TYPE_CHECKING:
+    from zp_client.config import Settings
+    from zp_client.forecast import LengthForecaster
+
 
 log = logging.getLogger("zp_client.budget.redis")
 # The keyword arguments shared_forecaster passes on to a process-local LengthForecaster (its fallback).
@@ -63,7 +69,7 @@ def default_waiter_ttl_s(poll_interval_s: float) -> float:
     return poll_interval_s + min(1.0, max(0.25, poll_interval_s / 2))
 
 
-def _renamed_error(kwargs: dict[str, Any]) -> TypeError:
+def _renamed_error(kwargs: dict[str, object]) -> TypeError:
     """The error for keyword arguments RedisBudget() does not take, naming the new spelling if renamed."""
     parts = [f"the removed keyword argument {k!r} (now {_RENAMED[k]!r})" if k in _RENAMED
              else f"an unexpected keyword argument {k!r}" for k in kwargs]
@@ -101,7 +107,7 @@ class RedisBudget(Budget):
 
     def __init__(
         self,
-        url_or_client: str | Any,
+        url_or_client: str | AsyncRedisClient,
         name: str,
         limit_blocks: int,
         block_size: int = 16,
@@ -119,11 +125,11 @@ class RedisBudget(Budget):
         unavailable_timeout_s: float = 10.0,
         local_share: float = 0.1,
         held_report_blocks: int | None = None,
-        sync_client: Any | None = None,
+        sync_client: SyncRedisClient | None = None,
         on_event: Callable[[RedisBudgetEvent], None] | None = None,
         pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
         server_blocks: int | None = None,
-        **renamed: Any,
+        **renamed: object,
     ) -> None:
         if renamed:
             raise _renamed_error(renamed)
@@ -188,13 +194,14 @@ class RedisBudget(Budget):
         self._lock = threading.Lock()
         self._closed = False
         self._fallback: Budget | None = None
-        self._forecaster: Any = None
+        self._forecaster: LengthForecaster | None = None
         self.created: bool | None = None
         """Set by :meth:`create`: True if it created the state, False if the budget already existed."""
 
     @classmethod
     async def create(
-        cls, url_or_client: str | Any, name: str, limit_blocks: int, block_size: int = 16, **kwargs: Any
+        cls, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int, block_size: int = 16,
+        **kwargs: Any,
     ) -> RedisBudget:
         """Create the budget's state in Redis now, explicitly, and return the budget (use it, or
         ``aclose()`` it). Arguments as for the constructor.
@@ -219,7 +226,8 @@ class RedisBudget(Budget):
 
     @classmethod
     def create_sync(
-        cls, url_or_client: str | Any, name: str, limit_blocks: int, block_size: int = 16, **kwargs: Any
+        cls, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int, block_size: int = 16,
+        **kwargs: Any,
     ) -> RedisBudget:
         """Blocking form of :meth:`create` (needs a URL or ``sync_client``); ``close_sync()`` it when done."""
         budget = cls(url_or_client, name, limit_blocks, block_size, **kwargs)
@@ -231,7 +239,8 @@ class RedisBudget(Budget):
 
     @classmethod
     def from_settings(
-        cls, url_or_client: str | Any, name: str, limit_blocks: int, settings: Any = None, **kwargs: Any
+        cls, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int,
+        settings: Settings | None = None, **kwargs: Any,
     ) -> RedisBudget:
         """A budget using ``block_size``, ``starvation_bound_s``, ``longest_first_s``, ``line``,
         ``late_bound_s`` and ``lease_ttl_s`` from :class:`~zp_client.Settings` (explicit keyword arguments
@@ -250,7 +259,7 @@ class RedisBudget(Budget):
     @classmethod
     def from_server(
         cls,
-        url_or_client: str | Any,
+        url_or_client: str | AsyncRedisClient,
         name: str,
         server_url: str,
         *,
@@ -294,7 +303,7 @@ class RedisBudget(Budget):
         """The validated settings this budget was made with."""
         return self._core.cfg
 
-    def shared_forecaster(self, **kwargs: Any) -> Any:
+    def shared_forecaster(self, **kwargs: Any) -> LengthForecaster:
         """The :class:`~zp_client.budget.redis_forecast.RedisLengthForecaster` of this budget: output
         lengths learned by every process of the fleet (made on first call; ``kwargs`` such as ``q`` or
         ``sync_interval_s`` apply then). The transport uses it by default for an elastic RedisBudget.
@@ -343,7 +352,7 @@ class RedisBudget(Budget):
 
     async def acquire(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
-        held: int | None = None, meta: Mapping[str, Any] | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
         bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
         try:
@@ -389,7 +398,7 @@ class RedisBudget(Budget):
 
     def acquire_sync(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
-        held: int | None = None, meta: Mapping[str, Any] | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
         bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
         try:
@@ -435,11 +444,11 @@ class RedisBudget(Budget):
         return bool(int(r[0]))
 
     async def _adaptive(self, op: str, controller: str, ttl_ms: int = 0, overloads: int = 0,
-                        fields: Mapping[str, Any] | None = None) -> list[Any]:
+                        fields: Mapping[str, object] | None = None) -> list[object]:
         """adaptive.lua (the adaptive limit's leader lease and state): ``op`` is ``lead``, ``note`` or
         ``resign``. Impatient: a Redis that does not answer raises :class:`BudgetUnavailable` at once (the
         controller logs it and keeps the last limit)."""
-        args: list[Any] = [op, controller, max(1, int(ttl_ms)), max(0, int(overloads))]
+        args: list[object] = [op, controller, max(1, int(ttl_ms)), max(0, int(overloads))]
         for k, v in (fields or {}).items():
             args += [k, str(v)]
         side = self._get_side()
@@ -469,7 +478,7 @@ class RedisBudget(Budget):
             raise ConfigurationError(
                 f"pinned prefixes need policy='elastic', this budget is {self.policy_name!r}")
         core = self._core
-        args: list[Any] = ["pin", key, blocks, blocks if span is None else span,
+        args: list[object] = ["pin", key, blocks, blocks if span is None else span,
                            "" if margin is None else margin, 1 if track else 0, core.owner,
                            int(core.cfg.lease_ttl_s * 1000), self._pin_cap,
                            "" if self._server_blocks is None else self._server_blocks]
@@ -532,7 +541,7 @@ class RedisBudget(Budget):
     # ------------------------------------------------------------------ internals
     def _validate(
         self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
-        meta: Mapping[str, Any] | None,
+        meta: Mapping[str, object] | None,
     ) -> tuple[int, int, int, int, str]:
         """(bound, held, priority, ticket order, meta JSON); bad arguments fail here, before any I/O."""
         if self._closed:

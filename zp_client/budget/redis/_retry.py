@@ -17,6 +17,7 @@ import redis.asyncio
 from redis.exceptions import MaxConnectionsError, RedisError
 
 from zp_client._redact import check_redis_url
+from zp_client.budget.redis._clients import SyncRedisClient
 from zp_client.budget.redis._script import POOL_SIZE, load_lua
 from zp_client.budget.retries import (
     DEFAULT_BUDGET_FLOOR_PER_S,
@@ -32,6 +33,10 @@ from zp_client.errors import ConfigurationError
 _POOL_FULL_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05) + (0.1,) * 99
 
 log = logging.getLogger("zp_client.retry")
+
+
+_Reply = list[int | bytes | str]
+"""A reply of the retry-budget script: counters as Redis integers or strings."""
 
 
 class RedisRetryBudget:
@@ -60,7 +65,7 @@ class RedisRetryBudget:
         name: str,
         *,
         url: str | None = None,
-        client: Any = None,
+        client: SyncRedisClient | None = None,
         async_client: Any = None,
         ratio: float = DEFAULT_BUDGET_RATIO,
         floor_per_s: float = DEFAULT_BUDGET_FLOOR_PER_S,
@@ -148,7 +153,7 @@ class RedisRetryBudget:
             self._async_script = self._async_client.register_script(load_lua("retry_budget.lua"))
         return self._async_script
 
-    def _args(self, deposits: int, spend: bool) -> list[Any]:
+    def _args(self, deposits: int, spend: bool) -> _Reply:
         return [deposits, 1 if spend else 0, repr(self.ratio), repr(self.floor_per_s), self._window_ms,
                 self._bucket_ms]
 
@@ -191,7 +196,7 @@ class RedisRetryBudget:
         r = self._call_sync(self._take_pending(force=True), spend=False, swallow=False)
         return int(r[1]), int(r[2]), float(r[3])
 
-    def _call_sync(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
+    def _call_sync(self, deposits: int, *, spend: bool, swallow: bool) -> _Reply:
         try:
             for wait_s in _POOL_FULL_BACKOFF_S:
                 try:
@@ -229,7 +234,7 @@ class RedisRetryBudget:
         r = await self._call_async(self._take_pending(force=True), spend=False, swallow=False)
         return int(r[1]), int(r[2]), float(r[3])
 
-    async def _call_async(self, deposits: int, *, spend: bool, swallow: bool) -> list[Any]:
+    async def _call_async(self, deposits: int, *, spend: bool, swallow: bool) -> _Reply:
         try:
             script = self._aio_script()
             if script is None:
@@ -255,7 +260,7 @@ class RedisRetryBudget:
             self._return_pending(deposits)
             raise
 
-    def _deposit_failed(self) -> list[Any]:
+    def _deposit_failed(self) -> _Reply:
         """Inside an ``except``: the deposits wait for the next flush (logged with the error)."""
         log.warning("retry budget %r: could not write deposits to Redis; will retry", self.name,
                     exc_info=True)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import redis as redis_sync
 
 from zp_client.budget.base import Ticket
+from zp_client.budget.redis._clients import SyncRedisClient
 from zp_client.budget.redis._script import (
     CALL_FAILED,
     HANDLED,
@@ -44,7 +46,7 @@ class SyncFace:
     """The blocking face: thread-safe; its client is made on first use from the budget's URL unless the
     caller passed one."""
 
-    def __init__(self, owner: LeaseOwner, core: Core, client: Any | None) -> None:
+    def __init__(self, owner: LeaseOwner, core: Core, client: SyncRedisClient | None) -> None:
         self.owner = owner
         self.core = core
         self.client = client
@@ -61,9 +63,9 @@ class SyncFace:
         self.closed = False
         # The keeper thread's own connection (renewals, retried releases): never queued behind a burst of
         # threads' acquires in the shared pool (see AsyncFace.renew_client). Made with the client.
-        self.renew_client: Any = None
+        self.renew_client: SyncRedisClient | None = None
 
-    def get_client(self) -> Any:
+    def get_client(self) -> SyncRedisClient:
         if self.client is None:
             with self.lock:
                 if self.client is None:
@@ -78,7 +80,7 @@ class SyncFace:
                     self.owns_client = True
         return self.client
 
-    def get_renew_client(self) -> Any:
+    def get_renew_client(self) -> SyncRedisClient:
         """The keeper's client: its own pool of 2 from the URL or cloned from the caller's ``redis.Redis``
         (same connection settings); the shared client for one that cannot be cloned (a cluster)."""
         client = self.get_client()
@@ -98,24 +100,27 @@ class SyncFace:
             return self.renew_client
 
     # ------------------------------------------------------------------ one script call
-    def eval(self, script: str, args: list[Any], *, init: bool = True, patient: bool = True,
-             client: Any = None) -> Any:
+    def eval(self, script: str, args: Sequence[object], *, init: bool = True, patient: bool = True,
+             client: SyncRedisClient | None = None) -> Any:
         """Blocking form of :meth:`AsyncFace.eval <zp_client.budget.redis._async.AsyncFace.eval>`."""
-        client, core = client or self.get_client(), self.core
+        # redis-py types evalsha(sha: str, numkeys: int, ...); the core hands over bytes (the SHA, the key
+        # count and keys as encoded once): the connection itself is used untyped
+        conn: Any = client or self.get_client()
+        core = self.core
         sha = core.sha(script)
         tries: Attempts | None = None  # made at the first failure: the fast path builds nothing
         while True:
             try:
                 if tries is not None and tries.load:
-                    client.script_load(tries.text)
-                r = client.evalsha(sha, *core.key_args, *args)
+                    conn.script_load(tries.text)
+                r = conn.evalsha(sha, *core.key_args, *args)
             except HANDLED as exc:
                 tries = tries or core.attempts(script, patient)
                 SYSTEM_CLOCK.sleep_sync(tries.after(exc))
                 continue
             if init and core.needs_init(r):
                 core.after_init(self.eval("init", core.init_args(), init=False, patient=patient,
-                                          client=client))
+                                          client=conn))
                 continue
             core.mark_available(True)
             return r
