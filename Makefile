@@ -61,7 +61,8 @@ test:
 	$(MAKE) lint typecheck
 	$(MAKE) -j2 --output-sync=target --keep-going test-main test-others
 
-test-others: test-openai2 test-crewai
+# beside the main suite: the two smaller environments, then the supported versions (test-versions below)
+test-others: test-openai2 test-crewai test-versions
 
 test-main: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -85,7 +86,8 @@ faults: $(VENV)/.installed
 # The supported versions beyond the main environment's: the Redis, cancellation and transport tests on the
 # other Pythons under pyenv (3.10, 3.12) and on redis-py's lowest allowed major (5), each in a small
 # environment of its own (.ci/test-versions says what it skips; with CI=true a missing Python is an error).
-# Not part of `make test` (it adds 2-4 minutes on 2 cores from a fresh clone); CI runs it after it.
+# `make test` runs it beside the main suite, after the two smaller environments (on 2 cores that
+# costs ~1 minute of wall time where running it after `make test` cost ~5).
 test-versions:
 	PYTHON=$(PYTHON) bash .ci/test-versions
 
