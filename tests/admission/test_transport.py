@@ -497,6 +497,7 @@ SIM_CHAT = {"model": "sim-llama", "messages": [{"role": "user", "content": "tell
             "max_tokens": 24, "ignore_eos": True, "seed": 7}
 
 
+@pytest.mark.needs_sim
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
 class TestAgainstSimulator:
     def _client(self, mod: Any, sim: Any, b: Any, **kw: Any) -> Any:
@@ -600,6 +601,7 @@ async def test_stream_growth_is_reported(server: LoopbackServer) -> None:
     assert await used(b) == 0
 
 
+@pytest.mark.needs_sim
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
 async def test_cancel_while_server_generates_unstreamed(mod: Any, sim: Any) -> None:
     """Cancelled after sending, before the response headers: blocks return on both sides."""
@@ -621,6 +623,7 @@ async def test_cancel_while_server_generates_unstreamed(mod: Any, sim: Any) -> N
     assert await anyio.to_thread.run_sync(sim_idle, sim)
 
 
+@pytest.mark.needs_sim
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
 async def test_server_estimator_counts_through_the_inner_transport(mod: Any, sim: Any) -> None:
     """estimator="server" asks the simulator's /tokenize (through the inner transport, unadmitted)."""

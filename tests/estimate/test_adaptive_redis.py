@@ -148,6 +148,7 @@ def _pollers(sim_url: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 def test_three_processes_run_exactly_one_poller_and_a_killed_leaders_successor_polls_within_one_ttl(
         redis_url: str, redis_prefix: str) -> None:
