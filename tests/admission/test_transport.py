@@ -194,6 +194,7 @@ class TestAsyncMatrix:
                 tg.cancel_scope.cancel()
         assert await used(b) == 0
 
+    @pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
     async def test_stream_abandoned_after_two_chunks(self, mod: Any, server: LoopbackServer) -> None:
         b = make_budget()
         c = async_client(mod, server, b)
@@ -237,6 +238,7 @@ class TestSyncMatrix:
                         pass
             assert anyio.run(used, b) == 0
 
+    @pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
     def test_abandoned_stream(self, mod: Any, server: LoopbackServer) -> None:
         b = make_budget()
         c = sync_client(mod, server, b)
@@ -421,6 +423,7 @@ def test_admission_transport_for_places_a_user_defined_transport_once_openai_is_
         assert isinstance(async_t, classes.AsyncAdmissionTransport)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_idle_stream_watchdog(server: LoopbackServer) -> None:
     b = make_budget()
     async with async_client(httpx, server, b, settings=settings(idle_stream_timeout_s=0.2)) as c:
@@ -537,6 +540,7 @@ class TestAgainstSimulator:
                 {"role": "user", "content": "many words here " * 2000}]})
             assert r.status_code == 400 and await used(b) == 0
 
+    @pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
     async def test_cancel_and_abandon_free_both_sides(self, mod: Any, sim: Any) -> None:
         b = make_budget()
         long = {**SIM_CHAT, "max_tokens": 1500, "stream": True}

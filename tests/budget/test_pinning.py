@@ -216,6 +216,7 @@ async def _probe(oc: Any, sim: SimServer, system: dict[str, str], rid: str) -> i
     return int(recs[0]["cached_tokens"])
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.needs_sim
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
 async def test_keepwarm_keeps_the_prefix_cached_through_three_pools_of_other_traffic(

@@ -643,6 +643,7 @@ def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_retu
     assert pollers["pollers"][ctl.id]["polls"] == pollers["scrapes"] == len(ctl.decisions)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.openai_compat
 def test_the_admission_core_reports_overload_answers_to_the_budget() -> None:
     import openai

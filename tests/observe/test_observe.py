@@ -75,6 +75,7 @@ def assert_wait(info: AdmissionInfo, held: float) -> None:
 # ------------------------------------------------------------------------------------ one record per grant
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.needs_sim
 async def test_a_call_that_waited_reports_its_wait_bound_and_class(sim: SimServer, aclient: Any) -> None:
     budget = LocalBudget(limit_blocks=LIMIT, policy="strict", name="obs-a")
