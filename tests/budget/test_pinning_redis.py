@@ -24,6 +24,7 @@ from zp_client.budget.local import LocalBudget
 from zp_client.budget.redis import RedisBudget
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError
+
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
     from zp_sim.server import SimServer
     from zp_sim.tokenizer import count_chat_tokens, make_text

@@ -28,6 +28,7 @@ from zp_client.calibration import Calibration, calibrate, calibrate_async, serve
 from zp_client.cli import main
 from zp_client.errors import CalibrationError, ConfigurationError, ServerInfoError
 from zp_client.server import ELASTIC_HEADROOM, STRICT_HEADROOM, suggest_limit_blocks
+
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
     from zp_sim.server import SimServer
 except ModuleNotFoundError:

@@ -21,6 +21,7 @@ from zp_client import LocalBudget, Settings, wrap
 from zp_client._admission.servers import check_pool
 from zp_client.server import ServerMetrics
 from zp_client.transport import transport_classes
+
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
     from zp_sim.server import SimServer
 except ModuleNotFoundError:

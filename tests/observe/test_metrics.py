@@ -39,6 +39,7 @@ from zp_client import (
 )
 from zp_client.budget.base import ClassStatus
 from zp_client.retry import testing
+
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
     from zp_sim.server import SimServer
 except ModuleNotFoundError:

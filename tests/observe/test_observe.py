@@ -22,6 +22,7 @@ from _retry_upstream import RetryUpstream
 import zp_client
 from zp_client import AdmissionInfo, LocalBudget, Settings, observe_admissions, summarize_admissions, wrap
 from zp_client.retry import testing
+
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
     from zp_sim.server import SimServer
 except ModuleNotFoundError:

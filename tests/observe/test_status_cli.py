@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from zp_client.cli import main
+
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
     from zp_sim.server import SimServer
 except ModuleNotFoundError:

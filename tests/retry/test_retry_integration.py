@@ -30,6 +30,7 @@ from starlette.routing import Route
 from zp_client import wrap
 from zp_client.budget.local import LocalBudget
 from zp_client.retry import LocalRetryBudget, RetryPolicy
+
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
     from zp_sim.server import SimServer
 except ModuleNotFoundError:
