@@ -29,7 +29,7 @@ TYPECHECK_PATHS ?= zp_client sim/zp_sim storm/zp_storm $(filter-out $(OA2_ONLY)/
 # type-checked (mypy reading that environment's packages) in the openai 2.x environment only.
 OA2_ONLY = integrations/llama-index
 
-.PHONY: test test-main test-others test-openai2 test-crewai test-versions faults lint typecheck demo bench clean
+.PHONY: test test-fast test-wheel test-main test-others test-openai2 test-crewai test-versions faults lint typecheck demo bench clean
 
 # The main environment: openai 3.x (built on httpx2) and every extra.
 $(VENV)/.installed: pyproject.toml $(DISTRIBUTION_PROJECTS) $(INTEGRATION_PROJECTS)
@@ -73,6 +73,20 @@ test-openai2: $(OA2)/.installed
 
 test-crewai: $(CREWAI)/.installed
 	$(PY3) -m pytest integrations/crewai/tests $(PYTEST_ARGS)
+
+# The edit loop: the main environment only, without the tests marked slow (the hypothesis state machines,
+# the storms, anything over about a second on a loaded machine) or faults; `make test` and CI run them
+# all. Two pytest-xdist workers: the tests mostly wait, so two beat one (3.6 -> 2.0 minutes on 2 cores) and
+# four lose to the collection each worker repeats (2.4 minutes); docs/testing.md.
+FAST_ARGS ?= -n 2
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not faults" $(FAST_ARGS) $(PYTEST_ARGS)
+
+# The zp-client wheel alone (no zp-sim, no zp-storm, no checkout on sys.path) runs the ledger, budget,
+# retry, estimate, forecast, transport and observe tests in a fresh environment of its own (.ci/test-wheel;
+# the tests marked needs_sim are skipped there). Not part of `make test`: docs/testing.md.
+test-wheel:
+	PYTHON=$(PYTHON) bash .ci/test-wheel
 
 # The fault-injection tests alone (SIGKILL, SIGSTOP, restarts of a redis-server of their own, a delaying
 # proxy, cancellations, abandoned streams, deadlines; marked `faults`), then their results table: each

@@ -33,6 +33,7 @@ def test_readme_lists_every_example() -> None:
         assert name in readme, f"examples/README.md does not mention {name}"
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_quickstart_wrap_burst_completes_and_returns_every_block() -> None:
     out = run_example("quickstart_wrap.py", "--sim", "--requests", "12", "--max-tokens", "48",
                       "--limit-blocks", "100", "--speedup", "10")
@@ -45,6 +46,7 @@ def test_quickstart_wrap_burst_completes_and_returns_every_block() -> None:
     assert "simulator preemptions: 0" in out
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_drop_in_client_streams_and_abandoned_stream_releases() -> None:
     out = run_example("drop_in_client.py", "--sim", "--streams", "4", "--max-tokens", "40", "--quiet",
                       "--speedup", "5")
@@ -57,6 +59,7 @@ def test_drop_in_client_streams_and_abandoned_stream_releases() -> None:
     assert "all 4 streams done (3 finished, 1 abandoned); budget used=0 leases=0" in out
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_langchain_agent_tool_loops_complete_and_return_every_block() -> None:
     pytest.importorskip("langchain_openai")
     pytest.importorskip("langchain_zp", reason="not installed: pip install -e integrations/langchain")
@@ -69,6 +72,7 @@ def test_langchain_agent_tool_loops_complete_and_return_every_block() -> None:
     assert "simulator preemptions: 0" in out
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_threads_sync_shared_wrapped_client() -> None:
     out = run_example("threads_sync.py", "--sim", "--threads", "4", "--requests", "8", "--max-tokens", "32",
                       "--limit-blocks", "30", "--speedup", "10")
@@ -89,6 +93,7 @@ def test_limit_from_server_sizes_budget_from_metrics() -> None:
     assert "the server preempted nothing" in out  # what it says follows what it measured
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_limit_from_server_says_what_it_measured() -> None:
     """The default burst can preempt (see the program's docstring): whatever the count, the sentence
     after it agrees with it."""
@@ -103,6 +108,7 @@ def test_limit_from_server_says_what_it_measured() -> None:
         assert "the server preempted nothing" not in out
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.redis
 def test_fleet_redis_processes_share_one_budget(redis_url: str, redis_prefix: str) -> None:
     import redis

@@ -168,6 +168,7 @@ def test_the_epp_holds_requests_while_every_replica_is_saturated() -> None:
     assert prompt_block_hashes("m", "a" * 128) != prompt_block_hashes("n", "a" * 128)  # seeded by the model
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_two_replicas_rr_rr_zp_and_epp_spread_the_load_and_report_the_fleet(tmp_path: Path) -> None:
     cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "rr", "rr-zp", "epp"],
                       profile="tiny", num_gpu_blocks=None, workload_overrides=dict(SMALL), replicas=2)
@@ -227,6 +228,7 @@ def test_a_one_server_run_reports_no_fleet() -> None:
     assert "prefix hit" not in markdown_table(report)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_zp_fleet_spreads_without_preemptions_and_survives_a_kill() -> None:
     """zp-fleet in miniature: balanced across both replicas with no preemption; with the busiest replica
     killed mid-run, every request that had not started streaming completes on the other replica (moved

@@ -38,6 +38,7 @@ def test_pd_setups_need_pd_and_pd_defaults_to_them_and_the_colocated_fleet() -> 
         StormConfig(pd=(1, 1), replicas=3)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_a_pd_storm_moves_every_prompt_and_reports_each_pool() -> None:
     cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "pd-proxy", "pd-noadmission",
                                                               "zp-fleet-chunk512", "zp-pd"],

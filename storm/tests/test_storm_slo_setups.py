@@ -77,6 +77,7 @@ def tiny_mixed() -> tuple[Any, dict[str, Any], dict[str, list[dict[str, Any]]], 
     return wl, report, sent, runs
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_each_setup_sends_what_its_real_counterpart_would(tiny_mixed: Any) -> None:
     wl, report, sent, runs = tiny_mixed
     targets = {"interactive": "1", "batch": "30"}

@@ -160,6 +160,7 @@ def test_client_load_takes_a_sane_fraction_and_on_the_virtual_clock_keeps_the_si
     assert not StormConfig(clock="real", client_load=0.5).sim_in_process
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_a_modelled_busy_client_reads_late_and_deterministically() -> None:
     """--client-load on the virtual clock: the same storm twice gives identical records, chunks are
     handed over late (the harness reports how late), and it differs from the storm without the load."""

@@ -109,6 +109,7 @@ async def test_fifty_dropped_openai_streams_are_released_at_once(server: Loopbac
         await client.close()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_a_dropped_sync_openai_stream_is_released_at_once(server: LoopbackServer, no_gc: None) -> None:
     budget = LocalBudget(limit_blocks=100_000)
     client = wrap(openai.OpenAI(base_url=server.base_url, api_key="x", timeout=30), budget=budget,
@@ -129,6 +130,7 @@ async def test_a_dropped_sync_openai_stream_is_released_at_once(server: Loopback
         client.close()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_zp_clients_dropped_streams_are_released_at_once(server: LoopbackServer, no_gc: None) -> None:
     budget = LocalBudget(limit_blocks=100_000)
     aclient = AsyncClient(base_url=server.base_url, api_key="x", budget=budget, settings=SETTINGS)
@@ -155,6 +157,7 @@ async def test_zp_clients_dropped_streams_are_released_at_once(server: LoopbackS
         sclient.close()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_randomly_cancelled_requests_leak_nothing_without_the_collector(server: LoopbackServer,
                                                                                no_gc: None) -> None:
     """Tasks cancelled at random points (waiting for the answer, inside a read, between two reads while
@@ -230,6 +233,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_an_openai_client_over_the_transport_without_wrap_releases_dropped_streams_too() -> None:
     """The documented other way in (``AsyncAdmissionTransport`` as an openai client's transport, no
     ``wrap()``), in a fresh interpreter: no earlier ``wrap()`` has prepared openai's streams there."""
@@ -247,6 +251,7 @@ def test_an_openai_client_over_the_transport_without_wrap_releases_dropped_strea
     assert proc.stdout.strip().splitlines()[-1] == "held 0", proc.stdout
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.skipif(not getattr(__import__("select"), "POLLRDHUP", 0),
                     reason="needs poll()'s POLLRDHUP (Linux)")
 async def test_a_connection_the_server_ended_releases_an_unread_stream(server: LoopbackServer,
@@ -275,6 +280,7 @@ async def test_a_connection_the_server_ended_releases_an_unread_stream(server: L
         await client.close()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_a_task_cancelled_between_two_reads_releases_its_stream(server: LoopbackServer,
                                                                       no_gc: None) -> None:
     """The reading task is cancelled while it does its own work between two chunks, the stream in its

@@ -346,6 +346,7 @@ def test_extra_headers_and_body_go_on_the_wire(app: _App) -> None:
     assert "top_p" not in sent["body"] and "tools" not in sent["body"]  # unset parameters are not sent
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_api_key_never_in_repr_logs_or_errors(app: _App, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     with Client(app.base_url, api_key=SECRET, budget=_budget()) as client:
@@ -412,6 +413,7 @@ def test_given_http_client_is_reused_not_modified(app: _App) -> None:
     assert hooks[0] == "/v1/chat/completions"
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_connection_errors_are_typed() -> None:
     async def main() -> None:
         async with AsyncClient("http://127.0.0.1:9/v1", budget=_budget(), settings=Settings(max_model_len=2048)) as c:
@@ -443,6 +445,7 @@ def test_cancelling_a_stream_reader_releases_the_lease(sim: SimServer) -> None:
     assert 2 <= got < 900 and used == 0
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_cancelling_a_waiting_request_releases_nothing_and_leaks_nothing(sim: SimServer) -> None:
     budget = LocalBudget(limit_blocks=70, policy="strict")  # the second request surely cannot fit
 

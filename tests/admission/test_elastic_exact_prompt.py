@@ -119,6 +119,7 @@ async def test_local_budget_does_not_over_admit_leases_whose_exact_prompt_exceed
         await le.release()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.anyio
 async def test_a_burst_through_wrap_against_the_simulator_is_not_preempted() -> None:
     # The example's burst (examples/limit_from_server.py), 32 calls: the simulator counts each prompt as

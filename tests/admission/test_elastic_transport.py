@@ -66,6 +66,7 @@ def short_forecaster() -> LengthForecaster:
     return fc
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.parametrize("mod", [httpx, httpx2], ids=lambda m: m.__name__)
 async def test_elastic_stream_sends_meta_and_progress(mod: Any, server: LoopbackServer) -> None:
     budget = LocalBudget(1000, 16, policy="elastic")
@@ -98,6 +99,7 @@ async def test_elastic_stream_sends_meta_and_progress(mod: Any, server: Loopback
     assert "x-zp-route" not in sent["headers"]
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.parametrize("reserve_z", [0.0, 0.5])
 async def test_upper_forecasts_are_sent_only_to_a_spread_sized_reserve(reserve_z: float,
                                                                        server: LoopbackServer) -> None:
@@ -128,6 +130,7 @@ async def test_upper_forecasts_are_sent_only_to_a_spread_sized_reserve(reserve_z
     assert m["forecast_hi"] >= m["forecast_tokens"] and m["forecast_hi"] > meta0["forecast_hi"]
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_elastic_stream_reports_every_new_block(server: LoopbackServer) -> None:
     """The projected peak reads ``held`` as the lease's occupancy now: an elastic stream reports each block
     it enters, so the policy never sees it more than a block behind (strict reports every 4)."""

@@ -174,6 +174,7 @@ async def test_reassembled_response_headers(sim: tuple[SimServer, Recorder]) -> 
     assert json.loads(raw.content)["object"] == "chat.completion"
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.openai_compat
 async def test_a_proxy_idle_timeout_no_longer_cuts_a_long_generation() -> None:
     # The gateway answers 504 when no byte came within 2 virtual s; the generation takes ~6.

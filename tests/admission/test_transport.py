@@ -194,6 +194,7 @@ class TestAsyncMatrix:
                 tg.cancel_scope.cancel()
         assert await used(b) == 0
 
+    @pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
     async def test_stream_abandoned_after_two_chunks(self, mod: Any, server: LoopbackServer) -> None:
         b = make_budget()
         c = async_client(mod, server, b)
@@ -237,6 +238,7 @@ class TestSyncMatrix:
                         pass
             assert anyio.run(used, b) == 0
 
+    @pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
     def test_abandoned_stream(self, mod: Any, server: LoopbackServer) -> None:
         b = make_budget()
         c = sync_client(mod, server, b)
@@ -421,6 +423,7 @@ def test_admission_transport_for_places_a_user_defined_transport_once_openai_is_
         assert isinstance(async_t, classes.AsyncAdmissionTransport)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_idle_stream_watchdog(server: LoopbackServer) -> None:
     b = make_budget()
     async with async_client(httpx, server, b, settings=settings(idle_stream_timeout_s=0.2)) as c:
@@ -497,6 +500,7 @@ SIM_CHAT = {"model": "sim-llama", "messages": [{"role": "user", "content": "tell
             "max_tokens": 24, "ignore_eos": True, "seed": 7}
 
 
+@pytest.mark.needs_sim
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
 class TestAgainstSimulator:
     def _client(self, mod: Any, sim: Any, b: Any, **kw: Any) -> Any:
@@ -536,6 +540,7 @@ class TestAgainstSimulator:
                 {"role": "user", "content": "many words here " * 2000}]})
             assert r.status_code == 400 and await used(b) == 0
 
+    @pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
     async def test_cancel_and_abandon_free_both_sides(self, mod: Any, sim: Any) -> None:
         b = make_budget()
         long = {**SIM_CHAT, "max_tokens": 1500, "stream": True}
@@ -600,6 +605,7 @@ async def test_stream_growth_is_reported(server: LoopbackServer) -> None:
     assert await used(b) == 0
 
 
+@pytest.mark.needs_sim
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
 async def test_cancel_while_server_generates_unstreamed(mod: Any, sim: Any) -> None:
     """Cancelled after sending, before the response headers: blocks return on both sides."""
@@ -621,6 +627,7 @@ async def test_cancel_while_server_generates_unstreamed(mod: Any, sim: Any) -> N
     assert await anyio.to_thread.run_sync(sim_idle, sim)
 
 
+@pytest.mark.needs_sim
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
 async def test_server_estimator_counts_through_the_inner_transport(mod: Any, sim: Any) -> None:
     """estimator="server" asks the simulator's /tokenize (through the inner transport, unadmitted)."""

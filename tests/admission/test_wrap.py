@@ -161,6 +161,7 @@ async def test_async_cancel_while_streaming(server: LoopbackServer) -> None:
     assert await used(b) == 0
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_async_stream_abandoned_after_two_chunks(server: LoopbackServer) -> None:
     b = make_budget()
     c = awrapped(server, b)
@@ -241,6 +242,7 @@ def test_zp_client_exports_wrap(server: LoopbackServer) -> None:
     assert isinstance(c, openai.OpenAI) and c.max_retries == 0
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_wrapping_an_unreferenced_client_keeps_its_connection_pool_open(server: LoopbackServer) -> None:
     # wrap(openai.OpenAI(...)): nothing else holds the original, and openai closes its HTTP client (the
     # pool the wrapped client sends through) when the original is collected. The wrapped client keeps it.

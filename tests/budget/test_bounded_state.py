@@ -74,6 +74,7 @@ def test_the_waiters_gauge_of_ten_thousand_classes_has_at_most_16_label_values()
     assert len(got) <= MAX_PRIORITY_LABELS and sum(got.values()) == N
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.openai_compat
 def test_priority_headers_through_wrap_are_bounded() -> None:
     m = ZPMetrics()

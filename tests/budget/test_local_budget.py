@@ -68,6 +68,7 @@ def assert_empty(budget: LocalBudget) -> None:
 # ----------------------------------------------------------------------------- load
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_500_tasks_with_mixed_weights_never_exceed_the_limit_and_all_finish() -> None:
     budget = LocalBudget(100)
     live = LiveCounter()
@@ -94,6 +95,7 @@ async def test_500_tasks_with_mixed_weights_never_exceed_the_limit_and_all_finis
     assert_empty(budget)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_cancellation_at_random_points_leaks_nothing() -> None:
     budget = LocalBudget(50, starvation_bound_s=0.01)
     live = LiveCounter()
@@ -177,6 +179,7 @@ async def test_threads_and_tasks_share_one_limit() -> None:
     assert_empty(budget)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_one_release_wakes_only_the_waiters_it_admits() -> None:
     budget = LocalBudget(10)
     holder = await budget.acquire(10)

@@ -282,6 +282,7 @@ async def test_aclose_finishes_a_release_cancelled_mid_flight(budgets: Any) -> N
     await other.aclose()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_aclose_is_bounded_when_redis_stops_answering(budgets: Any) -> None:
     """A black-holed network: the background release never ends. aclose gives up after its bound
     (the lease expires by TTL) instead of waiting, or queueing a retry, forever."""
@@ -332,6 +333,7 @@ async def test_cancelling_aclose_still_stops_the_budgets_tasks(budgets: Any) -> 
 
 
 # ------------------------------------------------------------------------------ expiry, epochs, recovery
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_dead_holders_lease_expires_and_the_waiter_proceeds(budgets: Any) -> None:
     dead, alive = budgets(10, lease_ttl_s=1.0, poll_interval_s=0.2), budgets(10, lease_ttl_s=1.0, poll_interval_s=0.2)
     await dead.acquire(10)
@@ -379,6 +381,7 @@ async def test_lease_that_expired_in_this_epoch_is_reported_lost(budgets: Any, r
     await b.aclose()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_lease_redis_lost_is_readopted_and_admission_waits_out_recovery(
     budgets: Any, redis_url: str, redis_prefix: str
 ) -> None:
@@ -647,6 +650,7 @@ def redis_cluster() -> Iterator[list[int]]:
             p.wait(10)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_redis_cluster(redis_cluster: list[int], redis_prefix: str) -> None:
     from redis.asyncio.cluster import RedisCluster
     from redis.cluster import RedisCluster as SyncRedisCluster

@@ -616,6 +616,7 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
 
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.anyio
 async def test_elastic_on_redis_cluster(redis_cluster: list[int], redis_prefix: str) -> None:
     # Everything elastic adds (the projection mirror, the forecaster's keys) lives under the hash tag.

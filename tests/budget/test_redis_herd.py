@@ -94,6 +94,7 @@ async def _assert_empty(budget: RedisBudget) -> None:
     assert budget.counters["release_retried"] == 0
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_a_thousand_concurrent_acquires_are_all_admitted_without_an_outage(
     redis_url: str, keys_cleanup: str, caplog: Any
 ) -> None:
@@ -145,6 +146,7 @@ class _CountingSyncPool(redis.ConnectionPool):
             raise
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_a_callers_exhausted_async_pool_is_back_pressure_not_an_outage(
     redis_url: str, keys_cleanup: str, caplog: Any
 ) -> None:
@@ -181,6 +183,7 @@ async def test_a_callers_exhausted_sync_pool_is_back_pressure_not_an_outage(
     await aclient.aclose()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_a_herd_of_default_retries_on_a_redis_budget_is_retried_not_refused(
     redis_url: str, keys_cleanup: str, caplog: Any
 ) -> None:

@@ -157,6 +157,7 @@ def test_eight_processes_never_exceed_the_limit(redis_url: str, redis_prefix: st
     assert (st.used, st.leases, st.waiters) == (0, 0, {})
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_sigkilled_holders_blocks_return_and_waiters_proceed(redis_url: str, redis_prefix: str, cleanup: None) -> None:
     from zp_client.budget.redis import RedisBudget
 

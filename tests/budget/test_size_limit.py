@@ -63,6 +63,7 @@ async def test_local_budget_waiters_and_new_requests_wait_out_a_temporary_cut() 
         await budget.acquire(70)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.redis
 def test_redis_budget_keeps_the_size_limit_through_a_fenced_or_plain_cut(redis_url: str, redis_prefix: str) -> None:
     async def main() -> None:

@@ -586,6 +586,7 @@ def test_bad_arguments_fail_fast() -> None:
 # ------------------------------------------------------------------------------------------ the simulator
 
 
+@pytest.mark.needs_sim
 def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_returns_in_bound() -> None:
     """Traffic sent straight to the simulator (not through the budget) holds its KV; the controller,
     polling the simulator's /metrics on the virtual clock, lowers the limit to the room that leaves and
@@ -642,6 +643,7 @@ def test_on_the_simulator_in_virtual_time_a_bypass_is_tracked_and_the_limit_retu
     assert pollers["pollers"][ctl.id]["polls"] == pollers["scrapes"] == len(ctl.decisions)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.openai_compat
 def test_the_admission_core_reports_overload_answers_to_the_budget() -> None:
     import openai
@@ -668,6 +670,7 @@ def test_the_admission_core_reports_overload_answers_to_the_budget() -> None:
     assert ctl._overloads == 3 and ctl._overload_statuses == {429: 1, 503: 1, 529: 1}
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 @pytest.mark.openai_compat
 def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_traffic_is_not_bypass() -> None:
@@ -717,6 +720,7 @@ def test_on_the_simulator_preemptions_under_an_oversized_limit_cut_it_and_own_tr
     print(f"{preempted} preemptions; changes: {[(c.old, c.new, c.reason) for c in ctl.changes]}")
 
 
+@pytest.mark.needs_sim
 def test_budget_adapt_on_a_calibrated_budget_polls_its_server_over_loopback() -> None:
     from zp_sim.server import SimServer
 

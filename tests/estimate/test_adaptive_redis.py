@@ -148,6 +148,7 @@ def _pollers(sim_url: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.needs_sim
 @pytest.mark.slow
 def test_three_processes_run_exactly_one_poller_and_a_killed_leaders_successor_polls_within_one_ttl(
         redis_url: str, redis_prefix: str) -> None:
@@ -210,6 +211,7 @@ def test_three_processes_run_exactly_one_poller_and_a_killed_leaders_successor_p
             rc.close()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_overload_answers_noted_between_polls_survive_a_lease_renewal(redis_url: str, redis_prefix: str) -> None:
     """A leader renews its lease between polls when the poll interval exceeds a third of the TTL; the
     renewal takes the fleet's overload answers from Redis, and they must count at the next poll."""

@@ -302,6 +302,7 @@ async def test_requests_route_across_replicas_and_metadata_passes_through() -> N
             await client.close()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.anyio
 async def test_a_conversation_stays_on_its_replica() -> None:
     with LoopbackServer() as s1, LoopbackServer() as s2, LoopbackServer() as s3:
@@ -536,6 +537,7 @@ class _Always503(_ResetBeforeFirstByte):
         self.server = ThreadedApp(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]))
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.anyio
 async def test_a_retry_avoids_the_replica_that_failed_it() -> None:
     with _Always503() as bad, LoopbackServer() as good:

@@ -181,6 +181,7 @@ async def test_a_prefill_answer_without_kv_transfer_params_is_prefilled_on_the_d
             await client.close()
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.anyio
 async def test_a_decode_replica_that_rejects_is_retried_elsewhere_with_the_prefills_params() -> None:
     # a 2 s lease (40 virtual s at speedup 20): longer than the first retry's backoff (at most 0.5 s), so
@@ -260,6 +261,7 @@ async def test_cancelled_mid_decode_stream_releases_both_legs_once() -> None:
         assert p.stats()["kv"]["kv_freed_read"] == 1 and p.stats()["kv"]["held_blocks"] == 0
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.anyio
 async def test_cancelled_between_the_two_calls_holds_the_prefill_leg_until_vllms_lease_ends() -> None:
     # a decode replica that accepts connections and never answers: the call is cancelled after the
@@ -394,6 +396,7 @@ async def test_the_drop_in_async_client_takes_both_legs() -> None:
         await _settled(lambda: _idle(fleet), lambda: _idle(pre))
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.anyio
 async def test_a_kept_prefill_waits_for_decode_room_only_while_its_kv_lives_then_prefills_again() -> None:
     # the decode call's first replica refuses connections (ejected at once); the other is full (a lease

@@ -221,6 +221,7 @@ async def test_an_explicit_call_key_spans_fresh_contexts_and_is_not_sent(proxy: 
     assert not any("x-zp-call" in h for h in proxy.headers)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_a_cancelled_call_is_not_remembered(proxy: FailProxy) -> None:
     b = budget()
     c = awrapped(proxy.base_url, b)
@@ -247,6 +248,7 @@ class _Clock:
         return self.now
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_memory_is_bounded_by_cap_and_window() -> None:
     clock = _Clock()
     reg = _repeat._Registry(cap=3)

@@ -191,6 +191,7 @@ def _ask(user: str) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "user": user}
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.anyio
 @pytest.mark.openai_compat
 async def test_through_wrap_a_waiting_retry_holds_no_lease_then_goes_through() -> None:

@@ -128,6 +128,7 @@ async def test_tool_calling_goes_through_the_budget(server: SimServer) -> None:
 # -------------------------------------------------------------------------------------- admission
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_two_concurrent_calls_with_room_for_one_never_run_together(server: SimServer) -> None:
     before = set(records(server))
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
@@ -337,6 +338,7 @@ async def hold_then_release(budget: LocalBudget, blocker: Any) -> float:
     return held
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.parametrize("mode", ["create", "create_stream"])
 async def test_each_calls_queue_wait_is_an_event_on_autogens_event_logger(server: SimServer, events: Events,
                                                                            mode: str) -> None:

@@ -171,6 +171,7 @@ def test_an_elastic_budget_admits_the_same_calls(server: SimServer) -> None:
 # -------------------------------------------------------------------------------------- admission
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 async def test_two_concurrent_calls_with_room_for_one_never_run_together(server: SimServer) -> None:
     before = set(records(server))
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
@@ -193,6 +194,7 @@ async def test_without_zp_the_same_two_calls_run_together(server: SimServer) -> 
     assert overlapped(mine)
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 def test_sync_calls_from_two_threads_take_turns(server: SimServer) -> None:
     before = set(records(server))
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
@@ -438,6 +440,7 @@ def check_reports(seen: Seen, collector: RunCollectorCallbackHandler, held: floa
     return summary
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.parametrize("mode", ["invoke", "ainvoke", "stream", "astream", "invoke-streaming"])
 async def test_a_calls_queue_wait_reaches_callbacks_and_the_recorded_run(server: SimServer,
                                                                         mode: str) -> None:
@@ -479,6 +482,7 @@ async def test_a_calls_queue_wait_reaches_callbacks_and_the_recorded_run(server:
     assert (await budget.status()).used == 0
 
 
+@pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.parametrize("mode", ["invoke", "astream"])
 async def test_the_completions_llm_reports_its_queue_wait(server: SimServer, mode: str) -> None:
     budget = LocalBudget(limit_blocks=ONE_CALL_LIMIT, policy="strict")
