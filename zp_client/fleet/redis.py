@@ -30,17 +30,17 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from zp_client._redact import check_redis_url
 from zp_client._tasks import deferred
-from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
+from zp_client.budget.base import Budget, BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.ledger import validate_blocks, validate_seconds
 from zp_client.budget.redis._budget import RedisBudget
 from zp_client.budget.redis._clients import AsyncRedisClient
-from zp_client.budget.redis._script import CALL_FAILED, RedisLease, text
+from zp_client.budget.redis._script import CALL_FAILED, Config, RedisBudgetEvent, RedisLease, text
 from zp_client.errors import ConfigurationError
 from zp_client.fleet._routing import FleetRouting, normalize, replica_limits
 from zp_client.fleet.ledger import (
@@ -54,6 +54,14 @@ from zp_client.fleet.ledger import (
     HealthRules,
 )
 from zp_client.fleet.prefix import DEFAULT_MAX_ENTRIES
+
+if TYPE_CHECKING:
+    from zp_client.budget.redis._async import AsyncFace
+    from zp_client.budget.redis._retry import RedisRetryBudget
+    from zp_client.budget.redis._sync import SyncFace
+    from zp_client.config import Settings
+    from zp_client.forecast import LengthForecaster
+    from zp_client.retry import RetryBudget
 
 __all__ = ["MAX_ROUTE_KEYS", "RedisFleet", "replica_id"]
 
@@ -111,7 +119,7 @@ class _Hooks:
         return self._fleet._urls.get(rid)
 
 
-class RedisFleet(FleetRouting, RedisBudget):
+class RedisFleet(FleetRouting, Budget):
     """A fleet of vLLM replicas whose budgets, line and prefix index live in Redis (module docstring).
 
     ``replicas``: base URLs (all with the same path), each leased up to ``limit_blocks``, or a mapping of
@@ -127,6 +135,10 @@ class RedisFleet(FleetRouting, RedisBudget):
     :class:`~zp_client.RedisBudget`'s keyword arguments (``lease_ttl_s``, ``poll_interval_s``,
     ``recovery_s``, ``on_unavailable``..., and ``line`` / ``late_bound_s``: the fleet's line runs the
     SLO-aware order too).
+
+    A RedisFleet is a :class:`~zp_client.Budget`; it composes its line (a private
+    :class:`_RedisFleetLine`: a RedisBudget in fleet mode over the fleet's keys and scripts) rather than
+    being a RedisBudget, and offers every public method a RedisBudget offers.
     """
 
     def __init__(
@@ -159,7 +171,14 @@ class RedisFleet(FleetRouting, RedisBudget):
                                      "fallback would admit without placing requests on replicas")
         limits = replica_limits(replicas, limit_blocks, missing_limit=(
             "RedisFleet(url, name, replicas) needs limit_blocks (or a mapping of URL to limit)"))
-        super().__init__(url_or_client, name, max(limits.values()), block_size, policy=policy, **kwargs)
+        self._line = _RedisFleetLine(self, url_or_client, name, max(limits.values()), block_size,
+                                     policy=policy, **kwargs)
+        self.name = name
+        self.block_size = self._line.block_size
+        self._core = self._line._core
+        self.counters = self._line.counters
+        self.created: bool | None = None
+        """As RedisBudget's (a fleet is not made by :meth:`create`: always None)."""
         self.health = health or HealthRules()
         self.affinity_wait_s = validate_seconds(affinity_wait_s, "affinity_wait_s")
         self.min_affinity_blocks = validate_blocks(min_affinity_blocks, "min_affinity_blocks", minimum=0)
@@ -176,12 +195,28 @@ class RedisFleet(FleetRouting, RedisBudget):
         self._ejected: set[str] = set()  # what this process last learned (status, its own health calls)
         self._path = urlsplit(next(iter(limits))).path
         self._pending: set[asyncio.Task[object]] = set()
-        self._checked = False
         self.moves = 0
         """Requests this process moved off a failed replica without spending a retry."""
         self.max_moves = 1
         """Moves per request off failing replicas, per replica in the fleet (as Fleet's)."""
         self._core.fleet = _Hooks(self)
+
+    @classmethod
+    async def create(
+        cls, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int, block_size: int = 16,
+        **kwargs: Any,
+    ) -> RedisBudget:
+        """A RedisBudget's constructor, which a fleet has not: raises
+        :class:`~zp_client.ConfigurationError` (``RedisFleet(url, name, replicas, limit_blocks)``)."""
+        raise ConfigurationError("RedisFleet(url, name, replicas, limit_blocks, ...) is its constructor")
+
+    @classmethod
+    def create_sync(
+        cls, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int, block_size: int = 16,
+        **kwargs: Any,
+    ) -> RedisBudget:
+        """Blocking form of :meth:`create`: raises :class:`~zp_client.ConfigurationError`."""
+        raise ConfigurationError("RedisFleet(url, name, replicas, limit_blocks, ...) is its constructor")
 
     @classmethod
     def from_settings(cls, *args: Any, **kwargs: Any) -> RedisFleet:
@@ -229,7 +264,8 @@ class RedisFleet(FleetRouting, RedisBudget):
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is not None and self._side is not None and self._side.loop is loop:
+        side = self._line._side
+        if loop is not None and side is not None and side.loop is loop:
             task = loop.create_task(self._health_async(args))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
@@ -428,6 +464,124 @@ class RedisFleet(FleetRouting, RedisBudget):
     ) -> Lease:
         """As :meth:`RedisBudget.acquire`; the lease's ``replica`` is the base URL it was placed on (the
         first call also checks that the name holds a fleet: one more script call, once)."""
+        return await self._line.acquire(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                        meta=meta)
+
+    def acquire_sync(
+        self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
+    ) -> Lease:
+        return self._line.acquire_sync(blocks, priority=priority, timeout=timeout, ticket=ticket, held=held,
+                                       meta=meta)
+
+    async def aclose(self) -> None:
+        """Stop what attached to it, then its line's background tasks and threads (as RedisBudget's);
+        the prefill legs it keeps (fleet/pd.py) are released and its prefill pool closed."""
+        await self._close_attached()
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        if deferred.pending():  # prefill legs kept for their KV's lease (fleet/pd.py): the fleet goes away
+            await asyncio.to_thread(deferred.run_now, self)
+        await self._line.aclose()
+        if self.pd is not None:  # its prefill pool (disaggregate()) goes with it
+            await self.pd.prefill.aclose()
+
+    # ------------------------------------------------------------------ the budget: its line's
+    @property
+    def _side(self) -> AsyncFace | None:
+        return self._line._side
+
+    @property
+    def _sync_face(self) -> SyncFace:
+        return self._line._sync_face
+
+    def _get_side(self) -> AsyncFace:
+        return self._line._get_side()
+
+    @property
+    def _closed(self) -> bool:
+        return self._line._closed
+
+    @property
+    def limit(self) -> int:
+        """The line's limit last seen in Redis (the largest replica's; per replica: ``status()``)."""
+        return self._line.limit
+
+    @property
+    def policy_name(self) -> str:
+        return self._line.policy_name
+
+    @property
+    def config(self) -> Config:
+        """The validated settings the fleet's line was made with."""
+        return self._line.config
+
+    @property
+    def supports_pins(self) -> bool:
+        return self._line.supports_pins
+
+    def shared_forecaster(self, **kwargs: Any) -> LengthForecaster:
+        """As :meth:`RedisBudget.shared_forecaster` (the fleet's name, every process of the fleet)."""
+        return self._line.shared_forecaster(**kwargs)
+
+    def new_retry_budget(
+        self, *, ratio: float = 0.5, floor_per_s: float = 0.5, window_s: float = 20.0
+    ) -> RedisRetryBudget:
+        """As :meth:`RedisBudget.new_retry_budget`: one retry budget for every process of the fleet."""
+        return self._line.new_retry_budget(ratio=ratio, floor_per_s=floor_per_s, window_s=window_s)
+
+    def retry_budget(self, settings: Settings | None = None) -> RetryBudget:
+        """The line's shared retry budget (:meth:`Budget.retry_budget`; closed with the fleet)."""
+        return self._line.retry_budget(settings)
+
+    def add_event_hook(self, hook: Callable[[RedisBudgetEvent], None]) -> None:
+        self._line.add_event_hook(hook)
+
+    async def _adaptive(self, op: str, controller: str, ttl_ms: int = 0, overloads: int = 0,
+                        fields: Mapping[str, object] | None = None) -> list[object]:
+        return await self._line._adaptive(op, controller, ttl_ms, overloads, fields)
+
+    async def pin(self, key: str, blocks: int, *, margin: int | None = None, track: bool = True,
+                  span: int | None = None) -> None:
+        await self._line.pin(key, blocks, margin=margin, track=track, span=span)
+
+    async def unpin(self, key: str) -> bool:
+        return await self._line.unpin(key)
+
+    async def keepwarm_due(self) -> list[str]:
+        return await self._line.keepwarm_due()
+
+    async def claim_keepwarm(self, key: str, ttl_s: float) -> bool:
+        return await self._line.claim_keepwarm(key, ttl_s)
+
+    async def flush(self) -> None:
+        """Send every lease's latest held report now (as :meth:`RedisBudget.flush`)."""
+        await self._line.flush()
+
+    def close_sync(self) -> None:
+        """Stop the line's sync keeper thread (for programs without an event loop)."""
+        self._line.close_sync()
+
+    def __repr__(self) -> str:
+        return f"<RedisFleet {self.name} replicas={len(self._urls)}>"
+
+
+class _RedisFleetLine(RedisBudget):
+    """A fleet's line (private; each :class:`RedisFleet` composes one): a RedisBudget in fleet mode (its
+    scripts place each waiter on a replica). The hooks below are the fleet's: the first acquire checks
+    the name holds a fleet, and a release carries the request's success and lands after the health
+    reports made before it."""
+
+    def __init__(self, fleet: RedisFleet, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int,
+                 block_size: int, **kwargs: Any) -> None:
+        super().__init__(url_or_client, name, limit_blocks, block_size, **kwargs)
+        self.fleet = fleet
+        self._checked = False
+
+    async def acquire(
+        self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
+        held: int | None = None, meta: Mapping[str, object] | None = None,
+    ) -> Lease:
         if not self._checked:
             await self._get_side().eval("fleet", ["status", ""])  # creates the fleet, or refuses the name
             self._checked = True
@@ -452,18 +606,7 @@ class RedisFleet(FleetRouting, RedisBudget):
     async def _release_lease(self, lease: RedisLease) -> None:
         if lease.lost:
             self._core.fleet_ok.discard(lease.id)
-        if self._pending:  # health reports made before the release land first (its success resets them)
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        pending = self.fleet._pending
+        if pending:  # health reports made before the release land first (its success resets them)
+            await asyncio.gather(*list(pending), return_exceptions=True)
         await super()._release_lease(lease)
-
-    async def aclose(self) -> None:
-        if self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
-        if deferred.pending():  # prefill legs kept for their KV's lease (fleet/pd.py): the fleet goes away
-            await asyncio.to_thread(deferred.run_now, self)
-        await super().aclose()
-        if self.pd is not None:  # its prefill pool (disaggregate()) goes with it
-            await self.pd.prefill.aclose()
-
-    def __repr__(self) -> str:
-        return f"<RedisFleet {self.name} replicas={len(self._urls)}>"
