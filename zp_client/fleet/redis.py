@@ -9,7 +9,8 @@ Redis so every process on every host shares one line and one budget per replica:
                        ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"], limit_blocks=1945)
     client = wrap(openai.AsyncOpenAI(base_url=fleet.base_url, api_key="x"), budget=fleet)
 
-It is a :class:`~zp_client.RedisBudget` in **fleet mode**: the same scripts (``lua/``), whose grant pass
+It is a :class:`~zp_client.Budget` whose line is a (private, composed) :class:`~zp_client.RedisBudget`
+in **fleet mode**: the same scripts (``lua/``), whose grant pass
 places each waiter on a replica (each replica admits under the fleet's policy, over its own leases:
 ``elastic``, the default, while the projected peak of its pool stays within its limit, as
 :class:`~zp_client.fleet.Fleet`'s replicas; ``strict``, while its sum of bounds does; session replica
