@@ -172,8 +172,9 @@ class RedisFleet(FleetRouting, Budget):
                                      "fallback would admit without placing requests on replicas")
         limits = replica_limits(replicas, limit_blocks, missing_limit=(
             "RedisFleet(url, name, replicas) needs limit_blocks (or a mapping of URL to limit)"))
-        self._line = _RedisFleetLine(self, url_or_client, name, max(limits.values()), block_size,
-                                     policy=policy, **kwargs)
+        self._line = _RedisFleetLine(url_or_client, name, max(limits.values()), block_size, policy=policy,
+                                     **kwargs)
+        self._line.fleet = self
         self.name = name
         self.block_size = self._line.block_size
         self._core = self._line._core
@@ -573,11 +574,9 @@ class _RedisFleetLine(RedisBudget):
     the name holds a fleet, and a release carries the request's success and lands after the health
     reports made before it."""
 
-    def __init__(self, fleet: RedisFleet, url_or_client: str | AsyncRedisClient, name: str, limit_blocks: int,
-                 block_size: int, **kwargs: Any) -> None:
-        super().__init__(url_or_client, name, limit_blocks, block_size, **kwargs)
-        self.fleet = fleet
-        self._checked = False
+    fleet: RedisFleet
+    """The fleet that composes this line (set by it at once)."""
+    _checked = False
 
     async def acquire(
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
