@@ -251,6 +251,3 @@ if redis_elastic_available():
                              description="wrap(AsyncOpenAI) + RedisBudget(policy='elastic') shared by 3 "
                                          "workers"),
                    _zp_redis_elastic, after="zp-redis")
-
-# Issue 30's setups build on these (zp-oracle-h1 is placed after zp-oracle): registered once these are.
-from zp_storm import slo_setups as _slo_setups  # noqa: E402,F401 - registers them, needs this module

@@ -534,9 +534,3 @@ async def open_caller(name: str, ctx: SetupContext) -> AsyncIterator[Caller]:
     _warm_openai(VirtualTimeAsyncOpenAI(speedup=ctx.speedup, base_url=ctx.base_url, api_key="sk-storm-bench"))
     async with contextlib.AsyncExitStack() as stack:
         yield await factory(ctx, stack)
-
-
-# The elastic setups (issue 8) register themselves; imported last because they build on this module.
-from zp_storm import elastic_setups as _elastic_setups  # noqa: E402,F401 - registers them, needs this module
-from zp_storm import fleet_setups as _fleet_setups  # noqa: E402,F401 - registers them, needs this module
-from zp_storm import pd_setups as _pd_setups  # noqa: E402,F401 - registers them, needs this module
