@@ -216,10 +216,13 @@ async def test_an_unread_prefill_expires_after_its_lease() -> None:
 @pytest.mark.anyio
 async def test_a_prefill_pool_full_of_held_kv_idles_on_the_wall_clock_until_a_lease_frees_room() -> None:
     # three held prefills fill the 511-block pool; a fourth waits with nothing schedulable until their
-    # leases expire (2 virtual s). The engine idles meanwhile: its clock must follow the wall clock, not
-    # fall behind it (it would then run the next steps back to back, faster than the profile)
+    # leases expire (20 virtual s: 1 s of wall time at speedup 20, so that the three prefills are all
+    # still held when the fourth comes, however slowly a loaded machine sends them; with 2 virtual s,
+    # 0.1 s of wall time, the first had expired on a busy machine: 328 < 400). The engine idles
+    # meanwhile: its clock must follow the wall clock, not fall behind it (it would then run the next
+    # steps back to back, faster than the profile)
     texts = [make_text(2600, random.Random(10 + i), "hold") for i in range(4)]
-    async with SimServer("tiny", speedup=20.0, role="prefill", kv_lease_s=2.0) as p, \
+    async with SimServer("tiny", speedup=20.0, role="prefill", kv_lease_s=20.0) as p, \
             httpx.AsyncClient(timeout=30) as c:
         t0 = p.stats()["clock_s"]  # before the first hold: its lease ends at least 2 virtual s later
         for i in range(3):
@@ -228,7 +231,7 @@ async def test_a_prefill_pool_full_of_held_kv_idles_on_the_wall_clock_until_a_le
         await _prefill(c, p.url, texts[3], "h3")  # waits for the first expiry
         st = p.stats()
         assert st["kv"]["kv_expired"] >= 1
-        assert st["clock_s"] - t0 >= 2.0  # it waited the lease out, on the wall clock
+        assert st["clock_s"] - t0 >= 20.0  # it waited the lease out, on the wall clock
         assert st["max_lag_s"] < 0.1  # and was never behind it
 
 
