@@ -53,6 +53,7 @@ import hashlib
 import itertools
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
@@ -236,9 +237,24 @@ def remembered() -> int:
     return len(_registry)
 
 
+# Each core's serial number: never reused, where id() is (a core collected and a new one made at the same
+# address, with the same URL and body, would have been taken for the same client: a false repeat).
+_serials: weakref.WeakKeyDictionary[Core, int] = weakref.WeakKeyDictionary()
+_next_serial = itertools.count(1)
+_serials_lock = threading.Lock()
+
+
+def _serial(core: Core) -> int:
+    with _serials_lock:
+        n = _serials.get(core)
+        if n is None:
+            n = _serials[core] = next(_next_serial)
+        return n
+
+
 def _fingerprint(core: Core, request: HttpRequest) -> bytes:
     h = hashlib.blake2b(digest_size=16)
-    h.update(str(id(core)).encode())
+    h.update(str(_serial(core)).encode())
     h.update(b"\0" + request.method.encode() + b"\0" + str(request.url).encode() + b"\0")
     # zp's own headers (priority, deadline, targets, route, session) make another call of the same body
     for k, v in sorted((k.lower(), v) for k, v in request.headers.raw if k.lower().startswith(b"x-zp-")):
@@ -274,7 +290,7 @@ class _Guard:
         explicit = request.headers.get(CALL_HEADER) or _call_key.get()
         self.explicit = bool(explicit)
         self.scope = None if explicit else _scope.get()
-        key: Hashable | None = ("call", id(core), explicit) if explicit else None
+        key: Hashable | None = ("call", _serial(core), explicit) if explicit else None
         if key is None and self.scope is not None:
             key = self.scope.get(self.fp)
         self.key = key if key is not None else _last_failed.get()
