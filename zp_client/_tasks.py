@@ -2,17 +2,21 @@
 
 Every task and thread zp starts has an owner that starts it and stops it, in one place:
 
-- :class:`Supervisor`: one per budget, fleet or client, for the work that lives as long as it does
-  (a Redis budget's pump, poller, keeper and flusher; a fleet's health checks; fire-and-forget releases).
-  ``aclose()`` stops it in a fixed order: refuse new work; let the fire-and-forget work finish within a
+- :class:`Supervisor`: one per budget face, fleet, forecaster, adaptive limit or pinned prefix, for the
+  work that lives as long as it does (a Redis budget's pump, poller, keeper and flusher tasks, and its
+  blocking face's pump and keeper threads; the shared forecaster's thread; a fleet's health checks; an
+  adaptive limit's task or thread; a keep-warm sender; fire-and-forget releases and health reports).
+  ``aclose()`` stops it in a fixed order: refuse new threads; let the fire-and-forget work finish within a
   grace period, then cancel what is left of it; cancel the long-lived tasks, newest first, and wait for
-  them (bounded); stop the threads, newest first, and join them (bounded).
+  them (bounded; one that lost its cancellation is cancelled again); stop the threads, newest first, and
+  join them (bounded). The table of owners: docs/admission.md#background-work-who-owns-it-and-how-it-stops.
 - :class:`ServiceThread`: one per process for the work no single owner has (the idle-stream watchdog,
   the deadline alarms, the deferred releases of prefill legs). It runs while it has work and ends when it
   has none; the next piece of work starts it again. :func:`quiesce` ends the idle ones now (a client's or
   budget's ``aclose()`` calls it), so after the last close nothing of zp runs.
 - :class:`LoopRef`: the event loop a piece of work was started from, asyncio or trio, so another thread
-  (a watchdog, a finalizer) runs an async release on it in the same way under both.
+  (a watchdog, a finalizer) runs an async release on it in the same way under both; :func:`call_later`
+  runs one after a delay of that loop's time (a virtual-time loop).
 """
 
 from __future__ import annotations

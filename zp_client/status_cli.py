@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict, TypeVar
 
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import BudgetUnavailable, ZPError
 
 if TYPE_CHECKING:
@@ -110,12 +111,12 @@ def within(seconds: float, fn: Callable[..., _T], *args: object, key: object = N
     call waits for it (within its own ``seconds``) instead of starting a second thread, and raises
     :class:`TimeoutError` if it is still running then: a caller polling a stalled server in a loop
     never has more than one thread stuck on it."""
-    deadline = time.monotonic() + seconds
+    deadline = SYSTEM_CLOCK.monotonic() + seconds
     if key is not None:
         with _readers_lock:
             earlier = _readers.get(key)
         if earlier is not None:
-            earlier.join(max(0.0, deadline - time.monotonic()))
+            earlier.join(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
             if earlier.is_alive():
                 raise TimeoutError(f"no answer within {seconds:g} s (the previous read is still waiting)")
     results: list[_T] = []
@@ -137,7 +138,7 @@ def within(seconds: float, fn: Callable[..., _T], *args: object, key: object = N
         with _readers_lock:
             _readers[key] = t
     t.start()
-    t.join(max(0.0, deadline - time.monotonic()))
+    t.join(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
     if t.is_alive():
         raise TimeoutError(f"no answer within {seconds:g} s")
     if errors:
