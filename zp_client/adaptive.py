@@ -343,7 +343,7 @@ class AdaptiveLimit:
         self._first_limit: int | None = None
         self._task: asyncio.Task[object] | None = None
         # owns its polling task, or the thread it runs on (start_in_thread): zp_client/_tasks.py
-        self._sup = Supervisor("adaptive limit")
+        self._sup = Supervisor(f"adaptive limit {self.id}")
         self._closed = False
         self.leader = not self._redis
         """True while this controller is the one that polls (always, for a LocalBudget)."""
