@@ -164,6 +164,26 @@ async def test_a_supervisor_finishes_background_work_then_cancels_tasks_newest_f
     assert not t.is_alive() and sup.closed and zp_tasks() == []
 
 
+@pytest.mark.anyio
+async def test_a_supervisor_cancels_again_a_task_that_lost_its_cancellation() -> None:
+    """On Python 3.10/3.11 ``asyncio.wait_for`` (redis-py runs every call under it) can return the reply
+    and drop a cancellation that lands with it: the task goes on. The close cancels it again."""
+    sup = Supervisor("test")
+    lost: list[int] = []
+
+    async def loses_the_first_cancellation() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            lost.append(1)  # as wait_for does: the reply returned, the cancellation gone
+        await asyncio.sleep(3600)
+
+    task = sup.spawn(loses_the_first_cancellation(), name="zp-test-lossy")
+    await asyncio.sleep(0)
+    await sup.aclose()
+    assert lost == [1] and task.cancelled() and zp_tasks() == []
+
+
 def test_a_service_thread_runs_while_it_has_work_and_ends_without() -> None:
     work: list[int] = [3]
     done = threading.Event()
@@ -245,3 +265,139 @@ async def test_closing_a_budget_first_stops_what_attached_to_it() -> None:
     assert budget.adaptive is None and zp_tasks() == [] and zp_threads() == []
     await ctl.aclose()  # idempotent: its owner's own close finds nothing left
     assert budget.limit == 100
+
+
+# ------------------------------------------------- the owners of the rest (issue 32, second part)
+class _Starts:
+    """Records the zp threads started from the moment ``closed`` is set: a closed owner starts nothing."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.after_close: list[str] = []
+
+
+@pytest.fixture
+def starts(monkeypatch: pytest.MonkeyPatch) -> _Starts:
+    rec = _Starts()
+    original = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if rec.closed and self.name.startswith("zp-"):
+            rec.after_close.append(self.name)
+        original(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return rec
+
+
+def _wait_for(cond: Any, what: str, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_nothing_of_zp_runs_after_a_redis_budget_with_sync_waiters_closes(
+        redis_url: str, redis_name: str, starts: _Starts) -> None:
+    budget = await RedisBudget.create(redis_url, redis_name, limit_blocks=10, poll_interval_s=0.05)
+    held = await anyio.to_thread.run_sync(lambda: budget.acquire_sync(10))
+    results: list[object] = []
+
+    def waiter() -> None:
+        try:
+            lease = budget.acquire_sync(5, timeout=20)
+            lease.release_sync()
+            results.append(lease)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            results.append(exc)
+
+    waiters = [threading.Thread(target=waiter, name=f"user-waiter-{i}") for i in range(3)]
+    for t in waiters:
+        t.start()
+    await anyio.to_thread.run_sync(lambda: _wait_for(
+        lambda: sum(c.waiters for c in budget.status_sync().waiters.values()) == 3, "3 sync waiters"))
+    names = zp_threads()
+    assert f"zp-redis-pump-{redis_name}" in names and f"zp-redis-keeper-{redis_name}" in names
+    await budget.aclose()  # while three threads wait in acquire_sync
+    starts.closed = True
+    assert zp_tasks() == [] and zp_threads() == []
+    # what the waiting threads do after the close (granted, they hold a lease) starts nothing of zp's
+    await anyio.to_thread.run_sync(held.release_sync)
+    for t in waiters:
+        await anyio.to_thread.run_sync(t.join, 30)
+    assert len(results) == 3 and zp_threads() == [] and starts.after_close == []
+
+
+@pytest.mark.anyio
+async def test_nothing_of_zp_runs_after_a_redis_budgets_shared_forecaster_closes(
+        redis_url: str, redis_name: str, starts: _Starts) -> None:
+    budget = await RedisBudget.create(redis_url, redis_name, limit_blocks=100)
+    fc = budget.shared_forecaster(sync_interval_s=0.05)
+    fc.observe("route", 120)
+    assert f"zp-forecast-{redis_name}" in zp_threads()
+    await budget.aclose()
+    starts.closed = True
+    assert zp_tasks() == [] and zp_threads() == []
+    # asked for after the close (a client wrapped late): it forecasts, and starts no thread of its own
+    late = budget.shared_forecaster(sync_interval_s=0.05)
+    late.observe("route", 80)
+    assert late.forecast("route") > 0
+    assert zp_threads() == [] and starts.after_close == []
+
+
+@pytest.mark.anyio
+async def test_nothing_of_zp_runs_after_a_redis_budget_with_an_attached_adaptive_limit_closes(
+        redis_url: str, redis_name: str) -> None:
+    from zp_client import AdaptiveLimit
+
+    budget = await RedisBudget.create(redis_url, redis_name, limit_blocks=100)
+    ctl = await AdaptiveLimit(budget, "http://127.0.0.1:9", poll_interval_s=0.05).start()
+    await anyio.sleep(0.2)  # it polls (and leads) a few times
+    assert "zp-adaptive-" + ctl.id in zp_tasks() and ctl.leader
+    await budget.aclose()
+    assert budget.adaptive is None and zp_tasks() == [] and zp_threads() == []
+
+
+def test_nothing_of_zp_runs_after_a_blocking_redis_budget_with_a_threaded_adaptive_limit_closes(
+        redis_url: str, redis_name: str) -> None:
+    """A program without an event loop: the controller on its own thread, the budget closed with
+    ``close_sync()``. The close stops the controller first, and the budget's async work on the
+    controller's loop (its pump, poller, keeper) goes with that loop."""
+    from zp_client import AdaptiveLimit
+
+    budget = RedisBudget.create_sync(redis_url, redis_name, limit_blocks=100)
+    ctl = AdaptiveLimit(budget, "http://127.0.0.1:9", poll_interval_s=0.05).start_in_thread()
+    loop = ctl._thread_loop
+    assert loop is not None
+    with budget.lease_sync(5):
+        _wait_for(lambda: ctl.leader, "the controller leads")
+    assert "zp-adaptive-" + ctl.id in zp_threads()
+    budget.close_sync()
+    assert zp_threads() == []
+    left = [t.get_name() for t in asyncio.all_tasks(loop) if not t.done()]
+    assert left == []
+
+
+@pytest.mark.anyio
+async def test_nothing_of_zp_runs_after_a_pinned_prefixs_budget_closes_mid_keep_warm(
+        server: LoopbackServer) -> None:
+    from zp_client import PinnedPrefix
+
+    budget = LocalBudget(limit_blocks=2000, policy="elastic")
+    client = wrap(openai.AsyncOpenAI(base_url=server.base_url, api_key="k", timeout=30, max_retries=0),
+                  budget=budget, settings=Settings(estimator="heuristic"))
+    system = {"role": "system", "content": "you are a careful agent. " * 40}
+    pin = await PinnedPrefix(client, model="slow", messages=[system], period_s=0.01).start()
+    for _ in range(200):  # a keep-warm in flight: the "slow" model streams until the client goes away
+        if pin.keepwarms_sent:
+            break
+        await anyio.sleep(0.01)
+    await anyio.sleep(0.1)
+    assert pin.keepwarms_sent and any(n.startswith("zp-keepwarm-") for n in zp_tasks())
+    await budget.aclose()  # the pin goes first, its keep-warm cancelled mid-stream
+    assert zp_tasks() == [] and zp_threads() == []
+    assert (await budget.status()).used == 0
+    await client.close()

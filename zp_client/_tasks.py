@@ -2,17 +2,21 @@
 
 Every task and thread zp starts has an owner that starts it and stops it, in one place:
 
-- :class:`Supervisor`: one per budget, fleet or client, for the work that lives as long as it does
-  (a Redis budget's pump, poller, keeper and flusher; a fleet's health checks; fire-and-forget releases).
-  ``aclose()`` stops it in a fixed order: refuse new work; let the fire-and-forget work finish within a
+- :class:`Supervisor`: one per budget face, fleet, forecaster, adaptive limit or pinned prefix, for the
+  work that lives as long as it does (a Redis budget's pump, poller, keeper and flusher tasks, and its
+  blocking face's pump and keeper threads; the shared forecaster's thread; a fleet's health checks; an
+  adaptive limit's task or thread; a keep-warm sender; fire-and-forget releases and health reports).
+  ``aclose()`` stops it in a fixed order: refuse new threads; let the fire-and-forget work finish within a
   grace period, then cancel what is left of it; cancel the long-lived tasks, newest first, and wait for
-  them (bounded); stop the threads, newest first, and join them (bounded).
+  them (bounded; one that lost its cancellation is cancelled again); stop the threads, newest first, and
+  join them (bounded). The table of owners: docs/admission.md#background-work-who-owns-it-and-how-it-stops.
 - :class:`ServiceThread`: one per process for the work no single owner has (the idle-stream watchdog,
   the deadline alarms, the deferred releases of prefill legs). It runs while it has work and ends when it
   has none; the next piece of work starts it again. :func:`quiesce` ends the idle ones now (a client's or
   budget's ``aclose()`` calls it), so after the last close nothing of zp runs.
 - :class:`LoopRef`: the event loop a piece of work was started from, asyncio or trio, so another thread
-  (a watchdog, a finalizer) runs an async release on it in the same way under both.
+  (a watchdog, a finalizer) runs an async release on it in the same way under both; :func:`call_later`
+  runs one after a delay of that loop's time (a virtual-time loop).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Protocol
 
 from zp_client.clock import SYSTEM_CLOCK
 
-__all__ = ["Supervisor", "ServiceThread", "DeferredCalls", "deferred", "LoopRef", "quiesce"]
+__all__ = ["Supervisor", "ServiceThread", "DeferredCalls", "deferred", "LoopRef", "quiesce", "call_later"]
 
 logger = logging.getLogger("zp_client")
 
@@ -64,14 +68,19 @@ class Supervisor:
         with self._lock:
             return [t for t in self._background if not t.done()]
 
-    def thread(self, target: Callable[[], None], *, name: str, stop: Callable[[], None]) -> threading.Thread:
+    def thread(self, target: Callable[[], None], *, name: str,
+               stop: Callable[[], None]) -> threading.Thread | None:
         """Start a daemon thread running ``target``; :meth:`aclose` / :meth:`close_threads` call ``stop``
-        (which must make ``target`` return) and join it."""
+        (which must make ``target`` return) and join it. None, and nothing started, once the supervisor
+        is closed: a closed owner starts nothing (a thread that was waiting in it when it closed and
+        goes on afterwards must not start its keeper again)."""
         t = threading.Thread(target=target, name=name, daemon=True)
         with self._lock:
+            if self.closed:
+                return None
             self._threads = [(th, s) for th, s in self._threads if th.is_alive()]
             self._threads.append((t, stop))
-        t.start()
+            t.start()  # under the lock: a close_threads() racing this one sees it started, and joins it
         return t
 
     @property
@@ -114,18 +123,16 @@ class Supervisor:
             tasks = list(reversed(self._tasks))
         for t in tasks:
             t.cancel()
-        mine = [t for t in tasks if t.get_loop() is loop]
-        if mine:
-            _, stuck = await asyncio.wait(mine, timeout=wait_s)
-            if stuck:
-                logger.debug("zp_client: %s: %d task(s) did not stop within %.1f s", self.name, len(stuck),
-                             wait_s)
+        stuck = await _until_done([t for t in tasks if t.get_loop() is loop], wait_s)
+        if stuck:
+            logger.debug("zp_client: %s: %d task(s) did not stop within %.1f s", self.name, len(stuck),
+                         wait_s)
 
     def close_threads(self, wait_s: float = 2.0) -> None:
         """Stop and join the threads, newest first (the blocking part of :meth:`aclose`, for a close
         without an event loop)."""
-        self.closed = True
         with self._lock:
+            self.closed = True
             threads, self._threads = list(reversed(self._threads)), []
         for t, stop in threads:
             try:
@@ -163,6 +170,28 @@ class Supervisor:
             loop = t.get_loop()
             if not loop.is_closed():
                 loop.call_soon_threadsafe(t.cancel)
+
+
+RECANCEL_S = 0.25
+
+
+async def _until_done(tasks: list[asyncio.Task[object]], wait_s: float) -> set[asyncio.Task[object]]:
+    """Wait for cancelled ``tasks`` to end, at most ``wait_s``; returns those still running. One still
+    running after :data:`RECANCEL_S` is cancelled again: on Python 3.10/3.11 ``asyncio.wait_for`` (which
+    redis-py and others run each call under) returns the reply instead of raising when the cancellation
+    lands just as the reply arrives, so a cancellation can be lost once and the task go on (measured: the
+    adaptive limit's task on a RedisBudget, then destroyed pending with its loop)."""
+    pending = set(tasks)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while pending:
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_S, left))
+        for t in pending:
+            t.cancel()
+    return pending
 
 
 class ServiceThread:
@@ -350,7 +379,20 @@ class LoopRef:
         return True
 
 
-_pending: set[asyncio.Task[object]] = set()
+_pending: set[asyncio.Task[object]] = set()  # fire-and-forget work on a loop, kept until done
+
+
+def call_later(loop: asyncio.AbstractEventLoop, after_s: float, fn: Callable[[], Awaitable[object]]) -> None:
+    """Run ``fn()`` as a task on ``loop`` (the running one) in ``after_s`` seconds of its time: the timed
+    release of a prefill leg on a virtual-time loop (the loop's own timer owns it; on the system clock
+    :data:`deferred` does it instead)."""
+
+    def fire() -> None:
+        task = loop.create_task(_as_coro(fn))
+        _pending.add(task)
+        task.add_done_callback(_pending.discard)
+
+    loop.call_later(after_s, fire)
 
 
 async def _as_coro(fn: Callable[[], Awaitable[object]]) -> None:

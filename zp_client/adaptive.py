@@ -59,6 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from zp_client._tasks import Supervisor
 from zp_client.budget.base import Budget, BudgetStatus
 from zp_client.calibration import server_root
 from zp_client.clock import Clock
@@ -340,7 +341,9 @@ class AdaptiveLimit:
         self._preempt_seen: list[tuple[float, int]] = []  # (poll time, new preemptions) within cooldown_s
         self._started_at: float | None = None
         self._first_limit: int | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[object] | None = None
+        # owns its polling task, or the thread it runs on (start_in_thread): zp_client/_tasks.py
+        self._sup = Supervisor(f"adaptive limit {self.id}")
         self._closed = False
         self.leader = not self._redis
         """True while this controller is the one that polls (always, for a LocalBudget)."""
@@ -425,10 +428,11 @@ class AdaptiveLimit:
             self._own_http = True
         self.budget.adaptive = self
         self.budget.add_overload_listener(self.note_overload)
-        self.budget._attach(self._close_with_budget)  # the budget's aclose() stops it first
+        # the budget's aclose() stops it first (its close_sync() too, when it runs on a thread of its own)
+        self.budget._attach(self._close_with_budget, sync=self._close_with_budget_sync)
         if self.metrics is not None:
             self.metrics.track(self.budget)  # its limit gauge shows the changes, front end or not
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"zp-adaptive-{self.id}")
+        self._task = self._sup.spawn(self._run(), name=f"zp-adaptive-{self.id}")
         logger.info("adaptive limit %s started on budget %s (server %s, every %g s)", self.id,
                     getattr(self.budget, "name", "?"), self.server_url, self.poll_interval_s)
         return self
@@ -441,11 +445,8 @@ class AdaptiveLimit:
         if self._closed:
             return
         self._closed = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._task = None
+        await self._sup.stop_tasks(wait_s=5.0)  # the polling task: cancelled and awaited (bounded)
         if self.budget.adaptive is self:
             self.budget.adaptive = None
         self.budget.remove_overload_listener(self.note_overload)
@@ -477,6 +478,12 @@ class AdaptiveLimit:
         elif self._task is None or self._task.get_loop() is asyncio.get_running_loop():
             await self.aclose()
 
+    def _close_with_budget_sync(self) -> None:
+        """Its budget's ``close_sync()``: stop a controller on a thread of its own (:meth:`stop`); one on
+        an event loop is left to its owner (a blocking close cannot await it)."""
+        if self._thread is not None:
+            self.stop()
+
     def start_in_thread(self) -> AdaptiveLimit:
         """Run the controller on a daemon thread with an event loop of its own, for programs without one
         (threads calling ``acquire_sync`` / sync openai clients); returns once it started. :meth:`stop`
@@ -501,6 +508,9 @@ class AdaptiveLimit:
                 await self._stop_event.wait()
             finally:
                 await self.aclose()
+                # the loop ends with this thread: the budget's work on it (a RedisBudget's async face,
+                # made by the polls) stops now, in order, rather than die pending with the loop
+                await self.budget._loop_ending()
 
         def run() -> None:
             loop = asyncio.new_event_loop()
@@ -510,8 +520,9 @@ class AdaptiveLimit:
             finally:
                 loop.close()
 
-        self._thread = threading.Thread(target=run, name=f"zp-adaptive-{self.id}", daemon=True)
-        self._thread.start()
+        self._thread = self._sup.thread(run, name=f"zp-adaptive-{self.id}", stop=self._signal_stop)
+        if self._thread is None:
+            raise ConfigurationError("this AdaptiveLimit was closed; make a new one")
         ready.wait()
         if failure:
             self._thread.join()
@@ -522,14 +533,16 @@ class AdaptiveLimit:
     def stop(self) -> None:
         """Stop a controller started with :meth:`start_in_thread` (as :meth:`aclose`; waits for the
         thread). Idempotent."""
-        thread, loop, event = self._thread, self._thread_loop, self._stop_event
-        if thread is None:
+        if self._thread is None:
             return
+        self._sup.close_threads(wait_s=30.0)  # _signal_stop(), then the join
+        self._thread = None
+
+    def _signal_stop(self) -> None:
+        loop, event = self._thread_loop, self._stop_event
         if loop is not None and event is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(event.set)
-        thread.join(timeout=30)
-        self._thread = None
 
     _thread: threading.Thread | None = None
     _thread_loop: asyncio.AbstractEventLoop | None = None

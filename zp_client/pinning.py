@@ -30,6 +30,7 @@ from typing import Any
 
 from zp_client._admission.plan import PRIORITY_HEADER
 from zp_client._private import http_transport, sdk_http_client
+from zp_client._tasks import Supervisor
 from zp_client.errors import ConfigurationError
 
 __all__ = ["KEEPWARM_PRIORITY", "KEEPWARM_REQUEST_PREFIX", "PinnedPrefix"]
@@ -128,7 +129,8 @@ class PinnedPrefix:
                                        // self.budget.block_size))
         self.keepwarms_sent = 0
         self.keepwarm_errors = 0
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._sup: Supervisor | None = None  # owns the keep-warm task while started (zp_client/_tasks.py)
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -148,20 +150,20 @@ class PinnedPrefix:
             run = self._run()
         else:
             run = self._run_timer(self.period_s)
-        self._task = asyncio.create_task(run, name=f"zp-keepwarm-{self.key[:8]}")
+        self._sup = Supervisor(f"keep-warm {self.key[:8]}")  # one per start: a pin may start again
+        self._task = self._sup.spawn(run, name=f"zp-keepwarm-{self.key[:8]}")
         self.budget._attach(self._close_with_budget)  # the budget's aclose() stops it first
         return self
 
     async def aclose(self) -> None:
         """Stop sending keep-warms and unpin (idempotent)."""
         task, self._task = self._task, None
-        if task is None:
+        sup, self._sup = self._sup, None
+        if task is None or sup is None:
             return
         self.budget._detach(self._close_with_budget)
         self.budget.remove_keepwarm_listener(self._nudge)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await sup.aclose()  # the sender, cancelled (a keep-warm in flight with it) and awaited
         await self.budget.unpin(self.key)
 
     async def _close_with_budget(self) -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict, TypeVar
 
+from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import BudgetUnavailable, ZPError
 
 if TYPE_CHECKING:
@@ -97,10 +98,27 @@ class StatusResult(TypedDict, total=False):
     budget: dict[str, object]
 
 
-def within(seconds: float, fn: Callable[..., _T], *args: object) -> _T:
+_readers: dict[object, threading.Thread] = {}  # key -> the reader thread of that key still running
+_readers_lock = threading.Lock()
+
+
+def within(seconds: float, fn: Callable[..., _T], *args: object, key: object = None) -> _T:
     """``fn(*args)`` run in a daemon thread, given at most ``seconds``: its result or its error, or
     :class:`TimeoutError` when it has not ended by then (the thread is left to end on its own socket
-    timeouts). One bound for a whole read, whatever the client library retries or waits inside it."""
+    timeouts). One bound for a whole read, whatever the client library retries or waits inside it.
+
+    ``key``: one reader of that key at a time. While a read given up on earlier is still running, a new
+    call waits for it (within its own ``seconds``) instead of starting a second thread, and raises
+    :class:`TimeoutError` if it is still running then: a caller polling a stalled server in a loop
+    never has more than one thread stuck on it."""
+    deadline = SYSTEM_CLOCK.monotonic() + seconds
+    if key is not None:
+        with _readers_lock:
+            earlier = _readers.get(key)
+        if earlier is not None:
+            earlier.join(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
+            if earlier.is_alive():
+                raise TimeoutError(f"no answer within {seconds:g} s (the previous read is still waiting)")
     results: list[_T] = []
     errors: list[BaseException] = []
 
@@ -109,10 +127,18 @@ def within(seconds: float, fn: Callable[..., _T], *args: object) -> _T:
             results.append(fn(*args))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             errors.append(exc)
+        finally:
+            if key is not None:
+                with _readers_lock:
+                    if _readers.get(key) is threading.current_thread():
+                        del _readers[key]
 
     t = threading.Thread(target=target, name="zp-status-read", daemon=True)
+    if key is not None:
+        with _readers_lock:
+            _readers[key] = t
     t.start()
-    t.join(seconds)
+    t.join(max(0.0, deadline - SYSTEM_CLOCK.monotonic()))
     if t.is_alive():
         raise TimeoutError(f"no answer within {seconds:g} s")
     if errors:
@@ -125,8 +151,11 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
 
     Returns ``{"exists": False, ...}`` when no budget of that name is stored. Raises
     :class:`~zp_client.BudgetUnavailable` when Redis does not answer within ``timeout`` seconds: one bound
-    for the whole read (each socket operation is bounded by it too, with no retries inside redis-py;
-    a stalled Redis, SIGSTOPped say, took 10 s and more with a 2 s timeout before).
+    for the whole read (each socket operation is bounded by half of it, with no retries inside redis-py,
+    and the retries stop after the other half; a stalled Redis, SIGSTOPped say, took 10 s and more with a
+    2 s timeout before). The read's thread ends within about ``timeout`` too, and while one given up on
+    is still running for this URL and name, a new call waits for it rather than start another: a loop
+    polling a stalled Redis leaves at most one thread on it.
     """
     import redis
     from redis.backoff import NoBackoff
@@ -136,12 +165,15 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
     from zp_client.budget.redis import RedisBudget
 
     check_redis_url(redis_url)  # before redis-py reads it (its errors can show a piece of a password)
-    client = redis.Redis.from_url(redis_url, socket_timeout=timeout, socket_connect_timeout=timeout,
+    # The read ends within about ``timeout`` (retries for half of it, each attempt bounded by the other
+    # half), so the thread ``within`` runs it in ends with it rather than outlive the call.
+    half = timeout / 2
+    client = redis.Redis.from_url(redis_url, socket_timeout=half, socket_connect_timeout=half,
                                   retry=Retry(NoBackoff(), 0))
 
     def read() -> BudgetStatus:
         # limit_blocks is only what a *creating* call would store; status never creates, so 0 is inert.
-        budget = RedisBudget(redis_url, name, limit_blocks=0, unavailable_timeout_s=timeout,
+        budget = RedisBudget(redis_url, name, limit_blocks=0, unavailable_timeout_s=half,
                              sync_client=client)
         try:
             return budget.status_sync()
@@ -150,7 +182,7 @@ def budget_status(redis_url: str, name: str, timeout: float = 5.0) -> dict[str, 
             client.close()
 
     try:
-        s = within(timeout, read)
+        s = within(timeout, read, key=("budget", redis_url, name))
     except TimeoutError:
         raise BudgetUnavailable(f"Redis did not answer within {timeout:g} s") from TimeoutError(
             "no reply to the status read")

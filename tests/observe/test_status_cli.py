@@ -217,3 +217,35 @@ def test_unreachable_redis_is_a_clear_error_without_the_password(capsys: pytest.
     assert "did not answer" in captured.err
     assert "hunter2" not in captured.err + captured.out
     assert f"redis://:***@127.0.0.1:{port}/0" in captured.err
+
+
+def test_reading_a_stalled_redis_in_a_loop_leaves_at_most_one_reader_thread() -> None:
+    """budget_status() called again and again against a Redis that accepts and never answers: each call
+    fails within its timeout, and the reads it gave up on do not pile up (one reader at a time, each
+    ending within about its timeout); after the last, none is left."""
+    import socket
+    import threading
+    import time
+
+    from zp_client.errors import BudgetUnavailable
+    from zp_client.status_cli import budget_status
+
+    def readers() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "zp-status-read")
+
+    with socket.socket() as stalled:  # connections queue in the backlog; nothing ever answers
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(64)
+        url = f"redis://127.0.0.1:{stalled.getsockname()[1]}/0"
+        peak = 0
+        for _ in range(6):
+            t0 = time.monotonic()
+            with pytest.raises(BudgetUnavailable):
+                budget_status(url, "stalled", timeout=0.2)
+            assert time.monotonic() - t0 < 2.0
+            peak = max(peak, readers())
+        assert peak <= 1
+        deadline = time.monotonic() + 5
+        while readers() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert readers() == 0

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import anyio
 
-from zp_client._tasks import LoopRef, ServiceThread, deferred
+from zp_client._tasks import LoopRef, ServiceThread, call_later, deferred
 from zp_client.budget.base import Lease
 from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import DeadlineExceeded
@@ -119,12 +119,7 @@ class Holder:
             return
         loop = self.loop
         if self.clock is not SYSTEM_CLOCK and loop is not None and not loop.is_closed():
-            def fire() -> None:
-                task = loop.create_task(self.release())
-                _pending.add(task)
-                task.add_done_callback(_pending.discard)
-
-            loop.call_later(after_s, fire)
+            call_later(loop, after_s, self.release)
             return
         deferred.add(self.budget, after_s, self.release_sync, lambda: self.done)
 
@@ -285,9 +280,6 @@ def hung_up(holders: list[Holder]) -> list[Holder]:
         if events & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL):
             ended.append(by_fd[fd])
     return ended
-
-
-_pending: set[asyncio.Task[None]] = set()
 
 
 def finalize(holder: Holder) -> None:

@@ -260,13 +260,18 @@ class Budget(abc.ABC):
         """Release background resources. Live leases are not released."""
 
     # ------------------------------------------------------------------ what attaches from above
-    def _attach(self, closer: Callable[[], Awaitable[object]]) -> None:
+    def _attach(self, closer: Callable[[], Awaitable[object]],
+                sync: Callable[[], object] | None = None) -> None:
         """Something above the budget layer that runs on this budget (an adaptive limit, a keep-warm
         sender) and must stop before it: the budget's ``aclose()`` awaits ``closer()`` first, newest
-        first (:meth:`_close_attached`). The owner detaches when it closes on its own."""
+        first (:meth:`_close_attached`); a blocking ``close_sync()`` calls ``sync()`` (when given: what
+        can be stopped without an event loop, a controller on a thread of its own). The owner detaches
+        when it closes on its own."""
         with _retry_budget_lock:
             attached: list[Callable[[], Awaitable[object]]] = self.__dict__.setdefault("_zp_attached", [])
             attached.append(closer)
+            if sync is not None:
+                self.__dict__.setdefault("_zp_attached_sync", {})[closer] = sync
 
     def _detach(self, closer: Callable[[], Awaitable[object]]) -> None:
         """Undo :meth:`_attach` (one not attached is ignored)."""
@@ -274,6 +279,7 @@ class Budget(abc.ABC):
             attached = self.__dict__.get("_zp_attached") or []
             if closer in attached:
                 attached.remove(closer)
+            (self.__dict__.get("_zp_attached_sync") or {}).pop(closer, None)
 
     async def _close_attached(self) -> None:
         """Stop what attached to this budget, newest first: the first step of every backend's
@@ -285,6 +291,26 @@ class Budget(abc.ABC):
                 await closer()
             except Exception:  # noqa: BLE001 - one attachment's failure must not keep the budget open
                 _log.exception("closing %r with its budget failed", closer)
+            self._detach(closer)
+
+    async def _loop_ending(self) -> None:  # noqa: B027 - optional hook with a safe default (nothing bound)
+        """The running event loop is about to end (the thread of an adaptive limit's
+        ``start_in_thread()``): stop what this budget runs on it. The budget stays open."""
+
+    def _close_attached_sync(self) -> None:
+        """The blocking form of :meth:`_close_attached` (a budget's ``close_sync()``): stops, newest first,
+        what attached with a blocking ``sync`` closer; the others (loop-bound) are left to their owner."""
+        with _retry_budget_lock:
+            attached = list(reversed(self.__dict__.get("_zp_attached") or []))
+            syncs = dict(self.__dict__.get("_zp_attached_sync") or {})
+        for closer in attached:
+            sync = syncs.get(closer)
+            if sync is None:
+                continue
+            try:
+                sync()
+            except Exception:  # noqa: BLE001 - one attachment's failure must not keep the budget open
+                _log.exception("closing %r with its budget failed", sync)
             self._detach(closer)
 
     def new_retry_budget(

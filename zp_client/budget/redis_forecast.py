@@ -16,7 +16,7 @@ from typing import Any
 from redis.exceptions import NoScriptError, RedisError
 
 from zp_client._redact import check_redis_url
-from zp_client.clock import SYSTEM_CLOCK
+from zp_client._tasks import Supervisor
 from zp_client.errors import ConfigurationError
 from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
 
@@ -121,11 +121,13 @@ class RedisLengthForecaster(LengthForecaster):
         self._plock = threading.Lock()
         self._io_lock = threading.Lock()  # one sync at a time (the thread, or a caller's sync())
         self._wake = threading.Event()
+        self._stopped = threading.Event()
         self._closed = False
         self._warned = False
         self._script = client.register_script(_ADD_LUA)
-        self._thread = threading.Thread(target=self._run, name=f"zp-forecast-{name}", daemon=True)
-        self._thread.start()
+        # owns the sync thread (zp_client/_tasks.py): close() stops and joins it
+        self._sup = Supervisor(f"forecaster {name}")
+        self._thread = self._sup.thread(self._run, name=f"zp-forecast-{name}", stop=self._stop)
 
     # ------------------------------------------------------------------ learning
     def observe(self, key: str, completion_tokens: int) -> None:
@@ -228,16 +230,18 @@ class RedisLengthForecaster(LengthForecaster):
                     self._warned = True
                     log.warning("zp_client: fleet length forecaster %s cannot reach Redis (%r); forecasting "
                                 "from this process's observations until it is back", self._prefix, exc)
-                SYSTEM_CLOCK.sleep_sync(min(self._interval, 1.0))
+                self._stopped.wait(min(self._interval, 1.0))  # a close ends the pause at once
+
+    def _stop(self) -> None:
+        self._closed = True
+        self._stopped.set()
+        self._wake.set()
 
     def close(self) -> None:
         """Send what is pending (best effort) and stop the thread. Idempotent."""
         if self._closed:
             return
-        self._closed = True
-        self._wake.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        self._sup.close_threads(wait_s=5.0)  # _stop(), then the join (not from its own thread)
         try:
             with self._io_lock:
                 self._flush()

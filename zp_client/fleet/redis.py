@@ -268,7 +268,9 @@ class RedisFleet(FleetRouting, Budget):
             loop = None
         side = self._line._side
         if loop is not None and side is not None and side.loop is loop:
-            task = loop.create_task(self._health_async(args))
+            # fire-and-forget, owned by the line's async face (its supervisor lets it land at close);
+            # kept in _pending too: a release waits for the health reports made before it
+            task = side.sup.background(self._health_async(args), loop=loop)
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
             if connect:
@@ -561,8 +563,13 @@ class RedisFleet(FleetRouting, Budget):
         await self._line.flush()
 
     def close_sync(self) -> None:
-        """Stop the line's sync keeper thread (for programs without an event loop)."""
+        """Stop what attached to it on a thread of its own, then the line's threads (as
+        :meth:`RedisBudget.close_sync`; for programs without an event loop)."""
+        self._close_attached_sync()
         self._line.close_sync()
+
+    async def _loop_ending(self) -> None:
+        await self._line._loop_ending()
 
     def __repr__(self) -> str:
         return f"<RedisFleet {self.name} replicas={len(self._urls)}>"

@@ -312,6 +312,8 @@ class RedisBudget(Budget):
             if self._forecaster is not None:
                 return self._forecaster
         try:
+            if self._closed:  # nothing would close a forecaster made now, nor its thread
+                raise ConfigurationError("the budget is closed")
             client = self._sync_face.get_client()
         except ConfigurationError as exc:
             from zp_client.forecast import LengthForecaster
@@ -523,14 +525,26 @@ class RedisBudget(Budget):
         side, self._side = self._side, None
         if side is not None:
             await side.aclose()
-        self._stop_sync()
+        await asyncio.to_thread(self._stop_sync)  # joins threads (bounded): not on the event loop
         shared = self._shared_retry_budget()
         if isinstance(shared, RedisRetryBudget):
             await shared.aclose()
         quiesce()  # the process-wide service threads, once nothing is left for them
 
+    async def _loop_ending(self) -> None:
+        """The running loop ends (an adaptive limit's own thread): its async face stops now, in order (its
+        releases drained, its tasks cancelled and awaited, its clients closed); another loop may use the
+        budget afterwards."""
+        side = self._side
+        if side is not None and side.loop is asyncio.get_running_loop():
+            self._side = None
+            await side.aclose()
+
     def close_sync(self) -> None:
-        """Stop the sync keeper thread (for programs without an event loop)."""
+        """Stop what attached to it that runs on a thread of its own (an adaptive limit's
+        ``start_in_thread()``), then the blocking face's threads and the shared forecaster's (for programs
+        without an event loop)."""
+        self._close_attached_sync()
         self._closed = True
         self._stop_sync()
         shared = self._shared_retry_budget()

@@ -1,5 +1,7 @@
 """The blocking face of RedisBudget: runs the script layer's commands on a ``redis.Redis`` client from any
-thread, with one mailbox pump thread and one keeper thread (renewals, held reports, retried releases).
+thread, with one mailbox pump thread and one keeper thread (renewals, held reports, retried releases),
+both owned by the face's :class:`~zp_client._tasks.Supervisor` (started there, stopped by
+:meth:`SyncFace.close`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import redis as redis_sync
 
+from zp_client._tasks import Supervisor
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._clients import SyncRedisClient
 from zp_client.budget.redis._script import (
@@ -60,6 +63,9 @@ class SyncFace:
         self.keeper_wake = threading.Event()
         self.pump: threading.Thread | None = None
         self.pump_wake = threading.Event()
+        # owns the pump and keeper threads: a closed face starts neither again (a thread still waiting in
+        # acquire when the budget closed, granted afterwards, does not bring the keeper back)
+        self.sup = Supervisor(f"redis budget {core.name} (blocking face)")
         self.closed = False
         # The keeper thread's own connection (renewals, retried releases): never queued behind a burst of
         # threads' acquires in the shared pool (see AsyncFace.renew_client). Made with the client.
@@ -188,12 +194,23 @@ class SyncFace:
 
     def _ensure_pump(self) -> None:
         with self.lock:
-            if self.pump is None or not self.pump.is_alive():
-                self.pump = threading.Thread(
-                    target=self._pump_loop, name=f"zp-redis-pump-{self.core.name}", daemon=True
-                )
-                self.pump.start()
+            if not self.closed and (self.pump is None or not self.pump.is_alive()):
+                self.pump = self.sup.thread(self._pump_loop, name=f"zp-redis-pump-{self.core.name}",
+                                            stop=self._stop_pump)
         self.pump_wake.set()
+
+    def _stop_pump(self) -> None:
+        """End the pump's wait now: its idle wait by the event, its BLPOP by an empty wake-up."""
+        self.pump_wake.set()
+        pump, client = self.pump, self.client
+        if pump is None or not pump.is_alive() or client is None:
+            return
+        mailbox = self.core.mailbox(self.core.sync_box)
+        try:  # end the pump's BLPOP now rather than after its timeout
+            client.rpush(mailbox, "")
+            client.pexpire(mailbox, 60_000)
+        except CALL_FAILED as exc:
+            log.debug("zp_client: could not wake the sync mailbox pump: %r", exc)
 
     def _pump_loop(self) -> None:
         """Thread: deliver wake-ups pushed to the sync waiters' mailbox (the sync form of the async pump)."""
@@ -256,11 +273,9 @@ class SyncFace:
 
     def _ensure_keeper(self) -> None:
         with self.lock:
-            if self.keeper is None or not self.keeper.is_alive():
-                self.keeper = threading.Thread(
-                    target=self._keeper_loop, name=f"zp-redis-keeper-{self.core.name}", daemon=True
-                )
-                self.keeper.start()
+            if not self.closed and (self.keeper is None or not self.keeper.is_alive()):
+                self.keeper = self.sup.thread(self._keeper_loop, name=f"zp-redis-keeper-{self.core.name}",
+                                              stop=self.keeper_wake.set)
 
     def _keeper_loop(self) -> None:
         """Thread: renew sync leases every TTL/3, flush their held reports, retry failed releases."""
@@ -324,21 +339,11 @@ class SyncFace:
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
-        self.closed = True
-        self.keeper_wake.set()
-        self.pump_wake.set()
-        pump = self.pump
-        if pump is not None and pump.is_alive() and self.client is not None:
-            mailbox = self.core.mailbox(self.core.sync_box)
-            try:  # end the pump's BLPOP now rather than after its timeout
-                self.client.rpush(mailbox, "")
-                self.client.pexpire(mailbox, 60_000)
-            except CALL_FAILED as exc:
-                log.debug("zp_client: could not wake the sync mailbox pump: %r", exc)
-            pump.join(timeout=2)
-        t = self.keeper
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=2)
+        """Stop the threads (through the supervisor: newest first, each woken, then joined, bounded), then
+        close the clients the face made."""
+        with self.lock:
+            self.closed = True  # under the lock: an _ensure_* racing this starts nothing
+        self.sup.close_threads(wait_s=2.0)
         if self.owns_client and self.client is not None:
             try:
                 self.client.close()
