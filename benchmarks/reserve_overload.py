@@ -11,6 +11,9 @@ library's defaults):
   for an elastic budget, i.e. the library default);
 * ``z=0.5``: ``ElasticPolicy(reserve_z=...)`` (the spread reserve, docs/elastic.md#spread-reserve);
 * ``q=``, ``qt=``: the forecaster's quantile and tail quantile;
+* ``cens=1``: a censoring-aware forecaster (``LengthForecaster(censored=True)``: completions that ended
+  at their ``max_tokens`` are read as censored, docs/elastic.md#censored-lengths); ``coldn=8``: its
+  ``cold_n`` (a route's first requests forecast at their ``max_tokens``);
 * ``scale=0.741``: the prompt estimate scaled by this factor before calibration (a scaled estimator:
   every estimate off by ``scale - 1``; calibration and the error bound work as shipped);
 * ``truth=0.741``: the raw estimate is this share of the prompt's TRUE length (the simulator's own count,
@@ -113,6 +116,10 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
         fkw["q"] = float(v.pop("q"))
     if "qt" in v:
         fkw["q_tail"] = float(v.pop("qt"))
+    if "cens" in v:
+        fkw["censored"] = bool(float(v.pop("cens")))
+    if "coldn" in v:
+        fkw["cold_n"] = int(float(v.pop("coldn")))
     z = float(v.pop("z", 0.0))
     pkw = {k: float(x) for k, x in v.items()}
     policy = ElasticPolicy(ctx.block_size, reserve_z=z, **pkw)
