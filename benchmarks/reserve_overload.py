@@ -23,6 +23,8 @@ library's defaults):
 * ``nocal=1``: with ``scale`` or ``truth``, calibration off as well (the estimate stays off for every
   request, and the reservation is the error bound's share above it);
 * ``oracle=1``: each request's true output length as its forecast (``zp-oracle``);
+* ``slo=1``: ``zp-slo``'s app and line (each request's class TTFT target sent, ``line="slo"``): the
+  variant of ``zp-slo`` instead of ``zp-elastic``;
 * ``cold=0.15``: a label only (rows run with the estimator's cold error bound at 0.15, issue 30's
   ``Estimator._prior_dev``; the earlier rows of a file ran with tiktoken's 0.05);
 * any other key is passed to :class:`~zp_client.budget.elastic.ElasticPolicy` as a keyword (floats).
@@ -111,6 +113,7 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
     v.pop("truth", None)
     nocal = bool(float(v.pop("nocal", 0)))
     oracle = bool(float(v.pop("oracle", 0)))
+    slo = bool(float(v.pop("slo", 0)))
     fkw: dict[str, Any] = {}
     if "q" in v:
         fkw["q"] = float(v.pop("q"))
@@ -123,8 +126,13 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
     z = float(v.pop("z", 0.0))
     pkw = {k: float(x) for k, x in v.items()}
     policy = ElasticPolicy(ctx.block_size, reserve_z=z, **pkw)
+    line_kw: dict[str, Any] = {}
+    if slo:
+        from zp_storm.slo_setups import slo_line_kwargs
+
+        line_kw = slo_line_kwargs()
     budget = LocalBudget(limit_blocks=zp_limit_blocks(ctx.num_gpu_blocks, h), block_size=ctx.block_size,
-                         policy=policy, clock=ctx.budget_clock())
+                         policy=policy, clock=ctx.budget_clock(), **line_kw)
     wrap_kw: dict[str, Any] = {}
     if fkw:
         wrap_kw["forecaster"] = LengthForecaster(**fkw)
@@ -133,6 +141,10 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
     if scale != 1.0 or truth is not None:
         wrap_kw["estimator"] = _estimator(scale, not nocal, truth)
     client = await zp_client_for(ctx, stack, budget, **wrap_kw)
+    if slo:
+        from zp_storm.slo_setups import TargetCaller
+
+        return TargetCaller(client, ctx.model, ctx)
     return AppCaller(client, ctx.model, app_retry=True)
 
 

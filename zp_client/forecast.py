@@ -298,11 +298,18 @@ class LengthForecaster:
             h = self._hists.get(key)
             return h.capped_share() if h else 0.0
 
+    def _learned(self, key: str) -> float:
+        """Observations of ``key`` for ``cold_n``: this process's, or what a fleet's snapshot holds beyond
+        the prior (:meth:`merge_counts`), whichever is more."""
+        with self._lock:
+            h = self._hists.get(key)
+            return max(float(h.observations), h.total - h.base) if h else 0.0
+
     def _censored_q(self, key: str, q: float, max_tokens: int | None) -> float | None:
         """The quantile to read for ``q`` given the route's capped share, or None: the bound itself."""
         if max_tokens is None:
             return q
-        if self.cold_n and self.observations(key) < self.cold_n:
+        if self.cold_n and self._learned(key) < self.cold_n:
             return None
         if not self.censored:
             return q
@@ -375,5 +382,3 @@ class LengthForecaster:
             h = self._hist(key)
             h.counts = [float(c) for c in counts]
             h.total = sum(h.counts)
-            # the fleet's observations count toward cold_n (what the snapshot holds beyond the prior)
-            h.observations = max(h.observations, int(h.total - h.base))

@@ -157,14 +157,16 @@ def test_a_small_capped_share_raises_the_quantile_read() -> None:
 def test_capped_share_is_the_own_observations_not_a_fleet_snapshot() -> None:
     # merge_counts replaces the histogram by a fleet's: the share stays this process's own, and the
     # snapshot's observations count toward cold_n
-    fc = LengthForecaster(prior=Prior(weight=20), half_life=None, cold_n=10)
+    fc = LengthForecaster(prior=Prior(weight=20), half_life=None, censored=True, cold_n=10)
     for _ in range(5):
         fc.observe("r", 64, capped=True)
     assert fc.capped_share("r") == pytest.approx(5 / 25)
     snap = [c * 10 for c in fc.snapshot("r")]
+    assert fc.forecast("r", max_tokens=5000) == 5000  # 5 observations: cold
     fc.merge_counts("r", snap)
     assert fc.capped_share("r") == pytest.approx(5 / 25)
-    assert fc.observations("r") >= 10
+    assert fc.observations("r") == 5  # its own
+    assert fc.forecast("r", max_tokens=5000) < 5000  # the snapshot's weight counts toward cold_n
 
 
 def test_cold_n_forecasts_the_bound_until_learned() -> None:

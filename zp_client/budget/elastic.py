@@ -473,7 +473,9 @@ class ElasticPolicy:
 
     ``reserve_z > 0`` (opt-in; measured in docs/elastic.md#spread-reserve) keeps a reserve for forecast
     error free below the limit, sized from the live leases' forecast spread (:meth:`reserve`), for a limit
-    of the whole pool; 0 (the default) leaves that to the headroom below the pool.
+    of the whole pool; 0 (the default) leaves that to the headroom below the pool. ``reserve_k > 0``
+    (opt-in; docs/elastic.md#risk-reserve) adds the same spreads linearly instead (errors that move
+    together); both may be set, and their reserves add.
 
     ``used`` reports the projected peak of the live leases. The policy keeps a cache of the prepared
     projection keyed on the ledger's ``version`` (when it has one), so a grant that checks many waiters
