@@ -178,6 +178,9 @@ def run_cell(workload: str, load: float, seed: int, variants: list[str], need_ba
         wl, facts, runs = run_storm(cfg)
         m = build_report(wl, facts, runs, cfg, "reserve_overload")["setups"][-1]
         row = {k: m.get(k) for k in KEEP}
+        if m.get("classes"):  # mixed: per class (in SLO of sent)
+            row["classes"] = {n: {k: c.get(k) for k in ("in_slo", "late", "failed", "sent")}
+                              for n, c in m["classes"].items()}
         run = runs[-1]
         # when the server preempted (virtual s since the run's start), from its per-step timeline
         at, last = [], 0
