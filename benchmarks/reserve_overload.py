@@ -11,6 +11,9 @@ library's defaults):
   for an elastic budget, i.e. the library default);
 * ``z=0.5``: ``ElasticPolicy(reserve_z=...)`` (the spread reserve, docs/elastic.md#spread-reserve);
 * ``q=``, ``qt=``: the forecaster's quantile and tail quantile;
+* ``cens=1``: a censoring-aware forecaster (``LengthForecaster(censored=True)``: completions that ended
+  at their ``max_tokens`` are read as censored, docs/elastic.md#censored-lengths); ``coldn=8``: its
+  ``cold_n`` (a route's first requests forecast at their ``max_tokens``);
 * ``scale=0.741``: the prompt estimate scaled by this factor before calibration (a scaled estimator:
   every estimate off by ``scale - 1``; calibration and the error bound work as shipped);
 * ``truth=0.741``: the raw estimate is this share of the prompt's TRUE length (the simulator's own count,
@@ -20,6 +23,8 @@ library's defaults):
 * ``nocal=1``: with ``scale`` or ``truth``, calibration off as well (the estimate stays off for every
   request, and the reservation is the error bound's share above it);
 * ``oracle=1``: each request's true output length as its forecast (``zp-oracle``);
+* ``slo=1``: ``zp-slo``'s app and line (each request's class TTFT target sent, ``line="slo"``): the
+  variant of ``zp-slo`` instead of ``zp-elastic``;
 * ``cold=0.15``: a label only (rows run with the estimator's cold error bound at 0.15, issue 30's
   ``Estimator._prior_dev``; the earlier rows of a file ran with tiktoken's 0.05);
 * any other key is passed to :class:`~zp_client.budget.elastic.ElasticPolicy` as a keyword (floats).
@@ -108,16 +113,26 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
     v.pop("truth", None)
     nocal = bool(float(v.pop("nocal", 0)))
     oracle = bool(float(v.pop("oracle", 0)))
+    slo = bool(float(v.pop("slo", 0)))
     fkw: dict[str, Any] = {}
     if "q" in v:
         fkw["q"] = float(v.pop("q"))
     if "qt" in v:
         fkw["q_tail"] = float(v.pop("qt"))
+    if "cens" in v:
+        fkw["censored"] = bool(float(v.pop("cens")))
+    if "coldn" in v:
+        fkw["cold_n"] = int(float(v.pop("coldn")))
     z = float(v.pop("z", 0.0))
     pkw = {k: float(x) for k, x in v.items()}
     policy = ElasticPolicy(ctx.block_size, reserve_z=z, **pkw)
+    line_kw: dict[str, Any] = {}
+    if slo:
+        from zp_storm.slo_setups import slo_line_kwargs
+
+        line_kw = slo_line_kwargs()
     budget = LocalBudget(limit_blocks=zp_limit_blocks(ctx.num_gpu_blocks, h), block_size=ctx.block_size,
-                         policy=policy, clock=ctx.budget_clock())
+                         policy=policy, clock=ctx.budget_clock(), **line_kw)
     wrap_kw: dict[str, Any] = {}
     if fkw:
         wrap_kw["forecaster"] = LengthForecaster(**fkw)
@@ -126,6 +141,10 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
     if scale != 1.0 or truth is not None:
         wrap_kw["estimator"] = _estimator(scale, not nocal, truth)
     client = await zp_client_for(ctx, stack, budget, **wrap_kw)
+    if slo:
+        from zp_storm.slo_setups import TargetCaller
+
+        return TargetCaller(client, ctx.model, ctx)
     return AppCaller(client, ctx.model, app_retry=True)
 
 
@@ -159,6 +178,9 @@ def run_cell(workload: str, load: float, seed: int, variants: list[str], need_ba
         wl, facts, runs = run_storm(cfg)
         m = build_report(wl, facts, runs, cfg, "reserve_overload")["setups"][-1]
         row = {k: m.get(k) for k in KEEP}
+        if m.get("classes"):  # mixed: per class (in SLO of sent)
+            row["classes"] = {n: {k: c.get(k) for k in ("in_slo", "late", "failed", "sent")}
+                              for n, c in m["classes"].items()}
         run = runs[-1]
         # when the server preempted (virtual s since the run's start), from its per-step timeline
         at, last = [], 0

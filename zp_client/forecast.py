@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from zp_client.errors import ConfigurationError
 
 __all__ = [
-    "BUCKET_RATIO", "DEFAULT_MAX_KEYS", "DEFAULT_Q", "DEFAULT_Q_BLIND", "DEFAULT_Q_SPREAD", "DEFAULT_Q_TAIL",
-    "LengthForecaster", "LengthHistogram", "Prior",
+    "BUCKET_RATIO", "DEFAULT_CENSORED", "DEFAULT_COLD_N", "DEFAULT_MAX_KEYS", "DEFAULT_Q", "DEFAULT_Q_BLIND",
+    "DEFAULT_Q_SPREAD", "DEFAULT_Q_TAIL", "LengthForecaster", "LengthHistogram", "Prior",
 ]
 
 BUCKET_RATIO = 1.15
@@ -47,6 +47,16 @@ DEFAULT_Q_TAIL = 0.5
 #: ``forecast_hi`` so that an elastic policy with a spread-sized reserve (``ElasticPolicy(reserve_z=...)``)
 #: can size the pool's reserve from the live leases' forecast uncertainty (docs/elastic.md).
 DEFAULT_Q_SPREAD = 0.9
+#: Default of :class:`LengthForecaster`'s ``censored`` (off; measured in docs/elastic.md#censored-lengths):
+#: on, a completion that ended at its ``max_tokens`` is read as censored (the request would have gone on),
+#: and a route where at least ``1 - q`` of the weight ended so forecasts a request at its bound. A histogram
+#: of such lengths read as exact forecasts every stream of a generation-bound route short at once: the
+#: correlated error the flat reserve (the 0.90 headroom) covers.
+DEFAULT_CENSORED = False
+#: Default of :class:`LengthForecaster`'s ``cold_n`` (off): a route's requests are forecast at their
+#: ``max_tokens`` until it has this many observations (its first leases are reserved as ``strict`` would);
+#: 10 with ``censored`` is the measured opt-in.
+DEFAULT_COLD_N = 0
 #: Most keys (routes) a forecaster keeps a histogram for; the least recently used goes first.
 DEFAULT_MAX_KEYS = 1000
 _MAX_LEN = 1 << 20
@@ -97,12 +107,19 @@ def _norm_cdf(z: float) -> float:
 class LengthHistogram:
     """Decaying counts over log-spaced buckets. Not thread-safe (the forecaster locks)."""
 
-    __slots__ = ("counts", "total", "observations", "_scale", "_decay")
+    __slots__ = ("counts", "total", "observations", "capped", "seen", "base", "_scale", "_decay")
 
     def __init__(self, prior: Prior | None, half_life: float | None) -> None:
         self.counts = prior.masses() if prior is not None else [0.0] * _NB
         self.total = sum(self.counts)
         self.observations = 0
+        self.capped = 0.0
+        """Decayed weight of this process's observations that ended at their ``max_tokens``
+        (right-censored: the request would have gone on), on the same scale as ``counts``."""
+        self.seen = 0.0
+        """Decayed weight of this process's observations (``counts`` may be replaced by a fleet's)."""
+        self.base = self.total
+        """The prior's weight: counted as uncensored in :meth:`capped_share`."""
         # Decay by scaling new observations up instead of every count down; renormalise when large.
         self._scale = 1.0
         self._decay = 1.0 if not half_life else 2.0 ** (1.0 / half_life)
@@ -112,11 +129,25 @@ class LengthHistogram:
         w = weight * self._scale
         self.counts[_bucket(length)] += w
         self.total += w
+        self.seen += w
         self.observations += 1
         if self._scale > 1e12:
             self.counts = [c / self._scale for c in self.counts]
             self.total /= self._scale
+            self.capped /= self._scale
+            self.seen /= self._scale
+            self.base /= self._scale
             self._scale = 1.0
+
+    def mark_capped(self) -> None:
+        """The observation just added ended at its ``max_tokens`` (censored)."""
+        self.capped += self._scale
+
+    def capped_share(self) -> float:
+        """Share of the weight (the prior's pseudo-observations included, as uncensored ones) that ended
+        at its ``max_tokens``."""
+        denominator = self.seen + self.base
+        return min(1.0, self.capped / denominator) if denominator > 0 else 0.0
 
     def _mass_above(self, g: float) -> tuple[int, float]:
         """(bucket of g, mass strictly above g), with g's bucket split log-uniformly."""
@@ -195,6 +226,8 @@ class LengthForecaster:
         q_tail: float | None = None,
         q_spread: float = DEFAULT_Q_SPREAD,
         max_keys: int = DEFAULT_MAX_KEYS,
+        censored: bool = DEFAULT_CENSORED,
+        cold_n: int = DEFAULT_COLD_N,
     ) -> None:
         if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
             raise ConfigurationError(f"max_keys must be a positive integer, got {max_keys!r}")
@@ -211,6 +244,18 @@ class LengthForecaster:
         if not 0.0 < q_spread < 1.0:
             raise ConfigurationError(f"forecast quantile q_spread must be in (0, 1), got {q_spread!r}")
         self.q = q
+        self.censored = bool(censored)
+        """Read completions that ended at their ``max_tokens`` as censored (:meth:`observe` with
+        ``capped=True``): a route whose share of such completions is ``c`` forecasts a request with
+        ``max_tokens`` at its quantile ``q`` of a mixture with mass ``c`` at that bound, i.e. at the bound
+        once ``c >= 1 - q``, else at the histogram's ``q / (1 - c)`` quantile (see :meth:`forecast`).
+        Off: every completion is an exact length (the default until issue 30)."""
+        if isinstance(cold_n, bool) or not isinstance(cold_n, int) or cold_n < 0:
+            raise ConfigurationError(f"cold_n must be a non-negative integer, got {cold_n!r}")
+        self.cold_n = cold_n
+        """While a key has fewer than ``cold_n`` observations, a request with ``max_tokens`` is forecast
+        at that bound (nothing learned yet: its first leases are reserved as ``strict`` reserves them).
+        0: the prior answers from the first request."""
         self.q_spread = q_spread
         self.q_blind = q_blind
         self.q_tail = q_tail
@@ -233,12 +278,47 @@ class LengthForecaster:
             self._hists.move_to_end(key)
         return h
 
-    def observe(self, key: str, completion_tokens: int) -> None:
-        """Learn one finished request's true output length."""
+    def observe(self, key: str, completion_tokens: int, *, capped: bool = False) -> None:
+        """Learn one finished request's true output length; ``capped``: it ended at its ``max_tokens``
+        (read only with ``censored``)."""
         if completion_tokens < 0:
             raise ConfigurationError(f"completion_tokens must be >= 0, got {completion_tokens}")
         with self._lock:
-            self._hist(key).add(float(completion_tokens))
+            h = self._hist(key)
+            h.add(float(completion_tokens))
+            if capped and self.censored:
+                h.mark_capped()
+
+    def capped_share(self, key: str) -> float:
+        """Share of ``key``'s completions (with the prior's weight) that ended at their ``max_tokens``;
+        0 unless ``censored``."""
+        if not self.censored:
+            return 0.0
+        with self._lock:
+            h = self._hists.get(key)
+            return h.capped_share() if h else 0.0
+
+    def _learned(self, key: str) -> float:
+        """Observations of ``key`` for ``cold_n``: this process's, or what a fleet's snapshot holds beyond
+        the prior (:meth:`merge_counts`), whichever is more."""
+        with self._lock:
+            h = self._hists.get(key)
+            return max(float(h.observations), h.total - h.base) if h else 0.0
+
+    def _censored_q(self, key: str, q: float, max_tokens: int | None) -> float | None:
+        """The quantile to read for ``q`` given the route's capped share, or None: the bound itself."""
+        if max_tokens is None:
+            return q
+        if self.cold_n and self._learned(key) < self.cold_n:
+            return None
+        if not self.censored:
+            return q
+        c = self.capped_share(key)
+        if c <= 0:
+            return q
+        if c >= 1 - q:
+            return None
+        return q / (1 - c)
 
     def observe_many(self, key: str, lengths: Sequence[int]) -> None:
         with self._lock:
@@ -270,7 +350,11 @@ class LengthForecaster:
             q = getattr(self, "q_tail", self.q)
         else:
             q = self.q
-        x = math.ceil(self.quantile(key, q, generated=generated))
+        qc = self._censored_q(key, q, max_tokens)
+        if qc is None:
+            assert max_tokens is not None
+            return max_tokens
+        x = math.ceil(self.quantile(key, qc, generated=generated))
         return min(x, max_tokens) if max_tokens is not None else x
 
     def spread(self, key: str, *, generated: int = 0, max_tokens: int | None = None) -> int:
@@ -278,7 +362,11 @@ class LengthForecaster:
         (default :data:`DEFAULT_Q_SPREAD`) given ``generated`` tokens so far, capped at ``max_tokens``.
         The transport sends it as the lease's ``forecast_hi``; its distance above :meth:`forecast` is
         the lease's forecast uncertainty."""
-        x = math.ceil(self.quantile(key, getattr(self, "q_spread", DEFAULT_Q_SPREAD), generated=generated))
+        qc = self._censored_q(key, getattr(self, "q_spread", DEFAULT_Q_SPREAD), max_tokens)
+        if qc is None:
+            assert max_tokens is not None
+            return max_tokens
+        x = math.ceil(self.quantile(key, qc, generated=generated))
         return min(x, max_tokens) if max_tokens is not None else x
 
     def snapshot(self, key: str) -> list[float]:

@@ -16,6 +16,7 @@ from zp_client.budget.elastic import (
     _terms_for,
     brute_force_peak,
     excess_blocks,
+    risk_reserve,
     spread_blocks,
     spread_reserve,
 )
@@ -266,3 +267,36 @@ def test_the_forecasters_spread_is_its_upper_conditional_quantile() -> None:
     for bad in (0.0, 1.0, 1.5):
         with pytest.raises(ConfigurationError, match="q_spread"):
             LengthForecaster(q_spread=bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 5000), st.floats(0, 4, allow_nan=False))
+def test_risk_reserve_is_ceil_k_sum(spread_sum: int, k: float) -> None:
+    km = round(k * 1000)
+    assert risk_reserve(spread_sum, k) == (-(-(km * spread_sum) // 1000) if km and spread_sum else 0)
+    assert risk_reserve(spread_sum, k) >= km * spread_sum / 1000
+
+
+def test_the_risk_reserve_adds_spreads_linearly() -> None:
+    # The same four leases of spread 3 as above: reserve_k=1 keeps 12 blocks free (errors that move
+    # together add), where reserve_z=1 keeps 6; both together keep 18.
+    for kw, reserve in (({"reserve_k": 1.0}, 12), ({"reserve_k": 0.5}, 6),
+                        ({"reserve_k": 1.0, "reserve_z": 1.0}, 18)):
+        policy = ElasticPolicy(BS, **kw)
+        led = Ledger(limit=1000, policy=policy)
+        meta = {"prompt_tokens": 16, "forecast_tokens": 16, "forecast_hi": 64, "streaming": True}
+        for i in range(4):
+            led.enqueue(f"l{i}", bound=20, held=1, priority=0, now=0, meta=meta)
+        assert led.grant(0) == ["l0", "l1", "l2", "l3"]
+        assert policy.reserve(led) == reserve
+        # a 10-block waiter without metadata fits exactly at peak 8 + 10 + the reserve, not one below
+        led.set_limit(8 + 10 + reserve, 0.0)
+        led.enqueue("x", bound=10, held=10, priority=0, now=0)
+        led.set_limit(8 + 10 + reserve - 1, 0.0)
+        assert led.grant(0) == []
+        led.set_limit(8 + 10 + reserve, 0.0)
+        assert led.grant(0) == ["x"]
+    for bad in (-1, math.inf, math.nan, True):
+        with pytest.raises(ConfigurationError):
+            ElasticPolicy(BS, reserve_k=bad)  # type: ignore[arg-type]
+    assert "reserve_k=0.5" in repr(ElasticPolicy(BS, reserve_k=0.5))

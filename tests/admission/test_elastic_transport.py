@@ -174,6 +174,32 @@ async def test_elastic_completed_stream_teaches_the_forecaster(server: LoopbackS
     assert fc.quantile("planner", 0.5) < fc.quantile("never-seen", 0.5)
 
 
+async def test_a_completion_at_its_max_tokens_is_learned_as_censored(server: LoopbackServer) -> None:
+    """The loopback server answers 6 completion tokens: with ``max_tokens`` 6 the answer ended at its bound,
+    and a ``censored`` forecaster learns it as capped; with 32 it did not. A forecaster without
+    ``censored`` learns both as plain lengths."""
+    budget = LocalBudget(1000, 16, policy="elastic")
+    cens = LengthForecaster(censored=True)
+    plain = LengthForecaster()
+    for fc in (cens, plain):
+        async with async_client(httpx, server, budget, forecaster=fc) as c:
+            for max_tokens, route in ((6, "capped"), (32, "free")):
+                body = {**CHAT, "stream": True, "max_tokens": max_tokens}
+                hdrs = {"X-ZP-Route": route}
+                async with c.stream("POST", "/chat/completions", json=body, headers=hdrs) as r:
+                    await r.aread()
+        assert fc.observations("capped") == 1 and fc.observations("free") == 1
+    assert cens.capped_share("capped") > 0 and cens.capped_share("free") == 0
+    assert plain.capped_share("capped") == 0
+
+
+def test_a_risk_reserve_reads_the_upper_forecasts() -> None:
+    from zp_client.budget.elastic import ElasticPolicy
+
+    assert LocalBudget(1000, 16, policy=ElasticPolicy(16, reserve_k=0.5)).reads_forecast_spread
+    assert not LocalBudget(1000, 16, policy=ElasticPolicy(16)).reads_forecast_spread
+
+
 async def test_non_streamed_elastic_request_holds_its_forecast(server: LoopbackServer) -> None:
     budget = LocalBudget(1000, 16, policy="elastic")
     seen: list[dict[str, Any]] = []

@@ -119,3 +119,65 @@ def test_a_stream_that_outlived_its_forecast_is_re_forecast_at_the_tail_quantile
     for bad in (0.0, 1.0, -0.1):
         with pytest.raises(ConfigurationError):
             LengthForecaster(q_tail=bad)
+
+
+def test_censored_completions_move_the_forecast_to_the_bound() -> None:
+    """With ``censored``, completions that ended at their ``max_tokens`` are read as censored: once their
+    share of the route's weight (prior included) reaches ``1 - q`` a request is forecast at its bound."""
+    prior = Prior(median=256, sigma=1.2, weight=20)
+    plain = LengthForecaster(prior=prior, half_life=None, censored=False, cold_n=0)
+    cens = LengthForecaster(prior=prior, half_life=None, censored=True, cold_n=0)
+    assert not LengthForecaster().censored  # opt-in (docs/elastic.md#censored-lengths)
+    for fc in (plain, cens):
+        for _ in range(30):
+            fc.observe("r", 300, capped=True)  # ran to its max_tokens of 300
+    assert cens.capped_share("r") == pytest.approx(30 / 50)
+    assert plain.capped_share("r") == 0.0  # not read without censored
+    assert cens.forecast("r", max_tokens=1024) == 1024
+    assert cens.spread("r", max_tokens=1024) == 1024
+    assert plain.forecast("r", max_tokens=1024) < 600
+    # without a bound nothing is censored against: the histogram answers
+    assert cens.forecast("r") == plain.forecast("r")
+
+
+def test_a_small_capped_share_raises_the_quantile_read() -> None:
+    prior = Prior(median=256, sigma=1.2, weight=20)
+    cens = LengthForecaster(prior=prior, half_life=None, censored=True, cold_n=0)
+    plain = LengthForecaster(prior=prior, half_life=None, censored=False, cold_n=0)
+    for fc in (plain, cens):
+        fc.observe_many("r", [200] * 70)
+        fc.observe("r", 4096, capped=True)
+    c = cens.capped_share("r")
+    assert 0 < c < 0.3
+    expected = math.ceil(plain.quantile("r", 0.7 / (1 - c)))
+    assert cens.forecast("r", max_tokens=8192) == min(expected, 8192)
+    assert cens.forecast("r", max_tokens=8192) >= plain.forecast("r", max_tokens=8192)
+
+
+def test_capped_share_is_the_own_observations_not_a_fleet_snapshot() -> None:
+    # merge_counts replaces the histogram by a fleet's: the share stays this process's own, and the
+    # snapshot's observations count toward cold_n
+    fc = LengthForecaster(prior=Prior(weight=20), half_life=None, censored=True, cold_n=10)
+    for _ in range(5):
+        fc.observe("r", 64, capped=True)
+    assert fc.capped_share("r") == pytest.approx(5 / 25)
+    snap = [c * 10 for c in fc.snapshot("r")]
+    assert fc.forecast("r", max_tokens=5000) == 5000  # 5 observations: cold
+    fc.merge_counts("r", snap)
+    assert fc.capped_share("r") == pytest.approx(5 / 25)
+    assert fc.observations("r") == 5  # its own
+    assert fc.forecast("r", max_tokens=5000) < 5000  # the snapshot's weight counts toward cold_n
+
+
+def test_cold_n_forecasts_the_bound_until_learned() -> None:
+    assert LengthForecaster().cold_n == 0  # opt-in
+    fc = LengthForecaster(cold_n=3, censored=False)
+    assert fc.forecast("r", max_tokens=900) == 900
+    assert fc.forecast("r", max_tokens=900, streaming=False) == 900
+    fc.observe_many("r", [100, 100])
+    assert fc.forecast("r", max_tokens=900) == 900
+    fc.observe("r", 100)
+    assert fc.forecast("r", max_tokens=900) < 900
+    assert fc.forecast("other", max_tokens=50) == 50  # per key
+    with pytest.raises(ConfigurationError):
+        LengthForecaster(cold_n=-1)

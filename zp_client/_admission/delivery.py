@@ -16,7 +16,7 @@ from typing import cast
 from zp_client._admission.actions import Action, Close, Peek, Prefetched, ReadAll, Release
 from zp_client._admission.parts import Parts
 from zp_client._admission.plan import Plan
-from zp_client._admission.ports import HttpRequest, HttpResponse, Placed
+from zp_client._admission.ports import CensorsLengths, HttpRequest, HttpResponse, Placed
 from zp_client._admission.release import Holder, watchdog
 from zp_client._sse import BadEvent, Reassembler, Scanner
 from zp_client.budget.base import Lease
@@ -215,7 +215,13 @@ class Delivery:
                     if isinstance(out, int) and not isinstance(out, bool) and out >= 0:
                         # Per choice: what one sequence of this route produces.
                         per_choice = round(out / max(1, plan.n))
-                        parts.forecaster.observe(plan.route, per_choice)
+                        fc = parts.forecaster
+                        if isinstance(fc, CensorsLengths) and fc.censored:
+                            # ended at its bound: censored (it would have gone on)
+                            fc.observe(plan.route, per_choice,
+                                       capped=plan.max_tokens > 0 and per_choice >= plan.max_tokens)
+                        else:
+                            fc.observe(plan.route, per_choice)
                         if parts.metrics is not None and parts.elastic:
                             parts.metrics.forecast_missed(per_choice, plan.forecast)
         except Exception:  # calibration must never break a response

@@ -180,6 +180,15 @@ class RequestForecaster(Protocol):
 
 
 @runtime_checkable
+class CensorsLengths(Protocol):
+    """A forecaster that reads completions ended at their ``max_tokens`` as censored (``censored``)."""
+
+    censored: bool
+
+    def observe(self, key: str, completion_tokens: int, *, capped: bool = False) -> None: ...
+
+
+@runtime_checkable
 class BlindForecaster(Protocol):
     """A forecaster with a separate quantile for requests whose growth is not seen."""
 

@@ -31,6 +31,7 @@ __all__ = [
     "make_policy",
     "project",
     "projected_peak",
+    "risk_reserve",
     "spread_blocks",
     "spread_reserve",
 ]
@@ -260,6 +261,17 @@ def spread_reserve(sum_sq: int, z: float) -> int:
     return r
 
 
+def risk_reserve(spread_sum: int, k: float) -> int:
+    """The risk reserve in blocks for live leases whose :func:`spread_blocks` sum to ``spread_sum``:
+    ``ceil(k * spread_sum)``, exact in integers with ``k`` taken in thousandths. Linear, not in
+    quadrature: the streams admitted together under one route's forecast outgrow it together (a
+    correlated error, docs/elastic.md#risk-reserve), which a quadrature sum undercounts."""
+    if k <= 0 or spread_sum <= 0:
+        return 0
+    km = round(k * 1000)
+    return -(-(km * spread_sum) // 1000)
+
+
 class _Profile:
     """The pool's projected occupancy at every lease end, prepared for O(log n) candidate checks."""
 
@@ -461,7 +473,9 @@ class ElasticPolicy:
 
     ``reserve_z > 0`` (opt-in; measured in docs/elastic.md#spread-reserve) keeps a reserve for forecast
     error free below the limit, sized from the live leases' forecast spread (:meth:`reserve`), for a limit
-    of the whole pool; 0 (the default) leaves that to the headroom below the pool.
+    of the whole pool; 0 (the default) leaves that to the headroom below the pool. ``reserve_k > 0``
+    (opt-in; docs/elastic.md#risk-reserve) adds the same spreads linearly instead (errors that move
+    together); both may be set, and their reserves add.
 
     ``used`` reports the projected peak of the live leases. The policy keeps a cache of the prepared
     projection keyed on the ledger's ``version`` (when it has one), so a grant that checks many waiters
@@ -473,16 +487,23 @@ class ElasticPolicy:
     """Progress (held growth, ``first_token``, a re-forecast) can let waiters in: backends grant after
     progress reports (see :class:`~zp_client.budget.ledger.ReservationPolicy`)."""
 
-    def __init__(self, block_size: int = 16, *, reserve_z: float = 0.0, late_readers: bool = False) -> None:
-        if isinstance(reserve_z, bool) or not isinstance(reserve_z, (int, float)) or not (
-                math.isfinite(reserve_z) and 0 <= reserve_z <= 100):
-            raise ConfigurationError(f"reserve_z must be a number in [0, 100], got {reserve_z!r}")
+    def __init__(self, block_size: int = 16, *, reserve_z: float = 0.0, reserve_k: float = 0.0,
+                 late_readers: bool = False) -> None:
+        for name, value in (("reserve_z", reserve_z), ("reserve_k", reserve_k)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and 0 <= value <= 100):
+                raise ConfigurationError(f"{name} must be a number in [0, 100], got {value!r}")
         self.block_size = block_size
         self.reserve_z = round(float(reserve_z), 3)
         """Spread-sized reserve: admission keeps ``spread_reserve(sum of spread_blocks^2, reserve_z)``
         blocks free below the limit (0: off, the flat headroom below the pool is the only reserve)."""
+        self.reserve_k = round(float(reserve_k), 3)
+        """Risk reserve for correlated forecast error: admission keeps ``ceil(reserve_k x sum of
+        spread_blocks)`` blocks free below the limit (:func:`risk_reserve`; the live leases' and the
+        candidate's spreads added linearly, as errors that move together add). 0: off."""
         self._spread_key: object = None
         self._spread_total = 0
+        self._spread_lin = 0
         self.late_readers = late_readers
         """Whether growth reports are stamped and extrapolated for a late reader (:meth:`progress_meta`,
         opt-in; docs/elastic.md#late-readers has the measurements behind the default). False (default)
@@ -573,32 +594,44 @@ class ElasticPolicy:
         self._excess_key, self._excess_sum = key, total
         return total
 
-    def _spread_sq(self, view: LedgerView) -> int:
-        """Sum over the live leases of :func:`spread_blocks` squared (cached on the ledger's version)."""
+    def _spreads(self, view: LedgerView) -> tuple[int, int]:
+        """(sum of squares, sum) over the live leases of :func:`spread_blocks` (cached on the ledger's
+        version)."""
         version = getattr(view, "version", None)
         key = (id(view), version) if version is not None else None
         if key is not None and key == self._spread_key:
-            return self._spread_total
+            return self._spread_total, self._spread_lin
         bs = self.block_size
-        total = 0
+        total = lin = 0
         for rec in view.leases.values():
             u = spread_blocks(held=rec.held, bound=rec.bound, block_size=bs, meta=rec.meta)
             total += u * u
-        self._spread_key, self._spread_total = key, total
-        return total
+            lin += u
+        self._spread_key, self._spread_total, self._spread_lin = key, total, lin
+        return total, lin
+
+    def _spread_sq(self, view: LedgerView) -> int:
+        """Sum over the live leases of :func:`spread_blocks` squared (cached on the ledger's version)."""
+        return self._spreads(view)[0]
 
     def reserve(self, view: LedgerView, candidate: WaiterRecord | None = None) -> int:
         """Blocks admission keeps free below the limit for the live leases' forecast error (and the
-        candidate's, when given): :func:`spread_reserve` of their :func:`spread_blocks`. 0 when
-        ``reserve_z`` is 0."""
-        if self.reserve_z <= 0:
+        candidate's, when given): :func:`spread_reserve` of their :func:`spread_blocks` plus
+        :func:`risk_reserve` of their sum. 0 when ``reserve_z`` and ``reserve_k`` are 0."""
+        if self.reserve_z <= 0 and self.reserve_k <= 0:
             return 0
-        sq = self._spread_sq(view)
+        sq, lin = self._spreads(view)
         if candidate is not None:
             u = spread_blocks(held=candidate.held, bound=candidate.bound, block_size=self.block_size,
                               meta=candidate.meta, candidate=True)
             sq += u * u
-        return spread_reserve(sq, self.reserve_z)
+            lin += u
+        return spread_reserve(sq, self.reserve_z) + risk_reserve(lin, self.reserve_k)
+
+    @property
+    def reads_spread(self) -> bool:
+        """Whether a reserve reads the leases' upper forecasts (``forecast_hi``)."""
+        return self.reserve_z > 0 or self.reserve_k > 0
 
     def admission_meta(self, bound: int, meta: Mapping[str, Any]) -> Mapping[str, Any]:
         """The meta a waiter is enqueued with (:meth:`Ledger.enqueue` calls this): :func:`admission_meta`."""
@@ -609,9 +642,10 @@ class ElasticPolicy:
         # live leases alone project above the limit nobody fits.
         if self._prepare(view).peak() > view.limit:
             return True
-        if self.reserve_z <= 0:
+        if not self.reads_spread:
             return False
-        # With a reserve (which never shrinks when a lease is added either: a sum of squares) fits' slow
+        # With a reserve (which never shrinks when a lease is added either: sums of squares and of
+        # non-negative spreads) fits' slow
         # path refuses everyone; its fast path, which ignores the reserve, needs the bounds of the live
         # leases and of the smallest candidate (1 block, no excess) to fit.
         return (self._prepare(view).peak() + self.reserve(view) > view.limit
@@ -677,6 +711,8 @@ class ElasticPolicy:
 
     def __repr__(self) -> str:
         extra = f", reserve_z={self.reserve_z}" if self.reserve_z else ""
+        if self.reserve_k:
+            extra += f", reserve_k={self.reserve_k}"
         if self.late_readers:
             extra += ", late_readers=True"
         return f"ElasticPolicy(block_size={self.block_size}{extra})"

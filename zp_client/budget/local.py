@@ -321,9 +321,10 @@ class LocalBudget(Budget):
     @property
     def reads_forecast_spread(self) -> bool:
         """Whether the policy reads the leases' upper forecasts (``forecast_hi``): an
-        :class:`~zp_client.budget.elastic.ElasticPolicy` with a spread-sized reserve (``reserve_z > 0``).
-        The transport sends them only then."""
-        return bool(getattr(self._ledger.policy, "reserve_z", 0))
+        :class:`~zp_client.budget.elastic.ElasticPolicy` with a spread-sized reserve (``reserve_z > 0``)
+        or a risk reserve (``reserve_k > 0``). The transport sends them only then."""
+        policy = self._ledger.policy
+        return bool(getattr(policy, "reserve_z", 0) or getattr(policy, "reserve_k", 0))
 
     # ------------------------------------------------------------------ admission
     def _enter(self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,

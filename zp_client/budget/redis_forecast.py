@@ -18,7 +18,7 @@ from redis.exceptions import NoScriptError, RedisError
 from zp_client._redact import check_redis_url
 from zp_client._tasks import Supervisor
 from zp_client.errors import ConfigurationError
-from zp_client.forecast import DEFAULT_Q, LengthForecaster, Prior, _bucket
+from zp_client.forecast import DEFAULT_CENSORED, DEFAULT_COLD_N, DEFAULT_Q, LengthForecaster, Prior, _bucket
 
 __all__ = ["RedisLengthForecaster"]
 
@@ -92,9 +92,11 @@ class RedisLengthForecaster(LengthForecaster):
         max_keys: int = 1000,
         max_pending: int = 100_000,
         key_ttl_s: int = DEFAULT_KEY_TTL_S,
+        censored: bool = DEFAULT_CENSORED,
+        cold_n: int = DEFAULT_COLD_N,
     ) -> None:
         super().__init__(q=q, q_blind=q_blind, q_tail=q_tail, prior=prior, half_life=None, priors=priors,
-                         max_keys=max_keys)
+                         max_keys=max_keys, censored=censored, cold_n=cold_n)
         if isinstance(key_ttl_s, bool) or not isinstance(key_ttl_s, int) or key_ttl_s < 1:
             raise ConfigurationError(f"key_ttl_s must be a positive integer of seconds, got {key_ttl_s!r}")
         if not (isinstance(sync_interval_s, (int, float)) and sync_interval_s > 0):
@@ -130,9 +132,10 @@ class RedisLengthForecaster(LengthForecaster):
         self._thread = self._sup.thread(self._run, name=f"zp-forecast-{name}", stop=self._stop)
 
     # ------------------------------------------------------------------ learning
-    def observe(self, key: str, completion_tokens: int) -> None:
-        """Learn one length locally at once; it reaches the fleet with the next batch."""
-        super().observe(key, completion_tokens)
+    def observe(self, key: str, completion_tokens: int, *, capped: bool = False) -> None:
+        """Learn one length locally at once; it reaches the fleet with the next batch (the lengths only:
+        a ``censored`` forecaster's capped share is this process's own)."""
+        super().observe(key, completion_tokens, capped=capped)
         self._queue(key, [completion_tokens])
 
     def observe_many(self, key: str, lengths: Any) -> None:

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zp_client.budget.redis")
 # The keyword arguments shared_forecaster passes on to a process-local LengthForecaster (its fallback).
 _LOCAL_FORECASTER_KWARGS = frozenset({"q", "q_blind", "q_tail", "q_spread", "prior", "half_life", "priors",
-                                      "max_keys"})
+                                      "max_keys", "censored", "cold_n"})
 
 # Spellings removed before 1.0 (one spelling per parameter, seconds end in _s): old name -> new name.
 _RENAMED = {
