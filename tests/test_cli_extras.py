@@ -59,6 +59,7 @@ def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 @needs_sim
+@pytest.mark.slow
 def test_sim_without_its_requirements_names_the_distribution() -> None:
     proc = _run(SIM_ONLY, CLI, "sim", "--port", "0", "--profile", "tiny")
     assert proc.returncode == 2, proc.stderr
@@ -80,6 +81,7 @@ def test_storm_without_its_requirements_names_the_distribution(args: list[str]) 
 
 
 @needs_storm
+@pytest.mark.slow
 def test_storm_without_the_sim_packages_also_names_the_storm() -> None:
     """zp-storm requires zp-sim: what storm lacks, installing both brings."""
     proc = _run(SIM_ONLY, CLI, "storm", "--workload", "seed-burst", "--out", "x")
@@ -138,6 +140,7 @@ def test_status_of_a_redis_budget_without_redis_names_the_extra() -> None:
     assert "pip install 'zp-client[redis]'" in _one_line(proc)
 
 
+@pytest.mark.slow
 def test_every_help_works_without_any_extra() -> None:
     """The parser is built for every subcommand, so no subcommand's extra may be needed to build it."""
     blocked = SIM_ONLY + BENCH_ONLY + ["redis", "openai"]
@@ -146,6 +149,7 @@ def test_every_help_works_without_any_extra() -> None:
         assert proc.returncode == 0 and "usage: zp-client" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_version_prints_the_distribution_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--version"])

@@ -25,6 +25,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_storm_with_an_unknown_profile_is_one_line_and_exit_code_2() -> None:
     proc = _cli("storm", "--profile", "nosuch", "--out", "unused")
     assert proc.returncode == 2, proc.stderr

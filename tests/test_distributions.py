@@ -45,6 +45,7 @@ def _mentions(path: Path) -> list[str]:
     return [text for _, text in sorted(found)]
 
 
+@pytest.mark.slow
 def test_the_library_imports_nothing_of_the_simulator_or_the_storm() -> None:
     paths = sorted(LIB.rglob("*.py"))
     assert len(paths) > 50

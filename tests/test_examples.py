@@ -83,6 +83,7 @@ def test_threads_sync_shared_wrapped_client() -> None:
     assert "budget after the run: used=0 leases=0 granted=12" in out
 
 
+@pytest.mark.slow
 def test_limit_from_server_sizes_budget_from_metrics() -> None:
     out = run_example("limit_from_server.py", "--sim", "--requests", "8", "--max-tokens", "64",
                       "--headroom", "0.9", "--speedup", "10")

@@ -9,6 +9,8 @@ import pkgutil
 import tokenize
 import types
 
+import pytest
+
 import zp_client
 
 ROOT = pathlib.Path(zp_client.__file__).parent
@@ -46,6 +48,7 @@ def _offences(path: pathlib.Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_no_class_is_defined_in_a_function_or_created_at_run_time() -> None:
     assert [p.name for p in INTEGRATIONS] == ["autogen_zp", "crewai_zp", "langchain_zp", "litellm_zp", "llama_index_zp"]
     assert (STORM / "runner.py").is_file()
@@ -90,6 +93,7 @@ def _time_reads(path: pathlib.Path, rel: str | None = None) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_time_is_read_only_in_the_clock_module() -> None:
     paths = [p for top in (ROOT, *INTEGRATIONS, STORM) for p in sorted(top.rglob("*.py"))
              if p.name != _CLOCK_MODULE or p.parent != ROOT]

@@ -214,6 +214,7 @@ async def test_an_unread_prefill_expires_after_its_lease() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_prefill_pool_full_of_held_kv_idles_on_the_wall_clock_until_a_lease_frees_room() -> None:
     # three held prefills fill the 511-block pool; a fourth waits with nothing schedulable until their
     # leases expire (20 virtual s: 1 s of wall time at speedup 20, so that the three prefills are all
@@ -259,6 +260,7 @@ async def test_a_decode_that_waits_longer_than_the_lease_keeps_it_alive_by_heart
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_decode_call_cancelled_before_its_kv_arrived_frees_the_prefill_at_once() -> None:
     text = make_text(600, random.Random(6), "pd")
     async with SimServer("tiny", speedup=1.0, role="prefill") as p, \

@@ -446,6 +446,7 @@ async def _preemptions_on_metrics(server: SimServer) -> float:
 
 @pytest.mark.openai_compat
 @pytest.mark.usefixtures("close_clients")
+@pytest.mark.slow
 async def test_storm_open_loop_burst_preempts_and_block_gated_sends_never_do() -> None:
     pool = 200  # 199 usable blocks of 16 tokens
     prompt_len, max_tokens, count = 300, 300, 12
@@ -532,6 +533,7 @@ async def test_priority_field_reaches_the_engine() -> None:
         assert server.stats(requests=True)["requests"][0]["priority"] == 7
 
 
+@pytest.mark.slow
 def test_cli_serves_and_replays(tmp_path: Any) -> None:
     import os
     import subprocess

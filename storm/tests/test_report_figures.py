@@ -229,6 +229,7 @@ def _words(text: str) -> list[str]:
     return text.split()
 
 
+@pytest.mark.slow
 def test_storm_png_is_written_and_titled_by_the_verdict(tmp_path) -> None:
     runs = [*_holding(), _run("rate-limited", 6, late=4), _run("zp-oracle", 10), _run("clairvoyant", 9, late=1)]
     report = _report(runs)
@@ -342,6 +343,7 @@ def test_a_setup_missing_at_a_load_is_none_there_and_naive_that_holds_is_said_to
     assert head.startswith("measured: goodput = logical requests that succeeded within the SLO")
 
 
+@pytest.mark.slow
 def test_sweep_table_and_files(tmp_path) -> None:
     loads, reports = _sweep_reports()
     sweep = build_sweep_report(loads, reports)

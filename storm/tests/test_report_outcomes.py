@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from zp_storm import figures
 from zp_storm.loadgen import RequestRecord
 from zp_storm.report import build_report, build_sweep_report, outcome_counts, sweep_markdown_table
@@ -116,6 +118,7 @@ def test_a_queue_caps_503s_count_as_requests_that_reached_the_server() -> None:
     assert "4 / 0 / 0; 504s 0, 503s 6, ampl 2.50" in [t.get_text() for ax in fig.axes for t in ax.texts]
 
 
+@pytest.mark.slow
 def test_the_storm_figure_draws_the_outcome_panel(tmp_path) -> None:
     recs = [_rec("i0", "interactive", 0.5, kind="interactive"), _rec("b0", "batch", 40.0, root="c0"),
             _rec("b1", "batch", None, ok=False, root="c1")]

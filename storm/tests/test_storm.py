@@ -32,6 +32,7 @@ def test_make_text_hits_the_requested_token_count() -> None:
         assert abs(count_tokens(text) - n) <= 3
 
 
+@pytest.mark.slow
 def test_seed_burst_is_deterministic_and_holds_the_requested_share_of_the_pool() -> None:
     a = build_workload("seed-burst", FACTS, seed=3)
     b = build_workload("seed-burst", FACTS, seed=3)
@@ -49,6 +50,7 @@ def test_seed_burst_is_deterministic_and_holds_the_requested_share_of_the_pool()
     assert a.gateway_timeout_s is not None and a.gateway_timeout_s > 0
 
 
+@pytest.mark.slow
 def test_seed_burst_matches_the_seed_case() -> None:
     """The burst's prompts far exceed the pool's free share, the streams keep growing after it, the
     gateway is the real 60 s scaled to the simulator (not derived from the workload's own calls), and
@@ -95,6 +97,7 @@ def test_agentic_shares_the_preamble_grows_context_and_bounds_max_tokens() -> No
         assert all(t.prompt_tokens + t.max_tokens <= FACTS.max_model_len for t in s.turns)
 
 
+@pytest.mark.slow
 def test_agentic_output_lengths_follow_the_stated_distribution() -> None:
     wl = build_workload("agentic", FACTS, seed=7, conversations=120)
     outs = sorted(t.true_out for t in wl.iter_turns())

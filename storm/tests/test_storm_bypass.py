@@ -76,6 +76,7 @@ def _cfg(**kw: Any) -> StormConfig:
 # --------------------------------------------------------------------------------- the selection
 
 
+@pytest.mark.slow
 def test_the_selection_is_exact_deterministic_nested_and_names_the_load_generators_requests() -> None:
     sessions = _sessions()
     ids = list(request_ids(sessions))

@@ -65,6 +65,7 @@ def _probe_in_a_spawned_worker(ctx: SetupContext) -> dict:
         assert p.exitcode == 0
 
 
+@pytest.mark.slow
 def test_a_worker_process_builds_the_elastic_setups_from_its_context_not_the_environment(monkeypatch) -> None:
     from zp_client.budget.local import LocalBudget
     from zp_client.server import ELASTIC_HEADROOM

@@ -197,6 +197,7 @@ def test_two_replicas_rr_rr_zp_and_epp_spread_the_load_and_report_the_fleet(tmp_
         assert json.loads(jp.read_text())["fleet"]["replicas"] == 2
 
 
+@pytest.mark.slow
 def test_a_kill_cuts_the_busiest_replicas_streams() -> None:
     cfg = StormConfig(workload="seed-burst", seed=0, setups=["no-admission", "rr"], profile="tiny",
                       num_gpu_blocks=None, workload_overrides=dict(SMALL), replicas=2, kill_replica_s=1.0)

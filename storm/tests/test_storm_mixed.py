@@ -28,6 +28,7 @@ def _turns(sessions):  # every turn of every session, sub-agents included
     return out
 
 
+@pytest.mark.slow
 def test_mixed_is_agentic_plus_an_interactive_class_with_its_own_targets() -> None:
     wl = build_workload("mixed", FACTS, seed=3, conversations=4, rate_per_s=2.0, span_s=20.0)
     agentic = build_workload("agentic", FACTS, seed=3, conversations=4)

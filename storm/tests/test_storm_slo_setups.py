@@ -100,6 +100,7 @@ def test_each_setup_sends_what_its_real_counterpart_would(tiny_mixed: Any) -> No
     assert {s["priority"] for s in by["no-admission"].server_stats["requests"]} == {0}
 
 
+@pytest.mark.slow
 def test_the_queue_cap_is_the_tightest_target_times_the_measured_prefill_throughput(tiny_mixed: Any) -> None:
     wl, report, _, runs = tiny_mixed
     tps = report["server"]["prefill_tokens_per_s"]

@@ -129,6 +129,7 @@ def test_worker_setups_need_the_real_clock() -> None:
         StormConfig(clock="wall")
 
 
+@pytest.mark.slow
 def test_storm_cli_runs_a_sweep_on_the_virtual_clock(tmp_path: Path) -> None:
     pytest.importorskip("rich")
     from zp_client.cli import main

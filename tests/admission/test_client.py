@@ -307,6 +307,7 @@ def app() -> Iterator[_App]:
     ("e504", InternalServerError, 504, "504 Gateway Time-out"),
     ("e418", APIStatusError, 418, "short and stout"),
 ])
+@pytest.mark.slow
 def test_error_matrix(app: _App, model: str, cls: type[APIStatusError], status: int, message: str) -> None:
     budget = _budget()
     with Client(app.base_url, api_key=SECRET, budget=budget) as client:
@@ -424,6 +425,7 @@ def test_connection_errors_are_typed() -> None:
     gc.collect()
 
 
+@pytest.mark.slow
 def test_cancelling_a_stream_reader_releases_the_lease(sim: SimServer) -> None:
     budget = _budget()
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 import zp_client
 
 PACKAGE = pathlib.Path(zp_client.__file__).parent / "_admission"
@@ -112,6 +114,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+@pytest.mark.slow
 def test_no_module_of_the_admission_package_is_in_an_import_circle() -> None:
     root = PACKAGE.parent
     paths = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p

@@ -199,6 +199,7 @@ async def test_a_proxy_idle_timeout_no_longer_cuts_a_long_generation() -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_elastic_sees_a_non_streamed_call_grow_and_learns_its_length() -> None:
     # Slow enough that the simulator sends about one token per event (events are what is counted).
     server, _ = sim_server(speedup=2)

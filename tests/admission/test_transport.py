@@ -439,6 +439,7 @@ async def test_idle_stream_watchdog(server: LoopbackServer) -> None:
                     pass
 
 
+@pytest.mark.slow
 async def test_watchdog_spares_a_caller_waiting_on_a_slow_server(server: LoopbackServer) -> None:
     b = make_budget()
     async with async_client(httpx, server, b, settings=settings(idle_stream_timeout_s=0.2)) as c:
@@ -629,6 +630,7 @@ async def test_cancel_while_server_generates_unstreamed(mod: Any, sim: Any) -> N
 
 @pytest.mark.needs_sim
 @pytest.mark.parametrize("mod", MODULES, ids=lambda m: m.__name__)
+@pytest.mark.slow
 async def test_server_estimator_counts_through_the_inner_transport(mod: Any, sim: Any) -> None:
     """estimator="server" asks the simulator's /tokenize (through the inner transport, unadmitted)."""
     from zp_client.estimate import Estimator

@@ -203,6 +203,7 @@ async def test_async_refusal_types(server: LoopbackServer, caplog: pytest.LogCap
     assert len(server.llm_requests()) == before and await used(b) == 0
 
 
+@pytest.mark.slow
 async def test_wrap_keeps_original_untouched_and_shares_transport(server: LoopbackServer) -> None:
     calls: list[str] = []
 

@@ -92,6 +92,7 @@ def test_priority_headers_through_wrap_are_bounded() -> None:
 # --------------------------------------------------------------------------------------------- forecaster
 
 
+@pytest.mark.slow
 def test_ten_thousand_routes_keep_at_most_max_keys_histograms() -> None:
     fc = LengthForecaster()
     assert DEFAULT_MAX_KEYS == 1000
@@ -133,6 +134,7 @@ def _fc_keys(r: redis.Redis, name: str) -> list[bytes]:
 
 
 @pytest.mark.redis
+@pytest.mark.slow
 def test_ten_thousand_routes_make_at_most_max_keys_redis_hashes_each_with_a_ttl(
         fc_redis: tuple[redis.Redis, str]) -> None:
     r, name = fc_redis
@@ -191,6 +193,7 @@ def test_key_ttl_s_is_checked(fc_redis: tuple[redis.Redis, str]) -> None:
 
 
 @pytest.mark.parametrize("max_keys", [50, None])
+@pytest.mark.slow
 def test_the_process_local_fallback_of_shared_forecaster_keeps_max_keys(max_keys: int | None) -> None:
     """A RedisBudget given only an async client forecasts from this process (shared_forecaster's
     fallback): that forecaster took q/prior/half_life/priors only, so max_keys was dropped. It keeps the

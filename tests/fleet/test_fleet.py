@@ -280,6 +280,7 @@ def _client(fleet: Fleet) -> openai.AsyncOpenAI:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_requests_route_across_replicas_and_metadata_passes_through() -> None:
     with LoopbackServer() as s1, LoopbackServer() as s2:
         fleet = Fleet([s1.base_url, s2.base_url], limit_blocks=4000, policy="strict")
@@ -499,6 +500,7 @@ class _ResetBeforeFirstByte:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_stream_cut_before_its_first_byte_moves_to_another_replica() -> None:
     with _ResetBeforeFirstByte() as bad, LoopbackServer() as good:
         fleet = Fleet([bad.base_url, good.base_url], limit_blocks=4000, policy="strict")

@@ -436,6 +436,7 @@ async def test_a_waiter_in_another_process_gets_the_freed_replica(fleets: Any, r
 
 # ------------------------------------------------------------------------------ end to end
 @pytest.mark.openai_compat
+@pytest.mark.slow
 async def test_requests_route_through_wrap_across_two_servers(fleets: Any) -> None:
     with LoopbackServer() as s1, LoopbackServer() as s2:
         f = fleets([s1.base_url, s2.base_url], 4000)
@@ -469,6 +470,7 @@ async def test_requests_route_through_wrap_across_two_servers(fleets: Any) -> No
 
 
 @pytest.mark.openai_compat
+@pytest.mark.slow
 async def test_a_dead_replica_is_ejected_and_requests_move(fleets: Any) -> None:
     dead = f"http://127.0.0.1:{_free_port()}/v1"
     with LoopbackServer() as live:
@@ -487,6 +489,7 @@ async def test_a_dead_replica_is_ejected_and_requests_move(fleets: Any) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_stream_cut_before_its_first_byte_moves_and_avoids_that_replica(fleets: Any) -> None:
     from tests.fleet.test_fleet import _ResetBeforeFirstByte
 

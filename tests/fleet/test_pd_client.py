@@ -124,6 +124,7 @@ def test_disaggregate_checks_its_arguments() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_streamed_and_non_streamed_calls_take_both_legs_and_release_both() -> None:
     async with _pd_client(threshold_tokens=256) as (p, d, fleet, pre, client):
         def streamed(i: int) -> Any:
@@ -150,6 +151,7 @@ async def test_streamed_and_non_streamed_calls_take_both_legs_and_release_both()
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_short_uncached_prompt_goes_straight_to_its_decode_replica() -> None:
     async with _pd_client(threshold_tokens=256) as (p, d, fleet, pre, client):
         r = await client.chat.completions.create(model="sim-llama", messages=_messages(40), max_tokens=5)
@@ -166,6 +168,7 @@ async def test_a_short_uncached_prompt_goes_straight_to_its_decode_replica() -> 
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_prefill_answer_without_kv_transfer_params_is_prefilled_on_the_decode_replica() -> None:
     async with SimServer("tiny", speedup=20.0) as plain, SimServer("tiny", speedup=20.0, role="decode") as d:
         fleet, pre = _fleets([plain.base_url], [d.base_url], threshold_tokens=0)
@@ -209,6 +212,7 @@ async def test_a_decode_replica_that_rejects_is_retried_elsewhere_with_the_prefi
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_decode_call_that_reached_no_replica_reuses_the_prefill_on_another() -> None:
     async with _pd() as (p, d):
         fleet, pre = _fleets([p.base_url], [_dead_url(), d.base_url], threshold_tokens=0)
@@ -226,6 +230,7 @@ async def test_a_decode_call_that_reached_no_replica_reuses_the_prefill_on_anoth
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_cancelled_before_the_prefill_answered_releases_both_legs_and_the_server_aborts() -> None:
     async with SimServer("tiny", speedup=0.01, role="prefill") as p, \
             SimServer("tiny", speedup=20.0, role="decode") as d:
@@ -248,6 +253,7 @@ async def test_cancelled_before_the_prefill_answered_releases_both_legs_and_the_
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_cancelled_mid_decode_stream_releases_both_legs_once() -> None:
     async with _pd_client(threshold_tokens=0) as (p, d, fleet, pre, client):
         stream = await client.chat.completions.create(model="sim-llama", messages=_messages(600),
@@ -304,6 +310,7 @@ async def test_cancelled_between_the_two_calls_holds_the_prefill_leg_until_vllms
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_decode_pool_saturated_longer_than_the_lease_expires_no_prefill_lease() -> None:
     # the decode fleet admits about one of these at a time, each decoding for ~3 virtual s; vLLM's lease
     # is 1 virtual s: the waiters wait in zp's line with nothing on the prefill server
@@ -384,6 +391,7 @@ async def test_both_legs_on_redis_fleets(redis_url: str, redis_prefix: str) -> N
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_the_drop_in_async_client_takes_both_legs() -> None:
     from zp_client import AsyncClient
 

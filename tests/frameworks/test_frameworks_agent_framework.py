@@ -57,6 +57,7 @@ def agent_of(proxy: FailProxy, budget: LocalBudget, **options: Any) -> Agent[Any
                  default_options={**OPTIONS, **options})
 
 
+@pytest.mark.slow
 def test_a_tool_run_and_a_stream_take_one_lease_per_llm_call(proxy: FailProxy) -> None:
     budget = LocalBudget(limit_blocks=400, policy="strict")
     before, asked = proxy.forwarded[CHAT], len(ASKED)

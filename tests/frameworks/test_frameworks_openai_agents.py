@@ -60,6 +60,7 @@ def agent_of(proxy: FailProxy, budget: LocalBudget, max_tokens: int = 12) -> Age
                  model_settings=ModelSettings(max_tokens=max_tokens))
 
 
+@pytest.mark.slow
 def test_tool_runs_sync_async_and_streamed_take_one_lease_per_llm_call(proxy: FailProxy) -> None:
     budget = LocalBudget(limit_blocks=400, policy="strict")
     before = proxy.forwarded[CHAT]

@@ -51,6 +51,7 @@ def agent_of(proxy: FailProxy, budget: LocalBudget) -> Agent[None, str]:
     return Agent(model, tools=[get_weather], model_settings=MODEL_SETTINGS)
 
 
+@pytest.mark.slow
 def test_tool_runs_sync_async_and_streamed_take_one_lease_per_llm_call(proxy: FailProxy) -> None:
     budget = LocalBudget(limit_blocks=400, policy="strict")
     agent = agent_of(proxy, budget)

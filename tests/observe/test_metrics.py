@@ -301,6 +301,7 @@ def _ask_user(user: str) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "user": user}
 
 
+@pytest.mark.slow
 async def test_retries_by_reason_and_refusals_by_type_match_the_upstream_log() -> None:
     inner = LocalBudget(limit_blocks=100, name="retry")
     budget = Recorder(inner)

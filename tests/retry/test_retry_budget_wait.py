@@ -241,6 +241,7 @@ async def test_through_wrap_an_exhausted_wait_is_a_valueerror_the_caller_can_cat
 
 
 @pytest.mark.redis
+@pytest.mark.slow
 def test_a_waiting_retry_on_a_redis_budget_takes_the_retry_another_process_earned(
     redis_url: str, redis_prefix: str
 ) -> None:

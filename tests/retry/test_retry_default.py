@@ -34,6 +34,7 @@ def _ask(user: str) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "user": user}
 
 
+@pytest.mark.slow
 def test_wrapped_async_client_retries_429_after_retry_after_and_releases_the_lease_meanwhile(
         upstream: RetryUpstream) -> None:
     budget = LocalBudget(limit_blocks=1_000)
@@ -66,6 +67,7 @@ def test_wrapped_async_client_retries_429_after_retry_after_and_releases_the_lea
 
 
 @pytest.mark.parametrize("flavour", ["async", "sync"])
+@pytest.mark.slow
 def test_wrapped_client_retries_503_but_not_400_or_500(upstream: RetryUpstream, flavour: str) -> None:
     budget = LocalBudget(limit_blocks=1_000)
     if flavour == "sync":
@@ -100,6 +102,7 @@ def test_retry_false_opts_out(upstream: RetryUpstream) -> None:
     assert upstream.users() == ["503-a#1"]
 
 
+@pytest.mark.slow
 def test_drop_in_clients_retry_by_default(upstream: RetryUpstream) -> None:
     budget = LocalBudget(limit_blocks=1_000)
     settings = Settings(max_model_len=MAX_MODEL_LEN)
@@ -115,6 +118,7 @@ def test_drop_in_clients_retry_by_default(upstream: RetryUpstream) -> None:
     assert upstream.users() == ["503-async#1", "503-async#2", "503-sync#1", "503-sync#2"]
 
 
+@pytest.mark.slow
 def test_one_retry_budget_per_kv_budget_shared_by_every_front_end(upstream: RetryUpstream) -> None:
     budget = LocalBudget(limit_blocks=1_000)
     # ratio 0 and floor 0.1/s over 10 s: every front end on this KV budget together may retry once.
@@ -134,6 +138,7 @@ def test_one_retry_budget_per_kv_budget_shared_by_every_front_end(upstream: Retr
 
 
 @pytest.mark.redis
+@pytest.mark.slow
 def test_two_wrapped_clients_on_one_redis_budget_draw_from_one_redis_retry_budget(
         upstream: RetryUpstream, redis_url: str, redis_prefix: str) -> None:
     from zp_client import RedisBudget
@@ -217,6 +222,7 @@ def test_the_default_policy_sleeps_on_the_transports_clock(flavour: str) -> None
     assert len(seen) == 2
 
 
+@pytest.mark.slow
 def test_wrapped_client_retries_529_after_retry_after(upstream: RetryUpstream) -> None:
     """529 (an overload answer, e.g. NVIDIA Dynamo with every worker busy) is retried like 503."""
     budget = LocalBudget(limit_blocks=1_000)

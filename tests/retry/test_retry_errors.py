@@ -230,6 +230,7 @@ def test_zp_sync_client_against_a_closed_port() -> None:
 @pytest.mark.anyio
 @pytest.mark.openai_compat
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.slow
 async def test_a_real_lease_too_large_is_a_value_error_through_wrap_and_zp_clients(
     anyio_backend: str,
 ) -> None:

@@ -142,6 +142,7 @@ async def test_two_concurrent_calls_with_room_for_one_never_run_together(server:
     assert (await budget.status()).used == 0 and granted(budget) == 2
 
 
+@pytest.mark.slow
 async def test_without_zp_the_same_two_calls_run_together(server: SimServer) -> None:
     before = set(records(server))
     c = OpenAIChatCompletionClient(model=server.model, base_url=server.base_url, api_key="sk-test",
@@ -222,6 +223,7 @@ async def test_max_retries_defaults_to_zero_and_an_explicit_value_is_kept(server
     assert client(server, budget, max_retries=2)._client.max_retries == 2
 
 
+@pytest.mark.slow
 async def test_component_round_trip(server: SimServer) -> None:
     budget = LocalBudget(limit_blocks=400, policy="strict")
     dumped = client(server, budget, zp_priority=1).dump_component()
@@ -276,6 +278,7 @@ def flaky_client(flaky: RetryUpstream, **kw: Any) -> ZPOpenAIChatCompletionClien
     return c
 
 
+@pytest.mark.slow
 async def test_zp_retries_a_503_by_default(flaky: RetryUpstream) -> None:
     with testing():
         result = await flaky_client(flaky).create(HI, extra_create_args={"user": "503-a"})

@@ -91,6 +91,7 @@ async def test_no_zp_target_sends_no_target_keys(server: SimServer) -> None:
     assert meta is not None and not {"ttft_target_s", "tpot_target_s", "age_s"} & set(meta)
 
 
+@pytest.mark.slow
 async def test_from_component_takes_the_targets(server: SimServer) -> None:
     budget = MetaSpy()
     dumped = client(server, budget).dump_component()
@@ -133,6 +134,7 @@ async def flaky() -> AsyncIterator[RetryUpstream]:
             await _open.pop().close()
 
 
+@pytest.mark.slow
 async def test_a_retried_create_keeps_its_target_and_its_first_arrival(flaky: RetryUpstream) -> None:
     budget = MetaSpy(policy="elastic")
     c = ZPOpenAIChatCompletionClient(model="m", base_url=flaky.base_url, api_key="sk-test", max_tokens=8,

@@ -185,6 +185,7 @@ async def test_two_concurrent_calls_with_room_for_one_never_run_together(server:
     assert (await budget.status()).used == 0 and granted(budget) == 2
 
 
+@pytest.mark.slow
 async def test_without_zp_the_same_two_calls_run_together(server: SimServer) -> None:
     # the control of the test above: the server does run both at once when nothing admits them
     before = set(records(server))
@@ -365,6 +366,7 @@ def flaky_chat(flaky: RetryUpstream, **kw: Any) -> ZPChatOpenAI:
                         **kw)
 
 
+@pytest.mark.slow
 def test_zp_retries_a_503_by_default_sync_and_async(flaky: RetryUpstream) -> None:
     llm = flaky_chat(flaky)
     with testing():
@@ -374,6 +376,7 @@ def test_zp_retries_a_503_by_default_sync_and_async(flaky: RetryUpstream) -> Non
     assert llm.root_client.max_retries == 0  # the retry was zp's, not the SDK's
 
 
+@pytest.mark.slow
 def test_zp_retry_false_sends_one_attempt(flaky: RetryUpstream) -> None:
     llm = flaky_chat(flaky, zp_retry=False)
     with pytest.raises(openai.APIStatusError) as info:

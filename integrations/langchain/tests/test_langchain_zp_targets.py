@@ -49,6 +49,7 @@ def chat(server: SimServer, budget: MetaSpy, **kw: Any) -> ZPChatOpenAI:
                         budget=budget, zp_settings=SETTINGS, **kw)
 
 
+@pytest.mark.slow
 def test_zp_targets_reach_the_budget_and_a_calls_header_wins(server: SimServer) -> None:
     budget = MetaSpy(policy="elastic")
     llm = chat(server, budget, zp_ttft_target=1.5, zp_tpot_target=0.05)
@@ -119,6 +120,7 @@ def flaky() -> Iterator[RetryUpstream]:
         yield s
 
 
+@pytest.mark.slow
 def test_a_retried_call_keeps_its_target_and_its_first_arrival(flaky: RetryUpstream) -> None:
     budget = MetaSpy(policy="elastic")
     llm = ZPChatOpenAI(model="m", base_url=flaky.base_url, api_key="sk-test", max_tokens=8, budget=budget,

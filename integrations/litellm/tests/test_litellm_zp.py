@@ -103,6 +103,7 @@ def glue(proxy: FailProxy, b: LocalBudget, **kw: Any) -> openai.AsyncOpenAI:
     return client
 
 
+@pytest.mark.slow
 async def test_calls_take_one_lease_each_and_release_it(proxy: FailProxy, sim: SimServer) -> None:
     b = budget()
     llm = adapter(proxy, b)
