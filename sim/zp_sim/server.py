@@ -1366,6 +1366,8 @@ class SimServer:
     async def start(self) -> None:
         import uvicorn
 
+        from zp_sim._uvicorn import PromptExitServer
+
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, self._port))
@@ -1373,7 +1375,7 @@ class SimServer:
         self._sim.kv.host, self._sim.kv.port = self._host, self._port
         config = uvicorn.Config(self.app, log_level=self._log_level, lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=1)
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = PromptExitServer(config)
         self._sim.start()
         self._serve_task = asyncio.get_running_loop().create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
@@ -1384,7 +1386,7 @@ class SimServer:
 
     async def aclose(self) -> None:
         if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
+            self._uvicorn.exit_now()  # uvicorn itself looks at should_exit every 0.1 s
         if self._serve_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._serve_task
@@ -1490,3 +1492,4 @@ class SimServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+

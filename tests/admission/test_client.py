@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from tests._asgi_server import PromptExitServer
 from zp_client.budget.local import LocalBudget
 from zp_client.client import (
     APIConnectionError,
@@ -274,7 +275,7 @@ class _App:
             return JSONResponse({"object": "list", "data": [{"id": "m", "max_model_len": 2048}]})
 
         app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models)])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
+        self._server = PromptExitServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
                                                      lifespan="off"))
 
     def __enter__(self) -> _App:
@@ -290,7 +291,7 @@ class _App:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
+        self._server.exit_now()
         self._thread.join(timeout=10)
 
 

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from tests._asgi_server import PromptExitServer
 from zp_client.config import Settings
 from zp_client.errors import ConfigurationError, ServerInfoError
 from zp_client.estimate import Estimator
@@ -88,7 +89,7 @@ class _Server:
 
         app = Starlette(routes=[Route("/v1/models", models), Route("/tokenize", tokenize, methods=["POST"]),
                                 Route("/metrics", metrics)])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
+        self._server = PromptExitServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
                                                      lifespan="off"))
 
     def __enter__(self) -> _Server:
@@ -104,7 +105,7 @@ class _Server:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
+        self._server.exit_now()
         self._thread.join(timeout=10)
 
     def count(self, method: str, path: str) -> int:
