@@ -92,6 +92,15 @@ class Projection:
     grows: bool = True
 
 
+#: The meta fields :func:`project` reads without ``now`` (besides the lease's held and bound): a lease's
+#: projection is kept while these are unchanged (:meth:`ElasticPolicy._projected`).
+_PROJECT_KEYS = (*POLICY_KEYS, PINNED_KEY, MAX_OUTPUT_KEY)
+
+#: A field a meta does not have (presence alone changes a projection: see :func:`project`).
+_MISSING = object()
+_MISSINGS = (_MISSING,) * len(_PROJECT_KEYS)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -408,6 +417,13 @@ def _terms_for(
     and its group is ``(blocks, FOREVER)`` so a candidate sharing it is charged without it too."""
     items = [(project(held=h, bound=b, block_size=block_size, meta=m, now=now, step_s=step_s), m)
              for h, b, m in leases]
+    return _terms_from_items(items)
+
+
+def _terms_from_items(
+    items: list[tuple[Projection, Mapping[str, Any]]],
+) -> tuple[list[Projection], dict[str, tuple[int, int]]]:
+    """:func:`_terms_for` of leases already projected: ``(projection, meta)`` in lease order."""
     pinned = _pinned_groups(items)
     active, _ = _shared_prefixes(items)
     terms: list[Projection] = []
@@ -510,6 +526,8 @@ class ElasticPolicy:
         reads every report as the present."""
         self._cache_key: object = None
         self._profile: _Profile | None = None
+        self._lease_cache: dict[str, tuple[tuple[object, ...], Projection]] = {}
+        self._lease_cache_view: int | None = None
         self._excess_key: object = None
         self._excess_sum = 0
         self.late_at: float | None = None
@@ -567,11 +585,37 @@ class ElasticPolicy:
         key = (id(view), version, now) if version is not None else None
         if key is not None and key == self._cache_key and self._profile is not None:
             return self._profile
-        leases = ((rec.held, rec.bound, rec.meta) for rec in view.leases.values())
-        terms, groups = _terms_for(leases, self.block_size, now, self.step_s)
+        items = self._projected(view, now)
+        terms, groups = _terms_from_items(items)
         profile = _Profile(terms, self.block_size, groups)
         self._cache_key, self._profile = key, profile
         return profile
+
+    def _projected(self, view: LedgerView, now: float | None) -> list[tuple[Projection, Mapping[str, Any]]]:
+        """Each live lease's :func:`project` with its meta, in lease order. A lease's projection is kept
+        between calls keyed on every input it reads (:func:`_project_key`: held, bound and the meta fields
+        :func:`project` reads), so a new ledger version recomputes only the leases that changed; released
+        leases drop out. While late (``now`` given) the projection also reads the time and the step time:
+        nothing is kept then."""
+        bs, step_s = self.block_size, self.step_s
+        if now is not None:
+            return [(project(held=rec.held, bound=rec.bound, block_size=bs, meta=rec.meta, now=now,
+                             step_s=step_s), rec.meta) for rec in view.leases.values()]
+        old = self._lease_cache if self._lease_cache_view == id(view) else {}
+        cache: dict[str, tuple[tuple[object, ...], Projection]] = {}
+        items: list[tuple[Projection, Mapping[str, Any]]] = []
+        for lid, rec in view.leases.items():
+            held, bound, meta = rec.held, rec.bound, rec.meta
+            key = (held, bound, *map(meta.get, _PROJECT_KEYS, _MISSINGS))
+            hit = old.get(lid)
+            if hit is not None and hit[0] == key:
+                p = hit[1]
+            else:
+                p = project(held=held, bound=bound, block_size=bs, meta=meta)
+            cache[lid] = (key, p)
+            items.append((p, meta))
+        self._lease_cache, self._lease_cache_view = cache, id(view)
+        return items
 
     def used(self, view: LedgerView) -> int:
         return self._prepare(view).peak()

@@ -1,0 +1,71 @@
+"""Cost of one elastic admission decision against N live leases, kept projections vs recomputed.
+
+Each decision follows one lease's growth report (a new ledger version, as in a stream), then asks
+whether a waiter fits with the bounds over the limit (the projection's slow path). ``before`` is the
+policy recomputing every lease's projection per version (what it did before per-lease projections were
+kept); ``after`` is :class:`~zp_client.budget.elastic.ElasticPolicy` as it is. Both must decide alike.
+
+    python benchmarks/elastic_prepare.py [--decisions 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from zp_client.budget.elastic import ElasticPolicy, Projection, project
+from zp_client.budget.ledger import Ledger, LedgerView
+
+BS = 16
+
+
+class RecomputeAll(ElasticPolicy):
+    """Every lease re-projected on every new version (the behaviour before the per-lease cache)."""
+
+    def _projected(self, view: LedgerView, now: float | None) -> list[tuple[Projection, Mapping[str, Any]]]:
+        return [(project(held=r.held, bound=r.bound, block_size=BS, meta=r.meta, now=now,
+                         step_s=self.step_s), r.meta) for r in view.leases.values()]
+
+
+def run(policy: ElasticPolicy, n: int, decisions: int) -> tuple[float, list[bool]]:
+    led = Ledger(10**6, policy=policy)
+    for i in range(n):
+        meta = {"prompt_tokens": 200 + 7 * i % 300, "forecast_tokens": 100 + 13 * i % 400,
+                "first_token": True, "tokens": 0}
+        if i % 5 == 0:
+            meta.update(prefix_key=f"p{i % 3}", prefix_blocks=4)
+        led.enqueue(f"l{i}", 64, 13 + i % 20, 0, 0.0, meta=meta)
+    led.grant(0.0)
+    assert len(led.leases) == n
+    # Bounds (n * 64) well over the limit: every decision takes the projection's path.
+    led.set_limit(n * 40, 0.0)
+    cand = led.prepare_meta(64, {"prompt_tokens": 300, "forecast_tokens": 200})
+    from zp_client.budget.ledger import Ticket, WaiterRecord  # noqa: PLC0415
+    w = WaiterRecord(id="w", bound=64, held=19, priority=0, since=0.0, ticket=Ticket(0, 10**9), seq=0, meta=cand)
+    out: list[bool] = []
+    lids = list(led.leases)
+    t0 = time.perf_counter()
+    for d in range(decisions):
+        lid = lids[d % n]
+        rec = led.leases[lid]
+        led.update_meta(lid, tokens=int(rec.meta["tokens"]) + 1)
+        out.append(led.fits_now(w))
+    return (time.perf_counter() - t0) / decisions, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decisions", type=int, default=2000)
+    a = ap.parse_args()
+    print(f"{'leases':>7} {'before us':>10} {'after us':>9} {'ratio':>6}")
+    for n in (100, 500, 1000):
+        before, ob = run(RecomputeAll(BS), n, a.decisions)
+        after, oa = run(ElasticPolicy(BS), n, a.decisions)
+        assert ob == oa, "decisions differ"
+        print(f"{n:>7} {before * 1e6:>10.1f} {after * 1e6:>9.1f} {before / after:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
