@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zp_client.budget.elastic import ElasticPolicy, Projection, project
-from zp_client.budget.ledger import Ledger, LedgerView
+from zp_client.budget.ledger import Ledger, LedgerView, Ticket, WaiterRecord
 
 BS = 16
 
@@ -39,11 +39,12 @@ def run(policy: ElasticPolicy, n: int, decisions: int) -> tuple[float, list[bool
         led.enqueue(f"l{i}", 64, 13 + i % 20, 0, 0.0, meta=meta)
     led.grant(0.0)
     assert len(led.leases) == n
-    # Bounds (n * 64) well over the limit: every decision takes the projection's path.
-    led.set_limit(n * 40, 0.0)
-    cand = led.prepare_meta(64, {"prompt_tokens": 300, "forecast_tokens": 200})
-    from zp_client.budget.ledger import Ticket, WaiterRecord  # noqa: PLC0415
-    w = WaiterRecord(id="w", bound=64, held=19, priority=0, since=0.0, ticket=Ticket(0, 10**9), seq=0, meta=cand)
+    # The bounds (n * 64) far over the limit: every decision takes the projection's path. The limit sits
+    # 25 blocks over the projected peak: the small waiter fits, the large one does not.
+    led.set_limit(policy.used(led) + 25, 0.0)
+    ws = [WaiterRecord(id=f"w{b}", bound=b, held=h, priority=0, since=0.0, ticket=Ticket(0, 10**9), seq=0,
+                       meta=led.prepare_meta(b, {"prompt_tokens": p, "forecast_tokens": f}))
+          for b, h, p, f in ((16, 7, 100, 50), (64, 19, 300, 400))]
     out: list[bool] = []
     lids = list(led.leases)
     t0 = time.perf_counter()
@@ -51,7 +52,7 @@ def run(policy: ElasticPolicy, n: int, decisions: int) -> tuple[float, list[bool
         lid = lids[d % n]
         rec = led.leases[lid]
         led.update_meta(lid, tokens=int(rec.meta["tokens"]) + 1)
-        out.append(led.fits_now(w))
+        out.append(led.fits_now(ws[d % 2]))
     return (time.perf_counter() - t0) / decisions, out
 
 
@@ -64,6 +65,7 @@ def main() -> None:
         before, ob = run(RecomputeAll(BS), n, a.decisions)
         after, oa = run(ElasticPolicy(BS), n, a.decisions)
         assert ob == oa, "decisions differ"
+        assert any(oa) and not all(oa), "decisions should be mixed"
         print(f"{n:>7} {before * 1e6:>10.1f} {after * 1e6:>9.1f} {before / after:>6.2f}")
 
 
