@@ -503,7 +503,9 @@ class ElasticPolicy:
 
     ``used`` reports the projected peak of the live leases. The policy keeps a cache of the prepared
     projection keyed on the ledger's ``version`` (when it has one), so a grant that checks many waiters
-    against an unchanged pool costs O(log n) per waiter.
+    against an unchanged pool costs O(log n) per waiter. Each lease's projection is kept between versions,
+    keyed on every input it reads, so a new version re-projects only the leases that changed (the
+    terms and the profile are still rebuilt, O(n log n)); see benchmarks/elastic_prepare.py.
     """
 
     name = "elastic"
