@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from zp_client.budget.ledger import LedgerView, ReservationPolicy, StrictPolicy, WaiterRecord, validate_blocks
@@ -90,6 +92,15 @@ class Projection:
     blocks: int
     remaining: int
     grows: bool = True
+
+
+#: The meta fields :func:`project` reads without ``now`` (besides the lease's held and bound): a lease's
+#: projection is kept while these are unchanged (:meth:`ElasticPolicy._projected`).
+_PROJECT_KEYS = (*POLICY_KEYS, PINNED_KEY, MAX_OUTPUT_KEY)
+
+#: A field a meta does not have (presence alone changes a projection: see :func:`project`).
+_MISSING = object()
+_MISSINGS = (_MISSING,) * len(_PROJECT_KEYS)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -272,6 +283,10 @@ def risk_reserve(spread_sum: int, k: float) -> int:
     return -(-(km * spread_sum) // 1000)
 
 
+def _remaining(p: Projection) -> int:
+    return p.remaining
+
+
 class _Profile:
     """The pool's projected occupancy at every lease end, prepared for O(log n) candidate checks."""
 
@@ -281,28 +296,29 @@ class _Profile:
     def __init__(self, terms: list[Projection], block_size: int, groups: dict[str, tuple[int, int]]) -> None:
         self.bs = bs = block_size
         self.groups = groups  # prefix_key -> (prefix blocks, remaining of the group's pseudo term)
-        terms = sorted(terms, key=lambda p: p.remaining)
-        n = len(terms)
-        self.ends = [p.remaining for p in terms]
+        terms = sorted(terms, key=_remaining)
+        self.ends = ends = [p.remaining for p in terms]
         # Suffix sums over terms alive at ends[j] (remaining >= ends[j]).
-        self.suf_blocks = [0] * (n + 1)
-        self.suf_growers = [0] * (n + 1)
-        for j in range(n - 1, -1, -1):
-            self.suf_blocks[j] = self.suf_blocks[j + 1] + terms[j].blocks
-            self.suf_growers[j] = self.suf_growers[j + 1] + (1 if terms[j].grows else 0)
+        neg_inf = float("-inf")
+        suf_blocks = list(accumulate(reversed([p.blocks for p in terms]), initial=0))
+        suf_blocks.reverse()
+        suf_growers = list(accumulate(reversed([1 if p.grows else 0 for p in terms]), initial=0))
+        suf_growers.reverse()
+        self.suf_blocks, self.suf_growers = suf_blocks, suf_growers
         # values[j]: total at instant ends[j]. Equal ends are evaluated at their first index (all alive).
-        values = []
-        for j in range(n):
-            k = bisect.bisect_left(self.ends, self.ends[j])
-            values.append(self.suf_blocks[k] + self.suf_growers[k] * _ceil_div(self.ends[j], bs))
+        values: list[int] = []
+        ceils = [-(-e // bs) for e in ends]
+        k, prev = 0, None
+        for j, e in enumerate(ends):
+            if e != prev:
+                k, prev = j, e
+            values.append(suf_blocks[k] + suf_growers[k] * ceils[j])
         self.values = values
         # pre_max[j] = max over i < j of values[i] + ceil(ends[i]/bs) (a candidate alive there adds that).
-        self.pre_max = [float("-inf")] * (n + 1)
-        for j in range(n):
-            self.pre_max[j + 1] = max(self.pre_max[j], values[j] + _ceil_div(self.ends[j], bs))
-        self.suf_max = [float("-inf")] * (n + 1)
-        for j in range(n - 1, -1, -1):
-            self.suf_max[j] = max(self.suf_max[j + 1], values[j])
+        self.pre_max: list[float] = list(accumulate(map(operator.add, values, ceils), max, initial=neg_inf))
+        suf_max: list[float] = list(accumulate(reversed(values), max, initial=neg_inf))
+        suf_max.reverse()
+        self.suf_max = suf_max
         self.sparse: list[list[float]] | None = None
 
     def peak(self) -> int:
@@ -368,14 +384,15 @@ def _pinned_groups(items: list[tuple[Projection, Mapping[str, Any]]]) -> dict[st
 
 
 def _shared_prefixes(
-    items: list[tuple[Projection, Mapping[str, Any]]],
+    items: list[tuple[Projection, Mapping[str, Any]]], pinned: dict[str, int] | None = None,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """The shared-prefix rule of the projection (and of :func:`held_distinct`): per ``prefix_key`` whose
     prefix is cached (a member with ``first_token`` and ``prefix_blocks``), the prefix blocks counted once,
     and how many growing members share it. A member cannot share more than it holds: the group's prefix
     is the smallest member's at most. The last qualifying member's ``prefix_blocks`` wins, in lease order.
-    Pinned prefixes are not in it: :func:`_pinned_groups` has them."""
-    pinned = _pinned_groups(items)
+    Pinned prefixes are not in it: :func:`_pinned_groups` has them (``pinned``, when the caller has it)."""
+    if pinned is None:
+        pinned = _pinned_groups(items)
     active: dict[str, int] = {}
     for _, m in items:
         key = m.get("prefix_key")
@@ -408,8 +425,15 @@ def _terms_for(
     and its group is ``(blocks, FOREVER)`` so a candidate sharing it is charged without it too."""
     items = [(project(held=h, bound=b, block_size=block_size, meta=m, now=now, step_s=step_s), m)
              for h, b, m in leases]
+    return _terms_from_items(items)
+
+
+def _terms_from_items(
+    items: list[tuple[Projection, Mapping[str, Any]]],
+) -> tuple[list[Projection], dict[str, tuple[int, int]]]:
+    """:func:`_terms_for` of leases already projected: ``(projection, meta)`` in lease order."""
     pinned = _pinned_groups(items)
-    active, _ = _shared_prefixes(items)
+    active, _ = _shared_prefixes(items, pinned)
     terms: list[Projection] = []
     group_end: dict[str, int] = {}
     for p, m in items:
@@ -479,7 +503,9 @@ class ElasticPolicy:
 
     ``used`` reports the projected peak of the live leases. The policy keeps a cache of the prepared
     projection keyed on the ledger's ``version`` (when it has one), so a grant that checks many waiters
-    against an unchanged pool costs O(log n) per waiter.
+    against an unchanged pool costs O(log n) per waiter. Each lease's projection is kept between versions,
+    keyed on every input it reads, so a new version re-projects only the leases that changed (the
+    terms and the profile are still rebuilt, O(n log n)); see benchmarks/elastic_prepare.py.
     """
 
     name = "elastic"
@@ -510,8 +536,12 @@ class ElasticPolicy:
         reads every report as the present."""
         self._cache_key: object = None
         self._profile: _Profile | None = None
+        self._lease_cache: dict[str, tuple[tuple[object, ...], Projection]] = {}
+        self._lease_cache_view: int | None = None
         self._excess_key: object = None
         self._excess_sum = 0
+        self._excess_cache: dict[str, tuple[tuple[object, ...], int]] = {}
+        self._excess_cache_view: int | None = None
         self.late_at: float | None = None
         """When a growth report last showed the client reading late (see :meth:`progress_meta`)."""
         self.step_s: float | None = None
@@ -567,11 +597,37 @@ class ElasticPolicy:
         key = (id(view), version, now) if version is not None else None
         if key is not None and key == self._cache_key and self._profile is not None:
             return self._profile
-        leases = ((rec.held, rec.bound, rec.meta) for rec in view.leases.values())
-        terms, groups = _terms_for(leases, self.block_size, now, self.step_s)
+        items = self._projected(view, now)
+        terms, groups = _terms_from_items(items)
         profile = _Profile(terms, self.block_size, groups)
         self._cache_key, self._profile = key, profile
         return profile
+
+    def _projected(self, view: LedgerView, now: float | None) -> list[tuple[Projection, Mapping[str, Any]]]:
+        """Each live lease's :func:`project` with its meta, in lease order. A lease's projection is kept
+        between calls keyed on every input it reads (:func:`_project_key`: held, bound and the meta fields
+        :func:`project` reads), so a new ledger version recomputes only the leases that changed; released
+        leases drop out. While late (``now`` given) the projection also reads the time and the step time:
+        nothing is kept then."""
+        bs, step_s = self.block_size, self.step_s
+        if now is not None:
+            return [(project(held=rec.held, bound=rec.bound, block_size=bs, meta=rec.meta, now=now,
+                             step_s=step_s), rec.meta) for rec in view.leases.values()]
+        old = self._lease_cache if self._lease_cache_view == id(view) else {}
+        cache: dict[str, tuple[tuple[object, ...], Projection]] = {}
+        items: list[tuple[Projection, Mapping[str, Any]]] = []
+        for lid, rec in view.leases.items():
+            held, bound, meta = rec.held, rec.bound, rec.meta
+            key = (held, bound, *map(meta.get, _PROJECT_KEYS, _MISSINGS))
+            hit = old.get(lid)
+            if hit is not None and hit[0] == key:
+                p = hit[1]
+            else:
+                p = project(held=held, bound=bound, block_size=bs, meta=meta)
+            cache[lid] = (key, p)
+            items.append((p, meta))
+        self._lease_cache, self._lease_cache_view = cache, id(view)
+        return items
 
     def used(self, view: LedgerView) -> int:
         return self._prepare(view).peak()
@@ -590,7 +646,18 @@ class ElasticPolicy:
         if key is not None and key == self._excess_key:
             return self._excess_sum
         bs = self.block_size
-        total = sum(excess_blocks(rec.bound, bs, rec.meta) for rec in view.leases.values())
+        # Each lease's excess is kept between versions, keyed on what it reads (bound, prompt, room).
+        old = self._excess_cache if self._excess_cache_view == id(view) else {}
+        cache: dict[str, tuple[tuple[object, ...], int]] = {}
+        total = 0
+        for lid, rec in view.leases.items():
+            meta = rec.meta
+            ekey = (rec.bound, meta.get("prompt_tokens"), meta.get(MAX_OUTPUT_KEY))
+            hit = old.get(lid)
+            x = hit[1] if hit is not None and hit[0] == ekey else excess_blocks(rec.bound, bs, meta)
+            cache[lid] = (ekey, x)
+            total += x
+        self._excess_cache, self._excess_cache_view = cache, id(view)
         self._excess_key, self._excess_sum = key, total
         return total
 
