@@ -86,7 +86,7 @@ class Lease(abc.ABC):
         """Blocking form of :meth:`release`, for threads and finalizers. Idempotent."""
 
 
-_log = logging.getLogger("zp_client.budget")
+log = logging.getLogger("zp_client.budget")
 _retry_budget_lock = threading.Lock()
 
 
@@ -201,7 +201,7 @@ class Budget(abc.ABC):
             try:
                 fn(status)
             except Exception:  # noqa: BLE001 - a listener's failure must not fail the request
-                _log.exception("overload listener %r failed", fn)
+                log.exception("overload listener %r failed", fn)
 
     def add_overload_listener(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(status)`` on every :meth:`note_overload` (from any thread: keep it cheap)."""
@@ -289,13 +289,15 @@ class Budget(abc.ABC):
         for closer in attached:
             try:
                 await closer()
-            except Exception:  # noqa: BLE001 - one attachment's failure must not keep the budget open
-                _log.exception("closing %r with its budget failed", closer)
+            except Exception:  # one attachment's failure must not keep the budget open
+                log.exception("closing %r with its budget failed", closer)
             self._detach(closer)
 
-    async def _loop_ending(self) -> None:  # noqa: B027 - optional hook with a safe default (nothing bound)
+    async def _loop_ending(self) -> None:
         """The running event loop is about to end (the thread of an adaptive limit's
-        ``start_in_thread()``): stop what this budget runs on it. The budget stays open."""
+        ``start_in_thread()``): stop what this budget runs on it. The budget stays open. By default
+        nothing is bound to a loop."""
+        return None
 
     def _close_attached_sync(self) -> None:
         """The blocking form of :meth:`_close_attached` (a budget's ``close_sync()``): stops, newest first,
@@ -309,8 +311,8 @@ class Budget(abc.ABC):
                 continue
             try:
                 sync()
-            except Exception:  # noqa: BLE001 - one attachment's failure must not keep the budget open
-                _log.exception("closing %r with its budget failed", sync)
+            except Exception:
+                log.exception("closing %r with its budget failed", sync)  # the others still close
             self._detach(closer)
 
     def new_retry_budget(
@@ -346,7 +348,7 @@ class Budget(abc.ABC):
                 current = (params, rb)
                 self._zp_shared_retry_budget = current
             elif current[0] != params:
-                _log.warning(
+                log.warning(
                     "retry budget of this KV budget already made with (ratio, floor_per_s, window_s) = %s; "
                     "ignoring %s", current[0], params)
             return current[1]
