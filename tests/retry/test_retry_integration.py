@@ -211,8 +211,12 @@ async def _storm(kind: str, overcommit: int = 1) -> tuple[int, int, float, tuple
 
 
 def _run_storm(kind: str, overcommit: int = 1) -> tuple[int, int, float, tuple[int, int]]:
+    state = random.getstate()
     random.seed(7)  # openai's backoff jitter: the same storm on every run
-    return run_virtual(_storm(kind, overcommit))
+    try:
+        return run_virtual(_storm(kind, overcommit))
+    finally:
+        random.setstate(state)  # other tests' randomness stays theirs
 
 
 @pytest.mark.needs_sim
