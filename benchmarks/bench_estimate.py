@@ -12,7 +12,8 @@ For each backend (tiktoken from the local BPE file, heuristic) it measures, side
 - a varying user message every call (the realistic agent case: shared preamble, new question).
 
 A second section runs ``import zp_client.estimate`` + first estimate in a fresh interpreter with no BPE
-file reachable (the offline path), as the test does, and reports the wall time.
+file reachable (the offline path), as the test does, and reports the wall time and its ratio to
+the 50 ms target.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from zp_client.config import Settings
 from zp_client.estimate import Estimator
 
 CHAT = "/v1/chat/completions"
+#: The offline cold start's target (import + Estimator + first estimate, no BPE file): a speed target,
+#: so it is this benchmark's, not a test's (tests/estimate/test_estimate.py checks what keeps it fast:
+#: no third-party import on that path).
+COLD_TARGET_MS = 50.0
 
 
 def _system_prompt(tokens: int = 4000) -> str:
@@ -138,8 +143,9 @@ def main() -> None:
     print("  varied: fresh json.loads with a new user message each call. Target < 50 us after the first call.")
     c = cold()
     print(f"\nCold start, no BPE file reachable ({c['backend']}): import zp_client.estimate + Estimator + first "
-          f"estimate = {c['ms']:.1f} ms (median of 5; target < 50 ms); including importing and building "
-          f"Settings: {c['with_settings_ms']:.1f} ms")
+          f"estimate = {c['ms']:.1f} ms (median of 5; {c['ms'] / COLD_TARGET_MS:.2f}x the "
+          f"{COLD_TARGET_MS:g} ms target); including importing and building Settings: "
+          f"{c['with_settings_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

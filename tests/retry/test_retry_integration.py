@@ -7,15 +7,17 @@
 * amplification: against the simulator with its gateway timeout on, the plain openai client with its
   defaults sends > 1.5 attempts per logical request, zp-client stays within its retry budget's rule
   (1 + (ratio x answered + floor x window per window) / requests) and surfaces no more errors. Both are
-  printed.
+  printed. These storms run on the virtual clock (the simulator in memory), so they do not depend on
+  how busy the machine is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-import time
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -30,6 +32,8 @@ from starlette.routing import Route
 from zp_client import wrap
 from zp_client.budget.local import LocalBudget
 from zp_client.retry import LocalRetryBudget, RetryPolicy
+from zp_client.clock import LoopClock
+from zp_client.testing import memory_transport, run_virtual
 
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
     from zp_sim.server import SimServer
@@ -139,21 +143,50 @@ def test_only_zp_retry_loop_runs_in_a_wrapped_openai_client(upstream: _Upstream)
 
 
 # --- amplification against the simulator -----------------------------------------------------------
+# On the virtual clock (zp_client.testing): the simulator served in memory on a VirtualTimeLoop, so the
+# storm is the same on a quiet and on a starved machine (on the real clock, a starved loop sent the 40
+# requests so slowly that the gateway never timed out: no retry at all, "it proves nothing"). The loop's
+# clock plays the wall clock: the simulator runs SPEEDUP times faster than it, as it did on the real
+# clock, and openai's backoff, zp's retry policy and the retry budget's window read it.
 
 REQUESTS = 40
 GATEWAY_TIMEOUT_S = 3.0  # virtual seconds
 SPEEDUP = 5.0
 
 
+class _CountingRetryBudget(LocalRetryBudget):
+    """The default retry budget, counting every deposit and every retry it granted over the whole run
+    (``snapshot()`` covers the current window only: a run longer than ``window_s`` drops the first ones)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        super().__init__(clock=clock)  # the defaults: 0.5 x answered requests + 0.5/s x 20 s
+        self.deposits = 0
+        self.retries = 0
+
+    def record_request(self) -> None:
+        super().record_request()
+        self.deposits += 1
+
+    def try_spend(self) -> bool:
+        granted = super().try_spend()
+        self.retries += granted
+        return granted
+
+
 async def _storm(kind: str, overcommit: int = 1) -> tuple[int, int, float, tuple[int, int]]:
-    """Send REQUESTS large chat requests at once; return (attempts at server, errors, seconds, budget)."""
-    async with SimServer(profile="tiny", speedup=SPEEDUP, gateway_timeout_s=GATEWAY_TIMEOUT_S, seed=7) as sim:
-        client: Any = openai.AsyncOpenAI(base_url=sim.base_url, api_key="x")  # openai defaults
-        retry_budget = LocalRetryBudget()  # the defaults: 0.5 x answered requests + 0.5/s x 20 s
+    """Send REQUESTS large chat requests at once; return (attempts at server, errors, seconds, budget):
+    seconds on the loop's clock, budget = (deposits, retries) over the whole run."""
+    loop = asyncio.get_running_loop()
+    sim = SimServer(profile="tiny", speedup=SPEEDUP, gateway_timeout_s=GATEWAY_TIMEOUT_S, seed=7)
+    async with sim.in_memory():
+        http = openai.DefaultAsyncHttpxClient(transport=memory_transport(sim.app))
+        client: Any = openai.AsyncOpenAI(base_url=sim.base_url, api_key="x", http_client=http)  # its defaults
+        retry_budget = _CountingRetryBudget(clock=loop.time)
         if kind == "zp":
             # The simulated gateway aborts the upstream request on timeout, so 504s are safe to retry.
             # stream_upstream off: the storm is about retrying the 504s of calls sent non-streamed.
-            client = wrap(client, LocalBudget(limit_blocks=overcommit * (sim.num_gpu_blocks - 1)),
+            client = wrap(client, LocalBudget(limit_blocks=overcommit * (sim.num_gpu_blocks - 1),
+                                              clock=LoopClock()),
                           retry=RetryPolicy(retry_on_504=True, budget=retry_budget), stream_upstream=False)
         errors = 0
 
@@ -168,19 +201,29 @@ async def _storm(kind: str, overcommit: int = 1) -> tuple[int, int, float, tuple
             except openai.OpenAIError:
                 errors += 1
 
-        started = time.monotonic()
+        started = loop.time()
         async with anyio.create_task_group() as tg:
             for i in range(REQUESTS):
                 tg.start_soon(one, i)
-        duration = time.monotonic() - started
-        return int(sim.stats()["requests"]), errors, duration, retry_budget.snapshot()
+        duration = loop.time() - started
+        await client.close()
+        return int(sim.stats()["requests"]), errors, duration, (retry_budget.deposits, retry_budget.retries)
+
+
+def _run_storm(kind: str, overcommit: int = 1) -> tuple[int, int, float, tuple[int, int]]:
+    state = random.getstate()
+    random.seed(7)  # openai's backoff jitter: the same storm on every run
+    try:
+        return run_virtual(_storm(kind, overcommit))
+    finally:
+        random.setstate(state)  # other tests' randomness stays theirs
 
 
 @pytest.mark.needs_sim
 @pytest.mark.slow
 def test_amplification_against_the_simulator_gateway_timeout() -> None:
-    plain_attempts, plain_errors, plain_s, _ = anyio.run(_storm, "plain")
-    zp_attempts, zp_errors, zp_s, (deposits, retries) = anyio.run(_storm, "zp")
+    plain_attempts, plain_errors, plain_s, _ = _run_storm("plain")
+    zp_attempts, zp_errors, zp_s, (deposits, retries) = _run_storm("zp")
     plain_amp = plain_attempts / REQUESTS
     zp_amp = zp_attempts / REQUESTS
     # the retry budget's rule over the run: retries <= ratio x answered + floor x window, per window
@@ -204,7 +247,7 @@ def test_amplification_against_the_simulator_gateway_timeout() -> None:
 def test_retry_budget_caps_amplification_even_when_admission_overcommits() -> None:
     # A budget limit of 3x the server's pool lets the server queue, so the gateway answers 504 and
     # zp-client does retry: only the retry budget stands between the storm and the server.
-    attempts, errors, seconds, (deposits, retries) = anyio.run(_storm, "zp", 3)
+    attempts, errors, seconds, (deposits, retries) = _run_storm("zp", 3)
     # What the sliding window guarantees: per window, retries <= ratio x answered + floor x window.
     rb = LocalRetryBudget()
     windows = max(1, math.ceil(seconds / rb.window_s))
