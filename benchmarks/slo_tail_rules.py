@@ -1,0 +1,198 @@
+"""Issue 30's late tail: candidate SLO-line rules, measured in the storm (not a test, not the library).
+
+The SLO-aware line (``zp_client.budget.ledger.slo_walk``) puts a waiter whose deadline has passed behind
+every waiter of its class that can still make its target, until it has waited ``late_bound_s`` (60 s).
+That wins in-SLO counts at 2x-4x and makes the few late requests at 1x wait longer than FIFO's
+(docs/benchmark.md, "The late tail: candidate rules"). This script runs ``zp-slo`` with the line's walk
+replaced, in the worker process only, by one candidate rule, so a rule can be measured before anything
+is ported to the Lua script:
+
+* ``main``: the line as it is.
+* ``grace:G``: a waiter becomes late-bound (tried first, in line order; a barrier) ``G`` seconds after
+  its deadline, as well as after ``late_bound_s``.
+* ``grace:G:blocks:F``: ``grace:G`` only while the class's waiters hold at most ``F`` x the limit in
+  bounds (the line is "transient"); otherwise the line as it is.
+* ``grace:G:missed:F``: ``grace:G`` only while the class's *missed* waiters hold at most ``F`` x the
+  limit in bounds.
+* ``grace:G:count:N``: ``grace:G`` only while the class has at most ``N`` missed waiters.
+* ``urgent:S``: waiters whose deadline is more than ``S`` seconds ahead go behind the missed and
+  untargeted ones (EDF only for the waiters close to their deadline).
+
+Each point ``(workload, seed, load, rule)`` runs in its own process (``slo_acceptance.run_point``, the
+storm's own code) and is cached as ``CACHE/rule-<rule>/<workload>-s<seed>-x<load>-zp-slo.json``; the
+FIFO and baseline rows are ``slo_acceptance.py``'s (``--tag``)::
+
+    nice -n 5 python benchmarks/slo_tail_rules.py --cache DIR --rules main,grace:2:count:10 \\
+        --workloads seed-burst --seeds 0,1,2 --loads 1,2 --jobs 2
+    python benchmarks/slo_tail_rules.py --cache DIR --rules main,grace:2:count:10 --report-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+BASELINES = ("no-admission", "naive", "vllm-priority", "vllm-queue-cap")
+
+
+def _install(rule: str) -> None:
+    """Replace the ledger's SLO walk by ``rule`` in this process."""
+    from zp_client.budget import ledger as L
+
+    if rule == "main":
+        return
+    parts = rule.split(":")
+    orig_walk = L.slo_walk
+    limit = {"v": 0}
+    orig_grant = L.Ledger.grant
+
+    def grant(self: Any, now: float) -> list[str]:
+        limit["v"] = self.limit
+        return orig_grant(self, now)
+
+    L.Ledger.grant = grant  # type: ignore[method-assign]
+
+    def missed(ws: Sequence[Any], now: float) -> list[Any]:
+        return [w for w in ws if w.deadline is not None and w.deadline <= now]
+
+    if parts[0] == "grace":
+        grace = float(parts[1])
+        mode, k = (parts[2], float(parts[3])) if len(parts) > 2 else ("always", 0.0)
+
+        def walk(ws: Sequence[Any], now: float, late_bound_s: float) -> list[int] | None:
+            if mode == "blocks":
+                on = sum(w.bound for w in ws) <= k * limit["v"]
+            elif mode == "missed":
+                on = sum(w.bound for w in missed(ws, now)) <= k * limit["v"]
+            elif mode == "count":
+                on = len(missed(ws, now)) <= k
+            else:
+                on = True
+            if not on:
+                return orig_walk(ws, now, late_bound_s)
+            old: list[int] = []
+            edf: list[int] = []
+            rest: list[int] = []
+            for i, w in enumerate(ws):
+                if now - w.since >= late_bound_s or (w.deadline is not None and now - w.deadline >= grace):
+                    old.append(i)
+                elif w.deadline is not None and w.deadline > now:
+                    edf.append(i)
+                else:
+                    rest.append(i)
+            if not edf:
+                return None
+            edf.sort(key=lambda i: (ws[i].deadline, i))
+            return old + edf + rest
+
+    elif parts[0] == "urgent":
+        window = float(parts[1])
+
+        def walk(ws: Sequence[Any], now: float, late_bound_s: float) -> list[int] | None:
+            order = orig_walk(ws, now, late_bound_s)
+            if order is None:
+                return None
+            lax = [i for i in order if now - ws[i].since < late_bound_s and ws[i].deadline is not None
+                   and ws[i].deadline > now + window]
+            drop = set(lax)
+            return [i for i in order if i not in drop] + lax
+
+    else:
+        raise SystemExit(f"unknown rule {rule!r}")
+    L.slo_walk = walk
+
+
+def run(wl: str, seed: int, load: float, rule: str, out: str) -> tuple[str, float]:
+    _install(rule)
+    from slo_acceptance import run_point
+
+    return run_point(wl, seed, load, "zp-slo", out)
+
+
+def _path(cache: Path, rule: str, wl: str, seed: int, load: float) -> Path:
+    return cache / f"rule-{rule.replace(':', '_')}" / f"{wl}-s{seed}-x{load:g}-zp-slo.json"
+
+
+def _get(p: Path) -> dict[str, Any] | None:
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def report(args: argparse.Namespace) -> None:
+    cache = Path(args.cache)
+    print("| workload, load, seed | best baseline | FIFO zp-elastic in SLO / late, late TTFT p99 / max | "
+          + " | ".join(args.rules) + " |")
+    print("|---" * (3 + len(args.rules)) + "|")
+    for wl in args.workloads:
+        for x in args.loads:
+            for s in args.seeds:
+                fifo = _get(cache / args.tag / f"{wl}-s{s}-x{x:g}-zp-elastic.json")
+                bases = [(r["in_slo"], b) for b in BASELINES
+                         if (r := _get(cache / "base" / f"{wl}-s{s}-x{x:g}-{b}.json"))]
+                best = max(bases)[0] if bases else None
+                cells = []
+                for rule in args.rules:
+                    r = _get(_path(cache, rule, wl, s, x))
+                    if r is None:
+                        cells.append("-")
+                        continue
+                    cell = (f"{r['in_slo']} / {r['late']}, {r['late_ttft_p99'] or 0:.1f} / "
+                            f"{r['late_ttft_max'] or 0:.1f}")
+                    if fifo and fifo.get("late_ttft_max"):
+                        rm = max((r["late_ttft_p99"] or 0) / fifo["late_ttft_p99"],
+                                 (r["late_ttft_max"] or 0) / fifo["late_ttft_max"])
+                        cell += f" ({rm:.2f}x)" if rm <= 1.5 else f" (**{rm:.2f}x**)"
+                    if best is not None and r["in_slo"] < best:
+                        cell += " **< best**"
+                    if r["preemptions"] or r["failed"]:
+                        cell += f" [{r['preemptions']} preempt, {r['failed']} failed]"
+                    cells.append(cell)
+                f = (f"{fifo['in_slo']} / {fifo['late']}, {fifo['late_ttft_p99'] or 0:.1f} / "
+                     f"{fifo['late_ttft_max'] or 0:.1f}") if fifo else "-"
+                bb = "-" if best is None else f"{best} ({'='.join(b for n, b in bases if n == best)})"
+                print(f"| {wl} {x:g}x s{s} | {bb} | {f} | " + " | ".join(cells) + " |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache", default=str(ROOT / ".slo-acceptance"))
+    ap.add_argument("--tag", default="current", help="slo_acceptance.py's tag holding FIFO zp-elastic")
+    ap.add_argument("--rules", default="main", type=lambda s: s.split(","))
+    ap.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--workloads", default="seed-burst,agentic", type=lambda s: s.split(","))
+    ap.add_argument("--loads", default="1,2", type=lambda s: [float(x) for x in s.split(",")])
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    if not args.report_only:
+        todo = [(wl, s, x, rule, str(_path(Path(args.cache), rule, wl, s, x)))
+                for rule in args.rules for wl in args.workloads for x in args.loads for s in args.seeds]
+        todo = [t for t in todo if not Path(t[4]).exists()]
+        print(f"{len(todo)} points to run", file=sys.stderr)
+        t0 = time.monotonic()
+        ctx = multiprocessing.get_context("spawn")  # a fresh process per point: the patch stays in it
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
+            futs = {pool.submit(run, *t): t for t in todo}
+            for f in as_completed(futs):
+                wl, s, x, rule, _ = futs[f]
+                _, wall = f.result()
+                print(f"[{time.monotonic() - t0:.0f}s] {wl} s{s} {x:g}x {rule}: {wall:.0f}s", file=sys.stderr,
+                      flush=True)
+    report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    raise SystemExit(main())
