@@ -22,6 +22,7 @@ from zp_client.budget.redis._script import (
     MAILBOX_BLOCK_S,
     RELEASE_WAIT_S,
     RENEW_BATCH,
+    AcquireReply,
     Attempts,
     Core,
     LeaseOwner,
@@ -144,21 +145,38 @@ class AsyncFace:
         self.waiters[rid] = w  # registered before the call so a mailbox grant cannot be missed
         args = core.acquire_args(rid, bound, held, prio, order, core.owner, meta_json)
         call: asyncio.Task[Any] | None = None
+        claiming = False  # the call in flight is the claim of a grant this process was told of
+        enqueue = True  # False: the last claim's reply enqueued the waiter again already
         try:
             while True:
-                # fail_local degrades at once instead of waiting out unavailable_timeout_s
-                call = self._start("acquire", args, patient=core.cfg.on_unavailable == "fail_closed")
-                r = core.acquire_reply(await asyncio.shield(call), bound)
-                if r.granted:
-                    return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
-                args[4] = w.order = r.ticket.order  # a re-enqueue (after 'N') keeps the place in line
-                if r.recovery_left_s > 0:  # recovery ends: look again then rather than a poll interval later
-                    self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + r.recovery_left_s + 0.005)
-                    self.poll_hint.set()
+                if enqueue:
+                    # fail_local degrades at once instead of waiting out unavailable_timeout_s
+                    call = self._start("acquire", args, patient=core.cfg.on_unavailable == "fail_closed")
+                    r = core.acquire_reply(await asyncio.shield(call), bound)
+                    if r.granted:
+                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
+                    self._waiting(w, args, r)  # a re-enqueue (after 'N') keeps the place in line
+                enqueue = True
                 self.start()
                 self.waiters_changed.set()
                 res = await fut
-                if res.startswith("G"):
+                if res.startswith("M"):
+                    # A mailbox wake-up: the grant is pending until this process claims it, and the claim
+                    # is the same idempotent acquire (docs/redis.md, "Grants are claimed"). 'G': claimed,
+                    # the lease is ours; 'W': the claim window ended first (the grant went back to the
+                    # pool) and this call enqueued the waiter again, same ticket: wait on.
+                    claiming = True
+                    call = self._start("acquire", args)
+                    r = core.acquire_reply(await asyncio.shield(call), bound)
+                    claiming = False
+                    if r.granted:
+                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
+                    self._waiting(w, args, r)
+                    fut = self.loop.create_future()
+                    w.fut = fut
+                    enqueue = False
+                    continue
+                if res.startswith("G"):  # claimed: by the poll that said so, or by the call that granted it
                     replica = None
                     if core.fleet is not None:  # 'G@<replica id>'; unknown here: ask (idempotent acquire)
                         replica = core.fleet.replica_url(res[2:]) if res.startswith("G@") else None
@@ -178,21 +196,31 @@ class AsyncFace:
             # Leave no trace: remove the waiter, or release a grant that raced the cancellation. A call
             # still in flight (its caller was cancelled) may yet grant: release after it lands.
             if call is not None and not call.done():
-                self._undo_after(call, rid)
+                undo = self._undo_after(call, rid)
+                if claiming:  # the grant is known to be there: release it as a plain release would
+                    await asyncio.wait({undo}, timeout=RELEASE_WAIT_S)
             else:
                 await self.release_id(rid)
             raise
         finally:
             self.waiters.pop(rid, None)
 
-    def _undo_after(self, call: asyncio.Task[object], rid: str) -> None:
+    def _waiting(self, w: _Waiter, args: list[Any], r: AcquireReply) -> None:
+        """An acquire answered 'W': keep the ticket (a re-enqueue keeps the place in line) and, when the
+        recovery window ends soon, poll then rather than a poll interval later."""
+        args[4] = w.order = r.ticket.order
+        if r.recovery_left_s > 0:
+            self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + r.recovery_left_s + 0.005)
+            self.poll_hint.set()
+
+    def _undo_after(self, call: asyncio.Task[object], rid: str) -> asyncio.Task[object]:
         """Release ``rid`` (lease or waiter) once ``call``, an acquire still in flight, has landed."""
 
         async def undo() -> None:
             await asyncio.wait({call})  # its outcome does not matter (nor is it raised): undo it either way
             await self.release_id(rid)
 
-        self.sup.background(undo(), loop=self.loop)
+        return self.sup.background(undo(), loop=self.loop)
 
     def release_when_done(self, task: asyncio.Task[RedisLease]) -> None:
         """``task`` (an :meth:`acquire`) was abandoned by a cancelled caller: release the lease it may
@@ -278,9 +306,11 @@ class AsyncFace:
         for rid in msg.split(","):
             if rid.startswith("!"):
                 self._resolve(rid[1:], "X")
-            else:  # a fleet's grant names its replica: 'id@replica id'
-                lid, _, rep = rid.partition("@")
+            elif rid.startswith("+"):  # a grant this process's own call made: claimed already
+                lid, _, rep = rid[1:].partition("@")  # a fleet's names its replica: 'id@replica id'
                 self._resolve(lid, "G@" + rep if rep else "G")
+            else:  # a grant to claim ('M'): a fleet's 'id@replica id' too (the claim's reply has the URL)
+                self._resolve(rid.partition("@")[0], "M")
 
     def _resolve(self, rid: str, state: str) -> None:
         w = self.waiters.get(rid)

@@ -303,6 +303,12 @@ class Core:
         self._ttl_b = str(int(cfg.lease_ttl_s * 1000)).encode()
         self._wttl_b = str(int(cfg.waiter_ttl_s * 1000)).encode()
         self._hb_b = str(max(1, int(cfg.poll_interval_s * 1000))).encode()
+        # The claim window of this process's grants (docs/redis.md, "Grants are claimed"): a grant pass's
+        # grant to one of its waiters is pending until its acquire (repeated after the wake-up) or its poll
+        # claims it, and goes back to the pool after this long. waiter_ttl_s: the slowest way a live
+        # process learns of a grant is its next poll (a lost wake-up), at most poll_interval_s later, and
+        # a process that cannot poll within waiter_ttl_s loses its waiters anyway.
+        self._claim_b = str(max(1, int(cfg.waiter_ttl_s * 1000))).encode()
         self.sync_box = self.owner + ".s"  # the sync waiters' mailbox (the async side's is the owner's)
         self.policy = cfg.policy
         self.policy_known = False  # the stored policy is read once (the creator's choice wins)
@@ -360,7 +366,7 @@ class Core:
         self, rid: str, bound: int, held: int, prio: int, order: int, box: str, meta: str
     ) -> list[Any]:
         return [rid, bound, held, prio, order, self._ttl_b, box, self._owner_b, self._wttl_b, meta,
-                self._hb_b]
+                self._hb_b, self._claim_b]
 
     def release_args(self, lid: str) -> list[Any]:
         # ARGV[4]: the lease saw its first token (a report still batched may not have reached Redis: a
@@ -514,6 +520,10 @@ class Core:
                 "starvation_bound_s": int(r[7]) / 1000,
                 "recovering": int(r[9]) > 0, "recovery_left_s": int(r[9]) / 1000, "limit_version": int(r[11]),
                 "bound_sum": bsum,
+                # grants made, not yet claimed by their process (reserved: part of bound_sum and used)
+                "pending_grants": int(r[18]) if len(r) > 20 else 0,
+                "pending_blocks": int(r[19]) if len(r) > 20 else 0,
+                "unclaimed_grants": int(r[20]) if len(r) > 20 else 0,
                 "counters": dict(self.counters),
                 **({"adaptive": adaptive_from(r[14:18])} if len(r) > 17 and (r[14] or text(r[15])) else {}),
             },

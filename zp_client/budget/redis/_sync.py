@@ -243,7 +243,7 @@ class SyncFace:
                 continue
             with self.lock:
                 for rid in text(item[1]).split(","):
-                    w = self.waiters.get(rid.lstrip("!").partition("@")[0])
+                    w = self.waiters.get(rid.lstrip("!+").partition("@")[0])
                     if w is not None:
                         w.too_large = w.too_large or rid.startswith("!")
                         w.event.set()
