@@ -69,6 +69,7 @@ class AsyncFace:
         self.dirty_event = asyncio.Event()
         # owns the four long-lived tasks and the fire-and-forget releases (zp_client/_tasks.py)
         self.sup = Supervisor(f"redis budget {core.name}")
+        self.status_call: asyncio.Task[Any] | None = None  # the one status call that learns the policy
         self.started = False
         self.closed = False
         self.closing = False  # aclose has begun
@@ -138,7 +139,11 @@ class AsyncFace:
     async def acquire(self, bound: int, held: int, prio: int, order: int, meta_json: str) -> RedisLease:
         core = self.core
         if not core.policy_known:
-            core.learn_status(await asyncio.shield(self._start("status", [], init=False)))
+            # one status call for a herd of first acquires, not one each (a thousand concurrent first
+            # acquires would each queue a script in Redis before any of them enqueues)
+            if self.status_call is None or self.status_call.done():
+                self.status_call = self._start("status", [], init=False)
+            core.learn_status(await asyncio.shield(self.status_call))
         rid = secrets.token_urlsafe(18)
         fut: asyncio.Future[str] = self.loop.create_future()
         w = _Waiter(rid, fut, order)
@@ -150,9 +155,13 @@ class AsyncFace:
         try:
             while True:
                 if enqueue:
+                    core.refresh_waiter_ttl(args)  # the heartbeat slack of now
                     # fail_local degrades at once instead of waiting out unavailable_timeout_s
                     call = self._start("acquire", args, patient=core.cfg.on_unavailable == "fail_closed")
+                    sent = SYSTEM_CLOCK.monotonic()
                     r = core.acquire_reply(await asyncio.shield(call), bound)
+                    now = SYSTEM_CLOCK.monotonic()
+                    core.observe_rtt(now - sent, now)  # an enqueue is a heartbeat too: its round trip counts
                     if r.granted:
                         return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
                     self._waiting(w, args, r)  # a re-enqueue (after 'N') keeps the place in line
@@ -166,6 +175,7 @@ class AsyncFace:
                     # the lease is ours; 'W': the claim window ended first (the grant went back to the
                     # pool) and this call enqueued the waiter again, same ticket: wait on.
                     claiming = True
+                    core.refresh_waiter_ttl(args)
                     call = self._start("acquire", args)
                     r = core.acquire_reply(await asyncio.shield(call), bound)
                     claiming = False
@@ -289,6 +299,7 @@ class AsyncFace:
             ids = list(self.waiters)
             if not ids:
                 continue
+            sent = SYSTEM_CLOCK.monotonic()
             try:
                 # the heartbeat of this process's waiters: on the renewal connection, never queued
                 # behind a burst of acquires (a late heartbeat drops the waiters from the line)
@@ -296,6 +307,8 @@ class AsyncFace:
             except CALL_FAILED as exc:
                 log.warning("zp_client: poll of Redis budget %r failed: %r", self.core.name, exc)
                 continue
+            now = SYSTEM_CLOCK.monotonic()
+            self.core.observe_rtt(now - sent, now)  # the next heartbeats' slack
             rec_left = int(r[0]) / 1000
             for rid, st in zip(ids, r[1:], strict=False):
                 self._resolve(rid, text(st))
@@ -320,10 +333,19 @@ class AsyncFace:
 
     # ------------------------------------------------------------------ leases: renew, report, release
     async def _keeper(self) -> None:
-        """Renew this loop's leases every TTL/3; retry releases that could not reach Redis."""
+        """Renew this loop's leases every TTL/3; retry releases that could not reach Redis.
+
+        Rounds start at a fixed rate (every TTL/3 from the keeper's start), not TTL/3 after the previous
+        round ended: when Redis answers slowly (a queue of scripts ahead of each call), a round that
+        took its time must not push every later renewal back by as much, or renewals arrive further
+        apart than a lease TTL and live leases expire. A round that overran its period is followed by
+        the next at once (missed rounds are not made up)."""
         period = self.core.cfg.lease_ttl_s / 3
+        due = SYSTEM_CLOCK.monotonic() + period
+        await self._warm_renewals(period)
         while not self.closed:
-            await asyncio.sleep(period)
+            await asyncio.sleep(max(0.0, due - SYSTEM_CLOCK.monotonic()))
+            due = max(due + period, SYSTEM_CLOCK.monotonic())
             for lid, give_up in list(self.retry_releases.items()):
                 if SYSTEM_CLOCK.monotonic() > give_up:
                     self.retry_releases.pop(lid, None)  # it has expired by TTL anyway
@@ -335,6 +357,18 @@ class AsyncFace:
                 except CALL_FAILED as exc:
                     log.debug("zp_client: retried release of %s... failed again: %r", lid[:8], exc)
             await self.renew_round()
+
+    async def _warm_renewals(self, within_s: float) -> None:
+        """Open the renewal client's connections before they are needed: a new connection's handshake is
+        several round trips (HELLO, CLIENT SETINFO), each queued behind whatever Redis is running, and the
+        first renewal round (or the first poll) must not pay for them."""
+        client = self.renew_client
+        if client is None:
+            return
+        try:  # bounded: a stalled Redis must not hold the keeper past its first round
+            await asyncio.wait_for(asyncio.gather(*(client.ping() for _ in range(RENEW_POOL_SIZE))), within_s)
+        except (*CALL_FAILED, asyncio.TimeoutError) as exc:  # the first round reconnects as it always did
+            log.debug("zp_client: opening the renewal connections of %r failed: %r", self.core.name, exc)
 
     async def renew_round(self) -> None:
         """Renew every live lease of this loop (in batches of ``RENEW_BATCH``)."""

@@ -168,7 +168,10 @@ class SyncFace:
                 if wake.too_large:
                     raise LeaseTooLarge(bound, core.limit, "the limit was lowered while waiting")
                 # Granted or not, one idempotent acquire call answers (and heartbeats the waiter).
+                core.refresh_waiter_ttl(args)  # the heartbeat slack of now
+                sent = SYSTEM_CLOCK.monotonic()
                 r = core.acquire_reply(self.eval("acquire", args), bound)
+                core.observe_rtt(SYSTEM_CLOCK.monotonic() - sent, SYSTEM_CLOCK.monotonic())
             return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
         except BaseException:
             try:

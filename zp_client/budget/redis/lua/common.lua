@@ -1230,12 +1230,16 @@ local function grant(now, self_id, caller)
           lexp = now + w.cw
           redis.call('HINCRBY', K_META, 'cn', 1)
           redis.call('HINCRBY', K_META, 'cb', w.b)
-        elseif wexp ~= nil and w.t ~= nil and w.hb ~= nil then
+        elseif w.cw == nil and wexp ~= nil and w.t ~= nil and w.hb ~= nil then
           -- (a client that does not claim, before the handshake) its expiry counts from the process's
           -- last heartbeat (wexp - t), one heartbeat interval later, not from now: if the process died
           -- after its last heartbeat, the blocks come back by death + hb + lease ttl
           lexp = math.min(lexp, wexp - w.t + w.hb + w.l)
         end
+        -- (a grant claimed as it is made, by its own process's call: that call is the proof that the
+        -- process lives now, so its TTL runs from now, like a claim's; counting it from the last
+        -- heartbeat shortened it by up to the waiter TTL, and a holder whose first renewal was slow
+        -- then lost a lease it was using)
         redis.call('HSET', K_LEASES, id, cjson.encode(lease))
         redis.call('ZADD', K_LEXP, lexp, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)
