@@ -342,7 +342,7 @@ class AsyncFace:
         the next at once (missed rounds are not made up)."""
         period = self.core.cfg.lease_ttl_s / 3
         due = SYSTEM_CLOCK.monotonic() + period
-        await self._warm_renewals(period)
+        await self._warm_renewals(self.core.cfg.lease_ttl_s)
         while not self.closed:
             await asyncio.sleep(max(0.0, due - SYSTEM_CLOCK.monotonic()))
             due = max(due + period, SYSTEM_CLOCK.monotonic())
@@ -365,7 +365,7 @@ class AsyncFace:
         client = self.renew_client
         if client is None:
             return
-        try:  # bounded: a stalled Redis must not hold the keeper past its first round
+        try:  # bounded: a stalled Redis must not hold the keeper for longer than a lease TTL
             await asyncio.wait_for(asyncio.gather(*(client.ping() for _ in range(RENEW_POOL_SIZE))), within_s)
         except (*CALL_FAILED, asyncio.TimeoutError) as exc:  # the first round reconnects as it always did
             log.debug("zp_client: opening the renewal connections of %r failed: %r", self.core.name, exc)
