@@ -88,10 +88,12 @@ async def test_a_waiter_behind_a_slow_round_trip_keeps_its_place(
         finally:
             await far.aclose()
             await holder.aclose()
-    gone = states.count("N")
+    # until its grant: a poll sent just before the lease was released may still report its id ('N')
+    waited = states[: min((i for i, st in enumerate(states) if st[0] in "MG"), default=len(states))]
+    gone = waited.count("N")
     print(f"far process: polls found its waiter gone {gone} times ({states}); granted {took:.2f} s after the "
           f"release; slack {slack:.2f} s")
-    assert states.count("W") >= 3  # it did wait through several heartbeats
+    assert waited.count("W") >= 3  # it did wait through several heartbeats
     assert gone <= 1, f"its waiter lapsed {gone} times: {states}"
     assert 0.5 <= slack <= getattr(far._core, "hb_slack_cap_s", 0.0)
 
