@@ -301,8 +301,16 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert self.waiters[ahead]["bound"] > self.waiters[g]["bound"], f"{g} overtook smaller {ahead}"
         for g in granted:
             w = self.waiters.pop(g)
-            self.leases[g] = {"bound": w["bound"], "held": w["held"], "expires_at": w["expires_at"]}
+            w.setdefault("claim_s", None)
+            claim_s = w["claim_s"]
+            pending = claim_s is not None
+            self.leases[g] = {"bound": w["bound"], "held": w["held"], "pending": pending,
+                              "expires_at": self.now + claim_s if pending else w["expires_at"]}  # type: ignore[operator]
+            assert self.led.leases[g].pending is pending
             self.ever_admitted += 1
+        # a pending grant (granted, not claimed) is reserved: counted in the bound sum, and apart
+        pend = [le for le in self.leases.values() if le["pending"]]
+        assert (self.led.pending, self.led.pending_blocks) == (len(pend), sum(int(le["bound"]) for le in pend))  # type: ignore[call-overload]
         used_after = self._used()
         # Strict invariant: a grant never takes used above the limit; lowering pauses, never revokes.
         if granted:
@@ -321,17 +329,19 @@ class LedgerMachine(RuleBasedStateMachine):
         self.now += dt
 
     def _enqueue_one(self, bound: int, held_frac: float, priority: int, ticket: Ticket | None,
-                     ttl: float | None) -> None:
+                     ttl: float | None, claim_s: float | None = None) -> None:
         wid = f"w{self.n}"
         self.n += 1
         held = int(bound * held_frac)
         expires_at = None if ttl is None else self.now + ttl
         if bound > self.limit:
             with pytest.raises(LeaseTooLarge):
-                self.led.enqueue(wid, bound, held, priority, self.now, ticket, expires_at=expires_at)
+                self.led.enqueue(wid, bound, held, priority, self.now, ticket, expires_at=expires_at,
+                                 claim_s=claim_s)
             assert wid not in self.led
             return
-        t = self.led.enqueue(wid, bound, held, priority, self.now, ticket, expires_at=expires_at)
+        t = self.led.enqueue(wid, bound, held, priority, self.now, ticket, expires_at=expires_at,
+                             claim_s=claim_s)
         if ticket is None:
             assert t.priority == priority and t.order > self.max_order, "new tickets go behind all issued"
         else:
@@ -340,7 +350,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.tickets.append(t)
         self.seq += 1
         self.waiters[wid] = {"bound": bound, "held": held, "priority": t.priority, "order": t.order,
-                             "seq": self.seq, "since": self.now, "expires_at": expires_at}
+                             "seq": self.seq, "since": self.now, "expires_at": expires_at, "claim_s": claim_s}
 
     @rule(
         bound=st.one_of(st.integers(1, 8), st.integers(1, 26)),
@@ -349,11 +359,12 @@ class LedgerMachine(RuleBasedStateMachine):
         reuse=st.booleans(),
         data=st.data(),
         ttl=st.sampled_from([None, None, 1.0, 3.0]),
+        claim_s=st.sampled_from([None, None, 0.5, 2.0]),
     )
     def enqueue(self, bound: int, held_frac: float, priority: int, reuse: bool, data: st.DataObject,
-                ttl: float | None) -> None:
+                ttl: float | None, claim_s: float | None) -> None:
         ticket = data.draw(st.sampled_from(self.tickets)) if reuse and self.tickets else None
-        self._enqueue_one(bound, held_frac, priority, ticket, ttl)
+        self._enqueue_one(bound, held_frac, priority, ticket, ttl, claim_s)
         self._grant_and_check()
 
     @rule(batch=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 1)), min_size=2, max_size=6))
@@ -393,13 +404,27 @@ class LedgerMachine(RuleBasedStateMachine):
         del self.leases[lid]
         self._grant_and_check()
 
+    @precondition(lambda self: any(le["pending"] for le in self.leases.values()))
+    @rule(data=st.data(), ttl=st.sampled_from([None, 4.0]))
+    def claim(self, data: st.DataObject, ttl: float | None) -> None:
+        # the holder's process claims a pending grant: its held lease from now on (idempotent)
+        lid = data.draw(st.sampled_from(sorted(k for k, le in self.leases.items() if le["pending"])))
+        assert self.led.claim(lid, self.now, ttl) is True
+        assert self.led.claim(lid, self.now, ttl) is True
+        assert not self.led.leases[lid].pending
+        self.leases[lid].update(pending=False, expires_at=None if ttl is None else self.now + ttl)
+        assert self.led.claim("never-granted", self.now, ttl) is False
+
     @rule()
     def expire(self) -> None:
         gone = self.led.expire(self.now)
-        want_l = {k for k, v in self.leases.items() if v["expires_at"] is not None and v["expires_at"] <= self.now}  # type: ignore[operator]
+        due = {k for k, v in self.leases.items() if v["expires_at"] is not None and v["expires_at"] <= self.now}  # type: ignore[operator]
+        want_l = {k for k in due if not self.leases[k]["pending"]}
+        want_u = due - want_l  # pending grants whose claim window ended: back to the pool (re-granted next)
         want_w = {k for k, v in self.waiters.items() if v["expires_at"] is not None and v["expires_at"] <= self.now}  # type: ignore[operator]
         assert set(gone.leases) == want_l and set(gone.waiters) == want_w
-        for k in want_l:
+        assert set(gone.unclaimed) == want_u
+        for k in due:
             del self.leases[k]
         for k in want_w:
             del self.waiters[k]
@@ -412,6 +437,8 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.led.renew(ident, self.now, ttl)
         rec = self.leases.get(ident) or self.waiters[ident]
         rec["expires_at"] = None if ttl is None else self.now + ttl
+        if ident in self.leases:
+            rec["pending"] = False  # a pending grant renewed is claimed
 
     @rule(limit=st.integers(0, 30))
     def set_limit(self, limit: int) -> None:

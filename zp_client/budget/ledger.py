@@ -85,6 +85,9 @@ class WaiterRecord:
     meta: Mapping[str, Any] = field(default_factory=dict)
     deadline: float | None = None
     """The TTFT deadline on the ledger's clock (:func:`line_deadline`), None without a target."""
+    claim_s: float | None = None
+    """The claim window: a grant to this waiter is *pending* until :meth:`Ledger.claim`, and returned to
+    the pool if not claimed within this many seconds (None: the grant is claimed as it is made)."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -104,6 +107,10 @@ class LeaseRecord:
     granted_at: float
     expires_at: float | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    pending: bool = False
+    """Granted, not yet claimed by its holder (:meth:`Ledger.claim`): its blocks are reserved (counted in
+    the bound sum, so nothing is over-admitted) but it is nobody's held lease; ``expires_at`` is then the
+    end of its claim window."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +119,11 @@ class Expired:
 
     leases: list[str]
     waiters: list[str]
+    unclaimed: list[str] = field(default_factory=list)
+    """Pending grants whose claim window ended (their blocks went back to the pool)."""
 
     def __bool__(self) -> bool:
-        return bool(self.leases or self.waiters)
+        return bool(self.leases or self.waiters or self.unclaimed)
 
 
 @runtime_checkable
@@ -342,6 +351,8 @@ class Ledger:
         self._now: float | None = None
         self._size_limit: int | None = None
         self._pins = PinBook()
+        self._pending = 0  # pending grants (LeaseRecord.pending) and their bounds
+        self._pending_blocks = 0
 
     # ------------------------------------------------------------------ read-only view
     @property
@@ -515,6 +526,7 @@ class Ledger:
         *,
         expires_at: float | None = None,
         meta: Mapping[str, Any] | None = None,
+        claim_s: float | None = None,
     ) -> Ticket:
         """Put a waiter in line and return its ticket. Call :meth:`grant` next.
 
@@ -525,6 +537,11 @@ class Ledger:
         ``meta`` travels from the waiter to its lease, for policies that need more than weights; its
         ``ttft_target_s`` / ``age_s`` give the waiter its deadline (:func:`line_deadline`), which the
         SLO-aware line orders by.
+
+        ``claim_s``: the grant -> claim handshake of a backend whose waiters live in other processes
+        (docs/redis.md, "Grants are claimed"): a grant to this waiter is pending (reserved, nobody's held
+        lease) until :meth:`claim`, and :meth:`expire` returns it to the pool ``claim_s`` seconds after the
+        grant if it was not claimed. None (the default, every in-process backend): claimed at once.
 
         Raises :class:`ConfigurationError` for a weight that is not a positive int, ``held`` outside
         ``[0, bound]``, a non-int priority or a duplicate id, and :class:`LeaseTooLarge` when ``bound``
@@ -543,6 +560,8 @@ class Ledger:
             raise ConfigurationError(f"id {waiter_id!r} is already waiting or holding a lease in this ledger")
         if bound > self.size_limit:
             raise LeaseTooLarge(bound, self.size_limit)
+        if claim_s is not None:
+            claim_s = validate_seconds(claim_s, "claim_s")
         deadline = line_deadline(meta, now)
         if ticket is None:
             ticket = Ticket(priority, self._next_order)
@@ -565,6 +584,7 @@ class Ledger:
             expires_at=expires_at,
             meta=dict(meta) if meta else {},
             deadline=deadline,
+            claim_s=claim_s,
         )
         prepare = getattr(self._policy, "admission_meta", None)
         if prepare is not None and w.meta:
@@ -684,6 +704,9 @@ class Ledger:
         self._version += 1
         self._bound_sum -= lease.bound
         self._held_sum -= lease.held
+        if lease.pending:
+            self._pending -= 1
+            self._pending_blocks -= lease.bound
         if lease.meta.get("pinned"):
             self._pins.remove(str(lease.meta.get("prefix_key")))
         elif self._pins.is_member(lease_id):  # also after its pin is gone: its share is returned
@@ -734,25 +757,57 @@ class Ledger:
         return True
 
     def renew(self, ident: str, now: float, ttl: float | None) -> bool:
-        """Set a lease's or waiter's expiry to ``now + ttl`` (``None``: never). False if unknown."""
+        """Set a lease's or waiter's expiry to ``now + ttl`` (``None``: never). False if unknown. A
+        pending grant renewed is claimed (only its holder, who knows of it, renews it): :meth:`claim`."""
         rec: LeaseRecord | WaiterRecord | None = self._leases.get(ident) or self._waiters.get(ident)
         if rec is None:
             return False
+        if isinstance(rec, LeaseRecord) and rec.pending:
+            return self.claim(ident, now, ttl)
         rec.expires_at = None if ttl is None else now + ttl
         self._version += 1
         return True
 
+    def claim(self, lease_id: str, now: float, ttl: float | None) -> bool:
+        """The holder's process claims a pending grant: from now on it is that process's held lease,
+        expiring at ``now + ttl`` (``None``: never) like a renewal. Idempotent: a lease already claimed is
+        left as it is. False if ``lease_id`` is not a live lease (never granted, released, or its claim
+        window ended: :meth:`expire` returned it to the pool)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        if lease.pending:
+            lease.pending = False
+            lease.expires_at = None if ttl is None else now + ttl
+            self._pending -= 1
+            self._pending_blocks -= lease.bound
+            self._version += 1
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Pending grants: granted, not yet claimed (:meth:`claim`)."""
+        return self._pending
+
+    @property
+    def pending_blocks(self) -> int:
+        """The bounds of the pending grants (reserved: part of :attr:`bound_sum`)."""
+        return self._pending_blocks
+
     def expire(self, now: float) -> Expired:
-        """Remove leases and waiters whose expiry is ``<= now``. Call :meth:`grant` next if non-empty."""
-        dead_leases = [lid for lid, rec in self._leases.items()
-                       if rec.expires_at is not None and rec.expires_at <= now]
-        for lid in dead_leases:
+        """Remove leases and waiters whose expiry is ``<= now``, and pending grants whose claim window
+        ended (``unclaimed``). Call :meth:`grant` next if non-empty."""
+        due = [(lid, rec.pending) for lid, rec in self._leases.items()
+               if rec.expires_at is not None and rec.expires_at <= now]
+        dead_leases = [lid for lid, pending in due if not pending]
+        unclaimed = [lid for lid, pending in due if pending]
+        for lid, _ in due:
             self.release(lid, now)
         dead_waiters = [wid for wid, w in self._waiters.items()
                         if w.expires_at is not None and w.expires_at <= now]
         for wid in dead_waiters:
             self.cancel(wid)
-        return Expired(dead_leases, dead_waiters)
+        return Expired(dead_leases, dead_waiters, unclaimed)
 
     def set_limit(self, limit: int, now: float, *,  # noqa: ARG002 - now kept for symmetry/ports
                   keep_size: bool = False) -> list[str]:
@@ -801,6 +856,8 @@ class Ledger:
                 **({"late_bound_s": self._late_bound} if self._line == "slo" else {}),
                 "head_starving": head is not None and head_wait >= self._starvation_bound,
                 "bound_sum": self._bound_sum,
+                **({"pending_grants": self._pending, "pending_blocks": self._pending_blocks}
+                   if self._pending else {}),
                 **({"pins": self._pins.status(), "pinned_blocks": self._pins.pinned_blocks,
                     "pinned_idle_blocks": self._pins.idle_blocks()} if len(self._pins) else {}),
             },
@@ -820,11 +877,15 @@ class Ledger:
             priority=w.priority,
             ticket=w.ticket,
             granted_at=now,
-            expires_at=w.expires_at,
+            expires_at=w.expires_at if w.claim_s is None else now + w.claim_s,
             meta=w.meta,
+            pending=w.claim_s is not None,
         )
         self._bound_sum += w.bound
         self._held_sum += w.held
+        if w.claim_s is not None:
+            self._pending += 1
+            self._pending_blocks += w.bound
         self._pins.admitted(w.id, w.held, w.meta)
 
     def _gated(self, fits: Any, now: float) -> Any:

@@ -22,6 +22,7 @@ from zp_client.budget.redis._script import (
     MAILBOX_BLOCK_S,
     RELEASE_WAIT_S,
     RENEW_BATCH,
+    AcquireReply,
     Attempts,
     Core,
     LeaseOwner,
@@ -68,6 +69,7 @@ class AsyncFace:
         self.dirty_event = asyncio.Event()
         # owns the four long-lived tasks and the fire-and-forget releases (zp_client/_tasks.py)
         self.sup = Supervisor(f"redis budget {core.name}")
+        self.status_call: asyncio.Task[Any] | None = None  # the one status call that learns the policy
         self.started = False
         self.closed = False
         self.closing = False  # aclose has begun
@@ -137,28 +139,54 @@ class AsyncFace:
     async def acquire(self, bound: int, held: int, prio: int, order: int, meta_json: str) -> RedisLease:
         core = self.core
         if not core.policy_known:
-            core.learn_status(await asyncio.shield(self._start("status", [], init=False)))
+            # one status call for a herd of first acquires, not one each (a thousand concurrent first
+            # acquires would each queue a script in Redis before any of them enqueues)
+            if self.status_call is None or self.status_call.done():
+                self.status_call = self._start("status", [], init=False)
+            core.learn_status(await asyncio.shield(self.status_call))
         rid = secrets.token_urlsafe(18)
         fut: asyncio.Future[str] = self.loop.create_future()
         w = _Waiter(rid, fut, order)
         self.waiters[rid] = w  # registered before the call so a mailbox grant cannot be missed
         args = core.acquire_args(rid, bound, held, prio, order, core.owner, meta_json)
         call: asyncio.Task[Any] | None = None
+        claiming = False  # the call in flight is the claim of a grant this process was told of
+        enqueue = True  # False: the last claim's reply enqueued the waiter again already
         try:
             while True:
-                # fail_local degrades at once instead of waiting out unavailable_timeout_s
-                call = self._start("acquire", args, patient=core.cfg.on_unavailable == "fail_closed")
-                r = core.acquire_reply(await asyncio.shield(call), bound)
-                if r.granted:
-                    return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
-                args[4] = w.order = r.ticket.order  # a re-enqueue (after 'N') keeps the place in line
-                if r.recovery_left_s > 0:  # recovery ends: look again then rather than a poll interval later
-                    self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + r.recovery_left_s + 0.005)
-                    self.poll_hint.set()
+                if enqueue:
+                    core.refresh_waiter_ttl(args)  # the heartbeat slack of now
+                    # fail_local degrades at once instead of waiting out unavailable_timeout_s
+                    call = self._start("acquire", args, patient=core.cfg.on_unavailable == "fail_closed")
+                    sent = SYSTEM_CLOCK.monotonic()
+                    r = core.acquire_reply(await asyncio.shield(call), bound)
+                    now = SYSTEM_CLOCK.monotonic()
+                    core.observe_rtt(now - sent, now)  # an enqueue is a heartbeat too: its round trip counts
+                    if r.granted:
+                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
+                    self._waiting(w, args, r)  # a re-enqueue (after 'N') keeps the place in line
+                enqueue = True
                 self.start()
                 self.waiters_changed.set()
                 res = await fut
-                if res.startswith("G"):
+                if res.startswith("M"):
+                    # A mailbox wake-up: the grant is pending until this process claims it, and the claim
+                    # is the same idempotent acquire (docs/redis.md, "Grants are claimed"). 'G': claimed,
+                    # the lease is ours; 'W': the claim window ended first (the grant went back to the
+                    # pool) and this call enqueued the waiter again, same ticket: wait on.
+                    claiming = True
+                    core.refresh_waiter_ttl(args)
+                    call = self._start("acquire", args)
+                    r = core.acquire_reply(await asyncio.shield(call), bound)
+                    claiming = False
+                    if r.granted:
+                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
+                    self._waiting(w, args, r)
+                    fut = self.loop.create_future()
+                    w.fut = fut
+                    enqueue = False
+                    continue
+                if res.startswith("G"):  # claimed: by the poll that said so, or by the call that granted it
                     replica = None
                     if core.fleet is not None:  # 'G@<replica id>'; unknown here: ask (idempotent acquire)
                         replica = core.fleet.replica_url(res[2:]) if res.startswith("G@") else None
@@ -178,21 +206,31 @@ class AsyncFace:
             # Leave no trace: remove the waiter, or release a grant that raced the cancellation. A call
             # still in flight (its caller was cancelled) may yet grant: release after it lands.
             if call is not None and not call.done():
-                self._undo_after(call, rid)
+                undo = self._undo_after(call, rid)
+                if claiming:  # the grant is known to be there: release it as a plain release would
+                    await asyncio.wait({undo}, timeout=RELEASE_WAIT_S)
             else:
                 await self.release_id(rid)
             raise
         finally:
             self.waiters.pop(rid, None)
 
-    def _undo_after(self, call: asyncio.Task[object], rid: str) -> None:
+    def _waiting(self, w: _Waiter, args: list[Any], r: AcquireReply) -> None:
+        """An acquire answered 'W': keep the ticket (a re-enqueue keeps the place in line) and, when the
+        recovery window ends soon, poll then rather than a poll interval later."""
+        args[4] = w.order = r.ticket.order
+        if r.recovery_left_s > 0:
+            self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + r.recovery_left_s + 0.005)
+            self.poll_hint.set()
+
+    def _undo_after(self, call: asyncio.Task[object], rid: str) -> asyncio.Task[object]:
         """Release ``rid`` (lease or waiter) once ``call``, an acquire still in flight, has landed."""
 
         async def undo() -> None:
             await asyncio.wait({call})  # its outcome does not matter (nor is it raised): undo it either way
             await self.release_id(rid)
 
-        self.sup.background(undo(), loop=self.loop)
+        return self.sup.background(undo(), loop=self.loop)
 
     def release_when_done(self, task: asyncio.Task[RedisLease]) -> None:
         """``task`` (an :meth:`acquire`) was abandoned by a cancelled caller: release the lease it may
@@ -261,6 +299,7 @@ class AsyncFace:
             ids = list(self.waiters)
             if not ids:
                 continue
+            sent = SYSTEM_CLOCK.monotonic()
             try:
                 # the heartbeat of this process's waiters: on the renewal connection, never queued
                 # behind a burst of acquires (a late heartbeat drops the waiters from the line)
@@ -268,6 +307,8 @@ class AsyncFace:
             except CALL_FAILED as exc:
                 log.warning("zp_client: poll of Redis budget %r failed: %r", self.core.name, exc)
                 continue
+            now = SYSTEM_CLOCK.monotonic()
+            self.core.observe_rtt(now - sent, now)  # the next heartbeats' slack
             rec_left = int(r[0]) / 1000
             for rid, st in zip(ids, r[1:], strict=False):
                 self._resolve(rid, text(st))
@@ -278,9 +319,11 @@ class AsyncFace:
         for rid in msg.split(","):
             if rid.startswith("!"):
                 self._resolve(rid[1:], "X")
-            else:  # a fleet's grant names its replica: 'id@replica id'
-                lid, _, rep = rid.partition("@")
+            elif rid.startswith("+"):  # a grant this process's own call made: claimed already
+                lid, _, rep = rid[1:].partition("@")  # a fleet's names its replica: 'id@replica id'
                 self._resolve(lid, "G@" + rep if rep else "G")
+            else:  # a grant to claim ('M'): a fleet's 'id@replica id' too (the claim's reply has the URL)
+                self._resolve(rid.partition("@")[0], "M")
 
     def _resolve(self, rid: str, state: str) -> None:
         w = self.waiters.get(rid)
@@ -290,10 +333,19 @@ class AsyncFace:
 
     # ------------------------------------------------------------------ leases: renew, report, release
     async def _keeper(self) -> None:
-        """Renew this loop's leases every TTL/3; retry releases that could not reach Redis."""
+        """Renew this loop's leases every TTL/3; retry releases that could not reach Redis.
+
+        Rounds start at a fixed rate (every TTL/3 from the keeper's start), not TTL/3 after the previous
+        round ended: when Redis answers slowly (a queue of scripts ahead of each call), a round that
+        took its time must not push every later renewal back by as much, or renewals arrive further
+        apart than a lease TTL and live leases expire. A round that overran its period is followed by
+        the next at once (missed rounds are not made up)."""
         period = self.core.cfg.lease_ttl_s / 3
+        due = SYSTEM_CLOCK.monotonic() + period
+        await self._warm_renewals(self.core.cfg.lease_ttl_s)
         while not self.closed:
-            await asyncio.sleep(period)
+            await asyncio.sleep(max(0.0, due - SYSTEM_CLOCK.monotonic()))
+            due = max(due + period, SYSTEM_CLOCK.monotonic())
             for lid, give_up in list(self.retry_releases.items()):
                 if SYSTEM_CLOCK.monotonic() > give_up:
                     self.retry_releases.pop(lid, None)  # it has expired by TTL anyway
@@ -305,6 +357,18 @@ class AsyncFace:
                 except CALL_FAILED as exc:
                     log.debug("zp_client: retried release of %s... failed again: %r", lid[:8], exc)
             await self.renew_round()
+
+    async def _warm_renewals(self, within_s: float) -> None:
+        """Open the renewal client's connections before they are needed: a new connection's handshake is
+        several round trips (HELLO, CLIENT SETINFO), each queued behind whatever Redis is running, and the
+        first renewal round (or the first poll) must not pay for them."""
+        client = self.renew_client
+        if client is None:
+            return
+        try:  # bounded: a stalled Redis must not hold the keeper for longer than a lease TTL
+            await asyncio.wait_for(asyncio.gather(*(client.ping() for _ in range(RENEW_POOL_SIZE))), within_s)
+        except (*CALL_FAILED, asyncio.TimeoutError) as exc:  # the first round reconnects as it always did
+            log.debug("zp_client: opening the renewal connections of %r failed: %r", self.core.name, exc)
 
     async def renew_round(self) -> None:
         """Renew every live lease of this loop (in batches of ``RENEW_BATCH``)."""

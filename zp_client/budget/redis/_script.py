@@ -303,6 +303,23 @@ class Core:
         self._ttl_b = str(int(cfg.lease_ttl_s * 1000)).encode()
         self._wttl_b = str(int(cfg.waiter_ttl_s * 1000)).encode()
         self._hb_b = str(max(1, int(cfg.poll_interval_s * 1000))).encode()
+        # The claim window of this process's grants (docs/redis.md, "Grants are claimed"): a grant pass's
+        # grant to one of its waiters is pending until its acquire (repeated after the wake-up) or its poll
+        # claims it, and goes back to the pool after this long. waiter_ttl_s: the slowest way a live
+        # process learns of a grant is its next poll (a lost wake-up), at most poll_interval_s later, and
+        # a process that cannot poll within waiter_ttl_s loses its waiters anyway.
+        self._claim_b = str(max(1, int(cfg.waiter_ttl_s * 1000))).encode()
+        # The heartbeat slack (docs/redis.md, "Heartbeats measured against the round trip"): the longest
+        # round trip of this process's recent heartbeats (polls, the sync face's repeated acquires), added
+        # to the waiter TTL and the claim window it sends, so that a Redis slowed by a queue of scripts
+        # does not expire a live process's waiters (a heartbeat arrives a round trip after the previous
+        # reply at the earliest). Capped so that a dead process's blocks are still back within
+        # lease_ttl_s + poll_interval_s (waiters and pending grants: 2 x (waiter_ttl_s + slack)).
+        self.hb_slack_cap_s = max(0.0, (cfg.lease_ttl_s + cfg.poll_interval_s) / 2 - cfg.waiter_ttl_s)
+        self._rtt_window_s = max(1.0, cfg.poll_interval_s)
+        self._rtt_cur = 0.0  # the longest heartbeat round trip in the current window
+        self._rtt_prev = 0.0  # ... in the window before it
+        self._rtt_since = -math.inf  # when the current window began (monotonic)
         self.sync_box = self.owner + ".s"  # the sync waiters' mailbox (the async side's is the owner's)
         self.policy = cfg.policy
         self.policy_known = False  # the stored policy is read once (the creator's choice wins)
@@ -356,11 +373,36 @@ class Core:
             out.update(self.fleet.route_arg(meta))
         return meta_json(out)
 
+    def observe_rtt(self, rtt_s: float, now: float) -> None:
+        """A heartbeat's round trip (send to reply, monotonic seconds) measured at ``now``."""
+        if now - self._rtt_since >= self._rtt_window_s:
+            fresh = now - self._rtt_since < 2 * self._rtt_window_s
+            self._rtt_prev = self._rtt_cur if fresh else 0.0
+            self._rtt_cur, self._rtt_since = 0.0, now
+        self._rtt_cur = max(self._rtt_cur, rtt_s)
+
+    @property
+    def hb_slack_s(self) -> float:
+        """The slack added to the waiter TTL and the claim window: the longest heartbeat round trip of the
+        last one to two windows of ``max(1 s, poll_interval_s)``, at most :attr:`hb_slack_cap_s`."""
+        return min(self.hb_slack_cap_s, max(self._rtt_cur, self._rtt_prev))
+
+    def waiter_ttl_ms(self) -> int:
+        """The waiter TTL a heartbeat sends now: ``waiter_ttl_s`` plus :attr:`hb_slack_s`."""
+        return max(1, int((self.cfg.waiter_ttl_s + self.hb_slack_s) * 1000))
+
+    def refresh_waiter_ttl(self, args: list[Any]) -> None:
+        """Update acquire arguments made earlier (a repeated acquire) to the waiter TTL and claim window
+        with the current slack."""
+        args[8] = args[11] = str(self.waiter_ttl_ms()).encode()
+
     def acquire_args(
         self, rid: str, bound: int, held: int, prio: int, order: int, box: str, meta: str
     ) -> list[Any]:
-        return [rid, bound, held, prio, order, self._ttl_b, box, self._owner_b, self._wttl_b, meta,
-                self._hb_b]
+        args = [rid, bound, held, prio, order, self._ttl_b, box, self._owner_b, self._wttl_b, meta,
+                self._hb_b, self._claim_b]
+        self.refresh_waiter_ttl(args)
+        return args
 
     def release_args(self, lid: str) -> list[Any]:
         # ARGV[4]: the lease saw its first token (a report still batched may not have reached Redis: a
@@ -373,7 +415,7 @@ class Core:
         return [lid, self._owner_b, b"", f1] if f1 else [lid, self._owner_b]
 
     def poll_args(self, ids: Iterable[str]) -> list[Any]:
-        return [int(self.cfg.waiter_ttl_s * 1000), *ids]
+        return [self.waiter_ttl_ms(), *ids]
 
     def init_args(self, recovery_s: float | None = None) -> list[Any]:
         """init.lua's arguments; ``recovery_s`` overrides the configured recovery window (0 for an explicit
@@ -514,6 +556,10 @@ class Core:
                 "starvation_bound_s": int(r[7]) / 1000,
                 "recovering": int(r[9]) > 0, "recovery_left_s": int(r[9]) / 1000, "limit_version": int(r[11]),
                 "bound_sum": bsum,
+                # grants made, not yet claimed by their process (reserved: part of bound_sum and used)
+                "pending_grants": int(r[18]) if len(r) > 20 else 0,
+                "pending_blocks": int(r[19]) if len(r) > 20 else 0,
+                "unclaimed_grants": int(r[20]) if len(r) > 20 else 0,
                 "counters": dict(self.counters),
                 **({"adaptive": adaptive_from(r[14:18])} if len(r) > 17 and (r[14] or text(r[15])) else {}),
             },

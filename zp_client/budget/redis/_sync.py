@@ -168,7 +168,10 @@ class SyncFace:
                 if wake.too_large:
                     raise LeaseTooLarge(bound, core.limit, "the limit was lowered while waiting")
                 # Granted or not, one idempotent acquire call answers (and heartbeats the waiter).
+                core.refresh_waiter_ttl(args)  # the heartbeat slack of now
+                sent = SYSTEM_CLOCK.monotonic()
                 r = core.acquire_reply(self.eval("acquire", args), bound)
+                core.observe_rtt(SYSTEM_CLOCK.monotonic() - sent, SYSTEM_CLOCK.monotonic())
             return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
         except BaseException:
             try:
@@ -243,7 +246,7 @@ class SyncFace:
                 continue
             with self.lock:
                 for rid in text(item[1]).split(","):
-                    w = self.waiters.get(rid.lstrip("!").partition("@")[0])
+                    w = self.waiters.get(rid.lstrip("!+").partition("@")[0])
                     if w is not None:
                         w.too_large = w.too_large or rid.startswith("!")
                         w.event.set()

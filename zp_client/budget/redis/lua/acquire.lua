@@ -4,7 +4,10 @@
 --       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none; under any policy its tt / tp / ag
 --       fields give the waiter its deadline, common.lua's SLO-aware line section), heartbeat_ms (optional:
 --       the process's heartbeat interval, its poll interval; kept in the waiter record with waiter_ttl_ms
---       so a grant to a dead process's waiter expires with its heartbeat, common.lua's grant)
+--       so a grant to a dead process's waiter expires with its heartbeat, common.lua's grant),
+--       claim_ms (optional: the process claims its grants; a grant pass's grant to this waiter is then
+--       pending for at most claim_ms, common.lua's claim_lease; this same call, repeated after the
+--       wake-up, is the claim)
 -- Fleet mode (meta fleet = 1, see common.lua): ARGV[10] also carries the waiter's routing ({"k": prefix
 -- keys, "s": session, "a": replicas to avoid}, beside the compact meta fields under elastic); the
 -- fleet's fast path places the waiter (common.lua's f_place) when nobody waits;
@@ -23,6 +26,7 @@ reap(now)
 local raw = redis.call('HGET', K_LEASES, id)
 if raw then
   local l = cjson.decode(raw)
+  if l.w == ARGV[8] then claim_lease(id, l, now) end  -- the holder's process claims its grant
   if l.r then return {'G', l.o, l.p, epoch, meta_num('limit'), f_url(l.r)} end
   return {'G', l.o, l.p, epoch, meta_num('limit')}
 end
@@ -130,7 +134,8 @@ else
   if lf ~= nil then dl = now - lf.ag + lf.tt end  -- the deadline on Redis TIME (ledger.line_deadline)
   redis.call('HSET', K_WAIT, id, cjson.encode({b = bound, h = held, p = prio, o = order, s = now,
     m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta, rt = route, d = dl, tp = lf and lf.tp,
-    t = wttl, hb = ARGV[11] and int_arg(ARGV[11], 'heartbeat_ms', 1, 1e9) or nil}))
+    t = wttl, hb = ARGV[11] and int_arg(ARGV[11], 'heartbeat_ms', 1, 1e9) or nil,
+    cw = ARGV[12] and int_arg(ARGV[12], 'claim_ms', 1, 1e9) or nil}))
   redis.call('ZADD', K_LINE, prio * PRIO_SPAN + order, member)
   if dl ~= nil and redis.call('HGET', K_META, 'line') == 'slo' then
     redis.call('ZADD', K_DL, l_score(prio, dl, meta_num('t0')), member)
@@ -138,7 +143,7 @@ else
   redis.call('ZADD', K_WEXP, now + wttl, id)
   class_add(prio, 1, bound)
 end
-grant(now, id)
+grant(now, id, ARGV[8])
 local limit = meta_num('limit')
 local lraw = redis.call('HGET', K_LEASES, id)
 if lraw then

@@ -18,20 +18,23 @@
 --                  seq (ticket counter), arr (arrival counter), bsum (sum of bounds), hsum (sum of held),
 --                  nl (live leases), adm (elastic admission counter), xsum (elastic: sum of the live
 --                  leases' excess blocks beyond their bounds, e_excess; absent: 0), lt (TIME of the
---                  last reap), sg (the gap that counts as a stall, ms), stalls (stall_shift)
+--                  last reap), sg (the gap that counts as a stall, ms), stalls (stall_shift), cn / cb
+--                  (pending grants and their bounds, part of bsum), unc (grants returned unclaimed)
 --   2 leases HASH  lease id -> cjson {b=bound, h=held, p=priority, o=order, w=owner, l=ttl ms, g=granted ms,
 --                  m=meta, a=admission seq and x=excess blocks when > 0 (elastic only; see the elastic
---                  section)}
+--                  section), c=1 while a pending grant (claim_lease)}
 --   3 lexp   ZSET  lease id -> expiry (ms)
 --   4 line   ZSET  member (arrival seq, zero padded, "|" id) -> priority * 2^40 + ticket order
 --   5 wait   HASH  waiter id -> cjson {b, h, p, o, s=since ms, m=line member, x=mailbox, w=owner, l=lease ttl,
 --                  mt=meta (elastic only), d=TTFT deadline ms and tp=TPOT target ms (with a TTFT target;
 --                  the SLO-aware line's section), t=waiter ttl ms and hb=heartbeat interval ms of its
---                  process (clients since issue 33; grant: a dead process's waiters)}
+--                  process (clients since issue 33; grant: a dead process's waiters), cw=claim window ms
+--                  (clients that claim their grants: claim_lease)}
 --   6 wexp   ZSET  waiter id -> heartbeat expiry (ms)
 --   7 cls    HASH  "n<prio>" -> waiters of the class, "w<prio>" -> their weight (status without scans)
 -- Mailboxes ({zp:<name>}:mb:<x>) are lists in the same slot; a grant RPUSHes the lease id to the
--- waiter's mailbox so the waiting process wakes without polling.
+-- waiter's mailbox so the waiting process wakes without polling (comma-separated items: 'id' a grant to
+-- claim, '+id' a grant already claimed, '!id' too large for the limit; fleet: 'id@<replica id>').
 
 local K_META = KEYS[1]
 local PREFIX = string.sub(K_META, 1, -6)  -- strip ":meta"
@@ -304,12 +307,36 @@ local function drop_lease(id, raw)  -- raw: the lease's record when the caller r
   redis.call('HINCRBY', K_META, 'bsum', 0 - l.b)  -- "0 - x", not "-x": Lua formats -0 as "-0", which HINCRBY rejects
   redis.call('HINCRBY', K_META, 'hsum', 0 - l.h)
   redis.call('HINCRBY', K_META, 'nl', -1)
+  if l.c then  -- a pending grant (never claimed)
+    redis.call('HINCRBY', K_META, 'cn', -1)
+    redis.call('HINCRBY', K_META, 'cb', 0 - l.b)
+  end
   if l.pm ~= nil or (l.m and l.m.pn == 1) then p_dropped(l) end
   if l.r then  -- a fleet lease: its replica's sums
     redis.call('HINCRBY', K_RSUM, 'b' .. l.r, 0 - l.b)
     redis.call('HINCRBY', K_RSUM, 'n' .. l.r, -1)
   end
   return l
+end
+
+-- Grants are claimed (Ledger.claim; docs/redis.md, "Grants are claimed"). A grant pass's grant to another
+-- process's waiter that announced a claim window (acquire's ARGV[12], record field cw) is *pending*:
+-- record field c = 1, its lexp score the end of its claim window (grant + cw), counted in bsum (reserved:
+-- nothing is over-admitted) and in meta cn / cb (pending grants / their bounds), not yet anybody's held
+-- lease. The holder's process claims it with a call of its own that learns of the grant (acquire's
+-- idempotent repeat after a mailbox wake-up, poll's 'G', a renewal): the record loses c and the lease
+-- expires one lease TTL from the claim, like a renewal. A grant made by a call of the waiter's own
+-- process (its acquire, release, renewal or held report: grant's caller) is claimed as it is made.
+-- reap returns an unclaimed grant to the pool at the end of its window (meta unc counts them) and drops
+-- nothing else: its waiter left the line at the grant, and a live process that was only late finds it
+-- gone and enqueues again with the same ticket.
+local function claim_lease(id, l, now)
+  if not l.c then return end
+  l.c = nil
+  redis.call('HSET', K_LEASES, id, cjson.encode(l))
+  redis.call('ZADD', K_LEXP, now + l.l, id)
+  redis.call('HINCRBY', K_META, 'cn', -1)
+  redis.call('HINCRBY', K_META, 'cb', 0 - l.b)
 end
 
 -- A Redis stall (SIGSTOP, a long fork, a failover pause, a partition from every client) does not
@@ -351,7 +378,10 @@ end
 local function reap(now)
   stall_shift(now)
   local dead = redis.call('ZRANGEBYSCORE', K_LEXP, '-inf', now, 'LIMIT', 0, REAP_MAX)
-  for _, id in ipairs(dead) do drop_lease(id) end
+  for _, id in ipairs(dead) do
+    local l = drop_lease(id)
+    if l and l.c then redis.call('HINCRBY', K_META, 'unc', 1) end  -- a grant nobody claimed
+  end
   local gone = redis.call('ZRANGEBYSCORE', K_WEXP, '-inf', now, 'LIMIT', 0, REAP_MAX)
   for _, id in ipairs(gone) do
     local raw = redis.call('HGET', K_WAIT, id)
@@ -1096,8 +1126,10 @@ end
 
 -- Ledger.grant: walk the line from the head, admit every waiter that fits; a non-fitting waiter that
 -- has waited >= the starvation bound is a barrier. Admitted waiters become leases with the same id and
--- are told through their mailbox (except `self_id`, who learns it from the reply).
-local function grant(now, self_id)
+-- are told through their mailbox (except `self_id`, who learns it from the reply). `caller`: the owner
+-- (process) making this call, when the script knows it: its own waiters' grants are claimed as they are
+-- made (its call is the proof that it lives; claim_lease), only other processes' are pending.
+local function grant(now, self_id, caller)
   if redis.call('ZCARD', K_LINE) == 0 then return 0 end  -- nobody waits: one call, not a pass
   if now < meta_num('rec') then return 0 end  -- recovery: live holders re-adopt first
   local limit, bsum = meta_num('limit'), meta_num('bsum')
@@ -1190,19 +1222,33 @@ local function grant(now, self_id)
           p_admitted(lease, pins)
           pins = p_load()  -- its counts moved
         end
-        redis.call('HSET', K_LEASES, id, cjson.encode(lease))
-        -- A grant to another process is unclaimed until that process renews it. Its expiry counts from
-        -- the process's last heartbeat (wexp - t), one heartbeat interval later, not from now: if the
-        -- process died after its last heartbeat, the blocks come back by death + hb + lease ttl. A live
-        -- process heartbeated at most hb ago, so its lease still lives about one full TTL.
+        -- A grant to another process that claims its grants is pending until that process claims it
+        -- (claim_lease above): reserved for its claim window cw, then back to the pool if unclaimed.
         local lexp = now + w.l
-        if wexp ~= nil and w.t ~= nil and w.hb ~= nil then lexp = math.min(lexp, wexp - w.t + w.hb + w.l) end
+        if id ~= self_id and w.cw ~= nil and w.w ~= caller then
+          lease.c = 1
+          lexp = now + w.cw
+          redis.call('HINCRBY', K_META, 'cn', 1)
+          redis.call('HINCRBY', K_META, 'cb', w.b)
+        elseif w.cw == nil and wexp ~= nil and w.t ~= nil and w.hb ~= nil then
+          -- (a client that does not claim, before the handshake) its expiry counts from the process's
+          -- last heartbeat (wexp - t), one heartbeat interval later, not from now: if the process died
+          -- after its last heartbeat, the blocks come back by death + hb + lease ttl
+          lexp = math.min(lexp, wexp - w.t + w.hb + w.l)
+        end
+        -- (a grant claimed as it is made, by its own process's call: that call is the proof that the
+        -- process lives now, so its TTL runs from now, like a claim's; counting it from the last
+        -- heartbeat shortened it by up to the waiter TTL, and a holder whose first renewal was slow
+        -- then lost a lease it was using)
+        redis.call('HSET', K_LEASES, id, cjson.encode(lease))
         redis.call('ZADD', K_LEXP, lexp, id)
         redis.call('HINCRBY', K_META, 'hsum', w.h)
         redis.call('HINCRBY', K_META, 'nl', 1)
         bsum = redis.call('HINCRBY', K_META, 'bsum', w.b)
         n = n + 1
-        if id ~= self_id then add_box(boxes, w.x, item) end
+        -- '+': a grant to a process that claims its grants, claimed as it was made (its own call made
+        -- it): that process uses it without a claim (clients before the handshake never get one)
+        if id ~= self_id then add_box(boxes, w.x, (w.cw ~= nil and lease.c == nil) and ('+' .. item) or item) end
       elseif ok == false and not fleet and now - w.s >= starve then
         break  -- barrier: capacity drains to this waiter (a fleet holds a replica instead: f_place)
       end

@@ -42,6 +42,6 @@ for i = 2, #ARGV, 3 do
   end
 end
 if elastic and n > 0 and redis.call('ZCARD', K_LINE) > 0 then
-  grant(now_ms(), '')
+  grant(now_ms(), '', owner)
 end
 return n

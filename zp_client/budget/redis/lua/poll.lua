@@ -3,7 +3,7 @@
 -- grant pass, and reports each waiter's state, so a lost wake-up costs at most one poll interval.
 -- ARGV: waiter_ttl_ms, ids...
 -- Returns {'I'} budget absent | {recovery_left_ms, state...}: 'G' granted ('G@<replica id>' in fleet
--- mode), 'W' waiting, 'N' unknown
+-- mode; the grant is claimed by this call: the process learns of it from this reply), 'W' waiting, 'N' unknown
 -- (reaped, rejected by a lowered limit, or lost with Redis' state: the caller enqueues again).
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local wttl = int_arg(ARGV[1], 'waiter_ttl_ms', 1, 1e9)
@@ -37,7 +37,9 @@ for c = 2, #ARGV, CHUNK do
   local ls = redis.call('HMGET', K_LEASES, unpack(ids))
   for j = 1, #ids do
     if ls[j] then
-      local r = cjson.decode(ls[j]).r
+      local l = cjson.decode(ls[j])
+      claim_lease(ids[j], l, now)
+      local r = l.r
       if r then table.insert(out, 'G@' .. r) else table.insert(out, 'G') end
     elseif ws[j] then table.insert(out, 'W')
     else table.insert(out, 'N') end

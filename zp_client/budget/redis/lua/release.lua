@@ -36,5 +36,5 @@ else
   end
 end
 reap(now)
-grant(now, '')
+grant(now, '', owner)
 return done

@@ -25,6 +25,9 @@ for i = 3, #ARGV, 7 do
     if l.w ~= owner then
       table.insert(out, -1)
     else
+      if l.c then  -- a pending grant its holder knows of: the renewal claims it (claim_lease)
+        claim_lease(id, l, now)
+      end
       redis.call('ZADD', K_LEXP, now + ttl, id)
       -- carry the latest held too, in case a batched report was lost
       local h = tonumber(ARGV[i + 3])
@@ -75,5 +78,5 @@ if fleet then  -- live leases keep the fleet's replicas and their sums alive (ft
   redis.call('PEXPIRE', K_REPS, ttl)
   redis.call('PEXPIRE', K_RSUM, ttl)
 end
-grant(now, '')
+grant(now, '', owner)
 return out
