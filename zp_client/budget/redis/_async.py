@@ -365,8 +365,15 @@ class AsyncFace:
         client = self.renew_client
         if client is None:
             return
+
+        async def ping_all() -> None:
+            # A coroutine, not the gather itself, goes to wait_for: a keeper cancelled at aclose() left
+            # the gather's CancelledError unread ("_GatheringFuture exception was never retrieved" at
+            # garbage collection; on CPython 3.11 that log line can break an ast.parse, gh-106905).
+            await asyncio.gather(*(client.ping() for _ in range(RENEW_POOL_SIZE)))
+
         try:  # bounded: a stalled Redis must not hold the keeper for longer than a lease TTL
-            await asyncio.wait_for(asyncio.gather(*(client.ping() for _ in range(RENEW_POOL_SIZE))), within_s)
+            await asyncio.wait_for(ping_all(), within_s)
         except (*CALL_FAILED, asyncio.TimeoutError) as exc:  # the first round reconnects as it always did
             log.debug("zp_client: opening the renewal connections of %r failed: %r", self.core.name, exc)
 

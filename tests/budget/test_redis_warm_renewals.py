@@ -1,0 +1,77 @@
+"""The keeper's warm-up of its renewal connections never leaves an exception nobody retrieves.
+
+``AsyncFace._warm_renewals`` pings the renewal client's connections under a time bound. With
+``asyncio.wait_for(asyncio.gather(...))`` a bound that fired (a stalled Redis) or a keeper cancelled at
+``aclose()`` left the gather's future holding a ``CancelledError`` nobody read: asyncio logged
+"_GatheringFuture exception was never retrieved" when the garbage collector met it, and on CPython 3.11
+that log line (its traceback formatting parses source with ``ast``) could run inside another
+``ast.parse`` of the same thread and break it with "SystemError: AST constructor recursion depth
+mismatch" (gh-106905): CI failed that way in an unrelated test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from zp_client.budget.redis import _async
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # redis.asyncio is asyncio-only
+
+
+class _HungRedis:
+    """A renewal client whose every call waits forever (a SIGSTOPped Redis); counts the pings."""
+
+    def __init__(self) -> None:
+        self.pings = 0
+
+    async def ping(self) -> bool:
+        self.pings += 1
+        await asyncio.Event().wait()
+        return True
+
+
+def _face(client: _HungRedis) -> Any:
+    return SimpleNamespace(renew_client=client, core=SimpleNamespace(name="warm"))
+
+
+def _never_retrieved(records: list[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records if "never retrieved" in r.getMessage()]
+
+
+async def test_a_warm_up_that_runs_out_of_time_leaves_nothing_unretrieved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = _HungRedis()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        await _async.AsyncFace._warm_renewals(_face(client), 0.05)  # returns: the bound fired
+        await asyncio.sleep(0)
+        gc.collect()
+    assert client.pings == _async.RENEW_POOL_SIZE  # every connection was tried at once
+    assert _never_retrieved(caplog.records) == []
+
+
+async def test_a_warm_up_cancelled_at_close_leaves_nothing_unretrieved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = _HungRedis()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        task = asyncio.ensure_future(_async.AsyncFace._warm_renewals(_face(client), 60.0))
+        while client.pings < _async.RENEW_POOL_SIZE:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+        gc.collect()
+    assert _never_retrieved(caplog.records) == []
