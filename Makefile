@@ -42,7 +42,7 @@ $(VENV)/.installed: pyproject.toml $(DISTRIBUTION_PROJECTS) $(INTEGRATION_PROJEC
 $(OA2)/.installed: pyproject.toml $(DISTRIBUTION_PROJECTS) $(INTEGRATION_PROJECTS) $(OA2_ONLY)/pyproject.toml
 	$(PYTHON) -m venv $(OA2)
 	$(PY2) -m pip install -q --upgrade pip
-	$(PY2) -m pip install -q -e ".[redis,offline,langchain,autogen]" $(EDITABLE_DISTRIBUTIONS) $(EDITABLE_INTEGRATIONS) -e $(OA2_ONLY) "openai>=2,<3" "starlette>=0.37" "uvicorn>=0.30" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.6" "hypothesis>=6.100" "respx>=0.21"
+	$(PY2) -m pip install -q -e ".[redis,offline,langchain,autogen]" $(EDITABLE_DISTRIBUTIONS) $(EDITABLE_INTEGRATIONS) -e $(OA2_ONLY) "openai>=2,<3" "starlette>=0.37" "uvicorn>=0.30" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "respx>=0.21"
 	touch $@
 
 # A third environment for crewai-zp: CrewAI 1.15 pins openai<3, httpx~=0.28 and pydantic<2.13. Its tests
@@ -56,8 +56,9 @@ $(CREWAI)/.installed: pyproject.toml sim/pyproject.toml integrations/crewai/pypr
 # The three environments build side by side; the gates run next (a lint or type finding fails `make test`
 # before the suite starts); then the main suite runs beside the two smaller ones (their output is printed
 # whole, per target, as each ends), and every environment runs and reports before `make test` fails. The
-# main and openai 2.x suites each run in two halves (.ci/pytest-halves): the tests not marked slow or faults
-# on two pytest-xdist workers, then the slow and fault tests in one process (docs/testing.md#make-test).
+# main and openai 2.x suites each run as two processes side by side (.ci/pytest-halves): the slow and fault
+# tests that read the wall clock (marked `serial` by tests/conftest.py) one at a time, as before, beside
+# the rest (docs/testing.md#make-test).
 test:
 	$(MAKE) -j3 $(VENV)/.installed $(OA2)/.installed $(CREWAI)/.installed
 	$(MAKE) lint typecheck

@@ -151,8 +151,39 @@ class _FreezeTheLongLived:
             self._modules = len(sys.modules)
 
 
+# ------------------------------------------------------------------- make test: the serial share
+# Slow tests that read no wall clock (state machines on the ledger or on Redis's scripts with explicit
+# times, virtual-clock storms): they may run beside the tests marked ``serial`` below.
+_BESIDE_THE_SERIAL_ONES = (
+    "tests/budget/test_redis_claim.py::test_the_claim_handshake_conforms_long",
+    "tests/budget/test_budget_conformance.py::",
+    "tests/budget/test_ledger.py::TestLedgerStateful",
+    "tests/budget/test_pinning_redis.py::test_redis_pins_conform_to_the_pin_book",
+    "storm/tests/test_storm_mixed.py::",
+    "storm/tests/test_storm_virtual_time.py::test_two_runs_of_one_seed_give_identical_records",
+    "storm/tests/test_storm_bypass.py::test_bypass_zero_and_a_window_after_the_run",
+    "storm/tests/test_storm_bypass.py::test_the_selection_is_exact_deterministic",
+)
+
+
+class _SerialMark:
+    """Marks ``serial`` every test marked ``slow`` or ``faults`` (real-clock storms, several processes on
+    one Redis, SIGSTOP/SIGKILL of a redis-server, timing-bound races) except the few that read no wall
+    clock (``_BESIDE_THE_SERIAL_ONES``). `make test` (.ci/pytest-halves) runs ``-m serial`` in one process,
+    one test at a time as before, beside a second process running the rest (docs/testing.md#make-test).
+    A plugin's ``pytest_itemcollected``, so the mark is there before ``-m`` selects (for every test
+    path, not only tests/)."""
+
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("faults") is None:
+            return
+        if not item.nodeid.startswith(_BESIDE_THE_SERIAL_ONES):
+            item.add_marker(pytest.mark.serial)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_FreezeTheLongLived(), "zp-freeze-the-long-lived")
+    config.pluginmanager.register(_SerialMark(), "zp-serial-mark")
 
 
 # ------------------------------------------------------------------- the wheel alone (make test-wheel)
