@@ -35,6 +35,13 @@ from zp_client.errors import LeaseTooLarge
 log = logging.getLogger("zp_client.budget.redis")
 
 
+def _mark_read(task: asyncio.Task[Any]) -> None:
+    """Read a finished task's outcome so that an exception its abandoned awaiter never saw is not logged
+    at garbage collection; whoever awaits the task still gets the exception."""
+    if not task.cancelled():
+        task.exception()
+
+
 class _Waiter:
     __slots__ = ("id", "fut", "order")
 
@@ -133,8 +140,11 @@ class AsyncFace:
         instead of raising when the caller is cancelled just as the reply arrives (fixed in 3.12): the
         cancellation would be lost and the acquire would go on. A shielded task's awaiter gets its
         cancellation whatever the task does; the call itself goes on, so a cancelled caller lets it land
-        before undoing it (:meth:`_undo_after`)."""
-        return self.loop.create_task(self.eval(script, args, **kw))
+        before undoing it (:meth:`_undo_after`). Its exception, when its awaiter was cancelled and nobody
+        else reads it, is marked read (asyncio would log "Task exception was never retrieved")."""
+        task = self.loop.create_task(self.eval(script, args, **kw))
+        task.add_done_callback(_mark_read)
+        return task
 
     async def acquire(self, bound: int, held: int, prio: int, order: int, meta_json: str) -> RedisLease:
         core = self.core
