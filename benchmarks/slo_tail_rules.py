@@ -17,6 +17,12 @@ is ported to the Lua script:
 * ``grace:G:count:N``: ``grace:G`` only while the class has at most ``N`` missed waiters.
 * ``urgent:S``: waiters whose deadline is more than ``S`` seconds ahead go behind the missed and
   untargeted ones (EDF only for the waiters close to their deadline).
+* ``ttft-only``: the app sends only the TTFT target (no ``X-ZP-TPOT-Target``, as before the allowance
+  was measured; with ``Settings.answer_allowance`` off, ``main``'s records).
+* ``answer:F``: ``Settings.answer_allowance`` on (``ZP_ANSWER_ALLOWANCE=1`` in the worker), and a
+  non-streamed call's deadline gets ``F`` x its answer allowance (forecast output x TPOT target);
+  ``F`` < 1 stands for subtracting the answer's own decode time when the server decodes at
+  ``(1 - F)`` x the TPOT target per token.
 
 Each point ``(workload, seed, load, rule)`` runs in its own process (``slo_acceptance.run_point``, the
 storm's own code) and is cached as ``CACHE/rule-<rule>/<workload>-s<seed>-x<load>-zp-slo.json``; the
@@ -54,6 +60,23 @@ def _install(rule: str) -> None:
     if rule == "main":
         return
     parts = rule.split(":")
+    if parts[0] == "ttft-only":  # the app sends no TPOT target: no answer allowance (the line before it)
+        import zp_storm.slo_setups as S
+
+        S.SEND_TPOT = False
+        return
+    if parts[0] == "answer":  # a non-streamed call's deadline gets F x its answer allowance
+        os.environ["ZP_ANSWER_ALLOWANCE"] = "1"  # Settings.answer_allowance, opt-in
+        frac = float(parts[1])
+        orig_deadline = L.line_deadline
+
+        def line_deadline(meta: Any, now: float) -> float | None:
+            if meta and meta.get(L.ANSWER_KEY) is not None:
+                meta = {**meta, L.ANSWER_KEY: frac * meta[L.ANSWER_KEY]}
+            return orig_deadline(meta, now)
+
+        L.line_deadline = line_deadline
+        return
     orig_walk = L.slo_walk
     limit = {"v": 0}
     orig_grant = L.Ledger.grant
@@ -114,15 +137,15 @@ def _install(rule: str) -> None:
     L.slo_walk = walk
 
 
-def run(wl: str, seed: int, load: float, rule: str, out: str) -> tuple[str, float]:
+def run(wl: str, seed: int, load: float, rule: str, out: str, setup: str = "zp-slo") -> tuple[str, float]:
     _install(rule)
     from slo_acceptance import run_point
 
-    return run_point(wl, seed, load, "zp-slo", out)
+    return run_point(wl, seed, load, setup, out)
 
 
-def _path(cache: Path, rule: str, wl: str, seed: int, load: float) -> Path:
-    return cache / f"rule-{rule.replace(':', '_')}" / f"{wl}-s{seed}-x{load:g}-zp-slo.json"
+def _path(cache: Path, rule: str, wl: str, seed: int, load: float, setup: str = "zp-slo") -> Path:
+    return cache / f"rule-{rule.replace(':', '_')}" / f"{wl}-s{seed}-x{load:g}-{setup}.json"
 
 
 def _get(p: Path) -> dict[str, Any] | None:
@@ -143,7 +166,7 @@ def report(args: argparse.Namespace) -> None:
                 best = max(bases)[0] if bases else None
                 cells = []
                 for rule in args.rules:
-                    r = _get(_path(cache, rule, wl, s, x))
+                    r = _get(_path(cache, rule, wl, s, x, args.setup))
                     if r is None:
                         cells.append("-")
                         continue
@@ -173,10 +196,12 @@ def main() -> int:
     ap.add_argument("--workloads", default="seed-burst,agentic", type=lambda s: s.split(","))
     ap.add_argument("--loads", default="1,2", type=lambda s: [float(x) for x in s.split(",")])
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--setup", default="zp-slo", choices=("zp-slo", "zp-oracle-slo"),
+                    help="the setup whose walk is replaced (zp-oracle-slo: true output lengths)")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
     if not args.report_only:
-        todo = [(wl, s, x, rule, str(_path(Path(args.cache), rule, wl, s, x)))
+        todo = [(wl, s, x, rule, str(_path(Path(args.cache), rule, wl, s, x, args.setup)), args.setup)
                 for rule in args.rules for wl in args.workloads for x in args.loads for s in args.seeds]
         todo = [t for t in todo if not Path(t[4]).exists()]
         print(f"{len(todo)} points to run", file=sys.stderr)
@@ -185,7 +210,7 @@ def main() -> int:
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, max_tasks_per_child=1) as pool:
             futs = {pool.submit(run, *t): t for t in todo}
             for f in as_completed(futs):
-                wl, s, x, rule, _ = futs[f]
+                wl, s, x, rule, _, _ = futs[f]
                 _, wall = f.result()
                 print(f"[{time.monotonic() - t0:.0f}s] {wl} s{s} {x:g}x {rule}: {wall:.0f}s", file=sys.stderr,
                       flush=True)

@@ -116,6 +116,14 @@ class Settings(BaseSettings):
     tpot_route_targets: dict[str, _Seconds] = Field(
         default_factory=dict, description="TPOT target in seconds per route (env: JSON)."
     )
+    answer_allowance: bool = Field(
+        False,
+        description="Opt-in: a call whose caller reads the whole answer at once (not streamed) and that "
+        "has both targets gets a line deadline later by its forecast output x its TPOT target (meta "
+        "answer_s; elastic budgets, which forecast). Off by default: with the default forecaster it cost "
+        "requests in SLO at 1x and 4x in the storm (docs/benchmark.md, 'A non-streamed call's deadline "
+        "from both targets').",
+    )
     idle_stream_timeout_s: float = Field(
         300.0, gt=0, description="A stream the caller stops reading for this long releases its lease."
     )

@@ -13,7 +13,7 @@ from zp_storm import setups as bench_setups
 from zp_storm.report import build_report, header_lines, markdown_table
 from zp_storm.runner import StormConfig, run_storm
 from zp_storm.setups import SETUPS, parse_setups
-from zp_storm.slo_setups import TARGET_HEADER, queue_cap_tokens, slo_line_kwargs
+from zp_storm.slo_setups import TARGET_HEADER, TPOT_HEADER, queue_cap_tokens, slo_line_kwargs
 
 # A tiny mixed storm on the "tiny" profile (511 usable blocks, max_model_len 4096): 3 short agent
 # conversations and interactive calls at 3/s for 3 s.
@@ -85,8 +85,11 @@ def test_each_setup_sends_what_its_real_counterpart_would(tiny_mixed: Any) -> No
         calls = sent[name]
         assert len(calls) == wl.num_requests
         for c in calls:
+            tpot = wl.slo_of(c["class"]).tpot_s  # the interactive class's TPOT target; batch has none
             assert c["extra_headers"] == {TARGET_HEADER: targets[c["class"]],
+                                          **({} if tpot is None else {TPOT_HEADER: f"{tpot:g}"}),
                                           "X-ZP-Priority": {"interactive": "0", "batch": "1"}[c["class"]]}
+        assert any(TPOT_HEADER in c["extra_headers"] for c in calls)
     for name in ("no-admission", "zp-oracle-h1", "vllm-queue-cap"):
         assert all(c.keys() == {"class"} for c in sent[name])  # nothing added
     prio = {c["class"]: c["extra_body"]["priority"] for c in sent["vllm-priority"]}

@@ -3,8 +3,9 @@
 * ``zp-oracle-h1``: ``zp-oracle`` (true output lengths) on the whole usable pool (headroom 1.0), FIFO
   line: what admission costs with perfect forecasts and no reserve.
 * ``zp-slo``: ``zp-elastic`` (library defaults) whose app sends each request's class TTFT target as
-  ``X-ZP-TTFT-Target`` (and, on a workload with several classes, the class's ``X-ZP-Priority``), as a real
-  app would, on a budget built with ``line="slo"``.
+  ``X-ZP-TTFT-Target`` (its TPOT target as ``X-ZP-TPOT-Target`` where the class has one; and, on a
+  workload with several classes, the class's ``X-ZP-Priority``), as a real app would, on a budget built
+  with ``line="slo"``.
 * ``zp-oracle-slo``: ``zp-oracle-h1`` with the targets sent and ``line="slo"``: the bound on what
   ordering can reach.
 * ``vllm-priority``: no client admission (``no-admission``'s client); the server runs vLLM's
@@ -37,13 +38,18 @@ from zp_storm.setups import (
 )
 from zp_storm.workloads import Turn
 
-__all__ = ["PRIORITY_SETUP", "QUEUE_CAP_SETUP", "SLO_SETUPS", "TARGET_HEADER", "TargetCaller",
+__all__ = ["PRIORITY_SETUP", "QUEUE_CAP_SETUP", "SLO_SETUPS", "TARGET_HEADER", "TPOT_HEADER", "TargetCaller",
            "PriorityCaller", "queue_cap_tokens", "slo_line_kwargs"]
 
 #: The header an app sends with each request's TTFT target (seconds).
 TARGET_HEADER = "X-ZP-TTFT-Target"
+#: The header an app sends with each request's TPOT target (seconds), where its class has one.
+TPOT_HEADER = "X-ZP-TPOT-Target"
 #: The setups that send targets and ask for the SLO line.
 SLO_SETUPS: tuple[str, ...] = ("zp-slo", "zp-oracle-slo")
+#: Whether the app sends the TPOT target too (benchmarks/slo_tail_rules.py's ``ttft-only`` rule turns it
+#: off to measure the line as it was before the answer allowance).
+SEND_TPOT = True
 PRIORITY_SETUP = "vllm-priority"
 QUEUE_CAP_SETUP = "vllm-queue-cap"
 
@@ -58,16 +64,20 @@ def _fmt_s(x: float) -> str:
 
 
 class TargetCaller(AppCaller):
-    """``AppCaller`` whose app sends each request's class TTFT target as ``X-ZP-TTFT-Target`` and, for a
-    request of a named class (a workload with several), the class's priority as ``X-ZP-Priority``."""
+    """``AppCaller`` whose app sends each request's class TTFT target as ``X-ZP-TTFT-Target``, its TPOT
+    target (where the class has one) as ``X-ZP-TPOT-Target`` and, for a request of a named class (a
+    workload with several), the class's priority as ``X-ZP-Priority``. The TPOT target is what gives a
+    non-streamed call its real deadline (TTFT + output x TPOT, the benchmark's SLO for it)."""
 
     def __init__(self, client: Any, model: str, ctx: SetupContext) -> None:
         super().__init__(client, model, app_retry=True)
         self.ctx = ctx
 
     def request_extra(self, turn: Turn) -> dict[str, Any]:
-        ttft, _, priority = self.ctx.slo_class(turn.slo_class)
+        ttft, tpot, priority = self.ctx.slo_class(turn.slo_class)
         headers = {TARGET_HEADER: _fmt_s(ttft)}
+        if tpot is not None and SEND_TPOT:
+            headers[TPOT_HEADER] = _fmt_s(tpot)
         if turn.slo_class is not None:
             headers["X-ZP-Priority"] = str(priority)
         return {"extra_headers": headers}

@@ -13,7 +13,8 @@ import pytest
 from zp_client._admission.core import Core
 from zp_client._admission.httplib import HTTPX
 from zp_client._admission.parts import SharedState
-from zp_client._admission.plan import AGE_META, TPOT_TARGET_META, TTFT_TARGET_META, Parsed, Plan
+from zp_client._admission.plan import AGE_META, ANSWER_META, TPOT_TARGET_META, TTFT_TARGET_META, Parsed, Plan
+from zp_client.budget.ledger import ANSWER_KEY
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 from zp_client.errors import InvalidRequest, PromptTooLong
@@ -48,9 +49,10 @@ class KnowingForecaster(LengthForecaster):
 
 def _core(policy: str = "strict", *, clock: FakeClock | None = None, shared: SharedState | None = None,
           forecaster: LengthForecaster | None = None, default_max_tokens: int = 4096,
-          ttft_target_s: float | None = None) -> Core:
+          ttft_target_s: float | None = None, answer_allowance: bool = False) -> Core:
     s = Settings(estimator="heuristic", max_model_len=4096, stream_upstream=False,
-                 default_max_tokens=default_max_tokens, ttft_target_s=ttft_target_s)
+                 default_max_tokens=default_max_tokens, ttft_target_s=ttft_target_s,
+                 answer_allowance=answer_allowance)
     return Core(LocalBudget(1000, policy=policy), s, None, False, forecaster, lib=HTTPX, clock=clock,
                 shared=shared or SharedState())
 
@@ -132,6 +134,23 @@ def test_targets_come_from_the_header_else_the_settings_and_each_acquire_adds_th
     clock.now += 1.5
     meta = core.planner.lease_meta(plan, plan.meta)
     assert meta is not None and meta[AGE_META] == pytest.approx(1.5) and meta[TTFT_TARGET_META] == 2.0
+
+
+def test_a_non_streamed_call_gets_its_answer_allowance_only_when_opted_in() -> None:
+    # Settings.answer_allowance: forecast output (per choice) x TPOT target, the ledger's answer_s key;
+    # carried by every acquire of the request beside its targets
+    assert ANSWER_META == ANSWER_KEY
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 50, "expected": 40, "n": 2}
+    both = {"X-ZP-TTFT-Target": "2", "X-ZP-TPOT-Target": "0.05"}
+    on = _core("elastic", forecaster=KnowingForecaster(), answer_allowance=True)
+    _, plan = _plan(on, body, both)
+    assert plan.meta is not None and plan.meta[ANSWER_META] == pytest.approx(40 * 0.05)
+    meta = on.planner.lease_meta(plan, plan.meta)
+    assert meta is not None and meta[ANSWER_META] == pytest.approx(2.0)
+    _, streamed = _plan(on, {**body, "stream": True}, both)
+    off = _core("elastic", forecaster=KnowingForecaster())
+    for p in (streamed, _plan(off, body, both)[1], _plan(on, body, {"X-ZP-TTFT-Target": "2"})[1]):
+        assert p.meta is not None and ANSWER_META not in p.meta
 
 
 def test_the_deadline_counts_from_arrival_on_the_cores_clock() -> None:

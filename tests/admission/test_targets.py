@@ -121,6 +121,35 @@ def test_a_target_alone_travels_under_either_policy_sync(server: LoopbackServer,
     assert b.status_sync().used == 0
 
 
+@pytest.mark.parametrize("stream_upstream", [True, False])
+def test_a_non_streamed_call_with_both_targets_carries_its_answer_allowance(
+        server: LoopbackServer, stream_upstream: bool) -> None:
+    # Opt-in (Settings.answer_allowance). Its SLO is the whole answer within TTFT + output x TPOT: the
+    # line's deadline is later by its forecast output at the TPOT target (answer_s, ledger.line_deadline),
+    # whether or not zp streams it upstream; a streamed call, a call without a TPOT target, a strict budget
+    # (no forecast) and the default settings get none.
+    both = {TTFT_TARGET_HEADER: "2", TPOT_TARGET_HEADER: "0.05"}
+    off = MetaSpy(policy="elastic")
+    swrapped(server, off, stream_upstream=stream_upstream).chat.completions.create(
+        model="ok", messages=MSGS, max_tokens=64, extra_headers=both)
+    b = MetaSpy(policy="elastic")
+    c = swrapped(server, b, stream_upstream=stream_upstream, answer_allowance=True)
+    c.chat.completions.create(model="ok", messages=MSGS, max_tokens=64, extra_headers=both)
+    meta = b.metas[-1]
+    assert meta is not None and meta["forecast_tokens"] > 0
+    assert meta["answer_s"] == pytest.approx(meta["forecast_tokens"] * 0.05)
+    c.chat.completions.create(model="ok", messages=MSGS, max_tokens=64, stream=True,
+                              extra_headers=both).close()
+    for one in ({TTFT_TARGET_HEADER: "2"}, {TPOT_TARGET_HEADER: "0.05"}):
+        c.chat.completions.create(model="ok", messages=MSGS, max_tokens=64, extra_headers=one)
+    strict = MetaSpy(policy="strict")
+    swrapped(server, strict, answer_allowance=True).chat.completions.create(
+        model="ok", messages=MSGS, max_tokens=64, extra_headers=both)
+    for meta in b.metas[1:] + strict.metas + off.metas:
+        assert meta is not None and "answer_s" not in meta
+    assert b.status_sync().used == 0
+
+
 async def test_a_retry_keeps_its_target_and_its_first_arrival(server: LoopbackServer) -> None:
     b = MetaSpy(policy="elastic")
     c = awrapped(server, b)

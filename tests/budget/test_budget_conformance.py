@@ -46,8 +46,9 @@ FULL_BACKFILL = 1e9  # seconds; no wait in a test comes near it
 NEVER_LATE = 1e9  # late_bound_s of the SLO runs: no waiter of a test gets near it
 
 BudgetFactory = Callable[[int, float, str], Budget]
-#: a drawn target: None (no target), "missed" (a deadline long past) or k (TTFT target ~k x 1,000 s)
-_TARGETS = st.sampled_from([None, "missed", 1, 2, 3, 4, 5, 6])
+#: a drawn target: None (no target), "missed" (a deadline long past), k (TTFT target ~k x 1,000 s) or
+#: "ak" (a non-streamed call due at the same time: TTFT target 1 s, the rest its answer allowance)
+_TARGETS = st.sampled_from([None, "missed", 1, 2, 3, 4, 5, 6, "a2", "a5"])
 
 
 def _local_factory(limit: int, starvation: float, line: str) -> Budget:
@@ -118,7 +119,8 @@ def _make_machine(factory: BudgetFactory, starvation: float, cleanup: Callable[[
             # at 0, the backend's runs for the few seconds of a run, so the order of deadlines is the same.
             meta: dict[str, float] | None = (
                 None if goal is None else {"ttft_target_s": 1.0, "age_s": 1e6} if goal == "missed"
-                else {"ttft_target_s": 1000.0 * int(goal) + n})
+                else {"ttft_target_s": 1.0, "answer_s": 1000.0 * int(goal[1:]) + n - 1.0}
+                if isinstance(goal, str) else {"ttft_target_s": 1000.0 * int(goal) + n})
             try:
                 self.model.enqueue(lbl, blocks, None, priority, 0.0, ticket, meta=meta)
             except LeaseTooLarge:

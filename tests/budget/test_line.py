@@ -114,6 +114,8 @@ def test_priority_classes_stay_strict_under_the_slo_line() -> None:
     {"ttft_target_s": 0}, {"ttft_target_s": -1.0}, {"ttft_target_s": math.nan}, {"ttft_target_s": math.inf},
     {"ttft_target_s": "1"}, {"ttft_target_s": True}, {"ttft_target_s": 1.0, "age_s": -0.5},
     {"ttft_target_s": 1.0, "age_s": math.inf}, {"tpot_target_s": 0.0},
+    {"ttft_target_s": 1.0, "answer_s": -0.1}, {"ttft_target_s": 1.0, "answer_s": math.nan},
+    {"ttft_target_s": 1.0, "answer_s": "3"},
 ])
 def test_bad_targets_are_invalid_requests_and_change_nothing(meta: dict[str, Any]) -> None:
     led = Ledger(10, line="slo")
@@ -154,6 +156,25 @@ def test_line_deadline_is_relative_to_the_callers_arrival() -> None:
     assert line_deadline(None, 5.0) is None
     assert line_deadline({"tpot_target_s": 0.05}, 5.0) is None
     assert line_deadline({"ttft_target_s": 2.0, "age_s": 0.5}, 10.0) == 11.5
+    # a non-streamed call's answer allowance (forecast output x TPOT target) moves its deadline later
+    assert line_deadline({"ttft_target_s": 2.0, "age_s": 0.5, "answer_s": 3.0}, 10.0) == 14.5
+    assert line_deadline({"ttft_target_s": 2.0, "answer_s": 0.0}, 10.0) == 12.0
+    assert line_deadline({"answer_s": 3.0}, 10.0) is None  # no TTFT target: no deadline
+
+
+def test_a_non_streamed_call_is_ordered_by_its_answer_deadline() -> None:
+    # TTFT target 1 s and 4 s of answer at its TPOT target: due at 5 s, after the streamed call due at 3 s
+    # and ahead of the one due at 6 s; past 1 s it has not missed anything yet
+    led = Ledger(10, line="slo")
+    _full(led)
+    led.enqueue("late6", 10, None, 0, 0.0, meta=_t(6.0))
+    led.enqueue("answer5", 10, None, 0, 0.0, meta={**_t(1.0), "answer_s": 4.0})
+    led.enqueue("soon3", 10, None, 0, 0.0, meta=_t(3.0))
+    order = []
+    for now in (2.0, 2.5, 2.8):
+        led.release(order[-1] if order else "hold", now)
+        order += led.grant(now)
+    assert order == ["soon3", "answer5", "late6"]
 
 
 # ----------------------------------------------------------------------------- properties (ledger)
@@ -244,12 +265,15 @@ class SloLineMachine(RuleBasedStateMachine):
         self._grant_and_check()
 
     @rule(bound=st.integers(1, 12), priority=st.integers(0, 2),
-          goal=st.sampled_from([None, 0.5, 1.0, 3.0, 10.0]), age=st.sampled_from([0.0, 0.0, 0.7, 4.0]))
-    def arrive(self, bound: int, priority: int, goal: float | None, age: float) -> None:
+          goal=st.sampled_from([None, 0.5, 1.0, 3.0, 10.0]), age=st.sampled_from([0.0, 0.0, 0.7, 4.0]),
+          answer=st.sampled_from([None, None, 0.0, 0.8, 5.0]))
+    def arrive(self, bound: int, priority: int, goal: float | None, age: float, answer: float | None) -> None:
         if bound > self.limit:
             return
         wid = f"w{next(self.ids)}"
         meta = None if goal is None else _t(goal, age)
+        if meta is not None and answer is not None:  # a non-streamed call: its answer allowance
+            meta["answer_s"] = answer
         t = self.led.enqueue(wid, bound, None, priority, self.now, meta=meta)
         self.arrival[wid] = (self.now - age, meta, t, bound, priority)
         self._grant_and_check()
@@ -270,7 +294,7 @@ class SloLineMachine(RuleBasedStateMachine):
         w = self.led.waiter(new)
         assert w is not None
         if meta is not None:
-            want = arrived + meta["ttft_target_s"]
+            want = arrived + meta["ttft_target_s"] + meta.get("answer_s", 0.0)
             assert w.deadline is not None and math.isclose(w.deadline, want, abs_tol=1e-9)
         self.arrival[new] = (arrived, meta, t, bound, priority)
         self._grant_and_check()
@@ -337,7 +361,8 @@ def test_redis_slo_line_orders_by_deadline_on_redis_time(redis_url: str, redis_p
                         starvation_bound_s=0.0)
         try:
             hold = await b.acquire(10)
-            metas = {"missed": _t(1.0, age=500.0), "none": None, "slow": _t(300.0), "fast": _t(100.0)}
+            metas = {"missed": _t(1.0, age=500.0), "none": None, "slow": _t(300.0), "fast": _t(100.0),
+                     "answer": {**_t(50.0), "answer_s": 150.0}}  # non-streamed: due at 200 s
             tasks: dict[str, asyncio.Task[Any]] = {}
             for k, m in metas.items():
                 tasks[k] = asyncio.create_task(b.acquire(10, meta=m))
@@ -358,7 +383,7 @@ def test_redis_slo_line_orders_by_deadline_on_redis_time(redis_url: str, redis_p
             await b.aclose()
 
     try:
-        assert asyncio.run(main()) == ["fast", "slow", "missed", "none"]
+        assert asyncio.run(main()) == ["fast", "answer", "slow", "missed", "none"]
     finally:
         r = redis.Redis.from_url(redis_url)
         keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))

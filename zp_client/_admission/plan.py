@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PRIORITY_HEADER", "DEADLINE_HEADER", "ROUTE_HEADER", "SESSION_HEADER", "TTFT_TARGET_HEADER",
            "TPOT_TARGET_HEADER", "FAIL_FAST_HEADER", "TTFT_TARGET_META", "TPOT_TARGET_META", "AGE_META",
-           "FAIL_FAST_META", "is_admitted", "Plan", "Parsed", "Options", "read_headers", "read_body",
-           "api_base", "seconds"]
+           "ANSWER_META", "FAIL_FAST_META", "is_admitted", "Plan", "Parsed", "Options", "read_headers",
+           "read_body", "api_base", "seconds"]
 
 PRIORITY_HEADER = "x-zp-priority"
 DEADLINE_HEADER = "x-zp-deadline"
@@ -33,6 +33,11 @@ FAIL_FAST_HEADER = "x-zp-fail-fast"
 TTFT_TARGET_META = "ttft_target_s"
 TPOT_TARGET_META = "tpot_target_s"
 AGE_META = "age_s"
+# Lease meta key (zp_client.budget.ledger.ANSWER_KEY, the same string): a call whose caller reads the whole
+# answer at once (not streamed, whether or not zp streams it upstream) with both targets: its forecast
+# output tokens x its TPOT target, seconds. Its SLO is "the answer within TTFT + output x TPOT", so the
+# line's deadline is that much later than a streamed call's (docs/admission.md#targets).
+ANSWER_META = "answer_s"
 # Lease meta key: the caller opted into fail-fast (zp_client.budget.predict.FAIL_FAST_KEY, the same string).
 FAIL_FAST_META = "fail_fast"
 ADMITTED_SUFFIXES = ("/chat/completions", "/completions", "/responses")

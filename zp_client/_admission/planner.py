@@ -11,6 +11,7 @@ import logging
 from zp_client._admission.parts import Parts
 from zp_client._admission.plan import (
     AGE_META,
+    ANSWER_META,
     FAIL_FAST_META,
     TPOT_TARGET_META,
     TTFT_TARGET_META,
@@ -220,6 +221,12 @@ class Planner:
                 meta[TTFT_TARGET_META] = p.ttft_target_s
             if p.tpot_target_s is not None:
                 meta[TPOT_TARGET_META] = p.tpot_target_s
+            if (parts.settings.answer_allowance and p.ttft_target_s is not None
+                    and p.tpot_target_s is not None and forecast > 0 and (p.upstream or not p.stream)):
+                # Opt-in. Not streamed to the caller: its SLO is the whole answer within TTFT + output x
+                # TPOT (when a streamed call meeting both targets would end), so its line deadline is
+                # later by the forecast output at the TPOT target (ledger.line_deadline).
+                meta[ANSWER_META] = forecast * p.tpot_target_s  # per choice: n choices decode together
         content = request.content
         if p.changed:
             content = json.dumps(p.body, separators=(",", ":"), ensure_ascii=False).encode()
@@ -258,7 +265,7 @@ class Planner:
         if not plan.targeted:
             return meta
         out = dict(meta or {})
-        for key in (TTFT_TARGET_META, TPOT_TARGET_META):
+        for key in (TTFT_TARGET_META, TPOT_TARGET_META, ANSWER_META):
             if plan.meta is not None and key in plan.meta:
                 out[key] = plan.meta[key]
         out[AGE_META] = max(0.0, self._parts.clock.monotonic() - plan.arrival)

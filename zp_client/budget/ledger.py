@@ -20,6 +20,7 @@ from zp_client.errors import ConfigurationError, InvalidRequest, LeaseTooLarge
 
 __all__ = [
     "AGE_KEY",
+    "ANSWER_KEY",
     "DEFAULT_LATE_BOUND_S",
     "DEFAULT_LINE",
     "DEFAULT_LONGEST_FIRST_S",
@@ -62,10 +63,14 @@ DEFAULT_LATE_BOUND_S = 60.0
 for why 60 s; the storm kept it: 10 s and 30 s lost most of the gain at 2x-4x)."""
 
 #: Waiter metadata the SLO-aware line reads (seconds): the request's TTFT target, relative to the logical
-#: request's first arrival; its TPOT target (carried, not yet read by the order); and how old the logical
-#: request already is at this enqueue (a retry's age, on the caller's clock). The deadline is computed
-#: on the backend's clock from them (:func:`line_deadline`), so no two clocks are ever compared.
+#: request's first arrival; its TPOT target (carried, not read by the order); how old the logical request
+#: already is at this enqueue (a retry's age, on the caller's clock); and, for a call whose caller reads
+#: the whole answer at once (not streamed), its answer allowance: the forecast output tokens x the TPOT
+#: target, the time a streamed call meeting both targets would spend after its first token, which the
+#: non-streamed call's SLO grants it (docs/admission.md#targets). The deadline is computed on the
+#: backend's clock from them (:func:`line_deadline`), so no two clocks are ever compared.
 TTFT_TARGET_KEY, TPOT_TARGET_KEY, AGE_KEY = "ttft_target_s", "tpot_target_s", "age_s"
+ANSWER_KEY = "answer_s"
 
 
 @dataclass(slots=True)
@@ -84,7 +89,7 @@ class WaiterRecord:
     expires_at: float | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     deadline: float | None = None
-    """The TTFT deadline on the ledger's clock (:func:`line_deadline`), None without a target."""
+    """The line's deadline on the ledger's clock (:func:`line_deadline`), None without a target."""
     claim_s: float | None = None
     """The claim window: a grant to this waiter is *pending* until :meth:`Ledger.claim`, and returned to
     the pool if not claimed within this many seconds (None: the grant is claimed as it is made)."""
@@ -254,19 +259,21 @@ def _target(meta: Mapping[str, Any], key: str, *, positive: bool) -> float | Non
 
 
 def line_deadline(meta: Mapping[str, Any] | None, now: float) -> float | None:
-    """A waiter's TTFT deadline on the backend's clock: ``now - age_s + ttft_target_s`` (``now`` is the
-    enqueue time), None when ``meta`` has no ``ttft_target_s``. Also checks ``tpot_target_s``.
+    """A waiter's deadline on the backend's clock: ``now - age_s + ttft_target_s + answer_s`` (``now`` is
+    the enqueue time; ``answer_s`` absent: 0, a streamed call's TTFT deadline), None when ``meta`` has no
+    ``ttft_target_s``. Also checks ``tpot_target_s``.
 
     Raises :class:`~zp_client.errors.InvalidRequest` (naming the key) for a target that is not a
-    positive finite number of seconds or an age that is negative or not finite."""
+    positive finite number of seconds or an age or answer allowance that is negative or not finite."""
     if not meta:
         return None
     ttft = _target(meta, TTFT_TARGET_KEY, positive=True)
     _target(meta, TPOT_TARGET_KEY, positive=True)
     age = _target(meta, AGE_KEY, positive=False)
+    answer = _target(meta, ANSWER_KEY, positive=False)
     if ttft is None:
         return None
-    return now - (age or 0.0) + ttft
+    return now - (age or 0.0) + ttft + (answer or 0.0)
 
 
 def slo_walk(waiters: Sequence[WaiterRecord], now: float, late_bound_s: float) -> list[int] | None:
@@ -535,8 +542,8 @@ class Ledger:
         (see :meth:`renew`, :meth:`expire`); ``None`` never expires. A granted lease keeps the waiter's
         expiry, so a backend that heartbeats waiters keeps heartbeating the lease under the same id.
         ``meta`` travels from the waiter to its lease, for policies that need more than weights; its
-        ``ttft_target_s`` / ``age_s`` give the waiter its deadline (:func:`line_deadline`), which the
-        SLO-aware line orders by.
+        ``ttft_target_s`` / ``age_s`` / ``answer_s`` give the waiter its deadline (:func:`line_deadline`),
+        which the SLO-aware line orders by.
 
         ``claim_s``: the grant -> claim handshake of a backend whose waiters live in other processes
         (docs/redis.md, "Grants are claimed"): a grant to this waiter is pending (reserved, nobody's held

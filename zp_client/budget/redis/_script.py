@@ -28,7 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.elastic import admission_meta
-from zp_client.budget.ledger import AGE_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
+from zp_client.budget.ledger import AGE_KEY, ANSWER_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
 from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import BudgetUnavailable, ConfigurationError, LeaseTooLarge, ZPError
 
@@ -92,13 +92,14 @@ def compact_meta(meta: Mapping[str, Any], *, update: bool) -> dict[str, Any]:
 
 
 #: The line's fields (zp_client.budget.ledger: TTFT_TARGET_KEY...), sent in milliseconds under any policy.
-_LINE_KEYS = {TTFT_TARGET_KEY: "tt", TPOT_TARGET_KEY: "tp", AGE_KEY: "ag"}
+_LINE_KEYS = {TTFT_TARGET_KEY: "tt", TPOT_TARGET_KEY: "tp", AGE_KEY: "ag", ANSWER_KEY: "an"}
 
 
 def line_meta(meta: Mapping[str, Any]) -> dict[str, int]:
     """The SLO-aware line's fields of ``meta`` in whole milliseconds, short keys ``tt`` (TTFT target),
-    ``tp`` (TPOT target) and ``ag`` (the request's age at this enqueue); acquire.lua computes the
-    waiter's deadline ``now - ag + tt`` on Redis TIME. Raises
+    ``tp`` (TPOT target), ``ag`` (the request's age at this enqueue) and ``an`` (a non-streamed call's
+    answer allowance); acquire.lua computes the waiter's deadline ``now - ag + tt + an`` on Redis TIME
+    (:func:`~zp_client.budget.ledger.line_deadline`). Raises
     :class:`~zp_client.errors.InvalidRequest` as :func:`~zp_client.budget.ledger.line_deadline` does.
     A target is rounded up to at least 1 ms (it is positive)."""
     line_deadline(meta, 0.0)  # validates
@@ -107,7 +108,7 @@ def line_meta(meta: Mapping[str, Any]) -> dict[str, int]:
         v = meta.get(k)
         if v is not None:
             ms = min(round(float(v) * 1000), 10**12)
-            out[short] = ms if short == "ag" else max(1, ms)
+            out[short] = ms if short in ("ag", "an") else max(1, ms)
     return out
 
 

@@ -1,7 +1,7 @@
 -- acquire.lua: enqueue a waiter (Ledger.enqueue) and run a grant pass (Ledger.grant). Idempotent per
 -- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
---       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none; under any policy its tt / tp / ag
+--       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none; under any policy its tt/tp/ag/an
 --       fields give the waiter its deadline, common.lua's SLO-aware line section), heartbeat_ms (optional:
 --       the process's heartbeat interval, its poll interval; kept in the waiter record with waiter_ttl_ms
 --       so a grant to a dead process's waiter expires with its heartbeat, common.lua's grant),
@@ -131,7 +131,7 @@ else
   local member = string.format('%012d', arrival) .. '|' .. id
   local lf = l_arg(ARGV[10])
   local dl = nil
-  if lf ~= nil then dl = now - lf.ag + lf.tt end  -- the deadline on Redis TIME (ledger.line_deadline)
+  if lf ~= nil then dl = now - lf.ag + lf.tt + lf.an end  -- the deadline on Redis TIME (ledger.line_deadline)
   redis.call('HSET', K_WAIT, id, cjson.encode({b = bound, h = held, p = prio, o = order, s = now,
     m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta, rt = route, d = dl, tp = lf and lf.tp,
     t = wttl, hb = ARGV[11] and int_arg(ARGV[11], 'heartbeat_ms', 1, 1e9) or nil,

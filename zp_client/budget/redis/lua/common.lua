@@ -112,8 +112,9 @@ end
 
 -- The SLO-aware line (zp_client/budget/ledger.py: line_deadline, slo_walk; meta fields line = 'slo',
 -- lb = late bound ms, t0 = a time origin 2^39 ms before the budget's creation). A waiter whose acquire
--- meta carries tt (TTFT target ms) has record field d = its deadline on Redis TIME, now - ag + tt (ag:
--- the request's age ms, a retry's; tp, the TPOT target ms, is kept beside it); under line = 'slo' its
+-- meta carries tt (TTFT target ms) has record field d = its deadline on Redis TIME, now - ag + tt + an
+-- (ag: the request's age ms, a retry's; an: a non-streamed call's answer allowance ms, forecast output
+-- tokens x TPOT target, absent 0; tp, the TPOT target ms, is kept beside it); under line = 'slo' its
 -- line member is also in :dl, scored priority * 2^40 + (d - t0) (clamped to the span), so a grant pass
 -- finds a class's waiters whose deadline is ahead, earliest first, in one bounded ZRANGEBYSCORE.
 local K_DL = PREFIX .. ':dl'
@@ -131,14 +132,15 @@ local function drop_waiter(id, w)
   class_add(w.p, -1, 0 - w.b)
 end
 
--- The line's fields of acquire's meta argument (_script.line_meta): {tt, tp, ag} in ms, or nil without
+-- The line's fields of acquire's meta argument (_script.line_meta): {tt, tp, ag, an} in ms, or nil without
 -- a TTFT target. A malformed object is meta_arg's / f_route_arg's to report (strict ignores it: nil).
 local function l_arg(raw)
   if raw == nil or raw == '' then return nil end
   local ok, m = pcall(cjson.decode, raw)
   if not ok or type(m) ~= 'table' or m.tt == nil or m.tt == cjson.null then return nil end
   local out = {tt = int_arg(m.tt, 'meta tt (TTFT target ms)', 1, 1e12),
-               ag = int_arg(m.ag or 0, 'meta ag (age ms)', 0, 1e12)}
+               ag = int_arg(m.ag or 0, 'meta ag (age ms)', 0, 1e12),
+               an = int_arg(m.an or 0, 'meta an (answer allowance ms)', 0, 1e12)}
   if m.tp ~= nil and m.tp ~= cjson.null then out.tp = int_arg(m.tp, 'meta tp (TPOT target ms)', 1, 1e12) end
   return out
 end
