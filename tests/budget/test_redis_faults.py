@@ -207,6 +207,34 @@ async def test_a_burst_of_2000_acquires_at_20ms_latency_expires_no_live_lease(
     assert st.used == 0 and st.leases == 0, st
 
 
+ROUND_DELAY_S = 0.15  # each way: a round trip through the proxy takes at least 0.3 s
+
+
+async def test_a_renewal_round_sends_its_batches_at_once(redis_url: str, cleanup: str) -> None:
+    """A round's batches go out together (over the renewal connections), so a round of 5 batches takes
+    about one round trip, not five: renewals one batch after the other arrived up to a whole round late
+    when every round trip was slow (a burst's queue, a loaded event loop). Through a proxy delaying
+    every byte 0.15 s each way, five batches in a row take at least 1.5 s; the bound is 3 round trips."""
+    from _fault_report import LatencyProxy
+
+    with LatencyProxy(_port(redis_url), ROUND_DELAY_S) as proxy:
+        b = RedisBudget(f"redis://127.0.0.1:{proxy.port}/0", cleanup, 100_000, recovery_s=0,
+                        lease_ttl_s=60)  # the keeper's own rounds (every 20 s) stay out of the way
+        try:
+            leases = list(await asyncio.gather(*[b.acquire(1) for _ in range(5 * RENEW_BATCH)]))
+            side = b._get_side()
+            await side.renew_round()  # the renewal connections are open (and the scripts loaded)
+            t0 = time.monotonic()
+            await side.renew_round()
+            took = time.monotonic() - t0
+            lost = sum(le.lost for le in leases)
+            await asyncio.gather(*[le.release() for le in leases])
+        finally:
+            await b.aclose()
+    assert lost == 0
+    assert took < 3 * 2 * ROUND_DELAY_S, f"a round of 5 batches took {took:.2f} s (round trip 0.3 s)"
+
+
 # ---------------------------------------------------------------------------------------- item 11
 @pytest.mark.parametrize("latency_s", [0.0, 0.020], ids=["loopback", "20ms"])
 async def test_a_release_racing_its_renewal_is_never_reported_lost(

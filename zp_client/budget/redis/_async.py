@@ -378,23 +378,40 @@ class AsyncFace:
             log.debug("zp_client: opening the renewal connections of %r failed: %r", self.core.name, exc)
 
     async def renew_round(self) -> None:
-        """Renew every live lease of this loop (in batches of ``RENEW_BATCH``)."""
+        """Renew every live lease of this loop: batches of ``RENEW_BATCH``, all sent at once (over the
+        renewal client's ``RENEW_POOL_SIZE`` connections), so a round takes about one round trip however
+        many batches it has. Sent one after the other, a round of n batches took n round trips, each one
+        also waiting for the event loop: under a burst of acquires on a loaded machine (2,000 leases, 10
+        batches, a queue of scripts ahead of each in Redis and a loop seconds late) the last batches arrived
+        after their leases had expired (issue 33). Batches go out oldest leases first (the registry's
+        order), so the leases nearest their expiry reach Redis first."""
         leases = [le for le in self.leases.values() if not le.released and not le.lost]
-        for i in range(0, len(leases), RENEW_BATCH):
-            batch = leases[i : i + RENEW_BATCH]
-            try:
-                r = await self.eval("renew", self.core.renew_args(batch), client=self.renew_client)
-            except CALL_FAILED as exc:
-                log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
-                continue
-            for le in self.core.after_renew(batch, r, self.leases):
-                self._release_in_background(le.id)  # released while the renewal re-adopted it
+        batches = [leases[i : i + RENEW_BATCH] for i in range(0, len(leases), RENEW_BATCH)]
+        if len(batches) == 1:
+            await self._renew_batch(batches[0])
+        elif batches:
+            # each batch catches its own call's failures: anything else (a bug) is raised after all landed
+            outcomes = await asyncio.gather(*(self._renew_batch(batch) for batch in batches),
+                                            return_exceptions=True)
+            for out in outcomes:
+                if isinstance(out, BaseException):
+                    raise out
         for key, args in list(self.core.pins.items()):  # pinned prefixes: renew (or take over) the pin
             try:
                 await self.eval("pin", args, client=self.renew_client)
             except CALL_FAILED as exc:
                 log.warning("zp_client: renewing the pin of %s... in Redis budget %r failed: %r", key[:12],
                             self.core.name, exc)
+
+    async def _renew_batch(self, batch: list[RedisLease]) -> None:
+        """One renew.lua call for ``batch``; a failure is logged (the next round tries again)."""
+        try:
+            r = await self.eval("renew", self.core.renew_args(batch), client=self.renew_client)
+        except CALL_FAILED as exc:
+            log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
+            return
+        for le in self.core.after_renew(batch, r, self.leases):
+            self._release_in_background(le.id)  # released while the renewal re-adopted it
 
     def lease_dirty(self, lease: RedisLease) -> None:
         if threading.get_ident() == self.thread:
@@ -518,7 +535,9 @@ class AsyncFace:
                 log.debug("zp_client: last release attempt of %s... failed: %r", lid[:8], exc)
 
 
-RENEW_POOL_SIZE = 2  # the keeper runs one call at a time; a second connection covers a reconnect
+# The keeper's connections: a renewal round sends its batches at once, one per connection (2,000 leases
+# are 10 batches: two round trips on 8 connections), and the poller's heartbeat shares them.
+RENEW_POOL_SIZE = 8
 
 
 def renewal_client(url: str | None, client: AsyncRedisClient | None) -> AsyncRedisClient | None:
