@@ -235,6 +235,55 @@ async def test_a_renewal_round_sends_its_batches_at_once(redis_url: str, cleanup
     assert took < 3 * 2 * ROUND_DELAY_S, f"a round of 5 batches took {took:.2f} s (round trip 0.3 s)"
 
 
+async def test_a_lease_registered_late_is_renewed_before_its_ttl_runs_out(
+        redis_url: str, cleanup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant's reply that reaches its acquire late (an event loop seconds behind under a burst) registers
+    the lease with the keeper long after Redis started its TTL; registered just after a round began, it
+    waited a whole period for the next one and expired (issue 33: a burst at load ~15 lost leases whose
+    rounds were on time). Here the acquire's reply is handed over 2.3 s late (TTL 3 s, rounds every 1 s),
+    just after a round started: the keeper renews it at once, not a round later."""
+    from zp_client.budget.redis import _async
+
+    late = [False]
+    round_began = asyncio.Event()
+    real_start, real_round = _async.AsyncFace._start, _async.AsyncFace.renew_round
+
+    def start(self: _async.AsyncFace, script: str, args: Any, **kw: Any) -> Any:
+        call = real_start(self, script, args, **kw)
+        if script != "acquire" or not late[0]:
+            return call
+
+        async def handed_over_late() -> Any:
+            reply = await call
+            await asyncio.sleep(2.3)
+            round_began.clear()
+            await round_began.wait()  # registered just after a round took its list of leases
+            return reply
+
+        return self.loop.create_task(handed_over_late())
+
+    async def renew_round(self: _async.AsyncFace) -> None:
+        round_began.set()
+        await real_round(self)
+
+    monkeypatch.setattr(_async.AsyncFace, "_start", start)
+    monkeypatch.setattr(_async.AsyncFace, "renew_round", renew_round)
+    b = RedisBudget(redis_url, cleanup, 100, recovery_s=0, lease_ttl_s=3.0)
+    try:
+        first = await b.acquire(1)  # the keeper runs
+        late[0] = True
+        t0 = time.monotonic()
+        lease = await b.acquire(1)
+        late[0] = False
+        await asyncio.sleep(max(0.0, 4.2 - (time.monotonic() - t0)))  # past its TTL, a round after it
+        lost = lease.lost or (await b.status()).leases < 2
+        await first.release()
+        await lease.release()
+    finally:
+        await b.aclose()
+    assert not lost and b.counters["lease_lost"] == 0, "the late-registered lease expired"
+
+
 # ---------------------------------------------------------------------------------------- item 11
 @pytest.mark.parametrize("latency_s", [0.0, 0.020], ids=["loopback", "20ms"])
 async def test_a_release_racing_its_renewal_is_never_reported_lost(

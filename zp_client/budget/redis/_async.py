@@ -36,12 +36,13 @@ log = logging.getLogger("zp_client.budget.redis")
 
 
 class _Waiter:
-    __slots__ = ("id", "fut", "order")
+    __slots__ = ("id", "fut", "order", "since")
 
     def __init__(self, rid: str, fut: asyncio.Future[str], order: int) -> None:
         self.id = rid
         self.fut = fut
         self.order = order
+        self.since = 0.0  # with a 'G' state: when the call that told of the grant was sent (monotonic)
 
 
 class AsyncFace:
@@ -61,6 +62,13 @@ class AsyncFace:
         self.renew_client = renew_client
         self.waiters: dict[str, _Waiter] = {}
         self.leases: dict[str, RedisLease] = {}
+        # Leases not renewed yet -> when the call that told this process of the grant was sent (monotonic):
+        # their TTL started no earlier. The keeper renews early those the next round would reach more than
+        # two renewal periods after that (granted while the event loop was late; see _keeper).
+        self.fresh: dict[str, float] = {}
+        self.fresh_wake = math.inf  # the earliest such early renewal wanted (monotonic)
+        self.renew_due = math.inf  # when the keeper's next round starts (monotonic)
+        self.fresh_hint = asyncio.Event()
         self.dirty: set[str] = set()
         self.retry_releases: dict[str, float] = {}  # lease id -> give up at (monotonic)
         self.poll_at = math.inf  # an earlier poll wanted (recovery ends), monotonic seconds
@@ -163,7 +171,8 @@ class AsyncFace:
                     now = SYSTEM_CLOCK.monotonic()
                     core.observe_rtt(now - sent, now)  # an enqueue is a heartbeat too: its round trip counts
                     if r.granted:
-                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
+                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica,
+                                               since=sent)
                     self._waiting(w, args, r)  # a re-enqueue (after 'N') keeps the place in line
                 enqueue = True
                 self.start()
@@ -177,16 +186,19 @@ class AsyncFace:
                     claiming = True
                     core.refresh_waiter_ttl(args)
                     call = self._start("acquire", args)
+                    sent = SYSTEM_CLOCK.monotonic()
                     r = core.acquire_reply(await asyncio.shield(call), bound)
                     claiming = False
                     if r.granted:
-                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
+                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica,
+                                               since=sent)
                     self._waiting(w, args, r)
                     fut = self.loop.create_future()
                     w.fut = fut
                     enqueue = False
                     continue
                 if res.startswith("G"):  # claimed: by the poll that said so, or by the call that granted it
+                    since = w.since
                     replica = None
                     if core.fleet is not None:  # 'G@<replica id>'; unknown here: ask (idempotent acquire)
                         replica = core.fleet.replica_url(res[2:]) if res.startswith("G@") else None
@@ -195,7 +207,7 @@ class AsyncFace:
                             r = core.acquire_reply(await asyncio.shield(call), bound)
                             replica = r.replica
                     return self._new_lease(rid, bound, held, r.ticket, core.epoch or r.epoch, meta_json,
-                                           replica)
+                                           replica, since=since)
                 if res == "X":
                     raise LeaseTooLarge(bound, core.limit, "the limit was lowered while waiting")
                 # 'N': Redis forgot the waiter (state lost, or reaped): enqueue again, same ticket
@@ -246,12 +258,20 @@ class AsyncFace:
 
     def _new_lease(
         self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str,
-        replica: str | None = None,
+        replica: str | None = None, *, since: float,
     ) -> RedisLease:
+        """Register a granted lease with the keeper. ``since``: when the call that told this process of the
+        grant was sent (the lease's TTL started no earlier)."""
         lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=False,
                            meta=meta_json)
         lease.replica = replica
         self.leases[rid] = lease
+        self.fresh[rid] = since
+        early = since + 2 * self.core.cfg.lease_ttl_s / 3  # its first renewal, at the latest, like any
+        if early < self.fresh_wake:
+            self.fresh_wake = early
+            if early < self.renew_due:
+                self.fresh_hint.set()  # before the next round: the keeper looks again
         self.start()
         return lease
 
@@ -262,11 +282,15 @@ class AsyncFace:
         waiter costs one poll per ``poll_interval_s`` plus one BLPOP per ``MAILBOX_BLOCK_S``.
         """
         mailbox = self.core.mailbox(self.core.owner)
+        # A grant popped by a BLPOP was pushed after the previous BLPOP was sent (what was there before
+        # went to that one): its lease's TTL started no earlier than that (``since`` of its lease).
+        since = SYSTEM_CLOCK.monotonic()
         while not self.closed:
             if not self.waiters:
                 self.waiters_changed.clear()
                 await self.waiters_changed.wait()
                 continue
+            sent = SYSTEM_CLOCK.monotonic()
             try:
                 item = await self.client.blpop([mailbox], timeout=MAILBOX_BLOCK_S)
             except CALL_FAILED as exc:  # Redis away: the poller retries patiently; try again shortly
@@ -274,7 +298,8 @@ class AsyncFace:
                 await asyncio.sleep(min(self.core.cfg.poll_interval_s, 0.2))
                 continue
             if item is not None:
-                self._deliver(text(item[1]))
+                self._deliver(text(item[1]), since)
+            since = sent
 
     async def _poller(self) -> None:
         """The bounded-poll fallback: every ``poll_interval_s`` while this process has waiters, one script
@@ -311,24 +336,26 @@ class AsyncFace:
             self.core.observe_rtt(now - sent, now)  # the next heartbeats' slack
             rec_left = int(r[0]) / 1000
             for rid, st in zip(ids, r[1:], strict=False):
-                self._resolve(rid, text(st))
+                self._resolve(rid, text(st), sent)
             if rec_left > 0:  # recovery ends: look again then rather than a full interval later
                 self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + rec_left + 0.005)
 
-    def _deliver(self, msg: str) -> None:
+    def _deliver(self, msg: str, since: float) -> None:
         for rid in msg.split(","):
             if rid.startswith("!"):
-                self._resolve(rid[1:], "X")
+                self._resolve(rid[1:], "X", since)
             elif rid.startswith("+"):  # a grant this process's own call made: claimed already
                 lid, _, rep = rid[1:].partition("@")  # a fleet's names its replica: 'id@replica id'
-                self._resolve(lid, "G@" + rep if rep else "G")
+                self._resolve(lid, "G@" + rep if rep else "G", since)
             else:  # a grant to claim ('M'): a fleet's 'id@replica id' too (the claim's reply has the URL)
-                self._resolve(rid.partition("@")[0], "M")
+                self._resolve(rid.partition("@")[0], "M", since)
 
-    def _resolve(self, rid: str, state: str) -> None:
+    def _resolve(self, rid: str, state: str, since: float) -> None:
+        """``since``: when the call that told of ``state`` was sent (a 'G' lease's TTL started no earlier)."""
         w = self.waiters.get(rid)
         if w is None or w.fut.done() or state == "W":
             return
+        w.since = since
         w.fut.set_result(state)
 
     # ------------------------------------------------------------------ leases: renew, report, release
@@ -341,11 +368,20 @@ class AsyncFace:
         apart than a lease TTL and live leases expire. A round that overran its period is followed by
         the next at once (missed rounds are not made up)."""
         period = self.core.cfg.lease_ttl_s / 3
-        due = SYSTEM_CLOCK.monotonic() + period
+        self.renew_due = SYSTEM_CLOCK.monotonic() + period
         await self._warm_renewals(self.core.cfg.lease_ttl_s)
         while not self.closed:
-            await asyncio.sleep(max(0.0, due - SYSTEM_CLOCK.monotonic()))
-            due = max(due + period, SYSTEM_CLOCK.monotonic())
+            now = SYSTEM_CLOCK.monotonic()
+            delay = min(self.renew_due, self.fresh_wake) - now
+            if delay > 0:
+                self.fresh_hint.clear()
+                with contextlib.suppress(asyncio.TimeoutError):  # the time came
+                    await asyncio.wait_for(self.fresh_hint.wait(), delay)
+                continue  # recompute: the round is due, or a lease granted late wants an early renewal
+            if now < self.renew_due:
+                await self.renew_fresh(period)
+                continue
+            self.renew_due = max(self.renew_due + period, now)
             for lid, give_up in list(self.retry_releases.items()):
                 if SYSTEM_CLOCK.monotonic() > give_up:
                     self.retry_releases.pop(lid, None)  # it has expired by TTL anyway
@@ -386,6 +422,31 @@ class AsyncFace:
         after their leases had expired (issue 33). Batches go out oldest leases first (the registry's
         order), so the leases nearest their expiry reach Redis first."""
         leases = [le for le in self.leases.values() if not le.released and not le.lost]
+        self.fresh.clear()  # every lease registered so far is in this round
+        self.fresh_wake = math.inf
+        await self._renew_leases(leases)
+        for key, args in list(self.core.pins.items()):  # pinned prefixes: renew (or take over) the pin
+            try:
+                await self.eval("pin", args, client=self.renew_client)
+            except CALL_FAILED as exc:
+                log.warning("zp_client: renewing the pin of %s... in Redis budget %r failed: %r", key[:12],
+                            self.core.name, exc)
+
+    async def renew_fresh(self, period: float) -> None:
+        """Renew now the leases granted since the last round that the next round would reach more than two
+        renewal periods after their TTL started (the most a lease waits between two renewals when rounds
+        are on time): a lease granted while the event loop ran late (a burst of acquires on a loaded
+        machine) was registered here seconds after Redis granted it, and waiting for the next round as
+        well lost it (issue 33). They go in one call per ``RENEW_BATCH``."""
+        early = self.renew_due - 2 * period
+        due = [lid for lid, since in self.fresh.items() if since <= early]
+        for lid in due:
+            del self.fresh[lid]
+        self.fresh_wake = min(self.fresh.values(), default=math.inf) + 2 * period
+        await self._renew_leases([le for lid in due if (le := self.leases.get(lid)) is not None
+                                  and not le.released and not le.lost])
+
+    async def _renew_leases(self, leases: list[RedisLease]) -> None:
         batches = [leases[i : i + RENEW_BATCH] for i in range(0, len(leases), RENEW_BATCH)]
         if len(batches) == 1:
             await self._renew_batch(batches[0])
@@ -396,12 +457,6 @@ class AsyncFace:
             for out in outcomes:
                 if isinstance(out, BaseException):
                     raise out
-        for key, args in list(self.core.pins.items()):  # pinned prefixes: renew (or take over) the pin
-            try:
-                await self.eval("pin", args, client=self.renew_client)
-            except CALL_FAILED as exc:
-                log.warning("zp_client: renewing the pin of %s... in Redis budget %r failed: %r", key[:12],
-                            self.core.name, exc)
 
     async def _renew_batch(self, batch: list[RedisLease]) -> None:
         """One renew.lua call for ``batch``; a failure is logged (the next round tries again)."""
@@ -451,6 +506,7 @@ class AsyncFace:
 
     async def release(self, lease: RedisLease) -> None:
         self.leases.pop(lease.id, None)
+        self.fresh.pop(lease.id, None)
         self.dirty.discard(lease.id)
         if not lease.lost:
             await self.release_id(lease.id)
@@ -490,6 +546,7 @@ class AsyncFace:
             self.closed = True
             self.waiters_changed.set()
             self.poll_hint.set()
+            self.fresh_hint.set()
             self.dirty_event.set()
             self.sup.cancel_tasks()
         if self.loop is asyncio.get_running_loop():
