@@ -57,10 +57,10 @@ async def test_a_waiter_behind_a_slow_round_trip_keeps_its_place(
     states: list[str] = []  # the far process's waiter states as its polls and mailbox report them
     real_resolve = _async.AsyncFace._resolve
 
-    def recording_resolve(self: _async.AsyncFace, rid: str, state: str, since: float) -> None:
+    def recording_resolve(self: _async.AsyncFace, rid: str, state: str) -> None:
         if self.core.owner == far_owner[0]:
             states.append(state)
-        real_resolve(self, rid, state, since)
+        real_resolve(self, rid, state)
 
     far_owner = [""]
     monkeypatch.setattr(_async.AsyncFace, "_resolve", recording_resolve)

@@ -36,13 +36,15 @@ log = logging.getLogger("zp_client.budget.redis")
 
 
 class _Waiter:
-    __slots__ = ("id", "fut", "order", "since")
+    __slots__ = ("id", "fut", "order", "sent")
 
     def __init__(self, rid: str, fut: asyncio.Future[str], order: int) -> None:
         self.id = rid
         self.fut = fut
         self.order = order
-        self.since = 0.0  # with a 'G' state: when the call that told of the grant was sent (monotonic)
+        # when its last acquire call was sent (monotonic): a grant from the line came later, so the TTL of a
+        # lease reported 'G' (by a poll, or the mailbox: granted by this process's own call) started later
+        self.sent = 0.0
 
 
 class AsyncFace:
@@ -166,7 +168,7 @@ class AsyncFace:
                     core.refresh_waiter_ttl(args)  # the heartbeat slack of now
                     # fail_local degrades at once instead of waiting out unavailable_timeout_s
                     call = self._start("acquire", args, patient=core.cfg.on_unavailable == "fail_closed")
-                    sent = SYSTEM_CLOCK.monotonic()
+                    w.sent = sent = SYSTEM_CLOCK.monotonic()
                     r = core.acquire_reply(await asyncio.shield(call), bound)
                     now = SYSTEM_CLOCK.monotonic()
                     core.observe_rtt(now - sent, now)  # an enqueue is a heartbeat too: its round trip counts
@@ -186,7 +188,7 @@ class AsyncFace:
                     claiming = True
                     core.refresh_waiter_ttl(args)
                     call = self._start("acquire", args)
-                    sent = SYSTEM_CLOCK.monotonic()
+                    w.sent = sent = SYSTEM_CLOCK.monotonic()
                     r = core.acquire_reply(await asyncio.shield(call), bound)
                     claiming = False
                     if r.granted:
@@ -198,7 +200,7 @@ class AsyncFace:
                     enqueue = False
                     continue
                 if res.startswith("G"):  # claimed: by the poll that said so, or by the call that granted it
-                    since = w.since
+                    since = w.sent  # granted after its last call was sent (by whichever call)
                     replica = None
                     if core.fleet is not None:  # 'G@<replica id>'; unknown here: ask (idempotent acquire)
                         replica = core.fleet.replica_url(res[2:]) if res.startswith("G@") else None
@@ -282,15 +284,11 @@ class AsyncFace:
         waiter costs one poll per ``poll_interval_s`` plus one BLPOP per ``MAILBOX_BLOCK_S``.
         """
         mailbox = self.core.mailbox(self.core.owner)
-        # A grant popped by a BLPOP was pushed after the previous BLPOP was sent (what was there before
-        # went to that one): its lease's TTL started no earlier than that (``since`` of its lease).
-        since = SYSTEM_CLOCK.monotonic()
         while not self.closed:
             if not self.waiters:
                 self.waiters_changed.clear()
                 await self.waiters_changed.wait()
                 continue
-            sent = SYSTEM_CLOCK.monotonic()
             try:
                 item = await self.client.blpop([mailbox], timeout=MAILBOX_BLOCK_S)
             except CALL_FAILED as exc:  # Redis away: the poller retries patiently; try again shortly
@@ -298,8 +296,7 @@ class AsyncFace:
                 await asyncio.sleep(min(self.core.cfg.poll_interval_s, 0.2))
                 continue
             if item is not None:
-                self._deliver(text(item[1]), since)
-            since = sent
+                self._deliver(text(item[1]))
 
     async def _poller(self) -> None:
         """The bounded-poll fallback: every ``poll_interval_s`` while this process has waiters, one script
@@ -336,26 +333,24 @@ class AsyncFace:
             self.core.observe_rtt(now - sent, now)  # the next heartbeats' slack
             rec_left = int(r[0]) / 1000
             for rid, st in zip(ids, r[1:], strict=False):
-                self._resolve(rid, text(st), sent)
+                self._resolve(rid, text(st))
             if rec_left > 0:  # recovery ends: look again then rather than a full interval later
                 self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + rec_left + 0.005)
 
-    def _deliver(self, msg: str, since: float) -> None:
+    def _deliver(self, msg: str) -> None:
         for rid in msg.split(","):
             if rid.startswith("!"):
-                self._resolve(rid[1:], "X", since)
+                self._resolve(rid[1:], "X")
             elif rid.startswith("+"):  # a grant this process's own call made: claimed already
                 lid, _, rep = rid[1:].partition("@")  # a fleet's names its replica: 'id@replica id'
-                self._resolve(lid, "G@" + rep if rep else "G", since)
+                self._resolve(lid, "G@" + rep if rep else "G")
             else:  # a grant to claim ('M'): a fleet's 'id@replica id' too (the claim's reply has the URL)
-                self._resolve(rid.partition("@")[0], "M", since)
+                self._resolve(rid.partition("@")[0], "M")
 
-    def _resolve(self, rid: str, state: str, since: float) -> None:
-        """``since``: when the call that told of ``state`` was sent (a 'G' lease's TTL started no earlier)."""
+    def _resolve(self, rid: str, state: str) -> None:
         w = self.waiters.get(rid)
         if w is None or w.fut.done() or state == "W":
             return
-        w.since = since
         w.fut.set_result(state)
 
     # ------------------------------------------------------------------ leases: renew, report, release
