@@ -284,13 +284,66 @@ async def test_a_lease_registered_late_is_renewed_before_its_ttl_runs_out(
     assert not lost and b.counters["lease_lost"] == 0, "the late-registered lease expired"
 
 
+async def test_a_grant_from_the_line_reported_late_is_renewed_before_its_ttl_runs_out(
+        redis_url: str, cleanup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiter granted from the line by this process's own release (its lease's TTL starts then) hears
+    of it through the mailbox or a poll, which can come seconds later under a burst: here 2.3 s later
+    (TTL 3 s, rounds every 1 s), just after a round began. The keeper renews it at once."""
+    from zp_client.budget.redis import _async
+
+    round_began = asyncio.Event()
+    real_resolve, real_round = _async.AsyncFace._resolve, _async.AsyncFace.renew_round
+    delayed: list[asyncio.Task[None]] = []
+
+    def resolve(self: _async.AsyncFace, rid: str, state: str) -> None:
+        if not state.startswith("G"):
+            real_resolve(self, rid, state)
+            return
+
+        async def reported_late() -> None:
+            await asyncio.sleep(2.3)
+            round_began.clear()
+            await round_began.wait()
+            real_resolve(self, rid, state)
+
+        delayed.append(asyncio.ensure_future(reported_late()))
+
+    async def renew_round(self: _async.AsyncFace) -> None:
+        round_began.set()
+        await real_round(self)
+
+    monkeypatch.setattr(_async.AsyncFace, "_resolve", resolve)
+    monkeypatch.setattr(_async.AsyncFace, "renew_round", renew_round)
+    b = RedisBudget(redis_url, cleanup, 2, policy="strict", recovery_s=0, lease_ttl_s=3.0)
+    try:
+        # renewed every round: Redis hears from this process every second (after a silence longer than
+        # half the TTL, Redis would take it for a stall and push every expiry back; see "A Redis stall")
+        other = await b.acquire(1)
+        first = await b.acquire(1)
+        waiting = asyncio.ensure_future(b.acquire(1))
+        while not (await b.status()).waiters:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await first.release()  # grants the waiter: its TTL starts now
+        lease = await waiting
+        await asyncio.sleep(max(0.0, 4.2 - (time.monotonic() - t0)))  # past its TTL, a round after it
+        lost = lease.lost or (await b.status()).leases < 2
+        await lease.release()
+        await other.release()
+    finally:
+        await b.aclose()
+        for t in delayed:
+            t.cancel()
+    assert not lost and b.counters["lease_lost"] == 0, "the lease granted from the line expired"
+
+
 # ---------------------------------------------------------------------------------------- item 11
 @pytest.mark.parametrize("latency_s", [0.0, 0.020], ids=["loopback", "20ms"])
 async def test_a_release_racing_its_renewal_is_never_reported_lost(
         redis_url: str, cleanup: str, fault_report: Any, latency_s: float) -> None:
-    """A renewal round renews in batches (``RENEW_BATCH``), one after the other; leases released while the
-    round is in flight reach Redis before their batch does, which then finds them gone. No ``lease_lost``
-    event for a lease its holder released, and every lease released in the end."""
+    """A renewal round renews in batches (``RENEW_BATCH``), several in flight at once; leases released
+    while the round is in flight reach Redis before their batch does, which then finds them gone. No
+    ``lease_lost`` event for a lease its holder released, and every lease released in the end."""
     from contextlib import ExitStack
 
     from _fault_report import LatencyProxy
