@@ -240,8 +240,9 @@ async def test_a_lease_registered_late_is_renewed_before_its_ttl_runs_out(
     """A grant's reply that reaches its acquire late (an event loop seconds behind under a burst) registers
     the lease with the keeper long after Redis started its TTL; registered just after a round began, it
     waited a whole period for the next one and expired (issue 33: a burst at load ~15 lost leases whose
-    rounds were on time). Here the acquire's reply is handed over 2.3 s late (TTL 3 s, rounds every 1 s),
-    just after a round started: the keeper renews it at once, not a round later."""
+    rounds were on time). Here the acquire is sent 0.6 s after a round began (TTL 3 s, rounds every 1 s)
+    and its reply handed over just after the round 2.4 s later began: the next round, 3.4 s after the
+    grant, would come too late (lost on the commit before, every run); the keeper renews it at once."""
     from zp_client.budget.redis import _async
 
     late = [False]
@@ -255,9 +256,10 @@ async def test_a_lease_registered_late_is_renewed_before_its_ttl_runs_out(
 
         async def handed_over_late() -> Any:
             reply = await call
-            await asyncio.sleep(2.3)
-            round_began.clear()
-            await round_began.wait()  # registered just after a round took its list of leases
+            sent = time.monotonic()
+            while time.monotonic() - sent < 2.0:  # registered just after a round took its list of leases
+                round_began.clear()
+                await round_began.wait()
             return reply
 
         return self.loop.create_task(handed_over_late())
@@ -271,6 +273,9 @@ async def test_a_lease_registered_late_is_renewed_before_its_ttl_runs_out(
     b = RedisBudget(redis_url, cleanup, 100, recovery_s=0, lease_ttl_s=3.0)
     try:
         first = await b.acquire(1)  # the keeper runs
+        round_began.clear()
+        await round_began.wait()
+        await asyncio.sleep(0.6)  # the rounds come 0.4, 1.4 and 2.4 s after the grant below
         late[0] = True
         t0 = time.monotonic()
         lease = await b.acquire(1)
@@ -287,8 +292,10 @@ async def test_a_lease_registered_late_is_renewed_before_its_ttl_runs_out(
 async def test_a_grant_from_the_line_reported_late_is_renewed_before_its_ttl_runs_out(
         redis_url: str, cleanup: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A waiter granted from the line by this process's own release (its lease's TTL starts then) hears
-    of it through the mailbox or a poll, which can come seconds later under a burst: here 2.3 s later
-    (TTL 3 s, rounds every 1 s), just after a round began. The keeper renews it at once."""
+    of it through the mailbox or a poll, which can come seconds later under a burst: here the grant comes
+    0.6 s after a round began (TTL 3 s, rounds every 1 s) and the report just after the round 2.4 s later
+    began (lost on main 0086266: its next round came 3.4 s after the grant). The keeper renews it at
+    once."""
     from zp_client.budget.redis import _async
 
     round_began = asyncio.Event()
@@ -301,9 +308,10 @@ async def test_a_grant_from_the_line_reported_late_is_renewed_before_its_ttl_run
             return
 
         async def reported_late() -> None:
-            await asyncio.sleep(2.3)
-            round_began.clear()
-            await round_began.wait()
+            at = time.monotonic()
+            while time.monotonic() - at < 2.0:
+                round_began.clear()
+                await round_began.wait()
             real_resolve(self, rid, state)
 
         delayed.append(asyncio.ensure_future(reported_late()))
@@ -323,6 +331,9 @@ async def test_a_grant_from_the_line_reported_late_is_renewed_before_its_ttl_run
         waiting = asyncio.ensure_future(b.acquire(1))
         while not (await b.status()).waiters:
             await asyncio.sleep(0.01)
+        round_began.clear()
+        await round_began.wait()
+        await asyncio.sleep(0.6)  # the rounds come 0.4, 1.4 and 2.4 s after the grant below
         t0 = time.monotonic()
         await first.release()  # grants the waiter: its TTL starts now
         lease = await waiting
