@@ -333,7 +333,10 @@ class AsyncFace:
             self.core.observe_rtt(now - sent, now)  # the next heartbeats' slack
             rec_left = int(r[0]) / 1000
             for rid, st in zip(ids, r[1:], strict=False):
-                self._resolve(rid, text(st))
+                state = text(st)
+                if state == "W" and (w := self.waiters.get(rid)) is not None:
+                    w.sent = max(w.sent, sent)  # still in line when this poll ran: any grant comes later
+                self._resolve(rid, state)
             if rec_left > 0:  # recovery ends: look again then rather than a full interval later
                 self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + rec_left + 0.005)
 
