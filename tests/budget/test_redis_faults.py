@@ -207,13 +207,154 @@ async def test_a_burst_of_2000_acquires_at_20ms_latency_expires_no_live_lease(
     assert st.used == 0 and st.leases == 0, st
 
 
+ROUND_DELAY_S = 0.15  # each way: a round trip through the proxy takes at least 0.3 s
+
+
+async def test_a_renewal_round_sends_its_batches_at_once(redis_url: str, cleanup: str) -> None:
+    """A round's batches go out together (over the renewal connections), so a round of 5 batches takes
+    about one round trip, not five: renewals one batch after the other arrived up to a whole round late
+    when every round trip was slow (a burst's queue, a loaded event loop). Through a proxy delaying
+    every byte 0.15 s each way, five batches in a row take at least 1.5 s; the bound is 3 round trips."""
+    from _fault_report import LatencyProxy
+
+    with LatencyProxy(_port(redis_url), ROUND_DELAY_S) as proxy:
+        b = RedisBudget(f"redis://127.0.0.1:{proxy.port}/0", cleanup, 100_000, recovery_s=0,
+                        lease_ttl_s=60)  # the keeper's own rounds (every 20 s) stay out of the way
+        try:
+            leases = list(await asyncio.gather(*[b.acquire(1) for _ in range(5 * RENEW_BATCH)]))
+            side = b._get_side()
+            await side.renew_round()  # the renewal connections are open (and the scripts loaded)
+            t0 = time.monotonic()
+            await side.renew_round()
+            took = time.monotonic() - t0
+            lost = sum(le.lost for le in leases)
+            await asyncio.gather(*[le.release() for le in leases])
+        finally:
+            await b.aclose()
+    assert lost == 0
+    assert took < 3 * 2 * ROUND_DELAY_S, f"a round of 5 batches took {took:.2f} s (round trip 0.3 s)"
+
+
+async def test_a_lease_registered_late_is_renewed_before_its_ttl_runs_out(
+        redis_url: str, cleanup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant's reply that reaches its acquire late (an event loop seconds behind under a burst) registers
+    the lease with the keeper long after Redis started its TTL; registered just after a round began, it
+    waited a whole period for the next one and expired (issue 33: a burst at load ~15 lost leases whose
+    rounds were on time). Here the acquire is sent 0.6 s after a round began (TTL 3 s, rounds every 1 s)
+    and its reply handed over just after the round 2.4 s later began: the next round, 3.4 s after the
+    grant, would come too late (lost on the commit before, every run); the keeper renews it at once."""
+    from zp_client.budget.redis import _async
+
+    late = [False]
+    round_began = asyncio.Event()
+    real_start, real_round = _async.AsyncFace._start, _async.AsyncFace.renew_round
+
+    def start(self: _async.AsyncFace, script: str, args: Any, **kw: Any) -> Any:
+        call = real_start(self, script, args, **kw)
+        if script != "acquire" or not late[0]:
+            return call
+
+        async def handed_over_late() -> Any:
+            reply = await call
+            sent = time.monotonic()
+            while time.monotonic() - sent < 2.0:  # registered just after a round took its list of leases
+                round_began.clear()
+                await round_began.wait()
+            return reply
+
+        return self.loop.create_task(handed_over_late())
+
+    async def renew_round(self: _async.AsyncFace) -> None:
+        round_began.set()
+        await real_round(self)
+
+    monkeypatch.setattr(_async.AsyncFace, "_start", start)
+    monkeypatch.setattr(_async.AsyncFace, "renew_round", renew_round)
+    b = RedisBudget(redis_url, cleanup, 100, recovery_s=0, lease_ttl_s=3.0)
+    try:
+        first = await b.acquire(1)  # the keeper runs
+        round_began.clear()
+        await round_began.wait()
+        await asyncio.sleep(0.6)  # the rounds come 0.4, 1.4 and 2.4 s after the grant below
+        late[0] = True
+        t0 = time.monotonic()
+        lease = await b.acquire(1)
+        late[0] = False
+        await asyncio.sleep(max(0.0, 4.2 - (time.monotonic() - t0)))  # past its TTL, a round after it
+        lost = lease.lost or (await b.status()).leases < 2
+        await first.release()
+        await lease.release()
+    finally:
+        await b.aclose()
+    assert not lost and b.counters["lease_lost"] == 0, "the late-registered lease expired"
+
+
+async def test_a_grant_from_the_line_reported_late_is_renewed_before_its_ttl_runs_out(
+        redis_url: str, cleanup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiter granted from the line by this process's own release (its lease's TTL starts then) hears
+    of it through the mailbox or a poll, which can come seconds later under a burst: here the grant comes
+    0.6 s after a round began (TTL 3 s, rounds every 1 s) and the report just after the round 2.4 s later
+    began (lost on main 0086266: its next round came 3.4 s after the grant). The keeper renews it at
+    once."""
+    from zp_client.budget.redis import _async
+
+    round_began = asyncio.Event()
+    real_resolve, real_round = _async.AsyncFace._resolve, _async.AsyncFace.renew_round
+    delayed: list[asyncio.Task[None]] = []
+
+    def resolve(self: _async.AsyncFace, rid: str, state: str) -> None:
+        if not state.startswith("G"):
+            real_resolve(self, rid, state)
+            return
+
+        async def reported_late() -> None:
+            at = time.monotonic()
+            while time.monotonic() - at < 2.0:
+                round_began.clear()
+                await round_began.wait()
+            real_resolve(self, rid, state)
+
+        delayed.append(asyncio.ensure_future(reported_late()))
+
+    async def renew_round(self: _async.AsyncFace) -> None:
+        round_began.set()
+        await real_round(self)
+
+    monkeypatch.setattr(_async.AsyncFace, "_resolve", resolve)
+    monkeypatch.setattr(_async.AsyncFace, "renew_round", renew_round)
+    b = RedisBudget(redis_url, cleanup, 2, policy="strict", recovery_s=0, lease_ttl_s=3.0)
+    try:
+        # renewed every round: Redis hears from this process every second (after a silence longer than
+        # half the TTL, Redis would take it for a stall and push every expiry back; see "A Redis stall")
+        other = await b.acquire(1)
+        first = await b.acquire(1)
+        waiting = asyncio.ensure_future(b.acquire(1))
+        while not (await b.status()).waiters:
+            await asyncio.sleep(0.01)
+        round_began.clear()
+        await round_began.wait()
+        await asyncio.sleep(0.6)  # the rounds come 0.4, 1.4 and 2.4 s after the grant below
+        t0 = time.monotonic()
+        await first.release()  # grants the waiter: its TTL starts now
+        lease = await waiting
+        await asyncio.sleep(max(0.0, 4.2 - (time.monotonic() - t0)))  # past its TTL, a round after it
+        lost = lease.lost or (await b.status()).leases < 2
+        await lease.release()
+        await other.release()
+    finally:
+        await b.aclose()
+        for t in delayed:
+            t.cancel()
+    assert not lost and b.counters["lease_lost"] == 0, "the lease granted from the line expired"
+
+
 # ---------------------------------------------------------------------------------------- item 11
 @pytest.mark.parametrize("latency_s", [0.0, 0.020], ids=["loopback", "20ms"])
 async def test_a_release_racing_its_renewal_is_never_reported_lost(
         redis_url: str, cleanup: str, fault_report: Any, latency_s: float) -> None:
-    """A renewal round renews in batches (``RENEW_BATCH``), one after the other; leases released while the
-    round is in flight reach Redis before their batch does, which then finds them gone. No ``lease_lost``
-    event for a lease its holder released, and every lease released in the end."""
+    """A renewal round renews in batches (``RENEW_BATCH``), several in flight at once; leases released
+    while the round is in flight reach Redis before their batch does, which then finds them gone. No
+    ``lease_lost`` event for a lease its holder released, and every lease released in the end."""
     from contextlib import ExitStack
 
     from _fault_report import LatencyProxy

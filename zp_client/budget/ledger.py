@@ -656,7 +656,11 @@ class Ledger:
                     admitted_here.append(i)
                     self._admit(w, now)
                     granted.append(w.id)
-                    if exhausted is not None and exhausted(self):
+                    # nobody left to walk (a lone acquire's pass): the check, a projection of every live
+                    # lease under elastic (the admission changed them), would only end a walk that is
+                    # over (issue 33: about 0.3 of the 3.3 ms of client CPU per request in the
+                    # 5,000-request storm)
+                    if exhausted is not None and self._waiters and exhausted(self):
                         stop = True
                         break
                 elif now - w.since >= bound_s:

@@ -43,12 +43,15 @@ def _mark_read(task: asyncio.Task[Any]) -> None:
 
 
 class _Waiter:
-    __slots__ = ("id", "fut", "order")
+    __slots__ = ("id", "fut", "order", "sent")
 
     def __init__(self, rid: str, fut: asyncio.Future[str], order: int) -> None:
         self.id = rid
         self.fut = fut
         self.order = order
+        # when its last acquire call was sent (monotonic): a grant from the line came later, so the TTL of a
+        # lease reported 'G' (by a poll, or the mailbox: granted by this process's own call) started later
+        self.sent = 0.0
 
 
 class AsyncFace:
@@ -68,6 +71,13 @@ class AsyncFace:
         self.renew_client = renew_client
         self.waiters: dict[str, _Waiter] = {}
         self.leases: dict[str, RedisLease] = {}
+        # Leases not renewed yet -> when the call that told this process of the grant was sent (monotonic):
+        # their TTL started no earlier. The keeper renews early those the next round would reach more than
+        # two renewal periods after that (granted while the event loop was late; see _keeper).
+        self.fresh: dict[str, float] = {}
+        self.fresh_wake = math.inf  # the earliest such early renewal wanted (monotonic)
+        self.renew_due = math.inf  # when the keeper's next round starts (monotonic)
+        self.fresh_hint = asyncio.Event()
         self.dirty: set[str] = set()
         self.retry_releases: dict[str, float] = {}  # lease id -> give up at (monotonic)
         self.poll_at = math.inf  # an earlier poll wanted (recovery ends), monotonic seconds
@@ -168,12 +178,13 @@ class AsyncFace:
                     core.refresh_waiter_ttl(args)  # the heartbeat slack of now
                     # fail_local degrades at once instead of waiting out unavailable_timeout_s
                     call = self._start("acquire", args, patient=core.cfg.on_unavailable == "fail_closed")
-                    sent = SYSTEM_CLOCK.monotonic()
+                    w.sent = sent = SYSTEM_CLOCK.monotonic()
                     r = core.acquire_reply(await asyncio.shield(call), bound)
                     now = SYSTEM_CLOCK.monotonic()
                     core.observe_rtt(now - sent, now)  # an enqueue is a heartbeat too: its round trip counts
                     if r.granted:
-                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
+                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica,
+                                               since=sent)
                     self._waiting(w, args, r)  # a re-enqueue (after 'N') keeps the place in line
                 enqueue = True
                 self.start()
@@ -187,16 +198,19 @@ class AsyncFace:
                     claiming = True
                     core.refresh_waiter_ttl(args)
                     call = self._start("acquire", args)
+                    w.sent = sent = SYSTEM_CLOCK.monotonic()
                     r = core.acquire_reply(await asyncio.shield(call), bound)
                     claiming = False
                     if r.granted:
-                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica)
+                        return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica,
+                                               since=sent)
                     self._waiting(w, args, r)
                     fut = self.loop.create_future()
                     w.fut = fut
                     enqueue = False
                     continue
                 if res.startswith("G"):  # claimed: by the poll that said so, or by the call that granted it
+                    since = w.sent  # granted after its last call was sent (by whichever call)
                     replica = None
                     if core.fleet is not None:  # 'G@<replica id>'; unknown here: ask (idempotent acquire)
                         replica = core.fleet.replica_url(res[2:]) if res.startswith("G@") else None
@@ -205,7 +219,7 @@ class AsyncFace:
                             r = core.acquire_reply(await asyncio.shield(call), bound)
                             replica = r.replica
                     return self._new_lease(rid, bound, held, r.ticket, core.epoch or r.epoch, meta_json,
-                                           replica)
+                                           replica, since=since)
                 if res == "X":
                     raise LeaseTooLarge(bound, core.limit, "the limit was lowered while waiting")
                 # 'N': Redis forgot the waiter (state lost, or reaped): enqueue again, same ticket
@@ -256,12 +270,20 @@ class AsyncFace:
 
     def _new_lease(
         self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str,
-        replica: str | None = None,
+        replica: str | None = None, *, since: float,
     ) -> RedisLease:
+        """Register a granted lease with the keeper. ``since``: when the call that told this process of the
+        grant was sent (the lease's TTL started no earlier)."""
         lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=False,
                            meta=meta_json)
         lease.replica = replica
         self.leases[rid] = lease
+        self.fresh[rid] = since
+        early = since + 2 * self.core.cfg.lease_ttl_s / 3  # its first renewal, at the latest, like any
+        if early < self.fresh_wake:
+            self.fresh_wake = early
+            if early < self.renew_due:
+                self.fresh_hint.set()  # before the next round: the keeper looks again
         self.start()
         return lease
 
@@ -321,7 +343,10 @@ class AsyncFace:
             self.core.observe_rtt(now - sent, now)  # the next heartbeats' slack
             rec_left = int(r[0]) / 1000
             for rid, st in zip(ids, r[1:], strict=False):
-                self._resolve(rid, text(st))
+                state = text(st)
+                if state == "W" and (w := self.waiters.get(rid)) is not None:
+                    w.sent = max(w.sent, sent)  # still in line when this poll ran: any grant comes later
+                self._resolve(rid, state)
             if rec_left > 0:  # recovery ends: look again then rather than a full interval later
                 self.poll_at = min(self.poll_at, SYSTEM_CLOCK.monotonic() + rec_left + 0.005)
 
@@ -351,11 +376,20 @@ class AsyncFace:
         apart than a lease TTL and live leases expire. A round that overran its period is followed by
         the next at once (missed rounds are not made up)."""
         period = self.core.cfg.lease_ttl_s / 3
-        due = SYSTEM_CLOCK.monotonic() + period
+        self.renew_due = SYSTEM_CLOCK.monotonic() + period
         await self._warm_renewals(self.core.cfg.lease_ttl_s)
         while not self.closed:
-            await asyncio.sleep(max(0.0, due - SYSTEM_CLOCK.monotonic()))
-            due = max(due + period, SYSTEM_CLOCK.monotonic())
+            now = SYSTEM_CLOCK.monotonic()
+            delay = min(self.renew_due, self.fresh_wake) - now
+            if delay > 0:
+                self.fresh_hint.clear()
+                with contextlib.suppress(asyncio.TimeoutError):  # the time came
+                    await asyncio.wait_for(self.fresh_hint.wait(), delay)
+                continue  # recompute: the round is due, or a lease granted late wants an early renewal
+            if now < self.renew_due:
+                await self.renew_fresh(period)
+                continue
+            self.renew_due = max(self.renew_due + period, now)
             for lid, give_up in list(self.retry_releases.items()):
                 if SYSTEM_CLOCK.monotonic() > give_up:
                     self.retry_releases.pop(lid, None)  # it has expired by TTL anyway
@@ -388,23 +422,59 @@ class AsyncFace:
             log.debug("zp_client: opening the renewal connections of %r failed: %r", self.core.name, exc)
 
     async def renew_round(self) -> None:
-        """Renew every live lease of this loop (in batches of ``RENEW_BATCH``)."""
+        """Renew every live lease of this loop: batches of ``RENEW_BATCH``, all sent at once (over the
+        renewal client's ``RENEW_POOL_SIZE`` connections), so a round takes about one round trip however
+        many batches it has. Sent one after the other, a round of n batches took n round trips, each one
+        also waiting for the event loop: under a burst of acquires on a loaded machine (2,000 leases, 10
+        batches, a queue of scripts ahead of each in Redis and a loop seconds late) the last batches arrived
+        after their leases had expired (issue 33). Batches go out oldest leases first (the registry's
+        order), so the leases nearest their expiry reach Redis first."""
         leases = [le for le in self.leases.values() if not le.released and not le.lost]
-        for i in range(0, len(leases), RENEW_BATCH):
-            batch = leases[i : i + RENEW_BATCH]
-            try:
-                r = await self.eval("renew", self.core.renew_args(batch), client=self.renew_client)
-            except CALL_FAILED as exc:
-                log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
-                continue
-            for le in self.core.after_renew(batch, r, self.leases):
-                self._release_in_background(le.id)  # released while the renewal re-adopted it
+        self.fresh.clear()  # every lease registered so far is in this round
+        self.fresh_wake = math.inf
+        await self._renew_leases(leases)
         for key, args in list(self.core.pins.items()):  # pinned prefixes: renew (or take over) the pin
             try:
                 await self.eval("pin", args, client=self.renew_client)
             except CALL_FAILED as exc:
                 log.warning("zp_client: renewing the pin of %s... in Redis budget %r failed: %r", key[:12],
                             self.core.name, exc)
+
+    async def renew_fresh(self, period: float) -> None:
+        """Renew now the leases granted since the last round that the next round would reach more than two
+        renewal periods after their TTL started (the most a lease waits between two renewals when rounds
+        are on time): a lease granted while the event loop ran late (a burst of acquires on a loaded
+        machine) was registered here seconds after Redis granted it, and waiting for the next round as
+        well lost it (issue 33). They go in one call per ``RENEW_BATCH``."""
+        early = self.renew_due - 2 * period
+        due = [lid for lid, since in self.fresh.items() if since <= early]
+        for lid in due:
+            del self.fresh[lid]
+        self.fresh_wake = min(self.fresh.values(), default=math.inf) + 2 * period
+        await self._renew_leases([le for lid in due if (le := self.leases.get(lid)) is not None
+                                  and not le.released and not le.lost])
+
+    async def _renew_leases(self, leases: list[RedisLease]) -> None:
+        batches = [leases[i : i + RENEW_BATCH] for i in range(0, len(leases), RENEW_BATCH)]
+        if len(batches) == 1:
+            await self._renew_batch(batches[0])
+        elif batches:
+            # each batch catches its own call's failures: anything else (a bug) is raised after all landed
+            outcomes = await asyncio.gather(*(self._renew_batch(batch) for batch in batches),
+                                            return_exceptions=True)
+            for out in outcomes:
+                if isinstance(out, BaseException):
+                    raise out
+
+    async def _renew_batch(self, batch: list[RedisLease]) -> None:
+        """One renew.lua call for ``batch``; a failure is logged (the next round tries again)."""
+        try:
+            r = await self.eval("renew", self.core.renew_args(batch), client=self.renew_client)
+        except CALL_FAILED as exc:
+            log.warning("zp_client: renewing leases in Redis budget %r failed: %r", self.core.name, exc)
+            return
+        for le in self.core.after_renew(batch, r, self.leases):
+            self._release_in_background(le.id)  # released while the renewal re-adopted it
 
     def lease_dirty(self, lease: RedisLease) -> None:
         if threading.get_ident() == self.thread:
@@ -444,6 +514,7 @@ class AsyncFace:
 
     async def release(self, lease: RedisLease) -> None:
         self.leases.pop(lease.id, None)
+        self.fresh.pop(lease.id, None)
         self.dirty.discard(lease.id)
         if not lease.lost:
             await self.release_id(lease.id)
@@ -483,6 +554,7 @@ class AsyncFace:
             self.closed = True
             self.waiters_changed.set()
             self.poll_hint.set()
+            self.fresh_hint.set()
             self.dirty_event.set()
             self.sup.cancel_tasks()
         if self.loop is asyncio.get_running_loop():
@@ -528,7 +600,9 @@ class AsyncFace:
                 log.debug("zp_client: last release attempt of %s... failed: %r", lid[:8], exc)
 
 
-RENEW_POOL_SIZE = 2  # the keeper runs one call at a time; a second connection covers a reconnect
+# The keeper's connections: a renewal round sends its batches at once, one per connection (2,000 leases
+# are 10 batches: two round trips on 8 connections), and the poller's heartbeat shares them.
+RENEW_POOL_SIZE = 8
 
 
 def renewal_client(url: str | None, client: AsyncRedisClient | None) -> AsyncRedisClient | None:
