@@ -35,7 +35,6 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_s
 from zp_client import RedisBudget
 from zp_client.budget.elastic import ElasticPolicy
 from zp_client.budget.ledger import Ledger
-from zp_client.errors import AdmissionTimeout
 
 pytestmark = pytest.mark.redis
 
@@ -246,3 +245,121 @@ def test_late_renewals_conform_long(redis_url: str, names: list[str], policy: st
     run_state_machine_as_test(machine, settings=settings(
         max_examples=250, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+# --------------------------------------------------------------------------- the faces, the real clock
+@pytest.fixture
+def cleanup(redis_url: str, redis_prefix: str) -> Iterator[str]:
+    yield redis_prefix
+    _delete(redis_url, [redis_prefix])
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # redis.asyncio is asyncio-only
+
+
+@pytest.mark.anyio
+@pytest.mark.faults
+async def test_a_lease_whose_renewal_lands_late_is_kept_while_its_process_talks_to_redis(
+    redis_url: str, cleanup: str
+) -> None:
+    """A process's renewals reach Redis 1.3 s after they were sent (queued behind scripts), more than the
+    1 s lease TTL, while its other calls (its waiter's polls every 0.3 s) reach it at once. Its lease
+    is kept (the first renewal lands 1.3-1.7 s after the grant, within one more TTL) and nobody is
+    granted its blocks: not another process's waiter, not its own. On the commit before, the first
+    reap after the TTL reclaimed it and granted the blocks while the holder still used them (its
+    renewal then reported the lease lost)."""
+    delay, ttl = 1.3, 1.0
+    lost: list[str | None] = []
+    far = RedisBudget(redis_url, cleanup, 4, policy="strict", recovery_s=0, lease_ttl_s=ttl,
+                      poll_interval_s=0.3,
+                      on_event=lambda ev: lost.append(ev.lease_id) if ev.kind == "lease_lost" else None)
+    near = RedisBudget(redis_url, cleanup, 4, policy="strict", recovery_s=0, lease_ttl_s=ttl,
+                       poll_interval_s=0.3)
+    try:
+        warm = await far.acquire(1)  # the face and its keeper run before the test's lease
+        await warm.release()
+        face = far._side
+        assert face is not None
+        real_eval = face.eval
+
+        async def late_renewals(script: str, args: Any, **kw: Any) -> Any:
+            if script == "renew":  # a renewal queued behind the scripts of a herd
+                await asyncio.sleep(delay)
+            return await real_eval(script, args, **kw)
+
+        face.eval = late_renewals  # type: ignore[method-assign]
+        lease = await far.acquire(4)
+        granted = time.monotonic()
+        own = asyncio.ensure_future(far.acquire(1))  # polls every 0.3 s: its process talks to Redis
+        other = asyncio.ensure_future(near.acquire(1))  # reaps every 0.3 s
+        while time.monotonic() - granted < 4.0:  # four TTLs: renewals land 1.3 s apart throughout
+            await asyncio.sleep(0.01)
+            assert not own.done() and not other.done(), "the held lease's blocks were granted again"
+            assert not lease.lost and not lost
+        st = await near.status()
+        assert st.extra["deferred_reclaims"] >= 1  # it was due, and kept
+        await lease.release()
+        for t in (own, other):
+            got = await asyncio.wait_for(t, 10)
+            await got.release()
+    finally:
+        await far.aclose()
+        await near.aclose()
+
+
+def _raw(budget: RedisBudget, script: str, args: list[Any]) -> Any:
+    return budget._sync_face.eval(script, args)
+
+
+def _acquire_args(rid: str, blocks: int, owner: str, ttl_ms: int) -> list[Any]:
+    return [rid, blocks, blocks, 0, -1, ttl_ms, "", owner, FAR_MS, "", FAR_MS, FAR_MS]
+
+
+def test_a_live_process_that_stops_renewing_loses_its_lease_one_ttl_late(redis_url: str, cleanup: str) -> None:
+    """The extension is capped: a process that keeps calling but never renews a lease loses it one TTL
+    after the expiry its last renewal gave it (here its grant: TTL 0.6 s, so by 1.2 s), never later."""
+    b = RedisBudget(redis_url, cleanup, 4, policy="strict", recovery_s=0)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        _raw(b, "init", b._core.init_args(0))
+        assert _raw(b, "acquire", _acquire_args("held-lease-000000000", 4, "alive", 600))[0] == b"G"
+        t0 = time.monotonic()
+        kept_after_ttl = False
+        while _raw(b, "status", [])[4] == 1:  # live leases
+            _raw(b, "release", ["nothing", "alive"])  # its process calls (a reap each)
+            if time.monotonic() - t0 > 0.8:
+                kept_after_ttl = True
+            assert time.monotonic() - t0 < 1.2 + 1.0, "kept past the cap"
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        assert kept_after_ttl, f"reclaimed after {took:.2f} s although its process called"
+        assert took < 1.2 + 1.0
+        print(f"a lease never renewed, its process calling every 20 ms: reclaimed {took:.2f} s after its grant "
+              "(TTL 0.6 s, cap 1.2 s)")
+    finally:
+        r.close()
+        b.close_sync()
+
+
+def test_a_dead_process_lease_is_reclaimed_one_ttl_after_its_last_call(redis_url: str, cleanup: str) -> None:
+    """The dead-process bound: a process heard from last at its grant (then silent, as the dead are) gets
+    no extension, however late; another process's calls reclaim its lease one TTL after its grant."""
+    b = RedisBudget(redis_url, cleanup, 4, policy="strict", recovery_s=0)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        _raw(b, "init", b._core.init_args(0))
+        assert _raw(b, "acquire", _acquire_args("dead-lease-000000000", 4, "dead", 600))[0] == b"G"
+        t0 = time.monotonic()
+        assert _raw(b, "acquire", _acquire_args("next-in-line-0000000", 1, "other", 600))[0] == b"W"
+        while _raw(b, "status", [])[4] != 1 or r.hexists(f"{b._core.prefix}:leases", "dead-lease-000000000"):
+            _raw(b, "release", ["nothing", "other"])  # only the other process calls
+            assert time.monotonic() - t0 < 0.6 + 1.0, "a dead process's lease outlived its TTL"
+            time.sleep(0.02)
+        assert time.monotonic() - t0 >= 0.5
+        assert _raw(b, "status", [])[2] == 1  # the blocks went to the next in line
+        assert int(r.hget(f"{b._core.prefix}:meta", "dfr") or 0) == 0
+    finally:
+        r.close()
+        b.close_sync()
