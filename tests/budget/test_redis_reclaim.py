@@ -317,7 +317,8 @@ def _acquire_args(rid: str, blocks: int, owner: str, ttl_ms: int) -> list[Any]:
     return [rid, blocks, blocks, 0, -1, ttl_ms, "", owner, FAR_MS, "", FAR_MS, FAR_MS]
 
 
-def test_a_live_process_that_stops_renewing_loses_its_lease_one_ttl_late(redis_url: str, cleanup: str) -> None:
+def test_a_live_process_that_stops_renewing_loses_its_lease_one_ttl_late(redis_url: str,
+                                                                         cleanup: str) -> None:
     """The extension is capped: a process that keeps calling but never renews a lease loses it one TTL
     after the expiry its last renewal gave it (here its grant: TTL 0.6 s, so by 1.2 s), never later."""
     b = RedisBudget(redis_url, cleanup, 4, policy="strict", recovery_s=0)
@@ -336,8 +337,8 @@ def test_a_live_process_that_stops_renewing_loses_its_lease_one_ttl_late(redis_u
         took = time.monotonic() - t0
         assert kept_after_ttl, f"reclaimed after {took:.2f} s although its process called"
         assert took < 1.2 + 1.0
-        print(f"a lease never renewed, its process calling every 20 ms: reclaimed {took:.2f} s after its grant "
-              "(TTL 0.6 s, cap 1.2 s)")
+        print(f"a lease never renewed, its process calling every 20 ms: reclaimed {took:.2f} s after its "
+              "grant (TTL 0.6 s, cap 1.2 s)")
     finally:
         r.close()
         b.close_sync()
