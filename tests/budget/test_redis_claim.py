@@ -153,7 +153,7 @@ def _make_machine(redis_url: str, names: list[str], policy: str, starvation: flo
             ids = [i for i in [*self.waiting(), *self.pending()] if self.owner[i] == proc]
             if not ids:
                 return
-            r = self.eval("poll", [LONG_MS, *ids])
+            r = self.eval("poll", [LONG_MS, proc, *ids])
             self.grant(None)
             for rid, state in zip(ids, r[1:], strict=True):
                 assert state.decode() == ("G" if rid in self.model.leases else "W"), (rid, state)
@@ -266,7 +266,7 @@ def test_a_pending_grant_is_reserved_not_held_and_a_claim_is_idempotent(redis_ur
         st2 = core.status_from(face.eval("status", []))
         assert (st2.used, st2.leases, st2.extra["pending_grants"], st2.extra["unclaimed_grants"]) == (6, 1, 0, 1)
         assert not r.hexists(f"{core.prefix}:wait", b2)  # it left the line with its grant
-        assert face.eval("poll", [LONG_MS, b2])[1] == b"N"  # its process learns it: enqueue again
+        assert face.eval("poll", [LONG_MS, "", b2])[1] == b"N"  # its process learns it: enqueue again
     finally:
         r.close()
         b.close_sync()

@@ -55,15 +55,16 @@ OBSERVE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {now, 0}
-local live = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. now, '+inf', 'WITHSCORES')
-for i = 1, #live, 2 do
-  local raw = redis.call('HGET', KEYS[1], live[i])
-  if raw then
-    local l = cjson.decode(raw)
-    table.insert(out, l.w); table.insert(out, l.b); table.insert(out, live[i + 1])
-    table.insert(out, l.c or 0)
-    out[2] = out[2] + 1
-  end
+-- every lease record counts until a reap drops it (what the admission sum counts): a due lease whose
+-- process still called within its TTL is kept by the reap (docs/redis.md, "A late renewal of a live
+-- process"), so an expiry score in the past no longer means the lease is gone
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local l = cjson.decode(all[i + 1])
+  table.insert(out, l.w); table.insert(out, l.b)
+  table.insert(out, redis.call('ZSCORE', KEYS[2], all[i]) or '0')
+  table.insert(out, l.c or 0)
+  out[2] = out[2] + 1
 end
 for _, raw in ipairs(redis.call('HVALS', KEYS[3])) do table.insert(out, cjson.decode(raw).w) end
 return out
@@ -72,7 +73,8 @@ return out
 
 class Seen:
     """One observation on Redis's clock: held blocks (claimed leases' bounds), pending grants' blocks
-    (granted, not claimed), the latest expiry of either and the waiters, each by owner."""
+    (granted, not claimed), the latest expiry of either and the waiters, each by owner. A lease counts
+    from its grant until a reap drops it, as in the admission sum (bsum), whatever its expiry score."""
 
     def __init__(self, out: list[Any]) -> None:
         self.now, n = int(out[0]), int(out[1])

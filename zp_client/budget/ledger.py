@@ -93,6 +93,9 @@ class WaiterRecord:
     claim_s: float | None = None
     """The claim window: a grant to this waiter is *pending* until :meth:`Ledger.claim`, and returned to
     the pool if not claimed within this many seconds (None: the grant is claimed as it is made)."""
+    owner: str | None = None
+    """The process that waits (:meth:`Ledger.heard`); its lease keeps it. None: no process (in-process
+    backends)."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -116,6 +119,13 @@ class LeaseRecord:
     """Granted, not yet claimed by its holder (:meth:`Ledger.claim`): its blocks are reserved (counted in
     the bound sum, so nothing is over-admitted) but it is nobody's held lease; ``expires_at`` is then the
     end of its claim window."""
+    owner: str | None = None
+    """The holder's process (:meth:`Ledger.heard`), None: none named."""
+    ttl: float | None = None
+    """The TTL its last claim or renewal gave it (None: never renewed with a TTL)."""
+    extension_s: float | None = None
+    """Set while its renewal is late and its process alive (:meth:`Ledger.expire`): how much longer than
+    ``expires_at`` it may still be kept; cleared by a renewal."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +370,7 @@ class Ledger:
         self._pins = PinBook()
         self._pending = 0  # pending grants (LeaseRecord.pending) and their bounds
         self._pending_blocks = 0
+        self._heard: dict[str, float] = {}  # process -> the time of its last call (heard)
 
     # ------------------------------------------------------------------ read-only view
     @property
@@ -534,6 +545,7 @@ class Ledger:
         expires_at: float | None = None,
         meta: Mapping[str, Any] | None = None,
         claim_s: float | None = None,
+        owner: str | None = None,
     ) -> Ticket:
         """Put a waiter in line and return its ticket. Call :meth:`grant` next.
 
@@ -549,6 +561,9 @@ class Ledger:
         (docs/redis.md, "Grants are claimed"): a grant to this waiter is pending (reserved, nobody's held
         lease) until :meth:`claim`, and :meth:`expire` returns it to the pool ``claim_s`` seconds after the
         grant if it was not claimed. None (the default, every in-process backend): claimed at once.
+
+        ``owner``: the waiter's process, kept by its lease: a held lease whose renewal is late is kept
+        while that process is :meth:`heard` from (:meth:`expire`). None: no process.
 
         Raises :class:`ConfigurationError` for a weight that is not a positive int, ``held`` outside
         ``[0, bound]``, a non-int priority or a duplicate id, and :class:`LeaseTooLarge` when ``bound``
@@ -592,6 +607,7 @@ class Ledger:
             meta=dict(meta) if meta else {},
             deadline=deadline,
             claim_s=claim_s,
+            owner=owner,
         )
         prepare = getattr(self._policy, "admission_meta", None)
         if prepare is not None and w.meta:
@@ -773,8 +789,10 @@ class Ledger:
         rec: LeaseRecord | WaiterRecord | None = self._leases.get(ident) or self._waiters.get(ident)
         if rec is None:
             return False
-        if isinstance(rec, LeaseRecord) and rec.pending:
-            return self.claim(ident, now, ttl)
+        if isinstance(rec, LeaseRecord):
+            if rec.pending:
+                return self.claim(ident, now, ttl)
+            rec.ttl, rec.extension_s = ttl, None
         rec.expires_at = None if ttl is None else now + ttl
         self._version += 1
         return True
@@ -790,6 +808,7 @@ class Ledger:
         if lease.pending:
             lease.pending = False
             lease.expires_at = None if ttl is None else now + ttl
+            lease.ttl = ttl
             self._pending -= 1
             self._pending_blocks -= lease.bound
             self._version += 1
@@ -805,9 +824,35 @@ class Ledger:
         """The bounds of the pending grants (reserved: part of :attr:`bound_sum`)."""
         return self._pending_blocks
 
+    def heard(self, owner: str, now: float) -> None:
+        """A call from process ``owner`` reached the ledger at ``now`` (any call: an acquire, a poll, a
+        release, a renewal, a held report). A backend records it before it calls :meth:`expire` in the
+        same call, so a process's own call counts for its leases."""
+        if now > self._heard.get(owner, -math.inf):
+            self._heard[owner] = now
+
     def expire(self, now: float) -> Expired:
         """Remove leases and waiters whose expiry is ``<= now``, and pending grants whose claim window
-        ended (``unclaimed``). Call :meth:`grant` next if non-empty."""
+        ended (``unclaimed``). Call :meth:`grant` next if non-empty.
+
+        A late renewal of a live process is not a dead holder (docs/redis.md, "A late renewal of a live
+        process"): a held lease whose ``owner`` was :meth:`heard` from is reclaimed only one ``ttl`` after
+        the later of its last renewal and its process's last call, and at most one ``ttl`` after the
+        expiry its last renewal gave it (so a live process that stopped renewing it still loses it). A
+        dead process's leases are therefore gone one ``ttl`` after its last call, as before."""
+        for rec in self._leases.values():
+            if (rec.expires_at is None or rec.expires_at > now or rec.pending or rec.owner is None
+                    or rec.ttl is None):
+                continue
+            last = self._heard.get(rec.owner)
+            if last is None:
+                continue
+            cap = rec.expires_at + (rec.ttl if rec.extension_s is None else rec.extension_s)
+            until = min(last + rec.ttl, cap)
+            if until > now:
+                rec.extension_s = cap - until
+                rec.expires_at = until
+                self._version += 1
         due = [(lid, rec.pending) for lid, rec in self._leases.items()
                if rec.expires_at is not None and rec.expires_at <= now]
         dead_leases = [lid for lid, pending in due if not pending]
@@ -891,6 +936,7 @@ class Ledger:
             expires_at=w.expires_at if w.claim_s is None else now + w.claim_s,
             meta=w.meta,
             pending=w.claim_s is not None,
+            owner=w.owner,
         )
         self._bound_sum += w.bound
         self._held_sum += w.held

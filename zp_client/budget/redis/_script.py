@@ -416,7 +416,7 @@ class Core:
         return [lid, self._owner_b, b"", f1] if f1 else [lid, self._owner_b]
 
     def poll_args(self, ids: Iterable[str]) -> list[Any]:
-        return [self.waiter_ttl_ms(), *ids]
+        return [self.waiter_ttl_ms(), self._owner_b, *ids]
 
     def init_args(self, recovery_s: float | None = None) -> list[Any]:
         """init.lua's arguments; ``recovery_s`` overrides the configured recovery window (0 for an explicit
@@ -561,6 +561,8 @@ class Core:
                 "pending_grants": int(r[18]) if len(r) > 20 else 0,
                 "pending_blocks": int(r[19]) if len(r) > 20 else 0,
                 "unclaimed_grants": int(r[20]) if len(r) > 20 else 0,
+                # held leases whose renewal came late while their process talked to Redis: kept (reap_late)
+                "deferred_reclaims": int(r[21]) if len(r) > 21 else 0,
                 "counters": dict(self.counters),
                 **({"adaptive": adaptive_from(r[14:18])} if len(r) > 17 and (r[14] or text(r[15])) else {}),
             },

@@ -22,6 +22,7 @@ local id = ARGV[1]
 local now = now_ms()
 local epoch = redis.call('HGET', K_META, 'epoch')
 stall_gap_at_least(int_arg(ARGV[6], 'lease_ttl_ms', 1, 1e9))
+heard(ARGV[8], now)
 reap(now)
 local raw = redis.call('HGET', K_LEASES, id)
 if raw then

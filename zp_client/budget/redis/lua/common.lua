@@ -32,6 +32,9 @@
 --                  (clients that claim their grants: claim_lease)}
 --   6 wexp   ZSET  waiter id -> heartbeat expiry (ms)
 --   7 cls    HASH  "n<prio>" -> waiters of the class, "w<prio>" -> their weight (status without scans)
+-- Read from the prefix too: pl ZSET owner -> TIME (ms) of that process's last script call (heard; reap's
+-- late-renewal rule), trimmed to the longest lease TTL seen. Lease record field e = ms of extension a
+-- lease whose renewal is late still has beyond its current expiry (reap); meta dfr counts such leases.
 -- Mailboxes ({zp:<name>}:mb:<x>) are lists in the same slot; a grant RPUSHes the lease id to the
 -- waiter's mailbox so the waiting process wakes without polling (comma-separated items: 'id' a grant to
 -- claim, '+id' a grant already claimed, '!id' too large for the limit; fleet: 'id@<replica id>').
@@ -40,6 +43,7 @@ local K_META = KEYS[1]
 local PREFIX = string.sub(K_META, 1, -6)  -- strip ":meta"
 local K_LEASES, K_LEXP, K_LINE, K_WAIT, K_WEXP, K_CLS =
   PREFIX .. ':leases', PREFIX .. ':lexp', PREFIX .. ':line', PREFIX .. ':wait', PREFIX .. ':wexp', PREFIX .. ':cls'
+local K_PL = PREFIX .. ':pl'
 local REAP_MAX = 32
 local SCAN_MAX = 64
 local PRIO_SPAN = 1099511627776  -- 2^40: ticket orders below this; priorities within +-4096 keep scores exact
@@ -376,13 +380,53 @@ local function stall_shift(now)
   redis.call('HINCRBY', K_META, 'stalls', 1)
 end
 
+-- A process that talks to Redis is alive (Ledger.heard; docs/redis.md, "A late renewal of a live
+-- process"): every script call that names its owner records its TIME here, before it reaps, so the
+-- caller's own leases are judged with this call counted. Entries older than the longest lease TTL seen
+-- can extend nothing and are trimmed (at most one per dead process; O(log n + removed)).
+local function heard(owner, now)
+  if owner == nil or owner == '' then return end
+  redis.call('ZADD', K_PL, now, owner)
+  local sg = tonumber(redis.call('HGET', K_META, 'sg'))
+  if sg then redis.call('ZREMRANGEBYSCORE', K_PL, '-inf', '(' .. (now - 2 * sg - 1)) end
+end
+
+-- A held lease whose expiry came is reclaimed only one TTL after the later of its last renewal and
+-- its process's last call of any kind (Ledger.expire), and never later than one more TTL after the
+-- expiry its last renewal gave it: a process whose other calls reach Redis is alive and its renewal is
+-- only late (queued behind scripts), yet a live process that stopped renewing a lease loses it one TTL
+-- late at most. Record field e carries the extension left beyond the new expiry (relative, so a stall
+-- shift of the expiry keeps it right); a renewal clears it. Returns true when the lease was kept, else
+-- false and the record (nil when there is none) for drop_lease.
+local function reap_late(id, now)
+  local raw = redis.call('HGET', K_LEASES, id)
+  if not raw then return false, nil end
+  local l = cjson.decode(raw)
+  if l.c or not l.w or not l.l then return false, raw end  -- a pending grant: its claim window is its bound
+  local a = tonumber(redis.call('ZSCORE', K_PL, l.w))
+  if a == nil then return false, raw end
+  local due = tonumber(redis.call('ZSCORE', K_LEXP, id))
+  local cap = due + (l.e or l.l)
+  local n = math.min(a + l.l, cap)
+  if n <= now then return false, raw end
+  if l.e == nil then redis.call('HINCRBY', K_META, 'dfr', 1) end
+  l.e = cap - n
+  redis.call('HSET', K_LEASES, id, cjson.encode(l))
+  redis.call('ZADD', K_LEXP, n, id)
+  return true
+end
+
 -- Expire leases whose holder stopped renewing and waiters whose process stopped heartbeating.
 local function reap(now)
   stall_shift(now)
   local dead = redis.call('ZRANGEBYSCORE', K_LEXP, '-inf', now, 'LIMIT', 0, REAP_MAX)
   for _, id in ipairs(dead) do
-    local l = drop_lease(id)
-    if l and l.c then redis.call('HINCRBY', K_META, 'unc', 1) end  -- a grant nobody claimed
+    local kept, raw = reap_late(id, now)
+    if not kept then
+      local l = raw and drop_lease(id, raw)
+      if not raw then redis.call('ZREM', K_LEXP, id) end
+      if l and l.c then redis.call('HINCRBY', K_META, 'unc', 1) end  -- a grant nobody claimed
+    end
   end
   local gone = redis.call('ZRANGEBYSCORE', K_WEXP, '-inf', now, 'LIMIT', 0, REAP_MAX)
   for _, id in ipairs(gone) do

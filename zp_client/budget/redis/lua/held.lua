@@ -7,6 +7,7 @@
 -- through their mailboxes, as after a release. Returns the number of leases updated.
 if redis.call('EXISTS', K_META) == 0 then return 0 end
 local owner = ARGV[1]
+heard(owner, now_ms())
 local elastic = redis.call('HGET', K_META, 'policy') == 'elastic'
 local n = 0
 local pinned = elastic and redis.call('EXISTS', K_PINS) == 1

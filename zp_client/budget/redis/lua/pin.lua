@@ -11,6 +11,7 @@
 if redis.call('EXISTS', K_META) == 0 then return {'I'} end
 local op = ARGV[1]
 local now = now_ms()
+if op == 'pin' then heard(ARGV[7], now) elseif op == 'unpin' then heard(ARGV[3], now) end
 reap(now)
 if op == 'due' then
   local pins = p_load()

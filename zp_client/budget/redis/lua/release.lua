@@ -35,6 +35,7 @@ else
     done = 2
   end
 end
+heard(owner, now)
 reap(now)
 grant(now, '', owner)
 return done

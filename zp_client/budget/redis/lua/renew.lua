@@ -12,6 +12,7 @@ local owner = ARGV[1]
 local ttl = int_arg(ARGV[2], 'lease_ttl_ms', 1, 1e9)
 local now = now_ms()
 stall_gap_at_least(ttl)
+heard(owner, now)
 reap(now)
 local epoch = redis.call('HGET', K_META, 'epoch')
 local out = {epoch}
@@ -27,6 +28,10 @@ for i = 3, #ARGV, 7 do
     else
       if l.c then  -- a pending grant its holder knows of: the renewal claims it (claim_lease)
         claim_lease(id, l, now)
+      end
+      if l.e then  -- renewed after a late-renewal extension (reap_late): a full TTL again
+        l.e = nil
+        redis.call('HSET', K_LEASES, id, cjson.encode(l))
       end
       redis.call('ZADD', K_LEXP, now + ttl, id)
       -- carry the latest held too, in case a batched report was lost
