@@ -157,6 +157,7 @@ class _FreezeTheLongLived:
 # times, virtual-clock storms): they may run beside the tests marked ``serial`` below.
 _BESIDE_THE_SERIAL_ONES = (
     "tests/budget/test_redis_claim.py::test_the_claim_handshake_conforms_long",
+    "tests/budget/test_redis_reclaim.py::test_late_renewals_conform_long",
     "tests/budget/test_budget_conformance.py::",
     "tests/budget/test_ledger.py::TestLedgerStateful",
     "tests/budget/test_pinning_redis.py::test_redis_pins_conform_to_the_pin_book",
