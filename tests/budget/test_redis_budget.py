@@ -400,6 +400,10 @@ async def test_dead_waiter_leaves_the_line(budgets: Any) -> None:
     held = await holder.acquire(10)
     task = asyncio.create_task(ghost.acquire(5))
     await _until(lambda: _waiting(holder, 1), "waiter queued")
+    # The acquire starts its process's background tasks (mailbox pump, poller: the heartbeat) only after
+    # its enqueue's reply; on a loaded machine the holder can see the waiter first. Stop them once they
+    # exist, or a start after the "death" would heartbeat for the ghost forever.
+    await _until(lambda: ghost._side.started, "the ghost's background tasks started")
     for t in ghost._side.tasks:  # the ghost's process stops heartbeating (no cancel reaches Redis)
         t.cancel()
     ghost._side.tasks = [asyncio.create_task(asyncio.sleep(3600))]
