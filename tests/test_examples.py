@@ -50,7 +50,7 @@ def test_quickstart_wrap_burst_completes_and_returns_every_block() -> None:
 def test_drop_in_client_streams_and_abandoned_stream_releases() -> None:
     out = run_example("drop_in_client.py", "--sim", "--streams", "4", "--max-tokens", "40", "--quiet",
                       "--speedup", "5")
-    assert "stream 1: abandoned after 5 chunks" in out
+    assert "stream 1: abandoned after 2 chunks" in out, out
     for i in (0, 2, 3):
         assert re.search(rf"stream {i}: finished after \d+ chunks", out), out
     peak = re.search(r"peak reserved \(used\) (\d+) blocks, peak occupied \(held\) (\d+) blocks", out)
