@@ -94,11 +94,12 @@ test-wheel:
 # The fault-injection tests alone (SIGKILL, SIGSTOP, restarts of a redis-server of their own, a delaying
 # proxy, cancellations, abandoned streams, deadlines; marked `faults`), then their results table: each
 # scenario's measured over-admission, leaked blocks, time to recover and caller-visible error (rows in
-# $(FAULT_REPORT), JSON lines; the table is printed at the end of pytest's output). `make test` runs them too.
+# $(FAULT_REPORT), JSON lines; the table is printed at the end of pytest's output). `make test` runs them too,
+# the CPU-bound 5,000-request storm at 1,000 (--full-scale: tests/conftest.py).
 FAULT_REPORT ?= faults-report.jsonl
 faults: $(VENV)/.installed
 	rm -f $(FAULT_REPORT)
-	$(PY) -m pytest -m faults --fault-report=$(FAULT_REPORT) $(PYTEST_ARGS)
+	$(PY) -m pytest -m faults --fault-report=$(FAULT_REPORT) --full-scale $(PYTEST_ARGS)
 
 # The supported versions beyond the main environment's: the Redis, cancellation and transport tests on the
 # other Pythons under pyenv (3.10, 3.12) and on redis-py's lowest allowed major (5), each in a small

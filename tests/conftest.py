@@ -94,6 +94,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fault-report", default=None, metavar="PATH",
                      help="append the fault tests' rows (JSON lines) to PATH and print them as a table at "
                           "the end (default: $ZP_FAULT_REPORT; `make faults` sets it)")
+    parser.addoption("--full-scale", action="store_true", default=False,
+                     help="run the CPU-bound fault storms at the issue's scale (the 5,000 cancelled requests; "
+                          "`make faults` sets it); without it they run smaller, beside everything else in "
+                          "`make test`")
 
 
 _FAULT_ROWS: list[dict[str, Any]] = []
