@@ -13,10 +13,10 @@ from typing import Any
 import anyio
 import openai
 import pytest
-import redis
 
 import zp_client
 from tests._asgi_server import LoopbackServer
+from tests._redis_keys import delete_keys_containing
 from zp_client import Fleet, LocalBudget, RedisBudget, Settings, wrap
 from zp_client._admission.release import Holder
 from zp_client._tasks import LoopRef, ServiceThread, Supervisor
@@ -40,11 +40,7 @@ def server() -> Iterator[LoopbackServer]:
 @pytest.fixture
 def redis_name(redis_url: str, redis_prefix: str) -> Iterator[str]:
     yield redis_prefix
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"*{redis_prefix}*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_keys_containing(redis_url, redis_prefix)
 
 
 def zp_tasks() -> list[str]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._redis_keys import delete_keys
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -112,18 +114,12 @@ def test_limit_from_server_says_what_it_measured() -> None:
 @pytest.mark.slow  # over a second on a loaded 2-core machine: make test-fast skips it
 @pytest.mark.redis
 def test_fleet_redis_processes_share_one_budget(redis_url: str, redis_prefix: str) -> None:
-    import redis
-
     try:
         out = run_example("fleet_redis.py", "--sim", "--redis", redis_url, "--name", redis_prefix,
                           "--processes", "2", "--requests", "4", "--max-tokens", "32", "--limit-blocks", "60",
                           "--speedup", "10")
     finally:
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)
     assert "worker 0: 4/4 requests done" in out and "worker 1: 4/4 requests done" in out
     assert "fleet: 2/2 workers finished 8 requests" in out
     peak = re.search(r"peak reserved (\d+) of (\d+) blocks across the fleet, peak leases (\d+)", out)

@@ -14,10 +14,10 @@ from typing import Any
 
 import openai
 import pytest
-import redis
 
 from tests._asgi_server import LoopbackServer
 from tests._meta_spy import MetaSpy
+from tests._redis_keys import delete_keys
 from zp_client import AsyncClient, Client, InvalidRequest, RedisBudget, Settings, wrap
 from zp_client._admission.plan import read_body
 
@@ -204,8 +204,4 @@ async def test_a_negative_max_tokens_on_redis_is_invalid_request(server: Loopbac
         assert len(server.llm_requests()) == before
     finally:
         await budget.aclose()
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)

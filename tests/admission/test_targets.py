@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from tests._asgi_server import LoopbackServer
 from tests._meta_spy import MetaSpy, targets
+from tests._redis_keys import delete_keys
 from zp_client import (
     TPOT_TARGET_HEADER,
     TTFT_TARGET_HEADER,
@@ -339,8 +340,6 @@ async def test_admission_options_targets_reach_the_budget_and_a_call_header_wins
 @pytest.mark.parametrize("policy", ["strict", "elastic"])
 def test_the_targets_reach_a_redis_budget(server: LoopbackServer, redis_url: str, redis_prefix: str,
                                           policy: str) -> None:
-    import redis
-
     from zp_client import RedisBudget
 
     calls: list[dict[str, Any] | None] = []
@@ -361,11 +360,7 @@ def test_the_targets_reach_a_redis_budget(server: LoopbackServer, redis_url: str
         assert b.status_sync().used == 0
     finally:
         b.close_sync()
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)
 
 
 # ------------------------------------------------------------------------------------------ disaggregated

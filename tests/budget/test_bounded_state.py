@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests._asgi_server import LoopbackServer
+from tests._redis_keys import drop_keys
 from zp_client import LocalBudget, Settings, wrap
 from zp_client.budget._types import BudgetStatus, ClassStatus
 from zp_client.budget.redis_forecast import DEFAULT_KEY_TTL_S, RedisLengthForecaster
@@ -123,9 +124,7 @@ def test_max_keys_is_checked() -> None:
 def fc_redis(redis_url: str, redis_prefix: str) -> Iterator[tuple[redis.Redis, str]]:
     r = redis.Redis.from_url(redis_url)
     yield r, redis_prefix
-    keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-    if keys:
-        r.delete(*keys)
+    drop_keys(r, redis_prefix)
     r.close()
 
 

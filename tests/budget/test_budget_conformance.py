@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import redis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -35,6 +34,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests._redis_keys import delete_keys
 from zp_client.budget.base import Budget, Lease, Ticket
 from zp_client.budget.ledger import Ledger
 from zp_client.errors import ConfigurationError, LeaseTooLarge
@@ -269,14 +269,7 @@ def test_redis_budget_conforms_to_the_ledger(starvation: float, line: str, redis
                            line=line, late_bound_s=NEVER_LATE)  # type: ignore[arg-type]
 
     def cleanup() -> None:
-        r = redis.Redis.from_url(redis_url)
-        try:
-            for name in names:
-                keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-                if keys:
-                    r.delete(*keys)
-        finally:
-            r.close()
+        delete_keys(redis_url, *names)
 
     machine = _make_machine(factory, starvation, cleanup, line)
     run_state_machine_as_test(machine, settings=_settings(line))

@@ -10,11 +10,11 @@ import math
 from typing import Any
 
 import pytest
-import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from tests._redis_keys import delete_keys
 from zp_client.budget._types import Ticket
 from zp_client.budget.ledger import DEFAULT_LATE_BOUND_S, Ledger, WaiterRecord, line_deadline
 from zp_client.budget.local import LocalBudget
@@ -385,11 +385,7 @@ def test_redis_slo_line_orders_by_deadline_on_redis_time(redis_url: str, redis_p
     try:
         assert asyncio.run(main()) == ["fast", "answer", "slow", "missed", "none"]
     finally:
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)
 
 
 @pytest.mark.redis
@@ -409,11 +405,7 @@ def test_redis_rejects_bad_targets_before_any_lease(redis_url: str, redis_prefix
     try:
         asyncio.run(main())
     finally:
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)
 
 
 @pytest.mark.redis
@@ -446,11 +438,7 @@ def test_redis_late_bound_waiter_goes_ahead_of_earlier_deadlines(late_bound_s: f
     try:
         assert asyncio.run(main()) == ("old" if late_bound_s < 1 else "new")
     finally:
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)
 
 
 @pytest.mark.redis
@@ -511,11 +499,7 @@ def test_redis_fleet_runs_the_slo_line(line: str, redis_url: str, redis_prefix: 
     try:
         assert asyncio.run(main()) == ("fast" if line == "slo" else "slow")
     finally:
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)
 
 
 @pytest.mark.redis
@@ -549,8 +533,4 @@ def test_redis_finds_a_deadline_deep_in_the_line(redis_url: str, redis_prefix: s
     try:
         assert asyncio.run(main())
     finally:
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)

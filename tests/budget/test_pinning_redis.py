@@ -18,7 +18,7 @@ import openai
 import pytest
 import redis
 
-from tests.budget.test_redis_elastic import _delete  # the same key cleanup
+from tests._redis_keys import delete_keys
 from zp_client import PinnedPrefix, PinRefused, wrap
 from zp_client.budget.local import LocalBudget
 from zp_client.budget.redis import RedisBudget
@@ -45,7 +45,7 @@ def anyio_backend() -> str:
 def rnames(redis_url: str, redis_prefix: str) -> Iterator[list[str]]:
     names: list[str] = []
     yield names
-    _delete(redis_url, names)
+    delete_keys(redis_url, *names)
 
 
 def member(prompt_blocks: int, key: str = "K", pblocks: int = 100, *, forecast: int = 64) -> dict[str, Any]:
@@ -439,7 +439,7 @@ def test_redis_pins_conform_to_the_pin_book(redis_url: str, redis_prefix: str) -
         ))
     finally:
         r.close()
-        _delete(redis_url, names[1:])
+        delete_keys(redis_url, *names[1:])
     # the runs reach the states that matter (a run measured ~1,200 of ~2,200 steps with a released pin,
     # ~50 with a keep-warm due, ~85 with a waiter held back)
     assert seen["released"] > 0 and seen["due"] + seen["gated"] > 0, seen

@@ -23,6 +23,7 @@ import pytest
 import redis
 import redis.asyncio as redis_async
 
+from tests._redis_keys import delete_keys
 from tests.conftest import _free_port, _redis_answers, start_redis_server
 from zp_client.budget.redis import RedisBudget, RedisBudgetEvent
 from zp_client.budget.redis._script import scripts as _scripts
@@ -34,16 +35,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # redis.asyncio is asyncio-only
-
-
-def _delete_keys(url: str, name: str) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-    finally:
-        r.close()
 
 
 @pytest.fixture
@@ -60,7 +51,7 @@ def budgets(redis_url: str, redis_prefix: str) -> Iterator[Any]:
     yield make
     for b in made:
         b.close_sync()
-    _delete_keys(redis_url, redis_prefix)
+    delete_keys(redis_url, redis_prefix)
 
 
 async def _until(pred: Any, what: str, limit_s: float = 20.0) -> None:
@@ -443,7 +434,7 @@ async def test_lease_redis_lost_is_readopted_and_admission_waits_out_recovery(
     b = budgets(10, on_event=events.append, recovery_s=1.0, lease_ttl_s=1.0, poll_interval_s=0.2)
     # The budget starts in recovery, so the first lease is granted once recovery ends.
     lease = await asyncio.wait_for(b.acquire(6), 20)
-    _delete_keys(redis_url, redis_prefix)  # Redis lost its state (restart without persistence)
+    delete_keys(redis_url, redis_prefix)  # Redis lost its state (restart without persistence)
     newcomer = budgets(10, recovery_s=1.0)
     waiter = asyncio.create_task(newcomer.acquire(4))  # creates the state anew: recovery starts
     await _until(lambda: _waiting(newcomer, 1), "newcomer queued in recovery")

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
+from tests._redis_keys import delete_keys
 from zp_client.budget.base import Ticket
 from zp_client.budget.elastic import ElasticPolicy
 from zp_client.budget.ledger import Ledger
@@ -39,22 +40,11 @@ CLAIM_S = 1.0  # the model's claim window (the model's clock only moves when a r
 OWNERS = ("proc-a-000000000", "proc-b-000000000")
 
 
-def _delete(url: str, names: list[str]) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        for name in names:
-            keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-            if keys:
-                r.delete(*keys)
-    finally:
-        r.close()
-
-
 @pytest.fixture
 def names(redis_url: str, redis_prefix: str) -> Iterator[list[str]]:
     out = [redis_prefix]
     yield out
-    _delete(redis_url, out)
+    delete_keys(redis_url, *out)
 
 
 def _make_machine(redis_url: str, names: list[str], policy: str, starvation: float) -> type:

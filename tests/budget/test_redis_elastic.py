@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 from test_redis_budget import redis_cluster  # noqa: F401 - the 3-master cluster fixture
 
+from tests._redis_keys import delete_keys
 from zp_client.budget.base import Lease
 from zp_client.budget.elastic import ElasticPolicy, projected_peak
 from zp_client.budget.ledger import Ledger
@@ -49,17 +50,6 @@ NO_BACKFILL = 0.0
 FULL_BACKFILL = 1e9
 
 
-def _delete(url: str, names: list[str]) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        for name in names:
-            keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-            if keys:
-                r.delete(*keys)
-    finally:
-        r.close()
-
-
 @pytest.fixture
 def budgets(redis_url: str, redis_prefix: str) -> Iterator[Any]:
     names: list[str] = []
@@ -72,7 +62,7 @@ def budgets(redis_url: str, redis_prefix: str) -> Iterator[Any]:
         return RedisBudget(redis_url, name, limit, block_size, policy="elastic", **kw)
 
     yield make
-    _delete(redis_url, names)
+    delete_keys(redis_url, *names)
 
 
 # --------------------------------------------------------------------------------------------- conformance
@@ -236,7 +226,7 @@ def test_elastic_redis_budget_conforms_to_the_elastic_ledger(
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
         ))
     finally:
-        _delete(redis_url, names[1:])
+        delete_keys(redis_url, *names[1:])
 
 
 # --------------------------------------------------------------------------------------------- hand-made
@@ -531,7 +521,7 @@ async def test_a_lease_redis_lost_is_readopted_with_its_metadata(budgets: Any, r
     await b.flush()
     want = projected_peak([(8, 40, {**meta, "tokens": 120, "first_token": True})], 16)
     assert (await b.status()).used == want
-    _delete(redis_url, [b.name])  # Redis lost its state
+    delete_keys(redis_url, b.name)  # Redis lost its state
     await b._side.renew_round()
     assert b.counters["readopted"] == 1
     st_ = await b.status()

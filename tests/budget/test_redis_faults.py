@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests._redis_keys import delete_keys
 from tests.conftest import start_redis_server
 from zp_client import AdmissionTimeout, RedisBudget
 from zp_client.budget.redis import RedisBudgetEvent
@@ -31,20 +32,10 @@ def anyio_backend() -> str:
     return "asyncio"  # redis.asyncio is asyncio-only
 
 
-def _delete_keys(url: str, name: str) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-    finally:
-        r.close()
-
-
 @pytest.fixture
 def cleanup(redis_url: str, redis_prefix: str) -> Iterator[str]:
     yield redis_prefix
-    _delete_keys(redis_url, redis_prefix)
+    delete_keys(redis_url, redis_prefix)
 
 
 @pytest.fixture

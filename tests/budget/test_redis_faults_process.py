@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import redis
 
+from tests._redis_keys import delete_keys
+
 pytestmark = [pytest.mark.redis, pytest.mark.faults, pytest.mark.slow]
 
 LEASE_TTL_S = 3.0
@@ -124,11 +126,7 @@ def fleet(redis_url: str, redis_prefix: str) -> Iterator[tuple[list[subprocess.P
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=10)
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-        r.close()
+        delete_keys(redis_url, redis_prefix)
 
 
 @pytest.mark.parametrize("run", range(3))

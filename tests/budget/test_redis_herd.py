@@ -21,6 +21,7 @@ import redis
 import redis.asyncio as redis_async
 from redis.exceptions import MaxConnectionsError
 
+from tests._redis_keys import delete_keys
 from zp_client.budget.redis import RedisBudget
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
@@ -34,13 +35,7 @@ def anyio_backend() -> str:
 @pytest.fixture
 def keys_cleanup(redis_url: str, redis_prefix: str) -> Iterator[str]:
     yield redis_prefix
-    r = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-    finally:
-        r.close()
+    delete_keys(redis_url, redis_prefix)
 
 
 def _outage_records(caplog: Any) -> list[str]:

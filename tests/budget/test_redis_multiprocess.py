@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tests._redis_keys import delete_keys_containing
+
 pytestmark = [pytest.mark.redis]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -119,13 +121,7 @@ class _Sampler:
 @pytest.fixture
 def cleanup(redis_url: str, redis_prefix: str) -> Iterator[None]:
     yield
-    import redis
-
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=f"*{redis_prefix}*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
+    delete_keys_containing(redis_url, redis_prefix)
 
 
 def _args(redis_url: str, name: str, **kw: Any) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import redis
 
+from tests._redis_keys import delete_keys
 from zp_client import RedisBudget
 from zp_client.budget.redis import _async
 
@@ -31,13 +31,7 @@ def anyio_backend() -> str:
 @pytest.fixture
 def cleanup(redis_url: str, redis_prefix: str) -> Iterator[str]:
     yield redis_prefix
-    r = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-    finally:
-        r.close()
+    delete_keys(redis_url, redis_prefix)
 
 
 def _port(url: str) -> int:

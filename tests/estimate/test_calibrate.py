@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 from _asgi_server import ThreadedApp
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from tests._redis_keys import delete_keys
 from zp_client import LocalBudget
 from zp_client.budget.redis import RedisBudget
 from zp_client.calibration import Calibration, calibrate, calibrate_async, server_root
@@ -242,16 +242,6 @@ def test_local_budget_takes_the_servers_block_size() -> None:
     assert budget.block_size == 32 and budget.limit == suggest_limit_blocks(1001, 0.9) == 900
 
 
-def _delete_keys(url: str, name: str) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-    finally:
-        r.close()
-
-
 @pytest.mark.needs_sim
 @pytest.mark.redis
 @pytest.mark.parametrize("policy", ["elastic", "strict"])
@@ -268,7 +258,7 @@ def test_redis_budget_from_server(sim: SimServer, redis_url: str, redis_prefix: 
         assert stored.block_size == 16 and stored.policy == policy
     finally:
         budget.close_sync()
-        _delete_keys(redis_url, redis_prefix)
+        delete_keys(redis_url, redis_prefix)
 
 
 @pytest.mark.needs_sim
@@ -289,7 +279,7 @@ def test_an_existing_redis_budget_keeps_its_stored_limit(sim: SimServer, redis_u
         first.close_sync()
         if later is not None:
             later.close_sync()
-        _delete_keys(redis_url, redis_prefix)
+        delete_keys(redis_url, redis_prefix)
 
 
 # --------------------------------------------------------------------------- zp-client calibrate

@@ -25,6 +25,7 @@ import redis
 import redis.asyncio as redis_async
 
 from tests._asgi_server import LoopbackServer
+from tests._redis_keys import delete_keys as _delete_keys
 from tests.conftest import _free_port
 from zp_client import observe_admissions, wrap
 from zp_client.errors import BudgetUnavailable, ConfigurationError, LeaseTooLarge
@@ -40,16 +41,6 @@ ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (this file is in
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def _delete_keys(url: str, name: str) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-        if keys:
-            r.delete(*keys)
-    finally:
-        r.close()
 
 
 @pytest.fixture

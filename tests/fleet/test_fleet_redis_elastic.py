@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
+from tests._redis_keys import delete_keys
 from zp_client.budget.base import Lease
 from zp_client.budget.elastic import ElasticPolicy
 from zp_client.fleet.ledger import FleetLedger
@@ -40,17 +40,6 @@ LIMITS = {A: 24, B: 16}
 BS = 4
 NO_BACKFILL = 0.0  # a waiter that fits nowhere holds a replica at once
 FULL_BACKFILL = 1e9  # never
-
-
-def _delete(url: str, names: list[str]) -> None:
-    r = redis.Redis.from_url(url)
-    try:
-        for name in names:
-            keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-            if keys:
-                r.delete(*keys)
-    finally:
-        r.close()
 
 
 # Conversations of at most 8 messages: both fleets index every key (FleetLedger records the first 2 and the
@@ -218,7 +207,7 @@ def test_elastic_redis_fleet_conforms_to_the_fleet_ledger(
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
         ))
     finally:
-        _delete(redis_url, names[1:])
+        delete_keys(redis_url, *names[1:])
 
 
 # --------------------------------------------------------------------------------------------- hand-made
@@ -244,7 +233,7 @@ def fleets(redis_url: str, redis_prefix: str) -> Iterator[Any]:
     yield make
     for f in made:
         f.close_sync()
-    _delete(redis_url, names)
+    delete_keys(redis_url, *names)
 
 
 # A streamed request with a 64-token prompt (4 blocks, held from the start) forecast to write 32 tokens
@@ -297,7 +286,7 @@ async def test_a_lease_redis_lost_is_readopted_on_its_replica_with_its_metadata(
     f = fleets(lease_ttl_s=0.6, fleet_ttl_s=2)
     le = await f.acquire(12, held=4, meta=SMALL)
     assert (await f.status()).extra["replicas"][le.replica]["used"] == 6
-    _delete(redis_url, [f.name])  # Redis lost the fleet's state (a restart without persistence)
+    delete_keys(redis_url, f.name)  # Redis lost the fleet's state (a restart without persistence)
     other = await f.acquire(1)  # registers the replicas again; the renewal re-adopts the lease
     for _ in range(100):
         reps = (await f.status()).extra["replicas"]

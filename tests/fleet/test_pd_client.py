@@ -15,6 +15,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests._redis_keys import delete_keys
 from tests.fleet.test_fleet import _dead_url  # a port nothing listens on
 from zp_client import Fleet, wrap
 from zp_client.errors import ConfigurationError
@@ -357,8 +358,6 @@ def test_the_blocking_client_takes_both_legs_too() -> None:
 
 @pytest.mark.anyio
 async def test_both_legs_on_redis_fleets(redis_url: str, redis_prefix: str) -> None:
-    import redis as redis_lib
-
     from zp_client.fleet.redis import RedisFleet
 
     names = (f"{redis_prefix}-decode", f"{redis_prefix}-prefill")
@@ -382,12 +381,7 @@ async def test_both_legs_on_redis_fleets(redis_url: str, redis_prefix: str) -> N
         finally:
             await client.close()
             await fleet.aclose()  # closes its prefill fleet too
-            r = redis_lib.Redis.from_url(redis_url)
-            for name in names:
-                keys = list(r.scan_iter(match=f"{{zp:{name}}}*", count=1000))
-                if keys:
-                    r.delete(*keys)
-            r.close()
+            delete_keys(redis_url, *names)
 
 
 @pytest.mark.anyio

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests._redis_keys import drop_keys
 from zp_client.cli import main
 
 try:  # the simulator (zp-sim); without it (`make test-wheel`) the tests marked needs_sim are skipped
@@ -195,9 +196,7 @@ def test_budget_status_is_read_only_and_complete(redis_url: str, redis_prefix: s
             assert (doc["budget"]["used"], doc["budget"]["leases"], doc["budget"]["waiters"]) == (0, 0, {})
         finally:
             await budget.aclose()
-            keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-            if keys:
-                r.delete(*keys)
+            drop_keys(r, redis_prefix)
             r.close()
 
     asyncio.run(scenario())

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from tests._redis_keys import drop_keys
 from zp_client.cli import main
 from zp_client.status_cli import format_status, read_status, watch
 
@@ -42,9 +43,7 @@ def test_watch_shows_each_reads_numbers(redis_url: str, redis_prefix: str) -> No
             await leases[0].release()
         finally:
             await budget.aclose()
-            keys = list(r.scan_iter(match=f"{{zp:{redis_prefix}}}*", count=1000))
-            if keys:
-                r.delete(*keys)
+            drop_keys(r, redis_prefix)
             r.close()
 
     asyncio.run(scenario())
