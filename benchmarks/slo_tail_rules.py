@@ -17,6 +17,20 @@ is ported to the Lua script:
 * ``grace:G:count:N``: ``grace:G`` only while the class has at most ``N`` missed waiters.
 * ``urgent:S``: waiters whose deadline is more than ``S`` seconds ahead go behind the missed and
   untargeted ones (EDF only for the waiters close to their deadline).
+* ``share:PHI``: while the leases granted to waiters already past their deadline ("missed") hold less
+  than ``PHI`` x the limit in bounds, the class's missed waiters are tried first, in line order (so the
+  oldest is a barrier, as any waiter past the starvation bound); otherwise the line as it is.
+* ``interleave:N``: after ``N`` on-time grants of a class while one of its missed waiters waits, its
+  missed waiters are tried first (line order) until one is granted.
+* ``ileaveb:F``: ``interleave`` counted in blocks: after on-time grants of ``F`` x the limit.
+* ``both:N:PHI``: ``interleave:N`` or ``share:PHI``.
+* ``duo:G:PHI``: the missed waiters first while the oldest fits in ``PHI`` x the limit beside the live
+  late-granted leases; else ``interleave:1`` over the waiters missed by at least ``G`` s.
+* options, appended to the stateful rules above: ``:count:N`` (act only while the class has at most ``N``
+  missed waiters), ``:after:G`` (a waiter counts as missed ``G`` s past its deadline), ``:afterf:F``
+  (plus ``F`` s x its bound / the limit).
+* ``soft:G``: the missed waiters first, in line order, but a missed waiter is a barrier only ``G`` s past
+  its deadline (``inf``: never before ``late_bound_s``).
 * ``ttft-only``: the app sends only the TTFT target (no ``X-ZP-TPOT-Target``, as before the allowance
   was measured; with ``Settings.answer_allowance`` off, ``main``'s records).
 * ``answer:F``: ``Settings.answer_allowance`` on (``ZP_ANSWER_ALLOWANCE=1`` in the worker), and a
@@ -131,6 +145,109 @@ def _install(rule: str) -> None:
                    and ws[i].deadline > now + window]
             drop = set(lax)
             return [i for i in order if i not in drop] + lax
+
+    elif parts[0] in ("share", "interleave", "ileaveb", "both", "duo"):
+        # stateful rules: the ledger of the pass (grant) and its admissions (_admit) are watched
+        k = float(parts[1])
+        tail = parts[3:] if parts[0] == "duo" else parts[2:]
+        opt = dict(zip(tail[::2], tail[1::2], strict=True))
+        cap = float(opt.get("count", "inf"))  # the rule acts only while the class has <= cap missed waiters
+        after = float(opt.get("after", 0.0))  # a waiter counts as missed `after` s past its deadline
+        frac = float(opt.get("afterf", 0.0))  # ... plus frac s x its share of the limit (bound / limit)
+        if parts[0] == "duo":  # duo:G:PHI: share:PHI over every missed waiter, else interleave:1:after:G
+            after, k = k, 1.0
+        st: dict[str, Any] = {"led": None, "late": set(), "c": 0, "cb": 0}
+        orig_admit = L.Ledger._admit
+
+        def missed_by(w: Any, now: float, limit: int, late_bound_s: float, grace: float) -> bool:
+            return (now - w.since < late_bound_s and w.deadline is not None
+                    and w.deadline + grace + frac * w.bound / max(limit, 1) <= now)
+
+        def grant2(self: Any, now: float) -> list[str]:
+            st["led"] = self
+            return grant(self, now)
+
+        def _admit(self: Any, w: Any, now: float) -> None:
+            if w.deadline is not None and w.deadline <= now:
+                st["late"].add(w.id)
+                st["c"] = st["cb"] = 0
+            elif any(o.priority == w.priority and o.id != w.id
+                     and missed_by(o, now, self.limit, self._late_bound, after)
+                     for o in self._waiters.values()):
+                st["c"] += 1  # an on-time grant while a missed waiter of its class waits
+                st["cb"] += w.bound
+            orig_admit(self, w, now)
+
+        L.Ledger.grant = grant2  # type: ignore[method-assign]
+        L.Ledger._admit = _admit  # type: ignore[method-assign]
+
+        def walk(ws: Sequence[Any], now: float, late_bound_s: float) -> list[int] | None:
+            order = orig_walk(ws, now, late_bound_s)
+            if order is None:
+                return None
+            led = st["led"]
+            leases = led._leases
+            st["late"] = {i for i in st["late"] if i in leases}
+            live = sum(leases[i].bound for i in st["late"])  # bounds of live leases granted while missed
+            old = [i for i in range(len(ws)) if now - ws[i].since >= late_bound_s]
+            if parts[0] == "duo":
+                missa = [i for i in range(len(ws)) if missed_by(ws[i], now, led.limit, late_bound_s, 0.0)]
+                if len(missa) > cap:
+                    return order
+                if missa and live + ws[missa[0]].bound <= float(parts[2]) * led.limit:
+                    seen = set(old + missa)
+                    return old + missa + [i for i in order if i not in seen]
+            miss = [i for i in range(len(ws)) if missed_by(ws[i], now, led.limit, late_bound_s, after)]
+            if not miss or len(miss) > cap:
+                return order
+            if parts[0] == "both":  # both:N:PHI: interleave:N or share:PHI
+                on = st["c"] >= k or live < float(parts[2]) * led.limit
+            elif parts[0] == "share":
+                on = live < k * led.limit
+            elif parts[0] == "ileaveb":
+                on = st["cb"] >= k * led.limit
+            else:  # interleave and duo
+                on = st["c"] >= k
+            if not on:
+                return order
+            seen = set(old + miss)
+            return old + miss + [i for i in order if i not in seen]
+    elif parts[0] == "soft":
+        # missed waiters first, in line order, but a missed waiter is a barrier only G s after its
+        # deadline (or once late-bound); the on-time ones keep the starvation-bound barrier rule
+        import inspect
+        import textwrap
+
+        g = float(parts[1])
+        cap = float(parts[3]) if len(parts) > 3 and parts[2] == "count" else float("inf")
+        src = textwrap.dedent(inspect.getsource(orig_grant))
+        line = "elif now - w.since >= bound_s:"
+        assert src.count(line) == 1
+        src = src.replace(line, "elif now - w.since >= bound_s and _tail_barrier(w, now, self._late_bound):")
+        ns = dict(vars(L))
+
+        def _tail_barrier(w: Any, now: float, late_bound_s: float) -> bool:
+            if w.deadline is None or w.deadline > now or now - w.since >= late_bound_s:
+                return True
+            return bool(now - w.deadline >= g)
+
+        ns["_tail_barrier"] = _tail_barrier
+        exec(compile(src, "<soft grant>", "exec"), ns)
+        L.Ledger.grant = ns["grant"]  # type: ignore[method-assign]
+
+        def walk(ws: Sequence[Any], now: float, late_bound_s: float) -> list[int] | None:
+            order = orig_walk(ws, now, late_bound_s)
+            if order is None:
+                return None
+            miss = [i for i in range(len(ws)) if now - ws[i].since < late_bound_s
+                    and ws[i].deadline is not None and ws[i].deadline <= now]
+            if (not miss and parts[0] != "duo") or len(miss) > cap:
+                return order
+            first = [i for i in range(len(ws)) if now - ws[i].since >= late_bound_s] + miss
+            seen = set(first)
+            return first + [i for i in order if i not in seen]
+
+        ns["slo_walk"] = walk  # the copied grant reads the walk from its own namespace
 
     else:
         raise SystemExit(f"unknown rule {rule!r}")
