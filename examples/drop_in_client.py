@@ -61,9 +61,8 @@ async def run(args: argparse.Namespace, base_url: str) -> int:
                     chunks += 1
                     if i == 0 and not args.quiet and chunk.choices:
                         print(chunk.choices[0].delta.content or "", end="", flush=True)
-                    if chunks % 10 == 0:
-                        s = await budget.status()
-                        peak["used"], peak["held"] = max(peak["used"], s.used), max(peak["held"], s.held)
+                    s = await budget.status()  # a LocalBudget's status is cheap: sampled at every chunk
+                    peak["used"], peak["held"] = max(peak["used"], s.used), max(peak["held"], s.held)
                     # the first chunk carries the role, the second the first text: a server sends a lagging
                     # reader fewer, larger chunks (vLLM merges the deltas it could not deliver yet), so a
                     # later chunk number may never come

@@ -57,7 +57,7 @@ def test_drop_in_client_streams_and_abandoned_stream_releases() -> None:
         assert re.search(rf"stream {i}: finished after \d+ chunks", out), out
     peak = re.search(r"peak reserved \(used\) (\d+) blocks, peak occupied \(held\) (\d+) blocks", out)
     assert peak, out
-    assert int(peak[2]) <= int(peak[1])
+    assert 0 < int(peak[2]) <= int(peak[1])  # sampled while the streams held blocks
     assert "all 4 streams done (3 finished, 1 abandoned); budget used=0 leases=0" in out
 
 

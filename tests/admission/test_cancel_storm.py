@@ -1,5 +1,7 @@
-"""5,000 randomly cancelled requests leak nothing and delay nobody (issue 33 item 2 at the issue's scale;
-``make faults``). Here, not in tests/admission/test_abandoned_stream.py: that module runs in both openai
+"""Randomly cancelled requests leak nothing and delay nobody (issue 33 item 2: the issue's 5,000 under
+``make faults``, 1,000 in ``make test``; the test's docstring says why).
+
+Here, not in tests/admission/test_abandoned_stream.py: that module runs in both openai
 environments, and this one is long; the other environment's client is covered there."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from zp_client import wrap
+from zp_client import observe_admissions, wrap
 from zp_client.budget.local import LocalBudget
 from zp_client.config import Settings
 
@@ -77,9 +79,9 @@ def server_process() -> Iterator[str]:
 
 @pytest.mark.faults
 @pytest.mark.slow
-async def test_five_thousand_randomly_cancelled_requests_leak_nothing_and_delay_nobody(
+async def test_randomly_cancelled_requests_leak_nothing_and_delay_nobody(
         server_process: str, no_gc: None, fault_report: Any, request: pytest.FixtureRequest) -> None:
-    """Issue 33 item 2 at the issue's scale: 5,000 requests arriving over a few seconds into a budget of
+    """Issue 33 item 2: 5,000 requests (the issue's scale) arriving over a few seconds into a budget of
     485 blocks, half of them cancelled at a random moment (in line, waiting for the answer, inside a read,
     between two reads) and half the streams dropped half-read; the garbage collector off. Nothing stays
     held once they are over, and no request nobody cancelled takes more than 10 s beyond its no-fault
@@ -87,7 +89,10 @@ async def test_five_thousand_randomly_cancelled_requests_leak_nothing_and_delay_
 
     5,000 with ``--full-scale`` (``make faults``); 1,000 otherwise: the run is bound by this process's
     CPU (~3-4 ms of openai/httpx work per request), 23-33 s alone on 2 cores but past pytest's 120 s
-    timeout inside ``make test`` beside two CPU-burning processes. Same arrivals and assertions."""
+    timeout inside ``make test`` beside two CPU-burning processes. Same arrivals and assertions. When
+    nothing leaks, no request waits for the 485 blocks at either size (0 of 1,000 and 0 of 5,000 grants
+    waited over 50 ms: the report's notes count them); a leak shows as blocks held at the end, and once
+    leaks fill the limit (213 of 485 blocks held after 5,000 in the issue's run on 9e0e252), as delays."""
     n = 5000 if request.config.getoption("--full-scale") else 1000
     rng = random.Random(5000)
     loop = asyncio.get_running_loop()
@@ -129,7 +134,8 @@ async def test_five_thousand_randomly_cancelled_requests_leak_nothing_and_delay_
         base = {m: max(v for i, v in latency.items() if i % 2 == m) for m in (0, 1)}
         latency.clear()
         t0 = time.monotonic()
-        cancelled, bad = await run(n, 0.5)
+        with observe_admissions() as grants:
+            cancelled, bad = await run(n, 0.5)
         took = time.monotonic() - t0
         # a cancelled task's error holds its frames (and the stream in them): the caller lets go of them
         end = time.monotonic()
@@ -141,11 +147,13 @@ async def test_five_thousand_randomly_cancelled_requests_leak_nothing_and_delay_
         finished = {i for i in range(n) if i not in cancelled}
         missing = finished - set(latency)
         excess = max(latency[i] - base[i % 2] for i in finished - missing)
+        queued = sum(1 for g in grants if g.queue_wait_s > 0.05)
         fault_report(f"{n:,} randomly cancelled requests (gc disabled)",
                      f"{len(cancelled)} cancelled at a random 0-200 ms, half the streams dropped half-read, "
                      f"limit {LIMIT_5000} blocks", leaked_blocks=st.used,
                      recover_s=back if not st.leases else None,
-                     notes=f"never-cancelled: at most {excess:.2f} s beyond their no-fault latency "
+                     notes=f"{queued} of {len(grants)} grants waited > 50 ms; never-cancelled: at most "
+                           f"{excess:.2f} s beyond their no-fault latency "
                            f"(bound 10 s), {len(missing)} did not finish; run took {took:.1f} s")
         assert not bad, bad[:3]
         assert not missing, sorted(missing)[:5]
