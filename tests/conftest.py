@@ -89,15 +89,26 @@ def redis_prefix() -> str:
     return f"zptest-{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture
+def names(redis_url: str, redis_prefix: str) -> Iterator[list[str]]:
+    """Budget names for a test, starting with ``redis_prefix``; the test may append more. Every name's
+    keys are deleted afterwards."""
+    from tests._redis_keys import delete_keys
+
+    out = [redis_prefix]
+    yield out
+    delete_keys(redis_url, *out)
+
+
 # ------------------------------------------------------------------- the fault tests' results table
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fault-report", default=None, metavar="PATH",
                      help="append the fault tests' rows (JSON lines) to PATH and print them as a table at "
                           "the end (default: $ZP_FAULT_REPORT; `make faults` sets it)")
     parser.addoption("--full-scale", action="store_true", default=False,
-                     help="run the CPU-bound fault storms at the issue's scale (the 5,000 cancelled requests; "
-                          "`make faults` sets it); without it they run smaller, beside everything else in "
-                          "`make test`")
+                     help="run the CPU-bound fault storms at the issue's scale (the 5,000 cancelled "
+                          "requests; `make faults` sets it); without it they run smaller, beside everything "
+                          "else in `make test`")
 
 
 _FAULT_ROWS: list[dict[str, Any]] = []

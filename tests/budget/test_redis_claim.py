@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,7 +24,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
-from tests._redis_keys import delete_keys
 from zp_client.budget.base import Ticket
 from zp_client.budget.elastic import ElasticPolicy
 from zp_client.budget.ledger import Ledger
@@ -38,13 +36,6 @@ BS = 4
 LONG_MS = 600_000  # lease TTL, waiter TTL and claim window in Redis: nothing expires on the real clock
 CLAIM_S = 1.0  # the model's claim window (the model's clock only moves when a rule ends the window)
 OWNERS = ("proc-a-000000000", "proc-b-000000000")
-
-
-@pytest.fixture
-def names(redis_url: str, redis_prefix: str) -> Iterator[list[str]]:
-    out = [redis_prefix]
-    yield out
-    delete_keys(redis_url, *out)
 
 
 def _make_machine(redis_url: str, names: list[str], policy: str, starvation: float) -> type:

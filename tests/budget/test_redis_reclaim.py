@@ -47,13 +47,6 @@ FAR_MS = 900_000_000  # waiter TTL and claim window: nothing but leases expires 
 OWNERS = ("proc-a-000000000", "proc-b-000000000")
 
 
-@pytest.fixture
-def names(redis_url: str, redis_prefix: str) -> Iterator[list[str]]:
-    out = [redis_prefix]
-    yield out
-    delete_keys(redis_url, *out)
-
-
 def _make_machine(redis_url: str, names: list[str], policy: str) -> type:
     counter = itertools.count()
     ttl, far = TTL_MS / 1000, FAR_MS / 1000
@@ -312,7 +305,6 @@ def test_a_live_process_that_stops_renewing_loses_its_lease_one_ttl_late(redis_u
     """The extension is capped: a process that keeps calling but never renews a lease loses it one TTL
     after the expiry its last renewal gave it (here its grant: TTL 0.6 s, so by 1.2 s), never later."""
     b = RedisBudget(redis_url, cleanup, 4, policy="strict", recovery_s=0)
-    r = redis.Redis.from_url(redis_url)
     try:
         _raw(b, "init", b._core.init_args(0))
         assert _raw(b, "acquire", _acquire_args("held-lease-000000000", 4, "alive", 600))[0] == b"G"
@@ -330,7 +322,6 @@ def test_a_live_process_that_stops_renewing_loses_its_lease_one_ttl_late(redis_u
         print(f"a lease never renewed, its process calling every 20 ms: reclaimed {took:.2f} s after its "
               "grant (TTL 0.6 s, cap 1.2 s)")
     finally:
-        r.close()
         b.close_sync()
 
 
