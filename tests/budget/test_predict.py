@@ -4,6 +4,7 @@ and nothing held, and the opt-in: without it nothing changes."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from zp_client.budget.ledger import Ledger
 from zp_client.budget.predict import (
     DEFAULT_STEP_S,
     FAIL_FAST_KEY,
+    FAIL_FAST_MIN_SAMPLES,
+    ErrorWindow,
     pool_timing,
     predict_wait_of,
     predict_waits,
@@ -243,6 +246,98 @@ def test_predict_records_the_wait_beside_the_actual_one() -> None:
     lease.release_sync()
     th.join(10)
     assert done and done[0].predicted_wait_s == pytest.approx(6.0)
+
+
+def test_the_error_window_margin_is_the_quantile_of_recent_over_predictions() -> None:
+    w = ErrorWindow(quantile=0.9, min_samples=10, window=20)
+    for i in range(9):
+        w.record(0, 5.0, 5.0 - i)  # over-predicted by 0..8 s
+    assert w.samples(0) == 9 and w.margin(0) == 0.0  # too few: no margin, the raw prediction decides
+    w.record(0, 5.0, -4.0)  # 9 s
+    assert w.margin(0) == pytest.approx(8.0)  # the 9th of the 10 sorted errors 0..9
+    assert w.margin(1) == pytest.approx(8.0)  # class 1 has seen nothing: every class's errors say 8 s
+    w.record(1, 20.0, 0.0)
+    assert w.margin(1) == pytest.approx(20.0)  # and its own, while too few, only ever add to that
+    w2 = ErrorWindow(quantile=0.9, min_samples=10, window=20)
+    for _ in range(10):
+        w2.record(1, 1.0, 1.0)
+    assert w2.margin(0) == 0.0 and w2.margin(1) == 0.0
+    for _ in range(20):
+        w.record(0, 1.0, 3.0)  # under-predicted by 2 s, 20 times: the window keeps the last 20
+    assert w.samples(0) == 20 and w.margin(0) == 0.0  # never below 0: a margin only ever refuses less
+    w.record(0, math.inf, 1.0)
+    w.record(0, 1.0, math.nan)
+    assert w.samples(0) == 20  # not finite: ignored
+    with pytest.raises(ValueError):
+        ErrorWindow(quantile=1.0)
+    with pytest.raises(ValueError):
+        ErrorWindow(min_samples=30, window=20)
+
+
+def test_fail_fast_refuses_only_beyond_the_errors_its_class_has_shown() -> None:
+    """A budget whose predictions for class 0 ran 5 s long (each waiter predicted at 6 s, admitted after
+    1 s, as a lease ended early) does not refuse a 6 s prediction against a 2 s deadline: its recent
+    errors say such a waiter is admitted in about 1 s; and it reports its predictions less that bias. A
+    fresh budget refuses the same call (test_fail_fast_refuses_at_once_with_its_fields_and_holds_nothing)."""
+    clock = ManualClock()
+    b = LocalBudget(20, BS, clock=clock, predict=True)
+
+    def busy_lease(tokens: int = 180) -> Any:
+        lease = b.acquire_sync(15, held=5, meta=meta())
+        lease.report_progress(6, tokens=81, first_token=True)
+        clock.t += 10.0
+        lease.report_progress(-(-tokens // BS), tokens=tokens)  # 180: 0.1 s a token, 60 tokens (6 s) left
+        return lease
+
+    def queue(**kw: Any) -> tuple[threading.Thread, list[Any]]:
+        got: list[Any] = []
+
+        def take() -> None:
+            try:
+                got.append(b.acquire_sync(15, held=5, meta=meta(**kw.pop("extra", {})), **kw))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                got.append(exc)
+
+        th = threading.Thread(target=take)
+        th.start()
+        while not b.status_sync().waiters and not got:
+            th.join(0.01)
+        return th, got
+
+    for _ in range(FAIL_FAST_MIN_SAMPLES):
+        lease = busy_lease()
+        th, got = queue(timeout=60)
+        clock.t += 1.0
+        lease.release_sync()
+        th.join(10)
+        assert got and got[0].predicted_wait_s == pytest.approx(6.0)
+        got[0].release_sync()
+    # reported: the replay's 6 s less the class's bias (its errors' median, 5 s), in status too
+    lease = busy_lease()
+    th, got = queue(timeout=60)
+    assert b.status_sync().predicted_wait_s == {0: pytest.approx(1.0)}
+    clock.t += 1.0
+    lease.release_sync()
+    th.join(10)
+    assert got and got[0].predicted_wait_s == pytest.approx(1.0)
+    got[0].release_sync()
+    lease = busy_lease()
+    th, got = queue(timeout=2.0, extra={FAIL_FAST_KEY: True})
+    assert not got and b.status_sync().waiters[0].waiters == 1  # waiting, not refused
+    clock.t += 1.0
+    lease.release_sync()
+    th.join(10)
+    assert got and got[0].predicted_wait_s == pytest.approx(1.0)
+    got[0].release_sync()
+    # a prediction beyond the deadline by more than the errors seen is still refused at once
+    lease = busy_lease(tokens=130)  # 0.2 s a token, 110 tokens (22 s) left: 22 - 5 > 2
+    with pytest.raises(DeadlineExceeded) as info:
+        b.acquire_sync(15, held=5, timeout=2.0, meta=meta(**{FAIL_FAST_KEY: True}))
+    assert info.value.predicted_wait_s == pytest.approx(17.0)  # 22 s less the bias
+    assert info.value.retry_after_s == pytest.approx(15.0)
+    assert "recent prediction error (5.000 s)" in str(info.value)
+    assert not b.status_sync().waiters
+    lease.release_sync()
 
 
 # ------------------------------------------------------------------------------------------ through wrap()

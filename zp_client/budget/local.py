@@ -38,7 +38,7 @@ from zp_client.budget.ledger import (
     validate_blocks,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
-from zp_client.budget.predict import FAIL_FAST_KEY, PoolTiming, predict_wait_of, predict_waits
+from zp_client.budget.predict import FAIL_FAST_KEY, ErrorWindow, PoolTiming, predict_wait_of, predict_waits
 from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, LeaseTooLarge
 
@@ -235,6 +235,11 @@ class LocalBudget(Budget):
         ``observe_admissions()`` and the metrics): one bounded replay of the ledger per waiting enqueue.
         A fail-fast waiter is predicted regardless."""
         self._predicted: dict[str, float] = {}
+        # waiter id -> (when it queued, its class, the replay's own prediction), for the exact predictions
+        # in _predicted (those are corrected by the class's bias): at its grant the replay's error goes to
+        # _errors, which the bias and fail-fast's margin read
+        self._predicted_from: dict[str, tuple[float, int, float]] = {}
+        self._errors = ErrorWindow()
         # waiter id -> when its acquire times out (this budget's clock): the predictor takes it out of
         # line then, as the waiter will leave
         self._leave_at: dict[str, float] = {}
@@ -348,6 +353,9 @@ class LocalBudget(Budget):
             self._granted_total += 1
             if self._predicted:
                 lease.predicted_wait_s = self._predicted.pop(gid, None)
+                start = self._predicted_from.pop(gid, None)
+                if start is not None:
+                    self._errors.record(start[1], start[2], self.clock.monotonic() - start[0])
             if self._leave_at:
                 self._leave_at.pop(gid, None)
             if gid == own:
@@ -412,6 +420,7 @@ class LocalBudget(Budget):
                 return waiter.lease
             self._waiters.pop(waiter.id, None)
             self._predicted.pop(waiter.id, None)
+            self._predicted_from.pop(waiter.id, None)
             self._leave_at.pop(waiter.id, None)
             self._ledger.cancel(waiter.id)
             # Removing a waiter (say a starving head) may let the ones behind it in.
@@ -478,17 +487,29 @@ class LocalBudget(Budget):
         measured = pred.timing is not None and pred.timing.samples > 0
         if measured:
             self._timing = pred.timing
+        rec = self._ledger.waiter(wid)
+        priority = rec.priority if rec is not None else 0
+        # reported: the replay's prediction less the class's recent bias (ErrorWindow.bias: 0 at first)
+        shown = max(0.0, pred.wait_s - self._errors.bias(priority))
         if pred.exact:
-            self._predicted[wid] = pred.wait_s
-        # refused only on a measured pace: before any lease has reported tokens the pace is a guess
-        if fail_fast and timeout is not None and measured and pred.wait_s > timeout:
+            self._predicted[wid] = shown
+            self._predicted_from[wid] = (now, priority, pred.wait_s)
+        # refused only on a measured pace (before any lease has reported tokens the pace is a guess), and
+        # only when the prediction exceeds the deadline by more than the class's recent over-predictions
+        # (ErrorWindow.margin: 0 until the class has enough admitted predictions)
+        margin = self._errors.margin(priority) if fail_fast else 0.0
+        if fail_fast and timeout is not None and measured and pred.wait_s - margin > timeout:
             self._predicted.pop(wid, None)
+            self._predicted_from.pop(wid, None)
             over = "" if pred.exact else "at least "
+            by = f" by more than this class's recent prediction error ({margin:.3f} s)" if margin else ""
+            # shown >= pred.wait_s - margin > timeout: the bias is the errors' median, the margin a higher
+            # quantile of them
             return DeadlineExceeded(
-                f"predicted wait {over}{pred.wait_s:.3f} s exceeds the {timeout:.3f} s left before the "
-                "request's deadline: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
-                predicted_wait_s=pred.wait_s,
-                retry_after_s=max(0.0, pred.wait_s - timeout),
+                f"predicted wait {over}{shown:.3f} s exceeds the {timeout:.3f} s left before the "
+                f"request's deadline{by}: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
+                predicted_wait_s=shown,
+                retry_after_s=max(0.0, shown - timeout),
             )
         return None
 
@@ -581,7 +602,7 @@ class LocalBudget(Budget):
         ``extra`` holds ``wakeups`` (waiters woken so far; every wake-up is a grant or a rejection) and
         ``granted`` (leases granted so far), besides the ledger's facts.
         """
-        snap: tuple[Ledger, dict[str, float], PoolTiming | None] | None = None
+        snap: tuple[Ledger, dict[str, float], PoolTiming | None, dict[int, float]] | None = None
         with self._lock:
             now = self.clock.monotonic()
             s = self._ledger.status(now, block_size=self.block_size)
@@ -589,7 +610,9 @@ class LocalBudget(Budget):
             if len(self._ledger) and isinstance(self._ledger, Ledger):
                 # only a copy under the lock (O(leases + waiters)); the replay runs on it after the lock
                 try:
-                    snap = (copy.deepcopy(self._ledger), dict(self._leave_at), self._timing)
+                    classes = {w.priority for w in self._ledger.line()}
+                    snap = (copy.deepcopy(self._ledger), dict(self._leave_at), self._timing,
+                            {p: self._errors.bias(p) for p in classes})
                 except Exception:  # noqa: BLE001 - status must answer even when the replay cannot run
                     logger.debug("ledger copy failed; status has no predicted wait", exc_info=True)
                     s = replace(s, predicted_wait_s={})
@@ -601,10 +624,11 @@ class LocalBudget(Budget):
         return s
 
     def _class_heads_predicted(self, now: float, ledger: Ledger, leave_at: dict[str, float],
-                               timing: PoolTiming | None) -> dict[int, float]:
+                               timing: PoolTiming | None, biases: dict[int, float]) -> dict[int, float]:
         """Per priority class, its head's predicted wait (one bounded replay on ``ledger``, a private
-        copy of this budget's, which the replay changes). A class whose head the replay does not reach
-        is absent."""
+        copy of this budget's, which the replay changes), less the class's recent bias (``biases``, as
+        a waiter's own prediction is corrected). A class whose head the replay does not reach is
+        absent."""
         heads: dict[int, str] = {}
         for w in ledger.line():
             heads.setdefault(w.priority, w.id)
@@ -615,7 +639,7 @@ class LocalBudget(Budget):
         except Exception:  # noqa: BLE001 - status must answer even when the replay cannot run
             logger.debug("wait prediction failed; status has none", exc_info=True)
             return {}
-        return {p: waits[wid] for p, wid in heads.items() if wid in waits}
+        return {p: max(0.0, waits[wid] - biases.get(p, 0.0)) for p, wid in heads.items() if wid in waits}
 
     async def set_limit(self, limit: int) -> None:
         self.set_limit_sync(limit)

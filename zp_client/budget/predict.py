@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -32,7 +33,11 @@ __all__ = [
     "DEFAULT_MAX_EVENTS",
     "DEFAULT_STEP_S",
     "DEFAULT_TTFT_S",
+    "FAIL_FAST_ERROR_QUANTILE",
     "FAIL_FAST_KEY",
+    "FAIL_FAST_MIN_SAMPLES",
+    "FAIL_FAST_WINDOW",
+    "ErrorWindow",
     "Prediction",
     "PoolTiming",
     "pool_timing",
@@ -272,3 +277,79 @@ def predict_wait_of(ledger: Ledger, waiter_id: str, now: float, *, block_size: i
     if t is not None:
         return Prediction(t - now, True, run.timing)
     return Prediction(max(0.0, run.horizon - now), False, run.timing)
+
+
+#: Fail-fast refuses only when the prediction exceeds the deadline by more than this quantile of the
+#: class's recent over-predictions (predicted minus actual wait of its admitted waiters): a refusal is then
+#: false (the waiter would have been admitted in time) in about ``1 - FAIL_FAST_ERROR_QUANTILE`` of the
+#: cases where the errors to come are like those seen (docs/admission.md#predicted-wait-and-fail-fast).
+FAIL_FAST_ERROR_QUANTILE = 0.95
+#: Admitted predictions a class needs before its margin is used (before: no margin, the raw prediction).
+FAIL_FAST_MIN_SAMPLES = 20
+#: Recent admitted predictions kept per class.
+FAIL_FAST_WINDOW = 256
+
+
+class ErrorWindow:
+    """Each priority class's recent prediction errors, and fail-fast's margin from them.
+
+    Sans-I/O: the budget records, for every waiter whose wait it predicted exactly and which it then
+    admitted, ``predicted - actual`` (seconds; > 0: it was admitted sooner than predicted), and asks for
+    :meth:`margin` before refusing. Refused waiters and waiters that gave up add nothing (their actual wait
+    is unknown); they are the ones predicted long, so the window leans to waiters admitted in time, which
+    makes the margin larger, the safe side for a refusal."""
+
+    __slots__ = ("_errors", "_min", "_q", "_window")
+
+    def __init__(self, quantile: float = FAIL_FAST_ERROR_QUANTILE, min_samples: int = FAIL_FAST_MIN_SAMPLES,
+                 window: int = FAIL_FAST_WINDOW) -> None:
+        if not 0.0 < quantile < 1.0:
+            raise ValueError(f"quantile must be in (0, 1), got {quantile!r}")
+        if min_samples < 1 or window < min_samples:
+            raise ValueError(f"need 1 <= min_samples <= window, got {min_samples!r}, {window!r}")
+        self._q = quantile
+        self._min = min_samples
+        self._window = window
+        self._errors: dict[int, deque[float]] = {}
+
+    def record(self, priority: int, predicted_s: float, actual_s: float) -> None:
+        """One admitted waiter of class ``priority``: its predicted and its actual wait."""
+        if not (math.isfinite(predicted_s) and math.isfinite(actual_s)):
+            return
+        q = self._errors.get(priority)
+        if q is None:
+            q = self._errors[priority] = deque(maxlen=self._window)
+        q.append(predicted_s - actual_s)
+
+    def samples(self, priority: int) -> int:
+        return len(self._errors.get(priority, ()))
+
+    def bias(self, priority: int) -> float:
+        """The median of class ``priority``'s recent errors (seconds; > 0: its waits ran shorter than
+        predicted), 0 while it has fewer than ``min_samples``: what a prediction of the class is corrected
+        by before it is reported (the replay cannot see, say, the earliest of many uncertain lease ends
+        coming sooner than the earliest forecast one, or later arrivals of a more urgent class going
+        ahead; its own record shows by how much it runs off)."""
+        q = self._errors.get(priority)
+        if q is None or len(q) < self._min:
+            return 0.0
+        xs = sorted(q)
+        n = len(xs)
+        return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+    def margin(self, priority: int) -> float:
+        """Seconds a prediction of class ``priority`` must exceed a deadline by before fail-fast refuses:
+        the ``quantile`` of its recent over-predictions (never below 0); while the class has fewer than
+        ``min_samples`` of them, the larger of that over every class's (when they have ``min_samples``
+        together) and its own; 0 while no class has shown enough."""
+        own = self._errors.get(priority, ())
+        if len(own) >= self._min:
+            return self._quantile(own)
+        pooled = [e for q in self._errors.values() for e in q]
+        if len(pooled) < self._min:
+            return 0.0
+        return max(self._quantile(pooled), self._quantile(own) if own else 0.0)
+
+    def _quantile(self, errors: Iterable[float]) -> float:
+        xs = sorted(errors)
+        return max(0.0, xs[min(len(xs) - 1, math.ceil(self._q * len(xs)) - 1)])
