@@ -38,7 +38,7 @@ from zp_client.budget.ledger import (
     validate_blocks,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
-from zp_client.budget.predict import FAIL_FAST_KEY, PoolTiming, predict_wait_of, predict_waits
+from zp_client.budget.predict import FAIL_FAST_KEY, PoolTiming, predict_wait_of, predict_waits, refusal
 from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, LeaseTooLarge
 
@@ -481,16 +481,10 @@ class LocalBudget(Budget):
         if pred.exact:
             self._predicted[wid] = pred.wait_s
         # refused only on a measured pace: before any lease has reported tokens the pace is a guess
-        if fail_fast and timeout is not None and measured and pred.wait_s > timeout:
+        refused = refusal(pred, timeout) if fail_fast and timeout is not None else None
+        if refused is not None:
             self._predicted.pop(wid, None)
-            over = "" if pred.exact else "at least "
-            return DeadlineExceeded(
-                f"predicted wait {over}{pred.wait_s:.3f} s exceeds the {timeout:.3f} s left before the "
-                "request's deadline: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
-                predicted_wait_s=pred.wait_s,
-                retry_after_s=max(0.0, pred.wait_s - timeout),
-            )
-        return None
+        return refused
 
     def _sync_parking(self) -> tuple[Callable[[], None], threading.Event]:
         event = self._new_sync_event()

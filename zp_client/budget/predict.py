@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from zp_client.budget.elastic import POLICY_KEYS, project
 from zp_client.budget.ledger import LeaseRecord, Ledger
+from zp_client.errors import DeadlineExceeded
 
 __all__ = [
     "DEFAULT_MAX_EVENTS",
@@ -38,6 +39,7 @@ __all__ = [
     "pool_timing",
     "predict_wait_of",
     "predict_waits",
+    "refusal",
 ]
 
 #: Decode seconds per output token assumed while no live lease has reported tokens (vLLM's step time at a
@@ -272,3 +274,20 @@ def predict_wait_of(ledger: Ledger, waiter_id: str, now: float, *, block_size: i
     if t is not None:
         return Prediction(t - now, True, run.timing)
     return Prediction(max(0.0, run.horizon - now), False, run.timing)
+
+
+def refusal(pred: Prediction, timeout: float) -> DeadlineExceeded | None:
+    """The fail-fast refusal of a waiter predicted ``pred`` with ``timeout`` seconds left before its
+    deadline, or None: refused only when the pace the replay ran at was measured (not the defaults, a
+    guess) and the prediction exceeds ``timeout``. A lower-bound prediction refuses too (the waiter is
+    admitted no earlier). Shared by every backend that predicts (LocalBudget, RedisBudget)."""
+    measured = pred.timing is not None and pred.timing.samples > 0
+    if not measured or pred.wait_s <= timeout:
+        return None
+    over = "" if pred.exact else "at least "
+    return DeadlineExceeded(
+        f"predicted wait {over}{pred.wait_s:.3f} s exceeds the {timeout:.3f} s left before the "
+        "request's deadline: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
+        predicted_wait_s=pred.wait_s,
+        retry_after_s=max(0.0, pred.wait_s - timeout),
+    )
