@@ -66,8 +66,9 @@ class BudgetStatus:
     predicted_wait_s: dict[int, float] = field(default_factory=dict)
     """Per priority class with waiters, its head's predicted wait in seconds from now (a replay of the
     ledger on the live leases' projections: docs/admission.md#predicted-wait-and-fail-fast). Empty with
-    nobody waiting and where the backend does not predict (``RedisBudget``, fleets); a class whose head
-    the bounded replay does not reach is absent."""
+    nobody waiting and where the backend does not predict (fleets; a ``RedisBudget`` beyond its snapshot's
+    bound, under ``strict``, with pinned prefixes or recovering); a class whose head the bounded replay
+    does not reach is absent."""
 
     @property
     def head_predicted_wait_s(self) -> float | None:

@@ -38,7 +38,14 @@ from zp_client.budget.ledger import (
     validate_blocks,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
-from zp_client.budget.predict import FAIL_FAST_KEY, ErrorWindow, PoolTiming, predict_wait_of, predict_waits
+from zp_client.budget.predict import (
+    FAIL_FAST_KEY,
+    ErrorWindow,
+    PoolTiming,
+    predict_wait_of,
+    predict_waits,
+    refusal,
+)
 from zp_client.clock import SYSTEM_CLOCK, Clock
 from zp_client.errors import AdmissionTimeout, ConfigurationError, DeadlineExceeded, LeaseTooLarge
 
@@ -497,21 +504,14 @@ class LocalBudget(Budget):
         # refused only on a measured pace (before any lease has reported tokens the pace is a guess), and
         # only when the prediction exceeds the deadline by more than the class's recent over-predictions
         # (ErrorWindow.margin: 0 until the class has enough admitted predictions)
-        margin = self._errors.margin(priority) if fail_fast else 0.0
-        if fail_fast and timeout is not None and measured and pred.wait_s - margin > timeout:
+        if not fail_fast or timeout is None:
+            return None
+        errors = self._errors
+        refused = refusal(pred, timeout, margin=errors.margin(priority), bias=errors.bias(priority))
+        if refused is not None:
             self._predicted.pop(wid, None)
             self._predicted_from.pop(wid, None)
-            over = "" if pred.exact else "at least "
-            by = f" by more than this class's recent prediction error ({margin:.3f} s)" if margin else ""
-            # shown >= pred.wait_s - margin > timeout: the bias is the errors' median, the margin a higher
-            # quantile of them
-            return DeadlineExceeded(
-                f"predicted wait {over}{shown:.3f} s exceeds the {timeout:.3f} s left before the "
-                f"request's deadline{by}: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
-                predicted_wait_s=shown,
-                retry_after_s=max(0.0, shown - timeout),
-            )
-        return None
+        return refused
 
     def _sync_parking(self) -> tuple[Callable[[], None], threading.Event]:
         event = self._new_sync_event()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from zp_client.budget.elastic import POLICY_KEYS, project
 from zp_client.budget.ledger import LeaseRecord, Ledger
+from zp_client.errors import DeadlineExceeded
 
 __all__ = [
     "DEFAULT_MAX_EVENTS",
@@ -43,6 +44,7 @@ __all__ = [
     "pool_timing",
     "predict_wait_of",
     "predict_waits",
+    "refusal",
 ]
 
 #: Decode seconds per output token assumed while no live lease has reported tokens (vLLM's step time at a
@@ -353,3 +355,26 @@ class ErrorWindow:
     def _quantile(self, errors: Iterable[float]) -> float:
         xs = sorted(errors)
         return max(0.0, xs[min(len(xs) - 1, math.ceil(self._q * len(xs)) - 1)])
+
+
+def refusal(pred: Prediction, timeout: float, *, margin: float = 0.0,
+            bias: float = 0.0) -> DeadlineExceeded | None:
+    """The fail-fast refusal of a waiter predicted ``pred`` with ``timeout`` seconds left before its
+    deadline, or None: refused only when the pace the replay ran at was measured (not the defaults, a
+    guess) and the prediction exceeds ``timeout`` by more than ``margin`` (seconds, >= 0: the class's
+    recent over-predictions, :meth:`ErrorWindow.margin`). A lower-bound prediction refuses too (the waiter
+    is admitted no earlier). The refusal reports the prediction less ``bias`` (:meth:`ErrorWindow.bias`):
+    with ``bias`` the median and ``margin`` a higher quantile of the same errors (or ``bias`` 0), that is
+    still more than ``timeout``. Shared by every backend that predicts (LocalBudget, RedisBudget)."""
+    measured = pred.timing is not None and pred.timing.samples > 0
+    if not measured or pred.wait_s - max(0.0, margin) <= timeout:
+        return None
+    shown = max(0.0, pred.wait_s - bias)
+    over = "" if pred.exact else "at least "
+    by = f" by more than this class's recent prediction error ({margin:.3f} s)" if margin > 0 else ""
+    return DeadlineExceeded(
+        f"predicted wait {over}{shown:.3f} s exceeds the {timeout:.3f} s left before the "
+        f"request's deadline{by}: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
+        predicted_wait_s=shown,
+        retry_after_s=max(0.0, shown - timeout),
+    )

@@ -29,6 +29,7 @@ from zp_client.budget.redis._script import (
     RedisLease,
     text,
 )
+from zp_client.budget.redis._snapshot import SNAPSHOT_CAP
 from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import LeaseTooLarge
 
@@ -156,8 +157,13 @@ class AsyncFace:
         task.add_done_callback(_mark_read)
         return task
 
-    async def acquire(self, bound: int, held: int, prio: int, order: int, meta_json: str) -> RedisLease:
+    async def acquire(self, bound: int, held: int, prio: int, order: int, meta_json: str,
+                      fail_fast_s: float | None = None) -> RedisLease:
+        """``fail_fast_s``: the call opted into fail-fast with this timeout (its deadline's time left):
+        once it queues, one ``snapshot`` call predicts its wait and a refusal leaves the line through the
+        same clean-up as a cancellation (docs/admission.md#predicted-wait-and-fail-fast)."""
         core = self.core
+        started = SYSTEM_CLOCK.monotonic()
         if not core.policy_known:
             # one status call for a herd of first acquires, not one each (a thousand concurrent first
             # acquires would each queue a script in Redis before any of them enqueues)
@@ -186,6 +192,9 @@ class AsyncFace:
                         return self._new_lease(rid, bound, held, r.ticket, r.epoch, meta_json, r.replica,
                                                since=sent)
                     self._waiting(w, args, r)  # a re-enqueue (after 'N') keeps the place in line
+                    if fail_fast_s is not None:
+                        await self._fail_fast(rid, fail_fast_s - (SYSTEM_CLOCK.monotonic() - started))
+                        fail_fast_s = None  # at its first enqueue only, as LocalBudget's
                 enqueue = True
                 self.start()
                 self.waiters_changed.set()
@@ -238,6 +247,19 @@ class AsyncFace:
             raise
         finally:
             self.waiters.pop(rid, None)
+
+    async def _fail_fast(self, rid: str, left_s: float) -> None:
+        """Predict the waiter ``rid`` that just queued from one bounded snapshot of the budget; raise
+        :class:`~zp_client.errors.DeadlineExceeded` when it is refused (the caller's clean-up removes the
+        waiter). A snapshot that fails costs the prediction only."""
+        try:
+            reply = await asyncio.shield(self._start("snapshot", [SNAPSHOT_CAP], init=False, patient=False))
+        except CALL_FAILED as exc:
+            log.debug("zp_client: no snapshot for the wait prediction: %r", exc)
+            return
+        refused = self.core.fail_fast_refusal(reply, rid, left_s)
+        if refused is not None:
+            raise refused
 
     def _waiting(self, w: _Waiter, args: list[Any], r: AcquireReply) -> None:
         """An acquire answered 'W': keep the ticket (a re-enqueue keeps the place in line) and, when the

@@ -5,6 +5,7 @@ call to its asyncio face (one per event loop) or its blocking face. See docs/red
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -27,10 +28,12 @@ from zp_client.budget.ledger import (
     validate_seconds,
 )
 from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
+from zp_client.budget.predict import FAIL_FAST_KEY
 from zp_client.budget.redis._async import AsyncFace, renewal_client
 from zp_client.budget.redis._clients import AsyncRedisClient, SyncRedisClient
 from zp_client.budget.redis._retry import RedisRetryBudget
 from zp_client.budget.redis._script import (
+    CALL_FAILED,
     POLICIES,
     POOL_SIZE,
     PRIORITY_RANGE,
@@ -40,6 +43,7 @@ from zp_client.budget.redis._script import (
     RedisLease,
     text,
 )
+from zp_client.budget.redis._snapshot import SNAPSHOT_CAP
 from zp_client.budget.redis._sync import SyncFace
 from zp_client.errors import AdmissionTimeout, BudgetUnavailable, ConfigurationError, PinRefused
 
@@ -356,12 +360,14 @@ class RedisBudget(Budget):
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
         held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
-        bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
+        bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta, timeout)
         try:
             side = self._get_side()
             if timeout is None:
                 return await side.acquire(bound, held_v, prio, order, meta_json)
-            return await self._acquire_within(side, (bound, held_v, prio, order, meta_json), timeout)
+            fail_fast = timeout if self._fail_fast(meta) else None
+            args = (bound, held_v, prio, order, meta_json, fail_fast)
+            return await self._acquire_within(side, args, timeout)
         except asyncio.TimeoutError as exc:
             if isinstance(exc, AdmissionTimeout):
                 raise
@@ -376,7 +382,8 @@ class RedisBudget(Budget):
                                                held=held_v, meta=meta)
 
     @staticmethod
-    async def _acquire_within(side: AsyncFace, args: tuple[int, int, int, int, str], timeout: float) -> Lease:
+    async def _acquire_within(side: AsyncFace, args: tuple[int, int, int, int, str, float | None],
+                              timeout: float) -> Lease:
         """``side.acquire(*args)`` bounded by ``timeout`` (raises ``asyncio.TimeoutError``).
 
         Not ``asyncio.wait_for``: on Python 3.10/3.11 it returns the inner result when its caller is
@@ -402,9 +409,10 @@ class RedisBudget(Budget):
         self, blocks: int, *, priority: int = 0, timeout: float | None = None, ticket: Ticket | None = None,
         held: int | None = None, meta: Mapping[str, object] | None = None,
     ) -> Lease:
-        bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta)
+        bound, held_v, prio, order, meta_json = self._validate(blocks, priority, ticket, held, meta, timeout)
         try:
-            return self._sync_face.acquire(bound, held_v, prio, order, timeout, meta_json)
+            return self._sync_face.acquire(bound, held_v, prio, order, timeout, meta_json,
+                                           timeout is not None and self._fail_fast(meta))
         except BudgetUnavailable:
             if self._core.cfg.on_unavailable != "fail_local":
                 raise
@@ -412,13 +420,40 @@ class RedisBudget(Budget):
                                               held=held_v, meta=meta)
 
     async def status(self) -> BudgetStatus:
-        """A read-only snapshot from Redis (``extra`` holds epoch, recovery, counters)."""
+        """A read-only snapshot from Redis (``extra`` holds epoch, recovery, counters). With waiters in
+        line, ``predicted_wait_s`` per class from one more read-only script call (``snapshot``, bounded:
+        docs/admission.md#predicted-wait-and-fail-fast)."""
         side = self._get_side()
-        return self._core.status_from(await side.eval("status", [], init=False))
+        s = self._core.status_from(await side.eval("status", [], init=False))
+        if not self._predicts(s):
+            return s
+        try:
+            reply = await side.eval("snapshot", [SNAPSHOT_CAP], init=False, patient=False)
+        except CALL_FAILED as exc:
+            log.debug("zp_client: no snapshot for the status' predicted waits: %r", exc)
+            return s
+        return self._with_predicted(s, reply)
 
     def status_sync(self) -> BudgetStatus:
         """Blocking form of :meth:`status`."""
-        return self._core.status_from(self._sync_face.eval("status", [], init=False))
+        face = self._sync_face
+        s = self._core.status_from(face.eval("status", [], init=False))
+        if not self._predicts(s):
+            return s
+        try:
+            reply = face.eval("snapshot", [SNAPSHOT_CAP], init=False, patient=False)
+        except CALL_FAILED as exc:
+            log.debug("zp_client: no snapshot for the status' predicted waits: %r", exc)
+            return s
+        return self._with_predicted(s, reply)
+
+    def _predicts(self, s: BudgetStatus) -> bool:
+        """Whether a status has waiters to predict (a fleet never predicts; nor a budget recovering)."""
+        return bool(s.waiters) and self._core.fleet is None and not s.extra.get("recovering")
+
+    def _with_predicted(self, s: BudgetStatus, reply: Any) -> BudgetStatus:
+        heads = self._core.predicted_heads(reply)
+        return s if heads is None else dataclasses.replace(s, predicted_wait_s=heads)
 
     async def set_limit(self, limit: int) -> None:
         """Set the limit for the whole fleet. Raising it admits waiters; lowering never revokes a lease."""
@@ -553,9 +588,14 @@ class RedisBudget(Budget):
         quiesce()
 
     # ------------------------------------------------------------------ internals
+    def _fail_fast(self, meta: Mapping[str, object] | None) -> bool:
+        """The call opted into fail-fast (meta ``fail_fast``, set by the core from ``Settings.fail_fast``
+        or ``X-ZP-Fail-Fast``); a fleet never predicts (docs/admission.md#predicted-wait-and-fail-fast)."""
+        return bool(meta and meta.get(FAIL_FAST_KEY)) and self._core.fleet is None
+
     def _validate(
         self, blocks: int, priority: int, ticket: Ticket | None, held: int | None,
-        meta: Mapping[str, object] | None,
+        meta: Mapping[str, object] | None, timeout: float | None = None,
     ) -> tuple[int, int, int, int, str]:
         """(bound, held, priority, ticket order, meta JSON); bad arguments fail here, before any I/O."""
         if self._closed:
@@ -577,7 +617,7 @@ class RedisBudget(Budget):
             raise ConfigurationError(
                 f"RedisBudget priorities must lie in [-{PRIORITY_RANGE}, {PRIORITY_RANGE}], got {priority}"
             )
-        return bound, held_v, priority, order, self._core.meta_arg(meta, bound)
+        return bound, held_v, priority, order, self._core.meta_arg(meta, bound, timeout)
 
     def _local(self) -> Budget:
         core, cfg = self._core, self._core.cfg

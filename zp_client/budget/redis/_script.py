@@ -29,8 +29,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.elastic import admission_meta
 from zp_client.budget.ledger import AGE_KEY, ANSWER_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
+from zp_client.budget.predict import PoolTiming, refusal
+from zp_client.budget.redis._snapshot import class_heads_predicted, ledger_from_snapshot, predict_waiter
 from zp_client.clock import SYSTEM_CLOCK
-from zp_client.errors import BudgetUnavailable, ConfigurationError, LeaseTooLarge, ZPError
+from zp_client.errors import BudgetUnavailable, ConfigurationError, DeadlineExceeded, LeaseTooLarge, ZPError
 
 log = logging.getLogger("zp_client.budget.redis")
 
@@ -45,7 +47,7 @@ POOL_SIZE = 100
 _POOL_FULL_BACKOFF_CAP_S = 0.05
 PRIORITY_RANGE = 4096
 SCRIPTS = ("init", "acquire", "release", "renew", "poll", "held", "set_limit", "status", "adaptive", "fleet",
-           "pin")
+           "pin", "snapshot")
 _KEY_SUFFIXES = ("meta", "leases", "lexp", "line", "wait", "wexp", "cls")
 RENEW_BATCH = 200
 RELEASE_WAIT_S = 1.0  # the longest a caller's release waits for Redis; the rest goes on in the background
@@ -339,6 +341,9 @@ class Core:
         self.fleet_ok: set[str] = set()  # fleet: leases whose request succeeded (told with the release)
         self.pins: dict[str, list[Any]] = {}  # prefix key -> pin.lua's arguments (renewed with the leases)
         self.first_tokens: set[str] = set()  # elastic leases that saw their first token (release.lua)
+        # the pace last measured on the live leases by a wait prediction of this process (its fallback
+        # while no lease has reported tokens, as LocalBudget's)
+        self.timing: PoolTiming | None = None
 
     # ------------------------------------------------------------------ keys and arguments
     def attempts(self, script: str, patient: bool) -> Attempts:
@@ -359,10 +364,12 @@ class Core:
             return self.cfg.held_report_blocks
         return 1 if self.policy == "elastic" else 2
 
-    def meta_arg(self, meta: Mapping[str, Any] | None, bound: int) -> str:
+    def meta_arg(self, meta: Mapping[str, Any] | None, bound: int, timeout: float | None = None) -> str:
         """acquire.lua's meta argument: the compact policy fields, ``max_output_tokens`` derived from the
         bound as the Ledger does (:func:`~zp_client.budget.elastic.admission_meta`). In fleet mode the
-        request's routing (``k``, ``s``, ``a``: never a policy field's name) travels in the same object."""
+        request's routing (``k``, ``s``, ``a``: never a policy field's name) travels in the same object.
+        ``timeout`` (the acquire's, seconds; not in fleet mode): sent as ``gu`` in whole milliseconds, the
+        waiter's give-up time for the wait prediction (docs/admission.md#predicted-wait-and-fail-fast)."""
         if meta is not None and not isinstance(meta, Mapping):
             raise ConfigurationError(f"meta must be a mapping (see zp_client.budget.elastic), got {meta!r}")
         out: dict[str, Any] = {}
@@ -372,6 +379,8 @@ class Core:
             out.update(line_meta(meta))
         if self.fleet is not None:
             out.update(self.fleet.route_arg(meta))
+        elif timeout is not None and math.isfinite(timeout):
+            out["gu"] = min(10**12, max(0, math.ceil(timeout * 1000)))
         return meta_json(out)
 
     def observe_rtt(self, rtt_s: float, now: float) -> None:
@@ -567,6 +576,34 @@ class Core:
                 **({"adaptive": adaptive_from(r[14:18])} if len(r) > 17 and (r[14] or text(r[15])) else {}),
             },
         )
+
+    def fail_fast_refusal(self, reply: list[Any], rid: str, left_s: float) -> DeadlineExceeded | None:
+        """A fail-fast waiter that just queued: its refusal when the wait predicted from ``reply`` (a
+        ``snapshot.lua`` reply read after the enqueue) on a measured pace exceeds ``left_s``, the time
+        left before its deadline; None when not predicted (docs/admission.md#predicted-wait-and-fail-fast).
+        Never raises: a prediction that cannot be made leaves the waiter waiting, as without it."""
+        try:
+            snap = ledger_from_snapshot(reply)
+            pred = None if snap is None else predict_waiter(snap, rid, self.timing)
+        except Exception:  # noqa: BLE001 - a prediction must never fail the acquire
+            log.debug("zp_client: wait prediction failed; the waiter waits as without it", exc_info=True)
+            return None
+        if pred is None:
+            return None
+        if pred.timing is not None and pred.timing.samples > 0:
+            self.timing = pred.timing
+        return refusal(pred, left_s)
+
+    def predicted_heads(self, reply: list[Any]) -> dict[int, float] | None:
+        """``BudgetStatus.predicted_wait_s`` from a ``snapshot.lua`` reply; None: no prediction made."""
+        try:
+            snap = ledger_from_snapshot(reply)
+            if snap is None:
+                return None
+            return class_heads_predicted(snap, self.timing)
+        except Exception:  # noqa: BLE001 - status must answer even when the replay cannot run
+            log.debug("zp_client: wait prediction failed; status has none", exc_info=True)
+            return None
 
     def after_renew(
         self, batch: list[RedisLease], r: list[Any], registry: dict[str, RedisLease]

@@ -31,6 +31,7 @@ from zp_client.budget.redis._script import (
     RedisLease,
     text,
 )
+from zp_client.budget.redis._snapshot import SNAPSHOT_CAP
 from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import AdmissionTimeout, ConfigurationError, LeaseTooLarge
 
@@ -133,8 +134,12 @@ class SyncFace:
 
     # ------------------------------------------------------------------ acquire
     def acquire(
-        self, bound: int, held: int, prio: int, order: int, timeout: float | None, meta_json: str
+        self, bound: int, held: int, prio: int, order: int, timeout: float | None, meta_json: str,
+        fail_fast: bool = False,
     ) -> RedisLease:
+        """``fail_fast`` (with a ``timeout``): once the call queues, one ``snapshot`` call predicts its wait
+        and a refusal leaves the line through the same clean-up as any failure
+        (docs/admission.md#predicted-wait-and-fail-fast)."""
         core = self.core
         self.get_client()
         if not core.policy_known:
@@ -151,6 +156,8 @@ class SyncFace:
         try:
             patient = core.cfg.on_unavailable == "fail_closed"  # fail_local degrades at once
             r = core.acquire_reply(self.eval("acquire", args, patient=patient), bound)
+            if fail_fast and deadline is not None and not r.granted:
+                self._fail_fast(rid, deadline - SYSTEM_CLOCK.monotonic())
             while not r.granted:
                 args[4] = r.ticket.order
                 poll = core.cfg.poll_interval_s
@@ -182,6 +189,18 @@ class SyncFace:
         finally:
             with self.lock:
                 self.waiters.pop(rid, None)
+
+    def _fail_fast(self, rid: str, left_s: float) -> None:
+        """The blocking form of the async face's ``_fail_fast``: raise the refusal of the waiter ``rid``
+        that just queued, if its predicted wait exceeds ``left_s``."""
+        try:
+            reply = self.eval("snapshot", [SNAPSHOT_CAP], init=False, patient=False)
+        except CALL_FAILED as exc:
+            log.debug("zp_client: no snapshot for the wait prediction: %r", exc)
+            return
+        refused = self.core.fail_fast_refusal(reply, rid, left_s)
+        if refused is not None:
+            raise refused
 
     def _new_lease(
         self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str,

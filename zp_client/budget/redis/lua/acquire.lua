@@ -2,7 +2,8 @@
 -- request id: a retry after a lost reply finds its lease or its place in line and counts nothing twice.
 -- ARGV: id, bound, held, priority, ticket order (-1: take a new one), lease_ttl_ms, mailbox, owner,
 --       waiter_ttl_ms, meta (compact JSON, see common.lua; '' for none; under any policy its tt/tp/ag/an
---       fields give the waiter its deadline, common.lua's SLO-aware line section), heartbeat_ms (optional:
+--       fields give the waiter its deadline, common.lua's SLO-aware line section; its gu field, the
+--       acquire's timeout in ms, is kept as the waiter's give-up time q), heartbeat_ms (optional:
 --       the process's heartbeat interval, its poll interval; kept in the waiter record with waiter_ttl_ms
 --       so a grant to a dead process's waiter expires with its heartbeat, common.lua's grant),
 --       claim_ms (optional: the process claims its grants; a grant pass's grant to this waiter is then
@@ -133,10 +134,19 @@ else
   local lf = l_arg(ARGV[10])
   local dl = nil
   if lf ~= nil then dl = now - lf.ag + lf.tt + lf.an end  -- the deadline on Redis TIME (ledger.line_deadline)
+  -- q: when the waiter's acquire gives up (its timeout, meta gu in ms, on Redis TIME): read by nothing
+  -- here, only by the client's wait prediction (snapshot.lua), which takes it out of the replayed line then
+  local q = nil
+  if ARGV[10] and string.find(ARGV[10], '"gu"', 1, true) then
+    local ok, mg = pcall(cjson.decode, ARGV[10])
+    if ok and type(mg) == 'table' and type(mg.gu) == 'number' and mg.gu >= 0 and mg.gu <= 1e12 then
+      q = now + math.floor(mg.gu)
+    end
+  end
   redis.call('HSET', K_WAIT, id, cjson.encode({b = bound, h = held, p = prio, o = order, s = now,
     m = member, x = ARGV[7], w = ARGV[8], l = ttl, mt = wmeta, rt = route, d = dl, tp = lf and lf.tp,
     t = wttl, hb = ARGV[11] and int_arg(ARGV[11], 'heartbeat_ms', 1, 1e9) or nil,
-    cw = ARGV[12] and int_arg(ARGV[12], 'claim_ms', 1, 1e9) or nil}))
+    cw = ARGV[12] and int_arg(ARGV[12], 'claim_ms', 1, 1e9) or nil, q = q}))
   redis.call('ZADD', K_LINE, prio * PRIO_SPAN + order, member)
   if dl ~= nil and redis.call('HGET', K_META, 'line') == 'slo' then
     redis.call('ZADD', K_DL, l_score(prio, dl, meta_num('t0')), member)

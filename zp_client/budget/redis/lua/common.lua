@@ -29,7 +29,8 @@
 --                  mt=meta (elastic only), d=TTFT deadline ms and tp=TPOT target ms (with a TTFT target;
 --                  the SLO-aware line's section), t=waiter ttl ms and hb=heartbeat interval ms of its
 --                  process (clients since issue 33; grant: a dead process's waiters), cw=claim window ms
---                  (clients that claim their grants: claim_lease)}
+--                  (clients that claim their grants: claim_lease), q=when its acquire gives up (ms;
+--                  read only by the client's wait prediction, snapshot.lua)}
 --   6 wexp   ZSET  waiter id -> heartbeat expiry (ms)
 --   7 cls    HASH  "n<prio>" -> waiters of the class, "w<prio>" -> their weight (status without scans)
 -- Read from the prefix too: pl ZSET owner -> TIME (ms) of that process's last script call (heard; reap's
