@@ -219,6 +219,8 @@ async def test_fail_fast_waits_when_the_deadline_allows_it_and_status_predicts_t
     await lease.release()
     got = await asyncio.wait_for(task, 30)
     assert got.bound == 15
+    # its grant recorded its prediction's error (this process's margin and bias learn from it)
+    assert b._core.errors.samples(0) == 1 and b._core.predicted == {}
     st2 = await b.status()
     assert st2.predicted_wait_s == {}  # nobody waits
     await got.release()

@@ -154,3 +154,39 @@ def test_the_replay_on_the_snapshot_predicts_what_it_predicts_on_the_ledger_it_c
     heads = predict_waits(model, t, block_size=BS, leave_at=leave, only=["w1", "w2"])
     assert class_heads_predicted(snap, None) == {0: pytest.approx(heads["w1"]), 1: pytest.approx(heads["w2"])}
     assert heads["w1"] > 0 and heads["w2"] > 0  # w2 (smaller, class 1) backfills before w1
+
+
+def test_a_process_learns_its_errors_for_fail_fast_margin_and_bias() -> None:
+    """RedisBudget's share of LocalBudget's error window (docs/admission.md#predicted-wait-and-fail-fast):
+    each fail-fast prediction that is not refused waits for its grant, which records the error; once the
+    class has 20, a prediction within the errors seen of the deadline is not refused, one beyond them is,
+    and what is reported (the refusal, status' heads) is the replay's less the class's bias. No Redis: the
+    process's Core on hand-built snapshot replies (a lease 10 s into its stream at 0.1 s a token, 60 tokens
+    left: the waiter's replay says 6 s; 110 left at 0.2 s: 22 s)."""
+    from zp_client.budget.predict import FAIL_FAST_MIN_SAMPLES
+    from zp_client.budget.redis import RedisBudget
+
+    def reply(wid: str, tokens: int = 180) -> list[Any]:
+        lease = ("L1", _lease(NOW_MS - 10000, 1, h=-(-tokens // BS), tk=tokens, f1=1))
+        return _reply([lease], [(wid, _waiter(NOW_MS), "9999999999999")], limit="20")
+
+    b = RedisBudget("redis://127.0.0.1:1/0", "unit-errors", 20, BS)  # never connects: no call is made
+    core = b._core
+    try:
+        assert core.fail_fast_refusal(reply("fresh"), "fresh", 2.0) is not None  # 6 s > 2 s: no errors yet
+        for i in range(FAIL_FAST_MIN_SAMPLES):
+            rid = f"w{i}"
+            assert core.fail_fast_refusal(reply(rid), rid, 60.0) is None
+            assert rid in core.predicted
+            core.prediction_granted(rid)  # granted at once: predicted 6 s too long
+        assert core.predicted == {} and core.errors.samples(0) == FAIL_FAST_MIN_SAMPLES
+        assert core.errors.margin(0) == pytest.approx(6.0, abs=0.5)
+        assert core.fail_fast_refusal(reply("near"), "near", 2.0) is None  # 6 - 6 < 2: waits
+        core.forget_prediction("near")  # it timed out, say: nothing recorded
+        assert core.predicted == {} and core.errors.samples(0) == FAIL_FAST_MIN_SAMPLES
+        refused = core.fail_fast_refusal(reply("far", tokens=130), "far", 2.0)  # 22 s: 22 - 6 > 2
+        assert refused is not None and refused.predicted_wait_s == pytest.approx(16.0, abs=0.5)
+        assert "recent prediction error" in str(refused)
+        assert core.predicted_heads(reply("head")) == {0: pytest.approx(0.0, abs=0.5)}  # 6 s less 6 s
+    finally:
+        b.close_sync()

@@ -247,6 +247,7 @@ class AsyncFace:
             raise
         finally:
             self.waiters.pop(rid, None)
+            self.core.forget_prediction(rid)
 
     async def _fail_fast(self, rid: str, left_s: float) -> None:
         """Predict the waiter ``rid`` that just queued from one bounded snapshot of the budget; raise
@@ -296,6 +297,7 @@ class AsyncFace:
     ) -> RedisLease:
         """Register a granted lease with the keeper. ``since``: when the call that told this process of the
         grant was sent (the lease's TTL started no earlier)."""
+        self.core.prediction_granted(rid)
         lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=False,
                            meta=meta_json)
         lease.replica = replica

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import secrets
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -29,7 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.elastic import admission_meta
 from zp_client.budget.ledger import AGE_KEY, ANSWER_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
-from zp_client.budget.predict import PoolTiming, refusal
+from zp_client.budget.predict import ErrorWindow, PoolTiming, refusal
 from zp_client.budget.redis._snapshot import class_heads_predicted, ledger_from_snapshot, predict_waiter
 from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import BudgetUnavailable, ConfigurationError, DeadlineExceeded, LeaseTooLarge, ZPError
@@ -344,6 +345,12 @@ class Core:
         # the pace last measured on the live leases by a wait prediction of this process (its fallback
         # while no lease has reported tokens, as LocalBudget's)
         self.timing: PoolTiming | None = None
+        # this process's fail-fast predictions and their errors (LocalBudget's margin and bias): request id
+        # -> (when predicted, its class, the replay's prediction) until its grant records the error; both
+        # faces use them (the async one on its loop, the sync one on the callers' threads): under the lock
+        self.errors = ErrorWindow()
+        self.predicted: dict[str, tuple[float, int, float]] = {}
+        self.errors_lock = threading.Lock()
 
     # ------------------------------------------------------------------ keys and arguments
     def attempts(self, script: str, patient: bool) -> Attempts:
@@ -592,7 +599,29 @@ class Core:
             return None
         if pred.timing is not None and pred.timing.samples > 0:
             self.timing = pred.timing
-        return refusal(pred, left_s)
+        rec = snap.ledger.waiter(rid) if snap is not None else None
+        prio = rec.priority if rec is not None else 0
+        with self.errors_lock:
+            refused = refusal(pred, left_s, margin=self.errors.margin(prio), bias=self.errors.bias(prio))
+            if refused is None and pred.exact:
+                self.predicted[rid] = (SYSTEM_CLOCK.monotonic(), prio, pred.wait_s)
+        return refused
+
+    def prediction_granted(self, rid: str) -> None:
+        """The request ``rid`` was granted: its prediction's error (if it was predicted) joins the window
+        its class's margin and bias come from."""
+        if not self.predicted:
+            return
+        with self.errors_lock:
+            p = self.predicted.pop(rid, None)
+            if p is not None:
+                self.errors.record(p[1], p[2], SYSTEM_CLOCK.monotonic() - p[0])
+
+    def forget_prediction(self, rid: str) -> None:
+        """The request ``rid`` left without a grant (refused, timed out, cancelled): no error to record."""
+        if self.predicted:
+            with self.errors_lock:
+                self.predicted.pop(rid, None)
 
     def predicted_heads(self, reply: list[Any]) -> dict[int, float] | None:
         """``BudgetStatus.predicted_wait_s`` from a ``snapshot.lua`` reply; None: no prediction made."""
@@ -600,7 +629,9 @@ class Core:
             snap = ledger_from_snapshot(reply)
             if snap is None:
                 return None
-            return class_heads_predicted(snap, self.timing)
+            heads = class_heads_predicted(snap, self.timing)
+            with self.errors_lock:
+                return {p: max(0.0, w - self.errors.bias(p)) for p, w in heads.items()}
         except Exception:  # noqa: BLE001 - status must answer even when the replay cannot run
             log.debug("zp_client: wait prediction failed; status has none", exc_info=True)
             return None

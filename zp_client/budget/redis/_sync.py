@@ -189,6 +189,7 @@ class SyncFace:
         finally:
             with self.lock:
                 self.waiters.pop(rid, None)
+            self.core.forget_prediction(rid)
 
     def _fail_fast(self, rid: str, left_s: float) -> None:
         """The blocking form of the async face's ``_fail_fast``: raise the refusal of the waiter ``rid``
@@ -206,6 +207,7 @@ class SyncFace:
         self, rid: str, bound: int, held: int, ticket: Ticket, epoch: str, meta_json: str,
         replica: str | None = None,
     ) -> RedisLease:
+        self.core.prediction_granted(rid)
         lease = RedisLease(self.owner, rid, bound, held, ticket, epoch, sync=True,
                            meta=meta_json)
         lease.replica = replica
