@@ -29,7 +29,7 @@ from zp_client.budget.predict import (
     predict_wait_of,
     predict_waits,
 )
-from zp_client.errors import AdmissionTimeout, DeadlineExceeded, InvalidRequest
+from zp_client.errors import AdmissionTimeout, DeadlineExceeded, InvalidRequest, LeaseTooLarge
 
 pytestmark = [pytest.mark.openai_compat, pytest.mark.anyio]
 
@@ -268,10 +268,66 @@ def test_the_error_window_margin_is_the_quantile_of_recent_over_predictions() ->
     w.record(0, math.inf, 1.0)
     w.record(0, 1.0, math.nan)
     assert w.samples(0) == 20  # not finite: ignored
+    w3 = ErrorWindow(min_samples=3, window=4)
+    for e in (1.0, 7.0):
+        w3.record(2, e, 0.0)
+    assert w3.bias(2) == 0.0  # too few
+    w3.record(2, 2.0, 0.0)
+    assert w3.bias(2) == pytest.approx(2.0)  # the median of 1, 7, 2
+    w3.record(2, 10.0, 0.0)
+    assert w3.bias(2) == pytest.approx(4.5)  # of 1, 7, 2, 10: between 2 and 7
+    w3.record(2, -3.0, 0.0)  # the window keeps 4: 7, 2, 10, -3
+    assert w3.bias(2) == pytest.approx(4.5) and w3.bias(0) == 0.0
     with pytest.raises(ValueError):
         ErrorWindow(quantile=1.0)
     with pytest.raises(ValueError):
         ErrorWindow(min_samples=30, window=20)
+
+
+class Rounds:
+    """A LocalBudget (limit 20, manual clock, ``predict=True``) and what its error-window tests repeat: a
+    lease of 15 blocks 10 s into its stream, and a waiter of 15 queued behind it on a thread."""
+
+    def __init__(self) -> None:
+        self.clock = ManualClock()
+        self.b = LocalBudget(20, BS, clock=self.clock, predict=True)
+
+    def busy_lease(self, tokens: int = 180) -> Any:
+        """180 tokens: 0.1 s a token, 60 tokens (6 s) left; 130: 0.2 s a token, 110 left (22 s)."""
+        lease = self.b.acquire_sync(15, held=5, meta=meta())
+        lease.report_progress(6, tokens=81, first_token=True)
+        self.clock.t += 10.0
+        lease.report_progress(-(-tokens // BS), tokens=tokens)
+        return lease
+
+    def queue(self, priority: int = 0, **kw: Any) -> tuple[threading.Thread, list[Any]]:
+        got: list[Any] = []
+        extra = kw.pop("extra", {})
+
+        def take() -> None:
+            try:
+                got.append(self.b.acquire_sync(15, held=5, priority=priority, meta=meta(**extra), **kw))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                got.append(exc)
+
+        th = threading.Thread(target=take)
+        th.start()
+        while not self.b.status_sync().waiters and not got:
+            th.join(0.01)
+        return th, got
+
+    def round(self, after_s: float, priority: int = 0, **kw: Any) -> Any:
+        """One waiter behind a busy lease (the replay says 6 s), admitted ``after_s`` later; returns what
+        it reported as its predicted wait."""
+        lease = self.busy_lease()
+        th, got = self.queue(priority, timeout=60, **kw)
+        assert not got, got  # waiting
+        self.clock.t += after_s
+        lease.release_sync()
+        th.join(10)
+        assert got and not isinstance(got[0], BaseException), got
+        got[0].release_sync()
+        return got[0].predicted_wait_s
 
 
 def test_fail_fast_refuses_only_beyond_the_errors_its_class_has_shown() -> None:
@@ -279,64 +335,108 @@ def test_fail_fast_refuses_only_beyond_the_errors_its_class_has_shown() -> None:
     1 s, as a lease ended early) does not refuse a 6 s prediction against a 2 s deadline: its recent
     errors say such a waiter is admitted in about 1 s; and it reports its predictions less that bias. A
     fresh budget refuses the same call (test_fail_fast_refuses_at_once_with_its_fields_and_holds_nothing)."""
-    clock = ManualClock()
-    b = LocalBudget(20, BS, clock=clock, predict=True)
-
-    def busy_lease(tokens: int = 180) -> Any:
-        lease = b.acquire_sync(15, held=5, meta=meta())
-        lease.report_progress(6, tokens=81, first_token=True)
-        clock.t += 10.0
-        lease.report_progress(-(-tokens // BS), tokens=tokens)  # 180: 0.1 s a token, 60 tokens (6 s) left
-        return lease
-
-    def queue(**kw: Any) -> tuple[threading.Thread, list[Any]]:
-        got: list[Any] = []
-
-        def take() -> None:
-            try:
-                got.append(b.acquire_sync(15, held=5, meta=meta(**kw.pop("extra", {})), **kw))
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
-                got.append(exc)
-
-        th = threading.Thread(target=take)
-        th.start()
-        while not b.status_sync().waiters and not got:
-            th.join(0.01)
-        return th, got
-
+    r = Rounds()
+    b = r.b
     for _ in range(FAIL_FAST_MIN_SAMPLES):
-        lease = busy_lease()
-        th, got = queue(timeout=60)
-        clock.t += 1.0
-        lease.release_sync()
-        th.join(10)
-        assert got and got[0].predicted_wait_s == pytest.approx(6.0)
-        got[0].release_sync()
+        assert r.round(1.0) == pytest.approx(6.0)  # no bias before 20 errors
     # reported: the replay's 6 s less the class's bias (its errors' median, 5 s), in status too
-    lease = busy_lease()
-    th, got = queue(timeout=60)
+    lease = r.busy_lease()
+    th, got = r.queue(timeout=60)
     assert b.status_sync().predicted_wait_s == {0: pytest.approx(1.0)}
-    clock.t += 1.0
+    r.clock.t += 1.0
     lease.release_sync()
     th.join(10)
     assert got and got[0].predicted_wait_s == pytest.approx(1.0)
     got[0].release_sync()
-    lease = busy_lease()
-    th, got = queue(timeout=2.0, extra={FAIL_FAST_KEY: True})
+    lease = r.busy_lease()
+    th, got = r.queue(timeout=2.0, extra={FAIL_FAST_KEY: True})
     assert not got and b.status_sync().waiters[0].waiters == 1  # waiting, not refused
-    clock.t += 1.0
+    r.clock.t += 1.0
     lease.release_sync()
     th.join(10)
     assert got and got[0].predicted_wait_s == pytest.approx(1.0)
     got[0].release_sync()
     # a prediction beyond the deadline by more than the errors seen is still refused at once
-    lease = busy_lease(tokens=130)  # 0.2 s a token, 110 tokens (22 s) left: 22 - 5 > 2
+    lease = r.busy_lease(tokens=130)  # 22 s: 22 - 5 > 2
     with pytest.raises(DeadlineExceeded) as info:
         b.acquire_sync(15, held=5, timeout=2.0, meta=meta(**{FAIL_FAST_KEY: True}))
     assert info.value.predicted_wait_s == pytest.approx(17.0)  # 22 s less the bias
     assert info.value.retry_after_s == pytest.approx(15.0)
-    assert "recent prediction error (5.000 s)" in str(info.value)
+    msg = str(info.value)
+    assert "the replay's wait 22.000 s exceeds the 2.000 s left" in msg  # what the rule compared
+    assert "recent prediction error (5.000 s)" in msg and "predicted wait 17.000 s" in msg
     assert not b.status_sync().waiters
+    lease.release_sync()
+
+
+def test_the_window_keeps_the_replays_errors_not_the_corrected_ones() -> None:
+    """The bias corrects what is reported; the window must keep learning from the replay's own
+    predictions, else the correction feeds back on itself: 20 more waiters reported at 1 s (6 s less
+    the 5 s bias) and admitted after 1 s leave the bias at 5 s (their replay errors are 5 s; the
+    corrected ones would be 0, and the median of 20 fives and 20 zeros would report 3.5 s)."""
+    r = Rounds()
+    for _ in range(FAIL_FAST_MIN_SAMPLES):
+        r.round(1.0)
+    for _ in range(FAIL_FAST_MIN_SAMPLES):
+        assert r.round(1.0) == pytest.approx(1.0)
+    assert r.round(1.0) == pytest.approx(1.0)
+
+
+def test_each_class_has_its_own_margin_and_bias() -> None:
+    """Class 0's predictions ran 5 s long, class 1's were right (admitted after the 6 s predicted). A
+    class-1 fail-fast call with 2 s left, predicted 6 s: before class 1 has 20 errors it borrows every
+    class's margin (5 s: waits); once it has its own (0 s), it is refused, while class 0's is not; and
+    each class's bias is its own (class 0 reports 1 s, class 1 6 s)."""
+    r = Rounds()
+    b = r.b
+    for _ in range(FAIL_FAST_MIN_SAMPLES):
+        r.round(1.0)
+    lease = r.busy_lease()
+    th, got = r.queue(1, timeout=2.0, extra={FAIL_FAST_KEY: True})
+    assert not got  # class 1 has no errors of its own: the pooled margin (5 s) lets it wait
+    r.clock.t += 1.0
+    lease.release_sync()
+    th.join(10)
+    assert got and got[0].predicted_wait_s == pytest.approx(6.0)  # no bias of its own yet
+    got[0].release_sync()
+    for _ in range(FAIL_FAST_MIN_SAMPLES):
+        assert r.round(6.0, priority=1) == pytest.approx(6.0)
+    assert r.round(6.0, priority=1) == pytest.approx(6.0)  # class 1's bias: about 0
+    lease = r.busy_lease()
+    with pytest.raises(DeadlineExceeded):  # class 1's own margin now: about 0
+        b.acquire_sync(15, held=5, priority=1, timeout=2.0, meta=meta(**{FAIL_FAST_KEY: True}))
+    th, got = r.queue(0, timeout=2.0, extra={FAIL_FAST_KEY: True})
+    assert not got  # class 0's margin is still 5 s
+    r.clock.t += 1.0
+    lease.release_sync()
+    th.join(10)
+    assert got and got[0].predicted_wait_s == pytest.approx(1.0)
+    got[0].release_sync()
+
+
+def test_a_waiter_failed_by_a_lowered_limit_leaves_no_prediction_behind() -> None:
+    """Every way a predicted waiter leaves the line drops its prediction: a grant, a timeout, a refusal,
+    and a limit lowered below its size (LeaseTooLarge), which must not leave its replay record
+    (_predicted_from) behind: one entry a failed waiter, for the budget's lifetime."""
+    b, clock, lease = budget_with_a_busy_lease(predict=True)
+    got: list[Any] = []
+
+    def take() -> None:
+        try:
+            got.append(b.acquire_sync(15, held=5, timeout=60, meta=meta()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            got.append(exc)
+
+    th = threading.Thread(target=take)
+    th.start()
+    while not b.status_sync().waiters:
+        th.join(0.01)
+    assert len(b._predicted) == 1 and len(b._predicted_from) == 1  # predicted exactly
+    b.set_limit_sync(10)  # 15 blocks can never fit: the waiter fails
+    th.join(10)
+    assert got and isinstance(got[0], LeaseTooLarge)
+    assert b._predicted == {}
+    assert b._predicted_from == {}
     lease.release_sync()
 
 

@@ -685,6 +685,7 @@ class LocalBudget(Budget):
                 waiter = self._waiters.pop(wid)
                 self._leave_at.pop(wid, None)
                 self._predicted.pop(wid, None)
+                self._predicted_from.pop(wid, None)
                 waiter.error = LeaseTooLarge(waiter.bound, limit, "the limit was lowered while it waited")
                 failed.append(waiter)
             _, to_wake = self._hand_out(self._ledger.grant(now))

@@ -286,7 +286,8 @@ def predict_wait_of(ledger: Ledger, waiter_id: str, now: float, *, block_size: i
 #: false (the waiter would have been admitted in time) in about ``1 - FAIL_FAST_ERROR_QUANTILE`` of the
 #: cases where the errors to come are like those seen (docs/admission.md#predicted-wait-and-fail-fast).
 FAIL_FAST_ERROR_QUANTILE = 0.95
-#: Admitted predictions a class needs before its margin is used (before: no margin, the raw prediction).
+#: Admitted predictions a class needs before its own margin and its bias are used (before: the margin
+#: from every class's errors once they have this many together, else none; no bias).
 FAIL_FAST_MIN_SAMPLES = 20
 #: Recent admitted predictions kept per class.
 FAIL_FAST_WINDOW = 256
@@ -341,9 +342,9 @@ class ErrorWindow:
 
     def margin(self, priority: int) -> float:
         """Seconds a prediction of class ``priority`` must exceed a deadline by before fail-fast refuses:
-        the ``quantile`` of its recent over-predictions (never below 0); while the class has fewer than
-        ``min_samples`` of them, the larger of that over every class's (when they have ``min_samples``
-        together) and its own; 0 while no class has shown enough."""
+        the ``quantile`` of its recent errors (predicted minus actual), never below 0. While the class
+        has fewer than ``min_samples`` errors: the larger of that quantile over every class's errors and
+        over its own, once all classes together have ``min_samples``; 0 before."""
         own = self._errors.get(priority, ())
         if len(own) >= self._min:
             return self._quantile(own)
@@ -371,10 +372,16 @@ def refusal(pred: Prediction, timeout: float, *, margin: float = 0.0,
         return None
     shown = max(0.0, pred.wait_s - bias)
     over = "" if pred.exact else "at least "
-    by = f" by more than this class's recent prediction error ({margin:.3f} s)" if margin > 0 else ""
+    if margin > 0 or bias:
+        # the rule compares the replay's own prediction; the reported one is corrected by the bias
+        why = (f"the replay's wait {over}{pred.wait_s:.3f} s exceeds the {timeout:.3f} s left before the "
+               f"request's deadline by more than this class's recent prediction error ({margin:.3f} s); "
+               f"predicted wait {shown:.3f} s")
+    else:
+        why = (f"predicted wait {over}{pred.wait_s:.3f} s exceeds the {timeout:.3f} s left before the "
+               "request's deadline")
     return DeadlineExceeded(
-        f"predicted wait {over}{shown:.3f} s exceeds the {timeout:.3f} s left before the "
-        f"request's deadline{by}: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
+        f"{why}: refused at once (fail-fast); retry later or raise X-ZP-Deadline",
         predicted_wait_s=shown,
         retry_after_s=max(0.0, shown - timeout),
     )
