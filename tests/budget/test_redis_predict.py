@@ -440,3 +440,45 @@ async def test_a_grant_that_lands_during_the_prediction_is_released_with_the_ref
         assert core.predicted == {}
     finally:
         other.close_sync()
+
+
+@pytest.mark.parametrize("face", ["async", "sync"])
+async def test_the_refusal_compares_with_the_time_left_after_the_enqueue(
+        budgets: Any, raw: redis.Redis, face: str) -> None:
+    """The prediction is compared with the timeout less what the enqueue took (docs/admission.md, "its
+    timeout less what the enqueue took"): an enqueue slowed by 0.5 s leaves at most 1.5 of 2 s."""
+    b = budgets()
+    lease = await asyncio.to_thread(busy, b, raw, report=False)
+    core = b._core
+    seen: list[float] = []
+    real = core.fail_fast_refusal
+
+    def spy_left(reply: Any, rid: str, left_s: float) -> Any:
+        seen.append(left_s)
+        return real(reply, rid, left_s)
+
+    core.fail_fast_refusal = spy_left  # type: ignore[method-assign]
+    target = b._get_side() if face == "async" else b._sync_face
+    inner = target.eval
+    if face == "async":
+        async def slow(script: str, *a: Any, **kw: Any) -> Any:
+            if script == "acquire":
+                await asyncio.sleep(0.5)
+            return await inner(script, *a, **kw)
+        target.eval = slow
+        task = asyncio.ensure_future(b.acquire(15, held=5, timeout=2.0, meta=meta(**FF)))
+    else:
+        def slow_sync(script: str, *a: Any, **kw: Any) -> Any:
+            if script == "acquire":
+                time.sleep(0.5)
+            return inner(script, *a, **kw)
+        target.eval = slow_sync
+        task = asyncio.ensure_future(asyncio.to_thread(b.acquire_sync, 15, held=5, timeout=2.0,
+                                                       meta=meta(**FF)))
+    for _ in range(3000):
+        if seen:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.gather(task, return_exceptions=True)  # a guessed pace: it waits out its 2 s
+    assert seen and 0 < seen[0] <= 1.5, seen
+    await lease.release()
