@@ -29,7 +29,7 @@ from zp_client.budget.base import Lease
 from zp_client.budget.predict import FAIL_FAST_KEY, predict_wait_of
 from zp_client.budget.redis import RedisBudget
 from zp_client.budget.redis._snapshot import SNAPSHOT_CAP, ledger_from_snapshot, predict_waiter
-from zp_client.errors import AdmissionTimeout, DeadlineExceeded
+from zp_client.errors import AdmissionTimeout, DeadlineExceeded, LeaseTooLarge
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -337,4 +337,148 @@ async def test_a_refused_call_through_wrap_is_deadline_exceeded_and_sends_nothin
     assert seen == [] and len(server.llm_requests()) == sent_before  # no lease, nothing sent
     st = await b.status()
     assert st.leases == 1 and not st.waiters and _line(raw, b.name) == ([], 0)
+    await lease.release()
+
+
+# Review rev31: every way a fail-fast waiter that was predicted (not refused) leaves -- timed out, cancelled,
+# too large, granted on the blocking face -- leaves no waiter in Redis and no entry in Core.predicted.
+FF = {FAIL_FAST_KEY: True}
+
+
+def test_sync_timeout_after_an_unrefused_prediction_leaves_nothing(budgets: Any, raw: redis.Redis) -> None:
+    b = budgets()
+    lease = busy(b, raw, report=False)  # a guessed pace: predicted (exactly), never refused
+    with pytest.raises(AdmissionTimeout) as info:
+        b.acquire_sync(15, held=5, timeout=0.3, meta=meta(**FF))
+    assert type(info.value) is AdmissionTimeout
+    assert b._core.predicted == {} and _line(raw, b.name) == ([], 0)
+    lease.release_sync()
+
+
+async def test_async_timeout_and_cancel_after_an_unrefused_prediction_leave_nothing(
+        budgets: Any, raw: redis.Redis) -> None:
+    b = budgets()
+    lease = await asyncio.to_thread(busy, b, raw, report=False)
+    with pytest.raises(AdmissionTimeout):
+        await b.acquire(15, held=5, timeout=0.3, meta=meta(**FF))
+    assert b._core.predicted == {} and _line(raw, b.name) == ([], 0)
+    task = asyncio.ensure_future(b.acquire(15, held=5, timeout=600.0, meta=meta(**FF)))
+    for _ in range(3000):
+        if b._core.predicted:
+            break
+        await asyncio.sleep(0.01)
+    assert len(b._core.predicted) == 1  # predicted, not refused
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.2)
+    assert b._core.predicted == {} and _line(raw, b.name) == ([], 0)
+    await lease.release()
+
+
+async def test_lease_too_large_while_waiting_leaves_nothing(budgets: Any, raw: redis.Redis) -> None:
+    b = budgets()
+    lease = await asyncio.to_thread(busy, b, raw)
+    task = asyncio.ensure_future(b.acquire(15, held=5, timeout=600.0, meta=meta(**FF)))
+    for _ in range(3000):
+        if b._core.predicted:
+            break
+        await asyncio.sleep(0.01)
+    assert len(b._core.predicted) == 1
+    await b.set_limit(10)
+    with pytest.raises(LeaseTooLarge):
+        await asyncio.wait_for(task, 30)
+    assert b._core.predicted == {} and _line(raw, b.name) == ([], 0)
+    await lease.release()
+
+
+def test_sync_grant_records_the_error(budgets: Any, raw: redis.Redis) -> None:
+    b = budgets()
+    lease = busy(b, raw)
+    got: list[Any] = []
+
+    def wait() -> None:
+        try:
+            got.append(b.acquire_sync(15, held=5, timeout=600.0, meta=meta(**FF)))
+        except Exception as exc:  # noqa: BLE001
+            got.append(exc)
+
+    th = threading.Thread(target=wait)
+    th.start()
+    _until(lambda: len(b._core.predicted) == 1, "the sync waiter was predicted")
+    lease.release_sync()
+    th.join(30)
+    assert got and not isinstance(got[0], Exception), got
+    assert b._core.errors.samples(0) == 1 and b._core.predicted == {}
+    got[0].release_sync()
+
+
+@pytest.mark.parametrize("face", ["async", "sync"])
+async def test_a_grant_that_lands_during_the_prediction_is_released_with_the_refusal(
+        budgets: Any, raw: redis.Redis, redis_url: str, face: str) -> None:
+    """docs/admission.md (RedisBudget): "A grant that came in the meantime is released the same way"."""
+    b = budgets()
+    other = RedisBudget(redis_url, b.name, 20, BS, recovery_s=0)
+    try:
+        held = other.acquire_sync(15, held=5, meta=meta())
+        core = b._core
+
+        def refuse_after_a_grant(reply: Any, rid: str, left_s: float) -> DeadlineExceeded:
+            held.release_sync()  # the waiter is granted while its prediction runs
+            _until(lambda: raw.hexists(f"{{zp:{b.name}}}:leases", rid), "the waiter was granted")
+            return DeadlineExceeded("refused for the test", predicted_wait_s=99.0, retry_after_s=1.0)
+
+        core.fail_fast_refusal = refuse_after_a_grant  # type: ignore[method-assign]
+        with pytest.raises(DeadlineExceeded):
+            if face == "async":
+                await b.acquire(15, held=5, timeout=30.0, meta=meta(**FF))
+            else:
+                await asyncio.to_thread(b.acquire_sync, 15, held=5, timeout=30.0, meta=meta(**FF))
+        _until(lambda: raw.hlen(f"{{zp:{b.name}}}:leases") == 0, "the grant was released")
+        st = await b.status()
+        assert (st.leases, st.used, st.waiters) == (0, 0, {}) and _line(raw, b.name) == ([], 0)
+        assert core.predicted == {}
+    finally:
+        other.close_sync()
+
+
+@pytest.mark.parametrize("face", ["async", "sync"])
+async def test_the_refusal_compares_with_the_time_left_after_the_enqueue(
+        budgets: Any, raw: redis.Redis, face: str) -> None:
+    """The prediction is compared with the timeout less what the enqueue took (docs/admission.md, "its
+    timeout less what the enqueue took"): an enqueue slowed by 0.5 s leaves at most 1.5 of 2 s."""
+    b = budgets()
+    lease = await asyncio.to_thread(busy, b, raw, report=False)
+    core = b._core
+    seen: list[float] = []
+    real = core.fail_fast_refusal
+
+    def spy_left(reply: Any, rid: str, left_s: float) -> Any:
+        seen.append(left_s)
+        return real(reply, rid, left_s)
+
+    core.fail_fast_refusal = spy_left  # type: ignore[method-assign]
+    target = b._get_side() if face == "async" else b._sync_face
+    inner = target.eval
+    if face == "async":
+        async def slow(script: str, *a: Any, **kw: Any) -> Any:
+            if script == "acquire":
+                await asyncio.sleep(0.5)
+            return await inner(script, *a, **kw)
+        target.eval = slow
+        task = asyncio.ensure_future(b.acquire(15, held=5, timeout=2.0, meta=meta(**FF)))
+    else:
+        def slow_sync(script: str, *a: Any, **kw: Any) -> Any:
+            if script == "acquire":
+                time.sleep(0.5)
+            return inner(script, *a, **kw)
+        target.eval = slow_sync
+        task = asyncio.ensure_future(asyncio.to_thread(b.acquire_sync, 15, held=5, timeout=2.0,
+                                                       meta=meta(**FF)))
+    for _ in range(3000):
+        if seen:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.gather(task, return_exceptions=True)  # a guessed pace: it waits out its 2 s
+    assert seen and 0 < seen[0] <= 1.5, seen
     await lease.release()
