@@ -204,7 +204,7 @@ def test_fail_fast_does_not_refuse_on_a_guessed_pace(budgets: Any, raw: redis.Re
 
 async def test_fail_fast_waits_when_the_deadline_allows_it_and_status_predicts_the_head(
         budgets: Any, raw: redis.Redis) -> None:
-    b = budgets()
+    b = budgets(predict=True)  # status() predicts only when asked (the snapshot and replay cost)
     lease = await asyncio.to_thread(busy, b, raw)
     task = asyncio.ensure_future(b.acquire(15, held=5, timeout=600.0, meta=meta(**{FAIL_FAST_KEY: True})))
     for _ in range(2000):
@@ -423,7 +423,7 @@ async def test_a_grant_that_lands_during_the_prediction_is_released_with_the_ref
         held = other.acquire_sync(15, held=5, meta=meta())
         core = b._core
 
-        def refuse_after_a_grant(reply: Any, rid: str, left_s: float) -> DeadlineExceeded:
+        def refuse_after_a_grant(reply: Any, rid: str, left_s: float, *_: Any) -> DeadlineExceeded:
             held.release_sync()  # the waiter is granted while its prediction runs
             _until(lambda: raw.hexists(f"{{zp:{b.name}}}:leases", rid), "the waiter was granted")
             return DeadlineExceeded("refused for the test", predicted_wait_s=99.0, retry_after_s=1.0)
@@ -453,9 +453,9 @@ async def test_the_refusal_compares_with_the_time_left_after_the_enqueue(
     seen: list[float] = []
     real = core.fail_fast_refusal
 
-    def spy_left(reply: Any, rid: str, left_s: float) -> Any:
+    def spy_left(reply: Any, rid: str, left_s: float, *rest: Any) -> Any:
         seen.append(left_s)
-        return real(reply, rid, left_s)
+        return real(reply, rid, left_s, *rest)
 
     core.fail_fast_refusal = spy_left  # type: ignore[method-assign]
     target = b._get_side() if face == "async" else b._sync_face
@@ -482,3 +482,31 @@ async def test_the_refusal_compares_with_the_time_left_after_the_enqueue(
     await asyncio.gather(task, return_exceptions=True)  # a guessed pace: it waits out its 2 s
     assert seen and 0 < seen[0] <= 1.5, seen
     await lease.release()
+
+
+def test_status_predicts_only_when_asked(budgets: Any, raw: redis.Redis) -> None:
+    """``status()`` with waiters reads the snapshot and replays it only with ``predict=True``: the
+    default (``predict=False``) makes no ``snapshot`` call and reports no predicted wait; the waiter is
+    the same one in both."""
+    b = budgets()
+    lease = busy(b, raw)
+    got: list[Any] = []
+    # a timeout past its ~80 s predicted wait: the replay takes a waiter out of line at its give-up time
+    th = threading.Thread(target=lambda: got.append(b.acquire_sync(15, held=5, timeout=600.0, meta=meta())))
+    th.start()
+    try:
+        _until(lambda: _line(raw, b.name)[1] == 1, "the waiter is in line")
+        calls = spy(b._sync_face)
+        st = b.status_sync()
+        assert st.waiters and st.predicted_wait_s == {} and calls == ["status"]
+        asked = RedisBudget(b._core.url, b.name, 20, BS, predict=True)
+        try:
+            st2 = asked.status_sync()
+            assert list(st2.predicted_wait_s) == [0] and st2.predicted_wait_s[0] > 10.0
+        finally:
+            asked.close_sync()
+    finally:
+        lease.release_sync()
+        th.join(30)
+    assert got and got[0].bound == 15
+    got[0].release_sync()

@@ -253,12 +253,15 @@ class AsyncFace:
         """Predict the waiter ``rid`` that just queued from one bounded snapshot of the budget; raise
         :class:`~zp_client.errors.DeadlineExceeded` when it is refused (the caller's clean-up removes the
         waiter). A snapshot that fails costs the prediction only."""
+        if self.core.policy != "elastic":
+            return  # strict: Redis keeps no lease metadata, nothing to project (never refused)
+        t0 = SYSTEM_CLOCK.monotonic()  # the prediction counts from the snapshot, Redis granting meanwhile
         try:
             reply = await asyncio.shield(self._start("snapshot", [SNAPSHOT_CAP], init=False, patient=False))
         except CALL_FAILED as exc:
             log.debug("zp_client: no snapshot for the wait prediction: %r", exc)
             return
-        refused = self.core.fail_fast_refusal(reply, rid, left_s)
+        refused = self.core.fail_fast_refusal(reply, rid, left_s, t0)
         if refused is not None:
             raise refused
 

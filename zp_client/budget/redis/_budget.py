@@ -105,8 +105,11 @@ class RedisBudget(Budget):
     ``late_bound_s`` (the line's rules, as in LocalBudget; the budget's creator chooses), ``recovery_s``
     (default ``lease_ttl_s``: a budget created from scratch admits nothing new for this long),
     ``on_unavailable`` with ``unavailable_timeout_s`` and ``local_share``, ``held_report_blocks``,
-    ``sync_client``, ``on_event``. Semantics (safety, recovery, wake-ups, renewal, unavailability, the
-    elastic policy in Lua, keys): docs/redis.md.
+    ``sync_client``, ``on_event``, ``predict`` (``status()`` reports each class head's predicted wait:
+    one more bounded script call and a replay in this process per ``status()`` with waiters, elastic
+    only; off by default, as the adaptive limit reads ``status()`` every second. A fail-fast call is
+    predicted regardless: docs/admission.md#predicted-wait-and-fail-fast). Semantics (safety, recovery,
+    wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class RedisBudget(Budget):
         on_event: Callable[[RedisBudgetEvent], None] | None = None,
         pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
         server_blocks: int | None = None,
+        predict: bool = False,
         **renamed: object,
     ) -> None:
         if renamed:
@@ -188,6 +192,8 @@ class RedisBudget(Budget):
         self.block_size = cfg.block_size
         if isinstance(url_or_client, str):
             check_redis_url(url_or_client)  # before redis-py's ValueError can print a piece of a password
+        self.predict = bool(predict)
+        """``status()`` reports predicted waits (see the class doc)."""
         self._core = Core(cfg, url_or_client if isinstance(url_or_client, str) else None)
         if on_event is not None:
             self._core.hooks.append(on_event)
@@ -448,8 +454,11 @@ class RedisBudget(Budget):
         return self._with_predicted(s, reply)
 
     def _predicts(self, s: BudgetStatus) -> bool:
-        """Whether a status has waiters to predict (a fleet never predicts; nor a budget recovering)."""
-        return bool(s.waiters) and self._core.fleet is None and not s.extra.get("recovering")
+        """Whether a status has waiters to predict: only with ``predict=True`` and the elastic policy (under
+        strict Redis keeps no lease metadata: nothing to project); a fleet never predicts, nor a budget
+        recovering."""
+        return (self.predict and bool(s.waiters) and self._core.fleet is None and s.policy == "elastic"
+                and not s.extra.get("recovering"))
 
     def _with_predicted(self, s: BudgetStatus, reply: Any) -> BudgetStatus:
         heads = self._core.predicted_heads(reply)

@@ -584,11 +584,14 @@ class Core:
             },
         )
 
-    def fail_fast_refusal(self, reply: list[Any], rid: str, left_s: float) -> DeadlineExceeded | None:
+    def fail_fast_refusal(self, reply: list[Any], rid: str, left_s: float,
+                          t0: float | None = None) -> DeadlineExceeded | None:
         """A fail-fast waiter that just queued: its refusal when the wait predicted from ``reply`` (a
         ``snapshot.lua`` reply read after the enqueue) on a measured pace exceeds ``left_s``, the time
         left before its deadline; None when not predicted (docs/admission.md#predicted-wait-and-fail-fast).
-        Never raises: a prediction that cannot be made leaves the waiter waiting, as without it."""
+        ``t0``: this process's clock just before the snapshot call, from which the actual wait is counted
+        for the error window (default: now). Never raises: a prediction that cannot be made leaves the
+        waiter waiting, as without it."""
         try:
             snap = ledger_from_snapshot(reply)
             pred = None if snap is None else predict_waiter(snap, rid, self.timing)
@@ -604,7 +607,8 @@ class Core:
         with self.errors_lock:
             refused = refusal(pred, left_s, margin=self.errors.margin(prio), bias=self.errors.bias(prio))
             if refused is None and pred.exact:
-                self.predicted[rid] = (SYSTEM_CLOCK.monotonic(), prio, pred.wait_s)
+                # the actual wait counts from t0 (before the snapshot call: the prediction's origin)
+                self.predicted[rid] = (SYSTEM_CLOCK.monotonic() if t0 is None else t0, prio, pred.wait_s)
         return refused
 
     def prediction_granted(self, rid: str) -> None:

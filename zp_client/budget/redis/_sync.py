@@ -194,12 +194,15 @@ class SyncFace:
     def _fail_fast(self, rid: str, left_s: float) -> None:
         """The blocking form of the async face's ``_fail_fast``: raise the refusal of the waiter ``rid``
         that just queued, if its predicted wait exceeds ``left_s``."""
+        if self.core.policy != "elastic":
+            return  # strict: Redis keeps no lease metadata, nothing to project (never refused)
+        t0 = SYSTEM_CLOCK.monotonic()  # the prediction counts from the snapshot, Redis granting meanwhile
         try:
             reply = self.eval("snapshot", [SNAPSHOT_CAP], init=False, patient=False)
         except CALL_FAILED as exc:
             log.debug("zp_client: no snapshot for the wait prediction: %r", exc)
             return
-        refused = self.core.fail_fast_refusal(reply, rid, left_s)
+        refused = self.core.fail_fast_refusal(reply, rid, left_s, t0)
         if refused is not None:
             raise refused
 
