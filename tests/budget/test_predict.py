@@ -22,6 +22,7 @@ from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import Ledger
 from zp_client.budget.predict import (
     DEFAULT_STEP_S,
+    FAIL_FAST_COLD_FACTOR,
     FAIL_FAST_KEY,
     FAIL_FAST_MIN_SAMPLES,
     ErrorWindow,
@@ -365,6 +366,32 @@ def test_fail_fast_refuses_only_beyond_the_errors_its_class_has_shown() -> None:
     msg = str(info.value)
     assert "the replay's wait 22.000 s exceeds the 2.000 s left" in msg  # what the rule compared
     assert "recent prediction error (5.000 s)" in msg and "predicted wait 17.000 s" in msg
+    assert not b.status_sync().waiters
+    lease.release_sync()
+
+
+def test_until_it_has_seen_its_errors_a_budget_refuses_only_beyond_twice_the_time_left() -> None:
+    """Before every class's errors together number 20 the budget has no margin to go by: it refuses only
+    a prediction of more than FAIL_FAST_COLD_FACTOR (2) times the time left (a 6 s prediction with 4 s
+    left waits, with 2 s left it is refused: test_fail_fast_refuses_at_once_with_its_fields_and_holds_
+    nothing). Once it has seen 20 right predictions (margin 0) the same 6 s against 4 s is refused."""
+    assert FAIL_FAST_COLD_FACTOR == 2.0
+    r = Rounds()
+    b = r.b
+    lease = r.busy_lease()
+    th, got = r.queue(timeout=4.0, extra={FAIL_FAST_KEY: True})
+    assert not got and b.status_sync().waiters[0].waiters == 1  # waiting, not refused
+    r.clock.t += 6.0
+    lease.release_sync()
+    th.join(10)
+    assert got and got[0].predicted_wait_s == pytest.approx(6.0)
+    got[0].release_sync()
+    for _ in range(FAIL_FAST_MIN_SAMPLES - 1):
+        r.round(6.0)  # the predictions were right: errors 0
+    lease = r.busy_lease()
+    with pytest.raises(DeadlineExceeded) as info:
+        b.acquire_sync(15, held=5, timeout=4.0, meta=meta(**{FAIL_FAST_KEY: True}))
+    assert info.value.predicted_wait_s == pytest.approx(6.0)
     assert not b.status_sync().waiters
     lease.release_sync()
 

@@ -173,7 +173,10 @@ def test_a_process_learns_its_errors_for_fail_fast_margin_and_bias() -> None:
     b = RedisBudget("redis://127.0.0.1:1/0", "unit-errors", 20, BS)  # never connects: no call is made
     core = b._core
     try:
-        assert core.fail_fast_refusal(reply("fresh"), "fresh", 2.0) is not None  # 6 s > 2 s: no errors yet
+        # no errors yet: refused only beyond twice the time left (FAIL_FAST_COLD_FACTOR)
+        assert core.fail_fast_refusal(reply("fresh"), "fresh", 2.0) is not None  # 6 s > 2 x 2 s
+        assert core.fail_fast_refusal(reply("cold"), "cold", 4.0) is None  # 6 s <= 2 x 4 s: waits
+        core.forget_prediction("cold")
         for i in range(FAIL_FAST_MIN_SAMPLES):
             rid = f"w{i}"
             assert core.fail_fast_refusal(reply(rid), rid, 60.0) is None

@@ -507,7 +507,8 @@ class LocalBudget(Budget):
         if not fail_fast or timeout is None:
             return None
         errors = self._errors
-        refused = refusal(pred, timeout, margin=errors.margin(priority), bias=errors.bias(priority))
+        refused = refusal(pred, timeout, margin=errors.margin(priority), bias=errors.bias(priority),
+                          calibrated=errors.calibrated())
         if refused is not None:
             self._predicted.pop(wid, None)
             self._predicted_from.pop(wid, None)

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_MAX_EVENTS",
     "DEFAULT_STEP_S",
     "DEFAULT_TTFT_S",
+    "FAIL_FAST_COLD_FACTOR",
     "FAIL_FAST_ERROR_QUANTILE",
     "FAIL_FAST_KEY",
     "FAIL_FAST_MIN_SAMPLES",
@@ -291,6 +292,10 @@ FAIL_FAST_ERROR_QUANTILE = 0.95
 FAIL_FAST_MIN_SAMPLES = 20
 #: Recent admitted predictions kept per class.
 FAIL_FAST_WINDOW = 256
+#: Before the budget has seen enough of its own errors to size a margin (:meth:`ErrorWindow.calibrated`),
+#: fail-fast refuses only a prediction of more than this many times the time left (chosen on `mixed`'s
+#: tuning seeds 0-3: docs/admission.md#predicted-wait-and-fail-fast).
+FAIL_FAST_COLD_FACTOR = 2.0
 
 
 class ErrorWindow:
@@ -327,6 +332,10 @@ class ErrorWindow:
     def samples(self, priority: int) -> int:
         return len(self._errors.get(priority, ()))
 
+    def calibrated(self) -> bool:
+        """Whether the margins rest on errors seen: every class's together number ``min_samples``."""
+        return sum(len(q) for q in self._errors.values()) >= self._min
+
     def bias(self, priority: int) -> float:
         """The median of class ``priority``'s recent errors (seconds; > 0: its waits ran shorter than
         predicted), 0 while it has fewer than ``min_samples``: what a prediction of the class is corrected
@@ -358,17 +367,21 @@ class ErrorWindow:
         return max(0.0, xs[min(len(xs) - 1, math.ceil(self._q * len(xs)) - 1)])
 
 
-def refusal(pred: Prediction, timeout: float, *, margin: float = 0.0,
-            bias: float = 0.0) -> DeadlineExceeded | None:
+def refusal(pred: Prediction, timeout: float, *, margin: float = 0.0, bias: float = 0.0,
+            calibrated: bool = True) -> DeadlineExceeded | None:
     """The fail-fast refusal of a waiter predicted ``pred`` with ``timeout`` seconds left before its
     deadline, or None: refused only when the pace the replay ran at was measured (not the defaults, a
     guess) and the prediction exceeds ``timeout`` by more than ``margin`` (seconds, >= 0: the class's
     recent over-predictions, :meth:`ErrorWindow.margin`). A lower-bound prediction refuses too (the waiter
     is admitted no earlier). The refusal reports the prediction less ``bias`` (:meth:`ErrorWindow.bias`):
     with ``bias`` the median and ``margin`` a higher quantile of the same errors (or ``bias`` 0), that is
-    still more than ``timeout``. Shared by every backend that predicts (LocalBudget, RedisBudget)."""
+    still more than ``timeout``. Not ``calibrated`` (the backend has not seen enough of its own errors to
+    size a margin): refused only beyond :data:`FAIL_FAST_COLD_FACTOR` times ``timeout``. Shared by every
+    backend that predicts (LocalBudget, RedisBudget)."""
     measured = pred.timing is not None and pred.timing.samples > 0
     if not measured or pred.wait_s - max(0.0, margin) <= timeout:
+        return None
+    if not calibrated and pred.wait_s <= FAIL_FAST_COLD_FACTOR * timeout:
         return None
     shown = max(0.0, pred.wait_s - bias)
     over = "" if pred.exact else "at least "

@@ -605,7 +605,8 @@ class Core:
         rec = snap.ledger.waiter(rid) if snap is not None else None
         prio = rec.priority if rec is not None else 0
         with self.errors_lock:
-            refused = refusal(pred, left_s, margin=self.errors.margin(prio), bias=self.errors.bias(prio))
+            refused = refusal(pred, left_s, margin=self.errors.margin(prio), bias=self.errors.bias(prio),
+                              calibrated=self.errors.calibrated())
             if refused is None and pred.exact:
                 # the actual wait counts from t0 (before the snapshot call: the prediction's origin)
                 self.predicted[rid] = (SYSTEM_CLOCK.monotonic() if t0 is None else t0, prio, pred.wait_s)
