@@ -292,6 +292,7 @@ class Rounds:
     def __init__(self) -> None:
         self.clock = ManualClock()
         self.b = LocalBudget(20, BS, clock=self.clock, predict=True)
+        self.waiting: Any = None  # the status seen while the last round's waiter waited
 
     def busy_lease(self, tokens: int = 180) -> Any:
         """180 tokens: 0.1 s a token, 60 tokens (6 s) left; 130: 0.2 s a token, 110 left (22 s)."""
@@ -317,12 +318,16 @@ class Rounds:
             th.join(0.01)
         return th, got
 
-    def round(self, after_s: float, priority: int = 0, **kw: Any) -> Any:
-        """One waiter behind a busy lease (the replay says 6 s), admitted ``after_s`` later; returns what
-        it reported as its predicted wait."""
+    def round(self, after_s: float, priority: int = 0, *, timeout: float = 60.0,
+              fail_fast: bool = False) -> Any:
+        """One waiter behind a busy lease (the replay says 6 s), admitted ``after_s`` later (it must wait,
+        not be refused); returns what it reported as its predicted wait. ``self.waiting``: the budget's
+        status while it waited."""
         lease = self.busy_lease()
-        th, got = self.queue(priority, timeout=60, **kw)
-        assert not got, got  # waiting
+        th, got = self.queue(priority, timeout=timeout, extra={FAIL_FAST_KEY: True} if fail_fast else {})
+        assert not got, got  # waiting, not refused
+        self.waiting = self.b.status_sync()
+        assert self.waiting.waiters[priority].waiters == 1
         self.clock.t += after_s
         lease.release_sync()
         th.join(10)
@@ -341,22 +346,10 @@ def test_fail_fast_refuses_only_beyond_the_errors_its_class_has_shown() -> None:
     for _ in range(FAIL_FAST_MIN_SAMPLES):
         assert r.round(1.0) == pytest.approx(6.0)  # no bias before 20 errors
     # reported: the replay's 6 s less the class's bias (its errors' median, 5 s), in status too
-    lease = r.busy_lease()
-    th, got = r.queue(timeout=60)
-    assert b.status_sync().predicted_wait_s == {0: pytest.approx(1.0)}
-    r.clock.t += 1.0
-    lease.release_sync()
-    th.join(10)
-    assert got and got[0].predicted_wait_s == pytest.approx(1.0)
-    got[0].release_sync()
-    lease = r.busy_lease()
-    th, got = r.queue(timeout=2.0, extra={FAIL_FAST_KEY: True})
-    assert not got and b.status_sync().waiters[0].waiters == 1  # waiting, not refused
-    r.clock.t += 1.0
-    lease.release_sync()
-    th.join(10)
-    assert got and got[0].predicted_wait_s == pytest.approx(1.0)
-    got[0].release_sync()
+    assert r.round(1.0) == pytest.approx(1.0)
+    assert r.waiting.predicted_wait_s == {0: pytest.approx(1.0)}
+    # 6 s predicted, 2 s left, the errors seen say 5 s too long: it waits (admitted after 1 s)
+    assert r.round(1.0, timeout=2.0, fail_fast=True) == pytest.approx(1.0)
     # a prediction beyond the deadline by more than the errors seen is still refused at once
     lease = r.busy_lease(tokens=130)  # 22 s: 22 - 5 > 2
     with pytest.raises(DeadlineExceeded) as info:
@@ -378,14 +371,7 @@ def test_until_it_has_seen_its_errors_a_budget_refuses_only_beyond_twice_the_tim
     assert FAIL_FAST_COLD_FACTOR == 2.0
     r = Rounds()
     b = r.b
-    lease = r.busy_lease()
-    th, got = r.queue(timeout=4.0, extra={FAIL_FAST_KEY: True})
-    assert not got and b.status_sync().waiters[0].waiters == 1  # waiting, not refused
-    r.clock.t += 6.0
-    lease.release_sync()
-    th.join(10)
-    assert got and got[0].predicted_wait_s == pytest.approx(6.0)
-    got[0].release_sync()
+    assert r.round(6.0, timeout=4.0, fail_fast=True) == pytest.approx(6.0)  # 6 <= 2 x 4: it waits
     for _ in range(FAIL_FAST_MIN_SAMPLES - 1):
         r.round(6.0)  # the predictions were right: errors 0
     lease = r.busy_lease()
@@ -418,14 +404,8 @@ def test_each_class_has_its_own_margin_and_bias() -> None:
     b = r.b
     for _ in range(FAIL_FAST_MIN_SAMPLES):
         r.round(1.0)
-    lease = r.busy_lease()
-    th, got = r.queue(1, timeout=2.0, extra={FAIL_FAST_KEY: True})
-    assert not got  # class 1 has no errors of its own: the pooled margin (5 s) lets it wait
-    r.clock.t += 1.0
-    lease.release_sync()
-    th.join(10)
-    assert got and got[0].predicted_wait_s == pytest.approx(6.0)  # no bias of its own yet
-    got[0].release_sync()
+    # class 1 has no errors of its own: the pooled margin (5 s) lets it wait; no bias of its own yet
+    assert r.round(1.0, priority=1, timeout=2.0, fail_fast=True) == pytest.approx(6.0)
     for _ in range(FAIL_FAST_MIN_SAMPLES):
         assert r.round(6.0, priority=1) == pytest.approx(6.0)
     assert r.round(6.0, priority=1) == pytest.approx(6.0)  # class 1's bias: about 0
