@@ -503,7 +503,8 @@ class LocalBudget(Budget):
             self._predicted_from[wid] = (now, priority, pred.wait_s)
         # refused only on a measured pace (before any lease has reported tokens the pace is a guess), and
         # only when the prediction exceeds the deadline by more than the class's recent over-predictions
-        # (ErrorWindow.margin: 0 until the class has enough admitted predictions)
+        # (ErrorWindow.margin), or, before the budget has seen 20 errors, by more than
+        # FAIL_FAST_COLD_FACTOR times the time left (predict.refusal)
         if not fail_fast or timeout is None:
             return None
         errors = self._errors
