@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -345,9 +346,7 @@ class ErrorWindow:
         q = self._errors.get(priority)
         if q is None or len(q) < self._min:
             return 0.0
-        xs = sorted(q)
-        n = len(xs)
-        return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+        return statistics.median(q)
 
     def margin(self, priority: int) -> float:
         """Seconds a prediction of class ``priority`` must exceed a deadline by before fail-fast refuses:
