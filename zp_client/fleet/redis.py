@@ -41,7 +41,8 @@ from zp_client.budget.base import Budget, BudgetStatus, ClassStatus, Lease, Tick
 from zp_client.budget.ledger import validate_blocks, validate_seconds
 from zp_client.budget.redis._budget import RedisBudget
 from zp_client.budget.redis._clients import AsyncRedisClient
-from zp_client.budget.redis._script import CALL_FAILED, Config, RedisBudgetEvent, RedisLease, text
+from zp_client.budget.redis._meta import text
+from zp_client.budget.redis._script import CALL_FAILED, Config, RedisBudgetEvent, RedisLease
 from zp_client.errors import ConfigurationError
 from zp_client.fleet._routing import FleetRouting, normalize, replica_limits
 from zp_client.fleet.ledger import (

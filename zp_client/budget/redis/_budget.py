@@ -31,6 +31,7 @@ from zp_client.budget.pins import DEFAULT_PIN_CAP_FRACTION
 from zp_client.budget.predict import FAIL_FAST_KEY
 from zp_client.budget.redis._async import AsyncFace, renewal_client
 from zp_client.budget.redis._clients import AsyncRedisClient, SyncRedisClient
+from zp_client.budget.redis._meta import text
 from zp_client.budget.redis._retry import RedisRetryBudget
 from zp_client.budget.redis._script import (
     CALL_FAILED,
@@ -41,7 +42,6 @@ from zp_client.budget.redis._script import (
     Core,
     RedisBudgetEvent,
     RedisLease,
-    text,
 )
 from zp_client.budget.redis._snapshot import SNAPSHOT_CAP
 from zp_client.budget.redis._sync import SyncFace

@@ -31,6 +31,7 @@ from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
 from zp_client.budget.elastic import admission_meta
 from zp_client.budget.ledger import AGE_KEY, ANSWER_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
 from zp_client.budget.predict import ErrorWindow, PoolTiming, refusal
+from zp_client.budget.redis._meta import META_FLAGS, META_KEYS, SHORT_KEYS, text
 from zp_client.budget.redis._snapshot import class_heads_predicted, ledger_from_snapshot, predict_waiter
 from zp_client.clock import SYSTEM_CLOCK
 from zp_client.errors import BudgetUnavailable, ConfigurationError, DeadlineExceeded, LeaseTooLarge, ZPError
@@ -55,13 +56,6 @@ RELEASE_WAIT_S = 1.0  # the longest a caller's release waits for Redis; the rest
 MAILBOX_BLOCK_S = 30.0  # BLPOP timeout; wake-ups end it at once, the poller covers lost ones
 SYNC_PUMP_BLOCK_S = 5.0  # the sync pump's BLPOP timeout (each sync waiter also polls every poll_interval_s)
 POLICIES = ("strict", "elastic")
-# Lease metadata the elastic policy reads (zp_client.budget.elastic), stored compactly in Redis.
-_META_KEYS = {
-    "prompt_tokens": "pt", "tokens": "tk", "forecast_tokens": "ft", "streaming": "st",
-    "prefix_key": "pk", "prefix_blocks": "pb", "first_token": "f1", "max_output_tokens": "mo",
-}
-_META_FLAGS = ("st", "f1")
-_SHORT_KEYS = frozenset(_META_KEYS.values())
 
 
 def compact_meta(meta: Mapping[str, Any], *, update: bool) -> dict[str, Any]:
@@ -73,10 +67,10 @@ def compact_meta(meta: Mapping[str, Any], *, update: bool) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for k, v in meta.items():
-        short = _META_KEYS.get(k)
+        short = META_KEYS.get(k)
         if short is None:
             continue
-        if short in _META_FLAGS:
+        if short in META_FLAGS:
             out[short] = 1 if v else 0
         elif v is None:
             if update:
@@ -150,10 +144,6 @@ _SHAS: dict[str, bytes] = {}
 def _shas() -> dict[str, bytes]:
     _SHAS.update({k: sha.encode() for k, (_, sha) in scripts().items()})
     return _SHAS
-
-
-def text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def adaptive_from(r: list[Any]) -> dict[str, Any]:
@@ -762,7 +752,7 @@ class RedisLease(Lease):
         self._meta_pending: dict[str, Any] = {}  # elastic: compact meta fields not yet sent
         # elastic: the whole compact meta, for re-adoption (a fleet's routing fields left out)
         self._meta_all: dict[str, Any] = (
-            {k: v for k, v in json.loads(meta).items() if k in _SHORT_KEYS} if meta else {})
+            {k: v for k, v in json.loads(meta).items() if k in SHORT_KEYS} if meta else {})
 
     @property
     def held(self) -> int:

@@ -22,6 +22,8 @@ from zp_client.budget._types import Ticket
 from zp_client.budget.elastic import make_policy
 from zp_client.budget.ledger import DEFAULT_LATE_BOUND_S, Ledger, WaiterRecord
 from zp_client.budget.predict import PoolTiming, Prediction, predict_wait_of, predict_waits
+from zp_client.budget.redis._meta import LONG_KEYS, META_FLAGS
+from zp_client.budget.redis._meta import text as _text
 from zp_client.errors import ZPError
 
 __all__ = ["SNAPSHOT_CAP", "Snapshot", "class_heads_predicted", "ledger_from_snapshot", "predict_waiter"]
@@ -31,10 +33,6 @@ __all__ = ["SNAPSHOT_CAP", "Snapshot", "class_heads_predicted", "ledger_from_sna
 #: 100 KB and a replay of a few ms to a few hundred ms of client CPU (LocalBudget's replay, same code).
 SNAPSHOT_CAP = 256
 
-# compact meta (lua/common.lua, _script._META_KEYS) -> the policy's keys
-_LONG = {"pt": "prompt_tokens", "tk": "tokens", "ft": "forecast_tokens", "st": "streaming",
-         "pk": "prefix_key", "pb": "prefix_blocks", "f1": "first_token", "mo": "max_output_tokens"}
-_FLAGS = frozenset(("st", "f1"))
 
 
 @dataclass
@@ -49,19 +47,15 @@ class Snapshot:
     block_size: int
 
 
-def _text(v: object) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _long_meta(m: object) -> dict[str, object]:
     """A record's compact meta as the policy's metadata (unknown fields dropped, flags as booleans)."""
     if not isinstance(m, Mapping):
         return {}
     out: dict[str, object] = {}
     for k, v in m.items():
-        key = _LONG.get(k)
+        key = LONG_KEYS.get(k)
         if key is not None:
-            out[key] = bool(v) if k in _FLAGS else v
+            out[key] = bool(v) if k in META_FLAGS else v
     return out
 
 

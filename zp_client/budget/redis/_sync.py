@@ -17,6 +17,7 @@ import redis as redis_sync
 from zp_client._tasks import Supervisor
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._clients import SyncRedisClient
+from zp_client.budget.redis._meta import text
 from zp_client.budget.redis._script import (
     CALL_FAILED,
     HANDLED,
@@ -29,7 +30,6 @@ from zp_client.budget.redis._script import (
     Core,
     LeaseOwner,
     RedisLease,
-    text,
 )
 from zp_client.budget.redis._snapshot import SNAPSHOT_CAP
 from zp_client.clock import SYSTEM_CLOCK
