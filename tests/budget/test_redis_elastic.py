@@ -27,7 +27,13 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from test_redis_budget import redis_cluster  # noqa: F401 - the 3-master cluster fixture
 
 from tests._redis_keys import delete_keys
@@ -75,6 +81,8 @@ _meta = st.fixed_dictionaries(
         "prefix_key": st.sampled_from(["A", "B"]),
         "prefix_blocks": st.integers(0, 4),
         "first_token": st.booleans(),
+        # the upper forecast the forecast-error reserves read (total output tokens; below the forecast too)
+        "forecast_hi": st.integers(0, 20 * BS),
     },
 )
 _progress = st.fixed_dictionaries(
@@ -85,6 +93,24 @@ _progress = st.fixed_dictionaries(
         "tokens": st.integers(0, 16 * BS),
         "first_token": st.just(True),
         "forecast_tokens": st.integers(0, 16 * BS),
+        "forecast_hi": st.integers(0, 20 * BS),
+    },
+)
+#: elastic's forecast-error reserves, drawn per run (0 included: off): reserve_z, reserve_k
+_reserves = st.tuples(st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.732, 3.0]),
+                      st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 2.0]))
+#: a streamed lease with a forecast and an upper forecast (a spread for the reserves to read), half the time
+_spread_meta = st.fixed_dictionaries(
+    {
+        "prompt_tokens": st.integers(0, 3 * BS),
+        "forecast_tokens": st.integers(0, 3 * BS),
+        "forecast_hi": st.integers(2 * BS, 20 * BS),
+    },
+    optional={
+        "streaming": st.sampled_from([True, True, True, False]),
+        "prefix_key": st.sampled_from(["A", "B"]),
+        "prefix_blocks": st.integers(0, 4),
+        "first_token": st.booleans(),
     },
 )
 
@@ -96,16 +122,22 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
         def __init__(self) -> None:
             super().__init__()
             self.loop = asyncio.new_event_loop()
-            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS), starvation_bound_s=starvation,
-                                longest_first_s=longest_first_s)
+            self.labels = itertools.count()
+            self.tasks: dict[str, asyncio.Task[Lease]] = {}
+            self.leases: dict[str, Lease] = {}
+
+        @initialize(reserves=_reserves)
+        def make(self, reserves: tuple[float, float]) -> None:
+            # The reserves (drawn, 0 included) are stored in Redis by the budget's creator and applied by
+            # the Lua grant pass; the model is the Python policy with the same ones.
+            z, k = reserves
+            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS, reserve_z=z, reserve_k=k),
+                                starvation_bound_s=starvation, longest_first_s=longest_first_s)
             name = f"{names[0]}-m{next(counter)}"
             names.append(name)
             self.budget = RedisBudget(redis_url, name, LIMIT, BS, policy="elastic", recovery_s=0,
                                       starvation_bound_s=starvation, held_report_blocks=1,
-                                      longest_first_s=longest_first_s)
-            self.labels = itertools.count()
-            self.tasks: dict[str, asyncio.Task[Lease]] = {}
-            self.leases: dict[str, Lease] = {}
+                                      longest_first_s=longest_first_s, reserve_z=z, reserve_k=k)
 
         def run(self, coro: Any) -> Any:
             return self.loop.run_until_complete(coro)
@@ -137,7 +169,8 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
             for lbl, task in self.tasks.items():
                 assert not task.done(), f"{lbl} finished ({task!r}) but the model says it waits"
 
-        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 1), meta=_meta)
+        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 1),
+              meta=st.one_of(_meta, _spread_meta))
         def acquire(self, blocks: int, held_frac: int, priority: int, meta: dict[str, Any]) -> None:
             held = blocks * held_frac // 4
             lbl = f"r{next(self.labels)}"
@@ -190,6 +223,9 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
             self.settle()
 
         def teardown(self) -> None:
+            if not hasattr(self, "budget"):  # failed before make
+                self.loop.close()
+                return
             try:
                 for task in self.tasks.values():
                     task.cancel()

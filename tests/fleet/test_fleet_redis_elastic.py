@@ -25,7 +25,13 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from tests._redis_keys import delete_keys
 from zp_client.budget.base import Lease
@@ -63,6 +69,24 @@ _progress = st.fixed_dictionaries(
         "tokens": st.integers(0, 16 * BS),
         "first_token": st.just(True),
         "forecast_tokens": st.integers(0, 16 * BS),
+        "forecast_hi": st.integers(0, 20 * BS),
+    },
+)
+#: elastic's forecast-error reserves, drawn per run (0 included: off), applied per replica: reserve_z, reserve_k
+_reserves = st.tuples(st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.732, 3.0]),
+                      st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 2.0]))
+#: a streamed lease with a forecast and an upper forecast (a spread for the reserves to read)
+_spread_meta = st.fixed_dictionaries(
+    {
+        "prompt_tokens": st.integers(0, 3 * BS),
+        "forecast_tokens": st.integers(0, 3 * BS),
+        "forecast_hi": st.integers(2 * BS, 20 * BS),
+    },
+    optional={
+        "streaming": st.sampled_from([True, True, True, False]),
+        "prefix_key": st.sampled_from(["A", "B"]),
+        "prefix_blocks": st.integers(0, 4),
+        "first_token": st.booleans(),
     },
 )
 
@@ -74,14 +98,21 @@ def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
         def __init__(self) -> None:
             super().__init__()
             self.loop = asyncio.new_event_loop()
-            self.model = FleetLedger(LIMITS, lambda: ElasticPolicy(BS), starvation_bound_s=starvation)
-            name = f"{names[0]}-m{next(counter)}"
-            names.append(name)
-            self.fleet = RedisFleet(redis_url, name, LIMITS, None, BS, recovery_s=0,
-                                    starvation_bound_s=starvation, held_report_blocks=1)
             self.labels = itertools.count()
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
             self.leases: dict[str, Lease] = {}
+
+        @initialize(reserves=_reserves)
+        def make(self, reserves: tuple[float, float]) -> None:
+            # The reserves (drawn, 0 included) apply per replica, over its own leases, in both.
+            z, k = reserves
+            self.model = FleetLedger(LIMITS, lambda: ElasticPolicy(BS, reserve_z=z, reserve_k=k),
+                                     starvation_bound_s=starvation)
+            name = f"{names[0]}-m{next(counter)}"
+            names.append(name)
+            self.fleet = RedisFleet(redis_url, name, LIMITS, None, BS, recovery_s=0,
+                                    starvation_bound_s=starvation, held_report_blocks=1,
+                                    reserve_z=z, reserve_k=k)
 
         def run(self, coro: Any) -> Any:
             return self.loop.run_until_complete(coro)
@@ -116,8 +147,8 @@ def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
             for lbl, task in self.tasks.items():
                 assert not task.done(), f"{lbl} finished ({task!r}) but the model says it waits"
 
-        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 1), meta=_meta,
-              turns=st.sampled_from(_CONVERSATIONS), session=st.sampled_from([None, None, "s1", "s2"]))
+        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 1),
+              meta=st.one_of(_meta, _spread_meta), turns=st.sampled_from(_CONVERSATIONS), session=st.sampled_from([None, None, "s1", "s2"]))
         def acquire(self, blocks: int, held_frac: int, priority: int, meta: dict[str, Any],
                     turns: tuple[str, ...], session: str | None) -> None:
             held = blocks * held_frac // 4
@@ -173,6 +204,9 @@ def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
             self.settle()
 
         def teardown(self) -> None:
+            if not hasattr(self, "fleet"):  # failed before make
+                self.loop.close()
+                return
             try:
                 for task in self.tasks.values():
                     task.cancel()

@@ -17,6 +17,7 @@ import redis.asyncio as redis_async
 from zp_client._redact import check_redis_url
 from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
+from zp_client.budget.elastic import ElasticPolicy
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
     DEFAULT_LINE,
@@ -108,7 +109,11 @@ class RedisBudget(Budget):
     ``sync_client``, ``on_event``, ``predict`` (``status()`` reports each class head's predicted wait:
     one more bounded script call and a replay in this process per ``status()`` with waiters, elastic
     only; off by default, as the adaptive limit reads ``status()`` every second. A fail-fast call is
-    predicted regardless: docs/admission.md#predicted-wait-and-fail-fast). Semantics (safety, recovery,
+    predicted regardless: docs/admission.md#predicted-wait-and-fail-fast), ``reserve_z`` and
+    ``reserve_k`` (elastic's forecast-error reserves, as :class:`~zp_client.budget.elastic.ElasticPolicy`
+    takes them, validated alike, 0 by default: off; the budget's creator chooses, a process configured
+    otherwise follows the stored ones with a warning; read only under ``elastic``: ``strict`` stores and
+    ignores them, as it does ``longest_first_s``; docs/elastic.md#spread-reserve). Semantics (safety, recovery,
     wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
     """
 
@@ -137,10 +142,14 @@ class RedisBudget(Budget):
         pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
         server_blocks: int | None = None,
         predict: bool = False,
+        reserve_z: float = 0.0,
+        reserve_k: float = 0.0,
         **renamed: object,
     ) -> None:
         if renamed:
             raise _renamed_error(renamed)
+        # elastic's forecast-error reserves, validated (and rounded to thousandths) as the policy does
+        reserves = ElasticPolicy(reserve_z=reserve_z, reserve_k=reserve_k)
         if not isinstance(name, str) or not name or any(c in name for c in "{}") or len(name) > 200:
             raise ConfigurationError(
                 "budget name must be a non-empty string of at most 200 characters without braces, "
@@ -187,6 +196,8 @@ class RedisBudget(Budget):
             unavailable_timeout_s=float(unavailable_timeout_s),
             local_share=float(local_share),
             held_report_blocks=None if held_report_blocks is None else max(1, int(held_report_blocks)),
+            reserve_z=reserves.reserve_z,
+            reserve_k=reserves.reserve_k,
         )
         self.name = name
         self.block_size = cfg.block_size
@@ -307,6 +318,14 @@ class RedisBudget(Budget):
         """``"strict"`` or ``"elastic"`` (the stored policy once Redis was reached: the budget's creator
         chose it). Under ``strict`` the ``meta`` given to :meth:`acquire` is accepted and ignored."""
         return self._core.policy
+
+    @property
+    def reads_forecast_spread(self) -> bool:
+        """Whether the policy reads the leases' upper forecasts (``forecast_hi``): ``elastic`` with a
+        forecast-error reserve (``reserve_z`` or ``reserve_k`` above 0; the stored ones once Redis was
+        reached). The transport sends them only then, as for LocalBudget."""
+        core = self._core
+        return core.policy == "elastic" and any(core.reserve)
 
     @property
     def config(self) -> Config:
@@ -635,9 +654,13 @@ class RedisBudget(Budget):
             from zp_client.budget.local import LocalBudget  # imported late: local.py is the sibling backend
 
             share = max(1, int(core.limit * cfg.local_share))
+            z, k = core.reserve
+            policy: str | ElasticPolicy = core.policy
+            if policy == "elastic" and (z or k):
+                policy = ElasticPolicy(self.block_size, reserve_z=z, reserve_k=k)
             fallback = self._fallback = LocalBudget(
                 share, self.block_size, starvation_bound_s=cfg.starvation_bound_s,
-                name=f"{self.name}-local-fallback", policy=core.policy, longest_first_s=cfg.longest_first_s,
+                name=f"{self.name}-local-fallback", policy=policy, longest_first_s=cfg.longest_first_s,
                 line=validate_line(cfg.line), late_bound_s=cfg.late_bound_s)
         core.counters["fallback_local"] += 1
         if core.fallback_logged:

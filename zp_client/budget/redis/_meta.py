@@ -9,6 +9,7 @@ from typing import Any
 META_KEYS = {
     "prompt_tokens": "pt", "tokens": "tk", "forecast_tokens": "ft", "streaming": "st",
     "prefix_key": "pk", "prefix_blocks": "pb", "first_token": "f1", "max_output_tokens": "mo",
+    "forecast_hi": "fh",
 }
 #: The compact keys that are flags (stored as 1 / 0).
 META_FLAGS = frozenset(("st", "f1"))

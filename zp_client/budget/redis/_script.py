@@ -109,6 +109,11 @@ def line_meta(meta: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
+def thousandths(v: float) -> int:
+    """A reserve factor as init.lua takes it (``ElasticPolicy``'s exact integer rule reads it so too)."""
+    return round(v * 1000)
+
+
 def meta_json(compact: Mapping[str, Any]) -> str:
     return json.dumps(compact, separators=(",", ":")) if compact else ""
 
@@ -205,6 +210,11 @@ class Config:
     unavailable_timeout_s: float
     local_share: float
     held_report_blocks: int | None
+    reserve_z: float = 0.0
+    """elastic's spread-sized reserve (``ElasticPolicy(reserve_z=...)``), validated and rounded as the
+    policy does; stored at creation (the creator's wins)."""
+    reserve_k: float = 0.0
+    """elastic's risk reserve (``ElasticPolicy(reserve_k=...)``), likewise."""
 
 
 @dataclass(frozen=True)
@@ -317,6 +327,10 @@ class Core:
         self.sync_box = self.owner + ".s"  # the sync waiters' mailbox (the async side's is the owner's)
         self.policy = cfg.policy
         self.policy_known = False  # the stored policy is read once (the creator's choice wins)
+        # elastic's forecast-error reserves (reserve_z, reserve_k): the configured ones until the stored
+        # ones (the creator's) are read with the policy
+        self.reserve = (cfg.reserve_z, cfg.reserve_k)
+        self.warned_reserve = False
         self.limit = cfg.limit
         self.epoch: str | None = None
         # Reconnect attempts stay frequent enough that holders re-adopt well within a recovery window.
@@ -435,6 +449,7 @@ class Core:
                            cfg.policy, starve_ms, lpt_ms]
         args.append(self.fleet.init_arg() if self.fleet is not None else "")
         args += [cfg.line, int(min(cfg.late_bound_s, 1e12) * 1000)]  # inf: never late-bound
+        args += [thousandths(cfg.reserve_z), thousandths(cfg.reserve_k)]
         return args
 
     def renew_args(self, batch: list[RedisLease]) -> list[Any]:
@@ -498,6 +513,8 @@ class Core:
         self.limit = limit
         self.epoch = epoch
         self.learn_policy(policy)
+        if len(r) > 9:
+            self.learn_reserve(int(r[8]), int(r[9]))
         if created:
             self.warned_limit = True  # our own limit is the stored one
             if rec_left > 0:
@@ -534,9 +551,23 @@ class Core:
                         "what to report from the configured policy)", self.name, policy, self.policy)
             self.policy = policy
 
+    def learn_reserve(self, rz: int, rk: int) -> None:
+        """The stored reserves (thousandths: init.lua, status.lua) replace the configured ones; a process
+        configured otherwise is told once, as for the policy."""
+        stored = (rz / 1000, rk / 1000)
+        if stored != self.reserve and not self.warned_reserve:
+            self.warned_reserve = True
+            log.warning("zp_client: Redis budget %r exists with reserve_z=%g, reserve_k=%g; this process was "
+                        "configured with reserve_z=%g, reserve_k=%g and follows the stored ones (the budget's "
+                        "creator chooses them; configure every process alike)", self.name, *stored,
+                        *self.reserve)
+        self.reserve = stored
+
     def learn_status(self, r: list[Any]) -> None:
         if int(r[0]) == 1:
             self.learn_policy(text(r[6]))
+            if len(r) > 23:
+                self.learn_reserve(int(r[22]), int(r[23]))
 
     def status_from(self, r: list[Any]) -> BudgetStatus:
         if int(r[0]) == 0:
@@ -548,7 +579,7 @@ class Core:
         limit, bsum, hsum, nl = int(r[1]), int(r[2]), int(r[3]), int(r[4])
         used = int(r[13]) if len(r) > 13 else bsum  # elastic: the projected peak
         self.limit = limit
-        self.learn_policy(text(r[6]))
+        self.learn_status(r)
         flat = [text(x) for x in r[12]]
         cls: dict[int, list[int]] = {}
         for k, v in zip(flat[::2], flat[1::2], strict=False):

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from zp_client.budget._types import Ticket
-from zp_client.budget.elastic import make_policy
+from zp_client.budget.elastic import ElasticPolicy, make_policy
 from zp_client.budget.ledger import DEFAULT_LATE_BOUND_S, Ledger, WaiterRecord
 from zp_client.budget.predict import PoolTiming, Prediction, predict_wait_of, predict_waits
 from zp_client.budget.redis._meta import LONG_KEYS, META_FLAGS
@@ -92,11 +92,15 @@ def _build(reply: Sequence[object]) -> Snapshot | None:
     lb = _ms(meta[6])
     rec = _ms(meta[7], 0.0) or 0.0
     slimit = _ms(meta[8])
+    # elastic's forecast-error reserves in thousandths (absent: 0), replayed with the same rule
+    rz, rk = (int(_ms(meta[i], 0.0) or 0) if len(meta) > i else 0 for i in (9, 10))
     if rec > now_ms:
         return None  # recovering: nothing is admitted until the window ends
     now = now_ms / 1000
     size = max(limit, int(slimit)) if slimit is not None else limit
-    ledger = Ledger(size, policy=make_policy(policy, block_size=bs), starvation_bound_s=starve / 1000,
+    rule = (ElasticPolicy(bs, reserve_z=rz / 1000, reserve_k=rk / 1000) if policy == "elastic" and (rz or rk)
+            else make_policy(policy, block_size=bs))
+    ledger = Ledger(size, policy=rule, starvation_bound_s=starve / 1000,
                     longest_first_s=lpt / 1000, line=line,  # type: ignore[arg-type]
                     late_bound_s=DEFAULT_LATE_BOUND_S if lb is None else lb / 1000)
     if size != limit:

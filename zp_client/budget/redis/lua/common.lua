@@ -51,8 +51,10 @@ local PRIO_SPAN = 1099511627776  -- 2^40: ticket orders below this; priorities w
 local MAILBOX_TTL_MS = 60000
 -- elastic only: a mirror of every live lease's projection inputs as one short string (parsing it costs a
 -- third of decoding the lease's cjson record, and a grant pass reads them all):
---   "held bound adm pt tk ft st pb f1 mo pk" with -1 for an absent number and pk as "=<key>" or "-"
---   ("*<key>": a pinned prefix's own lease, meta pn = 1; the pins section below).
+--   "held bound adm pt tk ft st pb f1 mo fh pk" with -1 for an absent number and pk as "=<key>" or "-"
+--   ("*<key>": a pinned prefix's own lease, meta pn = 1; the pins section below). pk stays last (a key
+--   may hold spaces); fh (forecast_hi, read by the forecast-error reserves) came after mo later: e_parse
+--   still reads a mirror written without it (a lease of a client before it) as fh absent.
 -- A fleet's elastic leases mirror into one hash per replica instead, :em:<replica id> (a placement reads
 -- the leases of the replicas it weighs, not the whole fleet's).
 local K_EM = PREFIX .. ':em'
@@ -87,7 +89,8 @@ local function em_put(id, l)
     if x == 0 then l.x = nil else l.x = x end
   end
   redis.call('HSET', em_key(l), id, table.concat({l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1,
-    m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.pk and ((m.pn == 1 and '*' or '=') .. m.pk) or '-'},
+    m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.fh or -1,
+    m.pk and ((m.pn == 1 and '*' or '=') .. m.pk) or '-'},
     ' '))
 end
 
@@ -449,7 +452,8 @@ end
 -- ElasticPolicy.fits); the Python ledger with ElasticPolicy is the model in the conformance suite.
 -- Leases and waiters carry their metadata compactly in their record, field m:
 --   pt prompt_tokens, tk tokens, ft forecast_tokens, st streaming (0/1), pk prefix_key,
---   pb prefix_blocks, f1 first_token (0/1), mo max_output_tokens; an absent field is absent (the Python
+--   pb prefix_blocks, f1 first_token (0/1), mo max_output_tokens, fh forecast_hi (read only by the
+--   forecast-error reserves, below; never by the projection); an absent field is absent (the Python
 --   default applies).
 -- Leases also carry a = admission sequence: the Python ledger walks leases in admission order, and
 -- the group prefix of a key is that of the last admitted member with first_token (exactness).
@@ -491,6 +495,136 @@ local function e_project(held, bound, bs, m, candidate)
   if m.tk ~= nil and not candidate then low = math.max(low, math.min(m.tk, held * bs)) end
   if low >= et and et < bt then et = bt end  -- outgrew its forecast: project to the cap
   return held, math.max(0, et - low), true
+end
+
+-- The forecast-error reserves (elastic.spread_blocks, spread_reserve, risk_reserve; ElasticPolicy.reserve):
+-- admission past the fast path keeps spread_reserve(sum of spread^2, z) + risk_reserve(sum of spread, k)
+-- blocks free below the limit, over the live leases and the candidate. Meta rz / rk: reserve_z / reserve_k
+-- in thousandths (as the Python takes them; absent: 0, off), written by init.lua at creation.
+local E_RES = nil  -- read once per script call
+local function e_res()
+  if E_RES == nil then
+    local m = redis.call('HMGET', K_META, 'rz', 'rk')
+    local z, k = tonumber(m[1]) or 0, tonumber(m[2]) or 0
+    E_RES = {z = z, k = k, on = z > 0 or k > 0}
+  end
+  return E_RES
+end
+
+-- elastic.spread_blocks: a live streaming lease's forecast uncertainty in blocks (its end at forecast_hi,
+-- fh, less its projected end, both capped), read as e_project reads it (candidate: a waiter).
+local function e_spread(held, bound, bs, m, candidate)
+  if m.pt == nil and m.tk == nil and m.ft == nil and m.st == nil and m.pk == nil and m.pb == nil
+      and m.f1 == nil then return 0 end
+  if m.st == 0 or m.ft == nil or m.fh == nil then return 0 end
+  local pt = m.pt
+  if pt == nil then pt = held * bs end
+  local bt = bound * bs
+  if m.pt ~= nil and m.mo ~= nil then bt = math.max(bt, m.pt + m.mo) end
+  local et = math.min(bt, pt + m.ft)
+  if candidate then held = cdiv(pt, bs) end
+  local low = pt
+  if held > 0 then low = math.max(pt, (held - 1) * bs + 1) end
+  if m.tk ~= nil and not candidate then low = math.max(low, math.min(m.tk, held * bs)) end
+  if low >= et then return 0 end
+  local hi = math.min(bt, pt + math.max(m.fh, m.ft))
+  return math.max(0, cdiv(hi, bs) - cdiv(et, bs))
+end
+
+-- Exact integers past 2^53 for the spread reserve's squares: little-endian limbs of 2^24, each below
+-- 2^24 once normalized, every intermediate below 2^53 (a spread is below 2^41 blocks: the cap is at most
+-- max(bound, (pt + mo) / bs) blocks with bound, pt and mo at most 1e12).
+local BN = 16777216
+local function bn_norm(a)
+  local c = 0
+  for i = 1, #a do
+    local v = a[i] + c
+    c = math.floor(v / BN)
+    a[i] = v - c * BN
+  end
+  while c > 0 do
+    local q = math.floor(c / BN)
+    a[#a + 1] = c - q * BN
+    c = q
+  end
+  return a
+end
+
+local function bn_copy(a)
+  local out = {}
+  for i = 1, #a do out[i] = a[i] end
+  return out
+end
+
+-- a += u^2 for an integer 0 <= u < 2^48 (u = hi 2^24 + lo: three partial products below 2^49)
+local function bn_add_sq(a, u)
+  local hi = math.floor(u / BN)
+  local lo = u - hi * BN
+  for i = #a + 1, 3 do a[i] = 0 end
+  a[1] = a[1] + lo * lo
+  a[2] = a[2] + 2 * hi * lo
+  a[3] = a[3] + hi * hi
+  bn_norm(a)
+end
+
+-- a * k for an integer 0 <= k < 2^29 (a new number)
+local function bn_mul_small(a, k)
+  local out = {}
+  for i = 1, #a do out[i] = a[i] * k end
+  return bn_norm(out)
+end
+
+local function bn_cmp(a, b)
+  local n = math.max(#a, #b)
+  for i = n, 1, -1 do
+    local x, y = a[i] or 0, b[i] or 0
+    if x ~= y then return x < y and -1 or 1 end
+  end
+  return 0
+end
+
+local function bn_float(a)
+  local v = 0
+  for i = #a, 1, -1 do v = v * BN + a[i] end
+  return v
+end
+
+-- 10^6 r^2 for an integer 0 <= r < 2^48
+local function bn_sq1e6(r)
+  local a = {0}
+  bn_add_sq(a, r)
+  return bn_mul_small(a, 1000000)
+end
+
+-- elastic.spread_reserve: ceil(z sqrt(s)) with z = zm / 1000 (zm <= 100000) and s the sum of squared
+-- spreads (limbs): the least r with (1000 r)^2 >= zm^2 s, decided exactly in limbs from a float guess
+-- (within 10^-15 of the truth, so at most a step or two off). At most cap (callers pass limit + 1, at
+-- most 1e12 + 1: every candidate is refused at cap as at any larger reserve).
+local function e_spread_reserve(s, zm, cap)
+  if zm <= 0 then return 0 end
+  local sf = bn_float(s)
+  if sf <= 0 then return 0 end
+  local r = math.floor(zm * math.sqrt(sf) / 1000)
+  if r > cap + 2 then return cap end
+  local t = bn_mul_small(bn_mul_small(s, zm), zm)
+  while bn_cmp(bn_sq1e6(r), t) < 0 do r = r + 1 end
+  while r > 0 and bn_cmp(bn_sq1e6(r - 1), t) >= 0 do r = r - 1 end
+  return math.min(r, cap)
+end
+
+-- The linear spread sum saturates here (below 2^53 with the next spread, < 2^41, added): a sum this
+-- large makes any risk reserve (k >= 0.001) exceed every limit (1e12) anyway.
+local LIN_MAX = 4503599627370496  -- 2^52
+
+-- elastic.risk_reserve: ceil(km lin / 1000), at most cap (as e_spread_reserve), for 0 <= lin <= LIN_MAX:
+-- km q + ceil(km rem / 1000) with lin = 1000 q + rem (km q is rounded only above 2^53, far above cap).
+local function e_risk_reserve(lin, km, cap)
+  if km <= 0 or lin <= 0 then return 0 end
+  local q = math.floor(lin / 1000)
+  if q * 1000 > lin then q = q - 1 end  -- the division may round up near 2^53
+  local a = km * q
+  if a > cap then return cap end
+  return math.min(cap, a + cdiv(km * (lin - q * 1000), 1000))
 end
 
 -- items: list of {h=held, b=bound, m=meta, a=admission seq}. Returns the prepared profile: the
@@ -562,7 +696,24 @@ local function e_profile(items, bs)
     values[j] = sb[j] + sg[j] * cdiv(ends[j], bs)
     if values[j] > peak then peak = values[j] end
   end
-  return {bs = bs, n = n, ends = ends, sb = sb, sg = sg, values = values, peak = peak, groups = groups}
+  local pr = {bs = bs, n = n, ends = ends, sb = sb, sg = sg, values = values, peak = peak, groups = groups}
+  local res = e_res()
+  if res.on then
+    -- the reserves' sums over the live leases (ElasticPolicy._spreads), and what fits' fast path reads:
+    -- the sum of bounds, the lease count and the sum of excess blocks (e_excess)
+    local sq, lin, bsum, xsum = {0}, 0, 0, 0
+    for _, it in ipairs(items) do
+      local u = e_spread(it.h, it.b, bs, it.m, false)
+      if u > 0 then
+        bn_add_sq(sq, u)
+        lin = math.min(lin + u, LIN_MAX)
+      end
+      bsum = bsum + it.b
+      xsum = xsum + e_excess(it, bs)
+    end
+    pr.res, pr.sq, pr.lin, pr.bsum, pr.nl, pr.xsum = res, sq, lin, bsum, #items, xsum
+  end
+  return pr
 end
 
 -- _Profile.peak_with, evaluated at every instant (0, each end, the candidate's end): O(n).
@@ -600,6 +751,23 @@ end
 -- ElasticPolicy.fits for a waiter record w (b, h, m).
 local function e_fits(pr, limit, w)
   local m = w.mt or {}
+  local res = pr.res
+  if res ~= nil then
+    -- With a reserve: fits' fast path first (bounds, which no forecast error can exceed, fit: the
+    -- reserve is not kept), then the projected peak against the limit less the reserve with the
+    -- candidate's spread (ElasticPolicy.fits, reserve). Without one the fast path is only a shortcut.
+    local bs = pr.bs
+    local fast = pr.bsum + pr.nl + w.b + 1 + e_excess({b = w.b, m = m}, bs)
+    if fast <= limit and (m.pt or 0) <= w.b * bs and fast + pr.xsum <= limit then return true end
+    local cap = limit + 1
+    local u = e_spread(w.h, w.b, bs, m, true)
+    local sq = pr.sq
+    if u > 0 then
+      sq = bn_copy(sq)
+      bn_add_sq(sq, u)
+    end
+    limit = limit - e_spread_reserve(sq, res.z, cap) - e_risk_reserve(math.min(pr.lin + u, LIN_MAX), res.k, cap)
+  end
   local cb, cr, cg = e_project(w.h, w.b, pr.bs, m, true)
   local xp, xfrom = nil, nil
   local g = nil
@@ -635,10 +803,17 @@ local function e_parse(key)
   local vals = redis.call('HVALS', key)
   local items = {}
   for i = 1, #vals do
-    local h, b, a, pt, tk, ft, st, pb, f1, mo, pk =
-      string.match(vals[i], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
+    local v = vals[i]
+    local h, b, a, pt, tk, ft, st, pb, f1, mo, fh, pk =
+      string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%-?%d+) (.*)$')
+    if h == nil then
+      -- written before fh (its pk field, "-", "=..." or "*...", never matches fh's number)
+      h, b, a, pt, tk, ft, st, pb, f1, mo, pk =
+        string.match(v, '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+) (.*)$')
+      fh = '-1'
+    end
     local m = {pt = em_opt(pt), tk = em_opt(tk), ft = em_opt(ft), st = em_opt(st), pb = em_opt(pb),
-               f1 = em_opt(f1), mo = em_opt(mo)}
+               f1 = em_opt(f1), mo = em_opt(mo), fh = em_opt(fh)}
     local c = string.sub(pk, 1, 1)
     if c == '=' then m.pk = string.sub(pk, 2) elseif c == '*' then m.pk, m.pn = string.sub(pk, 2), 1 end
     items[i] = {h = tonumber(h), b = tonumber(b), m = m, a = tonumber(a)}
@@ -660,7 +835,7 @@ end
 
 -- Decode and validate a compact meta object from a caller (never trusted). '' -> {}. With
 -- allow_null, a JSON null is kept (it removes the field in merge_meta).
-local META_INT = {pt = true, tk = true, ft = true, pb = true, mo = true}
+local META_INT = {pt = true, tk = true, ft = true, pb = true, mo = true, fh = true}
 local META_FLAG = {st = true, f1 = true}
 local function meta_arg(raw, allow_null)
   if raw == nil or raw == '' then return {} end
