@@ -741,3 +741,229 @@ def test_longest_first_is_validated_and_read_from_settings(redis_url: str) -> No
     b = RedisBudget.from_settings(redis_url, "zp-test-lpt-settings", 10, Settings(longest_first_s=4.0))
     assert b.config.longest_first_s == 4.0 and b._core.init_args()[6] == 4000  # ARGV[7] of init.lua
     b.close_sync()
+
+
+# --------------------------------------------------------------------------------------------- reserves
+# elastic's forecast-error reserves (ElasticPolicy reserve_z / reserve_k) in the Lua port: docs/elastic.md,
+# "spread-reserve" and "risk-reserve". The conformance machine above draws them; these are the edges.
+_SPREAD = {"prompt_tokens": 160, "forecast_tokens": 32, "forecast_hi": 192, "streaming": True}
+
+
+@pytest.mark.parametrize("bad", [-0.5, 100.5, float("nan"), float("inf"), True, "1"])
+@pytest.mark.parametrize("which", ["reserve_z", "reserve_k"])
+def test_the_reserves_are_validated_as_the_policy_validates_them(which: str, bad: Any) -> None:
+    with pytest.raises(ConfigurationError) as want:
+        ElasticPolicy(16, **{which: bad})
+    # a port nothing listens on: the constructor calls nothing, so the error comes before any Redis call
+    with pytest.raises(ConfigurationError) as got:
+        RedisBudget("redis://127.0.0.1:1/0", "zp-test-reserve-invalid", 10, **{which: bad})
+    assert str(got.value) == str(want.value)
+
+
+def test_the_reserves_are_rounded_as_the_policy_rounds_them_and_sent_in_thousandths() -> None:
+    b = RedisBudget("redis://127.0.0.1:1/0", "zp-test-reserve-args", 10, reserve_z=1.23456, reserve_k=0.0004)
+    p = ElasticPolicy(16, reserve_z=1.23456, reserve_k=0.0004)
+    assert (b.config.reserve_z, b.config.reserve_k) == (p.reserve_z, p.reserve_k) == (1.235, 0.0)
+    assert b._core.init_args()[10:] == [1235, 0]  # init.lua's ARGV[11], ARGV[12]
+    assert b.reads_forecast_spread
+    assert not RedisBudget("redis://127.0.0.1:1/0", "zp-test-reserve-off", 10).reads_forecast_spread
+    b.close_sync()
+
+
+# bs 16, limit 40. A and B alike: bound 30, 10 blocks held (a 160-token prompt), forecast 32 more tokens
+# (12 blocks at the end), upper forecast 192 (22 blocks): a spread of 10 blocks each. Together they project
+# 24 blocks, and their bounds (30 + 30 + 2 > 40) miss the fast path. The reserve with B: spread
+# ceil(z sqrt(200)) (z = 1: 15, z = 1.5: 22), risk ceil(k 20) (k = 0.8: 16, k = 0.85: 17); B is admitted
+# while 24 <= 40 - reserve.
+_BLOCKING = [(0.0, 0.0, True), (1.0, 0.0, True), (1.5, 0.0, False), (0.0, 0.8, True), (0.0, 0.85, False),
+             (0.5, 0.5, False)]
+
+
+@pytest.mark.parametrize(("z", "k", "admitted"), _BLOCKING)
+def test_the_model_admits_b_only_while_the_reserve_leaves_room(z: float, k: float, admitted: bool) -> None:
+    led = Ledger(40, policy=ElasticPolicy(16, reserve_z=z, reserve_k=k))
+    led.enqueue("a", 30, 10, 0, 0.0, meta=_SPREAD)
+    led.enqueue("b", 30, 10, 0, 0.0, meta=_SPREAD)
+    assert led.grant(0.0) == (["a", "b"] if admitted else ["a"])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("z", "k", "admitted"), _BLOCKING)
+async def test_the_reserve_blocks_an_admission_in_both_backends(
+    budgets: Any, z: float, k: float, admitted: bool
+) -> None:
+    from zp_client.budget.local import LocalBudget
+
+    local = LocalBudget(40, 16, policy=ElasticPolicy(16, reserve_z=z, reserve_k=k))
+    redis_b = budgets(40, reserve_z=z, reserve_k=k)
+    for b in (local, redis_b):
+        la = await b.acquire(30, held=10, meta=_SPREAD)
+        second = asyncio.ensure_future(b.acquire(30, held=10, meta=_SPREAD))
+        await asyncio.sleep(0.3)
+        assert second.done() == admitted, (b, z, k)
+        await la.release()
+        lb = await asyncio.wait_for(second, 10)  # alone it fits (its bound takes the fast path)
+        await lb.release()
+    await redis_b.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_later_process_follows_the_stored_reserves(budgets: Any, caplog: Any) -> None:
+    first = budgets(40, reserve_z=1.5)
+    la = await first.acquire(30, held=10, meta=_SPREAD)
+    other = RedisBudget(first._core.url, first.name, 40, 16, policy="elastic", recovery_s=0, poll_interval_s=30)
+    assert not other.reads_forecast_spread  # configured without, until it reads the stored ones
+    with caplog.at_level("WARNING", logger="zp_client.budget.redis"):
+        await other.status()
+    assert other._core.reserve == (1.5, 0.0) and other.reads_forecast_spread
+    assert "reserve_z=1.5" in caplog.text
+    # the stored reserve is the budget's: the other process's B waits as the creator's would
+    second = asyncio.ensure_future(other.acquire(30, held=10, meta=_SPREAD))
+    await asyncio.sleep(0.3)
+    assert not second.done()
+    await la.release()
+    await (await asyncio.wait_for(second, 10)).release()
+    await other.aclose()
+    await first.aclose()
+
+
+@pytest.mark.anyio
+async def test_strict_stores_the_reserves_and_ignores_them(budgets: Any, redis_url: str) -> None:
+    name = f"{budgets(40).name}-strict"
+    b = RedisBudget(redis_url, name, 60, 16, policy="strict", recovery_s=0, reserve_z=3.0, reserve_k=2.0)
+    try:
+        assert not b.reads_forecast_spread
+        la = await b.acquire(30, held=10, meta=_SPREAD)
+        lb = await asyncio.wait_for(b.acquire(30, held=10, meta=_SPREAD), 10)  # 60 <= 60: bounds only
+        await lb.release()
+        await la.release()
+        await b.aclose()
+    finally:
+        delete_keys(redis_url, name)
+
+
+def _lua_reserves(redis_url: str, us: list[int], zm: int, km: int, cap: int) -> tuple[int, int]:
+    from zp_client.budget.redis._script import load_lua
+
+    body = """
+    local s, lin = {0}, 0
+    for i = 4, #ARGV do
+      local u = tonumber(ARGV[i])
+      bn_add_sq(s, u)
+      lin = math.min(lin + u, LIN_MAX)
+    end
+    local zm, km, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+    return {string.format('%.0f', e_spread_reserve(s, zm, cap)), string.format('%.0f', e_risk_reserve(lin, km, cap))}
+    """
+    r = redis.Redis.from_url(redis_url)
+    try:
+        out = r.eval(load_lua("common.lua") + body, 1, "{zp:zp-test-reserve-math}:meta", zm, km, cap, *us)
+    finally:
+        r.close()
+    return int(out[0]), int(out[1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_lua_reserves_are_exact_beyond_2_to_the_53(redis_url: str, seed: int) -> None:
+    # Spreads up to 2^41 blocks (the largest a cap of 1e12 tokens allows), their squares summed far past
+    # 2^53: the Lua's limbs give Python's integers, capped at limit + 1 (a reserve above the limit
+    # refuses every candidate, as any larger one does).
+    import random
+
+    from zp_client.budget.elastic import risk_reserve, spread_reserve
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        n = rng.choice([1, 2, 7, 300])
+        top = rng.choice([10, 10**4, 10**8, 2**41 - 1])
+        us = [rng.randint(0, top) for _ in range(n)]
+        zm, km = rng.choice([1, 7, 999, 1000, 1732, 100000]), rng.choice([0, 1, 250, 1000, 100000])
+        cap = rng.choice([1, 41, 10**6, 10**12 + 1])
+        lin = min(sum(us), 2**52)
+        want = (min(cap, spread_reserve(sum(u * u for u in us), zm / 1000)),
+                min(cap, risk_reserve(lin, km / 1000)))
+        assert _lua_reserves(redis_url, us, zm, km, cap) == want, (us, zm, km, cap)
+    # perfect squares and their neighbours (where a float sqrt is one off)
+    for root in (10**6, 3 * 10**7 + 1, 94906265, 10**12 - 1, 2**40 + 3):
+        for s in (root * root - 1, root * root, root * root + 1):
+            want_z = min(10**12 + 1, spread_reserve(s, 1.0))
+            got_z, _ = _lua_reserves_sum(redis_url, s, 1000, 10**12 + 1)
+            assert got_z == want_z, s
+
+
+def _lua_reserves_sum(redis_url: str, s: int, zm: int, cap: int) -> tuple[int, int]:
+    """As _lua_reserves for one sum of squares ``s`` given directly (as limbs of 2^24)."""
+    from zp_client.budget.redis._script import load_lua
+
+    limbs = []
+    while s:
+        limbs.append(s % 2**24)
+        s //= 2**24
+    body = """
+    local s = {}
+    for i = 3, #ARGV do s[#s + 1] = tonumber(ARGV[i]) end
+    return {string.format('%.0f', e_spread_reserve(s, tonumber(ARGV[1]), tonumber(ARGV[2]))), 0}
+    """
+    r = redis.Redis.from_url(redis_url)
+    try:
+        out = r.eval(load_lua("common.lua") + body, 1, "{zp:zp-test-reserve-math}:meta", zm, cap, *(limbs or [0]))
+    finally:
+        r.close()
+    return int(out[0]), int(out[1])
+
+
+@pytest.mark.anyio
+async def test_the_snapshot_replays_the_stored_reserves(budgets: Any) -> None:
+    # The wait prediction's copy of the budget (snapshot.lua -> ledger_from_snapshot) carries the stored
+    # reserves: its replay refuses B as the Lua grant pass did, and admits it without the reserve.
+    from zp_client.budget.redis._snapshot import SNAPSHOT_CAP, ledger_from_snapshot
+
+    b = budgets(40, reserve_z=1.5)
+    la = await b.acquire(30, held=10, meta=_SPREAD)
+    second = asyncio.ensure_future(b.acquire(30, held=10, meta=_SPREAD))
+    await asyncio.sleep(0.3)
+    assert not second.done()
+    snap = ledger_from_snapshot(await b._get_side().eval("snapshot", [SNAPSHOT_CAP], init=False))
+    assert snap is not None
+    policy = snap.ledger.policy
+    assert isinstance(policy, ElasticPolicy) and policy.reserve_z == 1.5
+    lease = next(iter(snap.ledger.leases.values()))
+    assert lease.meta["forecast_hi"] == 192
+    assert snap.ledger.grant(snap.now) == []
+    policy.reserve_z = 0.0
+    assert len(snap.ledger.grant(snap.now)) == 1
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    await la.release()
+    await b.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_mirror_written_before_forecast_hi_still_parses(budgets: Any, redis_url: str) -> None:
+    # A lease of a client before fh has an 11-field mirror ("... mo pk"): read as fh absent, its prefix
+    # key (which may hold spaces) intact.
+    b = budgets(40, reserve_z=1.5)
+    meta = {**_SPREAD, "prefix_key": "sys a", "prefix_blocks": 2, "first_token": True}
+    la = await b.acquire(30, held=10, meta=meta)
+    lb = await b.acquire(5, held=3, meta={"prompt_tokens": 40, "forecast_tokens": 8, "prefix_key": "sys a",
+                                          "prefix_blocks": 2, "first_token": True})
+    want = (await b.status()).used
+    r = redis.Redis.from_url(redis_url)
+    try:
+        key = f"{{zp:{b.name}}}:em"
+        for lid, raw in r.hgetall(key).items():
+            parts = raw.decode().split(" ", 11)
+            assert parts[11] == "=sys a"
+            r.hset(key, lid, " ".join(parts[:10] + parts[11:]))  # without fh
+        assert (await b.status()).used == want
+        # with fh gone A has no spread, so no reserve: C (12 + 2 blocks at its end, no spread of its own)
+        # fits, 26 <= 40 (with A's spread of 10 blocks the reserve, 15, would refuse it: 26 > 25)
+        c = {"prompt_tokens": 192, "forecast_tokens": 32, "forecast_hi": 32}
+        extra = await asyncio.wait_for(b.acquire(30, held=11, meta=c), 10)
+        await extra.release()
+    finally:
+        r.close()
+    await lb.release()
+    await la.release()
+    await b.aclose()

@@ -193,3 +193,25 @@ def test_a_process_learns_its_errors_for_fail_fast_margin_and_bias() -> None:
         assert core.predicted_heads(reply("head")) == {0: pytest.approx(0.0, abs=0.5)}  # 6 s less 6 s
     finally:
         b.close_sync()
+
+
+def test_the_reserves_come_back_with_the_policy() -> None:
+    from zp_client.budget.elastic import ElasticPolicy
+
+    # snapshot.lua's meta ends with rz and rk (reserve_z, reserve_k in thousandths): the replay's policy
+    # keeps the same forecast-error reserves, and the leases their upper forecasts (fh)
+    reply = _reply([("lease-a", _lease(NOW_MS - 1000, 1, fh=480))], [])
+    reply[2] = [*reply[2], b"1500", b"250"]
+    snap = ledger_from_snapshot(reply)
+    assert snap is not None
+    policy = snap.ledger.policy
+    assert isinstance(policy, ElasticPolicy) and (policy.reserve_z, policy.reserve_k) == (1.5, 0.25)
+    assert policy.block_size == BS
+    assert snap.ledger.leases["lease-a"].meta["forecast_hi"] == 480
+    # absent (HMGET's nil, sent as ''), or a reply of a script before them: no reserve
+    for extra in ([b"", b""], []):
+        reply = _reply([("lease-a", _lease(NOW_MS - 1000, 1))], [])
+        reply[2] = [*reply[2], *extra]
+        snap = ledger_from_snapshot(reply)
+        assert snap is not None
+        assert (snap.ledger.policy.reserve_z, snap.ledger.policy.reserve_k) == (0.0, 0.0)  # type: ignore[attr-defined]
