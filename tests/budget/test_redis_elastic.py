@@ -811,7 +811,8 @@ async def test_the_reserve_blocks_an_admission_in_both_backends(
 async def test_a_later_process_follows_the_stored_reserves(budgets: Any, caplog: Any) -> None:
     first = budgets(40, reserve_z=1.5)
     la = await first.acquire(30, held=10, meta=_SPREAD)
-    other = RedisBudget(first._core.url, first.name, 40, 16, policy="elastic", recovery_s=0, poll_interval_s=30)
+    other = RedisBudget(first._core.url, first.name, 40, 16, policy="elastic", recovery_s=0,
+                        poll_interval_s=30)
     assert not other.reads_forecast_spread  # configured without, until it reads the stored ones
     with caplog.at_level("WARNING", logger="zp_client.budget.redis"):
         await other.status()
@@ -853,7 +854,8 @@ def _lua_reserves(redis_url: str, us: list[int], zm: int, km: int, cap: int) -> 
       lin = math.min(lin + u, LIN_MAX)
     end
     local zm, km, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-    return {string.format('%.0f', e_spread_reserve(s, zm, cap)), string.format('%.0f', e_risk_reserve(lin, km, cap))}
+    return {string.format('%.0f', e_spread_reserve(s, zm, cap)),
+            string.format('%.0f', e_risk_reserve(lin, km, cap))}
     """
     r = redis.Redis.from_url(redis_url)
     try:
@@ -906,7 +908,8 @@ def _lua_reserves_sum(redis_url: str, s: int, zm: int, cap: int) -> tuple[int, i
     """
     r = redis.Redis.from_url(redis_url)
     try:
-        out = r.eval(load_lua("common.lua") + body, 1, "{zp:zp-test-reserve-math}:meta", zm, cap, *(limbs or [0]))
+        out = r.eval(load_lua("common.lua") + body, 1, "{zp:zp-test-reserve-math}:meta", zm, cap,
+                     *(limbs or [0]))
     finally:
         r.close()
     return int(out[0]), int(out[1])

@@ -72,7 +72,7 @@ _progress = st.fixed_dictionaries(
         "forecast_hi": st.integers(0, 20 * BS),
     },
 )
-#: elastic's forecast-error reserves, drawn per run (0 included: off), applied per replica: reserve_z, reserve_k
+#: elastic's forecast-error reserves, drawn per run (0 included: off), per replica: reserve_z, reserve_k
 _reserves = st.tuples(st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.732, 3.0]),
                       st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 2.0]))
 #: a streamed lease with a forecast and an upper forecast (a spread for the reserves to read)
@@ -148,7 +148,8 @@ def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
                 assert not task.done(), f"{lbl} finished ({task!r}) but the model says it waits"
 
         @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 1),
-              meta=st.one_of(_meta, _spread_meta), turns=st.sampled_from(_CONVERSATIONS), session=st.sampled_from([None, None, "s1", "s2"]))
+              meta=st.one_of(_meta, _spread_meta), turns=st.sampled_from(_CONVERSATIONS),
+              session=st.sampled_from([None, None, "s1", "s2"]))
         def acquire(self, blocks: int, held_frac: int, priority: int, meta: dict[str, Any],
                     turns: tuple[str, ...], session: str | None) -> None:
             held = blocks * held_frac // 4

@@ -517,6 +517,12 @@ class RedisFleet(FleetRouting, Budget):
         return self._line.policy_name
 
     @property
+    def reads_forecast_spread(self) -> bool:
+        """As RedisBudget's: the replicas' policy has a forecast-error reserve (``reserve_z`` /
+        ``reserve_k``), so the transport sends upper forecasts."""
+        return self._line.reads_forecast_spread
+
+    @property
     def config(self) -> Config:
         """The validated settings the fleet's line was made with."""
         return self._line.config

@@ -113,8 +113,8 @@ class RedisBudget(Budget):
     ``reserve_k`` (elastic's forecast-error reserves, as :class:`~zp_client.budget.elastic.ElasticPolicy`
     takes them, validated alike, 0 by default: off; the budget's creator chooses, a process configured
     otherwise follows the stored ones with a warning; read only under ``elastic``: ``strict`` stores and
-    ignores them, as it does ``longest_first_s``; docs/elastic.md#spread-reserve). Semantics (safety, recovery,
-    wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
+    ignores them, as it does ``longest_first_s``; docs/elastic.md#reserves-on-redis). Semantics (safety,
+    recovery, wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
     """
 
     def __init__(

@@ -557,9 +557,9 @@ class Core:
         stored = (rz / 1000, rk / 1000)
         if stored != self.reserve and not self.warned_reserve:
             self.warned_reserve = True
-            log.warning("zp_client: Redis budget %r exists with reserve_z=%g, reserve_k=%g; this process was "
-                        "configured with reserve_z=%g, reserve_k=%g and follows the stored ones (the budget's "
-                        "creator chooses them; configure every process alike)", self.name, *stored,
+            log.warning("zp_client: Redis budget %r exists with reserve_z=%g, reserve_k=%g; this process "
+                        "was configured with reserve_z=%g, reserve_k=%g and follows the stored ones (the "
+                        "budget's creator chooses them; configure every process alike)", self.name, *stored,
                         *self.reserve)
         self.reserve = stored
 
