@@ -448,7 +448,7 @@ def test_redis_budget_reads_the_line_from_settings(redis_url: str) -> None:
     b = RedisBudget.from_settings(redis_url, "zp-test-line-settings", 10,
                                   Settings(line="slo", late_bound_s=12.5))
     assert (b.config.line, b.config.late_bound_s) == ("slo", 12.5)
-    assert b._core.init_args()[8:] == ["slo", 12500]  # ARGV[9], ARGV[10] of init.lua
+    assert b._core.init_args()[8:10] == ["slo", 12500]  # ARGV[9], ARGV[10] of init.lua (11, 12: reserves)
     b.close_sync()
     with pytest.raises(ConfigurationError):
         RedisBudget(redis_url, "zp-test-line-bad", 10, line="edf")  # type: ignore[arg-type]

@@ -304,7 +304,7 @@ def test_redis_pins_conform_to_the_pin_book(redis_url: str, redis_prefix: str) -
     from tests.budget.test_redis_elastic import _progress as progress_fields
 
     names = [redis_prefix]
-    base = _make_machine(redis_url, names, FULL_BACKFILL)
+    base = _make_machine(redis_url, names, FULL_BACKFILL, draw_reserves=False)
     r = redis.Redis.from_url(redis_url)
     seen = {"steps": 0, "due": 0, "released": 0, "waiting": 0, "gated": 0}
 

@@ -115,7 +115,10 @@ _spread_meta = st.fixed_dictionaries(
 )
 
 
-def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first_s: float = 0.0) -> type:
+def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first_s: float = 0.0,
+                  draw_reserves: bool = True) -> type:
+    """The machine; ``draw_reserves`` False: no forecast-error reserve, the budget made at once (for a
+    subclass whose own ``initialize`` rules use it: tests/budget/test_pinning_redis.py)."""
     counter = itertools.count()
 
     class ElasticMachine(RuleBasedStateMachine):
@@ -125,9 +128,15 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
             self.labels = itertools.count()
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
             self.leases: dict[str, Lease] = {}
+            if not draw_reserves:
+                self._make((0.0, 0.0))
 
-        @initialize(reserves=_reserves)
-        def make(self, reserves: tuple[float, float]) -> None:
+        if draw_reserves:
+            @initialize(reserves=_reserves)
+            def make(self, reserves: tuple[float, float]) -> None:
+                self._make(reserves)
+
+        def _make(self, reserves: tuple[float, float]) -> None:
             # The reserves (drawn, 0 included) are stored in Redis by the budget's creator and applied by
             # the Lua grant pass; the model is the Python policy with the same ones.
             z, k = reserves
