@@ -603,7 +603,9 @@ def http_server() -> Iterator[Any]:
 
 
 @pytest.mark.anyio
-async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server: Any, redis_url: str) -> None:
+@pytest.mark.parametrize("reserve_z", [0.0, 0.5], ids=["no-reserve", "reserve"])
+async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server: Any, redis_url: str,
+                                                      reserve_z: float) -> None:
     import json as _json
 
     import httpx
@@ -612,7 +614,7 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
     from zp_client.config import Settings
     from zp_client.transport import forecaster_for, transport_classes
 
-    b = budgets(1000)
+    b = budgets(1000, reserve_z=reserve_z)
     t = transport_classes(httpx).AsyncAdmissionTransport(budget=b, settings=Settings(estimator="heuristic"))
     assert isinstance(t.forecaster, RedisLengthForecaster) and t.forecaster is forecaster_for(b)
     system = {"role": "system", "content": "You are a careful coding agent. " * 120}
@@ -634,6 +636,9 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
                 m = rec["m"]
                 assert m["f1"] == 1 and m["st"] == 1 and m["pt"] > 200 and m["pb"] > 0 and m["pk"]
                 assert 0 < m["ft"] <= 2000
+                # the upper forecast travels only to a budget whose reserve reads it (as to LocalBudget)
+                assert ("fh" in m) == bool(reserve_z)
+                assert m.get("fh", m["ft"]) >= m["ft"]
             ok = {"model": "ok", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
             for _ in range(3):
                 async with c.stream("POST", "/chat/completions", json=ok, headers={"X-ZP-Route": "planner"}) as resp:
