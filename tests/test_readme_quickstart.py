@@ -135,7 +135,7 @@ def test_a_snippet_that_breaks_fails_here(sim_root: str, tmp_path: Path) -> None
 def test_the_quick_start_with_an_oversized_budget_warns_once(sim_root: str, tmp_path: Path) -> None:
     """Written with a limit larger than the simulator's pool, the same program is told so, once."""
     code = quick_start_code()
-    oversized = code.replace("LocalBudget(limit_blocks=459)", "LocalBudget(limit_blocks=25_000)")
+    oversized = code.replace("LocalBudget(limit_blocks=511)", "LocalBudget(limit_blocks=25_000)")
     assert oversized != code
     proc = run_snippet(oversized, sim_root, tmp_path)
     assert proc.returncode == 0, proc.stderr

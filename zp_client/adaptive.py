@@ -112,9 +112,10 @@ DEFAULT_FLOOR_FRACTION = 0.5
 #: After a decrease, preemptions and overload answers change nothing for this long (the leases admitted
 #: before it drain in a few request lifetimes), and no increase happens.
 DEFAULT_COOLDOWN_S = 5.0
-#: KV use beyond the live leases' held blocks, as a share of the usable pool, that counts as bypass: the
-#: less is absorbed by the calibrated limit's own reserve (1 - ELASTIC_HEADROOM), and held reports lag the
-#: server by a block or two per stream.
+#: KV use beyond the live leases' held blocks, as a share of the usable pool, that counts as bypass: held
+#: reports lag the server by a block or two per stream. Less than this is not seen; it was absorbed by the
+#: calibrated limit's flat reserve while that was 10% of the pool (headroom 0.90, until issue 30); with
+#: the whole pool as the limit only the elastic policy's spread reserve absorbs it.
 DEFAULT_BYPASS_MARGIN = 0.05
 #: The bypass ceiling follows the largest bypass measured over this many seconds of polls, not the last
 #: one alone: foreign traffic comes and goes between two of its requests (an agent's tool call, the next
@@ -122,7 +123,7 @@ DEFAULT_BYPASS_MARGIN = 0.05
 #: preempts (lowering a limit never revokes a lease). The cooldown's length: one burst, held once.
 DEFAULT_BYPASS_HOLD_S = 5.0
 #: Preemptions cut the limit once at least this many were seen within ``cooldown_s`` (the polls of
-#: that window, the current one included): the elastic policy's 5% reserve against its own forecast
+#: that window, the current one included): the elastic policy's reserve against its own forecast
 #: error lets a lone preemption through now and then by design, and cutting 20% of the pool for it costs
 #: more than the one request's recompute; a limit that is too large (a smaller pool than calibrated)
 #: preempts again within seconds.

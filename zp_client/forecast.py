@@ -47,16 +47,16 @@ DEFAULT_Q_TAIL = 0.5
 #: ``forecast_hi`` so that an elastic policy with a spread-sized reserve (``ElasticPolicy(reserve_z=...)``)
 #: can size the pool's reserve from the live leases' forecast uncertainty (docs/elastic.md).
 DEFAULT_Q_SPREAD = 0.9
-#: Default of :class:`LengthForecaster`'s ``censored`` (off; measured in docs/elastic.md#censored-lengths):
-#: on, a completion that ended at its ``max_tokens`` is read as censored (the request would have gone on),
+#: Default of :class:`LengthForecaster`'s ``censored`` (on since issue 30; docs/elastic.md#censored-lengths):
+#: a completion that ended at its ``max_tokens`` is read as censored (the request would have gone on),
 #: and a route where at least ``1 - q`` of the weight ended so forecasts a request at its bound. A histogram
 #: of such lengths read as exact forecasts every stream of a generation-bound route short at once: the
-#: correlated error the flat reserve (the 0.90 headroom) covers.
-DEFAULT_CENSORED = False
-#: Default of :class:`LengthForecaster`'s ``cold_n`` (off): a route's requests are forecast at their
-#: ``max_tokens`` until it has this many observations (its first leases are reserved as ``strict`` would);
-#: 10 with ``censored`` is the measured opt-in.
-DEFAULT_COLD_N = 0
+#: correlated error the flat reserve (the 0.90 headroom before issue 30) had to cover.
+DEFAULT_CENSORED = True
+#: Default of :class:`LengthForecaster`'s ``cold_n``: a route's requests are forecast at their
+#: ``max_tokens`` until it has this many observations (its first leases are reserved as ``strict`` would,
+#: so a burst before the first completion cannot outgrow a prior; docs/elastic.md#censored-lengths).
+DEFAULT_COLD_N = 10
 #: Most keys (routes) a forecaster keeps a histogram for; the least recently used goes first.
 DEFAULT_MAX_KEYS = 1000
 _MAX_LEN = 1 << 20

@@ -66,17 +66,16 @@ def resolve_url(base_url: str, path: str) -> str:
     return f"{base}/{path}"
 
 
-#: Share of the usable pool an ``elastic`` budget leases when every client goes through zp. The 10% left
-#: is the reserve for forecast error, and it lives here, in the suggested limit, not in the policy
-#: (``ElasticPolicy`` keeps nothing back by default): a limit set by hand is used as given, never reduced
-#: twice. Streams on vLLM hold the server's exact prompt count from their first token on
-#: (``Settings.continuous_usage``) and report exact growth, so nothing else in a lease absorbs several
-#: streams outrunning their forecasts at once. Under overload the pool is refilled to the limit at every
-#: release, so those errors add up: at 0.95 the default forecaster preempted at 2x and 4x the storm's load
-#: (seed-burst 4-5 per run at 4x, agentic 2 at 2x and 4x); 0.90 held 0 preemptions at every load up to 4x
-#: on the tuning and held-out seeds and with the prompt estimate 25.9% short (docs/elastic.md#the-reserve-
-#: under-overload, ``benchmarks/reserve_overload.py``).
-ELASTIC_HEADROOM = 0.90
+#: Share of the usable pool an ``elastic`` budget leases when every client goes through zp: all of it.
+#: The reserve for forecast error lives in the policy (``ElasticPolicy``'s ``reserve_k`` and ``reserve_z``,
+#: sized by the live leases' forecast spread), not in the suggested limit: a limit set by hand is used as
+#: given, and the policy's reserve is kept below it (a hand-set limit that already leaves a share of the
+#: pool free keeps both). Until issue 30 the reserve was this headroom, 0.90: a flat 10% that cost 5-37
+#: points of requests within their TTFT target at 1x (docs/benchmark.md#the-overload-curve) and still
+#: preempted under overload with lengths read short (docs/elastic.md#censored-lengths). With the
+#: censoring-aware forecaster and the spread reserve, 1.0 held 0 preemptions at every load up to 4x on
+#: the tuning and held-out seeds (docs/elastic.md#the-default-reserve, ``benchmarks/reserve_overload.py``).
+ELASTIC_HEADROOM = 1.0
 #: Share of the usable pool a ``strict`` budget leases (the original, conservative margin).
 STRICT_HEADROOM = 0.95
 
@@ -87,7 +86,7 @@ def suggest_limit_blocks(
     """A budget limit for a server with ``num_gpu_blocks`` KV blocks: ``floor((N - 1) * headroom)``.
 
     vLLM's pool includes one null block, so ``N - 1`` are usable. ``headroom`` defaults to the policy's:
-    :data:`ELASTIC_HEADROOM` for ``"elastic"`` (0.90), :data:`STRICT_HEADROOM` for ``"strict"`` (0.95).
+    :data:`ELASTIC_HEADROOM` for ``"elastic"`` (1.0), :data:`STRICT_HEADROOM` for ``"strict"`` (0.95).
     Lower it to leave room for what the budget does not see (requests from clients without zp-client).
     """
     if policy not in ("elastic", "strict"):

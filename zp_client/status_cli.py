@@ -1,6 +1,6 @@
 """``zp-client status``: what a server's KV pool and a shared budget look like right now.
 
-    zp-client status --server http://127.0.0.1:8000/v1 [--headroom 0.90]
+    zp-client status --server http://127.0.0.1:8000/v1 [--headroom 0.9]
     zp-client status --redis redis://127.0.0.1:6379/0 --name NAME [--json]
     zp-client status ... --watch [--interval S]     (a live view until Ctrl-C; needs rich, the bench extra)
 
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "reads /metrics")
     parser.add_argument("--headroom", type=float, default=None,
                         help="fraction of the usable KV pool to suggest as limit_blocks (default: the "
-                             "elastic policy's, zp_client.server.ELASTIC_HEADROOM = 0.90; lower when clients "
+                             "elastic policy's, zp_client.server.ELASTIC_HEADROOM = 1.0; lower when clients "
                              "outside zp share the server)")
     parser.add_argument("--redis", metavar="URL", help="Redis URL of a shared budget (redis://host:6379/0)")
     parser.add_argument("--name", help="the RedisBudget's name (with --redis)")

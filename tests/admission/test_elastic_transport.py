@@ -108,9 +108,10 @@ async def test_upper_forecasts_are_sent_only_to_a_spread_sized_reserve(reserve_z
     Without it the field is never sent (nor computed)."""
     from zp_client.budget.elastic import ElasticPolicy
 
-    budget = LocalBudget(1000, 16, policy=ElasticPolicy(16, reserve_z=reserve_z))
+    budget = LocalBudget(1000, 16, policy=ElasticPolicy(16, reserve_z=reserve_z, reserve_k=0.0))
     assert budget.reads_forecast_spread is (reserve_z > 0)
-    fc = LengthForecaster(q=0.5, prior=Prior(median=3, sigma=0.6, weight=50))
+    # cold_n=0: forecast from the prior at once (a cold route's first requests are forecast at their bound)
+    fc = LengthForecaster(q=0.5, prior=Prior(median=3, sigma=0.6, weight=50), cold_n=0)
     body = {**CHAT, "model": "slow", "stream": True, "max_tokens": 2000}
     async with async_client(httpx2, server, budget, forecaster=fc) as c:
         async with c.stream("POST", "/chat/completions", json=body, headers={"X-ZP-Route": "slow"}) as r:
@@ -177,10 +178,11 @@ async def test_elastic_completed_stream_teaches_the_forecaster(server: LoopbackS
 async def test_a_completion_at_its_max_tokens_is_learned_as_censored(server: LoopbackServer) -> None:
     """The loopback server answers 6 completion tokens: with ``max_tokens`` 6 the answer ended at its bound,
     and a ``censored`` forecaster learns it as capped; with 32 it did not. A forecaster without
-    ``censored`` learns both as plain lengths."""
+    ``censored`` (the default since issue 30) learns both as plain lengths."""
     budget = LocalBudget(1000, 16, policy="elastic")
-    cens = LengthForecaster(censored=True)
-    plain = LengthForecaster()
+    cens = LengthForecaster()
+    assert cens.censored  # the default
+    plain = LengthForecaster(censored=False)
     for fc in (cens, plain):
         async with async_client(httpx, server, budget, forecaster=fc) as c:
             for max_tokens, route in ((6, "capped"), (32, "free")):
@@ -196,8 +198,10 @@ async def test_a_completion_at_its_max_tokens_is_learned_as_censored(server: Loo
 def test_a_risk_reserve_reads_the_upper_forecasts() -> None:
     from zp_client.budget.elastic import ElasticPolicy
 
-    assert LocalBudget(1000, 16, policy=ElasticPolicy(16, reserve_k=0.5)).reads_forecast_spread
-    assert not LocalBudget(1000, 16, policy=ElasticPolicy(16)).reads_forecast_spread
+    assert LocalBudget(1000, 16, policy=ElasticPolicy(16, reserve_k=0.5, reserve_z=0.0)).reads_forecast_spread
+    assert LocalBudget(1000, 16, policy=ElasticPolicy(16)).reads_forecast_spread  # the default reserves
+    off = ElasticPolicy(16, reserve_k=0.0, reserve_z=0.0)
+    assert not LocalBudget(1000, 16, policy=off).reads_forecast_spread
 
 
 async def test_non_streamed_elastic_request_holds_its_forecast(server: LoopbackServer) -> None:

@@ -209,7 +209,7 @@ async def test_elastic_sees_a_non_streamed_call_grow_and_learns_its_length() -> 
 
 async def _elastic_growth(server: SimServer) -> None:
     budget = LocalBudget(limit_blocks=server.num_gpu_blocks - 1, policy="elastic")
-    fc = LengthForecaster(q=0.5, q_blind=0.9)
+    fc = LengthForecaster(q=0.5, q_blind=0.9, cold_n=0)  # from the prior at once (not the cold bound)
     metas: list[dict[str, Any]] = []
     in_flight: list[tuple[int, dict[str, Any]]] = []
     real_acquire, real_progress = budget.acquire, budget._progress

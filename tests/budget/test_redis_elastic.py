@@ -40,6 +40,7 @@ from tests._redis_keys import delete_keys
 from zp_client.budget.base import Lease
 from zp_client.budget.elastic import ElasticPolicy, projected_peak
 from zp_client.budget.ledger import Ledger
+from zp_client.budget.local import LocalBudget
 from zp_client.budget.redis import RedisBudget
 from zp_client.errors import ConfigurationError
 
@@ -324,6 +325,35 @@ async def test_the_uncontended_fast_path_never_admits_what_the_projection_refuse
     lc = await b.acquire(8, held=2, meta=small)
     assert (await b.status()).used == projected_peak([(2, 8, small)], 16) == 3
     await lc.release()
+    await b.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["local", "redis"])
+async def test_a_lone_request_whose_bound_is_the_whole_limit_is_admitted(budgets: Any, backend: str) -> None:
+    # A cold route forecasts at the bound (LengthForecaster's cold_n): a stream whose bound is the whole
+    # limit (bound 256 of limit 256, prompt 17 tokens in 2 blocks, 4,079 more to its cap of 4,096 tokens)
+    # projects 2 + ceil(4079 / 16) = 257 blocks, one above what it can hold (256, its cap): the rounding
+    # of a partly filled prompt block. On an empty pool that block is dropped (fits' fast path), so the
+    # request is admitted as strict would admit it (before, it waited forever); while a lease is live it
+    # waits for the pool to empty.
+    m = {"prompt_tokens": 17, "forecast_tokens": 100_000, "forecast_hi": 100_000, "max_output_tokens": 4079,
+         "streaming": True}
+    small_meta = {"prompt_tokens": 1}
+    assert projected_peak([(2, 256, m)], 16) == 257
+    b = budgets(256) if backend == "redis" else LocalBudget(256, 16, policy="elastic")
+    lease = await asyncio.wait_for(b.acquire(256, held=2, meta=m, timeout=5), 20)
+    pending = asyncio.ensure_future(b.acquire(1, held=1, meta=small_meta))
+    await asyncio.sleep(0.3)
+    assert not pending.done()  # the pool is full
+    await lease.release()
+    small = await asyncio.wait_for(pending, 20)
+    pending = asyncio.ensure_future(b.acquire(256, held=2, meta=m))
+    await asyncio.sleep(0.3)
+    assert not pending.done()  # a lease is live: the big one waits for the pool to empty
+    await small.release()
+    again = await asyncio.wait_for(pending, 20)
+    await again.release()
     await b.aclose()
 
 
@@ -614,7 +644,7 @@ async def test_transport_over_an_elastic_redis_budget(budgets: Any, http_server:
     from zp_client.config import Settings
     from zp_client.transport import forecaster_for, transport_classes
 
-    b = budgets(1000, reserve_z=reserve_z)
+    b = budgets(1000, reserve_z=reserve_z, reserve_k=0.0)
     t = transport_classes(httpx).AsyncAdmissionTransport(budget=b, settings=Settings(estimator="heuristic"))
     assert isinstance(t.forecaster, RedisLengthForecaster) and t.forecaster is forecaster_for(b)
     system = {"role": "system", "content": "You are a careful coding agent. " * 120}
@@ -780,7 +810,10 @@ def test_the_reserves_are_rounded_as_the_policy_rounds_them_and_sent_in_thousand
     assert (b.config.reserve_z, b.config.reserve_k) == (p.reserve_z, p.reserve_k) == (1.235, 0.0)
     assert b._core.init_args()[10:] == [1235, 0]  # init.lua's ARGV[11], ARGV[12]
     assert b.reads_forecast_spread
-    assert not RedisBudget("redis://127.0.0.1:1/0", "zp-test-reserve-off", 10).reads_forecast_spread
+    # the defaults (ElasticPolicy's) read them
+    assert RedisBudget("redis://127.0.0.1:1/0", "zp-test-reserve-default", 10).reads_forecast_spread
+    off = RedisBudget("redis://127.0.0.1:1/0", "zp-test-reserve-off", 10, reserve_z=0, reserve_k=0)
+    assert not off.reads_forecast_spread
     b.close_sync()
 
 
@@ -823,10 +856,10 @@ async def test_the_reserve_blocks_an_admission_in_both_backends(
 
 @pytest.mark.anyio
 async def test_a_later_process_follows_the_stored_reserves(budgets: Any, caplog: Any) -> None:
-    first = budgets(40, reserve_z=1.5)
+    first = budgets(40, reserve_z=1.5, reserve_k=0.0)
     la = await first.acquire(30, held=10, meta=_SPREAD)
     other = RedisBudget(first._core.url, first.name, 40, 16, policy="elastic", recovery_s=0,
-                        poll_interval_s=30)
+                        poll_interval_s=30, reserve_z=0.0, reserve_k=0.0)
     assert not other.reads_forecast_spread  # configured without, until it reads the stored ones
     with caplog.at_level("WARNING", logger="zp_client.budget.redis"):
         await other.status()

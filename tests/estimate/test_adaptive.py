@@ -727,8 +727,8 @@ def test_budget_adapt_on_a_calibrated_budget_polls_its_server_over_loopback() ->
     with SimServer(num_gpu_blocks=513) as sim:
         budget = LocalBudget.from_server(sim.base_url)
         ctl = budget.adapt(poll_interval_s=0.05)
-        # floor(512 x 0.90): the elastic policy's default headroom
-        assert ctl.server_url == sim.url and ctl.calibrated_limit == budget.calibration.limit_blocks == 460
+        # floor(512 x 1.0): the elastic policy's default headroom, the whole usable pool
+        assert ctl.server_url == sim.url and ctl.calibrated_limit == budget.calibration.limit_blocks == 512
 
         async def main() -> None:
             async with ctl:
@@ -739,7 +739,7 @@ def test_budget_adapt_on_a_calibrated_budget_polls_its_server_over_loopback() ->
         pollers = sim.pollers()["pollers"]
     assert list(pollers) == [ctl.id] and pollers[ctl.id]["polls"] >= 3
     assert all(d.metrics_ok and d.reason is None for d in ctl.decisions)  # an idle server: nothing to do
-    assert budget.limit == 460
+    assert budget.limit == 512
 
 
 def test_a_controller_on_its_own_thread_serves_a_program_without_an_event_loop() -> None:

@@ -156,7 +156,7 @@ def test_an_older_vllm_metric_name_and_several_models() -> None:
     with StandIn(OLD_VLLM_METRICS) as s:
         cal = calibrate(s.base_url)
     assert cal.num_gpu_blocks == 1001 and cal.block_size == 32
-    assert cal.limit_blocks == suggest_limit_blocks(1001) == 900  # floor(1000 x 0.90)
+    assert cal.limit_blocks == suggest_limit_blocks(1001) == 1000  # floor(1000 x 1.0): the whole usable pool
     assert cal.kv_usage_metric == "vllm:gpu_cache_usage_perc" and cal.kv_cache_usage == 0.25
     assert cal.max_model_len == 8192 and cal.models == ("m-small", "m-large")  # the largest context
     assert cal.max_request_blocks == 256
@@ -169,7 +169,7 @@ def test_a_models_endpoint_that_fails_leaves_max_model_len_unknown_not_the_limit
         cal = calibrate(s.url)
     assert cal.max_model_len is None and cal.max_request_blocks is None
     assert cal.models_note == "GET /v1/models answered HTTP 404"
-    assert cal.limit_blocks == 900
+    assert cal.limit_blocks == 1000
     unknown = "max_model_len:   unknown (GET /v1/models answered HTTP 404)"
     assert any(unknown in line for line in cal.explain())
 
@@ -271,7 +271,7 @@ def test_an_existing_redis_budget_keeps_its_stored_limit(sim: SimServer, redis_u
         with first.lease_sync(5):
             pass
         later = RedisBudget.from_server(redis_url, redis_prefix, sim.url, recovery_s=0)
-        assert later.calibration is not None and later.calibration.limit_blocks == 269  # floor(299 x 0.90)
+        assert later.calibration is not None and later.calibration.limit_blocks == 299  # floor(299 x 1.0)
         with later.lease_sync(5):
             pass
         assert later.limit == 50  # the creator's limit stands; set_limit applies a new calibration

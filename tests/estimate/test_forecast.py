@@ -127,7 +127,7 @@ def test_censored_completions_move_the_forecast_to_the_bound() -> None:
     prior = Prior(median=256, sigma=1.2, weight=20)
     plain = LengthForecaster(prior=prior, half_life=None, censored=False, cold_n=0)
     cens = LengthForecaster(prior=prior, half_life=None, censored=True, cold_n=0)
-    assert not LengthForecaster().censored  # opt-in (docs/elastic.md#censored-lengths)
+    assert LengthForecaster().censored  # the default since issue 30 (docs/elastic.md#the-default-reserve)
     for fc in (plain, cens):
         for _ in range(30):
             fc.observe("r", 300, capped=True)  # ran to its max_tokens of 300
@@ -170,7 +170,7 @@ def test_capped_share_is_the_own_observations_not_a_fleet_snapshot() -> None:
 
 
 def test_cold_n_forecasts_the_bound_until_learned() -> None:
-    assert LengthForecaster().cold_n == 0  # opt-in
+    assert LengthForecaster().cold_n == 10  # the default since issue 30
     fc = LengthForecaster(cold_n=3, censored=False)
     assert fc.forecast("r", max_tokens=900) == 900
     assert fc.forecast("r", max_tokens=900, streaming=False) == 900

@@ -133,7 +133,7 @@ def test_an_oversized_budget_warns_once_with_both_numbers(
     assert "limit_blocks=25000" in msg and "blocks of 16 tokens" in msg
     assert f"{POOL - 1} usable blocks" in msg and f"num_gpu_blocks={POOL}" in msg
     assert f"at {sim.url.rstrip('/')}" in msg
-    assert "limit_blocks=56" in msg  # the suggestion: floor(63 x 0.90)
+    assert "limit_blocks=63" in msg  # the suggestion: floor(63 x 1.0)
     # one GET /metrics, before the first admitted request was sent, with the caller's credentials
     assert inner.calls.count(("GET", "/metrics")) == 1
     assert inner.calls.index(("GET", "/metrics")) < inner.calls.index(("POST", "/v1/chat/completions"))
@@ -246,4 +246,4 @@ def test_check_pool_compares_usable_blocks_and_tokens(caplog: pytest.LogCaptureF
     warned = _warnings(caplog)
     assert len(warned) == 2
     assert "limit_blocks=300 (blocks of 32 tokens)" in warned[1] and "of 16 tokens" in warned[1]
-    assert "limit_blocks=229" in warned[1]  # floor(511 x 0.90) = 459 blocks of 16 = 229 blocks of 32
+    assert "limit_blocks=255" in warned[1]  # floor(511 x 1.0) = 511 blocks of 16 = 255 blocks of 32

@@ -153,7 +153,7 @@ def test_resolve_url_convention() -> None:
 
 def test_suggest_limit_blocks() -> None:
     # elastic (the default policy) keeps 10% for forecast error (docs/elastic.md#the-reserve-under-overload)
-    assert suggest_limit_blocks(2001) == 1800
+    assert suggest_limit_blocks(2001) == 2000  # elastic: the whole usable pool (its reserve is the policy's)
     assert suggest_limit_blocks(2001, policy="strict") == 1900
     assert suggest_limit_blocks(2001, headroom=0.9, policy="strict") == 1800
     assert suggest_limit_blocks(201, headroom=1.0) == 200
@@ -258,7 +258,7 @@ def test_metrics(server: _Server) -> None:
     assert m.num_preemptions_total == 12.0
     assert m.block_size == 16 and m.num_gpu_blocks == 2001
     assert m.cache_config["enable_prefix_caching"] == "True"
-    assert suggest_limit_blocks(m.num_gpu_blocks) == 1800 and suggest_limit_blocks(2001, headroom=1.0) == 2000
+    assert suggest_limit_blocks(m.num_gpu_blocks) == 2000 and suggest_limit_blocks(2001, headroom=0.9) == 1800
     assert _info(server).metrics_sync() == m
 
 

@@ -54,7 +54,7 @@ def test_server_url_without_v1_works(sim: SimServer, capsys: pytest.CaptureFixtu
     rc, doc = status_json(capsys, "--server", sim.url)
     assert rc == 0
     assert doc["server"]["num_gpu_blocks"] == 300
-    assert doc["server"]["suggested_limit_blocks"] == math.floor(299 * 0.90)  # ELASTIC_HEADROOM
+    assert doc["server"]["suggested_limit_blocks"] == 299  # ELASTIC_HEADROOM 1.0: the whole usable pool
 
 
 @pytest.mark.needs_sim
@@ -87,7 +87,7 @@ def test_server_status_text(sim: SimServer, capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert rc == 0
     assert "KV pool:          300 blocks of 16 tokens (299 usable)" in out
-    assert "suggested limit:  limit_blocks=269 (headroom 0.9)" in out
+    assert "suggested limit:  limit_blocks=299 (headroom 1)" in out
     assert "preemptions:" in out and "KV usage:" in out
 
 

@@ -17,7 +17,7 @@ import redis.asyncio as redis_async
 from zp_client._redact import check_redis_url
 from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
-from zp_client.budget.elastic import ElasticPolicy
+from zp_client.budget.elastic import DEFAULT_RESERVE_K, DEFAULT_RESERVE_Z, ElasticPolicy
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
     DEFAULT_LINE,
@@ -111,9 +111,10 @@ class RedisBudget(Budget):
     only; off by default, as the adaptive limit reads ``status()`` every second. A fail-fast call is
     predicted regardless: docs/admission.md#predicted-wait-and-fail-fast), ``reserve_z`` and
     ``reserve_k`` (elastic's forecast-error reserves, as :class:`~zp_client.budget.elastic.ElasticPolicy`
-    takes them, validated alike, 0 by default: off; the budget's creator chooses, a process configured
-    otherwise follows the stored ones with a warning; read only under ``elastic``: ``strict`` stores and
-    ignores them, as it does ``longest_first_s``; docs/elastic.md#reserves-on-redis). Semantics (safety,
+    takes them, validated alike, and with its defaults, ``elastic.DEFAULT_RESERVE_Z`` and
+    ``DEFAULT_RESERVE_K``; 0: off; the budget's creator chooses, a process configured otherwise follows the
+    stored ones with a warning; read only under ``elastic``: ``strict`` stores and ignores them, as it
+    does ``longest_first_s``; docs/elastic.md#reserves-on-redis). Semantics (safety,
     recovery, wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
     """
 
@@ -142,8 +143,8 @@ class RedisBudget(Budget):
         pin_cap: float = DEFAULT_PIN_CAP_FRACTION,
         server_blocks: int | None = None,
         predict: bool = False,
-        reserve_z: float = 0.0,
-        reserve_k: float = 0.0,
+        reserve_z: float = DEFAULT_RESERVE_Z,
+        reserve_k: float = DEFAULT_RESERVE_K,
         **renamed: object,
     ) -> None:
         if renamed:

@@ -28,7 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
-from zp_client.budget.elastic import admission_meta
+from zp_client.budget.elastic import DEFAULT_RESERVE_K, DEFAULT_RESERVE_Z, admission_meta
 from zp_client.budget.ledger import AGE_KEY, ANSWER_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
 from zp_client.budget.predict import ErrorWindow, PoolTiming, refusal
 from zp_client.budget.redis._meta import META_FLAGS, META_KEYS, SHORT_KEYS, text
@@ -210,10 +210,10 @@ class Config:
     unavailable_timeout_s: float
     local_share: float
     held_report_blocks: int | None
-    reserve_z: float = 0.0
+    reserve_z: float = DEFAULT_RESERVE_Z
     """elastic's spread-sized reserve (``ElasticPolicy(reserve_z=...)``), validated and rounded as the
     policy does; stored at creation (the creator's wins)."""
-    reserve_k: float = 0.0
+    reserve_k: float = DEFAULT_RESERVE_K
     """elastic's risk reserve (``ElasticPolicy(reserve_k=...)``), likewise."""
 
 

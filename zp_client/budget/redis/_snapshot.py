@@ -98,7 +98,8 @@ def _build(reply: Sequence[object]) -> Snapshot | None:
         return None  # recovering: nothing is admitted until the window ends
     now = now_ms / 1000
     size = max(limit, int(slimit)) if slimit is not None else limit
-    rule = (ElasticPolicy(bs, reserve_z=rz / 1000, reserve_k=rk / 1000) if policy == "elastic" and (rz or rk)
+    # (stored as given: 0 is off, not ElasticPolicy's default, which a budget created before them has)
+    rule = (ElasticPolicy(bs, reserve_z=rz / 1000, reserve_k=rk / 1000) if policy == "elastic"
             else make_policy(policy, block_size=bs))
     ledger = Ledger(size, policy=rule, starvation_bound_s=starve / 1000,
                     longest_first_s=lpt / 1000, line=line,  # type: ignore[arg-type]

@@ -696,7 +696,8 @@ local function e_profile(items, bs)
     values[j] = sb[j] + sg[j] * cdiv(ends[j], bs)
     if values[j] > peak then peak = values[j] end
   end
-  local pr = {bs = bs, n = n, ends = ends, sb = sb, sg = sg, values = values, peak = peak, groups = groups}
+  local pr = {bs = bs, n = n, ends = ends, sb = sb, sg = sg, values = values, peak = peak, groups = groups,
+              empty = #items == 0}
   local res = e_res()
   if res.on then
     -- the reserves' sums over the live leases (ElasticPolicy._spreads), and what fits' fast path reads:
@@ -751,6 +752,10 @@ end
 -- ElasticPolicy.fits for a waiter record w (b, h, m).
 local function e_fits(pr, limit, w)
   local m = w.mt or {}
+  if pr.empty and w.b + e_excess({b = w.b, m = m}, pr.bs) <= limit and (m.pt or 0) <= w.b * pr.bs then
+    -- fits' fast path on an empty pool (no rounding block: a lone lease holds at most its cap)
+    return true
+  end
   local res = pr.res
   if res ~= nil then
     -- With a reserve: fits' fast path first (bounds, which no forecast error can exceed, fit: the
