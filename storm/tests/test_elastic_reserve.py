@@ -74,9 +74,11 @@ def test_reserve_adds_spreads_in_quadrature() -> None:
 def test_reserve_z_is_validated() -> None:
     for bad in (-1, math.inf, math.nan, True, "1"):
         with pytest.raises(ConfigurationError):
-            ElasticPolicy(BS, reserve_z=bad)  # type: ignore[arg-type]
-    assert "reserve_z=0.5" in repr(ElasticPolicy(BS, reserve_z=0.5))
-    assert repr(ElasticPolicy(BS)) == "ElasticPolicy(block_size=16)"
+            ElasticPolicy(BS, reserve_z=bad, reserve_k=0.0)  # type: ignore[arg-type]
+    assert "reserve_z=0.5" in repr(ElasticPolicy(BS, reserve_z=0.5, reserve_k=0.0))
+    assert repr(ElasticPolicy(BS, reserve_z=0, reserve_k=0)) == "ElasticPolicy(block_size=16)"
+    # the defaults since issue 30
+    assert repr(ElasticPolicy(BS)) == "ElasticPolicy(block_size=16, reserve_z=0.5, reserve_k=0.25)"
 
 
 def test_the_reserve_keeps_blocks_free_that_the_flat_rule_would_lease() -> None:
@@ -84,12 +86,12 @@ def test_the_reserve_keeps_blocks_free_that_the_flat_rule_would_lease() -> None:
     a = {"prompt_tokens": 320, "forecast_tokens": 160, "forecast_hi": 480}
     b = {"prompt_tokens": 320, "forecast_tokens": 160, "forecast_hi": 160}  # no spread
     for z, admitted in ((0.0, ["a", "b"]), (1.0, ["a"])):
-        led = Ledger(limit=70, policy=ElasticPolicy(BS, reserve_z=z))
+        led = Ledger(limit=70, policy=ElasticPolicy(BS, reserve_z=z, reserve_k=0.0))
         led.enqueue("a", bound=60, held=20, priority=0, now=0, meta=a)
         led.enqueue("b", bound=60, held=20, priority=0, now=0, meta=b)
         # bounds 120 > 70: no fast path. Peak together 60; the reserve (z=1) 20 more: 80 > 70.
         assert led.grant(0) == admitted
-    led = Ledger(limit=80, policy=ElasticPolicy(BS, reserve_z=1.0))
+    led = Ledger(limit=80, policy=ElasticPolicy(BS, reserve_z=1.0, reserve_k=0.0))
     led.enqueue("a", bound=60, held=20, priority=0, now=0, meta=a)
     led.enqueue("b", bound=60, held=20, priority=0, now=0, meta=b)
     assert led.grant(0) == ["a", "b"]
@@ -97,7 +99,7 @@ def test_the_reserve_keeps_blocks_free_that_the_flat_rule_would_lease() -> None:
 
 def test_bounds_that_fit_need_no_reserve() -> None:
     # The fast path: bounds are what no forecast error can exceed, so they fit without the reserve.
-    led = Ledger(limit=130, policy=ElasticPolicy(BS, reserve_z=5.0))
+    led = Ledger(limit=130, policy=ElasticPolicy(BS, reserve_z=5.0, reserve_k=0.0))
     for i in "ab":
         led.enqueue(i, bound=60, held=20, priority=0, now=0,
                     meta={"prompt_tokens": 320, "forecast_tokens": 16, "forecast_hi": 640})
@@ -108,7 +110,7 @@ def test_exhausted_leaves_room_for_what_the_bound_test_admits() -> None:
     # One lease: 5 blocks held, forecast 16 tokens more (peak 6), upper forecast at its bound (15 blocks):
     # spread 9, reserve ceil(2.5 x 9) = 23, so the projection plus the reserve (29) exceeds a limit of 18;
     # yet a 1-block waiter's bounds fit (15 + 1 live + 1 + 1 = 18): exhausted must not stop the grant.
-    policy = ElasticPolicy(BS, reserve_z=2.5)
+    policy = ElasticPolicy(BS, reserve_z=2.5, reserve_k=0.0)
     led = Ledger(limit=100, policy=policy)
     led.enqueue("a", bound=15, held=5, priority=0, now=0,
                 meta={"prompt_tokens": 65, "forecast_tokens": 16, "forecast_hi": 600, "streaming": True})
@@ -125,7 +127,7 @@ def test_exhausted_leaves_room_for_what_the_bound_test_admits() -> None:
 def test_the_policy_adds_the_leases_spreads_in_quadrature() -> None:
     # Four leases of spread 3 blocks each (forecast end 2 blocks, upper 5): z=1 keeps ceil(sqrt(36)) = 6
     # blocks free, where a linear sum would keep 12.
-    policy = ElasticPolicy(BS, reserve_z=1.0)
+    policy = ElasticPolicy(BS, reserve_z=1.0, reserve_k=0.0)
     led = Ledger(limit=1000, policy=policy)
     meta = {"prompt_tokens": 16, "forecast_tokens": 16, "forecast_hi": 64, "streaming": True}
     for i in range(4):
@@ -171,7 +173,8 @@ def _brute_fits(rows: list[tuple[int, int, dict[str, Any]]], held: int, bound: i
     peak = brute_force_peak(terms, BS)
     sq = sum(spread_blocks(held=h, bound=b, block_size=BS, meta=m) ** 2 for h, b, m in joined)
     need = peak + spread_reserve(sq, z)
-    fast_need = (sum(b for _, b, _ in rows) + bound + len(rows) + 1
+    # the candidate's rounding block, but not on an empty pool (a lone lease holds at most its cap)
+    fast_need = (sum(b for _, b, _ in rows) + bound + len(rows) + (1 if rows else 0)
                  + sum(excess_blocks(b, BS, m) for _, b, m in joined))
     fast = fast_need <= limit and int(cmeta.get("prompt_tokens", 0)) <= bound * BS
     return fast or need <= limit, fast_need, need
@@ -188,7 +191,7 @@ def test_fits_and_exhausted_agree_with_a_brute_force(
     offset: int,
     z: float,
 ) -> None:
-    policy = ElasticPolicy(BS, reserve_z=z)
+    policy = ElasticPolicy(BS, reserve_z=z, reserve_k=0.0)
     led = Ledger(limit=100_000, policy=policy)
     rows = []
     for i, (held, extra, fc, hi, streaming, progress, has_meta) in enumerate(leases):
@@ -280,7 +283,7 @@ def test_risk_reserve_is_ceil_k_sum(spread_sum: int, k: float) -> None:
 def test_the_risk_reserve_adds_spreads_linearly() -> None:
     # The same four leases of spread 3 as above: reserve_k=1 keeps 12 blocks free (errors that move
     # together add), where reserve_z=1 keeps 6; both together keep 18.
-    for kw, reserve in (({"reserve_k": 1.0}, 12), ({"reserve_k": 0.5}, 6),
+    for kw, reserve in (({"reserve_k": 1.0, "reserve_z": 0.0}, 12), ({"reserve_k": 0.5, "reserve_z": 0.0}, 6),
                         ({"reserve_k": 1.0, "reserve_z": 1.0}, 18)):
         policy = ElasticPolicy(BS, **kw)
         led = Ledger(limit=1000, policy=policy)

@@ -172,7 +172,8 @@ def test_wrapped_openai_forecasts_streams_at_q_and_non_streamed_calls_at_q_blind
                 return await real(blocks, **kw)
 
             budget.acquire = spy  # type: ignore[method-assign]
-            fc = LengthForecaster(q=0.5, q_blind=0.9, prior=Prior(median=300, sigma=1.0, weight=1e6))
+            fc = LengthForecaster(q=0.5, q_blind=0.9, prior=Prior(median=300, sigma=1.0, weight=1e6),
+                                  cold_n=0)  # from the prior at once, not the cold bound
             raw = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
             # stream_upstream off: this is about a call sent upstream non-streamed.
             client = wrap(raw, budget=budget, forecaster=fc, stream_upstream=False)
