@@ -9,7 +9,9 @@ library's defaults):
 
 * ``h=0.95``: the limit as a share of the usable pool (default: what ``suggest_limit_blocks`` suggests
   for an elastic budget, i.e. the library default);
-* ``z=0.5``: ``ElasticPolicy(reserve_z=...)`` (the spread reserve, docs/elastic.md#spread-reserve);
+* ``z=0.5``: ``ElasticPolicy(reserve_z=...)`` (the spread reserve, docs/elastic.md#spread-reserve; not given:
+  the library's default, as for ``reserve_k``; the rows before issue 30's default reserve ran with 0 for both
+  unless named);
 * ``q=``, ``qt=``: the forecaster's quantile and tail quantile;
 * ``cens=1``: a censoring-aware forecaster (``LengthForecaster(censored=True)``: completions that ended
   at their ``max_tokens`` are read as censored, docs/elastic.md#censored-lengths); ``coldn=8``: its
@@ -123,9 +125,10 @@ async def _zp_variant(ctx: Any, stack: contextlib.AsyncExitStack) -> Any:
         fkw["censored"] = bool(float(v.pop("cens")))
     if "coldn" in v:
         fkw["cold_n"] = int(float(v.pop("coldn")))
-    z = float(v.pop("z", 0.0))
-    pkw = {k: float(x) for k, x in v.items()}
-    policy = ElasticPolicy(ctx.block_size, reserve_z=z, **pkw)
+    if "z" in v:
+        v["reserve_z"] = v.pop("z")
+    pkw = {k: float(x) for k, x in v.items()}  # what is not given is the library's default
+    policy = ElasticPolicy(ctx.block_size, **pkw)
     line_kw: dict[str, Any] = {}
     if slo:
         from zp_storm.slo_setups import slo_line_kwargs
