@@ -260,3 +260,19 @@ def test_local_budget_stamps_reports_with_its_clock() -> None:
     assert meta[TOKENS_AT_KEY] == 5.25 and meta["rate_t0"] == 5.0
     assert lease_step_s(meta) == pytest.approx(0.25 / 16)
     lease.release_sync()
+
+
+def test_rev31_a_lone_request_on_an_empty_pool_is_admitted_while_late() -> None:
+    """Review (issue 30, fits' empty-pool fast path): on an empty pool nothing is extrapolated, so the
+    late window must not turn the fast path off. A lone request whose bound is the whole limit, forecast
+    at its bound (cold_n), projects one rounding block above its cap; refused by the slow path while the
+    window is open, it waits with no event left to grant it (LocalBudget grants only on events)."""
+    m = {"prompt_tokens": 17, "forecast_tokens": 100_000, "max_output_tokens": 4079, "streaming": True}
+    led, pol, now, _ = _stale_and_true(0.3)
+    assert pol._late_now(led) == now
+    for lid in list(led.leases):
+        led.release(lid, now)
+    assert not led.leases
+    led.set_limit(256, now)
+    led.enqueue("lone", 256, 2, 0, now, meta=m)
+    assert led.grant(now) == ["lone"]
