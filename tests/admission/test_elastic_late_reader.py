@@ -262,7 +262,7 @@ def test_local_budget_stamps_reports_with_its_clock() -> None:
     lease.release_sync()
 
 
-def test_rev31_a_lone_request_on_an_empty_pool_is_admitted_while_late() -> None:
+def test_a_lone_request_on_an_empty_pool_is_admitted_while_late() -> None:
     """Review (issue 30, fits' empty-pool fast path): on an empty pool nothing is extrapolated, so the
     late window must not turn the fast path off. A lone request whose bound is the whole limit, forecast
     at its bound (cold_n), projects one rounding block above its cap; refused by the slow path while the

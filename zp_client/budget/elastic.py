@@ -743,7 +743,7 @@ class ElasticPolicy:
         fast = (view.bound_sum + len(view.leases) + candidate.bound + (1 if view.leases else 0)
                 + excess_blocks(candidate.bound, bs, meta))
         # While late, a term may exceed its cap by its extrapolated blocks: no fast path then.
-        if (self._late_now(view) is None and fast <= view.limit
+        if ((not view.leases or self._late_now(view) is None) and fast <= view.limit
                 and int(meta.get("prompt_tokens", 0)) <= candidate.bound * bs
                 and fast + self._excess(view) <= view.limit):
             return True

@@ -657,7 +657,7 @@ class RedisBudget(Budget):
             share = max(1, int(core.limit * cfg.local_share))
             z, k = core.reserve
             policy: str | ElasticPolicy = core.policy
-            if policy == "elastic" and (z or k):
+            if policy == "elastic":  # the stored reserves, 0 included (not ElasticPolicy's defaults)
                 policy = ElasticPolicy(self.block_size, reserve_z=z, reserve_k=k)
             fallback = self._fallback = LocalBudget(
                 share, self.block_size, starvation_bound_s=cfg.starvation_bound_s,

@@ -51,10 +51,11 @@ local PRIO_SPAN = 1099511627776  -- 2^40: ticket orders below this; priorities w
 local MAILBOX_TTL_MS = 60000
 -- elastic only: a mirror of every live lease's projection inputs as one short string (parsing it costs a
 -- third of decoding the lease's cjson record, and a grant pass reads them all):
---   "held bound adm pt tk ft st pb f1 mo fh pk" with -1 for an absent number and pk as "=<key>" or "-"
+--   "held bound adm pt tk ft st pb f1 mo [fh] pk" with -1 for an absent number and pk as "=<key>" or "-"
 --   ("*<key>": a pinned prefix's own lease, meta pn = 1; the pins section below). pk stays last (a key
---   may hold spaces); fh (forecast_hi, read by the forecast-error reserves) came after mo later: e_parse
---   still reads a mirror written without it (a lease of a client before it) as fh absent.
+--   may hold spaces); fh (forecast_hi, read by the forecast-error reserves) came after mo later and is
+--   written only when the lease has one (em_put): e_parse reads a mirror without it as fh absent, and a
+--   script before it reads such a mirror (a pin's, a lease without an upper forecast) right.
 -- A fleet's elastic leases mirror into one hash per replica instead, :em:<replica id> (a placement reads
 -- the leases of the replicas it weighs, not the whole fleet's).
 local K_EM = PREFIX .. ':em'
@@ -88,10 +89,14 @@ local function em_put(id, l)
     redis.call('HINCRBY', K_META, 'xsum', x - (l.x or 0))
     if x == 0 then l.x = nil else l.x = x end
   end
-  redis.call('HSET', em_key(l), id, table.concat({l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1,
-    m.st or -1, m.pb or -1, m.f1 or -1, m.mo or -1, m.fh or -1,
-    m.pk and ((m.pn == 1 and '*' or '=') .. m.pk) or '-'},
-    ' '))
+  -- fh only when the lease has one: a mirror without it is the format of the scripts before fh, which a
+  -- process still running them reads right (with fh in it they would read its prefix key as absent, and a
+  -- pin's as an ordinary lease ending at once)
+  local f = {l.h, l.b, l.a or 0, m.pt or -1, m.tk or -1, m.ft or -1, m.st or -1, m.pb or -1, m.f1 or -1,
+    m.mo or -1}
+  if m.fh ~= nil then f[#f + 1] = m.fh end
+  f[#f + 1] = m.pk and ((m.pn == 1 and '*' or '=') .. m.pk) or '-'
+  redis.call('HSET', em_key(l), id, table.concat(f, ' '))
 end
 
 local function now_ms()

@@ -1,7 +1,8 @@
-"""Review rev31 (issue 30): a process still on the scripts before ``fh`` (a7b8101) reads the projection
+"""Issue 30 (found in review): a process still on the scripts before ``fh`` (a7b8101) reads the projection
 mirror a new process wrote. changes.md says such a reader only loses prefix keys and counts shared prefixes
-in full (conservative); for a pinned prefix's lease ("*key") it loses the pin marker too, projects the pin
-with remaining 0 (held only at instant 0) and over-admits beside it."""
+in full (conservative); for a pinned prefix's lease ("*key") it lost the pin marker too, projected the pin
+with remaining 0 (held only at instant 0) and over-admitted beside it, until the mirror wrote fh only for a
+lease that has one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ OLD = "a7b8101"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # redis.asyncio
+
+
 def _old_acquire() -> str:
     try:
         parts = [subprocess.run(["git", "-C", str(ROOT), "show", f"{OLD}:zp_client/budget/redis/lua/{n}"],
@@ -30,11 +36,11 @@ def _old_acquire() -> str:
 
 
 @pytest.mark.anyio
-async def test_rev31_an_old_process_does_not_over_admit_beside_a_new_pin(redis_url: str) -> None:
+async def test_an_old_process_does_not_over_admit_beside_a_new_pin(redis_url: str) -> None:
     import redis as redis_sync
 
     old = _old_acquire()
-    name = f"zp-test-rev31-{uuid.uuid4().hex[:8]}"
+    name = f"zp-test-mirror-{uuid.uuid4().hex[:8]}"
     b = RedisBudget(redis_url, name, 100, 16, policy="elastic", recovery_s=0, reserve_z=0, reserve_k=0)
     r: Any = redis_sync.Redis.from_url(redis_url)
     try:
