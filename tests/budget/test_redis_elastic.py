@@ -38,7 +38,7 @@ from test_redis_budget import redis_cluster  # noqa: F401 - the 3-master cluster
 
 from tests._redis_keys import delete_keys
 from zp_client.budget.base import Lease
-from zp_client.budget.elastic import ElasticPolicy, projected_peak
+from zp_client.budget.elastic import DEFAULT_RESERVE_K, DEFAULT_RESERVE_Z, ElasticPolicy, projected_peak
 from zp_client.budget.ledger import Ledger
 from zp_client.budget.local import LocalBudget
 from zp_client.budget.redis import RedisBudget
@@ -118,8 +118,8 @@ _spread_meta = st.fixed_dictionaries(
 
 def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first_s: float = 0.0,
                   draw_reserves: bool = True) -> type:
-    """The machine; ``draw_reserves`` False: no forecast-error reserve, the budget made at once (for a
-    subclass whose own ``initialize`` rules use it: tests/budget/test_pinning_redis.py)."""
+    """The machine; ``draw_reserves`` False: the library's default forecast-error reserves, the budget made
+    at once (for a subclass whose own ``initialize`` rules use it: tests/budget/test_pinning_redis.py)."""
     counter = itertools.count()
 
     class ElasticMachine(RuleBasedStateMachine):
@@ -130,7 +130,7 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
             self.leases: dict[str, Lease] = {}
             if not draw_reserves:
-                self._make((0.0, 0.0))
+                self._make((DEFAULT_RESERVE_Z, DEFAULT_RESERVE_K))
 
         if draw_reserves:
             @initialize(reserves=_reserves)
