@@ -20,7 +20,10 @@ Every ``poll_interval_s`` the controller reads the server's ``/metrics`` (with t
 * the **bypass ceiling**, measured: the server's KV in use (``vllm:kv_cache_usage_perc x (num_gpu_blocks -
   1)``) above what the budget's live leases hold (``BudgetStatus.held_distinct``: shared prefixes counted
   once, as the server's prefix cache holds them) by more than ``bypass_margin`` of the pool is traffic
-  that does not go through the budget. The ceiling is then ``calibrated - bypass``, the bypass being the
+  that does not go through the budget. The ceiling is then ``calibrated - bypass - margin`` (the margin:
+  bypass the measure cannot tell from held reports' lag, and no flat reserve absorbs it now that the
+  calibrated limit is the whole pool; with ``calibrated - bypass`` the agentic storm at ``--bypass 0.25``
+  preempted 14 times on seed 0, with the margin 3, docs/benchmark.md), the bypass being the
   largest measured over the last ``bypass_hold_s``; it follows the bypass both ways (the limit goes
   straight down to it, and back up once the hold ran out), without AIMD steps: the room is measured, not
   probed for.
@@ -633,7 +636,9 @@ class AdaptiveLimit:
             margin = math.ceil(self.bypass_margin * sig.usable)
             if held_bypass > margin:
                 bypassing = True
-                ceiling = max(floor, cal - held_bypass)
+                # less the margin too: the bypass it hides is room the leases do not have (the calibrated
+                # limit is the whole usable pool, ELASTIC_HEADROOM 1.0, with no flat share to absorb it)
+                ceiling = max(floor, cal - held_bypass - margin)
         cooling = self._last_decrease_at is not None and now - self._last_decrease_at < self.cooldown_s
         recent = [(t, n) for t, n in self._preempt_seen if now - t < self.cooldown_s]
         if sig.preemptions > 0:
