@@ -36,6 +36,7 @@ from hypothesis.stateful import (
 )
 from test_redis_budget import redis_cluster  # noqa: F401 - the 3-master cluster fixture
 
+from tests._elastic_strategies import PROGRESS, RESERVES, SPREAD_META
 from tests._redis_keys import delete_keys
 from zp_client.budget.base import Lease
 from zp_client.budget.elastic import DEFAULT_RESERVE_K, DEFAULT_RESERVE_Z, ElasticPolicy, projected_peak
@@ -86,34 +87,7 @@ _meta = st.fixed_dictionaries(
         "forecast_hi": st.integers(0, 20 * BS),
     },
 )
-_progress = st.fixed_dictionaries(
-    {},
-    optional={
-        # the server's exact prompt count (vLLM's continuous usage), replacing the estimate
-        "prompt_tokens": st.integers(0, 14 * BS),
-        "tokens": st.integers(0, 16 * BS),
-        "first_token": st.just(True),
-        "forecast_tokens": st.integers(0, 16 * BS),
-        "forecast_hi": st.integers(0, 20 * BS),
-    },
-)
-#: elastic's forecast-error reserves, drawn per run (0 included: off): reserve_z, reserve_k
-_reserves = st.tuples(st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.732, 3.0]),
-                      st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 2.0]))
-#: a streamed lease with a forecast and an upper forecast (a spread for the reserves to read), half the time
-_spread_meta = st.fixed_dictionaries(
-    {
-        "prompt_tokens": st.integers(0, 3 * BS),
-        "forecast_tokens": st.integers(0, 3 * BS),
-        "forecast_hi": st.integers(2 * BS, 20 * BS),
-    },
-    optional={
-        "streaming": st.sampled_from([True, True, True, False]),
-        "prefix_key": st.sampled_from(["A", "B"]),
-        "prefix_blocks": st.integers(0, 4),
-        "first_token": st.booleans(),
-    },
-)
+_progress, _reserves, _spread_meta = PROGRESS, RESERVES, SPREAD_META
 
 
 def _make_machine(redis_url: str, names: list[str], starvation: float, longest_first_s: float = 0.0,

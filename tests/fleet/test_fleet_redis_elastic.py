@@ -33,6 +33,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests._elastic_strategies import PROGRESS, RESERVES, SPREAD_META
 from tests._redis_keys import delete_keys
 from zp_client.budget.base import Lease
 from zp_client.budget.elastic import ElasticPolicy
@@ -62,33 +63,7 @@ _meta = st.fixed_dictionaries(
         "first_token": st.booleans(),
     },
 )
-_progress = st.fixed_dictionaries(
-    {},
-    optional={
-        "prompt_tokens": st.integers(0, 14 * BS),
-        "tokens": st.integers(0, 16 * BS),
-        "first_token": st.just(True),
-        "forecast_tokens": st.integers(0, 16 * BS),
-        "forecast_hi": st.integers(0, 20 * BS),
-    },
-)
-#: elastic's forecast-error reserves, drawn per run (0 included: off), per replica: reserve_z, reserve_k
-_reserves = st.tuples(st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.732, 3.0]),
-                      st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 2.0]))
-#: a streamed lease with a forecast and an upper forecast (a spread for the reserves to read)
-_spread_meta = st.fixed_dictionaries(
-    {
-        "prompt_tokens": st.integers(0, 3 * BS),
-        "forecast_tokens": st.integers(0, 3 * BS),
-        "forecast_hi": st.integers(2 * BS, 20 * BS),
-    },
-    optional={
-        "streaming": st.sampled_from([True, True, True, False]),
-        "prefix_key": st.sampled_from(["A", "B"]),
-        "prefix_blocks": st.integers(0, 4),
-        "first_token": st.booleans(),
-    },
-)
+_progress, _reserves, _spread_meta = PROGRESS, RESERVES, SPREAD_META
 
 
 def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
