@@ -27,6 +27,10 @@ request's deadline is its own class's TTFT target (read from the workload), and 
   ``fail_fast``), so the prediction and the refusal are the library's own, and an admitted stream runs
   to its end.
 
+``--lengths oracle`` gives both setups the simulator's true output lengths (``zp-oracle``'s forecaster)
+instead of the client's forecaster: the same replay, told the right lengths, which separates the replay's
+own error from the forecast's.
+
 It prints, per load, one JSON line: the refusals of ``zp-failfast`` and their virtual time from the
 call's start (must be <= 1 ms), the false refusals (refused, yet within the deadline in
 ``zp-deadline``'s run of the same seed: succeeded with TTFT <= deadline), the misses of ``zp-deadline``
@@ -73,6 +77,10 @@ DEADLINE_S = [5.0]
 FACTOR = [1.0]
 SCOPE = ["call"]
 SCOPES = ("call", "admission")
+#: ``--lengths``: ``forecast`` (the default: the client's own length forecaster, what a user runs) or
+#: ``oracle`` (the simulator's true output length of each request, as ``zp-oracle``'s forecaster: what
+#: the replay itself is worth when the lengths it is given are right).
+LENGTHS = ["forecast"]
 #: The call in progress (``admission`` scope): its deadline, fail-fast and start on the budget's clock.
 _CALL: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("failfast_call", default=None)
 #: The bound on a refusal's delay from the call's start (virtual seconds) and on the predicted wait's
@@ -167,7 +175,14 @@ def _factory(name: str, fail_fast: bool) -> Any:
         budget = _local_elastic(ctx, predict=True, **(slo_line_kwargs() if multi else {}))
         if SCOPE[0] == "admission":
             _bound_admission(budget)
-        client = await zp_client_for(ctx, stack, budget, forecaster=_forecaster(ctx.elastic))
+        if LENGTHS[0] == "oracle":
+            from zp_client.transport import forecaster_for
+            from zp_storm.oracle import SimOracleForecaster
+
+            forecaster: Any = SimOracleForecaster(forecaster_for(budget))
+        else:
+            forecaster = _forecaster(ctx.elastic)
+        client = await zp_client_for(ctx, stack, budget, forecaster=forecaster)
         return _Caller(name, client, ctx, fail_fast, multi)
 
     return build
@@ -257,7 +272,7 @@ def evaluate(workload: str, load: float, seed: int, factor: float) -> dict[str, 
                 rec = by[name].get(rid)
                 if rec is not None and abs(s["deadline_s"] - deadline_of(rec)) > 1e-9:
                     raise AssertionError(f"{rid}: sent deadline {s['deadline_s']} != {deadline_of(rec)}")
-    head: dict[str, Any] = {"workload": workload, "load": load, "seed": seed}
+    head: dict[str, Any] = {"workload": workload, "load": load, "seed": seed, "lengths": LENGTHS[0]}
     if multi:
         head["deadline_scope"] = SCOPE[0]
         head["deadline_s"] = {n: c.slo.ttft_s * factor for n, c in wl.classes.items()}
@@ -313,8 +328,12 @@ def main() -> int:
     ap.add_argument("--deadline-factor", type=float, default=1.0)
     ap.add_argument("--deadline-scope", default="call", choices=SCOPES,
                     help="call: X-ZP-Deadline (bounds the whole call); admission: the wait for a lease only")
+    ap.add_argument("--lengths", default="forecast", choices=("forecast", "oracle"),
+                    help="forecast: the client's length forecaster; oracle: each request's true output "
+                         "length (what the replay is worth with right lengths)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    LENGTHS[0] = args.lengths
     DEADLINE_S[0] = args.target * args.deadline_factor
     FACTOR[0] = args.deadline_factor
     SCOPE[0] = args.deadline_scope
