@@ -1,12 +1,15 @@
-"""An urgent reserve on the virtual-clock storm: measured, not a library feature (issue 30).
+"""The urgent reserve on the virtual-clock storm (issue 30).
 
-docs/benchmark.md#an-urgent-reserve-on-mixed-measured-not-adopted has the results.
+docs/benchmark.md#an-urgent-reserve-on-mixed has the results.
 
 Not a test. ``mixed`` puts an interactive class (priority 0, TTFT target 1 s) and a batch class (priority 1,
 30 s) on one server; ``zp-slo``'s misses there are interactive calls that arrive to a pool full of batch
-leases and wait for one to end. This script runs the storm with the elastic policy's ``fits`` wrapped so
-that a waiter of a less urgent class (priority > 0) is admitted only while it fits under the limit less
-``R`` blocks, kept for the more urgent class:
+leases and wait for one to end. The library's rule is ``ElasticPolicy(urgent_reserve=...)`` (default 2.0:
+a less urgent waiter leaves twice the largest live urgent lease's bound free); ``--urgent U`` runs the storm
+with another value (``--urgent 0``: without it). The fixed-size variants measured before the rule was
+adopted wrap the elastic policy's ``fits`` (``--reserve R --mode ...``, best with ``--urgent 0``) so that a
+waiter of a less urgent class (priority > 0) is admitted only while it fits under the limit less ``R``
+blocks, kept for the more urgent class:
 
 * ``uncond``: always ``R``;
 * ``cond``: ``R`` only while a lease of a more urgent class is live, else nothing;
@@ -14,13 +17,14 @@ that a waiter of a less urgent class (priority > 0) is admitted only while it fi
   room for two of them; 48 blocks is about one interactive request's bound on ``mixed``).
 
 The wrapper narrows admission only (a tighter limit for some waiters), so it cannot add a preemption the
-projection did not already rule out; the script prints the server's count to show it. It patches the
-library in this process only (``zp_client.budget.elastic.ElasticPolicy.fits``), so it covers
-``LocalBudget`` setups (``zp-slo``, ``zp-elastic``), not Redis. One line per setup: requests in SLO per
+projection did not already rule out; the script prints the server's count to show it. ``--urgent`` and
+the wrapper patch the library in this process only (``zp_client.budget.elastic.ElasticPolicy``), so they
+cover ``LocalBudget`` setups (``zp-slo``, ``zp-elastic``), not Redis. One line per setup: requests in SLO per
 class, each scored against its own class's targets (``zp_storm.report.in_slo``), and preemptions.
 
     .venv/bin/python benchmarks/urgent_reserve.py --load 2 --seed 4 --reserve 96 --mode cond \
         --setups zp-slo,vllm-priority
+    .venv/bin/python benchmarks/urgent_reserve.py --load 2 --seed 4 --urgent 0 --setups zp-slo   # without it
 """
 
 from __future__ import annotations
@@ -83,8 +87,19 @@ def install(reserve: int, mode: str) -> None:
     elastic.ElasticPolicy.fits = fits  # type: ignore[method-assign]
 
 
+def install_urgent(urgent: float) -> None:
+    """Make ``urgent`` the ``urgent_reserve`` of every ElasticPolicy built without one, in this process."""
+    init = elastic.ElasticPolicy.__init__
+
+    def patched(self: Any, *args: Any, **kw: Any) -> None:
+        kw.setdefault("urgent_reserve", urgent)
+        init(self, *args, **kw)
+
+    elastic.ElasticPolicy.__init__ = patched  # type: ignore[method-assign]
+
+
 def run(workload: str, load: float, seed: int, setups: list[str], reserve: int,
-        mode: str) -> list[dict[str, Any]]:
+        mode: str, urgent: float) -> list[dict[str, Any]]:
     profile, blocks, mml, _ = _DEFAULTS[workload]
     cfg = StormConfig(workload=workload, seed=seed, profile=profile, num_gpu_blocks=blocks, max_model_len=mml,
                       load_scale=load, setups=setups)
@@ -100,7 +115,7 @@ def run(workload: str, load: float, seed: int, setups: list[str], reserve: int,
             c[1] += bool(in_slo(wl, rec))
         out.append({
             "setup": r.name, "workload": workload, "load": load, "seed": seed,
-            "reserve": reserve, "mode": mode,
+            "urgent_reserve": urgent, "reserve": reserve, "mode": mode,
             "in_slo": sum(v[1] for v in classes.values()), "sent": sum(v[0] for v in classes.values()),
             "classes": {k: {"sent": v[0], "in_slo": v[1]} for k, v in sorted(classes.items())},
             "preemptions": int((r.server_stats.get("engine") or {}).get("preemptions_total") or 0),
@@ -114,12 +129,17 @@ def main() -> int:
     ap.add_argument("--load", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=4)
     ap.add_argument("--setups", default="zp-slo")
-    ap.add_argument("--reserve", type=int, default=0, help="R in blocks (0: the library as it is)")
+    ap.add_argument("--reserve", type=int, default=0, help="the wrapper's R in blocks (0: no wrapper)")
     ap.add_argument("--mode", default="cond", choices=MODES)
+    ap.add_argument("--urgent", type=float, default=elastic.DEFAULT_URGENT_RESERVE,
+                    help="the library's urgent_reserve (default: the library's, %(default)s; 0: off)")
     args = ap.parse_args()
+    if args.urgent != elastic.DEFAULT_URGENT_RESERVE:
+        install_urgent(args.urgent)
     if args.reserve:
         install(args.reserve, args.mode)
-    for row in run(args.workload, args.load, args.seed, args.setups.split(","), args.reserve, args.mode):
+    for row in run(args.workload, args.load, args.seed, args.setups.split(","), args.reserve, args.mode,
+                   args.urgent):
         print(json.dumps(row))
     return 0
 

@@ -20,9 +20,11 @@ PROGRESS = st.fixed_dictionaries(
         "forecast_hi": st.integers(0, 20 * BS),
     },
 )
-#: elastic's forecast-error reserves, drawn per run (0 included: off): reserve_z, reserve_k
+#: elastic's forecast-error reserves and its urgent reserve, drawn per run (0 included: off): reserve_z,
+#: reserve_k, urgent_reserve
 RESERVES = st.tuples(st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.732, 3.0]),
-                     st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 2.0]))
+                     st.sampled_from([0.0, 0.0, 0.25, 0.5, 1.0, 2.0]),
+                     st.sampled_from([0.0, 0.5, 1.0, 1.333, 2.0, 3.0]))
 #: a streamed lease with a forecast and an upper forecast (a spread for the reserves to read), half the time
 SPREAD_META = st.fixed_dictionaries(
     {

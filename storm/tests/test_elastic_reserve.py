@@ -76,9 +76,9 @@ def test_reserve_z_is_validated() -> None:
         with pytest.raises(ConfigurationError):
             ElasticPolicy(BS, reserve_z=bad, reserve_k=0.0)  # type: ignore[arg-type]
     assert "reserve_z=0.5" in repr(ElasticPolicy(BS, reserve_z=0.5, reserve_k=0.0))
-    assert repr(ElasticPolicy(BS, reserve_z=0, reserve_k=0)) == "ElasticPolicy(block_size=16)"
+    assert repr(ElasticPolicy(BS, reserve_z=0, reserve_k=0, urgent_reserve=0)) == "ElasticPolicy(block_size=16)"
     # the defaults since issue 30
-    assert repr(ElasticPolicy(BS)) == "ElasticPolicy(block_size=16, reserve_z=0.5, reserve_k=0.25)"
+    assert repr(ElasticPolicy(BS)) == "ElasticPolicy(block_size=16, reserve_z=0.5, reserve_k=0.25, urgent_reserve=2.0)"
 
 
 def test_the_reserve_keeps_blocks_free_that_the_flat_rule_would_lease() -> None:

@@ -39,7 +39,13 @@ from test_redis_budget import redis_cluster  # noqa: F401 - the 3-master cluster
 from tests._elastic_strategies import PROGRESS, RESERVES, SPREAD_META
 from tests._redis_keys import delete_keys
 from zp_client.budget.base import Lease
-from zp_client.budget.elastic import DEFAULT_RESERVE_K, DEFAULT_RESERVE_Z, ElasticPolicy, projected_peak
+from zp_client.budget.elastic import (
+    DEFAULT_RESERVE_K,
+    DEFAULT_RESERVE_Z,
+    DEFAULT_URGENT_RESERVE,
+    ElasticPolicy,
+    projected_peak,
+)
 from zp_client.budget.ledger import Ledger
 from zp_client.budget.local import LocalBudget
 from zp_client.budget.redis import RedisBudget
@@ -104,24 +110,25 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
             self.tasks: dict[str, asyncio.Task[Lease]] = {}
             self.leases: dict[str, Lease] = {}
             if not draw_reserves:
-                self._make((DEFAULT_RESERVE_Z, DEFAULT_RESERVE_K))
+                self._make((DEFAULT_RESERVE_Z, DEFAULT_RESERVE_K, DEFAULT_URGENT_RESERVE))
 
         if draw_reserves:
             @initialize(reserves=_reserves)
-            def make(self, reserves: tuple[float, float]) -> None:
+            def make(self, reserves: tuple[float, float, float]) -> None:
                 self._make(reserves)
 
-        def _make(self, reserves: tuple[float, float]) -> None:
+        def _make(self, reserves: tuple[float, float, float]) -> None:
             # The reserves (drawn, 0 included) are stored in Redis by the budget's creator and applied by
             # the Lua grant pass; the model is the Python policy with the same ones.
-            z, k = reserves
-            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS, reserve_z=z, reserve_k=k),
+            z, k, u = reserves
+            self.model = Ledger(LIMIT, policy=ElasticPolicy(BS, reserve_z=z, reserve_k=k, urgent_reserve=u),
                                 starvation_bound_s=starvation, longest_first_s=longest_first_s)
             name = f"{names[0]}-m{next(counter)}"
             names.append(name)
             self.budget = RedisBudget(redis_url, name, LIMIT, BS, policy="elastic", recovery_s=0,
                                       starvation_bound_s=starvation, held_report_blocks=1,
-                                      longest_first_s=longest_first_s, reserve_z=z, reserve_k=k)
+                                      longest_first_s=longest_first_s, reserve_z=z, reserve_k=k,
+                                      urgent_reserve=u)
 
         def run(self, coro: Any) -> Any:
             return self.loop.run_until_complete(coro)
@@ -153,7 +160,7 @@ def _make_machine(redis_url: str, names: list[str], starvation: float, longest_f
             for lbl, task in self.tasks.items():
                 assert not task.done(), f"{lbl} finished ({task!r}) but the model says it waits"
 
-        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 1),
+        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 2),
               meta=st.one_of(_meta, _spread_meta))
         def acquire(self, blocks: int, held_frac: int, priority: int, meta: dict[str, Any]) -> None:
             held = blocks * held_frac // 4
@@ -782,7 +789,7 @@ def test_the_reserves_are_rounded_as_the_policy_rounds_them_and_sent_in_thousand
     b = RedisBudget("redis://127.0.0.1:1/0", "zp-test-reserve-args", 10, reserve_z=1.23456, reserve_k=0.0004)
     p = ElasticPolicy(16, reserve_z=1.23456, reserve_k=0.0004)
     assert (b.config.reserve_z, b.config.reserve_k) == (p.reserve_z, p.reserve_k) == (1.235, 0.0)
-    assert b._core.init_args()[10:] == [1235, 0]  # init.lua's ARGV[11], ARGV[12]
+    assert b._core.init_args()[10:] == [1235, 0, 2000]  # init.lua's ARGV[11..13]: the urgent reserve's default
     assert b.reads_forecast_spread
     # the defaults (ElasticPolicy's) read them
     assert RedisBudget("redis://127.0.0.1:1/0", "zp-test-reserve-default", 10).reads_forecast_spread

@@ -143,6 +143,7 @@ def test_the_replay_on_the_snapshot_predicts_what_it_predicts_on_the_ledger_it_c
 
     reply = _reply([("lease-a", lease("lease-a", 1)), ("lease-b", lease("lease-b", 2))],
                    [("w1", waiter("w1"), ""), ("w2", waiter("w2", q=NOW_MS + 60_000), "")], limit="24")
+    reply[2] = [*reply[2], b"500", b"250", b"2000"]  # rz, rk, ru: the model's policy, elastic's defaults
     snap = ledger_from_snapshot(reply)
     assert snap is not None and snap.leave_at == leave
     for wid in ("w1", "w2"):
@@ -198,20 +199,22 @@ def test_a_process_learns_its_errors_for_fail_fast_margin_and_bias() -> None:
 def test_the_reserves_come_back_with_the_policy() -> None:
     from zp_client.budget.elastic import ElasticPolicy
 
-    # snapshot.lua's meta ends with rz and rk (reserve_z, reserve_k in thousandths): the replay's policy
-    # keeps the same forecast-error reserves, and the leases their upper forecasts (fh)
+    # snapshot.lua's meta ends with rz, rk and ru (reserve_z, reserve_k, urgent_reserve in thousandths):
+    # the replay's policy keeps the same reserves, and the leases their upper forecasts (fh)
     reply = _reply([("lease-a", _lease(NOW_MS - 1000, 1, fh=480))], [])
-    reply[2] = [*reply[2], b"1500", b"250"]
+    reply[2] = [*reply[2], b"1500", b"250", b"1333"]
     snap = ledger_from_snapshot(reply)
     assert snap is not None
     policy = snap.ledger.policy
     assert isinstance(policy, ElasticPolicy) and (policy.reserve_z, policy.reserve_k) == (1.5, 0.25)
+    assert policy.urgent_reserve == 1.333
     assert policy.block_size == BS
     assert snap.ledger.leases["lease-a"].meta["forecast_hi"] == 480
     # absent (HMGET's nil, sent as ''), or a reply of a script before them: no reserve
-    for extra in ([b"", b""], []):
+    for extra in ([b"", b"", b""], [b"", b""], []):
         reply = _reply([("lease-a", _lease(NOW_MS - 1000, 1))], [])
         reply[2] = [*reply[2], *extra]
         snap = ledger_from_snapshot(reply)
         assert snap is not None
         assert (snap.ledger.policy.reserve_z, snap.ledger.policy.reserve_k) == (0.0, 0.0)  # type: ignore[attr-defined]
+        assert snap.ledger.policy.urgent_reserve == 0.0  # type: ignore[attr-defined]

@@ -78,16 +78,17 @@ def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
             self.leases: dict[str, Lease] = {}
 
         @initialize(reserves=_reserves)
-        def make(self, reserves: tuple[float, float]) -> None:
+        def make(self, reserves: tuple[float, float, float]) -> None:
             # The reserves (drawn, 0 included) apply per replica, over its own leases, in both.
-            z, k = reserves
-            self.model = FleetLedger(LIMITS, lambda: ElasticPolicy(BS, reserve_z=z, reserve_k=k),
+            z, k, u = reserves
+            self.model = FleetLedger(LIMITS, lambda: ElasticPolicy(BS, reserve_z=z, reserve_k=k,
+                                                                   urgent_reserve=u),
                                      starvation_bound_s=starvation)
             name = f"{names[0]}-m{next(counter)}"
             names.append(name)
             self.fleet = RedisFleet(redis_url, name, LIMITS, None, BS, recovery_s=0,
                                     starvation_bound_s=starvation, held_report_blocks=1,
-                                    reserve_z=z, reserve_k=k)
+                                    reserve_z=z, reserve_k=k, urgent_reserve=u)
 
         def run(self, coro: Any) -> Any:
             return self.loop.run_until_complete(coro)
@@ -122,7 +123,7 @@ def _make_machine(redis_url: str, names: list[str], starvation: float) -> type:
             for lbl, task in self.tasks.items():
                 assert not task.done(), f"{lbl} finished ({task!r}) but the model says it waits"
 
-        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 1),
+        @rule(blocks=st.integers(1, 14), held_frac=st.integers(0, 4), priority=st.integers(0, 2),
               meta=st.one_of(_meta, _spread_meta), turns=st.sampled_from(_CONVERSATIONS),
               session=st.sampled_from([None, None, "s1", "s2"]))
         def acquire(self, blocks: int, held_frac: int, priority: int, meta: dict[str, Any],

@@ -155,8 +155,10 @@ def test_budget_status_is_read_only_and_complete(redis_url: str, redis_prefix: s
     async def scenario() -> None:
         # Long poll/TTL: the budget's own background tasks write nothing during the test, so any
         # change to the keys would be the status command's.
+        # (urgent_reserve 0: the scenario's three classes are about counting, not the room one keeps for
+        # another, docs/admission.md#the-urgent-reserve)
         budget = RedisBudget(redis_url, redis_prefix, limit_blocks=100, recovery_s=0, lease_ttl_s=300,
-                             poll_interval_s=60, held_report_blocks=1)
+                             poll_interval_s=60, held_report_blocks=1, urgent_reserve=0)
         r = redis.Redis.from_url(redis_url)
         try:
             a = await budget.acquire(40, held=10)

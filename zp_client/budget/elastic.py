@@ -91,6 +91,13 @@ DEFAULT_RESERVE_K = 0.25
 #: spread when few long streams hold the pool: agentic 2x seed 5 and 4x seed 4 preempted once each with
 #: ``reserve_k`` 0.25 alone; docs/elastic.md#the-default-reserve).
 DEFAULT_RESERVE_Z = 0.5
+#: Default ``ElasticPolicy(urgent_reserve=...)``: a waiter is admitted only while it also leaves this many
+#: times the largest bound among the live leases of a more urgent class (a lower priority number) free, so
+#: the next request of that class finds room without waiting for a lease to end (the server's priority
+#: scheduler preempts for it; zp never does). Sized as room for two such requests: a rule, not a block count
+#: from a workload (docs/admission.md#the-urgent-reserve has its measurements). A no-op while every live
+#: lease is of one class.
+DEFAULT_URGENT_RESERVE = 2.0
 
 #: ``remaining`` of a lease without metadata: later than any projected end (2**53 stays exact in the
 #: Lua port's doubles).
@@ -265,6 +272,13 @@ def spread_blocks(*, held: int, bound: int, block_size: int, meta: Mapping[str, 
         return 0
     hi_end = min(cap, prompt_tokens + max(int(hi), int(forecast)))
     return max(0, _ceil_div(hi_end, block_size) - _ceil_div(end, block_size))
+
+
+def urgent_room(bound: int, urgent_reserve: float) -> int:
+    """``ceil(urgent_reserve x bound)`` in exact integer arithmetic on the thousandths ``urgent_reserve``
+    is rounded to (the Lua port computes the same from the stored thousandths)."""
+    milli = round(urgent_reserve * 1000)
+    return bound * (milli // 1000) + -(-(bound * (milli % 1000)) // 1000)
 
 
 def spread_reserve(sum_sq: int, z: float) -> int:
@@ -514,6 +528,11 @@ class ElasticPolicy:
     pool (docs/elastic.md#the-default-reserve). Both 0: nothing kept back (a limit below the pool is then
     the only reserve, as before issue 30).
 
+    Across priority classes it also keeps an **urgent reserve** (:meth:`urgent_blocks`): a waiter is
+    admitted only while it fits under the limit less ``urgent_reserve`` times the largest bound among the
+    live leases of a more urgent class (:data:`DEFAULT_URGENT_RESERVE`; 0: off). With one class live it
+    keeps nothing (docs/admission.md#the-urgent-reserve).
+
     ``used`` reports the projected peak of the live leases. The policy keeps a cache of the prepared
     projection keyed on the ledger's ``version`` (when it has one), so a grant that checks many waiters
     against an unchanged pool costs O(log n) per waiter. Each lease's projection is kept between versions,
@@ -527,8 +546,10 @@ class ElasticPolicy:
     progress reports (see :class:`~zp_client.budget.ledger.ReservationPolicy`)."""
 
     def __init__(self, block_size: int = 16, *, reserve_z: float = DEFAULT_RESERVE_Z,
-                 reserve_k: float = DEFAULT_RESERVE_K, late_readers: bool = False) -> None:
-        for name, value in (("reserve_z", reserve_z), ("reserve_k", reserve_k)):
+                 reserve_k: float = DEFAULT_RESERVE_K, late_readers: bool = False,
+                 urgent_reserve: float = DEFAULT_URGENT_RESERVE) -> None:
+        for name, value in (("reserve_z", reserve_z), ("reserve_k", reserve_k),
+                            ("urgent_reserve", urgent_reserve)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     math.isfinite(value) and 0 <= value <= 100):
                 raise ConfigurationError(f"{name} must be a number in [0, 100], got {value!r}")
@@ -540,6 +561,12 @@ class ElasticPolicy:
         """Risk reserve for correlated forecast error: admission keeps ``ceil(reserve_k x sum of
         spread_blocks)`` blocks free below the limit (:func:`risk_reserve`; the live leases' and the
         candidate's spreads added linearly, as errors that move together add). 0: off."""
+        self.urgent_reserve = round(float(urgent_reserve), 3)
+        """Room kept for more urgent classes: a waiter of priority ``p`` is admitted only while it fits
+        under the limit less ``ceil(urgent_reserve x`` the largest bound among the live leases of
+        priority ``< p``) (:meth:`urgent_blocks`; pins excluded). 0: off."""
+        self._urgent_key: object = None
+        self._urgent: tuple[list[int], list[int]] = ([], [])
         self._spread_key: object = None
         self._spread_total = 0
         self._spread_lin = 0
@@ -694,6 +721,46 @@ class ElasticPolicy:
         """Sum over the live leases of :func:`spread_blocks` squared (cached on the ledger's version)."""
         return self._spreads(view)[0]
 
+    def _urgent_bounds(self, view: LedgerView) -> tuple[list[int], list[int]]:
+        """The live leases' classes in priority order and, for each, the largest bound among the leases of
+        that class or a more urgent one (pins excluded; cached on the ledger's version)."""
+        version = getattr(view, "version", None)
+        key = (id(view), version) if version is not None else None
+        if key is not None and key == self._urgent_key:
+            return self._urgent
+        largest: dict[int, int] = {}
+        for rec in view.leases.values():
+            if rec.meta.get("pinned"):
+                continue  # a pin is a shared prefix, not a request of its class
+            if rec.bound > largest.get(rec.priority, 0):
+                largest[rec.priority] = rec.bound
+        prios = sorted(largest)
+        running: list[int] = []
+        top = 0
+        for p in prios:
+            top = max(top, largest[p])
+            running.append(top)
+        self._urgent_key, self._urgent = key, (prios, running)
+        return prios, running
+
+    def urgent_blocks(self, view: LedgerView, candidate: WaiterRecord) -> int:
+        """Blocks kept free of ``candidate`` for the classes more urgent than its own:
+        ``ceil(urgent_reserve x b)``, ``b`` the largest bound among the live leases whose priority is
+        lower than the candidate's (pins excluded); 0 when none is live or ``urgent_reserve`` is 0.
+
+        The server's priority scheduler serves an urgent request at once by preempting; zp never
+        preempts, so without this an urgent request that arrives to a pool full of less urgent leases
+        waits for one to end. Keeping room for two requests of the size the urgent class runs now closes
+        most of that wait (docs/admission.md#the-urgent-reserve) and costs nothing while one class is
+        live."""
+        if self.urgent_reserve <= 0 or not view.leases:
+            return 0
+        prios, running = self._urgent_bounds(view)
+        i = bisect.bisect_left(prios, candidate.priority)
+        if i == 0:
+            return 0
+        return urgent_room(running[i - 1], self.urgent_reserve)
+
     def reserve(self, view: LedgerView, candidate: WaiterRecord | None = None) -> int:
         """Blocks admission keeps free below the limit for the live leases' forecast error (and the
         candidate's, when given): :func:`spread_reserve` of their :func:`spread_blocks` plus
@@ -734,6 +801,8 @@ class ElasticPolicy:
     def fits(self, view: LedgerView, candidate: WaiterRecord) -> bool:
         meta = candidate.meta
         bs = self.block_size
+        # the room kept for more urgent classes narrows the limit for this candidate (0 with one class)
+        lim = view.limit - self.urgent_blocks(view, candidate)
         # Sufficient, and cheap: no projection exceeds its cap (its bound plus excess_blocks) by more than
         # one block (see project), a candidate's neither while its prompt fits its bound, and shared
         # prefixes only subtract. The Lua port's uncontended fast path is the same test. On an empty pool
@@ -743,14 +812,14 @@ class ElasticPolicy:
         fast = (view.bound_sum + len(view.leases) + candidate.bound + (1 if view.leases else 0)
                 + excess_blocks(candidate.bound, bs, meta))
         # While late, a term may exceed its cap by its extrapolated blocks: no fast path then.
-        if ((not view.leases or self._late_now(view) is None) and fast <= view.limit
+        if ((not view.leases or self._late_now(view) is None) and fast <= lim
                 and int(meta.get("prompt_tokens", 0)) <= candidate.bound * bs
-                and fast + self._excess(view) <= view.limit):
+                and fast + self._excess(view) <= lim):
             return True
         # Past the fast path (bounds, which no forecast error can exceed, do not fit): the projected peak
         # must fit with the forecast-error reserve kept free (none unless reserve_z > 0).
         profile = self._prepare(view)
-        limit = view.limit - self.reserve(view, candidate)
+        limit = lim - self.reserve(view, candidate)
         if not any(k in meta for k in POLICY_KEYS):
             # Reserved at its bound forever (see project): it adds its bound at every instant, the peak
             # included, so this is peak_with's answer in O(1).
@@ -798,6 +867,8 @@ class ElasticPolicy:
             extra += f", reserve_k={self.reserve_k}"
         if self.late_readers:
             extra += ", late_readers=True"
+        if self.urgent_reserve:
+            extra += f", urgent_reserve={self.urgent_reserve}"
         return f"ElasticPolicy(block_size={self.block_size}{extra})"
 
 

@@ -17,7 +17,12 @@ import redis.asyncio as redis_async
 from zp_client._redact import check_redis_url
 from zp_client._tasks import quiesce
 from zp_client.budget.base import Budget, BudgetStatus, Lease, Ticket
-from zp_client.budget.elastic import DEFAULT_RESERVE_K, DEFAULT_RESERVE_Z, ElasticPolicy
+from zp_client.budget.elastic import (
+    DEFAULT_RESERVE_K,
+    DEFAULT_RESERVE_Z,
+    DEFAULT_URGENT_RESERVE,
+    ElasticPolicy,
+)
 from zp_client.budget.ledger import (
     DEFAULT_LATE_BOUND_S,
     DEFAULT_LINE,
@@ -114,7 +119,9 @@ class RedisBudget(Budget):
     takes them, validated alike, and with its defaults, ``elastic.DEFAULT_RESERVE_Z`` and
     ``DEFAULT_RESERVE_K``; 0: off; the budget's creator chooses, a process configured otherwise follows the
     stored ones with a warning; read only under ``elastic``: ``strict`` stores and ignores them, as it
-    does ``longest_first_s``; docs/elastic.md#reserves-on-redis). Semantics (safety,
+    does ``longest_first_s``; docs/elastic.md#reserves-on-redis), ``urgent_reserve`` (elastic's room
+    kept for more urgent classes, ``ElasticPolicy(urgent_reserve=...)``, default
+    ``elastic.DEFAULT_URGENT_RESERVE``; stored and followed like the reserves). Semantics (safety,
     recovery, wake-ups, renewal, unavailability, the elastic policy in Lua, keys): docs/redis.md.
     """
 
@@ -145,12 +152,13 @@ class RedisBudget(Budget):
         predict: bool = False,
         reserve_z: float = DEFAULT_RESERVE_Z,
         reserve_k: float = DEFAULT_RESERVE_K,
+        urgent_reserve: float = DEFAULT_URGENT_RESERVE,
         **renamed: object,
     ) -> None:
         if renamed:
             raise _renamed_error(renamed)
         # elastic's forecast-error reserves, validated (and rounded to thousandths) as the policy does
-        reserves = ElasticPolicy(reserve_z=reserve_z, reserve_k=reserve_k)
+        reserves = ElasticPolicy(reserve_z=reserve_z, reserve_k=reserve_k, urgent_reserve=urgent_reserve)
         if not isinstance(name, str) or not name or any(c in name for c in "{}") or len(name) > 200:
             raise ConfigurationError(
                 "budget name must be a non-empty string of at most 200 characters without braces, "
@@ -199,6 +207,7 @@ class RedisBudget(Budget):
             held_report_blocks=None if held_report_blocks is None else max(1, int(held_report_blocks)),
             reserve_z=reserves.reserve_z,
             reserve_k=reserves.reserve_k,
+            urgent_reserve=reserves.urgent_reserve,
         )
         self.name = name
         self.block_size = cfg.block_size
@@ -658,7 +667,7 @@ class RedisBudget(Budget):
             z, k = core.reserve
             policy: str | ElasticPolicy = core.policy
             if policy == "elastic":  # the stored reserves, 0 included (not ElasticPolicy's defaults)
-                policy = ElasticPolicy(self.block_size, reserve_z=z, reserve_k=k)
+                policy = ElasticPolicy(self.block_size, reserve_z=z, reserve_k=k, urgent_reserve=core.urgent)
             fallback = self._fallback = LocalBudget(
                 share, self.block_size, starvation_bound_s=cfg.starvation_bound_s,
                 name=f"{self.name}-local-fallback", policy=policy, longest_first_s=cfg.longest_first_s,

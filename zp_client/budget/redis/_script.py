@@ -28,7 +28,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from zp_client.budget.base import BudgetStatus, ClassStatus, Lease, Ticket
-from zp_client.budget.elastic import DEFAULT_RESERVE_K, DEFAULT_RESERVE_Z, admission_meta
+from zp_client.budget.elastic import (
+    DEFAULT_RESERVE_K,
+    DEFAULT_RESERVE_Z,
+    DEFAULT_URGENT_RESERVE,
+    admission_meta,
+)
 from zp_client.budget.ledger import AGE_KEY, ANSWER_KEY, TPOT_TARGET_KEY, TTFT_TARGET_KEY, line_deadline
 from zp_client.budget.predict import ErrorWindow, PoolTiming, refusal
 from zp_client.budget.redis._meta import META_FLAGS, META_KEYS, SHORT_KEYS, text
@@ -215,6 +220,8 @@ class Config:
     policy does; stored at creation (the creator's wins)."""
     reserve_k: float = DEFAULT_RESERVE_K
     """elastic's risk reserve (``ElasticPolicy(reserve_k=...)``), likewise."""
+    urgent_reserve: float = DEFAULT_URGENT_RESERVE
+    """elastic's urgent reserve (``ElasticPolicy(urgent_reserve=...)``), likewise."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +337,7 @@ class Core:
         # elastic's forecast-error reserves (reserve_z, reserve_k): the configured ones until the stored
         # ones (the creator's) are read with the policy
         self.reserve = (cfg.reserve_z, cfg.reserve_k)
+        self.urgent = cfg.urgent_reserve  # elastic's urgent reserve, likewise
         self.warned_reserve = False
         self.limit = cfg.limit
         self.epoch: str | None = None
@@ -449,7 +457,7 @@ class Core:
                            cfg.policy, starve_ms, lpt_ms]
         args.append(self.fleet.init_arg() if self.fleet is not None else "")
         args += [cfg.line, int(min(cfg.late_bound_s, 1e12) * 1000)]  # inf: never late-bound
-        args += [thousandths(cfg.reserve_z), thousandths(cfg.reserve_k)]
+        args += [thousandths(cfg.reserve_z), thousandths(cfg.reserve_k), thousandths(cfg.urgent_reserve)]
         return args
 
     def renew_args(self, batch: list[RedisLease]) -> list[Any]:
@@ -514,7 +522,7 @@ class Core:
         self.epoch = epoch
         self.learn_policy(policy)
         if len(r) > 9:
-            self.learn_reserve(int(r[8]), int(r[9]))
+            self.learn_reserve(int(r[8]), int(r[9]), int(r[10]) if len(r) > 10 else 0)
         if created:
             self.warned_limit = True  # our own limit is the stored one
             if rec_left > 0:
@@ -551,23 +559,26 @@ class Core:
                         "what to report from the configured policy)", self.name, policy, self.policy)
             self.policy = policy
 
-    def learn_reserve(self, rz: int, rk: int) -> None:
-        """The stored reserves (thousandths: init.lua, status.lua) replace the configured ones; a process
-        configured otherwise is told once, as for the policy."""
+    def learn_reserve(self, rz: int, rk: int, ru: int = 0) -> None:
+        """The stored reserves (thousandths: init.lua, status.lua; ``ru`` the urgent reserve) replace the
+        configured ones; a process configured otherwise is told once, as for the policy."""
         stored = (rz / 1000, rk / 1000)
-        if stored != self.reserve and not self.warned_reserve:
+        urgent = ru / 1000
+        if (stored != self.reserve or urgent != self.urgent) and not self.warned_reserve:
             self.warned_reserve = True
-            log.warning("zp_client: Redis budget %r exists with reserve_z=%g, reserve_k=%g; this process "
-                        "was configured with reserve_z=%g, reserve_k=%g and follows the stored ones (the "
-                        "budget's creator chooses them; configure every process alike)", self.name, *stored,
-                        *self.reserve)
+            log.warning("zp_client: Redis budget %r exists with reserve_z=%g, reserve_k=%g, "
+                        "urgent_reserve=%g; this process was configured with reserve_z=%g, reserve_k=%g, "
+                        "urgent_reserve=%g and "
+                        "follows the stored ones (the budget's creator chooses them; configure every process "
+                        "alike)", self.name, *stored, urgent, *self.reserve, self.urgent)
         self.reserve = stored
+        self.urgent = urgent
 
     def learn_status(self, r: list[Any]) -> None:
         if int(r[0]) == 1:
             self.learn_policy(text(r[6]))
             if len(r) > 23:
-                self.learn_reserve(int(r[22]), int(r[23]))
+                self.learn_reserve(int(r[22]), int(r[23]), int(r[24]) if len(r) > 24 else 0)
 
     def status_from(self, r: list[Any]) -> BudgetStatus:
         if int(r[0]) == 0:

@@ -92,14 +92,16 @@ def _build(reply: Sequence[object]) -> Snapshot | None:
     lb = _ms(meta[6])
     rec = _ms(meta[7], 0.0) or 0.0
     slimit = _ms(meta[8])
-    # elastic's forecast-error reserves in thousandths (absent: 0), replayed with the same rule
-    rz, rk = (int(_ms(meta[i], 0.0) or 0) if len(meta) > i else 0 for i in (9, 10))
+    # elastic's forecast-error reserves and urgent reserve in thousandths (absent: 0), replayed with the
+    # same rule
+    rz, rk, ru = (int(_ms(meta[i], 0.0) or 0) if len(meta) > i else 0 for i in (9, 10, 11))
     if rec > now_ms:
         return None  # recovering: nothing is admitted until the window ends
     now = now_ms / 1000
     size = max(limit, int(slimit)) if slimit is not None else limit
     # (stored as given: 0 is off, not ElasticPolicy's default, which a budget created before them has)
-    rule = (ElasticPolicy(bs, reserve_z=rz / 1000, reserve_k=rk / 1000) if policy == "elastic"
+    rule = (ElasticPolicy(bs, reserve_z=rz / 1000, reserve_k=rk / 1000, urgent_reserve=ru / 1000)
+            if policy == "elastic"
             else make_policy(policy, block_size=bs))
     ledger = Ledger(size, policy=rule, starvation_bound_s=starve / 1000,
                     longest_first_s=lpt / 1000, line=line,  # type: ignore[arg-type]

@@ -71,8 +71,9 @@ else
     if wmeta == nil then
       fast = tonumber(mm[2]) + bound <= limit
     else
+      -- (elastic's urgent reserve narrows the limit as in the grant pass: e_urgent)
       fast = tonumber(mm[2]) + (tonumber(mm[5]) or 0) + (tonumber(mm[7]) or 0) + bound + 1
-          + e_excess({b = bound, m = wmeta}, tonumber(mm[6]) or 1) <= limit
+          + e_excess({b = bound, m = wmeta}, tonumber(mm[6]) or 1) <= limit - e_urgent(K_UP, prio, meta_num('ru'))
         and (wmeta.pt == nil or wmeta.pt <= bound * (tonumber(mm[6]) or 0))
     end
   end
@@ -81,7 +82,7 @@ else
     -- examines this waiter alone): place it now; one that waits for its affinity replica enqueues
     local reps, rids = f_load(now)
     local cfg = f_cfg()
-    local cand = {b = bound, h = held, s = now, rt = route, mt = wmeta}
+    local cand = {b = bound, h = held, p = prio, s = now, rt = route, mt = wmeta}
     local rep, matched = f_place(reps, rids, cand, now, cfg, f_ectx(), nil)
     if rep then
       if order < 0 then

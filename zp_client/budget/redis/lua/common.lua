@@ -70,6 +70,16 @@ end
 -- l leases lost to ejections).
 local K_REPS, K_RSUM = PREFIX .. ':reps', PREFIX .. ':rsum'
 
+-- elastic's urgent reserve (ElasticPolicy.urgent_blocks; meta field ru = urgent_reserve in thousandths,
+-- stored at creation, absent: off): every live elastic lease except a pin's is also a member of :up
+-- (a fleet's: :up:<replica id>), scored priority * 2^40 + bound, so the largest bound among the leases of
+-- the classes more urgent than a waiter's costs one bounded ZREVRANGEBYSCORE per such class (e_urgent).
+local K_UP = PREFIX .. ':up'
+local function up_key(l)
+  if l.r then return K_UP .. ':' .. l.r end
+  return K_UP
+end
+
 -- elastic.excess_blocks: blocks by which a lease's cap, max(bound * bs, pt + mo) when both are known,
 -- exceeds its bound (the exact prompt outgrew the estimate the bound was sized on).
 local function e_excess(l, bs)
@@ -97,6 +107,7 @@ local function em_put(id, l)
   if m.fh ~= nil then f[#f + 1] = m.fh end
   f[#f + 1] = m.pk and ((m.pn == 1 and '*' or '=') .. m.pk) or '-'
   redis.call('HSET', em_key(l), id, table.concat(f, ' '))
+  if m.pn ~= 1 and l.p ~= nil then redis.call('ZADD', up_key(l), l.p * 1099511627776 + l.b, id) end
 end
 
 local function now_ms()
@@ -317,7 +328,10 @@ local function drop_lease(id, raw)  -- raw: the lease's record when the caller r
   local l = cjson.decode(raw)
   redis.call('HDEL', K_LEASES, id)
   redis.call('ZREM', K_LEXP, id)
-  if l.a then redis.call('HDEL', em_key(l), id) end  -- an elastic lease (strict ones have no mirror)
+  if l.a then  -- an elastic lease (strict ones have no mirror)
+    redis.call('HDEL', em_key(l), id)
+    redis.call('ZREM', up_key(l), id)
+  end
   if l.x then redis.call('HINCRBY', K_META, 'xsum', 0 - l.x) end
   redis.call('HINCRBY', K_META, 'bsum', 0 - l.b)  -- "0 - x", not "-x": Lua formats -0 as "-0", which HINCRBY rejects
   redis.call('HINCRBY', K_META, 'hsum', 0 - l.h)
@@ -756,6 +770,9 @@ end
 
 -- ElasticPolicy.fits for a waiter record w (b, h, m).
 local function e_fits(pr, limit, w)
+  -- below 0 (an urgent reserve larger than the limit) nothing fits, as in Python; the reserves' caps
+  -- below (limit + 1) assume a limit >= 0
+  if limit < 0 then return false end
   local m = w.mt or {}
   if pr.empty and w.b + e_excess({b = w.b, m = m}, pr.bs) <= limit and (m.pt or 0) <= w.b * pr.bs then
     -- fits' fast path on an empty pool (no rounding block: a lone lease holds at most its cap)
@@ -792,6 +809,23 @@ local function e_fits(pr, limit, w)
     if cr > g[2] then xp, xfrom = pb, g[2] end
   end
   return e_peak_with(pr, cb, cr, cg, xp, xfrom) <= limit
+end
+
+-- ElasticPolicy.urgent_blocks: the blocks kept free of a waiter of priority p for the more urgent classes,
+-- ceil(ru / 1000 x the largest bound among the leases in zset `key` (K_UP or a replica's) of priority < p),
+-- exact (elastic.urgent_room). One ZREVRANGEBYSCORE per more urgent class live (at most 64 looked at).
+local function e_urgent(key, p, ru)
+  if ru <= 0 then return 0 end
+  local top, hi = 0, string.format('(%d', p * PRIO_SPAN)
+  for _ = 1, 64 do
+    local r = redis.call('ZREVRANGEBYSCORE', key, hi, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if #r == 0 then break end
+    local sc = tonumber(r[2])
+    local q = math.floor(sc / PRIO_SPAN)
+    top = math.max(top, sc - q * PRIO_SPAN)
+    hi = string.format('(%d', q * PRIO_SPAN)
+  end
+  return top * math.floor(ru / 1000) + cdiv(top * (ru % 1000), 1000)
 end
 
 -- Live leases as profile items (nil when there are more than ELASTIC_MAX_LEASES: strict fallback).
@@ -1086,7 +1120,7 @@ local function f_load(now)
       redis.call('HDEL', K_REPS, rid)
       redis.call('HDEL', K_RSUM, 'b' .. rid, 'n' .. rid, 'f' .. rid, 'k' .. rid, 'p' .. rid, 'q' .. rid,
         'h' .. rid, 'l' .. rid)
-      redis.call('DEL', f_px(rid), f_pxb(rid), K_EM .. ':' .. rid)
+      redis.call('DEL', f_px(rid), f_pxb(rid), K_EM .. ':' .. rid, K_UP .. ':' .. rid)
       gone = true
     else
       if (r.ej or 0) > 0 and r.ej <= now then
@@ -1136,7 +1170,7 @@ end
 -- weighs it and rebuilt after an admission there.
 local function f_ectx()
   if redis.call('HGET', K_META, 'policy') ~= 'elastic' or e_capped() then return nil end
-  return {bs = meta_num('bs'), items = {}, profs = {}}
+  return {bs = meta_num('bs'), items = {}, profs = {}, ru = meta_num('ru')}
 end
 
 local function f_prof(ec, rid)
@@ -1159,7 +1193,7 @@ end
 local function f_fits(ec, r, w)
   if w.b > r.lim then return false end
   if ec == nil then return r.bs + w.b <= r.lim end
-  return e_fits(f_prof(ec, r.id), r.lim, w)
+  return e_fits(f_prof(ec, r.id), r.lim - e_urgent(K_UP .. ':' .. r.id, w.p or 0, ec.ru), w)
 end
 
 -- A waiter admitted on replica rid: its profile includes the new lease from now on.
@@ -1390,6 +1424,7 @@ local function grant(now, self_id, caller)
   local pins = nil
   if is_elastic and not fleet then pins = p_load() end
   local bs = elastic and meta_num('bs') or 0
+  local ru = is_elastic and not fleet and meta_num('ru') or 0
   -- the walk: line order (records read lazily: a barrier ends the pass early), or longest first
   local walk = {}
   for i, m in ipairs(members) do walk[i] = {id = string.sub(m, 14), m = m} end
@@ -1424,10 +1459,12 @@ local function grant(now, self_id, caller)
           ok = false  -- waits for a pinned prefix's keep-warm (pins.py): a barrier like a misfit
         else
           if prof == nil then prof = e_profile(items, bs) end
-          ok = e_fits(prof, limit, w)
+          ok = e_fits(prof, limit - e_urgent(K_UP, w.p, ru), w)
         end
       elseif pins ~= nil and p_holds_back(pins, w, now) then
         ok = false  -- the strict fallback of a large elastic pass holds back the same waiters
+      elseif is_elastic then
+        ok = fits(policy, limit - e_urgent(K_UP, w.p, ru), bsum, w)  -- the fallback keeps the urgent room
       else
         ok = fits(policy, limit, bsum, w)
       end

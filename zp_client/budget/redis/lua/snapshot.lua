@@ -5,7 +5,7 @@
 -- ARGV: cap (the most live leases, and the most waiters, it copies: 1..100000)
 -- Returns {'A'} the budget is absent | {'F'} a fleet, or prefixes are pinned (not predicted)
 --       | {'C', leases, waiters} more than cap of either (not copied)
---       | {'S', now_ms, {limit, bs, policy, starve, lpt, line, lb, rec, slimit, rz, rk},
+--       | {'S', now_ms, {limit, bs, policy, starve, lpt, line, lb, rec, slimit, rz, rk, ru},
 --          {lease id, record, ...} (HGETALL), {waiter id, record, heartbeat expiry ms, ...} in line order}
 if redis.call('EXISTS', K_META) == 0 then return {'A'} end
 local cap = int_arg(ARGV[1], 'cap', 1, 100000)
@@ -15,8 +15,8 @@ local nw = redis.call('ZCARD', K_LINE)
 if nl > cap or nw > cap then return {'C', nl, nw} end
 local now = now_ms()
 local meta = redis.call('HMGET', K_META, 'limit', 'bs', 'policy', 'starve', 'lpt', 'line', 'lb', 'rec', 'slimit',
-  'rz', 'rk')
-for i = 1, 11 do meta[i] = meta[i] or '' end
+  'rz', 'rk', 'ru')
+for i = 1, 12 do meta[i] = meta[i] or '' end
 local ws = {}
 for _, member in ipairs(redis.call('ZRANGE', K_LINE, 0, -1)) do
   local id = string.sub(member, 14)

@@ -7,11 +7,11 @@
 --          the leader lease's PTTL (ms; < 0 when none) and Redis's clock (ms); then the pending grants
 --          (granted, not yet claimed: common.lua's claim_lease), their bounds (part of bsum) and the
 --          grants returned unclaimed so far; then the held leases kept past a late renewal (meta dfr);
---          then the stored reserve_z and reserve_k (thousandths, 0 when absent: init.lua).
+--          then the stored reserve_z, reserve_k and urgent_reserve (thousandths, 0 when absent: init.lua).
 if redis.call('EXISTS', K_META) == 0 then return {0} end
 local now = now_ms()
 local m = redis.call('HMGET', K_META, 'limit', 'bsum', 'hsum', 'nl', 'epoch', 'policy', 'starve', 'bs', 'rec', 'ver',
-  'cn', 'cb', 'unc', 'dfr', 'rz', 'rk')
+  'cn', 'cb', 'unc', 'dfr', 'rz', 'rk', 'ru')
 local head_wait = 0
 local first = redis.call('ZRANGE', K_LINE, 0, 0)
 if first[1] then
@@ -37,4 +37,4 @@ return {1, tonumber(m[1]), tonumber(m[2]), tonumber(m[3]), tonumber(m[4]), m[5],
         redis.call('HGETALL', PREFIX .. ':adaptive'), redis.call('GET', PREFIX .. ':adaptive:leader') or '',
         redis.call('PTTL', PREFIX .. ':adaptive:leader'), now,
         tonumber(m[11] or '0'), tonumber(m[12] or '0'), tonumber(m[13] or '0'), tonumber(m[14] or '0'),
-        tonumber(m[15] or '0'), tonumber(m[16] or '0')}
+        tonumber(m[15] or '0'), tonumber(m[16] or '0'), tonumber(m[17] or '0')}
