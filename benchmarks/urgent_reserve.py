@@ -16,8 +16,9 @@ blocks, kept for the more urgent class:
 * ``adaptive``: ``R / 48`` times the largest bound among the live leases of a more urgent class (``R`` 96:
   room for two of them; 48 blocks is about one interactive request's bound on ``mixed``).
 
-The wrapper narrows admission only (a tighter limit for some waiters), so it cannot add a preemption the
-projection did not already rule out; the script prints the server's count to show it. ``--urgent`` and
+The wrapper narrows admission only (a tighter limit for some waiters; every admission still passes the
+projection's check), but the run then follows another trajectory, with other forecast errors: the script
+prints the server's preemptions (``--urgent 3`` preempted once on ``mixed`` 2x seed 1). ``--urgent`` and
 the wrapper patch the library in this process only (``zp_client.budget.elastic.ElasticPolicy``), so they
 cover ``LocalBudget`` setups (``zp-slo``, ``zp-elastic``), not Redis. One line per setup: requests in SLO per
 class, each scored against its own class's targets (``zp_storm.report.in_slo``), and preemptions.
