@@ -209,3 +209,50 @@ async def test_a_room_larger_than_the_limit_admits_nobody_less_urgent(budgets: A
         await li.release()
         await (await asyncio.wait_for(batch, 10)).release()
     await redis_b.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_room_reads_the_64_nearest_more_urgent_classes_in_both_backends(budgets: Any) -> None:
+    # 70 more urgent classes: the farthest (-100) holds bound 50, the 69 nearer ones bound 1. Both
+    # backends read the URGENT_CLASSES_MAX (64) nearest: room 2 x 1, not 2 x 50. A waiter of 800 then
+    # fits (119 + 70 + 800 + 1 <= 1000 - 2), which it would not under 1000 - 100.
+    from zp_client.budget.elastic import URGENT_CLASSES_MAX
+
+    assert URGENT_CLASSES_MAX == 64
+    local = LocalBudget(1000, 16, policy=ElasticPolicy(16, reserve_z=0, reserve_k=0))
+    redis_b = budgets(1000)
+    for b in (local, redis_b):
+        live = [await b.acquire(50, priority=-100)]
+        live += [await b.acquire(1, priority=p) for p in range(-99, -30)]
+        lw = await asyncio.wait_for(b.acquire(800, priority=0), 10)
+        for le in [lw, *live]:
+            await le.release()
+    led = _ledger(1000)
+    led.enqueue("far", 50, 0, -100, 0.0)
+    for p in range(-99, -30):
+        led.enqueue(f"c{p}", 1, 0, p, 0.0)
+    led.grant(0.0)
+    led.enqueue("w", 800, 0, 0, 0.0)
+    w = led.waiter("w")
+    policy = led.policy
+    assert w is not None and isinstance(policy, ElasticPolicy) and policy.urgent_blocks(led, w) == 2
+    await redis_b.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_member_whose_lease_is_gone_is_removed_as_it_is_met(budgets: Any, redis_url: str) -> None:
+    # A script before the urgent reserve drops a lease without removing it from :up; the next read heals.
+    import redis
+
+    b = budgets(100)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        await b.status()  # creates the budget
+        key = f"{{zp:{b.name}}}:up"
+        r.zadd(key, {"ghost-lease-of-an-older-script": 50})  # priority 0, bound 50, no lease
+        lb = await asyncio.wait_for(b.acquire(90, priority=1), 10)  # no urgent lease: the whole pool
+        assert r.zscore(key, "ghost-lease-of-an-older-script") is None
+        await lb.release()
+    finally:
+        r.close()
+    await b.aclose()

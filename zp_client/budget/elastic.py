@@ -98,6 +98,9 @@ DEFAULT_RESERVE_Z = 0.5
 #: from a workload (docs/admission.md#the-urgent-reserve has its measurements). A no-op while every live
 #: lease is of one class.
 DEFAULT_URGENT_RESERVE = 2.0
+#: The urgent reserve reads the largest bound of at most this many more urgent classes, the nearest ones
+#: (the Lua port's work per candidate is one sorted-set read per class, so it is bounded the same way).
+URGENT_CLASSES_MAX = 64
 
 #: ``remaining`` of a lease without metadata: later than any projected end (2**53 stays exact in the
 #: Lua port's doubles).
@@ -566,7 +569,7 @@ class ElasticPolicy:
         under the limit less ``ceil(urgent_reserve x`` the largest bound among the live leases of
         priority ``< p``) (:meth:`urgent_blocks`; pins excluded). 0: off."""
         self._urgent_key: object = None
-        self._urgent: tuple[list[int], list[int]] = ([], [])
+        self._urgent: tuple[list[int], list[int]] = ([], [])  # classes live, the largest bound of each
         self._spread_key: object = None
         self._spread_total = 0
         self._spread_lin = 0
@@ -722,8 +725,8 @@ class ElasticPolicy:
         return self._spreads(view)[0]
 
     def _urgent_bounds(self, view: LedgerView) -> tuple[list[int], list[int]]:
-        """The live leases' classes in priority order and, for each, the largest bound among the leases of
-        that class or a more urgent one (pins excluded; cached on the ledger's version)."""
+        """The live leases' classes in priority order and the largest bound of each (pins excluded;
+        cached on the ledger's version)."""
         version = getattr(view, "version", None)
         key = (id(view), version) if version is not None else None
         if key is not None and key == self._urgent_key:
@@ -735,18 +738,14 @@ class ElasticPolicy:
             if rec.bound > largest.get(rec.priority, 0):
                 largest[rec.priority] = rec.bound
         prios = sorted(largest)
-        running: list[int] = []
-        top = 0
-        for p in prios:
-            top = max(top, largest[p])
-            running.append(top)
-        self._urgent_key, self._urgent = key, (prios, running)
-        return prios, running
+        self._urgent_key, self._urgent = key, (prios, [largest[p] for p in prios])
+        return self._urgent
 
     def urgent_blocks(self, view: LedgerView, candidate: WaiterRecord) -> int:
         """Blocks kept free of ``candidate`` for the classes more urgent than its own:
         ``ceil(urgent_reserve x b)``, ``b`` the largest bound among the live leases whose priority is
-        lower than the candidate's (pins excluded); 0 when none is live or ``urgent_reserve`` is 0.
+        lower than the candidate's (pins excluded; the :data:`URGENT_CLASSES_MAX` nearest such classes);
+        0 when none is live or ``urgent_reserve`` is 0.
 
         The server's priority scheduler serves an urgent request at once by preempting; zp never
         preempts, so without this an urgent request that arrives to a pool full of less urgent leases
@@ -755,11 +754,11 @@ class ElasticPolicy:
         live."""
         if self.urgent_reserve <= 0 or not view.leases:
             return 0
-        prios, running = self._urgent_bounds(view)
+        prios, largest = self._urgent_bounds(view)
         i = bisect.bisect_left(prios, candidate.priority)
         if i == 0:
             return 0
-        return urgent_room(running[i - 1], self.urgent_reserve)
+        return urgent_room(max(largest[max(0, i - URGENT_CLASSES_MAX):i]), self.urgent_reserve)
 
     def reserve(self, view: LedgerView, candidate: WaiterRecord | None = None) -> int:
         """Blocks admission keeps free below the limit for the live leases' forecast error (and the

@@ -813,17 +813,26 @@ end
 
 -- ElasticPolicy.urgent_blocks: the blocks kept free of a waiter of priority p for the more urgent classes,
 -- ceil(ru / 1000 x the largest bound among the leases in zset `key` (K_UP or a replica's) of priority < p),
--- exact (elastic.urgent_room). One ZREVRANGEBYSCORE per more urgent class live (at most 64 looked at).
+-- exact (elastic.urgent_room). One ZREVRANGEBYSCORE per more urgent class live, the URGENT_CLASSES_MAX
+-- nearest (elastic.URGENT_CLASSES_MAX). A member whose lease is gone (dropped by a script before :up,
+-- which left it there) is removed as it is met, within as many reads again.
+local URGENT_CLASSES_MAX = 64
 local function e_urgent(key, p, ru)
   if ru <= 0 then return 0 end
-  local top, hi = 0, string.format('(%d', p * PRIO_SPAN)
-  for _ = 1, 64 do
+  local top, hi, seen = 0, string.format('(%d', p * PRIO_SPAN), 0
+  for _ = 1, 2 * URGENT_CLASSES_MAX do
     local r = redis.call('ZREVRANGEBYSCORE', key, hi, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
     if #r == 0 then break end
-    local sc = tonumber(r[2])
-    local q = math.floor(sc / PRIO_SPAN)
-    top = math.max(top, sc - q * PRIO_SPAN)
-    hi = string.format('(%d', q * PRIO_SPAN)
+    if redis.call('HEXISTS', K_LEASES, r[1]) == 0 then
+      redis.call('ZREM', key, r[1])
+    else
+      local sc = tonumber(r[2])
+      local q = math.floor(sc / PRIO_SPAN)
+      top = math.max(top, sc - q * PRIO_SPAN)
+      hi = string.format('(%d', q * PRIO_SPAN)
+      seen = seen + 1
+      if seen >= URGENT_CLASSES_MAX then break end
+    end
   end
   return top * math.floor(ru / 1000) + cdiv(top * (ru % 1000), 1000)
 end
@@ -1192,7 +1201,14 @@ end
 -- Does the replica's policy admit waiter w now (Ledger.fits_now, with the bound within its limit)?
 local function f_fits(ec, r, w)
   if w.b > r.lim then return false end
-  if ec == nil then return r.bs + w.b <= r.lim end
+  if ec == nil then
+    -- strict, or elastic's strict fallback above the lease cap (which keeps the urgent room, as grant's)
+    local u = 0
+    if redis.call('HGET', K_META, 'policy') == 'elastic' then
+      u = e_urgent(K_UP .. ':' .. r.id, w.p or 0, meta_num('ru'))
+    end
+    return r.bs + w.b <= r.lim - u
+  end
   return e_fits(f_prof(ec, r.id), r.lim - e_urgent(K_UP .. ':' .. r.id, w.p or 0, ec.ru), w)
 end
 
