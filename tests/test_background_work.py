@@ -19,7 +19,7 @@ from tests._asgi_server import LoopbackServer
 from tests._redis_keys import delete_keys_containing
 from zp_client import Fleet, LocalBudget, RedisBudget, Settings, wrap
 from zp_client._admission.release import Holder
-from zp_client._tasks import LoopRef, ServiceThread, Supervisor
+from zp_client._tasks import LoopRef, ServiceThread, Supervisor, wait_event
 from zp_client.fleet.redis import RedisFleet
 
 PACKAGE = str(Path(zp_client.__file__).parent)
@@ -85,6 +85,49 @@ async def test_nothing_of_zp_runs_after_a_redis_budget_closes(redis_url: str, re
     await anyio.to_thread.run_sync(lambda: budget.lease_sync(2).__enter__().release_sync())
     await budget.aclose()
     assert zp_tasks() == [] and zp_threads() == []
+
+
+@pytest.mark.anyio
+async def test_wait_event_never_swallows_a_cancellation_that_arrives_as_the_event_is_set() -> None:
+    # asyncio.wait_for(event.wait(), t) on Python 3.11 returns the event's result to a caller cancelled in
+    # the same tick as the event is set (gh-86296): a loop waiting so runs on after one cancel
+    ev = asyncio.Event()
+
+    async def loop() -> None:
+        while True:
+            await wait_event(ev, 10)
+            ev.clear()
+
+    task = asyncio.ensure_future(loop())
+    await asyncio.sleep(0)  # waiting on the event
+    ev.set()
+    task.cancel()
+    await asyncio.wait({task}, timeout=2)
+    assert task.cancelled()
+    # and it waits as it should: until the event, or the timeout
+    t0 = asyncio.get_running_loop().time()
+    await wait_event(asyncio.Event(), 0.05)
+    assert asyncio.get_running_loop().time() - t0 >= 0.04
+    ev2 = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.01, ev2.set)
+    await asyncio.wait_for(wait_event(ev2, 30), 5)
+
+
+@pytest.mark.anyio
+async def test_a_redis_budgets_keeper_ends_on_one_cancel_that_meets_its_wake_up(
+        redis_url: str, redis_name: str) -> None:
+    # What asyncio.run does at exit to a budget not closed: cancel each task once. The keeper's wake-up
+    # set in the same tick must not make it run on (the hang behind a flaky fleet test under load).
+    budget = await RedisBudget.create(redis_url, redis_name, limit_blocks=100)
+    lease = await budget.acquire(3)
+    keeper = next(t for t in asyncio.all_tasks() if t.get_name() == "zp-redis-keeper")
+    await asyncio.sleep(0.3)  # its connections opened: it waits for its round (TTL / 3) or a wake-up
+    budget._get_side().fresh_hint.set()
+    keeper.cancel()
+    await asyncio.wait({keeper}, timeout=2)
+    assert keeper.cancelled()
+    await lease.release()
+    await budget.aclose()
 
 
 @pytest.mark.anyio

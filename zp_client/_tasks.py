@@ -30,7 +30,8 @@ from typing import Protocol
 
 from zp_client.clock import SYSTEM_CLOCK
 
-__all__ = ["Supervisor", "ServiceThread", "DeferredCalls", "deferred", "LoopRef", "quiesce", "call_later"]
+__all__ = ["Supervisor", "ServiceThread", "DeferredCalls", "deferred", "LoopRef", "quiesce", "call_later",
+           "wait_event"]
 
 logger = logging.getLogger("zp_client")
 
@@ -173,6 +174,21 @@ class Supervisor:
 
 
 RECANCEL_S = 0.25
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> None:
+    """Wait until ``event`` is set or ``timeout`` seconds pass, whichever comes first.
+
+    What ``asyncio.wait_for(event.wait(), timeout)`` is meant to do, without its Python 3.11 flaw
+    (gh-86296): a cancellation of the caller that arrives as the event is set is returned as the event's
+    result, and a background loop waiting so (a budget's keeper) runs on after ``asyncio.run`` cancelled
+    it once at exit, until the program hangs on it. ``asyncio.wait`` never swallows the caller's
+    cancellation."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
 
 
 async def _until_done(tasks: list[asyncio.Task[object]], wait_s: float) -> set[asyncio.Task[object]]:

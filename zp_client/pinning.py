@@ -22,7 +22,6 @@ Needs an elastic budget that supports pins (``LocalBudget``). See docs/pinning.m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
@@ -30,7 +29,7 @@ from typing import Any
 
 from zp_client._admission.plan import PRIORITY_HEADER
 from zp_client._private import http_transport, sdk_http_client
-from zp_client._tasks import Supervisor
+from zp_client._tasks import Supervisor, wait_event
 from zp_client.errors import ConfigurationError
 
 __all__ = ["KEEPWARM_PRIORITY", "KEEPWARM_REQUEST_PREFIX", "PinnedPrefix"]
@@ -198,8 +197,7 @@ class PinnedPrefix:
                 self.keepwarm_errors += 1
                 logger.warning("keep-warm of prefix %s failed", self.key[:12], exc_info=True)
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            await wait_event(self._wake, self.poll_s)
 
     async def _run_timer(self, period: float) -> None:
         loop = asyncio.get_running_loop()

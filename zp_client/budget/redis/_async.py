@@ -5,7 +5,6 @@ one event loop, with one mailbox pump, one poller, one lease keeper and one held
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import secrets
@@ -13,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from zp_client._tasks import Supervisor
+from zp_client._tasks import Supervisor, wait_event
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._clients import AsyncRedisClient
 from zp_client.budget.redis._meta import text
@@ -350,8 +349,7 @@ class AsyncFace:
             delay = min(deadline, self.poll_at) - SYSTEM_CLOCK.monotonic()
             if delay > 0:
                 self.poll_hint.clear()
-                with contextlib.suppress(asyncio.TimeoutError):  # the time came: poll
-                    await asyncio.wait_for(self.poll_hint.wait(), delay)
+                await wait_event(self.poll_hint, delay)  # the time came (poll), or a hint
                 continue  # recompute: the time came, or an earlier poll was asked for
             self.poll_at = math.inf
             deadline = SYSTEM_CLOCK.monotonic() + interval
@@ -410,8 +408,7 @@ class AsyncFace:
             delay = min(self.renew_due, self.fresh_wake) - now
             if delay > 0:
                 self.fresh_hint.clear()
-                with contextlib.suppress(asyncio.TimeoutError):  # the time came
-                    await asyncio.wait_for(self.fresh_hint.wait(), delay)
+                await wait_event(self.fresh_hint, delay)  # the time came, or a hint
                 continue  # recompute: the round is due, or a lease granted late wants an early renewal
             if now < self.renew_due:
                 await self.renew_fresh(period)
