@@ -440,10 +440,20 @@ class AsyncFace:
             # garbage collection; on CPython 3.11 that log line can break an ast.parse, gh-106905).
             await asyncio.gather(*(client.ping() for _ in range(RENEW_POOL_SIZE)))
 
-        try:  # bounded: a stalled Redis must not hold the keeper for longer than a lease TTL
-            await asyncio.wait_for(ping_all(), within_s)
-        except (*CALL_FAILED, asyncio.TimeoutError) as exc:  # the first round reconnects as it always did
+        # Bounded: a stalled Redis must not hold the keeper for longer than a lease TTL. asyncio.wait, not
+        # wait_for: on Python 3.11 wait_for returns the pings' result to a keeper cancelled as they finish
+        # (gh-86296), and the keeper then ran on after one cancel (asyncio.run's at exit; _tasks.wait_event).
+        task = asyncio.ensure_future(ping_all())
+        try:
+            await asyncio.wait({task}, timeout=within_s)
+        finally:
+            if not task.done():
+                task.cancel()  # a stalled Redis: the first round reconnects as it always did
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, CALL_FAILED):
             log.debug("zp_client: opening the renewal connections of %r failed: %r", self.core.name, exc)
+        elif exc is not None:
+            raise exc
 
     async def renew_round(self) -> None:
         """Renew every live lease of this loop: batches of ``RENEW_BATCH``, all sent at once (over the
