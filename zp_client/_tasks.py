@@ -31,7 +31,7 @@ from typing import Protocol
 from zp_client.clock import SYSTEM_CLOCK
 
 __all__ = ["Supervisor", "ServiceThread", "DeferredCalls", "deferred", "LoopRef", "quiesce", "call_later",
-           "wait_event"]
+           "wait_event", "wait_within"]
 
 logger = logging.getLogger("zp_client")
 
@@ -184,11 +184,20 @@ async def wait_event(event: asyncio.Event, timeout: float) -> None:
     result, and a background loop waiting so (a budget's keeper) runs on after ``asyncio.run`` cancelled
     it once at exit, until the program hangs on it. ``asyncio.wait`` never swallows the caller's
     cancellation."""
-    waiter = asyncio.ensure_future(event.wait())
+    await wait_within(asyncio.ensure_future(event.wait()), timeout)
+
+
+async def wait_within(task: asyncio.Future[object], timeout: float) -> None:
+    """Wait for ``task`` at most ``timeout`` seconds; a task still running then (or when the caller is
+    cancelled) is cancelled and waited for, so nothing is left behind. Never swallows the caller's
+    cancellation (``asyncio.wait``, not ``wait_for``: :func:`wait_event`). The caller reads the task's
+    outcome: ``task.cancelled()`` after a timeout."""
     try:
-        await asyncio.wait({waiter}, timeout=timeout)
+        await asyncio.wait({task}, timeout=timeout)
     finally:
-        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
 
 
 async def _until_done(tasks: list[asyncio.Task[object]], wait_s: float) -> set[asyncio.Task[object]]:

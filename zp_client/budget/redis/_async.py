@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from zp_client._tasks import Supervisor, wait_event
+from zp_client._tasks import Supervisor, wait_event, wait_within
 from zp_client.budget.base import Ticket
 from zp_client.budget.redis._clients import AsyncRedisClient
 from zp_client.budget.redis._meta import text
@@ -443,12 +443,8 @@ class AsyncFace:
         # Bounded: a stalled Redis must not hold the keeper for longer than a lease TTL. asyncio.wait, not
         # wait_for: on Python 3.11 wait_for returns the pings' result to a keeper cancelled as they finish
         # (gh-86296), and the keeper then ran on after one cancel (asyncio.run's at exit; _tasks.wait_event).
-        task = asyncio.ensure_future(ping_all())
-        try:
-            await asyncio.wait({task}, timeout=within_s)
-        finally:
-            if not task.done():
-                task.cancel()  # a stalled Redis: the first round reconnects as it always did
+        task: asyncio.Future[object] = asyncio.ensure_future(ping_all())
+        await wait_within(task, within_s)  # cancelled past it: the first round reconnects as it always did
         exc = None if task.cancelled() else task.exception()
         if isinstance(exc, CALL_FAILED):
             log.debug("zp_client: opening the renewal connections of %r failed: %r", self.core.name, exc)
