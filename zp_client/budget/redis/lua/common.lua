@@ -1198,16 +1198,18 @@ local function f_used(ec, r)
   return f_prof(ec, r.id).peak
 end
 
+local f_fallback_ru = nil  -- f_fits' urgent reserve when it counts bounds (set at its first use in a call)
+
 -- Does the replica's policy admit waiter w now (Ledger.fits_now, with the bound within its limit)?
 local function f_fits(ec, r, w)
   if w.b > r.lim then return false end
   if ec == nil then
-    -- strict, or elastic's strict fallback above the lease cap (which keeps the urgent room, as grant's)
-    local u = 0
-    if redis.call('HGET', K_META, 'policy') == 'elastic' then
-      u = e_urgent(K_UP .. ':' .. r.id, w.p or 0, meta_num('ru'))
+    -- strict, or elastic's strict fallback above the lease cap (which keeps the urgent room, as grant's);
+    -- the room's setting is read once per script call (0 under strict: e_urgent returns at once)
+    if f_fallback_ru == nil then
+      f_fallback_ru = redis.call('HGET', K_META, 'policy') == 'elastic' and meta_num('ru') or 0
     end
-    return r.bs + w.b <= r.lim - u
+    return r.bs + w.b <= r.lim - e_urgent(K_UP .. ':' .. r.id, w.p or 0, f_fallback_ru)
   end
   return e_fits(f_prof(ec, r.id), r.lim - e_urgent(K_UP .. ':' .. r.id, w.p or 0, ec.ru), w)
 end
